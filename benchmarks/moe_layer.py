@@ -1,0 +1,91 @@
+"""Forward+backward time of one MoE layer vs a dense SwiGLU FFN with the same active parameters.
+
+    python -m benchmarks.moe_layer [--config train_configs/bench_moe.toml] [--tokens N]
+
+The dense FFN's hidden size is ``top_k * expert_hidden_dim + n_shared * shared_expert_hidden_dim``
+(the router's dim x E weights are left out). Both variants run on the same tokens, interleaved
+over the repeats; the script prints medians, minima and ``ratio=<median moe / median dense>``.
+"""
+
+import argparse
+import dataclasses
+import statistics
+import time
+from pathlib import Path
+
+import tomli
+import torch
+
+from models.args import ModelArgs
+from models.ffn import SwiGLU
+from models.moe import MoE
+
+# The [model] section of train_configs/bench_moe.toml, used when that file is missing.
+BENCH_MOE = dict(
+    family="deepseek", vocab_size=260, dim=512, n_layers=8, n_heads=8, max_seq_len=1024,
+    n_dense_layers=1, dense_hidden_dim=1536, n_routed_experts=32, n_shared_experts=1,
+    expert_hidden_dim=256, shared_expert_hidden_dim=512, top_k=4, aux_loss_coef=0.01,
+)
+DEFAULT_TOKENS = 2048
+
+
+def load_shape(config: Path | None) -> tuple[ModelArgs, int]:
+    """ModelArgs from the config's [model] table (unknown keys ignored) and seq_len * batch_size tokens."""
+    if config is None or not config.exists():
+        return ModelArgs(**BENCH_MOE), DEFAULT_TOKENS
+    with config.open("rb") as f:
+        cfg = tomli.load(f)
+    known = {f.name for f in dataclasses.fields(ModelArgs)}
+    args = ModelArgs(**{k: v for k, v in cfg.get("model", {}).items() if k in known})
+    training = cfg.get("training", {})
+    n_tokens = training.get("seq_len", 0) * training.get("batch_size", 0) or DEFAULT_TOKENS
+    return args, n_tokens
+
+
+def fwd_bwd_seconds(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> float:
+    module.zero_grad(set_to_none=True)
+    x.grad = None
+    start = time.perf_counter()
+    module(x).backward(grad)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", type=Path, default=Path("train_configs/bench_moe.toml"))
+    parser.add_argument("--tokens", type=int, default=0, help="override seq_len * batch_size")
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=3)
+    opts = parser.parse_args()
+    args, n_tokens = load_shape(opts.config)
+    args.validate()
+    n_tokens = opts.tokens or n_tokens
+
+    torch.manual_seed(0)
+    moe = MoE(args).train()
+    n_shared = len(moe.shared_experts)
+    dense_hidden = args.top_k * args.expert_hidden_dim + n_shared * args.shared_expert_hidden_dim
+    dense = SwiGLU(args.dim, dense_hidden)
+    x = torch.randn(n_tokens, args.dim, requires_grad=True)
+    grad = torch.randn(n_tokens, args.dim)
+    variants = {"moe": moe, "dense": dense}
+    times = {name: [] for name in variants}
+    for i in range(opts.warmup + opts.repeats):
+        for name in (("moe", "dense") if i % 2 == 0 else ("dense", "moe")):
+            elapsed = fwd_bwd_seconds(variants[name], x, grad)
+            if i >= opts.warmup:
+                times[name].append(elapsed)
+
+    med = {name: statistics.median(t) for name, t in times.items()}
+    best = {name: min(t) for name, t in times.items()}
+    print(f"tokens={n_tokens} dim={args.dim} experts={args.n_routed_experts} top_k={args.top_k} "
+          f"expert_hidden={args.expert_hidden_dim} shared={n_shared}x{args.shared_expert_hidden_dim} "
+          f"threads={torch.get_num_threads()} repeats={opts.repeats}")
+    for name in variants:
+        print(f"{name:5s} fwd+bwd median {med[name] * 1e3:8.2f} ms  min {best[name] * 1e3:8.2f} ms")
+    print(f"dense hidden={dense_hidden}; min ratio {best['moe'] / best['dense']:.3f} (less sensitive to CPU contention)")
+    print(f"ratio={med['moe'] / med['dense']:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""Mixture-of-experts FFN: top-k softmax router, routed SwiGLU experts, optional shared experts.
+
+The forward reads as the algorithm: route -> permute (group the token copies by expert) ->
+experts_forward (run each expert on its contiguous chunk) -> combine (weight and scatter back).
+An expert-parallel wrapper replaces only ``experts_forward`` (all-to-all, ``run_experts`` on the
+local experts, all-to-all back); routing and combining stay in the global expert index space.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.args import ModelArgs
+from models.ffn import SwiGLU
+
+
+class Router(nn.Module):
+    """Scores every token against the ``n_experts`` global experts and keeps the ``top_k`` best."""
+
+    def __init__(self, dim: int, n_experts: int, top_k: int, norm_topk_prob: bool):
+        super().__init__()
+        self.gate = nn.Linear(dim, n_experts, bias=False)
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, dim] -> (scores [T, E] float32 softmax, expert_ids [T, K] int64, weights [T, K] float32)."""
+        scores = F.linear(x.float(), self.gate.weight.float()).softmax(dim=-1)
+        weights, expert_ids = scores.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return scores, expert_ids, weights
+
+
+def load_balancing_loss(scores: torch.Tensor, counts: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Expert-level balance loss ``E / (K T) * sum_i count_i * mean_t scores[t, i]`` (1 when perfectly balanced)."""
+    n_tokens, n_experts = scores.shape
+    return (counts.to(scores.dtype) * scores.mean(dim=0)).sum() * (n_experts / (top_k * n_tokens))
+
+
+class AttachAuxLoss(torch.autograd.Function):
+    """Identity on ``out`` whose backward also sends d(loss)/d(aux_loss) = ``scale`` into ``aux_loss``.
+
+    Lets the auxiliary loss train the router without being added to the model output
+    (a pipeline stage only returns hidden states). Same idea as Megatron's MoEAuxLossAutoScaler.
+    """
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux_loss: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.aux_like = (aux_loss.dtype, aux_loss.device)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        dtype, device = ctx.aux_like
+        return grad_out, torch.full((), ctx.scale, dtype=dtype, device=device), None
+
+
+class MoE(nn.Module):
+    """Routed experts (``experts``: ModuleDict keyed by global expert id) plus the family's shared experts.
+
+    Attributes the trainer uses: ``aux_grad_scale`` (set to 1/num_microbatches), ``last_aux_loss``
+    (detached 0-dim tensor of the last training forward, coefficient included), and the non-persistent buffers
+    accumulated on every training forward until ``reset_load_stats()``: ``tokens_per_expert``
+    (int64 [E], assignments before capacity dropping), ``gate_prob_sum`` (float32 [E], summed
+    softmax scores) and ``dropped_tokens`` (int64 scalar, assignments dropped by capacity).
+    """
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_experts = args.n_routed_experts
+        self.top_k = args.top_k
+        self.aux_loss_coef = args.aux_loss_coef
+        self.capacity_factor = args.capacity_factor
+        self.router = Router(args.dim, args.n_routed_experts, args.top_k, args.norm_topk_prob)
+        self.experts = nn.ModuleDict({str(e): SwiGLU(args.dim, args.expert_hidden_dim) for e in range(self.n_experts)})
+        n_shared = 0 if args.family == "gpt" else args.n_shared_experts
+        self.shared_experts = nn.ModuleList(SwiGLU(args.dim, args.shared_expert_hidden_dim) for _ in range(n_shared))
+        self.shared_expert_gate = nn.Linear(args.dim, 1, bias=False) if args.family == "qwen" else None
+        self.aux_grad_scale = 1.0
+        self.last_aux_loss = torch.zeros(())
+        self.register_buffer("tokens_per_expert", torch.zeros(self.n_experts, dtype=torch.int64), persistent=False)
+        self.register_buffer("gate_prob_sum", torch.zeros(self.n_experts, dtype=torch.float32), persistent=False)
+        self.register_buffer("dropped_tokens", torch.zeros((), dtype=torch.int64), persistent=False)
+
+    def reset_load_stats(self) -> None:
+        """Zero ``tokens_per_expert``, ``gate_prob_sum`` and ``dropped_tokens``."""
+        for buf in (self.tokens_per_expert, self.gate_prob_sum, self.dropped_tokens):
+            buf.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., dim] -> [..., dim]."""
+        tokens = x.reshape(-1, x.shape[-1])
+        scores, expert_ids, weights = self.router(tokens)
+        counts = torch.bincount(expert_ids.flatten(), minlength=self.n_experts)
+        order, kept_counts = self.permute(expert_ids, counts)
+        token_ids = order // self.top_k
+        expert_out = self.experts_forward(tokens.index_select(0, token_ids), kept_counts)
+        out = self.combine(expert_out, weights.flatten().index_select(0, order), token_ids, tokens.shape[0])
+        if len(self.shared_experts) > 0:
+            out = out + self.shared_forward(tokens)
+        if self.training:
+            out = self.training_side_effects(out, scores, counts, kept_counts)
+        return out.view(x.shape)
+
+    def permute(self, expert_ids: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Order the T*K assignments (flat index t*K + k) by expert, token order within an expert.
+
+        Returns (order, kept_counts): the flat indices of the kept assignments and the kept count per
+        expert. With ``capacity_factor > 0`` an expert keeps its first ceil(cf * T * K / E) assignments.
+        """
+        flat = expert_ids.flatten()
+        order = flat.argsort(stable=True)
+        if self.capacity_factor <= 0:
+            return order, counts
+        capacity = math.ceil(self.capacity_factor * flat.numel() / self.n_experts)
+        group_start = counts.cumsum(0) - counts
+        rank = torch.arange(flat.numel(), device=flat.device) - group_start.index_select(0, flat.index_select(0, order))
+        return order[rank < capacity], counts.clamp(max=capacity)
+
+    def experts_forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x: token copies grouped by global expert id (ascending), ``counts`` [E] rows each -> outputs, same order."""
+        return self.run_experts(x, counts.tolist())
+
+    def run_experts(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Run the experts present in ``self.experts`` (dict order) on consecutive chunks of ``counts`` rows.
+
+        Every expert runs, even on 0 rows, so each expert parameter gets a (zero) gradient.
+        """
+        chunks = x.split(counts)
+        return torch.cat([expert(chunk) for expert, chunk in zip(self.experts.values(), chunks, strict=True)])
+
+    @staticmethod
+    def combine(expert_out: torch.Tensor, weights: torch.Tensor, token_ids: torch.Tensor, n_tokens: int
+                ) -> torch.Tensor:
+        """Sum ``weights * expert_out`` rows into their tokens; dropped assignments contribute 0."""
+        weighted = expert_out * weights.to(expert_out.dtype).unsqueeze(1)
+        return expert_out.new_zeros(n_tokens, expert_out.shape[1]).index_add_(0, token_ids, weighted)
+
+    def shared_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of the shared experts; qwen scales it by ``sigmoid(shared_expert_gate(x))``."""
+        out = sum(expert(x) for expert in self.shared_experts)
+        if self.shared_expert_gate is not None:
+            out = torch.sigmoid(self.shared_expert_gate(x)) * out
+        return out
+
+    def training_side_effects(self, out, scores, counts, kept_counts) -> torch.Tensor:
+        """Accumulate load statistics and attach the auxiliary loss to ``out``'s backward."""
+        with torch.no_grad():
+            self.tokens_per_expert += counts
+            self.gate_prob_sum += scores.sum(dim=0)
+            self.dropped_tokens += counts.sum() - kept_counts.sum()
+        if self.aux_loss_coef == 0:
+            self.last_aux_loss = scores.new_zeros(())
+            return out
+        aux_loss = self.aux_loss_coef * load_balancing_loss(scores, counts, self.top_k)
+        self.last_aux_loss = aux_loss.detach()
+        return AttachAuxLoss.apply(out, aux_loss, self.aux_grad_scale)

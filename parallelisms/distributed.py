@@ -1,0 +1,30 @@
+"""Process-group set-up: torchrun's environment, or a one-process group otherwise."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def init_distributed() -> tuple[int, int]:
+    """Initialise the default process group (gloo on CPU, nccl on GPU); return (rank, world)."""
+    if not dist.is_initialized():
+        backend = "nccl" if device_type() == "cuda" else "gloo"
+        if "RANK" in os.environ:  # launched by torchrun
+            if backend == "nccl":
+                torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def shutdown_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,50 @@
+"""Shared test helpers: run the trainer as a real subprocess and parse its lines."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DEBUG_CONFIG = "train_configs/debug_moe.toml"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true", default=False, help="run slow multi-process tests")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--runslow"):
+        return
+    skip = pytest.mark.skip(reason="slow: run with --runslow (make test-all)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
+def run_cli(*args: str, cwd: Path = ROOT, check: bool = True, nproc: int = 1) -> subprocess.CompletedProcess:
+    """Run `train.py` (under torchrun when nproc > 1) and return the finished process."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    else:
+        cmd = [sys.executable]
+    proc = subprocess.run([*cmd, "train.py", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def step_losses(stdout: str) -> dict[int, float]:
+    return {int(m[1]): float(m[2]) for m in re.finditer(r"^step=(\d+) loss=(\S+)", stdout, re.M)}
+
+
+def final_line(stdout: str) -> tuple[int, float, str]:
+    m = re.search(r"^final step=(\d+) loss=(\S+) state_digest=([0-9a-f]{64})$", stdout, re.M)
+    assert m, f"no final line in:\n{stdout}"
+    return int(m[1]), float(m[2]), m[3]

@@ -1,0 +1,75 @@
+"""End-to-end runs of train.py as a real process: lines, dry-run counts, save/resume."""
+
+import re
+
+import pytest
+
+from tests.conftest import DEBUG_CONFIG, final_line, run_cli, step_losses
+
+QUIET = ["--metrics.tensorboard", "false", "--metrics.log_every", "1", "--training.val_every", "0"]
+
+
+def train(*args, **kw):
+    return run_cli("--config", DEBUG_CONFIG, *QUIET, *args, **kw)
+
+
+@pytest.mark.parametrize("config, billions", [
+    ("deepseek_moe_16b", 16.4), ("qwen_moe_14b", 14.3), ("gpt_moe_7b", 7.3)])
+def test_paper_configs_dry_run_within_5_percent_of_table_2(config, billions):
+    out = run_cli("--config", f"train_configs/{config}.toml", "--dry-run").stdout
+    m = re.search(r"^params total=(\d+) active=(\d+)$", out, re.M)
+    assert m, out
+    total, active = int(m[1]), int(m[2])
+    assert abs(total / (billions * 1e9) - 1) < 0.05, total
+    assert 0 < active < total
+
+
+def test_loss_falls_and_final_line():
+    out = train("--training.steps", "30").stdout
+    losses = step_losses(out)
+    assert sorted(losses) == list(range(1, 31))
+    assert sum(losses[s] for s in range(26, 31)) < sum(losses[s] for s in range(1, 6)) - 0.5
+    step, loss, _ = final_line(out)
+    assert step == 30 and loss == losses[30]
+
+
+def test_save_resume_gives_identical_continuation(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    full = train("--training.steps", "4").stdout
+    first = train("--training.steps", "4", "--training.stop_at", "2", "--checkpoint.save_final", ckpt).stdout
+    assert final_line(first)[0] == 2
+    resumed = train("--training.steps", "4", "--checkpoint.load", ckpt).stdout
+    assert step_losses(resumed) == {s: l for s, l in step_losses(full).items() if s > 2}
+    assert final_line(resumed) == final_line(full)
+    # Loading with steps equal to the saved step runs nothing and reports the saved state.
+    again = train("--training.steps", "2", "--checkpoint.load", ckpt).stdout
+    assert step_losses(again) == {}
+    assert final_line(again) == final_line(first)
+
+
+def test_bad_checkpoints_fail_with_one_clear_line(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    train("--training.steps", "1", "--checkpoint.save_final", str(ckpt))
+    other_model = train("--training.steps", "1", "--model.dim", "32", "--checkpoint.load", str(ckpt), check=False)
+    assert other_model.returncode == 2
+    assert "model.dim" in other_model.stderr and "meta.json" in other_model.stderr
+    shard = next(p for p in ckpt.iterdir() if p.suffix == ".distcp")
+    shard.write_bytes(shard.read_bytes()[:-10])
+    truncated = train("--training.steps", "1", "--checkpoint.load", str(ckpt), check=False)
+    assert truncated.returncode == 2 and shard.name in truncated.stderr and "checksum" in truncated.stderr
+    missing = train("--training.steps", "1", "--checkpoint.load", str(tmp_path / "nothing"), check=False)
+    assert missing.returncode == 2 and "meta.json" in missing.stderr
+
+
+def test_bad_config_is_one_error_line():
+    proc = train("--training.steps", "many", check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "training.steps" in proc.stderr
+
+
+def test_bf16_mixed_precision_is_deterministic_and_differs_from_fp32():
+    args = ("--training.steps", "3", "--training.mixed_precision", "bf16", "--model.dropout", "0.1")
+    a, b = final_line(train(*args).stdout), final_line(train(*args).stdout)
+    assert a == b
+    fp32 = final_line(train("--training.steps", "3", "--model.dropout", "0.1").stdout)
+    assert fp32[2] != a[2]

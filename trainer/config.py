@@ -1,0 +1,207 @@
+"""Typed training configuration: a TOML file plus `--section.key value` overrides.
+
+Every section is a dataclass; every key has a default. Unknown keys, wrong types
+and impossible combinations raise `ConfigError` with one line naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import tomli
+
+from models.args import ModelArgs
+from trainer.data import DataConfig
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message names the key."""
+
+
+@dataclass
+class JobConfig:
+    name: str = "moe"
+    seed: int = 0
+    output_dir: str = "outputs"  # TensorBoard events go to <output_dir>/<name>/tb
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = 100  # length of the run (the LR schedule spans it)
+    stop_at: int = 0  # stop after this iteration, e.g. to save mid-run (0: run all steps)
+    batch_size: int = 8  # global batch, in sequences
+    micro_batches: int = 1  # gradient accumulation steps per iteration
+    seq_len: int = 128
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0  # 0 disables clipping
+    mixed_precision: str = "fp32"  # fp32 | bf16 (FP32 master weights, bf16 compute weights)
+    val_every: int = 0  # 0 disables validation
+    val_batches: int = 4
+    deterministic: bool = True
+
+
+@dataclass
+class CheckpointConfig:
+    strategy: str = "none"
+    save_final: str = ""  # directory for a dense DCP checkpoint at the end of training
+    load: str = ""  # directory of a dense DCP checkpoint to resume from
+
+
+@dataclass
+class MetricsConfig:
+    log_every: int = 1
+    tensorboard: bool = True
+    progress: bool = True  # progress bar on an interactive console
+
+
+@dataclass
+class Config:
+    job: JobConfig = field(default_factory=JobConfig)
+    model: ModelArgs = field(default_factory=ModelArgs)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+
+CHOICES = {
+    "training.mixed_precision": ("fp32", "bf16"),
+    "checkpoint.strategy": ("none",),
+}
+
+
+def load_config(path: str | None, overrides: list[str] = ()) -> Config:
+    """Read `path` (TOML), apply `--section.key value` overrides, validate."""
+    cfg = Config()
+    if path is not None:
+        file = Path(path)
+        if not file.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            with file.open("rb") as f:
+                table = tomli.load(f)
+        except tomli.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: invalid TOML: {e}") from None
+        _apply_table(cfg, table)
+    for key, raw in _parse_overrides(overrides):
+        section, name = _lookup(cfg, key)
+        setattr(section, name, _coerce(key, raw, _field_type(section, name), from_cli=True))
+    validate(cfg)
+    return cfg
+
+
+def _apply_table(cfg: Config, table: dict) -> None:
+    for section_name, values in table.items():
+        if section_name not in _sections(cfg):
+            raise ConfigError(f"unknown config section [{section_name}] (allowed: {', '.join(_sections(cfg))})")
+        if not isinstance(values, dict):
+            raise ConfigError(f"config section [{section_name}] must be a table")
+        for name, value in values.items():
+            key = f"{section_name}.{name}"
+            section, name = _lookup(cfg, key)
+            setattr(section, name, _coerce(key, value, _field_type(section, name), from_cli=False))
+
+
+def _parse_overrides(args: list[str]) -> list[tuple[str, str]]:
+    pairs, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg:
+            raise ConfigError(f"unexpected argument {arg!r} (overrides look like --section.key value)")
+        if "=" in arg:
+            key, raw = arg[2:].split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"missing value for {arg}")
+            key, raw = arg[2:], args[i + 1]
+            i += 2
+        pairs.append((key, raw))
+    return pairs
+
+
+def _sections(cfg: Config) -> list[str]:
+    return [f.name for f in dataclasses.fields(cfg)]
+
+
+def _lookup(cfg: Config, key: str):
+    section_name, _, name = key.partition(".")
+    if section_name not in _sections(cfg):
+        raise ConfigError(f"unknown config key '{key}' (sections: {', '.join(_sections(cfg))})")
+    section = getattr(cfg, section_name)
+    names = [f.name for f in dataclasses.fields(section)]
+    if name not in names:
+        raise ConfigError(f"unknown config key '{key}' (allowed in [{section_name}]: {', '.join(names)})")
+    return section, name
+
+
+def _field_type(section, name: str) -> type:
+    return typing.get_type_hints(type(section))[name]
+
+
+def _coerce(key: str, value, kind: type, from_cli: bool):
+    if from_cli:
+        value = _parse_cli_value(key, value, kind)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if type(value) is not kind:
+        raise ConfigError(f"config key '{key}' must be {kind.__name__}, got {type(value).__name__} {value!r}")
+    if kind is float and not math.isfinite(value):
+        raise ConfigError(f"config key '{key}' must be a finite number, got {value!r}")
+    return value
+
+
+def _parse_cli_value(key: str, raw: str, kind: type):
+    try:
+        if kind is bool:
+            lowered = raw.lower()
+            if lowered in ("true", "1", "yes", "on"):
+                return True
+            if lowered in ("false", "0", "no", "off"):
+                return False
+            raise ValueError(raw)
+        return kind(raw)
+    except ValueError:
+        raise ConfigError(f"config key '{key}' must be {kind.__name__}, got {raw!r}") from None
+
+
+def _check(condition: bool, key: str, message: str) -> None:
+    if not condition:
+        raise ConfigError(f"config key '{key}' {message}")
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field checks; raise ConfigError naming the first bad key."""
+    for key, allowed in CHOICES.items():
+        section, name = _lookup(cfg, key)
+        value = getattr(section, name)
+        _check(value in allowed, key, f"must be one of {', '.join(allowed)}, got {value!r}")
+    try:
+        cfg.model.validate()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    t = cfg.training
+    for name in ("steps", "batch_size", "micro_batches", "seq_len", "val_batches"):
+        _check(getattr(t, name) >= (0 if name == "steps" else 1), f"training.{name}",
+               f"must be positive, got {getattr(t, name)}")
+    _check(t.batch_size % t.micro_batches == 0, "training.batch_size",
+           f"({t.batch_size}) must be divisible by training.micro_batches ({t.micro_batches})")
+    _check(t.seq_len <= cfg.model.max_seq_len, "training.seq_len",
+           f"({t.seq_len}) must be at most model.max_seq_len ({cfg.model.max_seq_len})")
+    _check(0 <= t.stop_at <= t.steps, "training.stop_at", f"must be in [0, training.steps], got {t.stop_at}")
+    _check(t.lr > 0, "training.lr", f"must be positive, got {t.lr}")
+    _check(0 <= t.min_lr <= t.lr, "training.min_lr", f"must be in [0, training.lr], got {t.min_lr}")
+    _check(t.warmup_steps >= 0, "training.warmup_steps", f"must be >= 0, got {t.warmup_steps}")
+    _check(t.max_grad_norm >= 0, "training.max_grad_norm", f"must be >= 0, got {t.max_grad_norm}")
+    _check(t.val_every >= 0, "training.val_every", f"must be >= 0, got {t.val_every}")
+    _check(cfg.metrics.log_every >= 1, "metrics.log_every", f"must be >= 1, got {cfg.metrics.log_every}")

@@ -1,0 +1,284 @@
+"""Where training text comes from and how it becomes one packed 1-D tensor of token ids.
+
+`data.dataset` may be:
+* ``"wikitext-2"``: ``<repo>/../shared/data/wikitext-2`` when it exists (split ``valid`` ->
+  ``valid.txt``), else the hub's ``Salesforce/wikitext`` / ``wikitext-2-raw-v1`` (split names
+  ``valid``/``val`` -> ``validation``).
+* a local directory: a split is a file stem -- ``<split>.txt|.text|.json|.jsonl|.parquet``,
+  also shards ``<split>-<digit>*.<ext>`` / ``<split>_<digit>*.<ext>`` or the files of a
+  ``<split>/`` sub-directory.
+* a single local file: that file, whatever the split name.
+* anything else that looks like ``name`` or ``owner/name``: a hub dataset id
+  (``data.hub_config`` is its config name, the split names are the hub's).
+Relative paths are resolved against the repository root first, then the CWD.
+
+Documents: each row of a json/jsonl/parquet/hub dataset (column ``data.text_field``) is a
+document. Plain-text files are read line by line with line breaks kept, and a WikiText
+article heading line (`` = Title = ``) starts a new document. Documents are joined with
+the tokenizer's ``eos_id`` between them; results are cached in-process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+
+from trainer.tokenizer import REPO_ROOT, Tokenizer, encode_documents, resolve_path
+
+SHARED_WIKITEXT2 = REPO_ROOT.parent / "shared" / "data" / "wikitext-2"
+WIKITEXT_HUB_ID = "Salesforce/wikitext"
+WIKITEXT_HUB_CONFIG = "wikitext-2-raw-v1"
+_WIKITEXT_HUB_SPLITS = {"valid": "validation", "val": "validation", "dev": "validation"}
+
+# file extension -> datasets packaged builder
+_FORMATS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+_HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
+
+
+class DataError(ValueError):
+    """A data configuration or data content problem; the message names the config key."""
+
+
+@dataclasses.dataclass
+class DataConfig:
+    """The ``[data]`` section of the training config."""
+
+    dataset: str = "wikitext-2"
+    hub_config: str = ""
+    train_split: str = "valid"
+    val_split: str = "test"  # "" = no validation data
+    text_field: str = "text"  # column of json/jsonl/parquet/hub rows; ignored for .txt files
+    tokenizer: str = "byte"  # "byte" or a path to a tokenizer.json
+    num_workers: int = 0  # StatefulDataLoader worker processes (0 = main process)
+    cache_dir: str = ""  # Hugging Face datasets cache; "" = its default (HF_DATASETS_CACHE)
+
+
+# --------------------------------------------------------------------------------------
+# Source resolution
+# --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Source:
+    kind: str  # "local" | "hub"
+    # local
+    builder: str = ""  # "text" | "json" | "parquet"
+    files: tuple[str, ...] = ()
+    # hub
+    hub_id: str = ""
+    hub_config: str = ""
+    hub_split: str = ""
+    lines_are_rows: bool = False  # hub wikitext: rows are lines of text -> group into articles
+
+    def describe(self) -> str:
+        if self.kind == "local":
+            return self.files[0] if len(self.files) == 1 else f"{len(self.files)} files in {Path(self.files[0]).parent}"
+        cfg = f" ({self.hub_config})" if self.hub_config else ""
+        return f"hub dataset {self.hub_id}{cfg} split {self.hub_split!r}"
+
+    def cache_key(self) -> tuple:
+        if self.kind == "local":
+            stats = []
+            for f in self.files:
+                st = os.stat(f)
+                stats.append((f, st.st_mtime_ns, st.st_size))
+            return ("local", self.builder, tuple(stats))
+        return ("hub", self.hub_id, self.hub_config, self.hub_split)
+
+
+def _format_of(files: Sequence[Path], where: str) -> str:
+    fmts = {_FORMATS[f.suffix.lower()] for f in files}
+    if len(fmts) != 1:
+        raise DataError(f"data.dataset: {where} mixes file formats {sorted(fmts)}; use one format per split")
+    return fmts.pop()
+
+
+def _split_files(directory: Path, split: str, key: str) -> list[Path]:
+    cands: list[Path] = []
+    for f in sorted(directory.iterdir()):
+        if not f.is_file() or f.suffix.lower() not in _FORMATS:
+            continue
+        stem = f.name[: -len(f.suffix)]
+        if stem == split or re.match(re.escape(split) + r"[-_]\d", stem):  # valid.txt, train-00000-of-00002.parquet
+            cands.append(f)
+    sub = directory / split
+    if not cands and sub.is_dir():
+        cands = sorted(f for f in sub.rglob("*") if f.is_file() and f.suffix.lower() in _FORMATS)
+    if not cands:
+        present = sorted(f.name for f in directory.iterdir() if f.suffix.lower() in _FORMATS)
+        raise DataError(
+            f"{key}: no file for split {split!r} in data.dataset directory {str(directory)!r} "
+            f"(looked for {split}{{{','.join(sorted(_FORMATS))}}}, shards {split}-NNNN*.*, {split}/; "
+            f"found: {present or 'no data files'})"
+        )
+    return cands
+
+
+def _resolve_source(cfg: DataConfig, split: str, key: str) -> _Source:
+    """Where split ``split`` of ``cfg.dataset`` lives. ``key`` names the config key of the split."""
+    ds = cfg.dataset.strip()
+    if not ds:
+        raise DataError("data.dataset: empty; set it to 'wikitext-2', a local path or a hub dataset id")
+    if not split:
+        raise DataError(f"{key}: empty split name")
+
+    if ds == "wikitext-2":
+        if SHARED_WIKITEXT2.is_dir():
+            files = _split_files(SHARED_WIKITEXT2, split, key)
+            return _Source("local", builder=_format_of(files, str(SHARED_WIKITEXT2)), files=tuple(map(str, files)))
+        return _Source(
+            "hub",
+            hub_id=WIKITEXT_HUB_ID,
+            hub_config=cfg.hub_config or WIKITEXT_HUB_CONFIG,
+            hub_split=_WIKITEXT_HUB_SPLITS.get(split, split),
+            lines_are_rows=True,
+        )
+
+    path = resolve_path(ds)
+    if path.is_dir():
+        files = _split_files(path, split, key)
+        return _Source("local", builder=_format_of(files, str(path)), files=tuple(map(str, files)))
+    if path.is_file():
+        if path.suffix.lower() not in _FORMATS:
+            raise DataError(
+                f"data.dataset: {str(path)!r} has unsupported extension {path.suffix!r} "
+                f"(expected one of {sorted(_FORMATS)})"
+            )
+        return _Source("local", builder=_FORMATS[path.suffix.lower()], files=(str(path),))
+    # hub ids are "name" or "owner/name"; anything else path-like is a missing local path
+    looks_local = ds.startswith((".", "/", "~")) or Path(ds).suffix.lower() in _FORMATS or not _HUB_ID_RE.match(ds)
+    if looks_local:
+        raise DataError(f"data.dataset: path {ds!r} does not exist (resolved to {str(path)!r})")
+    return _Source("hub", hub_id=ds, hub_config=cfg.hub_config, hub_split=split)
+
+
+# --------------------------------------------------------------------------------------
+# Loading + tokenizing
+# --------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _quiet_datasets():
+    import datasets
+
+    was_disabled = datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not was_disabled:
+            datasets.enable_progress_bars()
+
+
+def _is_article_heading(line: str) -> bool:
+    s = line.strip()
+    return len(s) > 4 and s.startswith("= ") and s.endswith(" =") and not s.startswith("= =") and not s.endswith("= =")
+
+
+def _group_lines(lines: Sequence[Optional[str]]) -> list[str]:
+    """Lines (line breaks kept) -> documents; a WikiText article heading starts a new one."""
+    docs: list[str] = []
+    cur: list[str] = []
+    has_text = False
+    for line in lines:
+        if line is None:
+            continue
+        if has_text and _is_article_heading(line):
+            docs.append("".join(cur))
+            cur, has_text = [], False
+        cur.append(line)
+        has_text = has_text or bool(line.strip())
+    if has_text:
+        docs.append("".join(cur))
+    return docs
+
+
+def _load_documents(src: _Source, cfg: DataConfig) -> list[str]:
+    import datasets
+
+    cache_dir = cfg.cache_dir or None
+    with _quiet_datasets():
+        if src.kind == "local":
+            kwargs: dict[str, Any] = {}
+            if src.builder == "text":
+                kwargs["keep_linebreaks"] = True
+            try:
+                ds = datasets.load_dataset(
+                    src.builder, data_files={"split": list(src.files)}, split="split", cache_dir=cache_dir, **kwargs
+                )
+            except Exception as e:
+                msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+                raise DataError(f"data.dataset: could not read {src.describe()!r} as {src.builder}: {msg}") from e
+        else:
+            try:
+                ds = datasets.load_dataset(src.hub_id, src.hub_config or None, split=src.hub_split, cache_dir=cache_dir)
+            except Exception as e:
+                msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+                why = (
+                    f"{str(SHARED_WIKITEXT2)!r} does not exist"
+                    if cfg.dataset.strip() == "wikitext-2"
+                    else f"{cfg.dataset!r} is not a local path"
+                )
+                raise DataError(
+                    f"data.dataset: {why} and loading {src.describe()} "
+                    f"from the Hugging Face hub failed ({type(e).__name__}: {msg})"
+                ) from e
+
+    field = "text" if (src.kind == "local" and src.builder == "text") else cfg.text_field
+    if field not in ds.column_names:
+        raise DataError(
+            f"data.text_field: column {field!r} not found in {src.describe()} (columns: {ds.column_names})"
+        )
+    texts = ds.data.column(field).to_pylist()  # straight from Arrow: much faster than row access
+    if src.builder == "text" or src.lines_are_rows:
+        return _group_lines(texts)
+    for t in texts[:1]:
+        if t is not None and not isinstance(t, str):
+            raise DataError(
+                f"data.text_field: column {field!r} of {src.describe()} holds {type(t).__name__}, not text"
+            )
+    return [t for t in texts if t is not None and t.strip()]
+
+
+_TOKEN_CACHE: dict[tuple, torch.Tensor] = {}
+
+
+def _tokenizer_key(tok: Tokenizer) -> tuple:
+    path = getattr(tok, "path", None)
+    if path is not None:
+        st = os.stat(path)
+        return (type(tok).__name__, str(Path(path).resolve()), st.st_mtime_ns, st.st_size)
+    return (type(tok).__name__, tok.vocab_size, tok.eos_id)
+
+
+def describe_split(cfg: DataConfig, split: str, split_key: str = "data.train_split") -> str:
+    """Human-readable name of a split's source, e.g. ``'/.../valid.txt' (data.train_split='valid')``."""
+    return f"{_resolve_source(cfg, split, split_key).describe()!r} ({split_key}={split!r})"
+
+
+def load_tokens(cfg: DataConfig, split: str, tokenizer: Tokenizer, *, split_key: str = "data.train_split") -> torch.Tensor:
+    """Tokens of split ``split`` of ``cfg.dataset``: documents joined with ``eos_id`` between them.
+
+    Returns a 1-D int32 tensor (shared with an in-process cache -- do not modify it).
+    ``split_key`` is the config key named in errors about the split.
+    """
+    src = _resolve_source(cfg, split, split_key)
+    field = "text" if (src.kind == "local" and src.builder == "text") else cfg.text_field
+    key = (src.cache_key(), field, _tokenizer_key(tokenizer))
+    hit = _TOKEN_CACHE.get(key)
+    if hit is not None:
+        return hit
+    docs = _load_documents(src, cfg)
+    if not docs:
+        raise DataError(f"data.dataset: {src.describe()} ({split_key}={split!r}) contains no text")
+    arr = encode_documents(tokenizer, docs)
+    tokens = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.int32))
+    _TOKEN_CACHE[key] = tokens
+    return tokens

@@ -1,0 +1,57 @@
+"""AdamW over FP32 master weights, warmup+cosine learning rate, global-norm clipping."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from trainer.config import TrainingConfig
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainingConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (norm scales and biases are not decayed)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=True)
+
+
+def lr_at(step: int, cfg: TrainingConfig) -> float:
+    """Learning rate of iteration `step` (1-based): linear warmup, then cosine to `min_lr`."""
+    if cfg.warmup_steps > 0 and step <= cfg.warmup_steps:
+        return cfg.lr * step / cfg.warmup_steps
+    decay_steps = max(1, cfg.steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> tuple[float, float]:
+    """Scale gradients so their global L2 norm is at most `max_norm` (0: no clipping).
+
+    Returns (total_norm, clip_coef) — the scalars a replay needs to reproduce the update.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    total_norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    if hasattr(total_norm, "full_tensor"):  # a DTensor under FSDP: reduce across shards
+        total_norm = total_norm.full_tensor()
+    clip_coef = 1.0
+    if max_norm > 0:
+        clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0).item()
+    apply_clip(grads, clip_coef)
+    return total_norm.item(), clip_coef
+
+
+def apply_clip(grads: list[torch.Tensor], clip_coef: float) -> None:
+    """Multiply gradients by a (logged or freshly computed) clip coefficient."""
+    if clip_coef < 1.0 and grads:
+        torch._foreach_mul_(grads, clip_coef)

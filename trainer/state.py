@@ -1,0 +1,40 @@
+"""The training state as named tensors, and its layout-independent digest.
+
+Names are global (`layers.3.moe.experts.17.w1.weight`); optimizer tensors are named
+`optim.<param name>.<key>` (`exp_avg`, `exp_avg_sq`, `step`). The same state gives the
+same names and bytes in any parallel layout once consolidated.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The full value of a (possibly FSDP-sharded DTensor) tensor, on CPU."""
+    if hasattr(tensor, "full_tensor"):
+        tensor = tensor.full_tensor()
+    return tensor.detach().cpu()
+
+
+def named_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Every parameter and optimizer tensor this rank holds, by global name (CPU copies)."""
+    state: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        state[name] = _local(param)
+        for key, value in sorted(optimizer.state.get(param, {}).items()):
+            if isinstance(value, torch.Tensor):
+                state[f"optim.{name}.{key}"] = _local(value)
+    return state
+
+
+def state_digest(state: dict[str, torch.Tensor]) -> str:
+    """sha256 over (name, dtype, shape, bytes) of every tensor in canonical name order."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        tensor = state[name].contiguous()
+        h.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        h.update(tensor.view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
