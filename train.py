@@ -14,16 +14,17 @@ import time
 
 import torch
 
-from models import build_model, count_params
-from parallelisms.distributed import init_distributed, shutdown_distributed
-from parallelisms.fsdp import apply_fsdp
+from models import count_params
+from parallelisms.distributed import device_type, init_distributed, shutdown_distributed
+from parallelisms.mesh import ParallelDims, build_mesh
+from parallelisms.parallelize import parallelize
 from trainer.checkpoint import CheckpointError, load_dense, read_meta, save_dense
-from trainer.config import Config, ConfigError, load_config
+from trainer.config import Config, ConfigError, check_world_size, load_config
 from trainer.data import DataError, build_data, make_loader
 from trainer.metrics import MetricsLogger
 from trainer.optim import build_optimizer
-from trainer.state import named_training_state, state_digest
-from trainer.step import evaluate, set_aux_grad_scale, take_expert_load, train_step
+from trainer.state import consolidated_training_state, state_digest
+from trainer.step import DropoutSeeder, evaluate, set_aux_grad_scale, take_expert_load, train_step
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -39,59 +40,63 @@ def configure_determinism(cfg: Config) -> None:
         torch.use_deterministic_algorithms(True)
 
 
-def build_training(cfg: Config, rank: int, world: int):
-    """Model (FP32 master weights, optionally bf16 compute via FSDP2) and its AdamW."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    torch.manual_seed(cfg.job.seed)
-    model = build_model(cfg.model)
-    if cfg.training.mixed_precision != "fp32" or world > 1:
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
-        apply_fsdp(model, mesh, cfg.training.mixed_precision)
-    set_aux_grad_scale(model, 1.0 / cfg.training.micro_batches)
-    return model, build_optimizer(model, cfg.training)
+def build_training(cfg: Config, dims: ParallelDims):
+    """This rank's model parts (FP32 master weights; bf16 compute via FSDP2 if asked) and their AdamW."""
+    t = cfg.training
+    micro_batch_shape = (t.batch_size // (t.micro_batches * cfg.parallelism.dp), t.seq_len)
+    model = parallelize(cfg.model, dims, cfg.job.seed, t.mixed_precision, micro_batch_shape, t.micro_batches,
+                        torch.device(device_type()))
+    # A pipeline schedule divides all gradients by the micro-batch count itself.
+    set_aux_grad_scale(model.view, 1.0 if model.schedule is not None else 1.0 / t.micro_batches)
+    return model, build_optimizer(model.view, t)
 
 
 def train(cfg: Config) -> None:
     rank, world = init_distributed()
+    check_world_size(cfg, world)
     configure_determinism(cfg)
+    dims = build_mesh(cfg.parallelism, device_type())
+    dp_rank, dp = dims.dp_rank, cfg.parallelism.dp
     tokenizer, train_batches, val_batches = build_data(
         cfg.data, cfg.training.seq_len, cfg.training.batch_size, cfg.training.micro_batches, cfg.job.seed)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"config key 'model.vocab_size' ({cfg.model.vocab_size}) is smaller than the "
                           f"tokenizer's vocabulary ({tokenizer.vocab_size}, data.tokenizer={cfg.data.tokenizer!r})")
-    model, optimizer = build_training(cfg, rank, world)
+    model, optimizer = build_training(cfg, dims)
+    seeder = DropoutSeeder(model, cfg.job.seed, dp_rank)
 
     step, loss = 0, float("nan")
     if cfg.checkpoint.load:
         loss = read_meta(cfg.checkpoint.load, cfg.model).get("loss", loss)
-        step = load_dense(cfg.checkpoint.load, model, optimizer, cfg.model)
+        step = load_dense(cfg.checkpoint.load, model.view, optimizer, cfg.model)
         if step > cfg.training.steps:
             raise ConfigError(f"config key 'training.steps' ({cfg.training.steps}) is below the "
                               f"checkpoint's step ({step}) in {cfg.checkpoint.load}")
 
     logger = MetricsLogger(cfg, rank, first_step=step + 1)
     val_data = [] if val_batches is None else [
-        val_batches.val_batch(i, rank, world) for i in range(min(cfg.training.val_batches, val_batches.num_batches))]
+        val_batches.val_batch(i, dp_rank, dp) for i in range(min(cfg.training.val_batches, val_batches.num_batches))]
     tokens_per_step = cfg.training.batch_size * cfg.training.seq_len
     last_step = cfg.training.stop_at or cfg.training.steps
-    loader = make_loader(train_batches, step + 1, rank, world, cfg.data.num_workers, end_step=last_step + 1)
+    loader = make_loader(train_batches, step + 1, dp_rank, dp, cfg.data.num_workers, end_step=last_step + 1)
     started = time.perf_counter()
     for step, inputs, labels in loader:
-        result = train_step(model, optimizer, inputs, labels, step, cfg.training, cfg.job.seed, rank)
+        seeder.begin(step)
+        result = train_step(model, optimizer, inputs, labels, step, cfg.training, dims)
         loss = result.loss
         elapsed = time.perf_counter() - started
         logger.step(step, {"loss": result.loss, "aux_loss": result.aux_loss, "lr": result.lr,
                            "grad_norm": result.grad_norm, "tok_per_s": tokens_per_step / elapsed},
-                    take_expert_load(model))
+                    take_expert_load(model.view))
         if cfg.training.val_every and step % cfg.training.val_every == 0 and val_data:
-            logger.validation(step, evaluate(model, val_data))
+            logger.validation(step, evaluate(model, val_data, dims, cfg.training.micro_batches))
         started = time.perf_counter()
 
-    digest = state_digest(named_training_state(model, optimizer))
-    logger.line(f"final step={step} loss={loss:.6f} state_digest={digest}")
+    state = consolidated_training_state(model.view, optimizer)
+    if state is not None:
+        logger.line(f"final step={step} loss={loss:.6f} state_digest={state_digest(state)}")
     if cfg.checkpoint.save_final:
-        save_dense(cfg.checkpoint.save_final, model, optimizer, step, cfg.model, loss=loss)
+        save_dense(cfg.checkpoint.save_final, model.view, optimizer, step, cfg.model, loss=loss)
         logger.line(f"saved checkpoint step={step} dir={cfg.checkpoint.save_final}")
     logger.close()
 

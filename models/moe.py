@@ -65,8 +65,8 @@ class MoE(nn.Module):
     Attributes the trainer uses: ``aux_grad_scale`` (set to 1/num_microbatches), ``last_aux_loss``
     (detached 0-dim tensor of the last training forward, coefficient included), and the non-persistent buffers
     accumulated on every training forward until ``reset_load_stats()``: ``tokens_per_expert``
-    (int64 [E], assignments before capacity dropping), ``gate_prob_sum`` (float32 [E], summed
-    softmax scores) and ``dropped_tokens`` (int64 scalar, assignments dropped by capacity).
+    (int64 [E], assignments before capacity dropping, over the data-parallel group), ``gate_prob_sum``
+    (float32 [E], summed softmax scores) and ``dropped_tokens`` (int64 scalar, assignments dropped by capacity).
     """
 
     def __init__(self, args: ModelArgs):
@@ -121,6 +121,11 @@ class MoE(nn.Module):
         rank = torch.arange(flat.numel(), device=flat.device) - group_start.index_select(0, flat.index_select(0, order))
         return order[rank < capacity], counts.clamp(max=capacity)
 
+    def global_token_counts(self, counts: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Seam for data parallelism: (``counts`` [E] summed over every token of the data-parallel group
+        for this micro-batch, number of data-parallel replicas). Single process: ``(counts, 1)``."""
+        return counts, 1
+
     def experts_forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: token copies grouped by global expert id (ascending), ``counts`` [E] rows each -> outputs, same order."""
         return self.run_experts(x, counts.tolist())
@@ -148,14 +153,21 @@ class MoE(nn.Module):
         return out
 
     def training_side_effects(self, out, scores, counts, kept_counts) -> torch.Tensor:
-        """Accumulate load statistics and attach the auxiliary loss to ``out``'s backward."""
+        """Accumulate load statistics and attach the auxiliary loss to ``out``'s backward.
+
+        ``tokens_per_expert`` accumulates the data-parallel-global counts; ``gate_prob_sum`` and
+        ``dropped_tokens`` stay local. With ``dp`` replicas the local aux term uses the global counts and
+        is divided by ``dp``: its mean over the replicas is the loss over all their tokens, and averaging
+        the replicas' gradients (as FSDP does) gives that global loss's gradient.
+        """
+        g_counts, replicas = self.global_token_counts(counts)
         with torch.no_grad():
-            self.tokens_per_expert += counts
+            self.tokens_per_expert += g_counts
             self.gate_prob_sum += scores.sum(dim=0)
             self.dropped_tokens += counts.sum() - kept_counts.sum()
         if self.aux_loss_coef == 0:
             self.last_aux_loss = scores.new_zeros(())
             return out
-        aux_loss = self.aux_loss_coef * load_balancing_loss(scores, counts, self.top_k)
+        aux_loss = self.aux_loss_coef * load_balancing_loss(scores, g_counts, self.top_k) / replicas
         self.last_aux_loss = aux_loss.detach()
         return AttachAuxLoss.apply(out, aux_loss, self.aux_grad_scale)

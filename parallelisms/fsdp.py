@@ -3,19 +3,31 @@
 from __future__ import annotations
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from parallelisms.mesh import ParallelDims
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, mixed_precision: str) -> None:
-    """Shard each transformer block, then the root (embedding, norm, head).
+def apply_fsdp(part: torch.nn.Module, dims: ParallelDims, mixed_precision: str) -> None:
+    """Shard a model (or pipeline stage) over its data-parallel ranks.
 
-    Parameters stay FP32 (the master weights); forward and backward run on compute
-    weights of `mixed_precision` dtype; gradients are reduced and kept in FP32.
+    Routed experts are sharded over the expert-data-parallel ranks (`edp = dp / ep`, the
+    ranks holding the same experts) with gradients divided by `dp`, since each expert's
+    gradient already sums the contributions of all `dp` ranks' tokens (all-to-all).
+    Everything else is sharded per block, then the root (embedding, norm, head).
+    Parameters stay FP32 (master weights); forward and backward run on compute weights
+    of `mixed_precision` dtype; gradients are reduced and kept in FP32.
     """
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[mixed_precision], reduce_dtype=torch.float32)
-    for block in model.layers.values():
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+    dp_mesh, dp = dims.mesh["dp"], dims.cfg.dp
+    for block in part.layers.values():
+        if dims.cfg.ep > 1 and getattr(block, "moe", None) is not None:
+            for expert in block.moe.experts.values():
+                fully_shard(expert, mesh=dims.mesh["edp"], mp_policy=policy)
+                expert.set_gradient_divide_factor(float(dp))
+                if dims.mesh["edp"].size() > 1:  # sum, then divide: gloo has no PREMUL_SUM
+                    expert.set_force_sum_reduction_for_comms(True)
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy)
+    fully_shard(part, mesh=dp_mesh, mp_policy=policy)

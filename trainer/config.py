@@ -15,6 +15,7 @@ from pathlib import Path
 import tomli
 
 from models.args import ModelArgs
+from parallelisms.mesh import SCHEDULES, ParallelismConfig
 from trainer.data import DataConfig
 
 
@@ -70,6 +71,7 @@ class Config:
     model: ModelArgs = field(default_factory=ModelArgs)
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
@@ -77,6 +79,7 @@ class Config:
 CHOICES = {
     "training.mixed_precision": ("fp32", "bf16"),
     "checkpoint.strategy": ("none",),
+    "parallelism.schedule": SCHEDULES,
 }
 
 
@@ -204,4 +207,42 @@ def validate(cfg: Config) -> None:
     _check(t.warmup_steps >= 0, "training.warmup_steps", f"must be >= 0, got {t.warmup_steps}")
     _check(t.max_grad_norm >= 0, "training.max_grad_norm", f"must be >= 0, got {t.max_grad_norm}")
     _check(t.val_every >= 0, "training.val_every", f"must be >= 0, got {t.val_every}")
+    _validate_parallelism(cfg)
     _check(cfg.metrics.log_every >= 1, "metrics.log_every", f"must be >= 1, got {cfg.metrics.log_every}")
+
+
+def _validate_parallelism(cfg: Config) -> None:
+    p, t, m = cfg.parallelism, cfg.training, cfg.model
+    for name in ("pp", "dp", "ep", "stages_per_rank"):
+        _check(getattr(p, name) >= 1, f"parallelism.{name}", f"must be >= 1, got {getattr(p, name)}")
+    _check(p.dp % p.ep == 0, "parallelism.ep", f"({p.ep}) must divide parallelism.dp ({p.dp})")
+    _check(m.n_routed_experts % p.ep == 0, "parallelism.ep",
+           f"({p.ep}) must divide model.n_routed_experts ({m.n_routed_experts})")
+    interleaved = p.schedule == "Interleaved1F1B"
+    _check(interleaved == (p.stages_per_rank > 1), "parallelism.stages_per_rank",
+           f"({p.stages_per_rank}) must be >= 2 exactly when parallelism.schedule is Interleaved1F1B")
+    n_stages = p.pp * p.stages_per_rank
+    _check(n_stages <= m.n_layers, "parallelism.pp",
+           f"x parallelism.stages_per_rank ({n_stages} stages) must be at most model.n_layers ({m.n_layers})")
+    if p.pp > 1:
+        _check(t.micro_batches >= p.pp, "training.micro_batches",
+               f"({t.micro_batches}) must be at least parallelism.pp ({p.pp}) for the pipeline schedule")
+        _check(not interleaved or t.micro_batches % p.pp == 0, "training.micro_batches",
+               f"({t.micro_batches}) must be a multiple of parallelism.pp ({p.pp}) for Interleaved1F1B")
+    _check(t.batch_size % (t.micro_batches * p.dp) == 0, "training.batch_size",
+           f"({t.batch_size}) must be divisible by training.micro_batches x parallelism.dp ({t.micro_batches * p.dp})")
+    if p.split_points:
+        try:
+            points = [int(x) for x in p.split_points.split(",")]
+        except ValueError:
+            points = []
+        ok = len(points) == n_stages - 1 and points == sorted(set(points)) and all(0 < x < m.n_layers for x in points)
+        _check(ok, "parallelism.split_points", f"must be {n_stages - 1} increasing layer ids in (0, {m.n_layers}), "
+               f"comma-separated, got {p.split_points!r}")
+
+
+def check_world_size(cfg: Config, world_size: int) -> None:
+    """The launched process count must equal pp x dp."""
+    p = cfg.parallelism
+    _check(p.pp * p.dp == world_size, "parallelism.pp",
+           f"x parallelism.dp ({p.pp} x {p.dp}) must equal the number of processes ({world_size})")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 
 from trainer.config import TrainingConfig
 
@@ -38,12 +39,17 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> tuple[float, float]:
     """Scale gradients so their global L2 norm is at most `max_norm` (0: no clipping).
 
-    Returns (total_norm, clip_coef) — the scalars a replay needs to reproduce the update.
+    Every rank passes the parameters it holds (FSDP shards, its experts, its pipeline
+    stages); each element of the global model lives on exactly one rank's shard, so the
+    squared norm is the sum over all ranks. Returns (total_norm, clip_coef) — the scalars
+    a replay needs to reproduce the update.
     """
     grads = [p.grad for p in params if p.grad is not None]
-    total_norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if hasattr(total_norm, "full_tensor"):  # a DTensor under FSDP: reduce across shards
-        total_norm = total_norm.full_tensor()
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+    squared = torch.stack(torch._foreach_norm(local, 2.0)).square().sum() if local else torch.zeros(())
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(squared)
+    total_norm = squared.sqrt()
     clip_coef = 1.0
     if max_norm > 0:
         clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0).item()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 
 import torch
+import torch.distributed as dist
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -38,3 +39,23 @@ def state_digest(state: dict[str, torch.Tensor]) -> str:
         h.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
         h.update(tensor.view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def consolidated_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor] | None:
+    """The whole job's training state on rank 0 (None elsewhere); collective over all ranks.
+
+    Data-parallel replicas hold the same names and values; pipeline stages and expert
+    ranks hold disjoint names. The union is the single-process state dict.
+    """
+    local = named_training_state(model, optimizer)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return local
+    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(local, gathered, dst=0)
+    if gathered is None:
+        return None
+    merged: dict[str, torch.Tensor] = {}
+    for state in gathered:
+        for name, tensor in state.items():
+            merged.setdefault(name, tensor)
+    return merged

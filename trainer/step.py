@@ -1,8 +1,9 @@
-"""One training iteration and one validation pass on a single pipeline stage.
+"""One training iteration and one validation pass over this rank's model parts.
 
 Iteration `step` (1-based) consumes batch `step` and turns state_step into
-state_{step+1}. Dropout RNG is seeded from (seed, step, micro-batch, rank), never
-from history, so any iteration can be re-run bit for bit.
+state_{step+1}. Dropout RNG is re-seeded before every stage forward from (seed, step,
+micro-batch, stage, data-parallel rank), never from history, so any iteration can be
+re-run bit for bit in the same layout.
 """
 
 from __future__ import annotations
@@ -11,78 +12,138 @@ import hashlib
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+import torch.distributed as dist
 
+from parallelisms.mesh import ParallelDims
+from parallelisms.parallelize import ModelParts
+from parallelisms.pipeline import lm_loss
 from trainer.config import TrainingConfig
 from trainer.optim import clip_grad_norm, lr_at, set_lr
 
 
 @dataclass
 class StepResult:
-    loss: float  # mean cross-entropy over the iteration's micro-batches
-    aux_loss: float  # load-balancing loss summed over MoE layers, mean over micro-batches
+    loss: float  # mean cross-entropy over the iteration's global batch
+    aux_loss: float  # load-balancing loss of the last micro-batch, summed over MoE layers
     grad_norm: float  # global gradient norm before clipping
     clip_coef: float  # factor the gradients were scaled by (1.0: not clipped)
     lr: float
 
 
-def derive_seed(seed: int, step: int, micro_batch: int, rank: int) -> int:
+def derive_seed(*keys: int) -> int:
     """A 63-bit RNG seed that depends only on its arguments."""
-    digest = hashlib.sha256(f"{seed}:{step}:{micro_batch}:{rank}".encode()).digest()
+    digest = hashlib.sha256(":".join(map(str, keys)).encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
 
 
-def moe_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+class DropoutSeeder:
+    """Seeds torch's RNG before each forward of each stage module: (seed, step, micro-batch, stage, dp rank)."""
+
+    def __init__(self, model: ModelParts, seed: int, dp_rank: int):
+        self.seed, self.dp_rank, self.step = seed, dp_rank, 0
+        self.calls = dict.fromkeys(model.stage_ids, 0)
+        for part, stage in zip(model.parts, model.stage_ids):
+            part.register_forward_pre_hook(lambda _module, _args, stage=stage: self._seed(stage))
+
+    def begin(self, step: int) -> None:
+        self.step = step
+        self.calls = dict.fromkeys(self.calls, 0)
+
+    def _seed(self, stage: int) -> None:
+        torch.manual_seed(derive_seed(self.seed, self.step, self.calls[stage], stage, self.dp_rank))
+        self.calls[stage] += 1
+
+
+def moe_modules(module: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """MoE layers by name: the modules that keep per-expert token counts."""
-    return {name: m for name, m in model.named_modules() if hasattr(m, "tokens_per_expert")}
+    return {name: m for name, m in module.named_modules() if hasattr(m, "tokens_per_expert")}
 
 
-def set_aux_grad_scale(model: torch.nn.Module, scale: float) -> None:
-    """Weight the load-balancing loss gradient like the micro-batch loss (1 / micro-batches)."""
-    for module in moe_modules(model).values():
-        module.aux_grad_scale = scale
+def set_aux_grad_scale(module: torch.nn.Module, scale: float) -> None:
+    """Weight the load-balancing loss gradient like the language-model loss of one micro-batch."""
+    for moe in moe_modules(module).values():
+        moe.aux_grad_scale = scale
 
 
-def take_expert_load(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def take_expert_load(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Per-expert routed-token counts since the last call, by MoE layer; resets them."""
     load = {}
-    for name, module in moe_modules(model).items():
-        load[name] = module.tokens_per_expert.detach().clone()
-        module.reset_load_stats()
+    for name, moe in moe_modules(module).items():
+        load[name] = moe.tokens_per_expert.detach().clone()
+        moe.reset_load_stats()
     return load
 
 
-def _aux_loss(model: torch.nn.Module) -> float:
-    return sum(float(m.last_aux_loss) for m in moe_modules(model).values())
-
-
-def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor,
-               labels: torch.Tensor, step: int, cfg: TrainingConfig, seed: int, rank: int) -> StepResult:
-    """Forward/backward over `cfg.micro_batches` micro-batches, clip, AdamW step."""
-    model.train()
-    optimizer.zero_grad(set_to_none=True)
-    micro = cfg.micro_batches
+def _forward_backward(model: ModelParts, inputs: torch.Tensor, labels: torch.Tensor, micro: int) -> torch.Tensor:
+    """Run every micro-batch forward and backward; return the local mean loss (0 off the last stage)."""
+    if model.schedule is not None:
+        losses = [] if model.has_last_stage else None
+        args = (inputs,) if model.has_first_stage else ()
+        model.schedule.step(*args, target=labels if model.has_last_stage else None, losses=losses,
+                            return_outputs=False)
+        return torch.stack(losses).detach().double().mean() if losses else torch.zeros((), dtype=torch.float64)
+    part = model.parts[0]
     loss_sum = torch.zeros((), dtype=torch.float64)
-    aux_sum = 0.0
     for m, (x, y) in enumerate(zip(inputs.chunk(micro), labels.chunk(micro))):
-        torch.manual_seed(derive_seed(seed, step, m, rank))
-        logits = model(x)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        if hasattr(part, "set_requires_gradient_sync"):  # FSDP: reduce once, after the last micro-batch
+            part.set_requires_gradient_sync(m == micro - 1)
+        loss = lm_loss(part(x), y)
         (loss / micro).backward()
         loss_sum += loss.detach().double()
-        aux_sum += _aux_loss(model)
-    params = [p for p in model.parameters() if p.requires_grad]
+    return loss_sum / micro
+
+
+def _global_mean_loss(loss: torch.Tensor, dims: ParallelDims) -> float:
+    """The loss from the last pipeline stage, averaged over data-parallel ranks, on every rank."""
+    if dims.cfg.pp > 1:
+        dist.broadcast(loss, group=dims.group("pp"), group_src=dims.cfg.pp - 1)
+    if dims.cfg.dp > 1:
+        dist.all_reduce(loss, group=dims.group("dp"))
+        loss /= dims.cfg.dp
+    return float(loss)
+
+
+def _aux_loss(model: ModelParts, dims: ParallelDims) -> float:
+    aux = torch.tensor(sum(float(m.last_aux_loss) for m in moe_modules(model.view).values()), dtype=torch.float64)
+    if dist.get_world_size() > 1:
+        dist.all_reduce(aux)
+        aux /= dims.cfg.dp
+    return float(aux)
+
+
+def train_step(model: ModelParts, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, labels: torch.Tensor,
+               step: int, cfg: TrainingConfig, dims: ParallelDims) -> StepResult:
+    """Forward/backward over `cfg.micro_batches` micro-batches, clip, AdamW step."""
+    for part in model.parts:
+        part.train()
+    optimizer.zero_grad(set_to_none=True)
+    loss = _forward_backward(model, inputs, labels, cfg.micro_batches)
+    params = [p for p in model.view.parameters() if p.requires_grad]
     grad_norm, clip_coef = clip_grad_norm(params, cfg.max_grad_norm)
     lr = lr_at(step, cfg)
     set_lr(optimizer, lr)
     optimizer.step()
-    return StepResult(float(loss_sum) / micro, aux_sum / micro, grad_norm, clip_coef, lr)
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(_global_mean_loss(loss, dims), _aux_loss(model, dims), grad_norm, clip_coef, lr)
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+def evaluate(model: ModelParts, batches: list[tuple[torch.Tensor, torch.Tensor]], dims: ParallelDims,
+             micro: int) -> float:
     """Mean cross-entropy over fixed validation batches (dropout off, no load counting)."""
-    model.eval()
-    losses = [F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()).double() for x, y in batches]
-    model.train()
-    return float(torch.stack(losses).mean())
+    for part in model.parts:
+        part.eval()
+    total = torch.zeros((), dtype=torch.float64)
+    for x, y in batches:
+        if model.schedule is not None:
+            losses = [] if model.has_last_stage else None
+            args = (x,) if model.has_first_stage else ()
+            model.schedule.eval(*args, target=y if model.has_last_stage else None, losses=losses)
+            loss = torch.stack(losses).double().mean() if losses else torch.zeros((), dtype=torch.float64)
+        else:
+            loss = torch.stack([lm_loss(model.parts[0](xm), ym).double()
+                                for xm, ym in zip(x.chunk(micro), y.chunk(micro))]).mean()
+        total += _global_mean_loss(loss, dims)
+    for part in model.parts:
+        part.train()
+    return float(total) / len(batches)

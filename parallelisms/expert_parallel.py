@@ -1,0 +1,109 @@
+"""Expert parallelism for ``models.moe.MoE``: shard the routed experts over an ep group, all-to-all the tokens.
+
+Only two seams of ``MoE`` are replaced (instance attributes, the class is untouched):
+``global_token_counts`` (all-reduce of the per-expert counts over the data-parallel group, for the load
+statistics and the aux loss) and ``experts_forward`` (all-to-all dispatch -> local experts -> all-to-all
+back). Routing, permutation and combination stay local and in the global expert id space.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from models.moe import MoE
+
+
+def _size(group: ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def apply_expert_parallel(model: nn.Module, ep_group: ProcessGroup | None, dp_group: ProcessGroup | None) -> None:
+    """Make every ``MoE`` in ``model`` (possibly a pipeline stage, possibly on meta) expert/data parallel, in place.
+
+    - dp_group of size dp > 1: ``global_token_counts`` returns the counts summed over dp_group and dp, so
+      ``tokens_per_expert`` is dp-global and the aux loss is the dp-global one (see ``MoE.training_side_effects``).
+      Every dp rank must feed the same number of tokens per micro-batch.
+    - ep_group of size ep > 1: ep rank r keeps the experts with global ids [r*E/ep, (r+1)*E/ep) (the others
+      are deleted, parameter names keep global ids) and ``experts_forward`` becomes an all-to-all dispatch.
+      Every ep rank must call the MoE forward/backward the same number of times (collectives inside).
+
+    Gradient contract (ep ranks each hold their own experts): an expert's gradient sums the contributions of
+    the tokens of every rank of its ep group. If each rank's loss is a mean over its local tokens and the
+    replicated parameters are averaged over dp, expert gradients must be divided by dp overall (e.g. FSDP over
+    the dp/ep replica group with ``set_gradient_divide_factor(dp)``; with ep == dp: just divide by dp).
+    """
+    ep, dp = _size(ep_group), _size(dp_group)
+    for moe in [m for m in model.modules() if isinstance(m, MoE)]:
+        if dp > 1:
+            moe.global_token_counts = types.MethodType(_dp_global_token_counts(dp_group, dp), moe)
+        if ep > 1:
+            _shard_experts(moe, dist.get_rank(ep_group), ep)
+            moe.experts_forward = types.MethodType(_ep_experts_forward(ep_group, ep), moe)
+
+
+def local_expert_ids(n_experts: int, ep_rank: int, ep_size: int) -> range:
+    """Global ids of the routed experts owned by ``ep_rank`` (a contiguous block of E/ep)."""
+    if n_experts % ep_size:
+        raise ValueError(f"n_routed_experts={n_experts} must be divisible by the expert-parallel size {ep_size}")
+    per_rank = n_experts // ep_size
+    return range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
+
+
+def _shard_experts(moe: MoE, ep_rank: int, ep_size: int) -> None:
+    if list(moe.experts.keys()) != [str(e) for e in range(moe.n_experts)]:
+        raise RuntimeError("apply_expert_parallel: the MoE experts are already sharded")
+    keep = {str(e) for e in local_expert_ids(moe.n_experts, ep_rank, ep_size)}
+    for key in [k for k in moe.experts.keys() if k not in keep]:
+        del moe.experts[key]
+
+
+def _dp_global_token_counts(dp_group: ProcessGroup, dp: int):
+    def global_token_counts(self: MoE, counts: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """(counts [E] summed over the data-parallel group, dp). Not differentiable (counts are integers)."""
+        with torch.no_grad():
+            total = counts.detach().clone()
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=dp_group)
+        return total, dp
+
+    return global_token_counts
+
+
+def _all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: ProcessGroup
+                ) -> torch.Tensor:
+    """Differentiable all-to-all of rows with uneven splits (backward: the reverse all-to-all)."""
+    out = funcol.all_to_all_single_autograd(x.contiguous(), output_splits, input_splits, group)
+    return funcol.wait_tensor(out)
+
+
+def _ep_experts_forward(ep_group: ProcessGroup, ep: int):
+    def experts_forward(self: MoE, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x: local token copies grouped by global expert id, ``counts`` [E] (local kept counts) -> outputs, same order.
+
+        1. all-to-all the counts: recv[s, e] = rows source rank s sends to local expert e;
+        2. all-to-all the rows, uneven splits (no capacity padding); they arrive as [src][local expert];
+        3. regroup to [local expert][src], ``run_experts``, undo the regrouping;
+        4. all-to-all the outputs back with the reversed splits.
+        """
+        n_local = self.n_experts // ep
+        send = counts.to(torch.int64).reshape(ep, n_local)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=ep_group)
+        sizes = torch.cat([send.sum(1), recv.sum(1), recv.sum(0)]).tolist()  # one device -> host sync
+        input_splits, output_splits, expert_counts = sizes[:ep], sizes[ep:2 * ep], sizes[2 * ep:]
+        received = _all_to_all(x, output_splits, input_splits, ep_group)
+        # Row i of ``received`` belongs to chunk (src, e) = divmod(chunk_id, n_local); stable sort by e.
+        chunk_id = torch.repeat_interleave(torch.arange(ep * n_local, device=x.device), recv.flatten(),
+                                           output_size=received.shape[0])
+        order = (chunk_id % n_local).argsort(stable=True)
+        expert_out = self.run_experts(received.index_select(0, order), expert_counts)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        return _all_to_all(expert_out.index_select(0, inverse), input_splits, output_splits, ep_group)
+
+    return experts_forward

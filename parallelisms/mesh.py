@@ -1,0 +1,50 @@
+"""The `[parallelism]` config and the device mesh it describes.
+
+World ranks are laid out as (pp, edp, ep), row-major: the `dp = edp * ep` ranks of a
+pipeline stage are consecutive, and expert parallelism is carved out of them
+(TorchTitan convention). `dp` is the flattened (edp, ep) sub-mesh.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+SCHEDULES = ("1F1B", "Interleaved1F1B", "GPipe")
+
+
+@dataclass
+class ParallelismConfig:
+    pp: int = 1  # pipeline stages (ranks along the pipeline)
+    dp: int = 1  # data-parallel ranks per stage (FSDP2)
+    ep: int = 1  # expert-parallel ranks, carved out of dp
+    schedule: str = "1F1B"  # 1F1B | Interleaved1F1B | GPipe
+    stages_per_rank: int = 1  # virtual stages per rank (Interleaved1F1B needs >= 2)
+    split_points: str = ""  # layer ids starting stages 1.. (e.g. "2,4"); "" = balanced
+
+
+@dataclass
+class ParallelDims:
+    """This rank's coordinates in the (pp, dp) grid and its sub-meshes."""
+
+    mesh: DeviceMesh
+    cfg: ParallelismConfig
+
+    @property
+    def pp_rank(self) -> int:
+        return self.mesh["pp"].get_local_rank()
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh["dp"].get_local_rank()
+
+    def group(self, dim: str):
+        return self.mesh[dim].get_group()
+
+
+def build_mesh(cfg: ParallelismConfig, device_type: str) -> ParallelDims:
+    """A 3-D mesh (pp, edp, ep) with the flattened dp = (edp, ep) dimension."""
+    mesh = init_device_mesh(device_type, (cfg.pp, cfg.dp // cfg.ep, cfg.ep), mesh_dim_names=("pp", "edp", "ep"))
+    mesh["edp", "ep"]._flatten("dp")
+    return ParallelDims(mesh, cfg)

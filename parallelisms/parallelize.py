@@ -1,0 +1,92 @@
+"""Turn a model description into this rank's parallel model parts.
+
+Order: build on meta -> cut pipeline stages -> keep this rank's experts -> materialise
+and initialise (each parameter's init depends only on the seed and its global name, so
+every layout starts from the same weights) -> FSDP2 -> pipeline schedule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from models import ModelArgs, Transformer
+from parallelisms.expert_parallel import apply_expert_parallel
+from parallelisms.fsdp import DTYPES, apply_fsdp
+from parallelisms.mesh import ParallelDims
+from parallelisms.pipeline import build_schedule, split_model
+
+
+@dataclass
+class ModelParts:
+    """What one rank trains: its pipeline stage modules and how to drive them."""
+
+    parts: list[nn.Module]  # one module per local pipeline stage
+    stage_ids: list[int]
+    view: nn.Module  # all local parameters under their global names (state dicts, digests)
+    schedule: object | None  # torch.distributed.pipelining schedule when pp > 1
+    n_stages: int
+
+    @property
+    def has_first_stage(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def has_last_stage(self) -> bool:
+        return self.n_stages - 1 in self.stage_ids
+
+
+class ModelView(nn.Module):
+    """Several stage modules of one model seen under the whole model's parameter names."""
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        self.layers = nn.ModuleDict()
+        for part in parts:
+            for name in ("tok_embeddings", "norm", "output"):
+                if getattr(part, name, None) is not None:
+                    setattr(self, name, getattr(part, name))
+            self.layers.update(part.layers)
+
+
+def parallelize(args: ModelArgs, dims: ParallelDims, seed: int, mixed_precision: str,
+                micro_batch_shape: tuple[int, int], micro_batches: int, device: torch.device) -> ModelParts:
+    """Build this rank's parts of the model described by `args` in the layout `dims`."""
+    args.validate()
+    cfg = dims.cfg
+    with torch.device("meta"):
+        whole = Transformer(args)
+    stage_ids, parts = split_model(whole, cfg, dims.pp_rank)
+    for part in parts:
+        apply_expert_parallel(part, dims.group("ep") if cfg.ep > 1 else None,
+                              dims.group("dp") if cfg.dp > 1 else None)
+        part.to_empty(device=device)
+        torch.manual_seed(seed)
+        part.init_weights()
+        if cfg.dp > 1 or mixed_precision != "fp32":
+            apply_fsdp(part, dims, mixed_precision)
+    n_stages = cfg.pp * cfg.stages_per_rank
+    schedule = None
+    if cfg.pp > 1:
+        schedule = build_schedule(parts, stage_ids, dims, micro_batches, device,
+                                  _stage_shapes(args, micro_batch_shape, DTYPES[mixed_precision], n_stages))
+    view = parts[0] if len(parts) == 1 else ModelView(parts)
+    return ModelParts(parts, stage_ids, view, schedule, n_stages)
+
+
+def _stage_shapes(args: ModelArgs, micro_batch_shape: tuple[int, int], compute_dtype: torch.dtype, n_stages: int):
+    """(inputs, outputs) example tensors on meta for stage s: tokens or hidden states in, hidden or logits out."""
+    b, s = micro_batch_shape
+
+    def shapes(stage: int):
+        meta = torch.device("meta")
+        first, last = stage == 0, stage == n_stages - 1
+        inputs = (torch.empty(b, s, dtype=torch.long, device=meta) if first else
+                  torch.empty(b, s, args.dim, dtype=compute_dtype, device=meta, requires_grad=True))
+        outputs = (torch.empty(b, s, args.vocab_size, dtype=torch.float32, device=meta, requires_grad=True) if last else
+                   torch.empty(b, s, args.dim, dtype=compute_dtype, device=meta, requires_grad=True))
+        return inputs, outputs
+
+    return shapes
