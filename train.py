@@ -45,7 +45,7 @@ def build_training(cfg: Config, dims: ParallelDims):
     t = cfg.training
     micro_batch_shape = (t.batch_size // (t.micro_batches * cfg.parallelism.dp), t.seq_len)
     model = parallelize(cfg.model, dims, cfg.job.seed, t.mixed_precision, micro_batch_shape, t.micro_batches,
-                        torch.device(device_type()))
+                        dims.device)
     # A pipeline schedule divides all gradients by the micro-batch count itself.
     set_aux_grad_scale(model.view, 1.0 if model.schedule is not None else 1.0 / t.micro_batches)
     return model, build_optimizer(model.view, t)

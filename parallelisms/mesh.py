@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 SCHEDULES = ("1F1B", "Interleaved1F1B", "GPipe")
@@ -30,6 +31,7 @@ class ParallelDims:
 
     mesh: DeviceMesh
     cfg: ParallelismConfig
+    device: torch.device  # where this rank computes (cpu, or its cuda device)
 
     @property
     def pp_rank(self) -> int:
@@ -47,4 +49,5 @@ def build_mesh(cfg: ParallelismConfig, device_type: str) -> ParallelDims:
     """A 3-D mesh (pp, edp, ep) with the flattened dp = (edp, ep) dimension."""
     mesh = init_device_mesh(device_type, (cfg.pp, cfg.dp // cfg.ep, cfg.ep), mesh_dim_names=("pp", "edp", "ep"))
     mesh["edp", "ep"]._flatten("dp")
-    return ParallelDims(mesh, cfg)
+    device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    return ParallelDims(mesh, cfg, device)

@@ -81,9 +81,9 @@ def _forward_backward(model: ModelParts, inputs: torch.Tensor, labels: torch.Ten
         args = (inputs,) if model.has_first_stage else ()
         model.schedule.step(*args, target=labels if model.has_last_stage else None, losses=losses,
                             return_outputs=False)
-        return torch.stack(losses).detach().double().mean() if losses else torch.zeros((), dtype=torch.float64)
+        return torch.stack(losses).detach().double().mean() if losses else _zero(inputs.device)
     part = model.parts[0]
-    loss_sum = torch.zeros((), dtype=torch.float64)
+    loss_sum = _zero(inputs.device)
     for m, (x, y) in enumerate(zip(inputs.chunk(micro), labels.chunk(micro))):
         if hasattr(part, "set_requires_gradient_sync"):  # FSDP: reduce once, after the last micro-batch
             part.set_requires_gradient_sync(m == micro - 1)
@@ -91,6 +91,10 @@ def _forward_backward(model: ModelParts, inputs: torch.Tensor, labels: torch.Ten
         (loss / micro).backward()
         loss_sum += loss.detach().double()
     return loss_sum / micro
+
+
+def _zero(device: torch.device) -> torch.Tensor:
+    return torch.zeros((), dtype=torch.float64, device=device)
 
 
 def _global_mean_loss(loss: torch.Tensor, dims: ParallelDims) -> float:
@@ -104,7 +108,8 @@ def _global_mean_loss(loss: torch.Tensor, dims: ParallelDims) -> float:
 
 
 def _aux_loss(model: ModelParts, dims: ParallelDims) -> float:
-    aux = torch.tensor(sum(float(m.last_aux_loss) for m in moe_modules(model.view).values()), dtype=torch.float64)
+    aux = torch.tensor(sum(float(m.last_aux_loss) for m in moe_modules(model.view).values()),
+                       dtype=torch.float64, device=dims.device)
     if dist.get_world_size() > 1:
         dist.all_reduce(aux)
         aux /= dims.cfg.dp
@@ -117,6 +122,7 @@ def train_step(model: ModelParts, optimizer: torch.optim.Optimizer, inputs: torc
     for part in model.parts:
         part.train()
     optimizer.zero_grad(set_to_none=True)
+    inputs, labels = inputs.to(dims.device, non_blocking=True), labels.to(dims.device, non_blocking=True)
     loss = _forward_backward(model, inputs, labels, cfg.micro_batches)
     params = [p for p in model.view.parameters() if p.requires_grad]
     grad_norm, clip_coef = clip_grad_norm(params, cfg.max_grad_norm)
@@ -133,17 +139,18 @@ def evaluate(model: ModelParts, batches: list[tuple[torch.Tensor, torch.Tensor]]
     """Mean cross-entropy over fixed validation batches (dropout off, no load counting)."""
     for part in model.parts:
         part.eval()
-    total = torch.zeros((), dtype=torch.float64)
+    total = 0.0
     for x, y in batches:
+        x, y = x.to(dims.device), y.to(dims.device)
         if model.schedule is not None:
             losses = [] if model.has_last_stage else None
             args = (x,) if model.has_first_stage else ()
             model.schedule.eval(*args, target=y if model.has_last_stage else None, losses=losses)
-            loss = torch.stack(losses).double().mean() if losses else torch.zeros((), dtype=torch.float64)
+            loss = torch.stack(losses).double().mean() if losses else _zero(x.device)
         else:
             loss = torch.stack([lm_loss(model.parts[0](xm), ym).double()
                                 for xm, ym in zip(x.chunk(micro), y.chunk(micro))]).mean()
         total += _global_mean_loss(loss, dims)
     for part in model.parts:
         part.train()
-    return float(total) / len(batches)
+    return total / len(batches)
