@@ -18,7 +18,7 @@ from models import count_params
 from parallelisms.distributed import device_type, init_distributed, shutdown_distributed
 from parallelisms.mesh import ParallelDims, build_mesh
 from parallelisms.parallelize import parallelize
-from trainer.checkpoint import CheckpointError, load_dense, read_meta, save_dense
+from trainer.checkpoint import CheckpointError, load_dense, save_dense
 from trainer.config import Config, ConfigError, check_world_size, load_config
 from trainer.data import DataError, build_data, make_loader
 from trainer.metrics import MetricsLogger
@@ -67,8 +67,8 @@ def train(cfg: Config) -> None:
 
     step, loss = 0, float("nan")
     if cfg.checkpoint.load:
-        loss = read_meta(cfg.checkpoint.load, cfg.model).get("loss", loss)
-        step = load_dense(cfg.checkpoint.load, model.view, optimizer, cfg.model)
+        meta = load_dense(cfg.checkpoint.load, model.view, optimizer, cfg.model)
+        step, loss = int(meta["step"]), meta.get("loss", loss)
         if step > cfg.training.steps:
             raise ConfigError(f"config key 'training.steps' ({cfg.training.steps}) is below the "
                               f"checkpoint's step ({step}) in {cfg.checkpoint.load}")

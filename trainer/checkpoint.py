@@ -99,8 +99,8 @@ def read_meta(directory: str, model_args: ModelArgs) -> dict:
 
 
 def load_dense(directory: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-               model_args: ModelArgs) -> int:
-    """Load a dense checkpoint into `model` and `optimizer`; return its step. Collective."""
+               model_args: ModelArgs) -> dict:
+    """Load a dense checkpoint into `model` and `optimizer`; return its metadata (step, loss). Collective."""
     meta = read_meta(directory, model_args)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
@@ -109,4 +109,4 @@ def load_dense(directory: str, model: torch.nn.Module, optimizer: torch.optim.Op
     except Exception as e:  # DCP wraps per-rank failures; keep one clear line
         raise CheckpointError(f"{directory}: cannot load ({type(e).__name__}: {str(e).splitlines()[0]})") from e
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return int(meta["step"])
+    return meta
