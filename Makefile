@@ -14,8 +14,10 @@ $(VENV)/.installed: requirements.txt
 
 venv: $(VENV)/.installed
 
+# The product's main job: two pipeline stages under torchrun with MoEvement sparse checkpointing.
 train: $(VENV)/.installed
-	$(PY) train.py --config $(CONFIG)
+	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node 2 train.py --config $(CONFIG) \
+		--parallelism.pp 2 --checkpoint.strategy moevement
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q tests

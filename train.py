@@ -19,6 +19,7 @@ from parallelisms.distributed import device_type, init_distributed, shutdown_dis
 from parallelisms.mesh import ParallelDims, build_mesh
 from parallelisms.parallelize import parallelize
 from trainer.checkpoint import CheckpointError, load_dense, save_dense
+from trainer.checkpointing import build_checkpointer
 from trainer.config import Config, ConfigError, check_world_size, load_config
 from trainer.data import DataError, build_data, make_loader
 from trainer.metrics import MetricsLogger
@@ -73,6 +74,7 @@ def train(cfg: Config) -> None:
             raise ConfigError(f"config key 'training.steps' ({cfg.training.steps}) is below the "
                               f"checkpoint's step ({step}) in {cfg.checkpoint.load}")
 
+    checkpointer = build_checkpointer(cfg, model, optimizer, dims)
     logger = MetricsLogger(cfg, rank, first_step=step + 1)
     val_data = [] if val_batches is None else [
         val_batches.val_batch(i, dp_rank, dp) for i in range(min(cfg.training.val_batches, val_batches.num_batches))]
@@ -82,16 +84,24 @@ def train(cfg: Config) -> None:
     started = time.perf_counter()
     for step, inputs, labels in loader:
         seeder.begin(step)
+        if checkpointer is not None:
+            checkpointer.begin(step)
         result = train_step(model, optimizer, inputs, labels, step, cfg.training, dims)
         loss = result.loss
+        tokens, gate_probs = take_expert_load(model.view)
+        scalars = {"loss": result.loss, "aux_loss": result.aux_loss, "lr": result.lr, "grad_norm": result.grad_norm}
+        if checkpointer is not None:
+            checkpointer.end(step, {**scalars, "clip_coef": result.clip_coef, "loss_scale": 1.0, "skipped": False},
+                             tokens, gate_probs)
+            scalars.update(checkpointer.metrics())
         elapsed = time.perf_counter() - started
-        logger.step(step, {"loss": result.loss, "aux_loss": result.aux_loss, "lr": result.lr,
-                           "grad_norm": result.grad_norm, "tok_per_s": tokens_per_step / elapsed},
-                    take_expert_load(model.view))
+        logger.step(step, {**scalars, "tok_per_s": tokens_per_step / elapsed}, tokens)
         if cfg.training.val_every and step % cfg.training.val_every == 0 and val_data:
             logger.validation(step, evaluate(model, val_data, dims, cfg.training.micro_batches))
         started = time.perf_counter()
 
+    if checkpointer is not None:
+        checkpointer.close()
     state = consolidated_training_state(model.view, optimizer)
     if state is not None:
         logger.line(f"final step={step} loss={loss:.6f} state_digest={state_digest(state)}")

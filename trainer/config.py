@@ -15,8 +15,12 @@ from pathlib import Path
 import tomli
 
 from models.args import ModelArgs
+from moevement.popularity import POLICIES
 from parallelisms.mesh import SCHEDULES, ParallelismConfig
 from trainer.data import DataConfig
+
+
+STRATEGIES = ("none", "moevement")
 
 
 class ConfigError(ValueError):
@@ -53,9 +57,21 @@ class TrainingConfig:
 
 @dataclass
 class CheckpointConfig:
-    strategy: str = "none"
+    strategy: str = "none"  # none | moevement
     save_final: str = ""  # directory for a dense DCP checkpoint at the end of training
     load: str = ""  # directory of a dense DCP checkpoint to resume from
+    # MoEvement sparse checkpointing (strategy = "moevement")
+    window: int = 0  # sparse window W; 0: chosen by Algorithm 1 from the profile
+    ordering: str = "count"  # operator popularity: count | soft | ema | capacity
+    ema_decay: float = 0.9  # decay of the `ema` ordering policy
+    replicas: int = 2  # peers holding a copy of each snapshot (capped by world size - 1)
+    bandwidth_gbps: float = 0.0  # cap on the snapshot copy rate to host memory, Gbit/s (0: none)
+    host_dir: str = "/dev/shm/moevement"  # shared-memory directory for snapshots and replicas
+    keep_host_state: bool = False  # keep snapshots in host memory after a clean finish
+    persist_dir: str = ""  # also write every `persist_every`-th persisted checkpoint here
+    persist_every: int = 1
+    profile_iters: int = 2  # iterations measured before the first window
+    reprofile_every: int = 0  # re-measure every N windows (0: only at start-up)
 
 
 @dataclass
@@ -78,7 +94,8 @@ class Config:
 
 CHOICES = {
     "training.mixed_precision": ("fp32", "bf16"),
-    "checkpoint.strategy": ("none",),
+    "checkpoint.strategy": STRATEGIES,
+    "checkpoint.ordering": POLICIES,
     "parallelism.schedule": SCHEDULES,
 }
 
@@ -208,7 +225,19 @@ def validate(cfg: Config) -> None:
     _check(t.max_grad_norm >= 0, "training.max_grad_norm", f"must be >= 0, got {t.max_grad_norm}")
     _check(t.val_every >= 0, "training.val_every", f"must be >= 0, got {t.val_every}")
     _validate_parallelism(cfg)
+    _validate_checkpoint(cfg.checkpoint)
     _check(cfg.metrics.log_every >= 1, "metrics.log_every", f"must be >= 1, got {cfg.metrics.log_every}")
+
+
+def _validate_checkpoint(c: CheckpointConfig) -> None:
+    for name in ("window", "replicas", "reprofile_every"):
+        _check(getattr(c, name) >= 0, f"checkpoint.{name}", f"must be >= 0, got {getattr(c, name)}")
+    for name in ("persist_every", "profile_iters"):
+        _check(getattr(c, name) >= 1, f"checkpoint.{name}", f"must be >= 1, got {getattr(c, name)}")
+    _check(c.bandwidth_gbps >= 0, "checkpoint.bandwidth_gbps", f"must be >= 0, got {c.bandwidth_gbps}")
+    _check(0 < c.ema_decay < 1, "checkpoint.ema_decay", f"must be in (0, 1), got {c.ema_decay}")
+    if c.strategy == "moevement":
+        _check(bool(c.host_dir), "checkpoint.host_dir", "must name a (shared-memory) directory")
 
 
 def _validate_parallelism(cfg: Config) -> None:

@@ -65,13 +65,14 @@ def set_aux_grad_scale(module: torch.nn.Module, scale: float) -> None:
         moe.aux_grad_scale = scale
 
 
-def take_expert_load(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Per-expert routed-token counts since the last call, by MoE layer; resets them."""
-    load = {}
+def take_expert_load(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(routed-token counts, summed gate probabilities) per expert since the last call, by MoE layer; resets them."""
+    tokens, gate_probs = {}, {}
     for name, moe in moe_modules(module).items():
-        load[name] = moe.tokens_per_expert.detach().clone()
+        tokens[name] = moe.tokens_per_expert.detach().clone()
+        gate_probs[name] = moe.gate_prob_sum.detach().clone()
         moe.reset_load_stats()
-    return load
+    return tokens, gate_probs
 
 
 def _forward_backward(model: ModelParts, inputs: torch.Tensor, labels: torch.Tensor, micro: int) -> torch.Tensor:

@@ -1,0 +1,114 @@
+"""Checkpointing overhead of strategies on the same model, interleaved in one invocation.
+
+    python -m benchmarks.overhead --config train_configs/bench_moe.toml --strategies none,moevement \
+        --steps 20 [--rounds 2] [--window W] [--dense-snapshot-iters 3.5 | --bandwidth-gbps X] [--key value ...]
+
+Each round runs `train.py` once per strategy (real subprocesses, strategies alternating). Extra
+`--section.key value` arguments go to every run (e.g. `--training.mixed_precision bf16`).
+
+The snapshot bandwidth cap reproduces the paper's regime on CPU: unless --bandwidth-gbps is given,
+it is set after the first `none` run so that a dense snapshot (FP32 weights + both AdamW moments)
+takes --dense-snapshot-iters iterations. Per strategy it prints
+
+    strategy=<s> iter_ms=<median> overhead=<ratio-1> snapshot_mb_per_iter=<x> stall_ms=<median> ...
+
+over the steady-state iterations (after the profile and the first window) of all rounds;
+snapshot_mb_per_iter averages whole windows only, and dense_fraction divides it by the dense size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import subprocess
+import sys
+
+from models import count_params
+from trainer.config import load_config
+
+STEP_RE = re.compile(r"^step=(\d+) (.*)$", re.MULTILINE)
+QUIET = ["--metrics.tensorboard", "false", "--metrics.log_every", "1", "--training.val_every", "0",
+         "--metrics.progress", "false"]
+
+
+def parse_steps(stdout: str) -> dict[int, dict[str, float]]:
+    return {int(m[1]): {k: float(v) for k, v in (kv.split("=") for kv in m[2].split())}
+            for m in STEP_RE.finditer(stdout)}
+
+
+def run(config: str, strategy: str, steps: int, extra: list[str]) -> dict[int, dict[str, float]]:
+    cmd = [sys.executable, "train.py", "--config", config, *QUIET, "--training.steps", str(steps),
+           "--checkpoint.strategy", strategy, *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"run failed ({strategy}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return parse_steps(proc.stdout)
+
+
+def whole_windows(records: dict[int, dict[str, float]], profile_iters: int) -> list[dict[str, float]]:
+    """The records of the complete windows of one run (windows start right after the profile)."""
+    window = int(records[max(records)]["window"])
+    last = max(records)
+    complete = (last - profile_iters) // window
+    return [r for step, r in records.items() if profile_iters < step <= profile_iters + complete * window]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="train_configs/bench_moe.toml")
+    parser.add_argument("--strategies", default="none,moevement")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--window", type=int, default=0, help="force W (0: Algorithm 1)")
+    parser.add_argument("--bandwidth-gbps", type=float, default=0.0, help="snapshot copy cap (0: calibrate)")
+    parser.add_argument("--dense-snapshot-iters", type=float, default=3.5)
+    args, extra = parser.parse_known_args(argv)
+    strategies = args.strategies.split(",")
+    cfg = load_config(args.config, extra)
+    dense_bytes = 12 * count_params(cfg.model)[0]  # FP32 master + exp_avg + exp_avg_sq
+    tokens = cfg.training.batch_size * cfg.training.seq_len
+    profile_iters = cfg.checkpoint.profile_iters
+    skip = profile_iters + 1  # start-up, profile and the first snapshot's buffer allocation
+
+    cap = args.bandwidth_gbps
+    runs: dict[str, list[dict[int, dict[str, float]]]] = {s: [] for s in strategies}
+    order = sorted(strategies, key=lambda s: s != "none")  # calibrate on `none` before anything is capped
+    for round_index in range(args.rounds):
+        for strategy in order:
+            flags = list(extra)
+            if strategy != "none":
+                if cap <= 0:
+                    sys.exit("--bandwidth-gbps is required when `none` is not among the strategies")
+                flags += ["--checkpoint.bandwidth_gbps", f"{cap:.6f}"]
+                if args.window:
+                    flags += ["--checkpoint.window", str(args.window)]
+            records = run(args.config, strategy, args.steps, flags)
+            runs[strategy].append(records)
+            if strategy == "none" and cap <= 0:
+                iter_s = statistics.median(tokens / r["tok_per_s"] for t, r in records.items() if t > skip)
+                cap = dense_bytes * 8 / 1e9 / (args.dense_snapshot_iters * iter_s)
+                print(f"calibrated bandwidth_gbps={cap:.4f} (dense snapshot {dense_bytes / 1e6:.0f} MB "
+                      f"in {args.dense_snapshot_iters} iterations of {iter_s * 1e3:.0f} ms)", flush=True)
+            print(f"round={round_index} strategy={strategy} iterations={len(records)}", flush=True)
+
+    iter_ms = {s: statistics.median(tokens / r["tok_per_s"] * 1e3 for records in rs
+                                    for t, r in records.items() if t > skip) for s, rs in runs.items()}
+    base = iter_ms.get("none", min(iter_ms.values()))
+    dense_s = dense_bytes / (cap * 1e9 / 8)
+    print(f"dense_snapshot_mb={dense_bytes / 1e6:.1f} bandwidth_gbps={cap:.4f} "
+          f"dense_snapshot_iters={dense_s / (base / 1e3):.2f}")
+    for strategy, rs in runs.items():
+        line = f"strategy={strategy} iter_ms={iter_ms[strategy]:.1f} overhead={iter_ms[strategy] / base - 1:.4f}"
+        if strategy != "none":
+            whole = [r for records in rs for r in whole_windows(records, profile_iters)]
+            mb = statistics.mean(r["ckpt_mb"] for r in whole)
+            stall = statistics.median(r["stall_ms"] for records in rs for t, r in records.items() if t > skip)
+            windows = sorted({int(r["window"]) for r in whole})
+            line += (f" snapshot_mb_per_iter={mb:.1f} stall_ms={stall:.1f} window={','.join(map(str, windows))}"
+                     f" dense_fraction={mb / (dense_bytes / 1e6):.3f}")
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()

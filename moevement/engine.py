@@ -1,0 +1,290 @@
+"""MoEvement sparse checkpointing inside the training loop (DESIGN.md §2).
+
+Per iteration t the loop calls `begin(t)` before the forward pass and `end(t, ...)` after the
+optimizer step; an optimizer step pre-hook sits in between:
+
+  begin(t)      state_t is current. At a window boundary, plan the window (popularity order,
+                Algorithm 1). Start copying SS_t into host memory on the copy thread (CPU) or a
+                side CUDA stream (GPU), overlapped with forward/backward.
+  pre-hook      wait for the copy: SS_t is complete before the step mutates any of its tensors.
+  end(t)        add the iteration's scalar log to SS_t's header, commit it, and hand it to the
+                replicator. When every rank's window is replicated the checkpoint is persisted,
+                the previous one garbage-collected, and every Nth written to disk.
+
+Buffers: two sets (window parity) of one buffer per slot, allocated once and grown when needed,
+so at most one persisted and one in-flight checkpoint exist. A window's copies wait until the
+previous window is persisted before overwriting the buffers of the one before it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from moevement.hostmem import HostBuffer, make_private_dir, read_header, write_json_atomic
+from moevement.operators import Operator, build_registry
+from moevement.persist import DiskWriter
+from moevement.popularity import PopularityTracker
+from moevement.profiler import Profile
+from moevement.replication import Outgoing, ReplicaStore, Replicator, peer_map
+from moevement.schedule import WindowPlan, find_window_size, generate_schedule, order_operators, slot_size_for
+from moevement.snapshot import SnapshotHeader, copy_entries, layout
+
+
+@dataclass
+class Topology:
+    """Where this rank sits: what replica placement needs to know about every rank."""
+
+    rank: int
+    world: int
+    stage_of: list[int]  # pipeline stage (pp rank) of every rank
+    node_of: list[int]  # node index of every rank
+
+    @classmethod
+    def single(cls) -> "Topology":
+        return cls(0, 1, [0], [0])
+
+
+@dataclass
+class _Pending:
+    iteration: int
+    window_index: int
+    slot: int
+    header: SnapshotHeader
+    buffer: HostBuffer
+    copy: Future
+
+
+class SparseCheckpointer:
+    """Takes, replicates and persists sparse snapshots; see the module docstring for the call order.
+
+    `cfg` provides: window, ordering, ema_decay, replicas, bandwidth_gbps, persist_dir,
+    persist_every, profile_iters, reprofile_every, keep_host_state.
+    """
+
+    def __init__(self, cfg, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                 compute_dtype: torch.dtype, device: torch.device, rank_dir: Path, topology: Topology,
+                 job_meta: dict | None = None):
+        self.cfg, self.optimizer, self.compute_dtype, self.device = cfg, optimizer, compute_dtype, device
+        self.topology, self.job_meta = topology, dict(job_meta or {})
+        self.ops: list[Operator] = build_registry(model)
+        self.ops_by_name = {op.name: op for op in self.ops}
+        self.registry_order = [op.name for op in self.ops]
+        self.order = list(self.registry_order)
+        self.tracker = PopularityTracker(cfg.ordering, cfg.ema_decay)
+        self.rank_dir = make_private_dir(rank_dir)
+        self.local_dir = make_private_dir(rank_dir / "local")
+        self.profile = Profile(cfg.bandwidth_gbps)
+        self.profile.measure_bandwidth(self.rank_dir, device)
+        self.buffers: dict[tuple[int, int], HostBuffer] = {}
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # One OpenMP thread for copies (the setting is per thread): compute keeps its cores.
+        self.copier = ThreadPoolExecutor(1, thread_name_prefix="moevement-copy",
+                                         initializer=torch.set_num_threads, initargs=(1,))
+        self.plan: WindowPlan | None = None
+        self.window_index = -1
+        self.iterations_seen = 0
+        self.pending: _Pending | None = None
+        self.latest: tuple[SnapshotHeader, torch.Tensor] | None = None  # newest committed snapshot, its bytes
+        self.persisted = -1  # index of the newest persisted window
+        self.persisted_cond = threading.Condition()
+        self.window_headers: dict[int, list[dict]] = {}
+        self.disk = DiskWriter(Path(cfg.persist_dir), topology.rank) if cfg.persist_dir else None
+        self.replicator = None
+        if topology.world > 1 and cfg.replicas > 0:
+            peers = peer_map(topology.world, cfg.replicas, topology.stage_of, topology.node_of)
+            group = dist.new_group(backend="gloo")
+            self.replicas = ReplicaStore(make_private_dir(rank_dir / "replicas"))
+            self.replicator = Replicator(topology.rank, peers, self.replicas, group, self._on_window_replicated)
+        else:
+            self.replicas = ReplicaStore(rank_dir / "replicas")
+        self._begin_time = 0.0
+        self.last = {"ckpt_mb": 0.0, "stall_ms": 0.0}
+        optimizer.register_step_pre_hook(self._before_optimizer_step)
+
+    # ---- the three calls of the training loop ----------------------------------------------------
+
+    def begin(self, iteration: int) -> None:
+        """Iteration `iteration` is about to run on state_iteration: start its snapshot, if any."""
+        self._begin_time = time.perf_counter()
+        self.iterations_seen += 1
+        self.last = {"ckpt_mb": 0.0, "stall_ms": 0.0}
+        if self.iterations_seen <= self.cfg.profile_iters:
+            return
+        if self.plan is None or iteration >= self.plan.end:
+            self._start_window(iteration)
+        slot = self.plan.slot_at(iteration)
+        active, frozen = self._slot_operators(slot)
+        entries, sources, nbytes = layout(active, frozen, self.optimizer, self.compute_dtype)
+        header = SnapshotHeader(iteration, self.plan.start, slot, self.plan.window, self.topology.rank,
+                                [op.name for op in active], [op.name for op in frozen], entries, nbytes,
+                                {**self.job_meta, "data_position": iteration})
+        buffer = self._buffer(self.window_index % 2, slot)
+        copy = self.copier.submit(self._copy, self.window_index, buffer, header, sources)
+        self.pending = _Pending(iteration, self.window_index, slot, header, buffer, copy)
+        self.last["ckpt_mb"] = nbytes / 1e6
+
+    def _before_optimizer_step(self, _optimizer, _args, _kwargs) -> None:
+        self.profile.record(time.perf_counter() - self._begin_time)
+        if self.pending is not None:
+            start = time.perf_counter()
+            self.pending.copy.result()
+            self.last["stall_ms"] = (time.perf_counter() - start) * 1e3
+
+    def end(self, iteration: int, scalars: dict[str, float], tokens: dict[str, torch.Tensor],
+            gate_probs: dict[str, torch.Tensor]) -> None:
+        """Iteration `iteration` finished with these logged scalars and router statistics."""
+        self.tracker.observe(tokens, gate_probs)
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        pending.copy.result()
+        pending.header.meta["scalars"] = dict(scalars)
+        header = pending.header.to_json()
+        pending.buffer.commit(header)
+        self.window_headers.setdefault(pending.window_index, []).append(header)
+        self.latest = (pending.header, pending.buffer.data)
+        last = pending.slot == self.plan.window - 1
+        if self.replicator is not None:
+            self.replicator.submit(Outgoing(pending.window_index, pending.slot, last, header,
+                                            pending.buffer.data[:header["nbytes"]]))
+        elif last:
+            self._on_window_replicated(pending.window_index)
+
+    def metrics(self) -> dict[str, float]:
+        """Per-iteration figures for the log and TensorBoard."""
+        return {**self.last, "window": self.plan.window if self.plan else 0,
+                "repl_lag": self.replicator.backlog if self.replicator else 0,
+                "host_mb": self.host_bytes() / 1e6}
+
+    def host_bytes(self) -> int:
+        return sum(b.capacity for b in self.buffers.values()) + self.replicas.nbytes()
+
+    def request_profile(self) -> None:
+        """Re-measure iteration time (over the current window) and bandwidth, for the next window."""
+        self.profile.open()
+
+    def close(self) -> None:
+        """Finish copies, replication and disk writes; drop host state unless asked to keep it."""
+        if self.pending is not None:
+            self.pending.copy.result()
+        self.copier.shutdown()
+        if self.replicator is not None:
+            self.replicator.close()
+        if self.disk is not None:
+            self.disk.close()
+        if not self.cfg.keep_host_state:
+            shutil.rmtree(self.rank_dir, ignore_errors=True)
+
+    # ---- planning ----------------------------------------------------------------------------------
+
+    def _start_window(self, iteration: int) -> None:
+        """Plan window [iteration, iteration + W): order, Algorithm 1, slots (same W on every rank)."""
+        reordered = self.tracker.end_window()
+        if reordered:
+            self.order = order_operators(self.registry_order, [op.kind == "expert" for op in self.ops],
+                                         self.tracker.popularity())
+        if self.profile.recording:
+            self.profile.close()
+            if self.plan is not None:
+                self.profile.measure_bandwidth(self.rank_dir, self.device)
+        window = self.cfg.window or self._agree(self._algorithm1_window())
+        slots = generate_schedule(self.order, slot_size_for(len(self.order), window), window)
+        self.plan = WindowPlan(iteration, slots)
+        self.window_index += 1
+        if self.window_index == 0:
+            self._reserve_buffers()
+        every = self.cfg.reprofile_every
+        if every and self.window_index % every == every - 1:
+            self.profile.open()
+
+    def _algorithm1_window(self) -> int:
+        fp32 = [self.ops_by_name[n].fp32_bytes(self.optimizer) for n in self.order]
+        compute = [self.ops_by_name[n].compute_bytes(self.compute_dtype) for n in self.order]
+        window, _ = find_window_size(fp32, compute, self.profile.iteration_s, self.profile.bandwidth)
+        return window
+
+    def _agree(self, window: int) -> int:
+        """The largest window any rank needs: windows are global so snapshots replicate in lockstep."""
+        if self.topology.world == 1:
+            return window
+        agreed = torch.tensor([window], dtype=torch.int64, device=self.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        return int(agreed)
+
+    # ---- buffers, copying, persistence ----------------------------------------------------------------
+
+    def _buffer(self, parity: int, slot: int) -> HostBuffer:
+        key = (parity, slot)
+        if key not in self.buffers:
+            self.buffers[key] = HostBuffer(self.local_dir / f"w{parity}-s{slot}", pin=self.device.type == "cuda")
+        return self.buffers[key]
+
+    def _slot_operators(self, slot: int) -> tuple[list[Operator], list[Operator]]:
+        """(operators whose FP32 state SS_{start+slot} holds, operators whose compute weights it holds)."""
+        return ([self.ops_by_name[n] for n in self.plan.slots[slot]],
+                [self.ops_by_name[n] for n in self.plan.frozen_after(slot)])
+
+    def _reserve_buffers(self) -> None:
+        """Allocate (and fault in) both buffer sets for the first window's snapshot sizes, once."""
+        for slot in range(self.plan.window):
+            nbytes = layout(*self._slot_operators(slot), self.optimizer, self.compute_dtype)[2]
+            for parity in (0, 1):
+                self._buffer(parity, slot).ensure(max(nbytes, 1))
+
+    def _copy(self, window_index: int, buffer: HostBuffer, header: SnapshotHeader, sources) -> None:
+        """Copy thread: wait until the buffer's old window is garbage, then copy SS_t into it."""
+        with self.persisted_cond:
+            while self.persisted < window_index - 1:
+                if self.replicator is not None:
+                    self.replicator.raise_if_failed()
+                self.persisted_cond.wait(timeout=1.0)
+        if self.disk is not None:
+            self.disk.wait(window_index % 2)
+        buffer.invalidate()
+        data = buffer.ensure(max(header.nbytes, 1))
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                copy_entries(data, header.entries, sources, self.profile.throttle(), self.stream)
+        else:
+            copy_entries(data, header.entries, sources, self.profile.throttle())
+
+    def _on_window_replicated(self, window_index: int) -> None:
+        """Window `window_index` is complete on every rank and its replicas: it is persisted."""
+        headers = self.window_headers.pop(window_index)
+        self.window_headers.pop(window_index - 1, None)
+        for (parity, _), buf in list(self.buffers.items()):
+            if parity != window_index % 2:
+                buf.invalidate()
+        self.replicas.invalidate(1 - window_index % 2)
+        write_json_atomic(self.rank_dir / "persisted.json", {
+            "window_index": window_index, "window_start": headers[0]["window_start"], "window": len(headers),
+            "rank": self.topology.rank, "snapshots": [f"local/w{window_index % 2}-s{h['slot']}" for h in headers]})
+        if self.disk is not None and window_index % self.cfg.persist_every == 0:
+            parity = window_index % 2
+            self.disk.submit(parity, [(h, self._buffer(parity, h["slot"]).data) for h in headers])
+        with self.persisted_cond:
+            self.persisted = window_index
+            self.persisted_cond.notify_all()
+
+
+def persisted_snapshots(rank_dir: Path) -> list[tuple[dict, Path]]:
+    """(header, buffer path) of the persisted checkpoint recorded under a rank directory, in slot order."""
+    manifest = read_header(rank_dir / "persisted")
+    if manifest is None:
+        return []
+    out = []
+    for rel in manifest["snapshots"]:
+        header = read_header(rank_dir / rel)
+        if header is None or header["window_start"] != manifest["window_start"]:
+            raise FileNotFoundError(f"{rank_dir / rel}: snapshot of the persisted checkpoint is missing")
+        out.append((header, rank_dir / rel))
+    return out

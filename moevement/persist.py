@@ -1,0 +1,99 @@
+"""Optional disk persistence of persisted sparse checkpoints, for whole-job restarts.
+
+Layout: `<persist_dir>/window-<start:08d>/rank<r:05d>/s<slot>.bin` with the snapshot's
+self-describing JSON header beside it (`s<slot>.json`: entries, dtypes, shapes, checksums, metadata).
+A rank's directory is written under a temporary name and renamed when complete; a checkpoint is
+complete when every rank's directory exists. Each rank keeps its two newest windows, so a
+checkpoint other ranks are still writing never costs the previous complete one.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import torch
+
+from moevement.hostmem import make_private_dir, read_header, write_json_atomic
+from moevement.snapshot import SnapshotError, SnapshotHeader, read_entries
+
+KEEP = 2  # newest windows kept per rank
+
+
+def window_dir(root: Path, window_start: int) -> Path:
+    return root / f"window-{window_start:08d}"
+
+
+def write_window(root: Path, rank: int, snapshots: list[tuple[dict, torch.Tensor]]) -> Path:
+    """Write one rank's snapshots of a window (headers + bytes); returns the rank directory."""
+    start = snapshots[0][0]["window_start"]
+    final = window_dir(root, start) / f"rank{rank:05d}"
+    tmp = final.with_name(f".{final.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    make_private_dir(tmp)
+    for header, payload in snapshots:
+        path = tmp / f"s{header['slot']}.bin"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload[:header["nbytes"]].numpy().tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        write_json_atomic(path.with_suffix(".json"), header)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    return final
+
+
+def read_window(rank_dir: Path) -> list[tuple[SnapshotHeader, dict[tuple[str, str], torch.Tensor]]]:
+    """Every snapshot of a persisted rank directory, in slot order, checksums verified."""
+    headers = sorted((p for p in rank_dir.glob("s*.json")), key=lambda p: int(p.stem[1:]))
+    if not headers:
+        raise SnapshotError(f"{rank_dir}: no snapshots")
+    out = []
+    for path in headers:
+        header = SnapshotHeader.from_json(read_header(path.with_suffix("")))
+        data = path.with_suffix(".bin")
+        raw = torch.frombuffer(bytearray(data.read_bytes()), dtype=torch.uint8)
+        out.append((header, read_entries(raw, header, source=str(data))))
+    return out
+
+
+class DiskWriter:
+    """Writes windows on a background thread; `busy(parity)` says whether a window's buffers are still read."""
+
+    def __init__(self, root: Path, rank: int):
+        self.root, self.rank = make_private_dir(root), rank
+        self.threads: dict[int, threading.Thread] = {}
+        self.error: BaseException | None = None
+
+    def submit(self, parity: int, snapshots: list[tuple[dict, torch.Tensor]]) -> None:
+        self.wait(parity)
+        thread = threading.Thread(target=self._write, args=(snapshots,), name="moevement-persist", daemon=True)
+        self.threads[parity] = thread
+        thread.start()
+
+    def wait(self, parity: int) -> None:
+        thread = self.threads.pop(parity, None)
+        if thread is not None:
+            thread.join()
+        if self.error is not None:
+            raise RuntimeError(f"writing a sparse checkpoint under {self.root} failed") from self.error
+
+    def close(self) -> None:
+        for parity in list(self.threads):
+            self.wait(parity)
+
+    def _write(self, snapshots: list[tuple[dict, torch.Tensor]]) -> None:
+        try:
+            write_window(self.root, self.rank, snapshots)
+            mine = sorted(d for d in self.root.glob("window-*") if (d / f"rank{self.rank:05d}").exists())
+            for old in mine[:-KEEP]:
+                shutil.rmtree(old / f"rank{self.rank:05d}", ignore_errors=True)
+                try:
+                    old.rmdir()
+                except OSError:  # other ranks' directories are still there
+                    pass
+        except BaseException as e:
+            self.error = e

@@ -1,0 +1,94 @@
+"""Expert popularity from router load statistics, and the rule for when to reorder operators.
+
+Popularity is tracked per routed-expert operator (`<moe prefix>.experts.<e>`) from the per-layer
+statistics the MoE layers accumulate each iteration: routed-token counts and summed gate
+probabilities. Policies:
+  count     routed tokens in the last window (default)
+  soft      summed gate probabilities in the last window
+  ema       exponential moving average of the per-iteration share of a layer's tokens
+  capacity  routed tokens relative to the layer's mean load (the capacity of a balanced router)
+Operators are reordered when, for more than 25% of experts, the policy's share of its layer moved
+by more than 10% since the order was last set (DESIGN.md §2); the caller applies the new order at
+the next window boundary.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+POLICIES = ("count", "soft", "ema", "capacity")
+CHANGE = 0.10  # relative change of an expert's share that counts as "changed"
+FRACTION = 0.25  # share of experts that must change to trigger a reorder
+
+
+class PopularityTracker:
+    def __init__(self, policy: str = "count", ema_decay: float = 0.9):
+        if policy not in POLICIES:
+            raise ValueError(f"unknown ordering policy {policy!r} (allowed: {', '.join(POLICIES)})")
+        self.policy, self.ema_decay = policy, ema_decay
+        self.window_tokens: dict[str, torch.Tensor] = {}
+        self.window_soft: dict[str, torch.Tensor] = {}
+        self.ema: dict[str, torch.Tensor] = {}
+        self.reference: dict[str, float] | None = None  # popularity the current order was built from
+
+    def observe(self, tokens: dict[str, torch.Tensor], gate_probs: dict[str, torch.Tensor]) -> None:
+        """Add one iteration's statistics, keyed by MoE-layer prefix (`layers.3.moe`)."""
+        for layer, counts in tokens.items():
+            counts = counts.detach().double().cpu()
+            self.window_tokens[layer] = self.window_tokens.get(layer, 0) + counts
+            share = counts / counts.sum().clamp(min=1)
+            old = self.ema.get(layer)
+            self.ema[layer] = share if old is None else self.ema_decay * old + (1 - self.ema_decay) * share
+        for layer, probs in gate_probs.items():
+            self.window_soft[layer] = self.window_soft.get(layer, 0) + probs.detach().double().cpu()
+
+    def current(self) -> dict[str, float]:
+        """This policy's popularity per expert operator over the statistics seen since `end_window`."""
+        source = {"count": self.window_tokens, "soft": self.window_soft, "ema": self.ema,
+                  "capacity": self.window_tokens}[self.policy]
+        out = {}
+        for layer, values in source.items():
+            if self.policy == "capacity":
+                values = values / values.mean().clamp(min=1e-12)
+            out.update({f"{layer}.experts.{e}": float(v) for e, v in enumerate(values.tolist())})
+        return out
+
+    def end_window(self) -> bool:
+        """Close the statistics window; True (and adopt it as the reference) when a reorder is due.
+
+        A window without statistics changes nothing. The `ema` average spans windows by design.
+        """
+        now = self.current()
+        if not now:
+            return False
+        due = self.reference is None or changed_fraction(self.reference, now) > FRACTION
+        if due:
+            self.reference = now
+        self.window_tokens, self.window_soft = {}, {}
+        return due
+
+    def popularity(self) -> dict[str, float]:
+        """The popularity the current order is built from (empty before any statistics)."""
+        return dict(self.reference or {})
+
+
+def changed_fraction(before: dict[str, float], after: dict[str, float]) -> float:
+    """Fraction of experts whose share of their layer changed by more than CHANGE (relative)."""
+    a, b = _layer_shares(before), _layer_shares(after)
+    names = a.keys() | b.keys()
+    if not names:
+        return 0.0
+    return sum(abs(b.get(n, 0.0) - a.get(n, 0.0)) > CHANGE * a.get(n, 0.0) for n in names) / len(names)
+
+
+def _layer_shares(values: dict[str, float]) -> dict[str, float]:
+    totals: dict[str, float] = defaultdict(float)
+    for name, v in values.items():
+        totals[_layer(name)] += v
+    return {name: v / totals[_layer(name)] if totals[_layer(name)] else 0.0 for name, v in values.items()}
+
+
+def _layer(expert_op: str) -> str:
+    return expert_op.rsplit(".experts.", 1)[0]

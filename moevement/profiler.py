@@ -1,0 +1,77 @@
+"""Start-up (and on-request) measurements that feed Algorithm 1: overlap time and copy bandwidth."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from moevement.hostmem import HostBuffer
+from moevement.snapshot import Throttle
+
+PROBE_BYTES = 32 << 20
+
+
+def gbps_to_bytes(gbps: float) -> float:
+    """Gigabits per second -> bytes per second."""
+    return gbps * 1e9 / 8
+
+
+def measure_copy_bandwidth(directory: Path, device: torch.device, repeats: int = 3) -> float:
+    """Bytes/s of a device-to-host-snapshot-memory copy (best of `repeats`), through a scratch buffer."""
+    buffer = HostBuffer(directory / "bandwidth-probe", pin=device.type == "cuda")
+    try:
+        dst = buffer.ensure(PROBE_BYTES).view(torch.float32)
+        src = torch.rand(dst.numel(), device=device)
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            dst.copy_(src)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter() - start)
+        return PROBE_BYTES / best
+    finally:
+        for suffix in (".bin", ".json"):
+            buffer.path.with_suffix(suffix).unlink(missing_ok=True)
+
+
+class Profile:
+    """The iteration time a snapshot can overlap (forward + backward) and the copy bandwidth.
+
+    Overlap times are recorded while a profile is open (the first iterations of a run, or the window
+    after `open()`); `close()` fixes `iteration_s` to their median (the warm-up iteration dropped).
+    """
+
+    def __init__(self, cap_gbps: float = 0.0):
+        self.cap = gbps_to_bytes(cap_gbps)
+        self.measured_bandwidth = 0.0
+        self.iteration_s = 0.0
+        self.recording = True
+        self.times: list[float] = []
+
+    def measure_bandwidth(self, directory: Path, device: torch.device) -> None:
+        self.measured_bandwidth = measure_copy_bandwidth(directory, device)
+
+    @property
+    def bandwidth(self) -> float:
+        """What Algorithm 1 uses: the measured bandwidth, or the cap when that is lower."""
+        return min(self.measured_bandwidth, self.cap) if self.cap > 0 else self.measured_bandwidth
+
+    def throttle(self) -> Throttle:
+        return Throttle(self.cap)
+
+    def record(self, seconds: float) -> None:
+        if self.recording:
+            self.times.append(seconds)
+
+    def open(self) -> None:
+        self.recording, self.times = True, []
+
+    def close(self) -> None:
+        times = self.times[1:] if len(self.times) > 1 else self.times
+        if times:
+            self.iteration_s = statistics.median(times)
+        self.recording, self.times = False, []

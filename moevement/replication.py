@@ -1,0 +1,138 @@
+"""Replicating each snapshot to `r` peer ranks over a dedicated gloo process group.
+
+Every rank takes exactly one snapshot per iteration of a window (windows are global), so
+replication runs in lockstep rounds on a background thread: in each round a rank sends its
+snapshot (sizes, header, bytes) to its peers with point-to-point ops and receives the snapshots of
+the ranks it is a peer of into shared-memory replica buffers. After the last round of a window an
+all-reduce on the same group tells every rank that the whole window is replicated everywhere:
+the sparse checkpoint is then *persisted*.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from moevement.hostmem import HostBuffer, make_private_dir
+
+
+def choose_peers(rank: int, world: int, replicas: int, stage_of: list[int], node_of: list[int]) -> list[int]:
+    """The ranks holding `rank`'s replicas: other pipeline stages first, then other nodes, then nearest."""
+    others = [c for c in range(world) if c != rank]
+    others.sort(key=lambda c: (stage_of[c] == stage_of[rank], node_of[c] == node_of[rank], (c - rank) % world))
+    return others[:min(replicas, world - 1)]
+
+
+def peer_map(world: int, replicas: int, stage_of: list[int], node_of: list[int]) -> list[list[int]]:
+    """peers[rank] for every rank (every rank computes the same map)."""
+    return [choose_peers(r, world, replicas, stage_of, node_of) for r in range(world)]
+
+
+class ReplicaStore:
+    """Replicas this rank holds for other ranks: `<root>/from<src>/w<parity>-s<slot>.{bin,json}`."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.buffers: dict[tuple[int, int, int], HostBuffer] = {}
+
+    def buffer(self, src: int, parity: int, slot: int) -> HostBuffer:
+        key = (src, parity, slot)
+        if key not in self.buffers:
+            directory = make_private_dir(self.root / f"from{src}")
+            self.buffers[key] = HostBuffer(directory / f"w{parity}-s{slot}")
+        return self.buffers[key]
+
+    def invalidate(self, parity: int) -> None:
+        for (_, p, _), buf in self.buffers.items():
+            if p == parity:
+                buf.invalidate()
+
+    def nbytes(self) -> int:
+        return sum(b.capacity for b in self.buffers.values())
+
+
+@dataclass
+class Outgoing:
+    window_index: int
+    slot: int
+    last_in_window: bool
+    header: dict
+    payload: torch.Tensor  # uint8, exactly header["nbytes"] long
+
+
+class Replicator:
+    def __init__(self, rank: int, peers: list[list[int]], store: ReplicaStore, group,
+                 on_window_replicated: Callable[[int], None]):
+        self.rank, self.group, self.store = rank, group, store
+        self.peers = peers[rank]
+        self.sources = [src for src, targets in enumerate(peers) if rank in targets]
+        self.on_window_replicated = on_window_replicated
+        self.queue: queue.Queue[Outgoing | None] = queue.Queue()
+        self.backlog = 0  # snapshots submitted and not yet replicated
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="moevement-replication", daemon=True)
+        self.thread.start()
+
+    def submit(self, item: Outgoing) -> None:
+        self.raise_if_failed()
+        self.backlog += 1
+        self.queue.put(item)
+
+    def close(self) -> None:
+        """Finish every submitted round (all ranks submit the same number), then stop."""
+        self.queue.put(None)
+        self.thread.join()
+        self.raise_if_failed()
+
+    def raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"snapshot replication failed on rank {self.rank}") from self.error
+
+    def _run(self) -> None:
+        try:
+            while (item := self.queue.get()) is not None:
+                self._round(item)
+                self.backlog -= 1
+                if item.last_in_window:
+                    done = torch.tensor([item.window_index], dtype=torch.int64)
+                    dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self.group)
+                    self.on_window_replicated(int(done))
+        except BaseException as e:  # surfaced on the training thread at the next submit/close
+            self.error = e
+
+    def _round(self, item: Outgoing) -> None:
+        header = torch.frombuffer(bytearray(json.dumps(item.header).encode()), dtype=torch.uint8)
+        sizes = torch.tensor([header.numel(), item.payload.numel()], dtype=torch.int64)
+        incoming = {src: torch.empty(2, dtype=torch.int64) for src in self.sources}
+        works = [dist.isend(sizes, peer, group=self.group, tag=0) for peer in self.peers]
+        works += [dist.irecv(buf, src, group=self.group, tag=0) for src, buf in incoming.items()]
+        _wait(works)
+        works = []
+        for peer in self.peers:
+            works.append(dist.isend(header, peer, group=self.group, tag=1))
+            if item.payload.numel():
+                works.append(dist.isend(item.payload, peer, group=self.group, tag=2))
+        received = {}
+        for src, (header_len, payload_len) in ((s, b.tolist()) for s, b in incoming.items()):
+            replica = self.store.buffer(src, item.window_index % 2, item.slot)
+            replica.invalidate()
+            header_buf = torch.empty(header_len, dtype=torch.uint8)
+            works.append(dist.irecv(header_buf, src, group=self.group, tag=1))
+            if payload_len:
+                works.append(dist.irecv(replica.ensure(payload_len)[:payload_len], src, group=self.group, tag=2))
+            received[src] = (replica, header_buf)
+        _wait(works)
+        for replica, header_buf in received.values():
+            replica.commit(json.loads(header_buf.numpy().tobytes()))
+
+
+def _wait(works: list) -> None:
+    for work in works:
+        work.wait()

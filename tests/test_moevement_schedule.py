@@ -1,0 +1,245 @@
+"""MoEvement planning: Algorithm 1 (window size, schedule), expert popularity, operator registry."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from models import ModelArgs, build_model
+from moevement.operators import build_registry
+from moevement.popularity import PopularityTracker, changed_fraction
+from moevement.schedule import (WindowPlan, find_window_size, generate_schedule, order_operators,
+                                snapshot_sizes, slot_size_for)
+
+L1, L2 = "layers.1.moe", "layers.2.moe"
+
+
+# ---- Algorithm 1: FindWindowSize ------------------------------------------------------------------
+
+def test_snapshot_sizes_hand_case():
+    # slots [0,1] [2]: SS_0 = fp32 0+1 + compute 2 = 24 + 2; SS_1 = fp32 2 = 12
+    assert snapshot_sizes([[0, 1], [2]], [12, 12, 12], [2, 2, 2]) == [26, 12]
+
+
+@pytest.mark.parametrize("bandwidth, expected", [
+    # 6 operators, fp32=12, compute=2; all slots full -> max snapshot is SS_0 = 12k + 2(6-k):
+    # k=6: 72, k=5: 62, k=4: 52, k=3: 42, k=2: 32, k=1: 22
+    (30, (6, 1)),     # only k=1 (22) fits
+    (35, (3, 2)),     # k=2 (32) fits, k=3 (42) does not
+    (42, (2, 3)),     # budget equal to the largest snapshot fits (<=)
+    (41.5, (3, 2)),
+    (1000, (1, 6)),   # everything in one slot
+    (1, (6, 1)),      # nothing fits: one per slot
+])
+def test_find_window_size_uniform(bandwidth, expected):
+    assert find_window_size([12] * 6, [2] * 6, 1.0, bandwidth) == expected
+
+
+def test_find_window_size_budget_is_iteration_times_bandwidth():
+    assert find_window_size([12] * 6, [2] * 6, 0.5, 84) == (2, 3)  # budget 42: k=3 fits exactly
+    assert find_window_size([12] * 6, [2] * 6, 2.0, 16) == (3, 2)  # budget 32: k=2 fits exactly
+    assert find_window_size([12] * 6, [2] * 6, 0.25, 84) == (6, 1)  # budget 21 < 22: fallback
+
+
+def test_find_window_size_heterogeneous():
+    fp32, compute = [10, 40, 10, 10], [1, 4, 1, 1]
+    # k=4: 70. k=3: [0,1,2][3] -> 60+1=61, 10. k=2: [0,1][2,3] -> 50+2=52, 20.
+    # k=1: 10+6=16, 40+2=42, 10+1=11, 10 -> max 42 (the big operator's own slot dominates)
+    assert find_window_size(fp32, compute, 1.0, 70) == (1, 4)
+    assert find_window_size(fp32, compute, 1.0, 61) == (2, 3)
+    assert find_window_size(fp32, compute, 1.0, 60) == (2, 2)
+    assert find_window_size(fp32, compute, 1.0, 52) == (2, 2)
+    assert find_window_size(fp32, compute, 1.0, 51) == (4, 1)
+    assert find_window_size(fp32, compute, 1.0, 41) == (4, 1)  # nothing fits: fallback
+    assert find_window_size([], [], 1.0, 1.0) == (1, 1)
+
+
+def test_find_window_size_matches_brute_force():
+    """Largest fitting O_active against an independent snapshot computation, on random sizes."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        n = int(torch.randint(1, 12, (1,), generator=gen))
+        compute = torch.randint(1, 20, (n,), generator=gen).tolist()
+        fp32 = [c * int(torch.randint(2, 8, (1,), generator=gen)) for c in compute]
+        budget = float(torch.randint(1, 3 * sum(fp32), (1,), generator=gen))
+
+        def fits(k):
+            return all(sum(fp32[s:s + k]) + sum(compute[s + k:]) <= budget for s in range(0, n, k))
+        k = max([k for k in range(1, n + 1) if fits(k)], default=1)
+        assert find_window_size(fp32, compute, 1.0, budget) == (math.ceil(n / k), k)
+
+
+# ---- Algorithm 1: GenerateSchedule, WindowPlan ----------------------------------------------------
+
+def test_generate_schedule_slots():
+    ops = ["a", "b", "c", "d", "e"]
+    assert generate_schedule(ops, 2, 3) == (("a", "b"), ("c", "d"), ("e",))
+    assert generate_schedule(ops, 2, 4) == (("a", "b"), ("c", "d"), ("e",), ())  # trailing empty slot
+    assert generate_schedule(ops, 5, 1) == (tuple(ops),)
+    with pytest.raises(ValueError):
+        generate_schedule(ops, 2, 2)  # 4 places for 5 operators
+    with pytest.raises(ValueError):
+        generate_schedule(ops, 0, 10)
+
+
+def test_slot_size_for_covers_every_operator_once():
+    for n in range(1, 41):
+        names = [f"op{i}" for i in range(n)]
+        for window in range(1, n + 4):
+            o_active = slot_size_for(n, window)
+            slots = generate_schedule(names, o_active, window)
+            assert len(slots) == window and all(len(s) <= o_active for s in slots)
+            assert [name for s in slots for name in s] == names, (n, window)
+    assert slot_size_for(10, 3) == 4 and slot_size_for(3, 10) == 1
+
+
+def test_window_plan():
+    plan = WindowPlan(10, (("a", "b"), ("c",), ("d", "e")))
+    assert (plan.window, plan.end) == (3, 13)
+    assert [plan.slot_at(i) for i in (10, 11, 12)] == [0, 1, 2]
+    for outside in (9, 13):
+        with pytest.raises(ValueError):
+            plan.slot_at(outside)
+    assert plan.frozen_after(0) == ("c", "d", "e")
+    assert plan.frozen_after(1) == ("d", "e")
+    assert plan.frozen_after(2) == ()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.start = 0
+
+
+def test_order_operators():
+    names = ["layers.1", "e0", "e1", "router", "e2", "e3", "head"]
+    experts = [False, True, True, False, True, True, False]
+    popularity = {"e0": 5.0, "e1": 2.0, "e2": 2.0, "router": -1.0}  # e3 missing -> 0
+    assert order_operators(names, experts, popularity) == ["e3", "e1", "e2", "e0", "layers.1", "router", "head"]
+    assert order_operators(names, experts, {}) == ["e0", "e1", "e2", "e3", "layers.1", "router", "head"]
+
+
+# ---- popularity --------------------------------------------------------------------------------------
+
+def experts(prefix, values):
+    return {f"{prefix}.experts.{e}": float(v) for e, v in enumerate(values)}
+
+
+def observed(policy, **kwargs):
+    """A tracker that saw two iterations of layer 1 (and soft statistics for layer 2)."""
+    tracker = PopularityTracker(policy, **kwargs)
+    tracker.observe({L1: torch.tensor([1, 2, 3, 4])}, {L2: torch.tensor([0.5, 0.25, 0.25, 0.0])})
+    tracker.observe({L1: torch.tensor([1, 0, 0, 3])}, {L2: torch.tensor([0.25, 0.25, 0.25, 0.25])})
+    return tracker
+
+
+@pytest.mark.parametrize("policy, expected", [
+    ("count", experts(L1, [2, 2, 3, 7])),                       # summed tokens
+    ("soft", experts(L2, [0.75, 0.5, 0.5, 0.25])),              # summed gate probabilities
+    ("ema", experts(L1, [0.175, 0.1, 0.15, 0.575])),            # .5*[.1,.2,.3,.4] + .5*[.25,0,0,.75]
+    ("capacity", experts(L1, [4 / 7, 4 / 7, 6 / 7, 2.0])),      # tokens / mean load 3.5
+])
+def test_policies(policy, expected):
+    current = observed(policy, ema_decay=0.5).current()
+    assert current.keys() == expected.keys()
+    for name, value in expected.items():
+        assert current[name] == pytest.approx(value), name
+
+
+def test_unknown_policy():
+    with pytest.raises(ValueError, match="unknown ordering policy"):
+        PopularityTracker("random")
+
+
+def test_changed_fraction_thresholds():
+    before = experts(L1, [10, 18, 18, 18]) | experts(L2, [1, 1, 1, 1])
+    # expert 0: 10/64 -> 11/64 is exactly +10% (not changed; 64ths keep the float maths exact);
+    # expert 1: 18 -> 17 is -5.6%
+    assert changed_fraction(before, experts(L1, [11, 17, 18, 18]) | experts(L2, [1, 1, 1, 1])) == 0.0
+    # just over 10%: 1 changed of 8
+    assert changed_fraction(before, experts(L1, [11.01, 16.99, 18, 18]) | experts(L2, [1, 1, 1, 1])) == 1 / 8
+    # +20% and -11.1% in layer 1, layer 2 shares unchanged although scaled by 7
+    assert changed_fraction(before, experts(L1, [12, 16, 18, 18]) | experts(L2, [7, 7, 7, 7])) == 2 / 8
+    assert changed_fraction(before, before) == 0.0
+    assert changed_fraction({}, {}) == 0.0
+
+
+def test_end_window_reorders_on_large_changes_only():
+    tracker = PopularityTracker("count")
+    ref = [100, 180, 180, 180]
+    tracker.observe({L1: torch.tensor(ref)}, {})
+    assert tracker.end_window() is True  # first window always sets the order
+    assert tracker.popularity() == experts(L1, ref)
+    assert tracker.current() == {}  # window statistics were reset
+    # +11% and -6.1%: 1 of 4 experts changed = 0.25, not more than 0.25
+    tracker.observe({L1: torch.tensor([111, 169, 180, 180])}, {})
+    assert tracker.end_window() is False
+    assert tracker.popularity() == experts(L1, ref)  # reference kept
+    # +20% and -11.1%: 2 of 4 = 0.5 against the reference
+    tracker.observe({L1: torch.tensor([60, 80, 90, 90])}, {})
+    tracker.observe({L1: torch.tensor([60, 80, 90, 90])}, {})
+    assert tracker.end_window() is True
+    assert tracker.popularity() == experts(L1, [120, 160, 180, 180])
+
+
+# ---- operator registry ----------------------------------------------------------------------------
+
+def tiny(family):
+    return build_model(ModelArgs(
+        family=family, vocab_size=64, dim=32, n_layers=3, n_heads=4, n_dense_layers=1, dense_hidden_dim=64,
+        n_routed_experts=4, n_shared_experts=1, expert_hidden_dim=16, shared_expert_hidden_dim=16, top_k=2,
+        max_seq_len=64))
+
+
+@pytest.mark.parametrize("family", ["deepseek", "qwen"])
+def test_registry_partitions_parameters(family):
+    model = tiny(family)
+    ops = build_registry(model)
+    moe = lambda layer: ([(f"layers.{layer}", "block"), (f"layers.{layer}.moe.router", "router")]
+                         + [(f"layers.{layer}.moe.experts.{e}", "expert") for e in range(4)]
+                         + [(f"layers.{layer}.moe", "shared_expert")])
+    expected = [("tok_embeddings", "embedding"), ("layers.0", "block"), *moe(1), *moe(2), ("head", "head")]
+    assert [(op.name, op.kind) for op in ops] == expected
+    owned = [name for op in ops for name in op.params]
+    params = dict(model.named_parameters())
+    assert sorted(owned) == sorted(params)  # every parameter in exactly one operator
+    assert all(p is params[name] for op in ops for name, p in op.params.items())
+    by_name = {op.name: op for op in ops}
+    assert set(by_name["head"].params) == {"norm.weight", "output.weight"}
+    assert (by_name["layers.2.moe.experts.3"].layer, by_name["layers.2.moe.experts.3"].expert) == (2, 3)
+    assert set(by_name["layers.1.moe.experts.0"].params) == {f"layers.1.moe.experts.0.w{i}.weight" for i in (1, 2, 3)}
+    shared = set(by_name["layers.1.moe"].params)
+    assert ("layers.1.moe.shared_expert_gate.weight" in shared) == (family == "qwen")
+    assert "layers.1.moe.shared_experts.0.w1.weight" in shared
+    assert "layers.1.moe.router.gate.weight" in by_name["layers.1.moe.router"].params
+
+
+def test_registry_rejects_unknown_tensor():
+    model = nn.Module()
+    model.foo = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="foo"):
+        build_registry(model)
+
+
+def test_operator_bytes_and_master_tensors():
+    model = tiny("deepseek")
+    ops = build_registry(model)
+    optimizer = torch.optim.AdamW(model.parameters())
+    param_bytes = {op.name: sum(p.numel() * 4 for p in op.params.values()) for op in ops}
+    for op in ops:
+        assert op.fp32_bytes(optimizer) == 3 * param_bytes[op.name]  # AdamW moments assumed
+        assert op.compute_bytes(torch.bfloat16) == 2 * op.numel() == param_bytes[op.name] // 2
+        assert [n for n, _ in op.master_tensors(optimizer)] == list(op.params)
+        assert [n for n, _ in op.compute_tensors()] == list(op.params)
+    sum(p.square().sum() for p in model.parameters()).backward()
+    optimizer.step()
+    for op in ops:
+        state = sum(t.numel() * t.element_size() for p in op.params.values() for t in optimizer.state[p].values())
+        assert op.fp32_bytes(optimizer) == param_bytes[op.name] + state
+        assert op.fp32_bytes(optimizer) == 3 * param_bytes[op.name] + 4 * len(op.params)  # fp32 step scalars
+    expert = next(op for op in ops if op.name == "layers.1.moe.experts.0")
+    names = [n for n, _ in expert.master_tensors(optimizer)]
+    expected = list(expert.params) + [f"optim.{p}.{k}" for p in expert.params for k in ("exp_avg", "exp_avg_sq", "step")]
+    assert names == expected
+    tensors = dict(expert.master_tensors(optimizer))
+    w1 = "layers.1.moe.experts.0.w1.weight"
+    assert torch.equal(tensors[f"optim.{w1}.exp_avg_sq"], optimizer.state[expert.params[w1]]["exp_avg_sq"])
+    assert torch.equal(tensors[w1], expert.params[w1].detach())
