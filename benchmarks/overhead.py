@@ -48,8 +48,8 @@ def run(config: str, strategy: str, steps: int, extra: list[str]) -> dict[int, d
 
 def whole_windows(records: dict[int, dict[str, float]], profile_iters: int) -> list[dict[str, float]]:
     """The records of the complete windows of one run (windows start right after the profile)."""
-    window = int(records[max(records)]["window"])
     last = max(records)
+    window = int(records[last]["window"])
     complete = (last - profile_iters) // window
     return [r for step, r in records.items() if profile_iters < step <= profile_iters + complete * window]
 

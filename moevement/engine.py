@@ -54,7 +54,6 @@ class Topology:
 
 @dataclass
 class _Pending:
-    iteration: int
     window_index: int
     slot: int
     header: SnapshotHeader
@@ -97,14 +96,12 @@ class SparseCheckpointer:
         self.persisted_cond = threading.Condition()
         self.window_headers: dict[int, list[dict]] = {}
         self.disk = DiskWriter(Path(cfg.persist_dir), topology.rank) if cfg.persist_dir else None
+        self.replicas = ReplicaStore(rank_dir / "replicas")
         self.replicator = None
         if topology.world > 1 and cfg.replicas > 0:
             peers = peer_map(topology.world, cfg.replicas, topology.stage_of, topology.node_of)
             group = dist.new_group(backend="gloo")
-            self.replicas = ReplicaStore(make_private_dir(rank_dir / "replicas"))
             self.replicator = Replicator(topology.rank, peers, self.replicas, group, self._on_window_replicated)
-        else:
-            self.replicas = ReplicaStore(rank_dir / "replicas")
         self._begin_time = 0.0
         self.last = {"ckpt_mb": 0.0, "stall_ms": 0.0}
         optimizer.register_step_pre_hook(self._before_optimizer_step)
@@ -128,7 +125,7 @@ class SparseCheckpointer:
                                 {**self.job_meta, "data_position": iteration})
         buffer = self._buffer(self.window_index % 2, slot)
         copy = self.copier.submit(self._copy, self.window_index, buffer, header, sources)
-        self.pending = _Pending(iteration, self.window_index, slot, header, buffer, copy)
+        self.pending = _Pending(self.window_index, slot, header, buffer, copy)
         self.last["ckpt_mb"] = nbytes / 1e6
 
     def _before_optimizer_step(self, _optimizer, _args, _kwargs) -> None:

@@ -53,7 +53,10 @@ def read_window(rank_dir: Path) -> list[tuple[SnapshotHeader, dict[tuple[str, st
         raise SnapshotError(f"{rank_dir}: no snapshots")
     out = []
     for path in headers:
-        header = SnapshotHeader.from_json(read_header(path.with_suffix("")))
+        try:
+            header = SnapshotHeader.from_json(read_header(path.with_suffix("")))
+        except (ValueError, SnapshotError) as e:
+            raise SnapshotError(f"{path}: unreadable snapshot header ({e})") from None
         data = path.with_suffix(".bin")
         raw = torch.frombuffer(bytearray(data.read_bytes()), dtype=torch.uint8)
         out.append((header, read_entries(raw, header, source=str(data))))

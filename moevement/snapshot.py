@@ -109,10 +109,14 @@ class Throttle:
                 time.sleep(ahead)
 
 
+def entry_bytes(buffer: torch.Tensor, entry: Entry) -> torch.Tensor:
+    """The entry's bytes inside `buffer` (a uint8 tensor), without copying."""
+    return buffer[entry.offset:entry.offset + entry.nbytes]
+
+
 def entry_view(buffer: torch.Tensor, entry: Entry) -> torch.Tensor:
-    """The entry's tensor inside `buffer` (a uint8 tensor), without copying."""
-    raw = buffer[entry.offset:entry.offset + entry.nbytes]
-    return raw.view(_dtype(entry.dtype)).view(entry.shape)
+    """The entry's tensor inside `buffer`, without copying."""
+    return entry_bytes(buffer, entry).view(_dtype(entry.dtype)).view(entry.shape)
 
 
 def copy_entries(buffer: torch.Tensor, entries: list[Entry], sources: list[torch.Tensor], throttle: Throttle,
@@ -127,7 +131,7 @@ def copy_entries(buffer: torch.Tensor, entries: list[Entry], sources: list[torch
             if stream is not None:
                 stream.synchronize()
             throttle.consume(min(step, flat.numel() - lo) * dst.element_size())
-        entry.checksum = checksum(buffer[entry.offset:entry.offset + entry.nbytes])
+        entry.checksum = checksum(entry_bytes(buffer, entry))
 
 
 def checksum(raw: torch.Tensor) -> str:
@@ -157,7 +161,7 @@ def read_entries(buffer: torch.Tensor, header: SnapshotHeader, source: str = "sn
     for entry in header.entries:
         if entry.offset + entry.nbytes > header.nbytes:
             raise SnapshotError(f"{source}: entry {entry.name} lies outside the snapshot")
-        if verify and checksum(buffer[entry.offset:entry.offset + entry.nbytes]) != entry.checksum:
+        if verify and checksum(entry_bytes(buffer, entry)) != entry.checksum:
             raise SnapshotError(f"{source}: checksum mismatch in {entry.role} tensor {entry.name} "
                                 f"(iteration {header.iteration})")
         out[(entry.role, entry.name)] = entry_view(buffer, entry).clone()
