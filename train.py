@@ -19,7 +19,8 @@ from parallelisms.distributed import device_type, init_distributed, shutdown_dis
 from parallelisms.mesh import ParallelDims, build_mesh
 from parallelisms.parallelize import parallelize
 from trainer.checkpoint import CheckpointError, load_dense, save_dense
-from trainer.checkpointing import build_checkpointer
+from moevement.faults import FaultPlan
+from trainer.checkpointing import build_fault_tolerance
 from trainer.config import Config, ConfigError, check_world_size, load_config
 from trainer.data import DataError, build_data, make_loader
 from trainer.metrics import MetricsLogger
@@ -52,6 +53,16 @@ def build_training(cfg: Config, dims: ParallelDims):
     return model, build_optimizer(model.view, t)
 
 
+def inject_failures(faults: FaultPlan, step: int, rank: int, ft) -> None:
+    """Before iteration `step`: crash this process, or fail ranks in place and recover them."""
+    if faults.crashes_at(step, rank) and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+        print(f"fault: rank {rank} crashes at step {step}", flush=True)
+        os._exit(13)
+    events = faults.at(step)
+    if events:
+        ft.recovery.recover(step, events)
+
+
 def train(cfg: Config) -> None:
     rank, world = init_distributed()
     check_world_size(cfg, world)
@@ -74,8 +85,11 @@ def train(cfg: Config) -> None:
             raise ConfigError(f"config key 'training.steps' ({cfg.training.steps}) is below the "
                               f"checkpoint's step ({step}) in {cfg.checkpoint.load}")
 
-    checkpointer = build_checkpointer(cfg, model, optimizer, dims)
     logger = MetricsLogger(cfg, rank, first_step=step + 1)
+    ft = build_fault_tolerance(cfg, model, optimizer, dims, seeder, train_batches, logger.line)
+    faults = FaultPlan(cfg.fault.at, cfg.fault.crash)
+    if ft is not None and ft.restart_from is not None:
+        step = ft.recovery.restart(ft.restart_from) - 1  # state_{t0+W} is current: train on from t0+W
     val_data = [] if val_batches is None else [
         val_batches.val_batch(i, dp_rank, dp) for i in range(min(cfg.training.val_batches, val_batches.num_batches))]
     tokens_per_step = cfg.training.batch_size * cfg.training.seq_len
@@ -83,25 +97,26 @@ def train(cfg: Config) -> None:
     loader = make_loader(train_batches, step + 1, dp_rank, dp, cfg.data.num_workers, end_step=last_step + 1)
     started = time.perf_counter()
     for step, inputs, labels in loader:
+        inject_failures(faults, step, rank, ft)
         seeder.begin(step)
-        if checkpointer is not None:
-            checkpointer.begin(step)
+        if ft is not None:
+            ft.begin(step)
         result = train_step(model, optimizer, inputs, labels, step, cfg.training, dims)
         loss = result.loss
         tokens, gate_probs = take_expert_load(model.view)
         scalars = {"loss": result.loss, "aux_loss": result.aux_loss, "lr": result.lr, "grad_norm": result.grad_norm}
-        if checkpointer is not None:
-            checkpointer.end(step, {**scalars, "clip_coef": result.clip_coef, "loss_scale": 1.0, "skipped": False},
-                             tokens, gate_probs)
-            scalars.update(checkpointer.metrics())
+        if ft is not None:
+            ft.checkpointer.end(step, {**scalars, "clip_coef": result.clip_coef, "loss_scale": 1.0, "skipped": False},
+                                tokens, gate_probs)
+            scalars.update(ft.metrics())
         elapsed = time.perf_counter() - started
         logger.step(step, {**scalars, "tok_per_s": tokens_per_step / elapsed}, tokens)
         if cfg.training.val_every and step % cfg.training.val_every == 0 and val_data:
             logger.validation(step, evaluate(model, val_data, dims, cfg.training.micro_batches))
         started = time.perf_counter()
 
-    if checkpointer is not None:
-        checkpointer.close()
+    if ft is not None:
+        ft.checkpointer.close()
     state = consolidated_training_state(model.view, optimizer)
     if state is not None:
         logger.line(f"final step={step} loss={loss:.6f} state_digest={state_digest(state)}")

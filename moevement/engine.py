@@ -93,6 +93,9 @@ class SparseCheckpointer:
         self.pending: _Pending | None = None
         self.latest: tuple[SnapshotHeader, torch.Tensor] | None = None  # newest committed snapshot, its bytes
         self.persisted = -1  # index of the newest persisted window
+        self.persisted_window: tuple[int, int] | None = None  # its (first iteration, W)
+        self.scalar_log: dict[int, dict] = {}  # iteration -> logged scalars, kept from rollback_point()
+        self.replaying = False
         self.persisted_cond = threading.Condition()
         self.window_headers: dict[int, list[dict]] = {}
         self.disk = DiskWriter(Path(cfg.persist_dir), topology.rank) if cfg.persist_dir else None
@@ -102,6 +105,8 @@ class SparseCheckpointer:
             peers = peer_map(topology.world, cfg.replicas, topology.stage_of, topology.node_of)
             group = dist.new_group(backend="gloo")
             self.replicator = Replicator(topology.rank, peers, self.replicas, group, self._on_window_replicated)
+        self.peers = peer_map(topology.world, cfg.replicas, topology.stage_of, topology.node_of) \
+            if topology.world > 1 else [[]]
         self._begin_time = 0.0
         self.last = {"ckpt_mb": 0.0, "stall_ms": 0.0}
         optimizer.register_step_pre_hook(self._before_optimizer_step)
@@ -129,6 +134,8 @@ class SparseCheckpointer:
         self.last["ckpt_mb"] = nbytes / 1e6
 
     def _before_optimizer_step(self, _optimizer, _args, _kwargs) -> None:
+        if self.replaying:
+            return
         self.profile.record(time.perf_counter() - self._begin_time)
         if self.pending is not None:
             start = time.perf_counter()
@@ -139,6 +146,9 @@ class SparseCheckpointer:
             gate_probs: dict[str, torch.Tensor]) -> None:
         """Iteration `iteration` finished with these logged scalars and router statistics."""
         self.tracker.observe(tokens, gate_probs)
+        self.scalar_log[iteration] = dict(scalars)
+        for old in [t for t in self.scalar_log if t < self.rollback_point()]:
+            del self.scalar_log[old]
         pending, self.pending = self.pending, None
         if pending is None:
             return
@@ -163,6 +173,55 @@ class SparseCheckpointer:
 
     def host_bytes(self) -> int:
         return sum(b.capacity for b in self.buffers.values()) + self.replicas.nbytes()
+
+    def rollback_point(self) -> int:
+        """First iteration of the newest persisted checkpoint (1: none yet, roll back to the initial state)."""
+        return self.persisted_window[0] if self.persisted_window else 1
+
+    # ---- recovery support (moevement.recovery) ----------------------------------------------------
+
+    def abort_window(self) -> None:
+        """Recovery starts: finish replication, then drop the in-flight window on every rank.
+
+        The newest persisted checkpoint stays; the next `begin` opens a new window."""
+        if self.replicator is not None:
+            self.replicator.drain()
+        self.pending = None
+        for index in [i for i in self.window_headers if i > self.persisted]:
+            del self.window_headers[index]
+        in_flight = (self.persisted + 1) % 2
+        for (parity, _), buf in self.buffers.items():
+            if parity == in_flight:
+                buf.invalidate()
+        self.replicas.invalidate(in_flight)
+        self.plan, self.window_index = None, self.persisted
+
+    def wipe(self) -> None:
+        """This rank failed: overwrite and drop its snapshots, replicas held for peers, and logs."""
+        for buf in [*self.buffers.values(), *self.replicas.buffers.values()]:
+            buf.invalidate()
+            buf.data.zero_()
+        (self.rank_dir / "persisted.json").unlink(missing_ok=True)
+        self.scalar_log.clear()
+        self.reset_popularity()
+
+    def reset_popularity(self) -> None:
+        """Forget the popularity history and return to registry order (applied at the next window)."""
+        self.tracker = PopularityTracker(self.cfg.ordering, self.cfg.ema_decay)
+        self.order = list(self.registry_order)
+
+    def persisted_buffer(self, slot: int) -> HostBuffer:
+        """Local buffer of slot `slot` of the newest persisted checkpoint."""
+        return self._buffer(self.persisted % 2, slot)
+
+    def replica_buffer(self, src: int, slot: int) -> HostBuffer:
+        """Buffer of the replica of rank `src`'s slot `slot` of the newest persisted checkpoint."""
+        return self.replicas.buffer(src, self.persisted % 2, slot)
+
+    def restored(self) -> None:
+        """Every slot of the persisted checkpoint is back in the local buffers: record it again."""
+        start, window = self.persisted_window
+        self._write_manifest(self.persisted, start, window)
 
     def request_profile(self) -> None:
         """Re-measure iteration time (over the current window) and bandwidth, for the next window."""
@@ -262,15 +321,19 @@ class SparseCheckpointer:
             if parity != window_index % 2:
                 buf.invalidate()
         self.replicas.invalidate(1 - window_index % 2)
-        write_json_atomic(self.rank_dir / "persisted.json", {
-            "window_index": window_index, "window_start": headers[0]["window_start"], "window": len(headers),
-            "rank": self.topology.rank, "snapshots": [f"local/w{window_index % 2}-s{h['slot']}" for h in headers]})
+        self._write_manifest(window_index, headers[0]["window_start"], len(headers))
         if self.disk is not None and window_index % self.cfg.persist_every == 0:
             parity = window_index % 2
             self.disk.submit(parity, [(h, self._buffer(parity, h["slot"]).data) for h in headers])
         with self.persisted_cond:
             self.persisted = window_index
+            self.persisted_window = (headers[0]["window_start"], len(headers))
             self.persisted_cond.notify_all()
+
+    def _write_manifest(self, window_index: int, start: int, window: int) -> None:
+        write_json_atomic(self.rank_dir / "persisted.json", {
+            "window_index": window_index, "window_start": start, "window": window, "rank": self.topology.rank,
+            "snapshots": [f"local/w{window_index % 2}-s{slot}" for slot in range(window)]})
 
 
 def persisted_snapshots(rank_dir: Path) -> list[tuple[dict, Path]]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -85,6 +86,13 @@ class Replicator:
         self.backlog += 1
         self.queue.put(item)
 
+    def drain(self) -> None:
+        """Wait until every submitted snapshot is replicated (all ranks drain together)."""
+        while self.queue.unfinished_tasks:
+            self.raise_if_failed()
+            time.sleep(0.001)
+        self.raise_if_failed()
+
     def close(self) -> None:
         """Finish every submitted round (all ranks submit the same number), then stop."""
         self.queue.put(None)
@@ -104,6 +112,7 @@ class Replicator:
                     done = torch.tensor([item.window_index], dtype=torch.int64)
                     dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self.group)
                     self.on_window_replicated(int(done))
+                self.queue.task_done()
         except BaseException as e:  # surfaced on the training thread at the next submit/close
             self.error = e
 

@@ -19,7 +19,15 @@ def init_distributed() -> tuple[int, int]:
         if "RANK" in os.environ:  # launched by torchrun
             if backend == "nccl":
                 torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-            dist.init_process_group(backend)
+            attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+            if attempt:
+                # A restarted job may meet the same agent store as the attempt before: keys of its own
+                # (the old attempt's gloo addresses would otherwise be read and refused).
+                store, rank, world = next(dist.rendezvous("env://"))
+                dist.init_process_group(backend, store=dist.PrefixStore(f"attempt{attempt}", store),
+                                        rank=rank, world_size=world)
+            else:
+                dist.init_process_group(backend)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return dist.get_rank(), dist.get_world_size()

@@ -76,7 +76,13 @@ def _dp_global_token_counts(dp_group: ProcessGroup, dp: int):
 
 def _all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: ProcessGroup
                 ) -> torch.Tensor:
-    """Differentiable all-to-all of rows with uneven splits (backward: the reverse all-to-all)."""
+    """Differentiable all-to-all of rows with uneven splits (backward: the reverse all-to-all).
+
+    Under grad mode the input always requires grad, so every ep rank runs the backward all-to-all:
+    with frozen operators (MoEvement replay) one rank's experts may need no gradient while a peer's do.
+    """
+    if torch.is_grad_enabled() and not x.requires_grad:
+        x = x.detach().requires_grad_()
     out = funcol.all_to_all_single_autograd(x.contiguous(), output_splits, input_splits, group)
     return funcol.wait_tensor(out)
 

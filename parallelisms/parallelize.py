@@ -7,7 +7,7 @@ every layout starts from the same weights) -> FSDP2 -> pipeline schedule.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -28,6 +28,8 @@ class ModelParts:
     view: nn.Module  # all local parameters under their global names (state dicts, digests)
     schedule: object | None  # torch.distributed.pipelining schedule when pp > 1
     n_stages: int
+    pipeline_stages: list = field(default_factory=list)  # the schedule's PipelineStage per local stage
+    stage_shapes: object = None  # stage id -> example (input, output) tensors on meta
 
     @property
     def has_first_stage(self) -> bool:
@@ -68,12 +70,29 @@ def parallelize(args: ModelArgs, dims: ParallelDims, seed: int, mixed_precision:
         if cfg.dp > 1 or mixed_precision != "fp32":
             apply_fsdp(part, dims, mixed_precision)
     n_stages = cfg.pp * cfg.stages_per_rank
-    schedule = None
+    schedule, stages = None, []
+    shapes = _stage_shapes(args, micro_batch_shape, DTYPES[mixed_precision], n_stages)
     if cfg.pp > 1:
-        schedule = build_schedule(parts, stage_ids, dims, micro_batches, device,
-                                  _stage_shapes(args, micro_batch_shape, DTYPES[mixed_precision], n_stages))
+        schedule, stages = build_schedule(parts, stage_ids, dims, micro_batches, device, shapes)
     view = parts[0] if len(parts) == 1 else ModelView(parts)
-    return ModelParts(parts, stage_ids, view, schedule, n_stages)
+    return ModelParts(parts, stage_ids, view, schedule, n_stages, stages, shapes)
+
+
+def initial_parameters(args: ModelArgs, dims: ParallelDims, seed: int) -> dict[str, torch.Tensor]:
+    """The initial (full, unsharded) value of every parameter of this rank's stages, by global name.
+
+    Rebuilt from the seed exactly as `parallelize` initialises them: what a replacement rank
+    rolls back to when no checkpoint is persisted yet."""
+    with torch.device("meta"):
+        whole = Transformer(args)
+    _, parts = split_model(whole, dims.cfg, dims.pp_rank)
+    out = {}
+    for part in parts:
+        part.to_empty(device=torch.device("cpu"))
+        torch.manual_seed(seed)
+        part.init_weights()
+        out.update({name: p.detach() for name, p in part.named_parameters()})
+    return out
 
 
 def _stage_shapes(args: ModelArgs, micro_batch_shape: tuple[int, int], compute_dtype: torch.dtype, n_stages: int):

@@ -57,7 +57,7 @@ def split_model(model: torch.nn.Module, cfg: ParallelismConfig, pp_rank: int) ->
 
 def build_schedule(parts: list[torch.nn.Module], stage_ids: list[int], dims: ParallelDims, micro_batches: int,
                    device: torch.device, stage_shapes):
-    """The configured schedule over this rank's stages; its loss is the per-micro-batch mean CE.
+    """(schedule, PipelineStages) over this rank's stages; the loss is the per-micro-batch mean CE.
 
     `stage_shapes(s)` gives example (input, output) tensors of stage `s` (static shapes: no
     shape-inference forward, so every forward is a real micro-batch).
@@ -74,7 +74,7 @@ def build_schedule(parts: list[torch.nn.Module], stage_ids: list[int], dims: Par
         stages.append(PipelineStage(part, s, n_stages, device, input_args=(inputs,), output_args=outputs, group=group))
     cls = SCHEDULE_CLASSES[cfg.schedule]
     stage_arg = stages if cfg.schedule == "Interleaved1F1B" else stages[0]
-    return cls(stage_arg, n_microbatches=micro_batches, loss_fn=lm_loss, scale_grads=True)
+    return cls(stage_arg, n_microbatches=micro_batches, loss_fn=lm_loss, scale_grads=True), stages
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

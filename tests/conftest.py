@@ -27,11 +27,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def run_cli(*args: str, cwd: Path = ROOT, check: bool = True, nproc: int = 1) -> subprocess.CompletedProcess:
-    """Run `train.py` (under torchrun when nproc > 1) and return the finished process."""
+def run_cli(*args: str, cwd: Path = ROOT, check: bool = True, nproc: int = 1,
+            torchrun: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """Run `train.py` (under torchrun, with `torchrun` options, when nproc > 1) and return the finished process."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *torchrun]
     else:
         cmd = [sys.executable]
     proc = subprocess.run([*cmd, "train.py", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)

@@ -15,6 +15,7 @@ from pathlib import Path
 import tomli
 
 from models.args import ModelArgs
+from moevement.faults import FaultPlan, FaultSpecError
 from moevement.popularity import POLICIES
 from parallelisms.mesh import SCHEDULES, ParallelismConfig
 from trainer.data import DataConfig
@@ -75,6 +76,12 @@ class CheckpointConfig:
 
 
 @dataclass
+class FaultConfig:
+    at: str = ""  # STEP:RANK[+RANK...][,...]: these ranks lose their state at STEP and recover in place
+    crash: str = ""  # STEP:RANK[,...]: the process exits at STEP (first attempt), for torchrun restarts
+
+
+@dataclass
 class MetricsConfig:
     log_every: int = 1
     tensorboard: bool = True
@@ -89,6 +96,7 @@ class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
 
@@ -226,6 +234,7 @@ def validate(cfg: Config) -> None:
     _check(t.val_every >= 0, "training.val_every", f"must be >= 0, got {t.val_every}")
     _validate_parallelism(cfg)
     _validate_checkpoint(cfg.checkpoint)
+    _validate_fault(cfg)
     _check(cfg.metrics.log_every >= 1, "metrics.log_every", f"must be >= 1, got {cfg.metrics.log_every}")
 
 
@@ -238,6 +247,16 @@ def _validate_checkpoint(c: CheckpointConfig) -> None:
     _check(0 < c.ema_decay < 1, "checkpoint.ema_decay", f"must be in (0, 1), got {c.ema_decay}")
     if c.strategy == "moevement":
         _check(bool(c.host_dir), "checkpoint.host_dir", "must name a (shared-memory) directory")
+
+
+def _validate_fault(cfg: Config) -> None:
+    try:
+        plan = FaultPlan(cfg.fault.at, cfg.fault.crash)
+    except FaultSpecError as e:
+        raise ConfigError(str(e)) from None
+    if plan:
+        _check(cfg.checkpoint.strategy == "moevement", "fault.at",
+               f"needs checkpoint.strategy = moevement to recover (got {cfg.checkpoint.strategy!r})")
 
 
 def _validate_parallelism(cfg: Config) -> None:
@@ -271,7 +290,11 @@ def _validate_parallelism(cfg: Config) -> None:
 
 
 def check_world_size(cfg: Config, world_size: int) -> None:
-    """The launched process count must equal pp x dp."""
+    """The launched process count must equal pp x dp; fault ranks must exist."""
     p = cfg.parallelism
     _check(p.pp * p.dp == world_size, "parallelism.pp",
            f"x parallelism.dp ({p.pp} x {p.dp}) must equal the number of processes ({world_size})")
+    try:
+        FaultPlan(cfg.fault.at, cfg.fault.crash).check_world(world_size)
+    except FaultSpecError as e:
+        raise ConfigError(str(e)) from None

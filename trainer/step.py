@@ -18,7 +18,7 @@ from parallelisms.mesh import ParallelDims
 from parallelisms.parallelize import ModelParts
 from parallelisms.pipeline import lm_loss
 from trainer.config import TrainingConfig
-from trainer.optim import clip_grad_norm, lr_at, set_lr
+from trainer.optim import apply_clip, clip_grad_norm, lr_at, set_lr
 
 
 @dataclass
@@ -75,7 +75,7 @@ def take_expert_load(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], 
     return tokens, gate_probs
 
 
-def _forward_backward(model: ModelParts, inputs: torch.Tensor, labels: torch.Tensor, micro: int) -> torch.Tensor:
+def forward_backward(model: ModelParts, inputs: torch.Tensor, labels: torch.Tensor, micro: int) -> torch.Tensor:
     """Run every micro-batch forward and backward; return the local mean loss (0 off the last stage)."""
     if model.schedule is not None:
         losses = [] if model.has_last_stage else None
@@ -124,7 +124,7 @@ def train_step(model: ModelParts, optimizer: torch.optim.Optimizer, inputs: torc
         part.train()
     optimizer.zero_grad(set_to_none=True)
     inputs, labels = inputs.to(dims.device, non_blocking=True), labels.to(dims.device, non_blocking=True)
-    loss = _forward_backward(model, inputs, labels, cfg.micro_batches)
+    loss = forward_backward(model, inputs, labels, cfg.micro_batches)
     params = [p for p in model.view.parameters() if p.requires_grad]
     grad_norm, clip_coef = clip_grad_norm(params, cfg.max_grad_norm)
     lr = lr_at(step, cfg)
@@ -132,6 +132,17 @@ def train_step(model: ModelParts, optimizer: torch.optim.Optimizer, inputs: torc
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return StepResult(_global_mean_loss(loss, dims), _aux_loss(model, dims), grad_norm, clip_coef, lr)
+
+
+def replay_update(model: ModelParts, optimizer: torch.optim.Optimizer, scalars: dict) -> None:
+    """The optimizer update of a replayed iteration: the logged clip coefficient and learning rate
+    (frozen operators have no gradients, so AdamW leaves them alone); then reset the load statistics."""
+    apply_clip([p.grad for p in model.view.parameters() if p.grad is not None], scalars["clip_coef"])
+    set_lr(optimizer, scalars["lr"])
+    if not scalars.get("skipped", False):
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    take_expert_load(model.view)
 
 
 @torch.no_grad()

@@ -1,0 +1,169 @@
+"""Replay with frozen and active operators (DESIGN.md §3).
+
+Loading `SS_{t0+i}` makes slot i *active*: its FP32 master weights, buffers and optimizer state
+are restored and it trains normally. Operators of later slots are *frozen*: they hold the compute
+weights of the snapshot (upcast into the FP32 parameter, which the mixed-precision cast maps back
+to the identical compute weights), run forward and input-gradient computation only
+(`requires_grad=False`: autograd never computes their weight gradients) and get no optimizer
+update (no gradient, so AdamW skips them). Each replayed iteration applies the *logged* clip
+coefficient and learning rate, so active operators get exactly the original update.
+
+`PipelineReplay` re-runs one iteration on a set of pipeline stages (the recovery scope): every
+micro-batch forward through the scope's stages in order (GPipe), then every backward in
+micro-batch order, which is the order in which the pipeline schedules accumulate gradients.
+Inputs at the scope's outer boundaries come from the upstream logs (or the data loader), output
+gradients from the downstream logs (or the loss); between scope stages on different ranks the
+tensors travel point to point. Forward, backward and gradient reduction go through the stage's
+own `PipelineStage` methods, so FSDP2 behaves exactly as under the schedule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from moevement.operators import Operator, local_tensor
+from moevement.upstream_log import UpstreamLog
+
+
+def set_frozen(ops: list[Operator], frozen: bool) -> None:
+    """Frozen: no weight gradient is computed or applied for these operators' parameters."""
+    for op in ops:
+        for p in op.params.values():
+            p.requires_grad_(not frozen)
+
+
+@torch.no_grad()
+def load_master(op: Operator, tensors: dict[tuple[str, str], torch.Tensor], optimizer) -> None:
+    """Restore an operator's FP32 weights, buffers and optimizer state from snapshot entries."""
+    for name, p in op.params.items():
+        local_tensor(p).copy_(tensors[("master", name)])
+        state = optimizer.state[p]
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            value = tensors.get(("master", f"optim.{name}.{key}"))
+            if value is None:
+                state.pop(key, None)
+                continue
+            if key not in state:
+                state[key] = torch.zeros((), dtype=value.dtype) if key == "step" else torch.zeros_like(p)
+            local_tensor(state[key]).copy_(value)
+    for name, b in op.buffers.items():
+        b.copy_(tensors[("master", name)])
+
+
+@torch.no_grad()
+def load_compute(op: Operator, tensors: dict[tuple[str, str], torch.Tensor]) -> None:
+    """Give a frozen operator the snapshot's compute weights (and buffers)."""
+    for name, p in op.params.items():
+        local_tensor(p).copy_(tensors[("compute", name)])
+    for name, b in op.buffers.items():
+        b.copy_(tensors[("compute", name)])
+
+
+@torch.no_grad()
+def wipe_operators(ops: list[Operator], optimizer) -> None:
+    """A failed rank's memory is gone: overwrite its weights and optimizer state with NaN."""
+    for op in ops:
+        for p in op.params.values():
+            local_tensor(p).fill_(float("nan"))
+            for value in optimizer.state.get(p, {}).values():
+                if isinstance(value, torch.Tensor):
+                    local_tensor(value).fill_(float("nan"))
+        for b in op.buffers.values():
+            b.fill_(float("nan")) if b.is_floating_point() else b.zero_()
+
+
+@dataclass
+class StageRef:
+    """One pipeline stage this rank runs: its module, its `PipelineStage`, example boundary tensors."""
+
+    module: torch.nn.Module
+    stage: object  # torch.distributed.pipelining.PipelineStage
+    input_meta: torch.Tensor  # what the stage receives (tokens on stage 0)
+    output_meta: torch.Tensor  # what it sends downstream (logits on the last stage)
+
+
+class PipelineReplay:
+    """Re-run iterations of this rank's stages inside a recovery scope (see the module docstring)."""
+
+    def __init__(self, stages: dict[int, StageRef], n_stages: int, micro_batches: int, owner_rank: Callable[[int], int],
+                 log: UpstreamLog, loss_fn: Callable, device: torch.device):
+        self.stages, self.n_stages, self.micro = stages, n_stages, micro_batches
+        self.owner_rank = owner_rank  # rank holding stage s in this rank's data-parallel slice
+        self.log, self.loss_fn, self.device = log, loss_fn, device
+        self.me = dist.get_rank()
+
+    def forward_backward(self, iteration: int, scope: set[int], inputs: torch.Tensor, labels: torch.Tensor,
+                         boundary: Callable[[str, int, int, int], torch.Tensor]) -> None:
+        """Accumulate this rank's gradients of `iteration` for its stages in `scope`, reduced and scaled.
+
+        `boundary(kind, iteration, stage, micro)` returns the logged "act" of stage-1 or "grad" of
+        stage+1 for stages whose neighbour is outside the scope.
+        """
+        local = sorted(s for s in self.stages if s in scope)
+        xs, ys = inputs.to(self.device).chunk(self.micro), labels.to(self.device).chunk(self.micro)
+        pending: list = []
+        handoff: dict[tuple[str, int, int], torch.Tensor] = {}  # tensors between stages of this rank
+        cache = {}
+        for s in local:
+            ref = self.stages[s]
+            for m in range(self.micro):
+                x = self._incoming("act", s - 1, s, m, scope, iteration, xs, handoff, boundary)
+                out = ref.module(x)
+                if s == self.n_stages - 1:
+                    out = self.loss_fn(out, ys[m])
+                else:
+                    pending += self._outgoing("act", s, s + 1, m, out.detach(), scope, handoff)
+                cache[(s, m)] = (out, x)
+        for s in reversed(local):
+            ref = self.stages[s]
+            for m in range(self.micro):
+                out, x = cache.pop((s, m))
+                grad = None if s == self.n_stages - 1 else \
+                    self._incoming("grad", s + 1, s, m, scope, iteration, xs, handoff, boundary)
+                if out.requires_grad:
+                    grads, _ = ref.stage.backward_maybe_with_nosync(
+                        "full", {"stage_output": out if grad is None else (out,),
+                                 "output_grads": None if grad is None else (grad,), "input_values": [x]})
+                    grad_in = grads[0]
+                else:  # every operator up to here is frozen and the input is data: nothing to do
+                    grad_in = None
+                if s > 0:
+                    if grad_in is None:
+                        grad_in = torch.zeros_like(x)
+                    pending += self._outgoing("grad", s, s - 1, m, grad_in, scope, handoff)
+            ref.stage.perform_reduce_grad(self.micro)
+        for work in pending:
+            work.wait()
+
+    def _incoming(self, kind: str, src_stage: int, stage: int, micro: int, scope: set[int], iteration: int,
+                  xs, handoff, boundary) -> torch.Tensor:
+        """Stage `stage`'s input activation (kind act) or output gradient (kind grad) for `micro`."""
+        if kind == "act" and stage == 0:
+            return xs[micro]
+        if src_stage not in scope:
+            tensor = boundary(kind, iteration, src_stage, micro).to(self.device)
+        elif (kind, src_stage, micro) in handoff:
+            tensor = handoff.pop((kind, src_stage, micro))
+        else:
+            ref = self.stages[stage]
+            meta = ref.input_meta if kind == "act" else ref.output_meta
+            tensor = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
+            dist.recv(tensor, self.owner_rank(src_stage), tag=_tag(kind, src_stage))
+        return tensor.detach().requires_grad_(kind == "act")
+
+    def _outgoing(self, kind: str, stage: int, dst_stage: int, micro: int, tensor: torch.Tensor, scope: set[int],
+                  handoff) -> list:
+        if dst_stage not in scope:
+            return []  # the neighbour is healthy and already has it
+        if dst_stage in self.stages:
+            handoff[(kind, stage, micro)] = tensor
+            return []
+        return [dist.isend(tensor.detach().contiguous(), self.owner_rank(dst_stage), tag=_tag(kind, stage))]
+
+
+def _tag(kind: str, stage: int) -> int:
+    return 2 * stage + (kind == "grad")

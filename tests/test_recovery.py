@@ -1,0 +1,137 @@
+"""Localized recovery and whole-job restart, bit-exact against fault-free runs (DESIGN.md §3-§4).
+
+Every case launches real processes under torchrun with gloo. A fault run must print the same
+`step=` loss for every iteration and the same final `state_digest` as the fault-free run of the
+same layout; several failures share one run where their windows do not interact, so the suite
+covers every case with few launches.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from models import ModelArgs, build_model
+from moevement.operators import build_registry
+from moevement.replay import set_frozen
+from parallelisms.pipeline import lm_loss
+from tests.conftest import DEBUG_CONFIG, final_line, run_cli, step_losses
+
+BASE = ["--config", DEBUG_CONFIG, "--metrics.tensorboard", "false", "--metrics.log_every", "1",
+        "--training.val_every", "0", "--training.steps", "12", "--model.n_layers", "4"]
+MOEVEMENT = ["--checkpoint.strategy", "moevement", "--checkpoint.window", "3"]
+PP2_DP2_EP2_BF16 = ["--parallelism.pp", "2", "--parallelism.dp", "2", "--parallelism.ep", "2",
+                    "--training.mixed_precision", "bf16", "--training.max_grad_norm", "0.5"]
+PP4 = ["--parallelism.pp", "4", "--training.micro_batches", "4"]
+INTERLEAVED = ["--parallelism.pp", "2", "--parallelism.schedule", "Interleaved1F1B",
+               "--parallelism.stages_per_rank", "2"]
+RECOVERY = re.compile(r"^recovery step=(\d+) ranks=(\S+) scope=(\S+) rollback_to=(\d+) replayed=(\d+) "
+                      r"seconds=\S+ \(fetch=\S+ convert=\S+ catchup=\S+\)", re.M)
+WORK = re.compile(r"^recovery work rank=(\d+) role=(\S+) forwards=(\d+) backwards=(\d+)", re.M)
+
+_baselines: dict[tuple[str, ...], str] = {}
+
+
+def baseline(layout: list[str], nproc: int) -> str:
+    """stdout of the fault-free run of a layout (run once per session)."""
+    key = tuple(layout)
+    if key not in _baselines:
+        _baselines[key] = run_cli(*BASE, *layout, nproc=nproc).stdout
+    return _baselines[key]
+
+
+def assert_identical(out: str, reference: str) -> None:
+    assert step_losses(out) == step_losses(reference)
+    assert final_line(out) == final_line(reference)
+
+
+def fault_run(tmp_path, layout: list[str], nproc: int, *extra: str, torchrun: tuple[str, ...] = ()) -> str:
+    return run_cli(*BASE, *layout, *MOEVEMENT, "--checkpoint.host_dir", str(tmp_path / "shm"), *extra,
+                   nproc=nproc, torchrun=torchrun).stdout
+
+
+def test_pp2_dp2_ep2_bf16_clipped_one_failure(tmp_path):
+    reference = baseline(PP2_DP2_EP2_BF16, 4)
+    assert re.search(r"^step=8 .*grad_norm=(\S+)", reference, re.M)  # clipping is active: norm > 0.5
+    out = fault_run(tmp_path, PP2_DP2_EP2_BF16, 4, "--fault.at", "8:1")
+    assert_identical(out, reference)
+    # windows 3-5, 6-8: at 8 the newest persisted one starts at 3; the whole of stage 0 rolls back
+    assert RECOVERY.findall(out) == [("8", "1", "0", "3", "5")]
+    roles = {int(r): (role, int(f), int(b)) for r, role, f, b in WORK.findall(out)}
+    assert roles[1][0] == "failed" and roles[0][0] == "rolled-back"
+    assert all(roles[r] == ("healthy", 0, 0) for r in (2, 3))  # the other stage re-executes nothing
+    assert re.search(r"^recovery work rank=1 .*snapshots_from=rank\d", out, re.M)
+
+
+def test_pp4_first_window_middle_stage_and_two_disjoint_stages(tmp_path):
+    reference = baseline(PP4, 4)
+    # 4: nothing persisted yet (first window 3-5) -> initial state; 8: middle stage; 11: stages 0 and 2
+    out = fault_run(tmp_path, PP4, 4, "--fault.at", "4:1,8:2,11:0+2")
+    assert_identical(out, reference)
+    assert RECOVERY.findall(out) == [("4", "1", "1", "1", "3"), ("8", "2", "2", "4", "4"),
+                                     ("11", "0+2", "0,2", "8", "3")]
+    work = WORK.findall(out)
+    for rank, role, forwards, backwards in work[-4:]:  # the last recovery: stages 1 and 3 only serve logs
+        if int(rank) in (1, 3):
+            assert (role, forwards, backwards) == ("healthy", "0", "0")
+        else:
+            assert role == "failed" and int(forwards) == int(backwards) == 3 * 4  # 3 iterations x 4 micro-batches
+
+
+def test_pp4_adjacent_stages_and_a_failure_during_recovery(tmp_path):
+    reference = baseline(PP4, 4)
+    # 7: stages 1 and 2 together; 11: stage 1 fails, and stage 2 fails while stage 1 is recovering
+    out = fault_run(tmp_path, PP4, 4, "--fault.at", "7:1+2,11:1,11:2")
+    assert_identical(out, reference)
+    assert RECOVERY.findall(out) == [("7", "1+2", "1-2", "3", "4"), ("11", "1+2", "1-2", "7", "4")]
+
+
+def test_interleaved_1f1b_failure(tmp_path):
+    reference = baseline(INTERLEAVED, 2)
+    out = fault_run(tmp_path, INTERLEAVED, 2, "--fault.at", "8:1")
+    assert_identical(out, reference)
+    assert RECOVERY.findall(out) == [("8", "1", "1,3", "3", "5")]  # pipeline rank 1 runs stages 1 and 3
+
+
+def test_whole_job_restart_after_a_real_crash(tmp_path):
+    """`--fault.crash` kills rank 1; torchrun restarts every process; they convert the checkpoint from shared memory."""
+    reference = baseline(PP2_DP2_EP2_BF16, 4)
+    out = fault_run(tmp_path, PP2_DP2_EP2_BF16, 4, "--fault.crash", "8:1", torchrun=("--max-restarts=1",))
+    assert "fault: rank 1 crashes at step 8" in out
+    m = re.search(r"^recovery step=8 ranks=0\+1\+2\+3 scope=0-1 rollback_to=3 replayed=3 .* restart=global", out, re.M)
+    assert m, out
+    after = out[m.end():]
+    assert final_line(after) == final_line(reference)
+    assert {s: l for s, l in step_losses(after).items()} == {s: l for s, l in step_losses(reference).items() if s >= 6}
+
+
+def test_frozen_operators_compute_no_weight_gradient():
+    """A frozen operator gets no gradient and costs no weight-gradient FLOPs; the input gradient still flows."""
+    args = ModelArgs(family="deepseek", vocab_size=64, dim=32, n_layers=2, n_heads=4, n_dense_layers=1,
+                     dense_hidden_dim=64, n_routed_experts=4, n_shared_experts=1, expert_hidden_dim=16,
+                     shared_expert_hidden_dim=16, top_k=2, max_seq_len=32)
+    torch.manual_seed(0)
+    model = build_model(args)
+    ops = {op.name: op for op in build_registry(model)}
+    x = torch.randint(0, 64, (2, 16))
+
+    def backward_flops() -> int:
+        model.zero_grad(set_to_none=True)
+        loss = lm_loss(model(x), x)
+        with FlopCounterMode(display=False) as counter:
+            loss.backward()
+        return counter.get_total_flops()
+
+    all_active = backward_flops()
+    frozen = [ops["layers.1"], ops["layers.1.moe.experts.0"], ops["layers.1.moe"], ops["head"]]
+    set_frozen(frozen, True)
+    partly_frozen = backward_flops()
+    for op in ops.values():
+        for p in op.params.values():
+            assert (p.grad is None) == (op in frozen), p
+    assert partly_frozen < all_active
+    set_frozen(list(ops.values()), False)
+    assert backward_flops() == all_active
