@@ -106,8 +106,8 @@ def train(cfg: Config) -> None:
         tokens, gate_probs = take_expert_load(model.view)
         scalars = {"loss": result.loss, "aux_loss": result.aux_loss, "lr": result.lr, "grad_norm": result.grad_norm}
         if ft is not None:
-            ft.checkpointer.end(step, {**scalars, "clip_coef": result.clip_coef, "loss_scale": 1.0, "skipped": False},
-                                tokens, gate_probs)
+            ft.end(step, {**scalars, "clip_coef": result.clip_coef, "loss_scale": 1.0, "skipped": False},
+                   tokens, gate_probs)
             scalars.update(ft.metrics())
         elapsed = time.perf_counter() - started
         logger.step(step, {**scalars, "tok_per_s": tokens_per_step / elapsed}, tokens)

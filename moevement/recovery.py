@@ -82,8 +82,9 @@ class _Stats:
 
 class Recovery:
     def __init__(self, checkpointer: SparseCheckpointer, log: UpstreamLog | None, optimizer, layout: Layout,
-                 n_stages: int, micro_batches: int, hooks: TrainerHooks):
+                 n_stages: int, micro_batches: int, hooks: TrainerHooks, global_rollback: bool = False):
         self.ck, self.log, self.optimizer, self.layout = checkpointer, log, optimizer, layout
+        self.global_rollback = global_rollback  # every stage rolls back and replays (the baseline to compare with)
         self.n_stages, self.micro, self.hooks = n_stages, micro_batches, hooks
         self.me, self.world = dist.get_rank(), dist.get_world_size()
         self.ops: list[Operator] = checkpointer.ops
@@ -104,7 +105,7 @@ class Recovery:
         totals = torch.tensor([stats.fetch, stats.convert, stats.catchup], dtype=torch.float64)
         dist.all_reduce(totals, op=dist.ReduceOp.MAX)
         seconds = time.perf_counter() - started
-        pps = sorted({self.layout.pp_of[r] for r in failed})
+        pps = sorted(self._rolled_back(failed))
         scope = sorted(s for p in pps for s in self.layout.stages_of_pp[p])
         t0 = self.ck.rollback_point()
         self.hooks.line(
@@ -119,6 +120,12 @@ class Recovery:
                            f"{source}", work, dst=0)
         for text in work or []:
             self.hooks.line(text)
+
+    def _rolled_back(self, failed: set[int]) -> set[int]:
+        """Pipeline ranks that roll back: those of the failed ranks (localized), or all (global)."""
+        if self.global_rollback:
+            return set(range(len(self.layout.stages_of_pp)))
+        return {self.layout.pp_of[r] for r in failed}
 
     def restart(self, found: Found) -> int:
         """Whole-job restart: every stage converts `found` by a full-pipeline replay (global rollback).
@@ -145,7 +152,7 @@ class Recovery:
 
     def _run(self, step: int, failed: set[int], stop_after: int | None) -> tuple[_Stats, bool]:
         stats = _Stats()
-        pps = {self.layout.pp_of[r] for r in failed}
+        pps = self._rolled_back(failed)
         scope = {s for p in pps for s in self.layout.stages_of_pp[p]}
         in_unit = self.layout.pp_of[self.me] in pps
         t0 = self.ck.rollback_point()

@@ -104,7 +104,8 @@ def test_snapshot_is_not_torn_by_the_optimizer_step(tmp_path):
         check_snapshot(header, before, engine, torch.float32)
         stalls.append(engine.metrics()["stall_ms"])
 
-    train(tmp_path / "rank0", 5, on_snapshot=on_snapshot, bandwidth_gbps=0.01)
+    # slow enough that the copy outlasts forward/backward even on a loaded machine
+    train(tmp_path / "rank0", 5, on_snapshot=on_snapshot, bandwidth_gbps=0.001)
     assert len(stalls) == 3 and min(stalls) > 1.0
 
 

@@ -39,6 +39,10 @@ class FaultTolerance:
             self.log.begin(step)
         self.checkpointer.begin(step)
 
+    def end(self, step: int, scalars: dict[str, float], tokens, gate_probs) -> None:
+        """Iteration `step` is done: its scalar log (what a replay needs) goes into its snapshot."""
+        self.checkpointer.end(step, scalars, tokens, gate_probs)
+
     def metrics(self) -> dict[str, float]:
         return {**self.checkpointer.metrics(), "log_mb": self.log.nbytes() / 1e6 if self.log else 0.0}
 
@@ -81,7 +85,8 @@ def build_fault_tolerance(cfg: Config, model: ModelParts, optimizer, dims: Paral
                                       rank_dir=rank_dir, topology=topo, job_meta=job_meta)
     log = UpstreamLog(model.parts, model.stage_ids, model.n_stages) if cfg.parallelism.pp > 1 else None
     hooks = _trainer_hooks(cfg, model, optimizer, dims, seeder, log, layout, train_batches, line)
-    recovery = Recovery(checkpointer, log, optimizer, layout, model.n_stages, cfg.training.micro_batches, hooks)
+    recovery = Recovery(checkpointer, log, optimizer, layout, model.n_stages, cfg.training.micro_batches, hooks,
+                        global_rollback=cfg.fault.scope == "global")
     return FaultTolerance(checkpointer, log, recovery, found)
 
 

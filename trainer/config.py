@@ -75,10 +75,14 @@ class CheckpointConfig:
     reprofile_every: int = 0  # re-measure every N windows (0: only at start-up)
 
 
+FAULT_SCOPES = ("localized", "global")
+
+
 @dataclass
 class FaultConfig:
     at: str = ""  # STEP:RANK[+RANK...][,...]: these ranks lose their state at STEP and recover in place
     crash: str = ""  # STEP:RANK[,...]: the process exits at STEP (first attempt), for torchrun restarts
+    scope: str = "localized"  # localized: the failed stages roll back | global: every stage does (for comparison)
 
 
 @dataclass
@@ -254,6 +258,8 @@ def _validate_fault(cfg: Config) -> None:
         plan = FaultPlan(cfg.fault.at, cfg.fault.crash)
     except FaultSpecError as e:
         raise ConfigError(str(e)) from None
+    _check(cfg.fault.scope in FAULT_SCOPES, "fault.scope", f"must be one of {', '.join(FAULT_SCOPES)}, "
+           f"got {cfg.fault.scope!r}")
     if plan:
         _check(cfg.checkpoint.strategy == "moevement", "fault.at",
                f"needs checkpoint.strategy = moevement to recover (got {cfg.checkpoint.strategy!r})")
