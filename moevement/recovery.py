@@ -100,7 +100,7 @@ class Recovery:
             failed |= set(event.ranks)
             if self.me in event.ranks:
                 self._wipe()
-            stats, completed = self._run(step, failed, stop_after=1 if queue else None)
+            stats = self._run(step, failed, stop_after=1 if queue else None)  # a later event cuts it short
         dist.barrier()
         totals = torch.tensor([stats.fetch, stats.convert, stats.catchup], dtype=torch.float64)
         dist.all_reduce(totals, op=dist.ReduceOp.MAX)
@@ -150,7 +150,7 @@ class Recovery:
 
     # ---- one (possibly widened) recovery -----------------------------------------------------------
 
-    def _run(self, step: int, failed: set[int], stop_after: int | None) -> tuple[_Stats, bool]:
+    def _run(self, step: int, failed: set[int], stop_after: int | None) -> _Stats:
         stats = _Stats()
         pps = self._rolled_back(failed)
         scope = {s for p in pps for s in self.layout.stages_of_pp[p]}
@@ -164,14 +164,14 @@ class Recovery:
         scalars = self._share_scalars(failed, t0, step)
         stats.fetch = time.perf_counter() - start
         if not in_unit:
-            return stats, True
+            return stats
         # Slot orders must agree inside the unit (FSDP shards, expert peers): everyone starts afresh.
         self.ck.reset_popularity()
         if not window:
             self._load_initial_state()
-        completed = self.replay(t0, step, window, scope, self._persisted_slot, scalars,
-                                lambda k, i, s, m: boundary[(k, i, s, m)], stats, stop_after)
-        return stats, completed
+        self.replay(t0, step, window, scope, self._persisted_slot, scalars,
+                    lambda k, i, s, m: boundary[(k, i, s, m)], stats, stop_after)
+        return stats
 
     def replay(self, t0: int, end: int, window: int, scope: set[int], slot_snapshot: Callable, scalars: dict,
                boundary: Callable, stats: _Stats, stop_after: int | None = None) -> bool:
