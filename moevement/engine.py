@@ -101,12 +101,12 @@ class SparseCheckpointer:
         self.disk = DiskWriter(Path(cfg.persist_dir), topology.rank) if cfg.persist_dir else None
         self.replicas = ReplicaStore(rank_dir / "replicas")
         self.replicator = None
-        if topology.world > 1 and cfg.replicas > 0:
-            peers = peer_map(topology.world, cfg.replicas, topology.stage_of, topology.node_of)
-            group = dist.new_group(backend="gloo")
-            self.replicator = Replicator(topology.rank, peers, self.replicas, group, self._on_window_replicated)
+        # peers[r]: the ranks holding rank r's replicas (recovery fetches from them)
         self.peers = peer_map(topology.world, cfg.replicas, topology.stage_of, topology.node_of) \
             if topology.world > 1 else [[]]
+        if topology.world > 1 and cfg.replicas > 0:
+            group = dist.new_group(backend="gloo")
+            self.replicator = Replicator(topology.rank, self.peers, self.replicas, group, self._on_window_replicated)
         self._begin_time = 0.0
         self.last = {"ckpt_mb": 0.0, "stall_ms": 0.0}
         optimizer.register_step_pre_hook(self._before_optimizer_step)
