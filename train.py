@@ -11,18 +11,20 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 
 from models import count_params
 from parallelisms.distributed import device_type, init_distributed, shutdown_distributed
 from parallelisms.mesh import ParallelDims, build_mesh
-from parallelisms.parallelize import parallelize
+from parallelisms.parallelize import ModelParts, parallelize
 from trainer.checkpoint import CheckpointError, load_dense, save_dense
 from moevement.faults import FaultPlan
-from trainer.checkpointing import build_fault_tolerance
-from trainer.config import Config, ConfigError, check_world_size, load_config
-from trainer.data import DataError, build_data, make_loader
+from trainer.accounting import RunAccounting
+from trainer.checkpointing import FaultTolerance, build_fault_tolerance
+from trainer.config import Config, ConfigError, check_world_size, fault_plan, load_config
+from trainer.data import DataError, TokenBatches, build_data, make_loader
 from trainer.metrics import MetricsLogger
 from trainer.optim import build_optimizer
 from trainer.state import consolidated_training_state, state_digest
@@ -53,30 +55,57 @@ def build_training(cfg: Config, dims: ParallelDims):
     return model, build_optimizer(model.view, t)
 
 
-def inject_failures(faults: FaultPlan, step: int, rank: int, ft) -> None:
-    """Before iteration `step`: crash this process, or fail ranks in place and recover them."""
+def inject_failures(faults: FaultPlan, step: int, rank: int, ft, accounting: RunAccounting, elapsed_s: float) -> int:
+    """Before iteration `step`: crash this process, or fail ranks in place and recover them.
+
+    Returns the iteration to run next: `step`, or an interval baseline's rollback target."""
     if faults.crashes_at(step, rank) and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
         print(f"fault: rank {rank} crashes at step {step}", flush=True)
         os._exit(13)
-    events = faults.at(step)
-    if events:
-        ft.recovery.recover(step, events)
+    if faults.timed:  # rank 0's clock decides when a timed failure strikes
+        clock = torch.tensor([elapsed_s], dtype=torch.float64)
+        torch.distributed.broadcast(clock, src=0)
+        elapsed_s = float(clock)
+    events = faults.at(step, elapsed_s)
+    if not events:
+        return step
+    started = time.perf_counter()
+    resume = ft.recover(step, events)
+    accounting.recovered(len(events), time.perf_counter() - started)
+    return resume
 
 
-def train(cfg: Config) -> None:
+@dataclass
+class Job:
+    """Everything one rank's training loop works with."""
+
+    cfg: Config
+    rank: int
+    dims: ParallelDims
+    model: ModelParts
+    optimizer: torch.optim.Optimizer
+    seeder: DropoutSeeder
+    train_batches: TokenBatches
+    val_data: list
+    logger: MetricsLogger
+    ft: FaultTolerance | None
+    faults: FaultPlan
+    accounting: RunAccounting | None = None
+
+
+def setup(cfg: Config) -> tuple[Job, int, float]:
+    """Process group, data, model, optimizer, optional resume and fault tolerance; (job, last step done, its loss)."""
     rank, world = init_distributed()
     check_world_size(cfg, world)
     configure_determinism(cfg)
     dims = build_mesh(cfg.parallelism, device_type())
-    dp_rank, dp = dims.dp_rank, cfg.parallelism.dp
     tokenizer, train_batches, val_batches = build_data(
         cfg.data, cfg.training.seq_len, cfg.training.batch_size, cfg.training.micro_batches, cfg.job.seed)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"config key 'model.vocab_size' ({cfg.model.vocab_size}) is smaller than the "
                           f"tokenizer's vocabulary ({tokenizer.vocab_size}, data.tokenizer={cfg.data.tokenizer!r})")
     model, optimizer = build_training(cfg, dims)
-    seeder = DropoutSeeder(model, cfg.job.seed, dp_rank)
-
+    seeder = DropoutSeeder(model, cfg.job.seed, dims.dp_rank)
     step, loss = 0, float("nan")
     if cfg.checkpoint.load:
         meta = load_dense(cfg.checkpoint.load, model.view, optimizer, cfg.model)
@@ -84,46 +113,81 @@ def train(cfg: Config) -> None:
         if step > cfg.training.steps:
             raise ConfigError(f"config key 'training.steps' ({cfg.training.steps}) is below the "
                               f"checkpoint's step ({step}) in {cfg.checkpoint.load}")
-
     logger = MetricsLogger(cfg, rank, first_step=step + 1)
     ft = build_fault_tolerance(cfg, model, optimizer, dims, seeder, train_batches, logger.line)
-    faults = FaultPlan(cfg.fault.at, cfg.fault.crash)
     if ft is not None and ft.restart_from is not None:
         step = ft.recovery.restart(ft.restart_from) - 1  # state_{t0+W} is current: train on from t0+W
-    val_data = [] if val_batches is None else [
-        val_batches.val_batch(i, dp_rank, dp) for i in range(min(cfg.training.val_batches, val_batches.num_batches))]
-    tokens_per_step = cfg.training.batch_size * cfg.training.seq_len
-    last_step = cfg.training.stop_at or cfg.training.steps
-    loader = make_loader(train_batches, step + 1, dp_rank, dp, cfg.data.num_workers, end_step=last_step + 1)
-    started = time.perf_counter()
-    for step, inputs, labels in loader:
-        inject_failures(faults, step, rank, ft)
-        seeder.begin(step)
-        if ft is not None:
-            ft.begin(step)
-        result = train_step(model, optimizer, inputs, labels, step, cfg.training, dims)
-        loss = result.loss
-        tokens, gate_probs = take_expert_load(model.view)
-        scalars = {"loss": result.loss, "aux_loss": result.aux_loss, "lr": result.lr, "grad_norm": result.grad_norm}
-        if ft is not None:
-            ft.end(step, {**scalars, "clip_coef": result.clip_coef, "loss_scale": 1.0, "skipped": False},
-                   tokens, gate_probs)
-            scalars.update(ft.metrics())
-        elapsed = time.perf_counter() - started
-        logger.step(step, {**scalars, "tok_per_s": tokens_per_step / elapsed}, tokens)
-        if cfg.training.val_every and step % cfg.training.val_every == 0 and val_data:
-            logger.validation(step, evaluate(model, val_data, dims, cfg.training.micro_batches))
-        started = time.perf_counter()
+    val_data = [] if val_batches is None else [val_batches.val_batch(i, dims.dp_rank, cfg.parallelism.dp)
+                                               for i in range(min(cfg.training.val_batches, val_batches.num_batches))]
+    job = Job(cfg, rank, dims, model, optimizer, seeder, train_batches, val_data, logger, ft, fault_plan(cfg, world))
+    return job, step, loss
 
+
+def iteration(job: Job, step: int, inputs: torch.Tensor, labels: torch.Tensor, started: float) -> float:
+    """Run iteration `step` (snapshot, forward/backward, optimizer step), log it; returns its loss."""
+    cfg, ft = job.cfg, job.ft
+    job.seeder.begin(step)
+    if ft is not None:
+        ft.begin(step)
+    result = train_step(job.model, job.optimizer, inputs, labels, step, cfg.training, job.dims)
+    tokens, gate_probs = take_expert_load(job.model.view)
+    scalars = {"loss": result.loss, "aux_loss": result.aux_loss, "lr": result.lr, "grad_norm": result.grad_norm}
+    if ft is not None:
+        ft.end(step, {**scalars, "clip_coef": result.clip_coef, "loss_scale": 1.0, "skipped": False},
+               tokens, gate_probs)
+        scalars.update(ft.metrics())
+    elapsed = time.perf_counter() - started
+    job.accounting.iteration(step, elapsed)
+    job.logger.step(step, {**scalars, "tok_per_s": cfg.training.batch_size * cfg.training.seq_len / elapsed,
+                           "wall_s": time.perf_counter() - job.accounting.started}, tokens)
+    if cfg.training.val_every and step % cfg.training.val_every == 0 and job.val_data:
+        job.logger.validation(step, evaluate(job.model, job.val_data, job.dims, cfg.training.micro_batches))
+    return result.loss
+
+
+def run(job: Job, step: int, loss: float) -> tuple[int, float]:
+    """Train iterations step+1..last; a baseline's recovery rolls back and the loader restarts there."""
+    cfg = job.cfg
+    last_step = cfg.training.stop_at or cfg.training.steps
+    job.accounting = RunAccounting(step + 1, cfg.training.batch_size)
+    next_step = step + 1
+    while next_step <= last_step:
+        loader = make_loader(job.train_batches, next_step, job.dims.dp_rank, cfg.parallelism.dp, cfg.data.num_workers,
+                             end_step=last_step + 1)
+        next_step = last_step + 1
+        started = time.perf_counter()  # an iteration's time includes loading its batch, not a recovery
+        for step, inputs, labels in loader:
+            if job.faults:
+                resume = inject_failures(job.faults, step, job.rank, job.ft, job.accounting,
+                                         time.perf_counter() - job.accounting.started)
+                if resume != step:
+                    next_step = resume
+                    break
+                started = max(started, job.accounting.last_recovery_end)
+            loss = iteration(job, step, inputs, labels, started)
+            started = time.perf_counter()
+    return step, loss
+
+
+def finish(job: Job, step: int, loss: float) -> None:
+    """Close the checkpointer, print the accounting and final lines, save a dense checkpoint if asked."""
+    ft, cfg = job.ft, job.cfg
     if ft is not None:
         ft.checkpointer.close()
-    state = consolidated_training_state(model.view, optimizer)
+    job.logger.line(job.accounting.line(ft.metrics() if ft else {}, ft.moc.lost_tokens if ft and ft.moc else 0.0))
+    state = consolidated_training_state(job.model.view, job.optimizer)
     if state is not None:
-        logger.line(f"final step={step} loss={loss:.6f} state_digest={state_digest(state)}")
+        job.logger.line(f"final step={step} loss={loss:.6f} state_digest={state_digest(state)}")
     if cfg.checkpoint.save_final:
-        save_dense(cfg.checkpoint.save_final, model.view, optimizer, step, cfg.model, loss=loss)
-        logger.line(f"saved checkpoint step={step} dir={cfg.checkpoint.save_final}")
-    logger.close()
+        save_dense(cfg.checkpoint.save_final, job.model.view, job.optimizer, step, cfg.model, loss=loss)
+        job.logger.line(f"saved checkpoint step={step} dir={cfg.checkpoint.save_final}")
+    job.logger.close()
+
+
+def train(cfg: Config) -> None:
+    job, step, loss = setup(cfg)
+    step, loss = run(job, step, loss)
+    finish(job, step, loss)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from moevement.hostmem import HostBuffer, make_private_dir, read_header, write_json_atomic
+from moevement.intervals import IntervalPolicy
 from moevement.operators import Operator, build_registry
 from moevement.persist import DiskWriter
 from moevement.popularity import PopularityTracker
@@ -66,12 +67,17 @@ class SparseCheckpointer:
 
     `cfg` provides: window, ordering, ema_decay, replicas, bandwidth_gbps, persist_dir,
     persist_every, profile_iters, reprofile_every, keep_host_state.
+
+    With an `IntervalPolicy` (the gemini, checkfreq and moc baselines) a snapshot is taken only at
+    the policy's checkpoint iterations, as a window of W = 1 holding the FP32 state of the
+    operators the policy selects (all of them, or MoC's partial set), and no compute weights.
     """
 
     def __init__(self, cfg, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                  compute_dtype: torch.dtype, device: torch.device, rank_dir: Path, topology: Topology,
-                 job_meta: dict | None = None):
+                 job_meta: dict | None = None, policy: IntervalPolicy | None = None, disk_keep: int = 2):
         self.cfg, self.optimizer, self.compute_dtype, self.device = cfg, optimizer, compute_dtype, device
+        self.policy = policy
         self.topology, self.job_meta = topology, dict(job_meta or {})
         self.ops: list[Operator] = build_registry(model)
         self.ops_by_name = {op.name: op for op in self.ops}
@@ -98,7 +104,7 @@ class SparseCheckpointer:
         self.replaying = False
         self.persisted_cond = threading.Condition()
         self.window_headers: dict[int, list[dict]] = {}
-        self.disk = DiskWriter(Path(cfg.persist_dir), topology.rank) if cfg.persist_dir else None
+        self.disk = DiskWriter(Path(cfg.persist_dir), topology.rank, disk_keep) if cfg.persist_dir else None
         self.replicas = ReplicaStore(rank_dir / "replicas")
         self.replicator = None
         # peers[r]: the ranks holding rank r's replicas (recovery fetches from them)
@@ -119,6 +125,8 @@ class SparseCheckpointer:
         self.iterations_seen += 1
         self.last = {"ckpt_mb": 0.0, "stall_ms": 0.0}
         if self.iterations_seen <= self.cfg.profile_iters:
+            return
+        if self.policy is not None and not self.policy.due(iteration):
             return
         if self.plan is None or iteration >= self.plan.end:
             self._start_window(iteration)
@@ -152,6 +160,8 @@ class SparseCheckpointer:
         pending, self.pending = self.pending, None
         if pending is None:
             return
+        if self.policy is not None:
+            self.policy.observe_stall(self.last["stall_ms"] / 1e3)
         pending.copy.result()
         pending.header.meta["scalars"] = dict(scalars)
         header = pending.header.to_json()
@@ -167,7 +177,8 @@ class SparseCheckpointer:
 
     def metrics(self) -> dict[str, float]:
         """Per-iteration figures for the log and TensorBoard."""
-        return {**self.last, "window": self.plan.window if self.plan else 0,
+        interval = {"interval": self.policy.interval} if self.policy else {}
+        return {**self.last, **interval, "window": self.plan.window if self.plan else 0,
                 "repl_lag": self.replicator.backlog if self.replicator else 0,
                 "host_mb": self.host_bytes() / 1e6}
 
@@ -251,8 +262,11 @@ class SparseCheckpointer:
             self.profile.close()
             if self.plan is not None:
                 self.profile.measure_bandwidth(self.rank_dir, self.device)
-        window = self.cfg.window or self._agree(self._algorithm1_window())
-        slots = generate_schedule(self.order, slot_size_for(len(self.order), window), window)
+        if self.policy is not None:
+            slots = self._interval_checkpoint(iteration)
+        else:
+            window = self.cfg.window or self._agree(self._algorithm1_window())
+            slots = generate_schedule(self.order, slot_size_for(len(self.order), window), window)
         self.plan = WindowPlan(iteration, slots)
         self.window_index += 1
         if self.window_index == 0:
@@ -267,8 +281,16 @@ class SparseCheckpointer:
         window, _ = find_window_size(fp32, compute, self.profile.iteration_s, self.profile.bandwidth)
         return window
 
+    def _interval_checkpoint(self, iteration: int) -> tuple[tuple[str, ...]]:
+        """An interval baseline's checkpoint at `iteration`: its operators, and when the next one is due."""
+        names = tuple(self.policy.select())
+        nbytes = sum(self.ops_by_name[n].fp32_bytes(self.optimizer) for n in names)
+        interval = self._agree(self.policy.choose(nbytes, self.profile.bandwidth, self.profile.iteration_s))
+        self.policy.scheduled(iteration, interval)
+        return (names,)
+
     def _agree(self, window: int) -> int:
-        """The largest window any rank needs: windows are global so snapshots replicate in lockstep."""
+        """The largest window (or interval) any rank needs: checkpoints are global so they replicate in lockstep."""
         if self.topology.world == 1:
             return window
         agreed = torch.tensor([window], dtype=torch.int64, device=self.device)

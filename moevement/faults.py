@@ -1,4 +1,5 @@
-"""Failure injection plans: `--fault.at STEP:RANK[+RANK...][,STEP:RANK...]` and `--fault.crash STEP:RANK`.
+"""Failure injection plans: `--fault.at STEP:RANK[+RANK...][,STEP:RANK...]`, `--fault.crash STEP:RANK`,
+`--fault.mtbf_iters M --fault.seed S` and `--fault.trace FILE`.
 
 `at`: at the start of iteration STEP the listed ranks lose all their state (parameters,
 optimizer state, snapshots, replicas, logs) and recover in place (DESIGN.md §4). Ranks joined
@@ -7,10 +8,20 @@ running (after its first replayed iteration) and widens it.
 
 `crash`: at the start of iteration STEP the rank's process exits (first attempt only), so a
 launcher such as `torchrun --max-restarts` restarts the whole job (global rollback).
+
+`mtbf_iters`: Poisson failures, one random rank each, with exponential inter-arrival times of mean
+M iterations drawn from `random.Random(S)`; a failure strikes at the next iteration boundary.
+`trace`: a CSV with a header `iteration,rank` (or `time_s,rank`: wall seconds since training
+started; rank 0's clock decides the iteration, and every rank follows it).
+Every failure fires once: a strategy that rolls back and runs iterations again does not meet the
+same failure twice, so all strategies see the same schedule.
 """
 
 from __future__ import annotations
 
+import csv
+import math
+import random
 from dataclasses import dataclass
 
 
@@ -40,15 +51,59 @@ def parse_events(spec: str, key: str) -> list[FaultEvent]:
     return events
 
 
-class FaultPlan:
-    """The injected failures of a run, looked up by iteration."""
+def poisson_events(mtbf_iters: float, seed: int, world: int, last_step: int) -> list[FaultEvent]:
+    """Failures of one random rank each, exponential inter-arrival times of mean `mtbf_iters` iterations."""
+    rng, events, clock = random.Random(seed), [], 0.0
+    while True:
+        clock += rng.expovariate(1.0 / mtbf_iters)
+        step, rank = max(1, math.ceil(clock)), rng.randrange(world)
+        if step > last_step:
+            return events
+        if not events or events[-1].step != step:
+            events.append(FaultEvent(step, (rank,)))
 
-    def __init__(self, at: str = "", crash: str = ""):
+
+def read_trace(path: str) -> tuple[list[FaultEvent], list[tuple[float, int]]]:
+    """(iteration events, (seconds, rank) events) of a failure trace CSV."""
+    try:
+        with open(path, newline="") as f:
+            rows = list(csv.DictReader(f))
+    except OSError as e:
+        raise FaultSpecError(f"config key 'fault.trace': cannot read {path}: {e.strerror}") from None
+    by_step, by_time = [], []
+    for n, row in enumerate(rows, start=2):
+        try:
+            rank = int(row["rank"])
+            if row.get("iteration") not in (None, ""):
+                by_step.append(FaultEvent(int(row["iteration"]), (rank,)))
+            else:
+                by_time.append((float(row["time_s"]), rank))
+        except (KeyError, TypeError, ValueError):
+            raise FaultSpecError(f"config key 'fault.trace': {path} line {n} must have `rank` and `iteration` "
+                                 f"or `time_s` columns with numbers, got {dict(row)}") from None
+    if any(e.step < 1 for e in by_step) or any(r < 0 for _, r in by_time) or any(min(e.ranks) < 0 for e in by_step):
+        raise FaultSpecError(f"config key 'fault.trace': {path} has an iteration < 1 or a rank < 0")
+    return by_step, sorted(by_time)
+
+
+class FaultPlan:
+    """The injected failures of a run, looked up by iteration; each fires once."""
+
+    def __init__(self, at: str = "", crash: str = "", *, mtbf_iters: float = 0.0, seed: int = 0, trace: str = "",
+                 world: int = 1, last_step: int = 0):
         self.events = parse_events(at, "fault.at")
         self.crashes = parse_events(crash, "fault.crash")
+        self.timed: list[tuple[float, int]] = []
+        if mtbf_iters > 0:
+            self.events += poisson_events(mtbf_iters, seed, world, last_step)
+        if trace:
+            by_step, self.timed = read_trace(trace)
+            self.events += by_step
+        self.events.sort(key=lambda e: e.step)
+        self.fired: set[int] = set()
 
     def check_world(self, world: int) -> None:
-        if self.events and world == 1:
+        if (self.events or self.timed) and world == 1:
             raise FaultSpecError("config key 'fault.at' needs a multi-process run (torchrun): "
                                  "a single process has no survivor to recover from")
         for key, events in (("fault.at", self.events), ("fault.crash", self.crashes)):
@@ -56,17 +111,29 @@ class FaultPlan:
                 if max(event.ranks) >= world:
                     raise FaultSpecError(f"config key '{key}' names rank {max(event.ranks)}, "
                                          f"but the job has {world} ranks")
+        if any(rank >= world for _, rank in self.timed):
+            raise FaultSpecError(f"config key 'fault.trace' names a rank >= {world}, the job's rank count")
         for event in self.events:
             failed = set().union(*(e.ranks for e in self.events if e.step == event.step))
             if len(failed) == world:
                 raise FaultSpecError(f"config key 'fault.at' fails every rank at step {event.step}; in-place "
                                      "recovery needs a survivor (use fault.crash with torchrun --max-restarts)")
 
-    def at(self, step: int) -> list[FaultEvent]:
-        return [e for e in self.events if e.step == step]
+    def at(self, step: int, elapsed_s: float | None = None) -> list[FaultEvent]:
+        """The failures at the start of iteration `step` not yet fired (marked fired now).
+
+        `elapsed_s`: seconds since training started, on rank 0 (decides the trace's timed failures)."""
+        due = [e for i, e in enumerate(self.events) if e.step == step and i not in self.fired]
+        self.fired |= {i for i, e in enumerate(self.events) if e.step == step}
+        while self.timed and elapsed_s is not None and self.timed[0][0] <= elapsed_s:
+            due.append(FaultEvent(step, (self.timed.pop(0)[1],)))
+        return due
+
+    def count(self) -> int:
+        return len(self.events) + len(self.timed)
 
     def crashes_at(self, step: int, rank: int) -> bool:
         return any(e.step == step and rank in e.ranks for e in self.crashes)
 
     def __bool__(self) -> bool:
-        return bool(self.events or self.crashes)
+        return bool(self.events or self.crashes or self.timed)

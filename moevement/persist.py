@@ -4,7 +4,8 @@ Layout: `<persist_dir>/window-<start:08d>/rank<r:05d>/s<slot>.bin` with the snap
 self-describing JSON header beside it (`s<slot>.json`: entries, dtypes, shapes, checksums, metadata).
 A rank's directory is written under a temporary name and renamed when complete; a checkpoint is
 complete when every rank's directory exists. Each rank keeps its two newest windows, so a
-checkpoint other ranks are still writing never costs the previous complete one.
+checkpoint other ranks are still writing never costs the previous complete one (MoC keeps
+more: its stale experts live in older windows).
 """
 
 from __future__ import annotations
@@ -66,8 +67,8 @@ def read_window(rank_dir: Path) -> list[tuple[SnapshotHeader, dict[tuple[str, st
 class DiskWriter:
     """Writes windows on a background thread; `busy(parity)` says whether a window's buffers are still read."""
 
-    def __init__(self, root: Path, rank: int):
-        self.root, self.rank = make_private_dir(root), rank
+    def __init__(self, root: Path, rank: int, keep: int = KEEP):
+        self.root, self.rank, self.keep = make_private_dir(root), rank, keep
         self.threads: dict[int, threading.Thread] = {}
         self.error: BaseException | None = None
 
@@ -92,7 +93,7 @@ class DiskWriter:
         try:
             write_window(self.root, self.rank, snapshots)
             mine = sorted(d for d in self.root.glob("window-*") if (d / f"rank{self.rank:05d}").exists())
-            for old in mine[:-KEEP]:
+            for old in mine[:-self.keep]:
                 shutil.rmtree(old / f"rank{self.rank:05d}", ignore_errors=True)
                 try:
                     old.rmdir()

@@ -19,29 +19,23 @@ replayed iteration, widens the failed set and restarts the joint recovery.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from moevement.engine import SparseCheckpointer
+from moevement.fetch import RecoveryError, fetch_from_replicas, persisted_header
 from moevement.faults import FaultEvent
-from moevement.hostmem import read_header
-from moevement.operators import Operator, local_tensor
+from moevement.operators import Operator
 from moevement.restart import Found
-from moevement.replay import PipelineReplay, load_compute, load_master, set_frozen, wipe_operators
-from moevement.snapshot import SnapshotError, SnapshotHeader, read_entries
+from moevement.replay import load_compute, load_master, reset_to_initial, set_frozen, wipe_operators
+from moevement.snapshot import SnapshotHeader, read_entries
 from moevement.upstream_log import UpstreamLog
 
 DTYPE_CODES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-class RecoveryError(RuntimeError):
-    """Recovery is impossible (e.g. no intact copy of a failed rank's checkpoint survives)."""
 
 
 @dataclass
@@ -159,7 +153,7 @@ class Recovery:
         window = self.ck.persisted_window[1] if self.ck.persisted_window else 0
         start = time.perf_counter()
         if window:
-            stats.sources = self._fetch_snapshots(failed, window)
+            stats.sources = fetch_from_replicas(self.ck, failed, window)
         boundary = self._fetch_logs(scope, t0, step)
         scalars = self._share_scalars(failed, t0, step)
         stats.fetch = time.perf_counter() - start
@@ -209,20 +203,12 @@ class Recovery:
 
     def _load_initial_state(self) -> None:
         """No checkpoint persisted yet: every operator restarts from the seed-derived initial state."""
-        initial = self.hooks.initial_parameters()
-        with torch.no_grad():
-            for op in self.ops:
-                for name, p in op.params.items():
-                    full = initial[name]
-                    if isinstance(p, DTensor):
-                        full = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
-                    local_tensor(p).copy_(full)
-                    self.optimizer.state.pop(p, None)
+        reset_to_initial(self.ops, self.optimizer, self.hooks.initial_parameters())
 
     def _persisted_slot(self, slot: int) -> tuple[SnapshotHeader, dict]:
         """SS_{t0+slot} of the newest persisted checkpoint, from the local buffers (verified at fetch)."""
         buf = self.ck.persisted_buffer(slot)
-        header = SnapshotHeader.from_json(_header(buf))
+        header = SnapshotHeader.from_json(persisted_header(buf))
         return header, read_entries(buf.data, header, source=str(buf.path), verify=False)
 
     def _activate_slot(self, header: SnapshotHeader, tensors: dict) -> None:
@@ -240,88 +226,6 @@ class Recovery:
             set_frozen([by_name[name]], True)
 
     # ---- communication: snapshots, logs, scalars ------------------------------------------------------
-
-    def _fetch_snapshots(self, failed: set[int], window: int) -> dict[int, str]:
-        """Failed ranks pull their persisted snapshots from replica peers, verifying every checksum.
-
-        Exchanges run in one global (failed rank, holder) order, so blocking point-to-point calls
-        cannot deadlock."""
-        sources = {}
-        intact = torch.tensor([int(self.me in failed and self._local_copy_intact(window))])
-        flags = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
-        dist.all_gather(flags, intact)
-        for f in sorted(failed):
-            holders = self.ck.peers[f]
-            done = bool(flags[f])
-            if done and self.me == f:
-                sources[f] = "local (restored earlier in this recovery)"
-            for h in holders:
-                if self.me == f:
-                    dist.send(torch.tensor([0 if done else 1]), h)
-                    if not done and self._receive_snapshots(h, window):
-                        done, sources[f] = True, f"rank{h}"
-                elif self.me == h:
-                    request = torch.zeros(1, dtype=torch.int64)
-                    dist.recv(request, f)
-                    if int(request):
-                        self._send_snapshots(f, window)
-            if self.me == f and not done:
-                raise RecoveryError(f"rank {f}: no intact replica of its persisted checkpoint on peers {holders}")
-        if self.me in failed:
-            self.ck.restored()
-        return sources
-
-    def _local_copy_intact(self, window: int) -> bool:
-        """Whether this rank's local buffers hold the whole persisted checkpoint with valid checksums."""
-        for slot in range(window):
-            buf = self.ck.persisted_buffer(slot)
-            header = _header(buf)
-            if header is None or header["window_start"] != self.ck.persisted_window[0]:
-                return False
-            try:
-                read_entries(buf.data, SnapshotHeader.from_json(header), source=str(buf.path))
-            except SnapshotError:
-                return False
-        return True
-
-    def _send_snapshots(self, src: int, window: int) -> None:
-        start = self.ck.persisted_window[0]
-        for slot in range(window):
-            buf = self.ck.replica_buffer(src, slot)
-            header = _header(buf)
-            if header is None or header["window_start"] != start:
-                dist.send(torch.tensor([0, 0]), src)
-                continue
-            raw = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
-            dist.send(torch.tensor([raw.numel(), header["nbytes"]]), src)
-            dist.send(raw, src)
-            dist.send(buf.data[:header["nbytes"]].contiguous(), src)
-
-    def _receive_snapshots(self, holder: int, window: int) -> bool:
-        """Receive all slots from `holder` into the local buffers; False if any is missing or corrupt."""
-        ok = True
-        for slot in range(window):
-            sizes = torch.zeros(2, dtype=torch.int64)
-            dist.recv(sizes, holder)
-            header_len, nbytes = sizes.tolist()
-            if header_len == 0:
-                ok = False
-                continue
-            raw = torch.empty(header_len, dtype=torch.uint8)
-            dist.recv(raw, holder)
-            buf = self.ck.persisted_buffer(slot)
-            buf.invalidate()
-            data = buf.ensure(max(nbytes, 1))
-            dist.recv(data[:nbytes], holder)
-            header = json.loads(raw.numpy().tobytes())
-            try:
-                read_entries(data, SnapshotHeader.from_json(header), source=f"replica on rank {holder}")
-            except SnapshotError as e:
-                print(f"recovery: rejected {e}; trying the next replica", flush=True)
-                ok = False
-                continue
-            buf.commit(header)
-        return ok
 
     def _fetch_logs(self, scope: set[int], t0: int, step: int) -> dict:
         """Boundary tensors of iterations t0..step-1 from the healthy neighbours of the scope."""
@@ -354,15 +258,12 @@ class Recovery:
         source = min(r for r in range(self.world) if r not in failed)
         payload = [{t: self.ck.scalar_log[t] for t in range(t0, step)} if self.me == source else None]
         dist.broadcast_object_list(payload, src=source)
+        self.ck.scalar_log.update(payload[0])  # a failed rank's log is back: it may serve the next recovery
         return payload[0]
 
 
 def _no_boundary(kind: str, iteration: int, stage: int, micro: int):
     raise RecoveryError(f"a full-pipeline replay needs no upstream log ({kind} of stage {stage}, iteration {iteration})")
-
-
-def _header(buf) -> dict | None:
-    return read_header(buf.path)
 
 
 def _ranges(stages: list[int]) -> str:

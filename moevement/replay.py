@@ -24,6 +24,7 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from moevement.operators import Operator, local_tensor
 from moevement.upstream_log import UpstreamLog
@@ -74,6 +75,18 @@ def wipe_operators(ops: list[Operator], optimizer) -> None:
                     local_tensor(value).fill_(float("nan"))
         for b in op.buffers.values():
             b.fill_(float("nan")) if b.is_floating_point() else b.zero_()
+
+
+@torch.no_grad()
+def reset_to_initial(ops: list[Operator], optimizer, initial: dict[str, torch.Tensor]) -> None:
+    """Return operators to the seed's initial state (`initial`: full tensor by global name), optimizer state cleared."""
+    for op in ops:
+        for name, p in op.params.items():
+            full = initial[name]
+            if isinstance(p, DTensor):
+                full = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
+            local_tensor(p).copy_(full)
+            optimizer.state.pop(p, None)
 
 
 @dataclass

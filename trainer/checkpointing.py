@@ -1,8 +1,14 @@
-"""Build the fault-tolerance pieces the config asks for, wired to this rank's model and layout:
-the sparse checkpointer, the upstream log (pipeline boundaries) and the recovery driver."""
+"""Build the fault-tolerance pieces the config asks for, wired to this rank's model and layout.
+
+`moevement`: the sparse checkpointer, the upstream log (pipeline boundaries) and localized recovery.
+`gemini`, `checkfreq`, `moc`: the same snapshot engine driven by an interval policy (dense or
+partial checkpoints, W = 1) and the global rollback of `moevement.rollback`.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import shutil
 import socket
@@ -12,7 +18,12 @@ from pathlib import Path
 import torch.distributed as dist
 
 from moevement.engine import SparseCheckpointer, Topology
+from moevement.faults import FaultEvent
+from moevement.intervals import IntervalPolicy
+from moevement.moc import LostTokens, PartialExpertSelector, expert_counts
+from moevement.operators import build_registry
 from moevement.recovery import Layout, Recovery, TrainerHooks
+from moevement.rollback import GlobalRollback, MocState
 from moevement.replay import PipelineReplay, StageRef
 from moevement.restart import Found, find_restart_checkpoint
 from moevement.upstream_log import UpstreamLog
@@ -26,12 +37,21 @@ from trainer.step import DropoutSeeder, forward_backward, replay_update
 
 @dataclass
 class FaultTolerance:
-    """MoEvement's pieces on this rank (`checkpoint.strategy = "moevement"`)."""
+    """The checkpoint strategy's pieces on this rank."""
 
     checkpointer: SparseCheckpointer
-    log: UpstreamLog | None  # pipeline boundaries only (pp > 1)
-    recovery: Recovery
+    log: UpstreamLog | None  # pipeline boundaries only (moevement, pp > 1)
+    recovery: Recovery | GlobalRollback
     restart_from: Found | None = None  # a whole-job restart found this persisted checkpoint to convert
+    moc: MocState | None = None
+
+    def recover(self, step: int, events: list[FaultEvent]) -> int:
+        """Failures at the start of iteration `step`: recover; returns the iteration training goes on with
+        (`step` after MoEvement's in-place recovery, the rollback target after a baseline's)."""
+        if isinstance(self.recovery, GlobalRollback):
+            return self.recovery.recover(step, events)
+        self.recovery.recover(step, events)
+        return step
 
     def begin(self, step: int) -> None:
         if self.log is not None:
@@ -42,9 +62,14 @@ class FaultTolerance:
     def end(self, step: int, scalars: dict[str, float], tokens, gate_probs) -> None:
         """Iteration `step` is done: its scalar log (what a replay needs) goes into its snapshot."""
         self.checkpointer.end(step, scalars, tokens, gate_probs)
+        if self.moc is not None:
+            self.moc.lost.observe(step, expert_counts(tokens, self.moc.experts))
 
     def metrics(self) -> dict[str, float]:
-        return {**self.checkpointer.metrics(), "log_mb": self.log.nbytes() / 1e6 if self.log else 0.0}
+        out = {**self.checkpointer.metrics(), "log_mb": self.log.nbytes() / 1e6 if self.log else 0.0}
+        if self.moc is not None:
+            out.update(k_pec=self.moc.selector.k, plt=self.moc.plt)
+        return out
 
 
 def gather_layout(dims: ParallelDims) -> tuple[Topology, Layout]:
@@ -67,27 +92,60 @@ def host_rank_dir(cfg: Config, rank: int) -> Path:
 
 def build_fault_tolerance(cfg: Config, model: ModelParts, optimizer, dims: ParallelDims, seeder: DropoutSeeder,
                           train_batches, line) -> FaultTolerance | None:
-    """Sparse checkpointing, upstream logging and recovery for `checkpoint.strategy = "moevement"`, else None."""
-    if cfg.checkpoint.strategy != "moevement":
+    """The pieces of `checkpoint.strategy` on this rank (collective over all ranks); None for `none`."""
+    strategy = cfg.checkpoint.strategy
+    if strategy == "none":
         return None
     topo, layout = gather_layout(dims)
     rank_dir = host_rank_dir(cfg, topo.rank)
     job_meta = {"seed": cfg.job.seed, "dp_rank": dims.dp_rank, "pp_rank": dims.pp_rank,
                 "rng": "dropout seed = derive_seed(seed, iteration, micro-batch, stage, dp_rank)"}
     found = None
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:  # torchrun restarted the whole job
-        expect = {k: job_meta[k] for k in ("seed", "dp_rank", "pp_rank")}
+    if strategy == "moevement" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        expect = {k: job_meta[k] for k in ("seed", "dp_rank", "pp_rank")}  # torchrun restarted the whole job
         found = find_restart_checkpoint(rank_dir.parent, cfg.checkpoint.persist_dir, expect, line)
         dist.barrier()  # every rank holds its copy before any rank clears its directory
     shutil.rmtree(rank_dir, ignore_errors=True)  # what is left there belongs to an earlier run
-    checkpointer = SparseCheckpointer(cfg.checkpoint, model.view, optimizer,
-                                      compute_dtype=DTYPES[cfg.training.mixed_precision], device=dims.device,
-                                      rank_dir=rank_dir, topology=topo, job_meta=job_meta)
+    compute_dtype = DTYPES[cfg.training.mixed_precision]
+    if strategy != "moevement":
+        return _interval_baseline(cfg, model, optimizer, dims, topo, rank_dir, job_meta, compute_dtype, line)
+    checkpointer = SparseCheckpointer(cfg.checkpoint, model.view, optimizer, compute_dtype=compute_dtype,
+                                      device=dims.device, rank_dir=rank_dir, topology=topo, job_meta=job_meta)
     log = UpstreamLog(model.parts, model.stage_ids, model.n_stages) if cfg.parallelism.pp > 1 else None
     hooks = _trainer_hooks(cfg, model, optimizer, dims, seeder, log, layout, train_batches, line)
     recovery = Recovery(checkpointer, log, optimizer, layout, model.n_stages, cfg.training.micro_batches, hooks,
                         global_rollback=cfg.fault.scope == "global")
     return FaultTolerance(checkpointer, log, recovery, found)
+
+
+def _interval_baseline(cfg: Config, model: ModelParts, optimizer, dims: ParallelDims, topo: Topology, rank_dir: Path,
+                       job_meta: dict, compute_dtype, line) -> FaultTolerance:
+    """gemini (dense, host memory, replicated), checkfreq (dense, persisted to disk), moc (partial, disk)."""
+    strategy, ck_cfg, m = cfg.checkpoint.strategy, cfg.checkpoint, cfg.model
+    ops = build_registry(model.view)
+    names = [op.name for op in ops]
+    moc, keep = None, 2
+    if strategy == "moc":
+        moe_layers = [layer for layer in range(m.n_layers) if m.is_moe_layer(layer)]
+        selector = PartialExpertSelector(ops, moe_layers, m.n_routed_experts, cfg.parallelism.ep, ck_cfg.moc_experts)
+        moc = MocState(selector, LostTokens(), ck_cfg.moc_plt_threshold, dims.dp_rank < cfg.parallelism.ep,
+                       experts={op.name for op in ops if op.kind == "expert"})
+        keep = math.ceil(m.n_routed_experts / selector.k) + 1  # every expert's newest save stays on disk
+        select = selector.next_checkpoint
+    else:
+        select = lambda: names  # noqa: E731  (dense: every operator)
+    if strategy != "gemini":  # snapshot in host memory, then persist asynchronously to disk
+        persist = ck_cfg.persist_dir or str(Path(cfg.job.output_dir) / cfg.job.name / f"{strategy}-checkpoints")
+        ck_cfg = dataclasses.replace(ck_cfg, replicas=0, persist_dir=persist, persist_every=1)
+        for old in Path(persist).glob(f"window-*/rank{topo.rank:05d}"):
+            shutil.rmtree(old)  # an earlier run's checkpoints must not be restored into this one
+    policy = IntervalPolicy(strategy, ck_cfg.interval, cfg.fault.mtbf_iters, select)
+    checkpointer = SparseCheckpointer(ck_cfg, model.view, optimizer, compute_dtype=compute_dtype, device=dims.device,
+                                      rank_dir=rank_dir, topology=topo, job_meta=job_meta, policy=policy,
+                                      disk_keep=keep)
+    rollback = GlobalRollback(strategy, checkpointer, optimizer, model.n_stages,
+                              lambda: initial_parameters(cfg.model, dims, cfg.job.seed), line, moc)
+    return FaultTolerance(checkpointer, None, rollback, moc=moc)
 
 
 def _trainer_hooks(cfg: Config, model: ModelParts, optimizer, dims: ParallelDims, seeder: DropoutSeeder,

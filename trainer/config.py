@@ -21,7 +21,8 @@ from parallelisms.mesh import SCHEDULES, ParallelismConfig
 from trainer.data import DataConfig
 
 
-STRATEGIES = ("none", "moevement")
+STRATEGIES = ("none", "moevement", "gemini", "checkfreq", "moc")
+INTERVAL_POLICIES = ("auto", "oracle", "capped")
 
 
 class ConfigError(ValueError):
@@ -58,7 +59,7 @@ class TrainingConfig:
 
 @dataclass
 class CheckpointConfig:
-    strategy: str = "none"  # none | moevement
+    strategy: str = "none"  # none | moevement | gemini | checkfreq | moc
     save_final: str = ""  # directory for a dense DCP checkpoint at the end of training
     load: str = ""  # directory of a dense DCP checkpoint to resume from
     # MoEvement sparse checkpointing (strategy = "moevement")
@@ -73,6 +74,10 @@ class CheckpointConfig:
     persist_every: int = 1
     profile_iters: int = 2  # iterations measured before the first window
     reprofile_every: int = 0  # re-measure every N windows (0: only at start-up)
+    # Interval baselines (gemini, checkfreq, moc)
+    interval: str = "auto"  # N | oracle (best ETTR for fault.mtbf_iters) | capped (overhead <= 3%) | auto
+    moc_experts: int = 1  # MoC's K_pec: routed experts saved per MoE layer per checkpoint (initially)
+    moc_plt_threshold: float = 0.0375  # MoC doubles K_pec when the proportion of lost tokens exceeds this
 
 
 FAULT_SCOPES = ("localized", "global")
@@ -83,6 +88,9 @@ class FaultConfig:
     at: str = ""  # STEP:RANK[+RANK...][,...]: these ranks lose their state at STEP and recover in place
     crash: str = ""  # STEP:RANK[,...]: the process exits at STEP (first attempt), for torchrun restarts
     scope: str = "localized"  # localized: the failed stages roll back | global: every stage does (for comparison)
+    mtbf_iters: float = 0.0  # Poisson failures of random ranks, mean time between failures in iterations (0: none)
+    seed: int = 0  # seed of the Poisson failure schedule
+    trace: str = ""  # CSV of failures: `iteration,rank` or `time_s,rank` rows
 
 
 @dataclass
@@ -249,20 +257,38 @@ def _validate_checkpoint(c: CheckpointConfig) -> None:
         _check(getattr(c, name) >= 1, f"checkpoint.{name}", f"must be >= 1, got {getattr(c, name)}")
     _check(c.bandwidth_gbps >= 0, "checkpoint.bandwidth_gbps", f"must be >= 0, got {c.bandwidth_gbps}")
     _check(0 < c.ema_decay < 1, "checkpoint.ema_decay", f"must be in (0, 1), got {c.ema_decay}")
-    if c.strategy == "moevement":
+    if c.strategy != "none":
         _check(bool(c.host_dir), "checkpoint.host_dir", "must name a (shared-memory) directory")
+    _check(c.interval in INTERVAL_POLICIES or (c.interval.isdigit() and int(c.interval) >= 1), "checkpoint.interval",
+           f"must be a positive integer or one of {', '.join(INTERVAL_POLICIES)}, got {c.interval!r}")
+    _check(c.moc_experts >= 1, "checkpoint.moc_experts", f"must be >= 1, got {c.moc_experts}")
+    _check(0 < c.moc_plt_threshold < 1, "checkpoint.moc_plt_threshold", f"must be in (0, 1), got {c.moc_plt_threshold}")
 
 
 def _validate_fault(cfg: Config) -> None:
+    f = cfg.fault
+    _check(f.mtbf_iters >= 0, "fault.mtbf_iters", f"must be >= 0, got {f.mtbf_iters}")
+    plan = fault_plan(cfg, world=2)
+    _check(f.scope in FAULT_SCOPES, "fault.scope", f"must be one of {', '.join(FAULT_SCOPES)}, got {f.scope!r}")
+    if plan:
+        key = "fault.at" if f.at else "fault.crash" if f.crash else "fault.mtbf_iters" if f.mtbf_iters else "fault.trace"
+        _check(cfg.checkpoint.strategy != "none", key, "needs a checkpoint.strategy that recovers "
+               "(moevement, gemini, checkfreq or moc), got 'none'")
+    if f.crash:
+        _check(cfg.checkpoint.strategy == "moevement", "fault.crash",
+               f"needs checkpoint.strategy = moevement (whole-job restart), got {cfg.checkpoint.strategy!r}")
+    if cfg.checkpoint.interval == "oracle":
+        _check(f.mtbf_iters > 0, "checkpoint.interval", "oracle needs fault.mtbf_iters > 0 (the MTBF it optimises for)")
+
+
+def fault_plan(cfg: Config, world: int) -> FaultPlan:
+    """The run's failure schedule (`fault.*` keys), for `world` ranks."""
+    f = cfg.fault
     try:
-        plan = FaultPlan(cfg.fault.at, cfg.fault.crash)
+        return FaultPlan(f.at, f.crash, mtbf_iters=f.mtbf_iters, seed=f.seed, trace=f.trace, world=world,
+                         last_step=cfg.training.stop_at or cfg.training.steps)
     except FaultSpecError as e:
         raise ConfigError(str(e)) from None
-    _check(cfg.fault.scope in FAULT_SCOPES, "fault.scope", f"must be one of {', '.join(FAULT_SCOPES)}, "
-           f"got {cfg.fault.scope!r}")
-    if plan:
-        _check(cfg.checkpoint.strategy == "moevement", "fault.at",
-               f"needs checkpoint.strategy = moevement to recover (got {cfg.checkpoint.strategy!r})")
 
 
 def _validate_parallelism(cfg: Config) -> None:
@@ -301,6 +327,6 @@ def check_world_size(cfg: Config, world_size: int) -> None:
     _check(p.pp * p.dp == world_size, "parallelism.pp",
            f"x parallelism.dp ({p.pp} x {p.dp}) must equal the number of processes ({world_size})")
     try:
-        FaultPlan(cfg.fault.at, cfg.fault.crash).check_world(world_size)
+        fault_plan(cfg, world_size).check_world(world_size)
     except FaultSpecError as e:
         raise ConfigError(str(e)) from None

@@ -1,0 +1,191 @@
+"""ETTR of checkpoint strategies under one failure schedule, measured side by side in one invocation.
+
+    python -m benchmarks.ettr --config train_configs/bench_moe.toml \
+        --strategies none,moevement,gemini,checkfreq,moc --mtbf-iters 100 --steps 100 [--seed 1] [--pp 2] \
+        [--dense-snapshot-iters 4] [--none-steps 30] [--out outputs/ettr] [--section.key value ...]
+
+First a fault-free `none` run (torchrun, `--pp` stages) measures the iteration time T and sets the
+snapshot bandwidth cap so that a dense snapshot of a rank takes `--dense-snapshot-iters`
+iterations (the paper's regime). Then every other strategy trains `--steps` iterations with the
+same Poisson failures (`--fault.mtbf_iters`, `--fault.seed`). Per strategy it prints
+
+    strategy=<s> ettr=<x> overhead=<x> recovery_s=<x> failures=<n> lost_tokens=<n>
+
+ETTR = useful time / wall time, where useful time is what the fault-free `none` run needs for
+the same iterations (iterations x T) and wall time is the training loop's; overhead compares mean
+first-execution iteration times with `none`'s; recovery_s is the time lost to failures (recovery
+plus recomputed iterations). `none` cannot recover, so its line is the fault-free reference.
+It writes `<out>/ettr.csv`, `<out>/profile.json` (the measured profile `moevement.simulator
+--profile` reads; the simulator's prediction is printed beside the measurement) and the plots
+`ettr_vs_mtbf.png`, `goodput.png` and `moc_k_pec.png`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from models import count_params
+from moevement.intervals import ettr as steady_ettr
+from moevement.simulator import MeasuredProfile, predict_from_profile
+from trainer.config import load_config
+
+QUIET = ["--metrics.tensorboard", "false", "--metrics.log_every", "1", "--training.val_every", "0",
+         "--metrics.progress", "false"]
+FIELDS = re.compile(r"(\w+)=(\S+)")
+WARMUP = 3  # first iterations (allocation, profiling) left out of per-iteration means
+
+
+def parse_run(stdout: str) -> dict:
+    """Step records in print order (a rolled-back iteration appears again), accounting and recovery lines."""
+    steps, accounting, recoveries = [], None, []
+    for line in stdout.splitlines():
+        if line.startswith("step="):
+            steps.append({k: float(v) for k, v in FIELDS.findall(line)})
+        elif line.startswith("accounting "):
+            accounting = {k: float(v) for k, v in FIELDS.findall(line)}
+        elif line.startswith("recovery step="):
+            recoveries.append(line)
+    return {"steps": steps, "accounting": accounting, "recoveries": recoveries}
+
+
+def iteration_times(run: dict, tokens: int, first_only: bool = True) -> list[float]:
+    """Seconds of each iteration after the warm-up (first executions only, unless asked)."""
+    out, high = [], 0
+    for r in run["steps"]:
+        if (r["step"] > high or not first_only) and r["step"] > WARMUP:
+            out.append(tokens / r["tok_per_s"])
+        high = max(high, r["step"])
+    return out
+
+
+def summarize(run: dict, none_iteration_s: float, tokens: int) -> dict:
+    """ETTR, overhead, recovery time and failures of one run against the fault-free iteration time."""
+    acct = run["accounting"]
+    mean_s = statistics.fmean(iteration_times(run, tokens))
+    failures = int(acct["failures"])
+    lost_s = acct["recovery_s"] + acct["recompute_s"]
+    return {"ettr": acct["iterations"] * none_iteration_s / acct["wall_s"],
+            "overhead": mean_s / none_iteration_s - 1, "recovery_s": lost_s, "failures": failures,
+            "recovery_per_failure_s": lost_s / failures if failures else 0.0,
+            "lost_tokens": int(acct["lost_tokens"]), "goodput": acct["goodput"], "wall_s": acct["wall_s"],
+            "iterations": int(acct["iterations"]), "host_mb": acct["host_mb"], "log_mb": acct["log_mb"]}
+
+
+def launch(config: str, strategy: str, steps: int, pp: int, flags: list[str]) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={pp}", "train.py",
+           "--config", config, *QUIET, "--training.steps", str(steps), "--parallelism.pp", str(pp),
+           "--checkpoint.strategy", strategy, *flags]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if proc.returncode != 0:
+        error = proc.stderr[proc.stderr.find("Traceback"):][:4000]
+        sys.exit(f"run failed ({strategy}):\n{proc.stdout[-2000:]}\n{error}")
+    return proc.stdout
+
+
+def plot(out: Path, results: dict, runs: dict, none_iteration_s: float, mtbf_iters: float, batch: int) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mtbfs = [10 * 1.1 ** i for i in range(50)]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for s, r in results.items():
+        if s == "none":
+            continue
+        curve = [steady_ettr(r["overhead"], r["recovery_per_failure_s"], m * none_iteration_s) for m in mtbfs]
+        line, = ax.plot(mtbfs, curve, label=s)
+        ax.plot([mtbf_iters], [r["ettr"]], "o", color=line.get_color())
+    ax.set(xscale="log", xlabel="MTBF (iterations)", ylabel="ETTR", ylim=(0, 1.02),
+           title="ETTR vs MTBF (lines: measured costs; dots: measured runs)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "ettr_vs_mtbf.png", dpi=120)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for s, run in runs.items():
+        high, xs, ys = 0, [], []
+        for r in run["steps"]:
+            high = max(high, int(r["step"]))
+            xs.append(r["wall_s"])
+            ys.append(high * batch)
+        ax.plot(xs, ys, label=s)
+    ax.set(xlabel="wall time (s)", ylabel="samples trained (excl. recomputed)", title="Goodput over time")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "goodput.png", dpi=120)
+
+    if "moc" in runs:
+        fig, ax = plt.subplots(figsize=(6, 3))
+        steps = runs["moc"]["steps"]
+        ax.step([r["wall_s"] for r in steps], [r["k_pec"] for r in steps], where="post")
+        ax.set(xlabel="wall time (s)", ylabel="K_pec", title="MoC experts saved per layer")
+        fig.tight_layout()
+        fig.savefig(out / "moc_k_pec.png", dpi=120)
+    plt.close("all")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="train_configs/bench_moe.toml")
+    parser.add_argument("--strategies", default="none,moevement,gemini,checkfreq,moc")
+    parser.add_argument("--mtbf-iters", type=float, default=100.0)
+    parser.add_argument("--seed", type=int, default=1, help="seed of the Poisson failure schedule")
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--none-steps", type=int, default=30, help="iterations of the fault-free reference")
+    parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--dense-snapshot-iters", type=float, default=4.0)
+    parser.add_argument("--bandwidth-gbps", type=float, default=0.0, help="snapshot copy cap (0: calibrate)")
+    parser.add_argument("--out", default="outputs/ettr")
+    args, extra = parser.parse_known_args(argv)
+    cfg = load_config(args.config, extra)
+    tokens, batch = cfg.training.batch_size * cfg.training.seq_len, cfg.training.batch_size
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    runs = {"none": parse_run(launch(args.config, "none", args.none_steps, args.pp, extra))}
+    none_iteration_s = statistics.fmean(iteration_times(runs["none"], tokens))
+    dense_rank_bytes = 12 * count_params(cfg.model)[0] / args.pp  # FP32 master + AdamW moments, per stage
+    cap = args.bandwidth_gbps or dense_rank_bytes * 8 / 1e9 / (args.dense_snapshot_iters * none_iteration_s)
+    print(f"none iteration_s={none_iteration_s:.3f} bandwidth_gbps={cap:.4f} "
+          f"dense_snapshot_iters={dense_rank_bytes * 8 / 1e9 / cap / none_iteration_s:.2f}", flush=True)
+    faults = ["--fault.mtbf_iters", str(args.mtbf_iters), "--fault.seed", str(args.seed),
+              "--checkpoint.bandwidth_gbps", f"{cap:.6f}"]
+    for strategy in [s for s in args.strategies.split(",") if s != "none"]:
+        runs[strategy] = parse_run(launch(args.config, strategy, args.steps, args.pp, [*extra, *faults]))
+        for line in runs[strategy]["recoveries"]:
+            print(f"  {strategy}: {line}", flush=True)
+
+    results = {"none": {**summarize(runs["none"], none_iteration_s, tokens), "ettr": 1.0}}
+    results.update({s: summarize(run, none_iteration_s, tokens) for s, run in runs.items() if s != "none"})
+    profile = {"iteration_s": none_iteration_s, "mtbf_s": args.mtbf_iters * none_iteration_s, "steps": args.steps,
+               "strategies": {s: {"overhead": r["overhead"], "recovery_s": r["recovery_per_failure_s"],
+                                  "failures": r["failures"]} for s, r in results.items() if s != "none"}}
+    (out / "profile.json").write_text(json.dumps(profile, indent=1))
+    predicted = predict_from_profile(profile)
+    steady = {s: MeasuredProfile.from_json(profile).steady_ettr(s) for s in profile["strategies"]}
+    with open(out / "ettr.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=["strategy", *results["none"], "predicted_ettr", "steady_ettr"])
+        writer.writeheader()
+        for s, r in results.items():
+            writer.writerow({"strategy": s, **r, "predicted_ettr": predicted.get(s, ""), "steady_ettr": steady.get(s, "")})
+    for s, r in results.items():
+        note = " (fault-free reference: cannot recover)" if s == "none" else \
+            f" predicted_ettr={predicted[s]:.4f} error={abs(predicted[s] / r['ettr'] - 1):.4f} " \
+            f"steady_ettr={steady[s]:.4f}"
+        print(f"strategy={s} ettr={r['ettr']:.4f} overhead={r['overhead']:.4f} recovery_s={r['recovery_s']:.3f} "
+              f"failures={r['failures']} lost_tokens={r['lost_tokens']}{note}", flush=True)
+    plot(out, results, runs, none_iteration_s, args.mtbf_iters, batch)
+    print(f"wrote {out / 'ettr.csv'}, {out / 'profile.json'}, {out / 'ettr_vs_mtbf.png'}, {out / 'goodput.png'}"
+          + (f", {out / 'moc_k_pec.png'}" if "moc" in runs else ""))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""Failed ranks pull the snapshots of the newest persisted checkpoint from their replica peers.
+
+Every rank calls `fetch_from_replicas` together. Exchanges run in one global (failed rank, holder)
+order, so blocking point-to-point calls cannot deadlock; every received snapshot is verified
+against its checksums, and a rejected copy makes the failed rank try the next peer.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from moevement.engine import SparseCheckpointer
+from moevement.hostmem import HostBuffer, read_header
+from moevement.snapshot import SnapshotError, SnapshotHeader, read_entries
+
+
+class RecoveryError(RuntimeError):
+    """Recovery is impossible (e.g. no intact copy of a failed rank's checkpoint survives)."""
+
+
+def persisted_header(buf) -> dict | None:
+    return read_header(buf.path)
+
+
+def fetch_from_replicas(ck: SparseCheckpointer, failed: set[int], window: int) -> dict[int, str]:
+    """Failed ranks pull their persisted snapshots (`window` slots) from replica peers, then get back the
+    replicas they held for others (re-protection, so a later failure of those peers is covered too).
+
+    Returns {failed rank: where its snapshots came from}."""
+    me, world = dist.get_rank(), dist.get_world_size()
+    sources = {}
+    intact = torch.tensor([int(me in failed and _local_copy_intact(ck, window))])
+    flags = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(flags, intact)
+    for f in sorted(failed):
+        holders = ck.peers[f]
+        done = bool(flags[f])
+        if done and me == f:
+            sources[f] = "local (restored earlier in this recovery)"
+        for h in holders:
+            if me == f:
+                dist.send(torch.tensor([0 if done else 1]), h)
+                if not done and _receive(ck, h, window, ck.persisted_buffer, f"replica on rank {h}"):
+                    done, sources[f] = True, f"rank{h}"
+            elif me == h:
+                request = torch.zeros(1, dtype=torch.int64)
+                dist.recv(request, f)
+                if int(request):
+                    _send(ck, f, window, lambda slot: ck.replica_buffer(f, slot))
+        if me == f and not done:
+            raise RecoveryError(f"rank {f}: no intact replica of its persisted checkpoint on peers {holders}")
+    if me in failed:
+        ck.restored()
+    for h in sorted(failed):  # every rank holds its own snapshots again: re-send the lost replicas
+        for src in (s for s in range(world) if h in ck.peers[s]):
+            if me == src:
+                _send(ck, h, window, ck.persisted_buffer)
+            elif me == h:
+                _receive(ck, src, window, lambda slot, src=src: ck.replica_buffer(src, slot), f"rank {src}")
+    return sources
+
+
+def _local_copy_intact(ck: SparseCheckpointer, window: int) -> bool:
+    """Whether this rank's local buffers hold the whole persisted checkpoint with valid checksums."""
+    for slot in range(window):
+        buf = ck.persisted_buffer(slot)
+        header = persisted_header(buf)
+        if header is None or header["window_start"] != ck.persisted_window[0]:
+            return False
+        try:
+            read_entries(buf.data, SnapshotHeader.from_json(header), source=str(buf.path))
+        except SnapshotError:
+            return False
+    return True
+
+
+def _send(ck: SparseCheckpointer, dst: int, window: int, buffer_of: Callable[[int], HostBuffer]) -> None:
+    """Send the persisted checkpoint's slots held in `buffer_of(slot)` (sizes 0, 0 for a missing one)."""
+    start = ck.persisted_window[0]
+    for slot in range(window):
+        buf = buffer_of(slot)
+        header = persisted_header(buf)
+        if header is None or header["window_start"] != start:
+            dist.send(torch.tensor([0, 0]), dst)
+            continue
+        raw = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
+        dist.send(torch.tensor([raw.numel(), header["nbytes"]]), dst)
+        dist.send(raw, dst)
+        dist.send(buf.data[:header["nbytes"]].contiguous(), dst)
+
+
+def _receive(ck: SparseCheckpointer, src: int, window: int, buffer_of: Callable[[int], HostBuffer],
+             source: str) -> bool:
+    """Receive all slots from `src` into `buffer_of(slot)`, verified; False if any is missing or corrupt."""
+    ok = True
+    for slot in range(window):
+        sizes = torch.zeros(2, dtype=torch.int64)
+        dist.recv(sizes, src)
+        header_len, nbytes = sizes.tolist()
+        if header_len == 0:
+            ok = False
+            continue
+        raw = torch.empty(header_len, dtype=torch.uint8)
+        dist.recv(raw, src)
+        buf = buffer_of(slot)
+        buf.invalidate()
+        data = buf.ensure(max(nbytes, 1))
+        dist.recv(data[:nbytes], src)
+        header = json.loads(raw.numpy().tobytes())
+        try:
+            read_entries(data, SnapshotHeader.from_json(header), source=source)
+        except SnapshotError as e:
+            print(f"recovery: rejected {e}; trying the next copy", flush=True)
+            ok = False
+            continue
+        buf.commit(header)
+    return ok

@@ -1,0 +1,217 @@
+"""Baselines in the same trainer (gemini, checkfreq, moc), failure schedules and ETTR accounting.
+
+Unit tests pin MoC's selection schedule (the paper's 4-layer, 3-expert, EP=3 example), the PLT
+closed form under uniform routing, K doubling, the interval policies, the failure schedules and
+the ETTR arithmetic. The end-to-end cases launch real processes under torchrun with gloo: Gemini
+and CheckFreq recover exactly but roll every rank back and recompute; MoC restores stale experts
+and loses tokens.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from benchmarks.ettr import parse_run, summarize
+from moevement.faults import FaultPlan, FaultSpecError, poisson_events
+from moevement.intervals import IntervalPolicy, checkfreq_interval, oracle_interval, periodic_ettr
+from moevement.moc import LostTokens, PartialExpertSelector, moc_selection
+from moevement.operators import Operator
+from trainer.accounting import RunAccounting
+from tests.conftest import DEBUG_CONFIG, final_line, run_cli, step_losses
+
+BASE = ["--config", DEBUG_CONFIG, "--metrics.tensorboard", "false", "--metrics.log_every", "1",
+        "--training.val_every", "0", "--training.steps", "14", "--model.n_layers", "4", "--parallelism.pp", "2"]
+RECOVERY = re.compile(r"^recovery step=(\d+) ranks=(\S+) scope=(\S+) rollback_to=(\d+) replayed=(\d+) .*"
+                      r"strategy=(\w+) snapshots_from=\"([^\"]*)\"(.*)$", re.M)
+ACCOUNTING = re.compile(r"^accounting (.*)$", re.M)
+
+
+# ---- MoC: selection, lost tokens, K doubling ----------------------------------------------------------
+
+def test_moc_selection_paper_example_4_layers_3_experts_ep3():
+    """K=1: layer j starts one EP rank further on; every (layer, expert) is saved once per 3 checkpoints."""
+    schedule = [moc_selection(3 * 0 + c, 4, 3, 3, 1) for c in range(3)]  # cursor advances by K=1
+    assert schedule == [[[0], [1], [2], [0]], [[1], [2], [0], [1]], [[2], [0], [1], [2]]]
+    for layer in range(4):
+        assert sorted(schedule[c][layer][0] for c in range(3)) == [0, 1, 2]
+    for checkpoint in schedule:  # expert e lives on EP rank e: the save work differs by at most one expert
+        load = [sum(chosen == [rank] for chosen in checkpoint) for rank in range(3)]
+        assert max(load) - min(load) <= 1
+
+
+def _moe_ops(n_experts: int) -> list[Operator]:
+    return [Operator("layers.1", "block", 1), Operator("layers.1.moe.router", "router", 1),
+            *[Operator(f"layers.1.moe.experts.{e}", "expert", 1, e) for e in range(n_experts)]]
+
+
+def test_selector_keeps_non_expert_operators_and_doubles_k_up_to_all():
+    selector = PartialExpertSelector(_moe_ops(8), moe_layers=[1], n_experts=8, ep=1, k=3)
+    first = selector.next_checkpoint()
+    assert first == ["layers.1", "layers.1.moe.router", *[f"layers.1.moe.experts.{e}" for e in (0, 1, 2)]]
+    assert selector.next_checkpoint()[2:] == [f"layers.1.moe.experts.{e}" for e in (3, 4, 5)]
+    selector.double()
+    assert selector.k == 6
+    selector.double()
+    assert selector.k == 8 and len(selector.next_checkpoint()) == 10
+
+
+def test_plt_closed_form_under_uniform_routing():
+    """E experts, K per checkpoint, every I iterations, tau tokens per expert per iteration, a failure
+    right at the n-th checkpoint after the first: PLT = (E/K - 1) / (2 n)."""
+    n_experts, k, interval, tau, n = 8, 2, 3, 5.0, 6
+    selector = PartialExpertSelector(_moe_ops(n_experts), [1], n_experts, 1, k)
+    tracker, saved_at = LostTokens(), {}
+    rollback_to = 1 + n * interval
+    for t in range(1, rollback_to):
+        if (t - 1) % interval == 0:
+            saved_at.update({name: t for name in selector.next_checkpoint()})
+        tracker.observe(t, {f"layers.1.moe.experts.{e}": tau for e in range(n_experts)})
+    saved_at.update({name: rollback_to for name in selector.next_checkpoint()})  # the checkpoint of t_c
+    lost, processed = tracker.account(rollback_to, saved_at)
+    assert processed == n_experts * tau * (rollback_to - 1)
+    assert lost / processed == pytest.approx((n_experts / k - 1) / (2 * n))
+
+
+# ---- intervals ---------------------------------------------------------------------------------------
+
+def test_interval_policies():
+    fixed = IntervalPolicy("gemini", "7", 0.0, lambda: [])
+    assert fixed.choose(1e9, 1e6, 1.0) == 7
+    capped = IntervalPolicy("checkfreq", "auto", 0.0, lambda: [])
+    assert capped.choose(3e6, 1e6, 1.0) == checkfreq_interval(2.0, 0.0, 1.0) == 67  # stall 2 s: k >= 2/0.03
+    capped.observe_stall(0.5)  # a measured stall overrides the estimate
+    assert capped.choose(3e6, 1e6, 1.0) == 17
+    oracle = IntervalPolicy("gemini", "auto", 100.0, lambda: [])
+    k = oracle.choose(3e6, 1e6, 1.0)
+    best = max(range(1, 200), key=lambda j: periodic_ettr(j, 2.0, 1.0, 0.0, 100.0))
+    assert k == best == oracle_interval(2.0, 1.0, 0.0, 100.0)
+    oracle.scheduled(10, k)
+    assert not oracle.due(10 + k - 1) and oracle.due(10 + k)
+    oracle.rolled_back(12)
+    assert oracle.next_due == 12 + k
+
+
+# ---- failure schedules -------------------------------------------------------------------------------
+
+def test_poisson_schedule_is_deterministic_and_fires_once():
+    events = poisson_events(10, seed=3, world=4, last_step=200)
+    assert events == poisson_events(10, seed=3, world=4, last_step=200)
+    assert events != poisson_events(10, seed=4, world=4, last_step=200)
+    assert 10 <= len(events) <= 35 and all(1 <= e.step <= 200 and 0 <= e.ranks[0] < 4 for e in events)
+    plan = FaultPlan(mtbf_iters=10, seed=3, world=4, last_step=200)
+    first = events[0].step
+    assert plan.at(first) == [events[0]]
+    assert plan.at(first) == []  # a rolled-back run reaching the iteration again meets no failure
+
+
+def test_trace_file(tmp_path: Path):
+    trace = tmp_path / "trace.csv"
+    trace.write_text("iteration,rank\n5,1\n9,0\n")
+    plan = FaultPlan(trace=str(trace), world=2, last_step=20)
+    assert [(e.step, e.ranks) for e in plan.events] == [(5, (1,)), (9, (0,))]
+    timed = tmp_path / "timed.csv"
+    timed.write_text("time_s,rank\n2.5,1\n")
+    plan = FaultPlan(trace=str(timed), world=2, last_step=20)
+    assert plan.at(3, elapsed_s=1.0) == [] and [e.ranks for e in plan.at(4, elapsed_s=2.6)] == [(1,)]
+    bad = tmp_path / "bad.csv"
+    bad.write_text("iteration,rank\nfive,1\n")
+    with pytest.raises(FaultSpecError, match="fault.trace.*line 2"):
+        FaultPlan(trace=str(bad), world=2, last_step=20)
+
+
+def test_bad_baseline_config_is_one_clear_error():
+    proc = run_cli("--config", DEBUG_CONFIG, "--checkpoint.strategy", "gemini", "--checkpoint.interval", "often",
+                   check=False)
+    assert proc.returncode == 2 and "checkpoint.interval" in proc.stderr and "oracle" in proc.stderr
+    proc = run_cli("--config", DEBUG_CONFIG, "--fault.mtbf_iters", "10", check=False)
+    assert proc.returncode == 2 and "fault.mtbf_iters" in proc.stderr and "moevement" in proc.stderr
+
+
+# ---- ETTR accounting --------------------------------------------------------------------------------
+
+def test_ettr_accounting_on_a_scripted_run(monkeypatch):
+    """4 iterations of 1 s, a failure costing 0.5 s that rolls back 2 iterations (recomputed at 1 s each)."""
+    clock = iter([100.0, 103.5, 107.5])  # start, end of the recovery, end of the run
+    monkeypatch.setattr("trainer.accounting.time.perf_counter", lambda: next(clock))
+    acct = RunAccounting(first_step=1, samples_per_step=8)
+    for step in (1, 2, 3):
+        acct.iteration(step, 1.0)
+    acct.recovered(1, 0.5)
+    for step in (2, 3, 4):
+        acct.iteration(step, 1.0)
+    line = acct.line({"host_mb": 3.0}, lost_tokens=0)
+    assert line.startswith("accounting wall_s=7.500 iterations=4 productive_s=4.000 recompute_s=2.000 "
+                           "recovery_s=0.500 failures=1 recomputed=2 goodput=4.267")
+    steps = "".join(f"step={s} loss=1 tok_per_s={t} wall_s=0\n" for s, t in [(4, 100), (5, 50), (4, 100), (6, 100)])
+    run = parse_run(steps + line + "\n")
+    result = summarize(run, none_iteration_s=1.0, tokens=100)
+    assert result["ettr"] == pytest.approx(4 / 7.5)  # the fault-free run needs 4 s for these 4 iterations
+    assert result["overhead"] == pytest.approx((1 + 2 + 1) / 3 - 1)  # first executions of 4, 5, 6
+    assert result["recovery_s"] == pytest.approx(2.5) and result["failures"] == 1
+
+
+# ---- end to end ----------------------------------------------------------------------------------------
+
+_reference: list[str] = []
+
+
+def reference() -> str:
+    if not _reference:
+        _reference.append(run_cli(*BASE, nproc=2).stdout)
+    return _reference[0]
+
+
+def baseline_run(tmp_path: Path, strategy: str, *extra: str) -> str:
+    return run_cli(*BASE, "--checkpoint.strategy", strategy, "--checkpoint.host_dir", str(tmp_path / "shm"),
+                   "--checkpoint.persist_dir", str(tmp_path / "disk"), *extra, nproc=2).stdout
+
+
+def accounting(out: str) -> dict[str, float]:
+    return {k: float(v) for k, v in (kv.split("=") for kv in ACCOUNTING.search(out)[1].split())}
+
+
+def test_gemini_poisson_failures_roll_every_rank_back_and_recompute_exactly(tmp_path):
+    plan = FaultPlan(mtbf_iters=4, seed=6, world=2, last_step=14)
+    assert len(plan.events) >= 3
+    out = baseline_run(tmp_path, "gemini", "--checkpoint.interval", "3", "--fault.mtbf_iters", "4",
+                       "--fault.seed", "6")
+    recoveries = RECOVERY.findall(out)
+    assert [int(r[0]) for r in recoveries] == [e.step for e in plan.events]
+    for step, ranks, scope, rollback_to, replayed, strategy, source, _ in recoveries:
+        assert scope == "0-1" and strategy == "gemini"  # global: both stages roll back
+        assert int(rollback_to) <= int(step) and int(replayed) == int(step) - int(rollback_to)
+        if int(rollback_to) > 1:
+            assert source == f"rank{ranks}: replica on rank{1 - int(ranks)}"
+    acct = accounting(out)
+    assert acct["failures"] == len(plan.events)
+    assert acct["recomputed"] == sum(int(r[4]) for r in recoveries) > 0
+    assert step_losses(out) == step_losses(reference())
+    assert final_line(out) == final_line(reference())
+
+
+def test_checkfreq_recovers_from_disk_exactly(tmp_path):
+    trace = tmp_path / "trace.csv"
+    trace.write_text("iteration,rank\n9,0\n")
+    out = baseline_run(tmp_path, "checkfreq", "--checkpoint.interval", "4", "--fault.trace", str(trace))
+    (step, ranks, scope, rollback_to, replayed, strategy, source, _), = RECOVERY.findall(out)
+    assert (step, ranks, scope, rollback_to, strategy) == ("9", "0", "0-1", "7", "checkfreq")
+    assert source.startswith("rank0: disk ") and (tmp_path / "disk").is_dir()
+    assert final_line(out) == final_line(reference())
+
+
+def test_moc_restores_stale_experts_and_loses_tokens(tmp_path):
+    out = baseline_run(tmp_path, "moc", "--checkpoint.interval", "2", "--checkpoint.moc_experts", "2",
+                       "--fault.at", "10:1")
+    (step, ranks, scope, rollback_to, replayed, strategy, source, tail), = RECOVERY.findall(out)
+    assert (step, scope, rollback_to, strategy) == ("10", "0-1", "9", "moc")
+    lost = dict(kv.split("=") for kv in tail.split())
+    assert float(lost["lost_tokens"]) > 0 and 0 < float(lost["plt"]) < 1
+    assert int(lost["k_pec"]) == 4  # PLT above 3.75%: K doubles
+    assert accounting(out)["lost_tokens"] == float(lost["lost_tokens"])
+    losses, ref = step_losses(out), step_losses(reference())
+    assert all(losses[t] == ref[t] for t in range(1, 9))  # identical until the stale restore at 9
+    assert losses[9] != ref[9]  # iteration 9 runs again on stale experts
+    assert final_line(out)[2] != final_line(reference())[2]
