@@ -1,0 +1,145 @@
+"""Score a checkpoint saved by train.py on lm-eval tasks.
+
+    python -m eval.harness --checkpoint DIR [--tasks piqa,hellaswag] [--limit N]
+        [--hellaswag-file FILE] [--piqa-dir DIR] [--batch-size B] [--output FILE]
+        [--config TOML] [--tokenizer SPEC] [--device cpu]
+    torchrun --nproc_per_node N -m eval.harness --checkpoint DIR ...   # documents split across ranks (gloo)
+
+Prints one line per task, ``task=<t> acc=<x> acc_norm=<x> n=<items>``, and writes lm-eval's
+results JSON to ``--output`` (default ``<checkpoint>/eval_results.json``). A bad checkpoint,
+task name or data file is one line ``error: ...`` on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from eval.errors import EvalError
+from eval.tasks import DEFAULT_PIQA_DIR, TASKS, parse_task_names
+
+RESULTS_FILE = "eval_results.json"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m eval.harness", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", required=True, help="directory written by train.py --checkpoint.save_final")
+    p.add_argument("--tasks", default="piqa", help=f"comma-separated, from: {', '.join(TASKS)} (default: piqa)")
+    p.add_argument("--limit", type=int, default=None, help="score only the first N items of each task")
+    p.add_argument("--hellaswag-file", default=None,
+                   help="local JSONL in the original HellaSwag format (default: lm-eval's hellaswag from the hub)")
+    p.add_argument("--piqa-dir", default=str(DEFAULT_PIQA_DIR),
+                   help="directory with valid.jsonl + valid-labels.lst (default: ../shared/data/piqa)")
+    p.add_argument("--batch-size", type=int, default=32, help="windows per forward pass (default: 32)")
+    p.add_argument("--output", default=None, help=f"results JSON (default: <checkpoint>/{RESULTS_FILE})")
+    p.add_argument("--config", default=None, help="training TOML: checks the model shape, picks data.tokenizer")
+    p.add_argument("--tokenizer", default=None, help="'byte' or a tokenizer.json (default: config, else byte)")
+    p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    return p.parse_args(argv)
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if args.limit is not None and args.limit < 1:
+        raise EvalError(f"--limit must be >= 1, got {args.limit}")
+    if args.batch_size < 1:
+        raise EvalError(f"--batch-size must be >= 1, got {args.batch_size}")
+    checkpoint = Path(args.checkpoint)
+    if not checkpoint.is_dir():  # fail before importing lm-eval and reading task data
+        raise EvalError(f"checkpoint {args.checkpoint!r}: " + ("not a directory" if checkpoint.exists()
+                                                               else "no such directory"))
+
+
+def _init_distributed() -> tuple[int, int]:
+    """(rank, world size); a gloo group when launched by torchrun with several processes."""
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo")
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _shutdown_distributed() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def task_line(task: str, results: dict[str, Any]) -> str:
+    """``task=<t> acc=<x> acc_norm=<x> n=<int>`` from lm-eval's results dict."""
+    metrics = results["results"][task]
+    n = results.get("n-samples", {}).get(task, {}).get("effective")
+    return f"task={task} acc={metrics['acc,none']:.4f} acc_norm={metrics['acc_norm,none']:.4f} n={n}"
+
+
+def write_results(results: dict[str, Any], path: Path) -> None:
+    from lm_eval.utils import handle_non_serializable
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False))
+    os.replace(tmp, path)
+
+
+def evaluate(args: argparse.Namespace, rank: int) -> Optional[dict[str, Any]]:
+    """Load tasks and checkpoint, run lm-eval; the results on rank 0, None elsewhere."""
+    import datasets
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from eval.model import MoEvementLM
+    from eval.tasks import load_tasks
+
+    datasets.disable_progress_bars()
+    names = parse_task_names(args.tasks)
+    tasks = load_tasks(names, piqa_dir=args.piqa_dir, hellaswag_file=args.hellaswag_file)
+    lm = MoEvementLM(checkpoint=args.checkpoint, config=args.config, tokenizer=args.tokenizer,
+                     batch_size=args.batch_size, device=args.device)
+    started = time.perf_counter()
+    results = lm_eval.simple_evaluate(model=lm, tasks=list(tasks.values()), limit=args.limit,
+                                      batch_size=args.batch_size, device=args.device, log_samples=False,
+                                      task_manager=TaskManager(include_defaults=False))
+    wall = time.perf_counter() - started
+    if rank != 0 or results is None:
+        return None
+    items = sum(int(results["n-samples"][t]["effective"]) for t in names)
+    results["moevement"] = {"checkpoint": str(args.checkpoint), "eval_wall_s": wall, "items": items,
+                            "items_per_s": items / wall if wall > 0 else None}
+    return results
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    rank = 0
+    try:
+        _check_args(args)
+        rank, _ = _init_distributed()
+        results = evaluate(args, rank)
+        if results is not None:
+            output = Path(args.output) if args.output else Path(args.checkpoint) / RESULTS_FILE
+            for task in parse_task_names(args.tasks):
+                print(task_line(task, results), flush=True)
+            write_results(results, output)
+            info = results["moevement"]
+            print(f"eval: {info['items']} items in {info['eval_wall_s']:.1f} s "
+                  f"({info['items_per_s']:.1f} items/s); results -> {output}", file=sys.stderr, flush=True)
+        return 0
+    except EvalError as e:
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        _shutdown_distributed()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,267 @@
+"""lm-eval harness over train.py checkpoints: adapter scores, tasks, CLI (eval/)."""
+
+import os
+
+os.environ["HF_DATASETS_OFFLINE"] = "1"  # nothing may download: set before datasets is imported
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+from eval import harness
+from eval.checkpoint import load_checkpoint
+from eval.errors import EvalError
+from eval.model import GENERATE_UNSUPPORTED, MoEvementLM, requests_from_pairs, score_windows
+from eval.tasks import DEFAULT_PIQA_DIR, HELLASWAG_TASK, PIQA_TASK, load_tasks
+from tests.conftest import DEBUG_CONFIG, run_cli
+
+LINE = re.compile(r"^task=(\w+) acc=([0-9.]+) acc_norm=([0-9.]+) n=(\d+)$", re.M)
+PIQA_LABELS = DEFAULT_PIQA_DIR / "valid-labels.lst"
+
+# A made-up toy fixture in HellaSwag's file format -- NOT items of the benchmark.
+TOY_HELLASWAG = [
+    {"ind": 0, "activity_label": "Toy fixture", "ctx_a": "A cat sits on a mat.", "ctx_b": "it",
+     "endings": ["purrs quietly [title] and sleeps.", "flies to the moon.", "writes a novel.", "becomes a teapot."],
+     "label": 0},
+    {"ind": 1, "activity_label": "Toy fixture", "ctx_a": "The kettle boils.", "ctx_b": "someone",
+     "endings": ["pours the water into a cup.", "eats the kettle.", "swims in it.", "paints it blue."], "label": "0"},
+    {"ind": 2, "activity_label": "Toy fixture", "ctx_a": "It starts to rain.", "ctx_b": "people",
+     "endings": ["dance on the sun.", "open their umbrellas.", "freeze into ice.", "turn into birds."], "label": 1},
+    {"ind": 3, "activity_label": "Toy fixture", "ctx_a": "The baker kneads dough.", "ctx_b": "then she",
+     "endings": ["bakes it into bread.", "mails it to Mars.", "plays chess with it.", "sings to the oven."],
+     "label": 0},
+]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    ckpt = str(tmp_path_factory.mktemp("eval") / "ckpt")
+    run_cli("--config", DEBUG_CONFIG, "--training.steps", "2", "--metrics.tensorboard", "false",
+            "--training.val_every", "0", "--checkpoint.save_final", ckpt)
+    return ckpt
+
+
+@pytest.fixture(scope="module")
+def lm(checkpoint) -> MoEvementLM:
+    return MoEvementLM(checkpoint=checkpoint, batch_size=4)
+
+
+@pytest.fixture
+def toy_hellaswag(tmp_path) -> Path:
+    path = tmp_path / "toy_hellaswag.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in TOY_HELLASWAG))
+    return path
+
+
+def direct_loglikelihood(model, ids: list[int], n_pred: int) -> tuple[float, bool]:
+    """Reference: one forward pass of the whole sequence, log_softmax by hand."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]))[0]
+    logprobs = F.log_softmax(logits.float(), dim=-1)
+    targets = torch.tensor(ids[len(ids) - n_pred:])
+    picked = logprobs[len(ids) - n_pred - 1 : len(ids) - 1]
+    return (float(picked.gather(1, targets[:, None]).double().sum()),
+            bool((picked.argmax(-1) == targets).all()))
+
+
+PAIRS = [
+    ("Question: How do I boil an egg?\nAnswer:", " Put it in boiling water for eight minutes."),
+    ("The capital of France is ", "Paris."),  # trailing space moves to the continuation
+    ("", "A whole document scored from the end-of-sequence token."),
+    ("Short", " x"),
+]
+
+
+def test_loglikelihood_equals_direct_forward(lm):
+    eos = lm.tokenizer.eos_id
+    expected = []
+    for context, continuation in PAIRS:
+        ctx = lm.tokenizer.encode(context.rstrip()) if context else [eos]
+        spaces = context[len(context.rstrip()):]
+        cont = lm.tokenizer.encode(spaces + continuation)
+        expected.append(direct_loglikelihood(lm.model, ctx + cont, len(cont)))
+    batched = lm.loglikelihood(requests_from_pairs(PAIRS))
+    one_by_one = MoEvementLM(model=lm.model, tokenizer=lm.tokenizer, batch_size=1).loglikelihood(
+        requests_from_pairs(PAIRS))
+    assert one_by_one == expected  # same forward, same arithmetic: bit-identical
+    for (got, greedy), (want, want_greedy) in zip(batched, expected):
+        assert abs(got - want) <= 1e-6 * max(1.0, abs(want)), (got, want)  # padded batch of 4
+        assert greedy == want_greedy
+    assert all(ll < 0 for ll, _ in batched)
+
+
+def test_long_inputs_use_rolling_windows(lm):
+    """Past max_length: lm-eval's rolling windows (each target once, full left context)."""
+    small = MoEvementLM(model=lm.model, tokenizer=lm.tokenizer, batch_size=3, max_length=16)
+    text = "Windows of sixteen byte tokens each cover this sentence, and the last one is partial."
+    ids = lm.tokenizer.encode(text)
+    want = 0.0
+    for ctx, cont in map(make_disjoint_window, get_rolling_token_windows(ids, lm.tokenizer.eos_id, 16, 1)):
+        window = (ctx + cont)[-17:]
+        want += direct_loglikelihood(lm.model, window, len(cont))[0]
+    [got] = small.loglikelihood_rolling(requests_from_pairs([(text,)]))
+    assert abs(got - want) <= 1e-5 * abs(want)
+    # A continuation longer than the window: same windows (eos context, then the text).
+    [(got_ll, _)] = small.loglikelihood(requests_from_pairs([("", text)]))
+    assert abs(got_ll - want) <= 1e-5 * abs(want)
+    assert score_windows(5, 4, 16) == [(0, 4, 4)]
+    assert score_windows(40, 30, 16) == [(9, 25, 16), (23, 39, 14)]
+
+
+def test_generate_until_is_not_supported(lm):
+    with pytest.raises(NotImplementedError, match="not supported"):
+        lm.generate_until(requests_from_pairs([("Once upon a time", {"until": ["\n"]})]))
+    assert "generate_until" in GENERATE_UNSUPPORTED
+
+
+def test_checkpoint_loads_trained_weights_single_process(checkpoint, lm):
+    loaded = load_checkpoint(checkpoint)
+    assert loaded.step == 2 and loaded.tokenizer_source == "default" and not loaded.model.training
+    assert not torch.distributed.is_initialized()
+    # Trained weights, not the initialisation: they differ from a fresh build with the job's seed.
+    from models import build_model
+    torch.manual_seed(0)
+    fresh = build_model(loaded.model_args)
+    name = "layers.1.moe.experts.3.w1.weight"
+    assert not torch.equal(fresh.state_dict()[name], loaded.model.state_dict()[name])
+    assert torch.equal(lm.model.state_dict()[name], loaded.model.state_dict()[name])
+    # --config picks the tokenizer and checks the shape against the checkpoint.
+    assert load_checkpoint(checkpoint, config=DEBUG_CONFIG).tokenizer_source == "config"
+
+
+def test_piqa_task_sees_every_item_with_its_label():
+    task = load_tasks(["piqa"])["piqa"]
+    docs = task.validation_docs()
+    labels = [int(x) for x in PIQA_LABELS.read_text().split()]
+    assert len(docs) == len(labels) == 1838
+    for i in (0, 1, 2, 917, 1836, 1837):
+        assert docs[i]["label"] == labels[i]
+        assert task.doc_to_target(docs[i]) == labels[i]
+    doc = docs[0]
+    assert task.doc_to_text(doc) == f"Question: {doc['goal']}\nAnswer:"
+    assert task.doc_to_choice(doc) == [doc["sol1"], doc["sol2"]]
+    assert not task.has_training_docs()
+
+
+def _installed_task_yaml(name: str) -> dict:
+    import lm_eval
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_constructor("!function", lambda loader, node: f"!function {loader.construct_scalar(node)}")
+    path = Path(lm_eval.__file__).parent / "tasks" / name / f"{name}.yaml"
+    return yaml.load(path.read_text(), Loader=Loader)
+
+
+def test_task_configs_match_installed_lm_eval_tasks():
+    piqa = _installed_task_yaml("piqa")
+    for key, value in PIQA_TASK.items():
+        assert piqa[key] == value, key
+    hellaswag = _installed_task_yaml("hellaswag")
+    assert hellaswag["process_docs"] == "!function utils.process_docs"
+    for key, value in HELLASWAG_TASK.items():
+        assert hellaswag[key] == value, key
+
+
+def test_hellaswag_fixture_end_to_end(checkpoint, toy_hellaswag, tmp_path, capsys):
+    out = tmp_path / "results.json"
+    rc = harness.main(["--checkpoint", checkpoint, "--tasks", "piqa,hellaswag", "--limit", "3",
+                       "--hellaswag-file", str(toy_hellaswag), "--batch-size", "8", "--output", str(out)])
+    stdout = capsys.readouterr().out
+    assert rc == 0
+    lines = LINE.findall(stdout)
+    assert [(t, int(n)) for t, _, _, n in lines] == [("piqa", 3), ("hellaswag", 3)], stdout
+    results = json.loads(out.read_text())
+    assert set(results["results"]) == {"piqa", "hellaswag"}
+    assert results["n-samples"]["hellaswag"] == {"original": 4, "effective": 3}
+    acc = results["results"]["hellaswag"]["acc,none"]
+    assert f"acc={acc:.4f}" in stdout
+    task = load_tasks(["hellaswag"], hellaswag_file=toy_hellaswag)["hellaswag"]
+    doc = task.validation_docs()[0]  # lm-eval's preprocessing: "[title]" -> ". ", ctx_b capitalised
+    assert task.doc_to_text(doc) == "Toy fixture: A cat sits on a mat. It"
+    assert task.doc_to_choice(doc)[0] == "purrs quietly. and sleeps."
+    assert [task.doc_to_target(d) for d in task.validation_docs()] == [0, 0, 1, 0]
+
+
+def test_default_output_is_in_checkpoint_dir(checkpoint, capsys):
+    assert harness.main(["--checkpoint", checkpoint, "--tasks", "piqa", "--limit", "2"]) == 0
+    assert LINE.search(capsys.readouterr().out)
+    assert json.loads((Path(checkpoint) / harness.RESULTS_FILE).read_text())["n-samples"]["piqa"]["effective"] == 2
+
+
+def _error(capsys, *argv) -> str:
+    assert harness.main(list(argv)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+    return err
+
+
+def test_one_line_errors(checkpoint, tmp_path, toy_hellaswag, capsys):
+    assert "no such directory" in _error(capsys, "--checkpoint", str(tmp_path / "missing"))
+    (tmp_path / "empty").mkdir()
+    assert "meta.json" in _error(capsys, "--checkpoint", str(tmp_path / "empty"))
+    assert "unknown task 'mmlu'" in _error(capsys, "--checkpoint", checkpoint, "--tasks", "piqa,mmlu")
+    assert "valid.jsonl" in _error(capsys, "--checkpoint", checkpoint, "--piqa-dir", str(tmp_path))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"ctx_a": "x", "endings": ["a", "b"], "label": 0}) + "\n")
+    assert "missing field(s)" in _error(capsys, "--checkpoint", checkpoint, "--tasks", "hellaswag",
+                                        "--hellaswag-file", str(bad))
+    assert "tokenizer" in _error(capsys, "--checkpoint", checkpoint, "--tokenizer", str(tmp_path / "none.json"))
+
+
+def test_truncated_checkpoint_is_one_line_error(checkpoint, tmp_path, capsys):
+    import shutil
+    copy = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, copy)
+    shard = next(p for p in copy.iterdir() if p.suffix == ".distcp")
+    shard.write_bytes(shard.read_bytes()[:1000])
+    assert "checksum mismatch" in _error(capsys, "--checkpoint", str(copy))
+
+
+def test_hub_hellaswag_offline_points_to_local_file(checkpoint, monkeypatch, capsys):
+    import datasets.config
+    import huggingface_hub.constants
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    err = _error(capsys, "--checkpoint", checkpoint, "--tasks", "hellaswag")
+    assert "--hellaswag-file" in err
+
+
+def test_loads_through_lm_eval_registry(checkpoint):
+    from lm_eval.api.registry import get_model
+    cls = get_model("moevement")
+    assert cls is MoEvementLM
+    lm = cls.create_from_arg_string(f"checkpoint={checkpoint},batch_size=2")
+    assert lm.batch_size == 2 and lm.max_length == 512
+    with pytest.raises(EvalError, match="batch_size"):
+        cls.create_from_arg_string(f"checkpoint={checkpoint},batch_size=0")
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_match_single_process(checkpoint, tmp_path):
+    """Documents split across 2 gloo ranks, metrics gathered on rank 0: same scores as 1 process."""
+    import subprocess
+    import sys
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    scores = {}
+    for nproc in (1, 2):
+        out = tmp_path / f"r{nproc}.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               "-m", "eval.harness", "--checkpoint", checkpoint, "--tasks", "piqa", "--limit", "10",
+               "--output", str(out)]
+        proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        assert len(LINE.findall(proc.stdout)) == 1, proc.stdout
+        results = json.loads(out.read_text())
+        scores[nproc] = (results["results"]["piqa"]["acc,none"], results["results"]["piqa"]["acc_norm,none"],
+                         results["n-samples"]["piqa"]["effective"])
+    assert scores[1] == scores[2]
