@@ -172,14 +172,16 @@ def run(job: Job, step: int, loss: float) -> tuple[int, float]:
 def finish(job: Job, step: int, loss: float) -> None:
     """Close the checkpointer, print the accounting and final lines, save a dense checkpoint if asked."""
     ft, cfg = job.ft, job.cfg
+    metrics = ft.metrics() if ft else {}
     if ft is not None:
         ft.checkpointer.close()
-    job.logger.line(job.accounting.line(ft.metrics() if ft else {}, ft.moc.lost_tokens if ft and ft.moc else 0.0))
+    job.logger.line(job.accounting.line(metrics, ft.moc.lost_tokens if ft and ft.moc else 0.0))
     state = consolidated_training_state(job.model.view, job.optimizer)
     if state is not None:
         job.logger.line(f"final step={step} loss={loss:.6f} state_digest={state_digest(state)}")
     if cfg.checkpoint.save_final:
-        save_dense(cfg.checkpoint.save_final, job.model.view, job.optimizer, step, cfg.model, loss=loss)
+        save_dense(cfg.checkpoint.save_final, job.model.view, job.optimizer, step, cfg.model, loss=loss,
+                   tokenizer=cfg.data.tokenizer)
         job.logger.line(f"saved checkpoint step={step} dir={cfg.checkpoint.save_final}")
     job.logger.close()
 

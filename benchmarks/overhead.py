@@ -1,7 +1,8 @@
 """Checkpointing overhead of strategies on the same model, interleaved in one invocation.
 
     python -m benchmarks.overhead --config train_configs/bench_moe.toml --strategies none,moevement \
-        --steps 20 [--rounds 2] [--window W] [--dense-snapshot-iters 3.5 | --bandwidth-gbps X] [--key value ...]
+        --steps 20 [--rounds 2] [--window W] [--dense-snapshot-iters 3.5 | --bandwidth-gbps X] [--threads N]
+        [--key value ...]
 
 Each round runs `train.py` once per strategy (real subprocesses, strategies alternating). Extra
 `--section.key value` arguments go to every run (e.g. `--training.mixed_precision bf16`).
@@ -19,6 +20,7 @@ snapshot_mb_per_iter averages whole windows only, and dense_fraction divides it 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import statistics
 import subprocess
@@ -37,10 +39,11 @@ def parse_steps(stdout: str) -> dict[int, dict[str, float]]:
             for m in STEP_RE.finditer(stdout)}
 
 
-def run(config: str, strategy: str, steps: int, extra: list[str]) -> dict[int, dict[str, float]]:
+def run(config: str, strategy: str, steps: int, extra: list[str], threads: int) -> dict[int, dict[str, float]]:
     cmd = [sys.executable, "train.py", "--config", config, *QUIET, "--training.steps", str(steps),
            "--checkpoint.strategy", strategy, *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         sys.exit(f"run failed ({strategy}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     return parse_steps(proc.stdout)
@@ -63,6 +66,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--window", type=int, default=0, help="force W (0: Algorithm 1)")
     parser.add_argument("--bandwidth-gbps", type=float, default=0.0, help="snapshot copy cap (0: calibrate)")
     parser.add_argument("--dense-snapshot-iters", type=float, default=3.5)
+    parser.add_argument("--threads", type=int, default=0,
+                        help="compute threads of every run (0: torch's default); cores - 1 leaves the copy thread a core")
     args, extra = parser.parse_known_args(argv)
     strategies = args.strategies.split(",")
     cfg = load_config(args.config, extra)
@@ -83,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
                 flags += ["--checkpoint.bandwidth_gbps", f"{cap:.6f}"]
                 if args.window:
                     flags += ["--checkpoint.window", str(args.window)]
-            records = run(args.config, strategy, args.steps, flags)
+            records = run(args.config, strategy, args.steps, flags, args.threads)
             runs[strategy].append(records)
             if strategy == "none" and cap <= 0:
                 iter_s = statistics.median(tokens / r["tok_per_s"] for t, r in records.items() if t > skip)

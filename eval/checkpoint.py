@@ -10,7 +10,7 @@ shards) loads into the single-device model, with or without ``torch.distributed`
 
 The tokenizer is the trainer's (:func:`trainer.tokenizer.build_tokenizer`), chosen in this order:
 the ``tokenizer`` argument, ``data.tokenizer`` of the ``config`` TOML, a ``tokenizer`` (or
-``data.tokenizer``) entry of ``meta.json`` if the trainer recorded one, else ``"byte"`` (the
+``data.tokenizer``) entry of ``meta.json`` (the trainer records ``data.tokenizer`` there), else ``"byte"`` (the
 trainer's default).
 """
 

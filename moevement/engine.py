@@ -247,6 +247,8 @@ class SparseCheckpointer:
             self.replicator.close()
         if self.disk is not None:
             self.disk.close()
+        for buf in [*self.buffers.values(), *self.replicas.buffers.values()]:
+            buf.release()
         if not self.cfg.keep_host_state:
             shutil.rmtree(self.rank_dir, ignore_errors=True)
 

@@ -69,6 +69,11 @@ class HostBuffer:
                 torch.cuda.cudart().cudaHostRegister(self._pinned_ptr, nbytes, 0)
         return self.data
 
+    def release(self) -> None:
+        """Unpin and drop the mapping (a pinned range must be unregistered before it is unmapped)."""
+        self._unpin()
+        self.data = torch.empty(0, dtype=torch.uint8)
+
     def invalidate(self) -> None:
         """Remove the commit record before the bytes are overwritten."""
         self.header_path.unlink(missing_ok=True)

@@ -34,6 +34,7 @@ def measure_copy_bandwidth(directory: Path, device: torch.device, repeats: int =
             best = min(best, time.perf_counter() - start)
         return PROBE_BYTES / best
     finally:
+        buffer.release()
         for suffix in (".bin", ".json"):
             buffer.path.with_suffix(suffix).unlink(missing_ok=True)
 

@@ -123,7 +123,8 @@ def test_generate_until_is_not_supported(lm):
 
 def test_checkpoint_loads_trained_weights_single_process(checkpoint, lm):
     loaded = load_checkpoint(checkpoint)
-    assert loaded.step == 2 and loaded.tokenizer_source == "default" and not loaded.model.training
+    # train.py records data.tokenizer in meta.json, so evaluation picks the training tokenizer
+    assert loaded.step == 2 and loaded.tokenizer_source == "meta.json" and not loaded.model.training
     assert not torch.distributed.is_initialized()
     # Trained weights, not the initialisation: they differ from a fresh build with the job's seed.
     from models import build_model

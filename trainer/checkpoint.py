@@ -47,8 +47,10 @@ def _sha256(path: Path) -> str:
 
 
 def save_dense(directory: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-               step: int, model_args: ModelArgs, loss: float) -> None:
-    """Save state after `step` completed iterations (`loss`: that iteration's); collective."""
+               step: int, model_args: ModelArgs, loss: float, tokenizer: str = "") -> None:
+    """Save state after `step` completed iterations (`loss`: that iteration's); collective.
+
+    `tokenizer` (the `data.tokenizer` spec) is recorded so that evaluation picks the same one."""
     final, tmp = Path(directory), Path(f"{directory}.tmp")
     if _rank0():
         shutil.rmtree(tmp, ignore_errors=True)
@@ -59,7 +61,8 @@ def save_dense(directory: str, model: torch.nn.Module, optimizer: torch.optim.Op
     _barrier()
     if _rank0():
         files = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
-        meta = {"format": FORMAT, "step": step, "loss": loss, "model": dataclasses.asdict(model_args), "files": files}
+        meta = {"format": FORMAT, "step": step, "loss": loss, "model": dataclasses.asdict(model_args), "files": files,
+                **({"tokenizer": tokenizer} if tokenizer else {})}
         meta_tmp = tmp / f"{META}.tmp"
         meta_tmp.write_text(json.dumps(meta, indent=1))
         os.replace(meta_tmp, tmp / META)
