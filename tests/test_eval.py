@@ -246,7 +246,6 @@ def test_loads_through_lm_eval_registry(checkpoint):
         cls.create_from_arg_string(f"checkpoint={checkpoint},batch_size=0")
 
 
-@pytest.mark.slow
 def test_torchrun_two_ranks_match_single_process(checkpoint, tmp_path):
     """Documents split across 2 gloo ranks, metrics gathered on rank 0: same scores as 1 process."""
     import subprocess
