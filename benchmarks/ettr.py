@@ -2,7 +2,7 @@
 
     python -m benchmarks.ettr --config train_configs/bench_moe.toml \
         --strategies none,moevement,gemini,checkfreq,moc --mtbf-iters 100 --steps 100 [--seed 1] [--pp 2] \
-        [--dense-snapshot-iters 4] [--none-steps 30] [--out outputs/ettr] [--section.key value ...]
+        [--dense-snapshot-iters 3] [--none-steps 30] [--threads 1] [--out outputs/ettr] [--section.key value ...]
 
 First a fault-free `none` run (torchrun, `--pp` stages) measures the iteration time T and sets the
 snapshot bandwidth cap so that a dense snapshot of a rank takes `--dense-snapshot-iters`
@@ -79,11 +79,11 @@ def summarize(run: dict, none_iteration_s: float, tokens: int) -> dict:
             "iterations": int(acct["iterations"]), "host_mb": acct["host_mb"], "log_mb": acct["log_mb"]}
 
 
-def launch(config: str, strategy: str, steps: int, pp: int, flags: list[str]) -> str:
+def launch(config: str, strategy: str, steps: int, pp: int, flags: list[str], threads: int) -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={pp}", "train.py",
            "--config", config, *QUIET, "--training.steps", str(steps), "--parallelism.pp", str(pp),
            "--checkpoint.strategy", strategy, *flags]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
     if proc.returncode != 0:
         error = proc.stderr[proc.stderr.find("Traceback"):][:4000]
         sys.exit(f"run failed ({strategy}):\n{proc.stdout[-2000:]}\n{error}")
@@ -141,16 +141,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--none-steps", type=int, default=30, help="iterations of the fault-free reference")
     parser.add_argument("--pp", type=int, default=2)
-    parser.add_argument("--dense-snapshot-iters", type=float, default=4.0)
+    parser.add_argument("--dense-snapshot-iters", type=float, default=3.0)
     parser.add_argument("--bandwidth-gbps", type=float, default=0.0, help="snapshot copy cap (0: calibrate)")
     parser.add_argument("--out", default="outputs/ettr")
+    parser.add_argument("--threads", type=int, default=1, help="compute threads per process (OMP_NUM_THREADS)")
     args, extra = parser.parse_known_args(argv)
     cfg = load_config(args.config, extra)
     tokens, batch = cfg.training.batch_size * cfg.training.seq_len, cfg.training.batch_size
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    runs = {"none": parse_run(launch(args.config, "none", args.none_steps, args.pp, extra))}
+    runs = {"none": parse_run(launch(args.config, "none", args.none_steps, args.pp, extra, args.threads))}
     none_iteration_s = statistics.fmean(iteration_times(runs["none"], tokens))
     dense_rank_bytes = 12 * count_params(cfg.model)[0] / args.pp  # FP32 master + AdamW moments, per stage
     cap = args.bandwidth_gbps or dense_rank_bytes * 8 / 1e9 / (args.dense_snapshot_iters * none_iteration_s)
@@ -159,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     faults = ["--fault.mtbf_iters", str(args.mtbf_iters), "--fault.seed", str(args.seed),
               "--checkpoint.bandwidth_gbps", f"{cap:.6f}"]
     for strategy in [s for s in args.strategies.split(",") if s != "none"]:
-        runs[strategy] = parse_run(launch(args.config, strategy, args.steps, args.pp, [*extra, *faults]))
+        runs[strategy] = parse_run(launch(args.config, strategy, args.steps, args.pp, [*extra, *faults], args.threads))
         for line in runs[strategy]["recoveries"]:
             print(f"  {strategy}: {line}", flush=True)
 
