@@ -144,18 +144,15 @@ def parse_training(stdout: str, strategy: str) -> dict:
 def score_piqa(checkpoint: Path, config: str, limit: int | None, out_dir: Path) -> dict:
     """PIQA acc / acc_norm of a checkpoint (eval harness pieces, in process) and per-item log-likelihoods."""
     import datasets
-    import lm_eval
-    from lm_eval.tasks import TaskManager
 
-    from eval.harness import write_results
+    from eval.harness import run_tasks, write_results
     from eval.model import MoEvementLM
     from eval.tasks import load_tasks
 
     datasets.disable_progress_bars()
     task = load_tasks(["piqa"])["piqa"]
     lm = MoEvementLM(checkpoint=str(checkpoint), config=config, batch_size=32)
-    results = lm_eval.simple_evaluate(model=lm, tasks=[task], limit=limit, batch_size=32, device="cpu",
-                                      log_samples=True, task_manager=TaskManager(include_defaults=False))
+    results = run_tasks(lm, [task], limit, 32, "cpu", log_samples=True)
     samples = sorted(results.pop("samples")["piqa"], key=lambda s: s["doc_id"])
     lls = [[float(ll) for ll, _ in s["filtered_resps"]] for s in samples]
     write_results(results, out_dir / "eval_results.json")

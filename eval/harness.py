@@ -90,11 +90,19 @@ def write_results(results: dict[str, Any], path: Path) -> None:
     os.replace(tmp, path)
 
 
+def run_tasks(lm, tasks: list, limit: Optional[int], batch_size: int, device: str,
+              log_samples: bool = False) -> Optional[dict[str, Any]]:
+    """lm-eval over our own task objects only (no indexing of lm-eval's bundled tasks)."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    return lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=limit, batch_size=batch_size, device=device,
+                                   log_samples=log_samples, task_manager=TaskManager(include_defaults=False))
+
+
 def evaluate(args: argparse.Namespace, rank: int) -> Optional[dict[str, Any]]:
     """Load tasks and checkpoint, run lm-eval; the results on rank 0, None elsewhere."""
     import datasets
-    import lm_eval
-    from lm_eval.tasks import TaskManager
 
     from eval.model import MoEvementLM
     from eval.tasks import load_tasks
@@ -105,9 +113,7 @@ def evaluate(args: argparse.Namespace, rank: int) -> Optional[dict[str, Any]]:
     lm = MoEvementLM(checkpoint=args.checkpoint, config=args.config, tokenizer=args.tokenizer,
                      batch_size=args.batch_size, device=args.device)
     started = time.perf_counter()
-    results = lm_eval.simple_evaluate(model=lm, tasks=list(tasks.values()), limit=args.limit,
-                                      batch_size=args.batch_size, device=args.device, log_samples=False,
-                                      task_manager=TaskManager(include_defaults=False))
+    results = run_tasks(lm, list(tasks.values()), args.limit, args.batch_size, args.device)
     wall = time.perf_counter() - started
     if rank != 0 or results is None:
         return None
