@@ -21,6 +21,7 @@ from parallelisms.mesh import ParallelDims, build_mesh
 from parallelisms.parallelize import ModelParts, parallelize
 from trainer.checkpoint import CheckpointError, load_dense, save_dense
 from moevement.faults import FaultPlan
+from moevement.hostmem import HostMemoryError
 from trainer.accounting import RunAccounting
 from trainer.checkpointing import FaultTolerance, build_fault_tolerance
 from trainer.config import Config, ConfigError, check_world_size, fault_plan, load_config
@@ -49,7 +50,7 @@ def build_training(cfg: Config, dims: ParallelDims):
     t = cfg.training
     micro_batch_shape = (t.batch_size // (t.micro_batches * cfg.parallelism.dp), t.seq_len)
     model = parallelize(cfg.model, dims, cfg.job.seed, t.mixed_precision, micro_batch_shape, t.micro_batches,
-                        dims.device)
+                        dims.device, t.cpu_bf16_gemm)
     # A pipeline schedule divides all gradients by the micro-batch count itself.
     set_aux_grad_scale(model.view, 1.0 if model.schedule is not None else 1.0 / t.micro_batches)
     return model, build_optimizer(model.view, t)
@@ -201,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"params total={total} active={active}")
             return 0
         train(cfg)
-    except (ConfigError, CheckpointError, DataError) as e:
+    except (ConfigError, CheckpointError, DataError, HostMemoryError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:

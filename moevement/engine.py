@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moevement.hostmem import HostBuffer, make_private_dir, read_header, write_json_atomic
+from moevement.hostmem import HostBuffer, HostMemoryError, make_private_dir, read_header, write_json_atomic
 from moevement.intervals import IntervalPolicy
 from moevement.operators import Operator, build_registry
 from moevement.persist import DiskWriter
@@ -314,8 +314,15 @@ class SparseCheckpointer:
 
     def _reserve_buffers(self) -> None:
         """Allocate (and fault in) both buffer sets for the first window's snapshot sizes, once."""
-        for slot in range(self.plan.window):
-            nbytes = layout(*self._slot_operators(slot), self.optimizer, self.compute_dtype)[2]
+        sizes = [layout(*self._slot_operators(slot), self.optimizer, self.compute_dtype)[2]
+                 for slot in range(self.plan.window)]
+        need, free = 2 * sum(sizes), shutil.disk_usage(self.local_dir).free
+        if need > free:
+            raise HostMemoryError(
+                f"a window of W={self.plan.window} snapshots needs {need / 1e9:.2f} GB of host memory in "
+                f"{self.local_dir} ({free / 1e9:.2f} GB free): set checkpoint.window lower, raise "
+                f"checkpoint.bandwidth_gbps, or train with training.mixed_precision bf16 (smaller compute weights)")
+        for slot, nbytes in enumerate(sizes):
             for parity in (0, 1):
                 self._buffer(parity, slot).ensure(max(nbytes, 1))
 

@@ -14,9 +14,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
+
+
+class HostMemoryError(RuntimeError):
+    """Snapshot host memory cannot be reserved (the shared-memory directory is full)."""
 
 
 def make_private_dir(path: Path) -> Path:
@@ -59,6 +64,12 @@ class HostBuffer:
             fd = os.open(bin_path, os.O_RDWR | os.O_CREAT, 0o600)
             try:
                 os.ftruncate(fd, nbytes)
+                # Reserve the pages now: a full /dev/shm must fail here, not SIGBUS a later copy.
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as e:
+                free = shutil.disk_usage(bin_path.parent).free
+                raise HostMemoryError(f"{bin_path}: cannot reserve {nbytes / 1e9:.2f} GB of host memory "
+                                      f"({free / 1e9:.2f} GB free there: {e.strerror})") from None
             finally:
                 os.close(fd)
             old = self.capacity

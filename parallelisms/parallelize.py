@@ -17,6 +17,7 @@ from parallelisms.expert_parallel import apply_expert_parallel
 from parallelisms.fsdp import DTYPES, apply_fsdp
 from parallelisms.mesh import ParallelDims
 from parallelisms.pipeline import build_schedule, split_model
+from parallelisms.precision import cpu_has_native_bf16, use_fp32_gemm
 
 
 @dataclass
@@ -54,8 +55,11 @@ class ModelView(nn.Module):
 
 
 def parallelize(args: ModelArgs, dims: ParallelDims, seed: int, mixed_precision: str,
-                micro_batch_shape: tuple[int, int], micro_batches: int, device: torch.device) -> ModelParts:
-    """Build this rank's parts of the model described by `args` in the layout `dims`."""
+                micro_batch_shape: tuple[int, int], micro_batches: int, device: torch.device,
+                cpu_bf16_gemm: str = "auto") -> ModelParts:
+    """Build this rank's parts of the model described by `args` in the layout `dims`.
+
+    `cpu_bf16_gemm` (auto | native | fp32): how bf16 products run on CPU (`parallelisms.precision`)."""
     args.validate()
     cfg = dims.cfg
     with torch.device("meta"):
@@ -69,6 +73,9 @@ def parallelize(args: ModelArgs, dims: ParallelDims, seed: int, mixed_precision:
         part.init_weights()
         if cfg.dp > 1 or mixed_precision != "fp32":
             apply_fsdp(part, dims, mixed_precision)
+        if device.type == "cpu" and mixed_precision != "fp32" and \
+                (cpu_bf16_gemm == "fp32" or (cpu_bf16_gemm == "auto" and not cpu_has_native_bf16())):
+            use_fp32_gemm(part)
     n_stages = cfg.pp * cfg.stages_per_rank
     schedule, stages = None, []
     shapes = _stage_shapes(args, micro_batch_shape, DTYPES[mixed_precision], n_stages)

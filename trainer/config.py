@@ -52,6 +52,9 @@ class TrainingConfig:
     eps: float = 1e-8
     max_grad_norm: float = 1.0  # 0 disables clipping
     mixed_precision: str = "fp32"  # fp32 | bf16 (FP32 master weights, bf16 compute weights)
+    # CPU bf16 matrix products: native bf16 kernels, or SGEMM on the bf16 operands (fp32 accumulation,
+    # 15x faster on CPUs without bf16 instructions); auto: fp32 unless the CPU has AVX512-BF16 / AMX
+    cpu_bf16_gemm: str = "auto"  # auto | native | fp32
     val_every: int = 0  # 0 disables validation
     val_batches: int = 4
     deterministic: bool = True
@@ -114,6 +117,7 @@ class Config:
 
 CHOICES = {
     "training.mixed_precision": ("fp32", "bf16"),
+    "training.cpu_bf16_gemm": ("auto", "native", "fp32"),
     "checkpoint.strategy": STRATEGIES,
     "checkpoint.ordering": POLICIES,
     "parallelism.schedule": SCHEDULES,
