@@ -18,6 +18,7 @@ previous window is persisted before overwriting the buffers of the one before it
 
 from __future__ import annotations
 
+import os
 import shutil
 import threading
 import time
@@ -35,8 +36,24 @@ from moevement.persist import DiskWriter
 from moevement.popularity import PopularityTracker
 from moevement.profiler import Profile
 from moevement.replication import Outgoing, ReplicaStore, Replicator, peer_map
-from moevement.schedule import WindowPlan, find_window_size, generate_schedule, order_operators, slot_size_for
+from moevement.schedule import (WindowPlan, byte_slots, byte_window_size, find_window_size, generate_schedule,
+                                order_operators, slot_size_for)
 from moevement.snapshot import SnapshotHeader, copy_entries, layout
+
+
+def _background_thread() -> None:
+    """Set up the copy thread: one OpenMP thread (the setting is per thread) at the lowest CPU priority.
+
+    On CPU, compute and copies share cores. A copy thread at normal priority that preempts one
+    of the compute's OpenMP threads stalls the whole parallel region until it is descheduled, so
+    it costs compute several times its own CPU time (on 2 cores, 0.19 of a bf16 bench_moe
+    iteration). At the lowest priority it runs on idle cores, and whatever is left runs while
+    the optimizer step waits for the snapshot, at its own cost. (Linux applies it per thread.)"""
+    torch.set_num_threads(1)
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):
+        pass  # not Linux or not permitted: normal priority
 
 
 @dataclass
@@ -65,7 +82,7 @@ class _Pending:
 class SparseCheckpointer:
     """Takes, replicates and persists sparse snapshots; see the module docstring for the call order.
 
-    `cfg` provides: window, ordering, ema_decay, replicas, bandwidth_gbps, persist_dir,
+    `cfg` provides: window, slots, ordering, ema_decay, replicas, bandwidth_gbps, persist_dir,
     persist_every, profile_iters, reprofile_every, keep_host_state.
 
     With an `IntervalPolicy` (the gemini, checkfreq and moc baselines) a snapshot is taken only at
@@ -90,9 +107,7 @@ class SparseCheckpointer:
         self.profile.measure_bandwidth(self.rank_dir, device)
         self.buffers: dict[tuple[int, int], HostBuffer] = {}
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        # One OpenMP thread for copies (the setting is per thread): compute keeps its cores.
-        self.copier = ThreadPoolExecutor(1, thread_name_prefix="moevement-copy",
-                                         initializer=torch.set_num_threads, initargs=(1,))
+        self.copier = ThreadPoolExecutor(1, thread_name_prefix="moevement-copy", initializer=_background_thread)
         self.plan: WindowPlan | None = None
         self.window_index = -1
         self.iterations_seen = 0
@@ -267,8 +282,7 @@ class SparseCheckpointer:
         if self.policy is not None:
             slots = self._interval_checkpoint(iteration)
         else:
-            window = self.cfg.window or self._agree(self._algorithm1_window())
-            slots = generate_schedule(self.order, slot_size_for(len(self.order), window), window)
+            slots = self._sparse_slots()
         self.plan = WindowPlan(iteration, slots)
         self.window_index += 1
         if self.window_index == 0:
@@ -277,11 +291,16 @@ class SparseCheckpointer:
         if every and self.window_index % every == every - 1:
             self.profile.open()
 
-    def _algorithm1_window(self) -> int:
+    def _sparse_slots(self) -> tuple[tuple[str, ...], ...]:
+        """Algorithm 1 on this rank's operators in schedule order; W agreed across ranks (or forced)."""
         fp32 = [self.ops_by_name[n].fp32_bytes(self.optimizer) for n in self.order]
         compute = [self.ops_by_name[n].compute_bytes(self.compute_dtype) for n in self.order]
-        window, _ = find_window_size(fp32, compute, self.profile.iteration_s, self.profile.bandwidth)
-        return window
+        t, bandwidth = self.profile.iteration_s, self.profile.bandwidth
+        if self.cfg.slots == "bytes":
+            window = self.cfg.window or self._agree(byte_window_size(fp32, compute, t, bandwidth))
+            return byte_slots(self.order, fp32, compute, window)
+        window = self.cfg.window or self._agree(find_window_size(fp32, compute, t, bandwidth)[0])
+        return generate_schedule(self.order, slot_size_for(len(self.order), window), window)
 
     def _interval_checkpoint(self, iteration: int) -> tuple[tuple[str, ...]]:
         """An interval baseline's checkpoint at `iteration`: its operators, and when the next one is due."""

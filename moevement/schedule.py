@@ -8,6 +8,13 @@ of slot `i` and the compute weights of slots `> i` (DESIGN.md §2), so its size 
 FindWindowSize picks the largest slot `O_active` for which every snapshot of the window can be
 copied within one iteration at the measured (or capped) bandwidth; `W = ceil(O_total / O_active)`.
 GenerateSchedule cuts the ordered operators into those slots.
+
+Equal operator counts (`slots = "count"`, the paper) suit operators of similar size. When sizes
+differ a lot (small models: a dense block can be 10x an expert) the slot holding the largest
+operators decides `O_active` for all. `slots = "bytes"` cuts by bytes instead: `byte_window_size`
+is the fewest consecutive slots in the same order whose snapshots each fit the budget (greedy,
+which is optimal here), and `byte_slots` cuts the operators into a given `W` slots with the
+largest snapshot as small as possible.
 """
 
 from __future__ import annotations
@@ -90,3 +97,53 @@ def find_window_size(fp32: Sequence[int], compute: Sequence[int], iteration_s: f
 def slot_size_for(n_operators: int, window: int) -> int:
     """O_active for a window size given by the user or agreed across ranks: ceil(O_total / W)."""
     return max(1, math.ceil(n_operators / window))
+
+
+
+def _greedy_slots(fp32: Sequence[int], compute: Sequence[int], budget: float, oversize_alone: bool = False
+                  ) -> list[int] | None:
+    """Slot lengths from filling each slot as far as its snapshot fits `budget`.
+
+    An operator that does not fit even alone gets a slot of its own if `oversize_alone`, else None."""
+    rest, lengths, i, n = sum(compute), [], 0, len(fp32)
+    while i < n:
+        rest -= compute[i]
+        size, j = fp32[i] + rest, i + 1
+        if size > budget and not oversize_alone:
+            return None
+        while size <= budget and j < n and size + fp32[j] - compute[j] <= budget:
+            size += fp32[j] - compute[j]
+            rest -= compute[j]
+            j += 1
+        lengths.append(j - i)
+        i = j
+    return lengths
+
+
+def byte_window_size(fp32: Sequence[int], compute: Sequence[int], iteration_s: float, bandwidth: float) -> int:
+    """Fewest consecutive slots whose every snapshot takes at most `iteration_s` at `bandwidth` bytes/s.
+
+    Filling each slot as far as it fits is optimal: a snapshot grows as its slot starts earlier or
+    ends later, so the greedy cut is never behind another. An operator that does not fit alone gets
+    a slot of its own (that snapshot then stalls)."""
+    return max(1, len(_greedy_slots(fp32, compute, iteration_s * bandwidth, oversize_alone=True)))
+
+
+def byte_slots(ordered: Sequence[str], fp32: Sequence[int], compute: Sequence[int],
+               window: int) -> tuple[tuple[str, ...], ...]:
+    """Cut the ordered operators into `window` consecutive slots with the largest snapshot as small as possible.
+
+    Binary search on the budget with the greedy cut; trailing slots are empty when fewer suffice."""
+    lo, hi = 0, sum(fp32) + sum(compute)  # one slot holding everything always fits `hi`
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lengths = _greedy_slots(fp32, compute, mid)
+        if lengths is not None and len(lengths) <= window:
+            hi = mid
+        else:
+            lo = mid + 1
+    slots, start = [], 0
+    for length in _greedy_slots(fp32, compute, lo):
+        slots.append(tuple(ordered[start:start + length]))
+        start += length
+    return tuple(slots) + ((),) * (window - len(slots))

@@ -26,7 +26,7 @@ ARGS = dict(family="deepseek", vocab_size=64, dim=32, n_layers=3, n_heads=4, n_d
 
 
 def options(**overrides) -> SimpleNamespace:
-    base = dict(window=3, ordering="count", ema_decay=0.9, replicas=2, bandwidth_gbps=0.0, persist_dir="",
+    base = dict(window=3, slots="count", ordering="count", ema_decay=0.9, replicas=2, bandwidth_gbps=0.0, persist_dir="",
                 persist_every=1, profile_iters=2, reprofile_every=0, keep_host_state=True)
     return SimpleNamespace(**{**base, **overrides})
 

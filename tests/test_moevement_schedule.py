@@ -10,8 +10,8 @@ from torch import nn
 from models import ModelArgs, build_model
 from moevement.operators import build_registry
 from moevement.popularity import PopularityTracker, changed_fraction
-from moevement.schedule import (WindowPlan, find_window_size, generate_schedule, order_operators,
-                                snapshot_sizes, slot_size_for)
+from moevement.schedule import (WindowPlan, byte_slots, byte_window_size, find_window_size, generate_schedule,
+                                order_operators, snapshot_sizes, slot_size_for)
 
 L1, L2 = "layers.1.moe", "layers.2.moe"
 
@@ -69,6 +69,52 @@ def test_find_window_size_matches_brute_force():
             return all(sum(fp32[s:s + k]) + sum(compute[s + k:]) <= budget for s in range(0, n, k))
         k = max([k for k in range(1, n + 1) if fits(k)], default=1)
         assert find_window_size(fp32, compute, 1.0, budget) == (math.ceil(n / k), k)
+
+
+# ---- slots cut by bytes (checkpoint.slots = "bytes") ----------------------------------------------
+
+def _cuts(n: int, window: int):
+    """Every way to cut n operators into at most `window` consecutive non-empty slots (as index lists)."""
+    import itertools
+    for k in range(1, min(n, window) + 1):
+        for bounds in itertools.combinations(range(1, n), k - 1):
+            edges = (0, *bounds, n)
+            yield [list(range(a, b)) for a, b in zip(edges, edges[1:])]
+
+
+def test_byte_window_size_hand_cases():
+    # uniform fp32=12, compute=2, budget 30: [0] 22, [1,2] 12+12+2*3=30, [3,4] 24+2=26, [5] 12 -> 4 (count: 6)
+    assert byte_window_size([12] * 6, [2] * 6, 1.0, 30) == 4
+    assert find_window_size([12] * 6, [2] * 6, 1.0, 30)[0] == 6
+    # the big operator (40 + 2 after it) exceeds 41 alone: its own slot; the others pack around it
+    assert byte_window_size([10, 40, 10, 10], [1, 4, 1, 1], 1.0, 41) == 3
+    assert byte_window_size([10, 40, 10, 10], [1, 4, 1, 1], 1.0, 1000) == 1
+
+
+def test_byte_window_size_is_the_fewest_fitting_slots():
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(60):
+        n = int(torch.randint(1, 9, (1,), generator=gen))
+        compute = torch.randint(1, 20, (n,), generator=gen).tolist()
+        fp32 = [c * int(torch.randint(2, 8, (1,), generator=gen)) for c in compute]
+        budget = int(torch.randint(max(fp32) + sum(compute), 3 * sum(fp32), (1,), generator=gen))
+        best = min(len(cut) for cut in _cuts(n, n) if max(snapshot_sizes(cut, fp32, compute)) <= budget)
+        assert byte_window_size(fp32, compute, 1.0, budget) == best
+        assert byte_window_size(fp32, compute, 1.0, budget) <= find_window_size(fp32, compute, 1.0, budget)[0]
+
+
+def test_byte_slots_minimise_the_largest_snapshot_and_cover_every_operator_once():
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(60):
+        n = int(torch.randint(1, 9, (1,), generator=gen))
+        window = int(torch.randint(1, 11, (1,), generator=gen))
+        compute = torch.randint(1, 20, (n,), generator=gen).tolist()
+        fp32 = [c * int(torch.randint(2, 8, (1,), generator=gen)) for c in compute]
+        names = [f"op{i}" for i in range(n)]
+        slots = byte_slots(names, fp32, compute, window)
+        assert len(slots) == window and [x for slot in slots for x in slot] == names
+        got = max(snapshot_sizes([[names.index(x) for x in slot] for slot in slots], fp32, compute))
+        assert got == min(max(snapshot_sizes(cut, fp32, compute)) for cut in _cuts(n, window))
 
 
 # ---- Algorithm 1: GenerateSchedule, WindowPlan ----------------------------------------------------

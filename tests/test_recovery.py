@@ -56,7 +56,8 @@ def fault_run(tmp_path, layout: list[str], nproc: int, *extra: str, torchrun: tu
 def test_pp2_dp2_ep2_bf16_clipped_one_failure(tmp_path):
     reference = baseline(PP2_DP2_EP2_BF16, 4)
     assert re.search(r"^step=8 .*grad_norm=(\S+)", reference, re.M)  # clipping is active: norm > 0.5
-    out = fault_run(tmp_path, PP2_DP2_EP2_BF16, 4, "--fault.at", "8:1")
+    # slots cut by bytes: uneven operator counts per slot, the same exactness
+    out = fault_run(tmp_path, PP2_DP2_EP2_BF16, 4, "--fault.at", "8:1", "--checkpoint.slots", "bytes")
     assert_identical(out, reference)
     # windows 3-5, 6-8: at 8 the newest persisted one starts at 3; the whole of stage 0 rolls back
     assert RECOVERY.findall(out) == [("8", "1", "0", "3", "5")]

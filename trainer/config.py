@@ -67,6 +67,7 @@ class CheckpointConfig:
     load: str = ""  # directory of a dense DCP checkpoint to resume from
     # MoEvement sparse checkpointing (strategy = "moevement")
     window: int = 0  # sparse window W; 0: chosen by Algorithm 1 from the profile
+    slots: str = "count"  # cut operators into slots by equal count (the paper) or by bytes: count | bytes
     ordering: str = "count"  # operator popularity: count | soft | ema | capacity
     ema_decay: float = 0.9  # decay of the `ema` ordering policy
     replicas: int = 2  # peers holding a copy of each snapshot (capped by world size - 1)
@@ -120,6 +121,7 @@ CHOICES = {
     "training.cpu_bf16_gemm": ("auto", "native", "fp32"),
     "checkpoint.strategy": STRATEGIES,
     "checkpoint.ordering": POLICIES,
+    "checkpoint.slots": ("count", "bytes"),
     "parallelism.schedule": SCHEDULES,
 }
 
