@@ -18,7 +18,6 @@ previous window is persisted before overwriting the buffers of the one before it
 
 from __future__ import annotations
 
-import os
 import shutil
 import threading
 import time
@@ -39,21 +38,6 @@ from moevement.replication import Outgoing, ReplicaStore, Replicator, peer_map
 from moevement.schedule import (WindowPlan, byte_slots, byte_window_size, find_window_size, generate_schedule,
                                 order_operators, slot_size_for)
 from moevement.snapshot import SnapshotHeader, copy_entries, layout
-
-
-def _background_thread() -> None:
-    """Set up the copy thread: one OpenMP thread (the setting is per thread) at the lowest CPU priority.
-
-    On CPU, compute and copies share cores. A copy thread at normal priority that preempts one
-    of the compute's OpenMP threads stalls the whole parallel region until it is descheduled, so
-    it costs compute several times its own CPU time (on 2 cores, 0.19 of a bf16 bench_moe
-    iteration). At the lowest priority it runs on idle cores, and whatever is left runs while
-    the optimizer step waits for the snapshot, at its own cost. (Linux applies it per thread.)"""
-    torch.set_num_threads(1)
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except (AttributeError, OSError):
-        pass  # not Linux or not permitted: normal priority
 
 
 @dataclass
@@ -107,7 +91,9 @@ class SparseCheckpointer:
         self.profile.measure_bandwidth(self.rank_dir, device)
         self.buffers: dict[tuple[int, int], HostBuffer] = {}
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.copier = ThreadPoolExecutor(1, thread_name_prefix="moevement-copy", initializer=_background_thread)
+        # One OpenMP thread for copies (the setting is per thread): compute keeps its cores.
+        self.copier = ThreadPoolExecutor(1, thread_name_prefix="moevement-copy",
+                                         initializer=torch.set_num_threads, initargs=(1,))
         self.plan: WindowPlan | None = None
         self.window_index = -1
         self.iterations_seen = 0
