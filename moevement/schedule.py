@@ -99,7 +99,6 @@ def slot_size_for(n_operators: int, window: int) -> int:
     return max(1, math.ceil(n_operators / window))
 
 
-
 def _greedy_slots(fp32: Sequence[int], compute: Sequence[int], budget: float, oversize_alone: bool = False
                   ) -> list[int] | None:
     """Slot lengths from filling each slot as far as its snapshot fits `budget`.
