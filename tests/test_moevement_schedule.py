@@ -56,13 +56,18 @@ def test_find_window_size_heterogeneous():
     assert find_window_size([], [], 1.0, 1.0) == (1, 1)
 
 
+def _random_sizes(gen: torch.Generator, n: int) -> tuple[list[int], list[int]]:
+    """(fp32, compute) bytes of n operators: compute 1-19, FP32 state 2-7x that."""
+    compute = torch.randint(1, 20, (n,), generator=gen).tolist()
+    return [c * int(torch.randint(2, 8, (1,), generator=gen)) for c in compute], compute
+
+
 def test_find_window_size_matches_brute_force():
     """Largest fitting O_active against an independent snapshot computation, on random sizes."""
     gen = torch.Generator().manual_seed(0)
     for _ in range(50):
         n = int(torch.randint(1, 12, (1,), generator=gen))
-        compute = torch.randint(1, 20, (n,), generator=gen).tolist()
-        fp32 = [c * int(torch.randint(2, 8, (1,), generator=gen)) for c in compute]
+        fp32, compute = _random_sizes(gen, n)
         budget = float(torch.randint(1, 3 * sum(fp32), (1,), generator=gen))
 
         def fits(k):
@@ -95,8 +100,7 @@ def test_byte_window_size_is_the_fewest_fitting_slots():
     gen = torch.Generator().manual_seed(1)
     for _ in range(60):
         n = int(torch.randint(1, 9, (1,), generator=gen))
-        compute = torch.randint(1, 20, (n,), generator=gen).tolist()
-        fp32 = [c * int(torch.randint(2, 8, (1,), generator=gen)) for c in compute]
+        fp32, compute = _random_sizes(gen, n)
         budget = int(torch.randint(max(fp32) + sum(compute), 3 * sum(fp32), (1,), generator=gen))
         best = min(len(cut) for cut in _cuts(n, n) if max(snapshot_sizes(cut, fp32, compute)) <= budget)
         assert byte_window_size(fp32, compute, 1.0, budget) == best
@@ -108,8 +112,7 @@ def test_byte_slots_minimise_the_largest_snapshot_and_cover_every_operator_once(
     for _ in range(60):
         n = int(torch.randint(1, 9, (1,), generator=gen))
         window = int(torch.randint(1, 11, (1,), generator=gen))
-        compute = torch.randint(1, 20, (n,), generator=gen).tolist()
-        fp32 = [c * int(torch.randint(2, 8, (1,), generator=gen)) for c in compute]
+        fp32, compute = _random_sizes(gen, n)
         names = [f"op{i}" for i in range(n)]
         slots = byte_slots(names, fp32, compute, window)
         assert len(slots) == window and [x for slot in slots for x in slot] == names
