@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from moevement.engine import SparseCheckpointer
 from moevement.hostmem import HostBuffer, read_header
-from moevement.snapshot import SnapshotError, SnapshotHeader, read_entries
+from moevement.snapshot import SnapshotError, SnapshotHeader, verify_entries
 
 
 class RecoveryError(RuntimeError):
@@ -72,7 +72,7 @@ def _local_copy_intact(ck: SparseCheckpointer, window: int) -> bool:
         if header is None or header["window_start"] != ck.persisted_window[0]:
             return False
         try:
-            read_entries(buf.data, SnapshotHeader.from_json(header), source=str(buf.path))
+            verify_entries(buf.data, SnapshotHeader.from_json(header), source=str(buf.path))
         except SnapshotError:
             return False
     return True
@@ -112,7 +112,7 @@ def _receive(ck: SparseCheckpointer, src: int, window: int, buffer_of: Callable[
         dist.recv(data[:nbytes], src)
         header = json.loads(raw.numpy().tobytes())
         try:
-            read_entries(data, SnapshotHeader.from_json(header), source=source)
+            verify_entries(data, SnapshotHeader.from_json(header), source=source)
         except SnapshotError as e:
             print(f"recovery: rejected {e}; trying the next copy", flush=True)
             ok = False

@@ -16,7 +16,7 @@ import torch
 
 from moevement.operators import Operator
 
-ALIGN = 64
+BLOCK = 1024  # entries start on block boundaries; the checksum sums 8-byte words per block
 CHUNK_BYTES = 4 << 20  # copy granularity; the bandwidth cap is enforced between chunks
 MASK = (1 << 64) - 1
 
@@ -83,7 +83,7 @@ def layout(active: list[Operator], frozen: list[Operator], optimizer: torch.opti
         nbytes = src.numel() * dtype.itemsize
         entries.append(Entry(op.name, name, role, _dtype_name(dtype), list(src.shape), offset, nbytes))
         sources.append(src)
-        offset += -(-nbytes // ALIGN) * ALIGN
+        offset += _padded(nbytes)
 
     for op in active:
         for name, tensor in op.master_tensors(optimizer):
@@ -109,6 +109,10 @@ class Throttle:
                 time.sleep(ahead)
 
 
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // BLOCK) * BLOCK
+
+
 def entry_bytes(buffer: torch.Tensor, entry: Entry) -> torch.Tensor:
     """The entry's bytes inside `buffer` (a uint8 tensor), without copying."""
     return buffer[entry.offset:entry.offset + entry.nbytes]
@@ -121,48 +125,87 @@ def entry_view(buffer: torch.Tensor, entry: Entry) -> torch.Tensor:
 
 def copy_entries(buffer: torch.Tensor, entries: list[Entry], sources: list[torch.Tensor], throttle: Throttle,
                  stream: "torch.cuda.Stream | None" = None) -> None:
-    """Copy (and cast) each source into its entry in chunks, then checksum the copied bytes."""
-    for entry, src in zip(entries, sources, strict=True):
-        dst = entry_view(buffer, entry).reshape(-1)
-        flat = src.reshape(-1)
-        step = max(1, CHUNK_BYTES // dst.element_size())
-        for lo in range(0, flat.numel(), step):
-            dst[lo:lo + step].copy_(flat[lo:lo + step], non_blocking=stream is not None)
+    """Copy (and cast) each source into its entry, zero the padding, then checksum every entry.
+
+    Entries are copied in groups of about CHUNK_BYTES (one foreach copy each), with the bandwidth
+    cap enforced between groups; per-tensor Python work would cost more CPU than the copy itself.
+    """
+    group, size = [], 0
+    for i, entry in enumerate(entries):
+        group.append(i)
+        size += entry.nbytes
+        if size >= CHUNK_BYTES or i == len(entries) - 1:
+            torch._foreach_copy_([entry_view(buffer, entries[j]) for j in group], [sources[j] for j in group],
+                                 non_blocking=stream is not None)
             if stream is not None:
                 stream.synchronize()
-            throttle.consume(min(step, flat.numel() - lo) * dst.element_size())
-        entry.checksum = checksum(entry_bytes(buffer, entry))
+            throttle.consume(size)
+            group, size = [], 0
+    pads = [buffer[e.offset + e.nbytes:e.offset + _padded(e.nbytes)] for e in entries if e.nbytes % BLOCK]
+    if pads:
+        torch._foreach_zero_(pads)
+    for entry, value in zip(entries, checksums(buffer, entries), strict=True):
+        entry.checksum = value
+
+
+def checksums(buffer: torch.Tensor, entries: list[Entry]) -> list[str]:
+    """The checksum of every entry's block-aligned span of `buffer`, in one vectorised pass.
+
+    Fletcher-style, 64 bits: wrapping sums of the 8-byte words (`first`) and of the per-block
+    word sums weighted by their position in the entry (`second`), so a flipped, lost or moved
+    block changes it; the entry's length is part of it. Entries start on BLOCK boundaries and
+    their padding is zero (`copy_entries`), so one pass over the buffer serves all of them: a
+    prefix sum of block sums gives each entry's sums as a difference (wrapping int64 arithmetic
+    throughout). crc32 costs ~8x more CPU, which on CPU training comes out of the compute the
+    snapshot overlaps with.
+    """
+    if not entries:
+        return []
+    if any(e.offset % BLOCK for e in entries):
+        raise SnapshotError(f"entries are not aligned to {BLOCK} bytes (a snapshot of an older format)")
+    end = max(e.offset + _padded(e.nbytes) for e in entries)
+    blocks = buffer[:end].view(torch.int64).view(-1, BLOCK // 8).sum(dim=1)
+    position = torch.arange(1, blocks.numel() + 1, dtype=torch.int64)
+    zero = torch.zeros(1, dtype=torch.int64)
+    prefix = torch.cat([zero, blocks.cumsum(0)])
+    weighted = torch.cat([zero, (blocks * position).cumsum(0)])
+    start = torch.tensor([e.offset // BLOCK for e in entries], dtype=torch.int64)
+    count = torch.tensor([_padded(e.nbytes) // BLOCK for e in entries], dtype=torch.int64)
+    length = torch.tensor([e.nbytes for e in entries], dtype=torch.int64)
+    first = prefix[start + count] - prefix[start]
+    second = weighted[start + count] - weighted[start] - start * first + (count + 1) * (first + length)
+    return [f"{a & MASK:016x}{b & MASK:016x}" for a, b in zip(first.tolist(), second.tolist())]
 
 
 def checksum(raw: torch.Tensor) -> str:
-    """Fletcher-style 64-bit checksum of a uint8 tensor, vectorised (one pass at memory speed).
+    """The checksum of a uint8 tensor (as one entry at offset 0; see `checksums`)."""
+    padded = torch.zeros(_padded(raw.numel()), dtype=torch.uint8)
+    padded[:raw.numel()] = raw
+    return checksums(padded, [Entry("", "", "", "uint8", [raw.numel()], 0, raw.numel())])[0]
 
-    Wrapping sums of the 8-byte words, and of 4 KiB block sums weighted by block position, so a
-    flipped, lost or moved block changes it; the length is part of it. crc32 costs ~8x more CPU,
-    which on CPU training would come straight out of the compute the snapshot overlaps with.
-    """
-    n = raw.numel()
-    words = raw[:n - n % 8].view(torch.int64)
-    whole = words.numel() - words.numel() % 512
-    blocks = words[:whole].view(-1, 512).sum(dim=1)
-    tail = int.from_bytes(raw[n - n % 8:].numpy().tobytes(), "little")
-    first = (int(blocks.sum()) + int(words[whole:].sum()) + tail) & MASK
-    weights = torch.arange(1, blocks.numel() + 1, dtype=torch.int64)
-    second = (int((blocks * weights).sum()) + (blocks.numel() + 1) * (first + n)) & MASK
-    return f"{first:016x}{second:016x}"
+
+def verify_entries(buffer: torch.Tensor, header: SnapshotHeader, source: str = "snapshot") -> None:
+    """Raise SnapshotError (naming `source`) unless every entry of `header` lies in `buffer` with its checksum."""
+    if buffer.numel() < header.nbytes:
+        raise SnapshotError(f"{source}: truncated ({buffer.numel()} bytes, header says {header.nbytes})")
+    for entry in header.entries:
+        if entry.offset + _padded(entry.nbytes) > header.nbytes:
+            raise SnapshotError(f"{source}: entry {entry.name} lies outside the snapshot")
+    try:
+        found = checksums(buffer, header.entries)
+    except SnapshotError as e:
+        raise SnapshotError(f"{source}: {e}") from None
+    for entry, value in zip(header.entries, found, strict=True):
+        if value != entry.checksum:
+            raise SnapshotError(f"{source}: checksum mismatch in {entry.role} tensor {entry.name} "
+                                f"(iteration {header.iteration})")
 
 
 def read_entries(buffer: torch.Tensor, header: SnapshotHeader, source: str = "snapshot",
                  verify: bool = True) -> dict[tuple[str, str], torch.Tensor]:
     """{(role, tensor name): tensor copy} of a snapshot; checksums verified (SnapshotError names `source`)."""
-    if buffer.numel() < header.nbytes:
+    if verify:
+        verify_entries(buffer, header, source)
+    elif buffer.numel() < header.nbytes:
         raise SnapshotError(f"{source}: truncated ({buffer.numel()} bytes, header says {header.nbytes})")
-    out = {}
-    for entry in header.entries:
-        if entry.offset + entry.nbytes > header.nbytes:
-            raise SnapshotError(f"{source}: entry {entry.name} lies outside the snapshot")
-        if verify and checksum(entry_bytes(buffer, entry)) != entry.checksum:
-            raise SnapshotError(f"{source}: checksum mismatch in {entry.role} tensor {entry.name} "
-                                f"(iteration {header.iteration})")
-        out[(entry.role, entry.name)] = entry_view(buffer, entry).clone()
-    return out
+    return {(entry.role, entry.name): entry_view(buffer, entry).clone() for entry in header.entries}

@@ -179,6 +179,39 @@ def test_shared_memory_snapshots_survive_the_death_of_their_process(tmp_path):
         shutil.rmtree(rank_dir.parent, ignore_errors=True)
 
 
+def _reference_checksum(raw: bytes) -> str:
+    """The checksum's definition in plain Python integers (mod 2**64): zero-padded blocks of 8-byte words."""
+    from moevement.snapshot import BLOCK, MASK
+    n = len(raw)
+    raw += bytes(-n % BLOCK)
+    words = [int.from_bytes(raw[i:i + 8], "little") for i in range(0, len(raw), 8)]
+    blocks = [sum(words[i:i + BLOCK // 8]) for i in range(0, len(words), BLOCK // 8)]
+    first = sum(blocks) & MASK
+    second = (sum(b * (k + 1) for k, b in enumerate(blocks)) + (len(blocks) + 1) * (first + n)) & MASK
+    return f"{first:016x}{second:016x}"
+
+
+def test_vectorised_snapshot_checksums_match_the_definition():
+    """copy_entries checksums all entries in one pass (prefix sums, wrapping int64); every entry's
+    checksum equals the definition computed entry by entry, whatever the stale padding held."""
+    from moevement.snapshot import BLOCK, Entry, Throttle, copy_entries
+    g = torch.Generator().manual_seed(0)
+    sources = [torch.randn(n, generator=g) * 1e30 for n in (1, 300, 0, 1000, 7, 4096)] + [torch.tensor(5.0)]
+    entries, offset = [], 0
+    for i, src in enumerate(sources):
+        dtype = torch.bfloat16 if i % 2 else torch.float32
+        nbytes = src.numel() * dtype.itemsize
+        entries.append(Entry("op", f"t{i}", "master", str(dtype).removeprefix("torch."), list(src.shape), offset,
+                             nbytes))
+        offset += -(-nbytes // BLOCK) * BLOCK
+    buffer = torch.full((offset,), 255, dtype=torch.uint8)  # stale bytes where the padding goes
+    copy_entries(buffer, entries, sources, Throttle(0))
+    for entry, src in zip(entries, sources):
+        raw = buffer[entry.offset:entry.offset + entry.nbytes]
+        assert torch.equal(raw.view(getattr(torch, entry.dtype)).view(entry.shape), src.to(getattr(torch, entry.dtype)))
+        assert entry.checksum == _reference_checksum(raw.numpy().tobytes())
+
+
 def test_checksum_detects_flips_moved_blocks_and_length():
     from moevement.snapshot import checksum
     raw = torch.randint(0, 256, (3 * 4096 + 5,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
