@@ -24,6 +24,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -67,7 +68,8 @@ class SparseCheckpointer:
     """Takes, replicates and persists sparse snapshots; see the module docstring for the call order.
 
     `cfg` provides: window, slots, ordering, ema_decay, replicas, bandwidth_gbps, persist_dir,
-    persist_every, profile_iters, reprofile_every, keep_host_state.
+    persist_every, profile_iters, reprofile_every, keep_host_state. `rank_dirs(r)` is where rank r
+    keeps its host state: replicas of ranks on this node are then copied from their shared memory.
 
     With an `IntervalPolicy` (the gemini, checkfreq and moc baselines) a snapshot is taken only at
     the policy's checkpoint iterations, as a window of W = 1 holding the FP32 state of the
@@ -76,7 +78,8 @@ class SparseCheckpointer:
 
     def __init__(self, cfg, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                  compute_dtype: torch.dtype, device: torch.device, rank_dir: Path, topology: Topology,
-                 job_meta: dict | None = None, policy: IntervalPolicy | None = None, disk_keep: int = 2):
+                 job_meta: dict | None = None, policy: IntervalPolicy | None = None, disk_keep: int = 2,
+                 rank_dirs: Callable[[int], Path] | None = None):
         self.cfg, self.optimizer, self.compute_dtype, self.device = cfg, optimizer, compute_dtype, device
         self.policy = policy
         self.topology, self.job_meta = topology, dict(job_meta or {})
@@ -113,7 +116,11 @@ class SparseCheckpointer:
             if topology.world > 1 else [[]]
         if topology.world > 1 and cfg.replicas > 0:
             group = dist.new_group(backend="gloo")
-            self.replicator = Replicator(topology.rank, self.peers, self.replicas, group, self._on_window_replicated)
+            node = topology.node_of[topology.rank]
+            same_node = frozenset(r for r, n in enumerate(topology.node_of) if n == node and r != topology.rank) \
+                if rank_dirs is not None else frozenset()
+            self.replicator = Replicator(topology.rank, self.peers, self.replicas, group, self._on_window_replicated,
+                                         same_node, lambda src, parity, slot: local_buffer(rank_dirs(src), parity, slot))
         self._begin_time = 0.0
         self.last = {"ckpt_mb": 0.0, "stall_ms": 0.0}
         optimizer.register_step_pre_hook(self._before_optimizer_step)
@@ -309,7 +316,7 @@ class SparseCheckpointer:
     def _buffer(self, parity: int, slot: int) -> HostBuffer:
         key = (parity, slot)
         if key not in self.buffers:
-            self.buffers[key] = HostBuffer(self.local_dir / f"w{parity}-s{slot}", pin=self.device.type == "cuda")
+            self.buffers[key] = HostBuffer(local_buffer(self.rank_dir, parity, slot), pin=self.device.type == "cuda")
         return self.buffers[key]
 
     def _slot_operators(self, slot: int) -> tuple[list[Operator], list[Operator]]:
@@ -369,7 +376,12 @@ class SparseCheckpointer:
     def _write_manifest(self, window_index: int, start: int, window: int) -> None:
         write_json_atomic(self.rank_dir / "persisted.json", {
             "window_index": window_index, "window_start": start, "window": window, "rank": self.topology.rank,
-            "snapshots": [f"local/w{window_index % 2}-s{slot}" for slot in range(window)]})
+            "snapshots": [str(local_buffer(Path(), window_index % 2, slot)) for slot in range(window)]})
+
+
+def local_buffer(rank_dir: Path, parity: int, slot: int) -> Path:
+    """Path (no suffix) of a rank's own snapshot buffer for window parity `parity`, slot `slot`."""
+    return rank_dir / "local" / f"w{parity}-s{slot}"
 
 
 def persisted_snapshots(rank_dir: Path) -> list[tuple[dict, Path]]:

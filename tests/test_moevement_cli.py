@@ -27,17 +27,22 @@ def committed(directory: Path) -> dict[tuple[int, int], tuple[dict, Path]]:
 
 
 def test_sparse_checkpointing_under_pp_dp_ep(tmp_path):
-    host = tmp_path / "shm"
+    """Replicas copied from a same-node peer's shared memory (auto) and sent over gloo (network)."""
     steps = ["--training.steps", "10"]
     baseline = run_cli("--config", DEBUG_CONFIG, *QUIET, *LAYOUT, *steps, nproc=4).stdout
-    out = run_cli("--config", DEBUG_CONFIG, *QUIET, *LAYOUT, *steps, "--checkpoint.strategy", "moevement",
-                  "--checkpoint.window", "3", "--checkpoint.host_dir", str(host),
-                  "--checkpoint.keep_host_state", "true", nproc=4).stdout
-    assert final_line(out) == final_line(baseline)  # snapshots never perturb training
-    m = re.search(r"^step=3 loss=\S+ .*ckpt_mb=(\S+) stall_ms=\S+ window=3 repl_lag=\d+ host_mb=(\S+)", out, re.M)
-    assert m and 0 < float(m[1]) <= float(m[2]), out
+    for replication in ("auto", "network"):
+        host = tmp_path / replication
+        out = run_cli("--config", DEBUG_CONFIG, *QUIET, *LAYOUT, *steps, "--checkpoint.strategy", "moevement",
+                      "--checkpoint.window", "3", "--checkpoint.host_dir", str(host), "--checkpoint.keep_host_state",
+                      "true", "--checkpoint.replication", replication, nproc=4).stdout
+        assert final_line(out) == final_line(baseline)  # snapshots never perturb training
+        m = re.search(r"^step=3 loss=\S+ .*ckpt_mb=(\S+) stall_ms=\S+ window=3 repl_lag=\d+ host_mb=(\S+)", out, re.M)
+        assert m and 0 < float(m[1]) <= float(m[2]), out
+        check_replicas({r: host / "debug_moe" / f"rank{r:05d}" for r in range(4)})
 
-    ranks = {r: host / "debug_moe" / f"rank{r:05d}" for r in range(4)}
+
+def check_replicas(ranks: dict[int, Path]) -> None:
+    """Every rank's committed snapshots are held byte for byte by two peers on the other stage."""
     stage = {r: committed(d / "local")[(6, 0)][0]["meta"]["pp_rank"] for r, d in ranks.items()}
     for rank, rank_dir in ranks.items():
         # windows start at 3, 6, 9 (iterations 1-2 profile): 6-8 persisted, 9-10 in flight; older ones collected
@@ -61,6 +66,7 @@ def test_sparse_checkpointing_under_pp_dp_ep(tmp_path):
     ("checkpoint.strategy", "sparse", "'checkpoint.strategy' must be one of none, moevement"),
     ("checkpoint.ordering", "random", "'checkpoint.ordering' must be one of count, soft, ema, capacity"),
     ("checkpoint.replicas", "-1", "'checkpoint.replicas' must be >= 0"),
+    ("checkpoint.replication", "rdma", "'checkpoint.replication' must be one of auto, network"),
     ("checkpoint.persist_every", "0", "'checkpoint.persist_every' must be >= 1"),
     ("checkpoint.bandwidth_gbps", "-2", "'checkpoint.bandwidth_gbps' must be >= 0"),
 ])

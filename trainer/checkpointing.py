@@ -90,6 +90,11 @@ def host_rank_dir(cfg: Config, rank: int) -> Path:
     return Path(cfg.checkpoint.host_dir) / cfg.job.name / f"rank{rank:05d}"
 
 
+def _same_node_dirs(cfg: Config):
+    """Where the ranks of this node keep host state, for shared-memory replication (None: network only)."""
+    return (lambda rank: host_rank_dir(cfg, rank)) if cfg.checkpoint.replication == "auto" else None
+
+
 def build_fault_tolerance(cfg: Config, model: ModelParts, optimizer, dims: ParallelDims, seeder: DropoutSeeder,
                           train_batches, line) -> FaultTolerance | None:
     """The pieces of `checkpoint.strategy` on this rank (collective over all ranks); None for `none`."""
@@ -110,7 +115,8 @@ def build_fault_tolerance(cfg: Config, model: ModelParts, optimizer, dims: Paral
     if strategy != "moevement":
         return _interval_baseline(cfg, model, optimizer, dims, topo, rank_dir, job_meta, compute_dtype, line)
     checkpointer = SparseCheckpointer(cfg.checkpoint, model.view, optimizer, compute_dtype=compute_dtype,
-                                      device=dims.device, rank_dir=rank_dir, topology=topo, job_meta=job_meta)
+                                      device=dims.device, rank_dir=rank_dir, topology=topo, job_meta=job_meta,
+                                      rank_dirs=_same_node_dirs(cfg))
     log = UpstreamLog(model.parts, model.stage_ids, model.n_stages) if cfg.parallelism.pp > 1 else None
     hooks = _trainer_hooks(cfg, model, optimizer, dims, seeder, log, layout, train_batches, line)
     recovery = Recovery(checkpointer, log, optimizer, layout, model.n_stages, cfg.training.micro_batches, hooks,
@@ -142,7 +148,7 @@ def _interval_baseline(cfg: Config, model: ModelParts, optimizer, dims: Parallel
     policy = IntervalPolicy(strategy, ck_cfg.interval, cfg.fault.mtbf_iters, select)
     checkpointer = SparseCheckpointer(ck_cfg, model.view, optimizer, compute_dtype=compute_dtype, device=dims.device,
                                       rank_dir=rank_dir, topology=topo, job_meta=job_meta, policy=policy,
-                                      disk_keep=keep)
+                                      disk_keep=keep, rank_dirs=_same_node_dirs(cfg))
     rollback = GlobalRollback(strategy, checkpointer, optimizer, model.n_stages,
                               lambda: initial_parameters(cfg.model, dims, cfg.job.seed), line, moc)
     return FaultTolerance(checkpointer, None, rollback, moc=moc)

@@ -71,6 +71,7 @@ class CheckpointConfig:
     ordering: str = "count"  # operator popularity: count | soft | ema | capacity
     ema_decay: float = 0.9  # decay of the `ema` ordering policy
     replicas: int = 2  # peers holding a copy of each snapshot (capped by world size - 1)
+    replication: str = "auto"  # auto: peers on this node copy from shared memory | network: all via the process group
     bandwidth_gbps: float = 0.0  # cap on the snapshot copy rate to host memory, Gbit/s (0: none)
     host_dir: str = "/dev/shm/moevement"  # shared-memory directory for snapshots and replicas
     keep_host_state: bool = False  # keep snapshots in host memory after a clean finish
@@ -122,6 +123,7 @@ CHOICES = {
     "checkpoint.strategy": STRATEGIES,
     "checkpoint.ordering": POLICIES,
     "checkpoint.slots": ("count", "bytes"),
+    "checkpoint.replication": ("auto", "network"),
     "parallelism.schedule": SCHEDULES,
 }
 
