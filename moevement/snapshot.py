@@ -139,9 +139,12 @@ def copy_entries(buffer: torch.Tensor, entries: list[Entry], sources: list[torch
     start = 0
     for stop in _group_ends(entries):
         group = entries[start:stop]
-        torch._foreach_copy_([entry_view(buffer, e) for e in group], sources[start:stop],
-                             non_blocking=stream is not None)
-        if stream is not None:
+        targets = [entry_view(buffer, e) for e in group]
+        if stream is None:
+            torch._foreach_copy_(targets, sources[start:stop])
+        else:  # device-to-host: per-tensor copies on the side stream (CPU time is not the constraint)
+            for target, src in zip(targets, sources[start:stop]):
+                target.copy_(src, non_blocking=True)
             stream.synchronize()
         pads = [buffer[e.offset + e.nbytes:e.offset + _padded(e.nbytes)] for e in group if e.nbytes % BLOCK]
         if pads:
