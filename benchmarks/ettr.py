@@ -160,9 +160,14 @@ def main(argv: list[str] | None = None) -> None:
     faults = ["--fault.mtbf_iters", str(args.mtbf_iters), "--fault.seed", str(args.seed),
               "--checkpoint.bandwidth_gbps", f"{cap:.6f}"]
     for strategy in [s for s in args.strategies.split(",") if s != "none"]:
-        runs[strategy] = parse_run(launch(args.config, strategy, args.steps, args.pp, [*extra, *faults], args.threads))
+        stdout = launch(args.config, strategy, args.steps, args.pp, [*extra, *faults], args.threads)
+        (out / f"{strategy}.log").write_text(stdout)  # kept so that a stopped invocation loses no finished run
+        runs[strategy] = parse_run(stdout)
         for line in runs[strategy]["recoveries"]:
             print(f"  {strategy}: {line}", flush=True)
+        r = summarize(runs[strategy], none_iteration_s, tokens)
+        print(f"  {strategy}: ettr={r['ettr']:.4f} overhead={r['overhead']:.4f} recovery_s={r['recovery_s']:.3f} "
+              f"failures={r['failures']} wall_s={r['wall_s']:.1f}", flush=True)
 
     results = {"none": {**summarize(runs["none"], none_iteration_s, tokens), "ettr": 1.0}}
     results.update({s: summarize(run, none_iteration_s, tokens) for s, run in runs.items() if s != "none"})
