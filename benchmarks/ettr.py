@@ -7,7 +7,8 @@
 First a fault-free `none` run (torchrun, `--pp` stages) measures the iteration time T and sets the
 snapshot bandwidth cap so that a dense snapshot of a rank takes `--dense-snapshot-iters`
 iterations (the paper's regime). Then every other strategy trains `--steps` iterations with the
-same Poisson failures (`--fault.mtbf_iters`, `--fault.seed`). Per strategy it prints
+same Poisson failures (`--fault.mtbf_iters`, `--fault.seed`); a strategy may be a variant with
+settings of its own (`moevement@checkpoint.background_priority=normal`). Per strategy it prints
 
     strategy=<s> ettr=<x> overhead=<x> recovery_s=<x> failures=<n> lost_tokens=<n>
 
@@ -32,6 +33,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from benchmarks.variants import variant_flags
 from models import count_params
 from moevement.intervals import ettr as steady_ettr
 from moevement.simulator import MeasuredProfile, predict_from_profile
@@ -79,10 +81,11 @@ def summarize(run: dict, none_iteration_s: float, tokens: int) -> dict:
             "iterations": int(acct["iterations"]), "host_mb": acct["host_mb"], "log_mb": acct["log_mb"]}
 
 
-def launch(config: str, strategy: str, steps: int, pp: int, flags: list[str], threads: int) -> str:
+def launch(config: str, spec: str, steps: int, pp: int, flags: list[str], threads: int) -> str:
+    strategy, own = variant_flags(spec)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={pp}", "train.py",
            "--config", config, *QUIET, "--training.steps", str(steps), "--parallelism.pp", str(pp),
-           "--checkpoint.strategy", strategy, *flags]
+           "--checkpoint.strategy", strategy, *flags, *own]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
     if proc.returncode != 0:
         error = proc.stderr[proc.stderr.find("Traceback"):][:4000]

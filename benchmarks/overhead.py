@@ -5,7 +5,9 @@
         [--key value ...]
 
 Each round runs `train.py` once per strategy (real subprocesses, strategies alternating). Extra
-`--section.key value` arguments go to every run (e.g. `--training.mixed_precision bf16`).
+`--section.key value` arguments go to every run (e.g. `--training.mixed_precision bf16`); a
+strategy written `moevement@checkpoint.background_priority=normal` is a variant with its own settings
+(`@section.key=value`, repeatable), compared in the same rounds.
 
 The snapshot bandwidth cap reproduces the paper's regime on CPU: unless --bandwidth-gbps is given,
 it is set after the first `none` run so that a dense snapshot (FP32 weights + both AdamW moments)
@@ -26,6 +28,7 @@ import statistics
 import subprocess
 import sys
 
+from benchmarks.variants import variant_flags
 from models import count_params
 from trainer.config import load_config
 
@@ -39,9 +42,10 @@ def parse_steps(stdout: str) -> dict[int, dict[str, float]]:
             for m in STEP_RE.finditer(stdout)}
 
 
-def run(config: str, strategy: str, steps: int, extra: list[str], threads: int) -> dict[int, dict[str, float]]:
+def run(config: str, spec: str, steps: int, extra: list[str], threads: int) -> dict[int, dict[str, float]]:
+    strategy, own = variant_flags(spec)
     cmd = [sys.executable, "train.py", "--config", config, *QUIET, "--training.steps", str(steps),
-           "--checkpoint.strategy", strategy, *extra]
+           "--checkpoint.strategy", strategy, *extra, *own]
     env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:

@@ -29,7 +29,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from moevement.hostmem import HostBuffer, HostMemoryError, make_private_dir, read_header, write_json_atomic
+from moevement.background import enter_background
+from moevement.hostmem import (HostBuffer, HostMemoryError, encode_json, make_private_dir, read_header,
+                               write_json_atomic)
 from moevement.intervals import IntervalPolicy
 from moevement.operators import Operator, build_registry
 from moevement.persist import DiskWriter
@@ -68,7 +70,7 @@ class SparseCheckpointer:
     """Takes, replicates and persists sparse snapshots; see the module docstring for the call order.
 
     `cfg` provides: window, slots, ordering, ema_decay, replicas, bandwidth_gbps, persist_dir,
-    persist_every, profile_iters, reprofile_every, keep_host_state. `rank_dirs(r)` is where rank r
+    persist_every, profile_iters, reprofile_every, keep_host_state, background_priority. `rank_dirs(r)` is where rank r
     keeps its host state: replicas of ranks on this node are then copied from their shared memory.
 
     With an `IntervalPolicy` (the gemini, checkfreq and moc baselines) a snapshot is taken only at
@@ -94,9 +96,8 @@ class SparseCheckpointer:
         self.profile.measure_bandwidth(self.rank_dir, device)
         self.buffers: dict[tuple[int, int], HostBuffer] = {}
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        # One OpenMP thread for copies (the setting is per thread): compute keeps its cores.
         self.copier = ThreadPoolExecutor(1, thread_name_prefix="moevement-copy",
-                                         initializer=torch.set_num_threads, initargs=(1,))
+                                         initializer=enter_background, initargs=(cfg.background_priority,))
         self.plan: WindowPlan | None = None
         self.window_index = -1
         self.iterations_seen = 0
@@ -108,7 +109,8 @@ class SparseCheckpointer:
         self.replaying = False
         self.persisted_cond = threading.Condition()
         self.window_headers: dict[int, list[dict]] = {}
-        self.disk = DiskWriter(Path(cfg.persist_dir), topology.rank, disk_keep) if cfg.persist_dir else None
+        self.disk = DiskWriter(Path(cfg.persist_dir), topology.rank, disk_keep, cfg.background_priority) \
+            if cfg.persist_dir else None
         self.replicas = ReplicaStore(rank_dir / "replicas")
         self.replicator = None
         # peers[r]: the ranks holding rank r's replicas (recovery fetches from them)
@@ -120,7 +122,8 @@ class SparseCheckpointer:
             same_node = frozenset(r for r, n in enumerate(topology.node_of) if n == node and r != topology.rank) \
                 if rank_dirs is not None else frozenset()
             self.replicator = Replicator(topology.rank, self.peers, self.replicas, group, self._on_window_replicated,
-                                         same_node, lambda src, parity, slot: local_buffer(rank_dirs(src), parity, slot))
+                                         same_node, lambda src, parity, slot: local_buffer(rank_dirs(src), parity, slot),
+                                         cfg.background_priority)
         self._begin_time = 0.0
         self.last = {"ckpt_mb": 0.0, "stall_ms": 0.0}
         optimizer.register_step_pre_hook(self._before_optimizer_step)
@@ -173,12 +176,13 @@ class SparseCheckpointer:
         pending.copy.result()
         pending.header.meta["scalars"] = dict(scalars)
         header = pending.header.to_json()
-        pending.buffer.commit(header)
+        encoded = encode_json(header)  # once: the local commit record and the replicas' are the same bytes
+        pending.buffer.commit(encoded)
         self.window_headers.setdefault(pending.window_index, []).append(header)
         self.latest = (pending.header, pending.buffer.data)
         last = pending.slot == self.plan.window - 1
         if self.replicator is not None:
-            self.replicator.submit(Outgoing(pending.window_index, pending.slot, last, header,
+            self.replicator.submit(Outgoing(pending.window_index, pending.slot, last, encoded,
                                             pending.buffer.data[:header["nbytes"]]))
         elif last:
             self._on_window_replicated(pending.window_index)

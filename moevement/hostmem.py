@@ -29,12 +29,19 @@ def make_private_dir(path: Path) -> Path:
     return path
 
 
-def write_json_atomic(path: Path, payload: dict) -> None:
-    """Write `payload` to `path` via a temporary file and a rename (owner-only permissions)."""
+def encode_json(payload: dict) -> bytes:
+    """`payload` as JSON bytes (`json.dumps` runs the C encoder; `json.dump` to a file does not: ~5x slower)."""
+    return json.dumps(payload).encode()
+
+
+def write_json_atomic(path: Path, payload: dict | bytes) -> None:
+    """Write `payload` (a dict, or its `encode_json` bytes) to `path` via a temporary file and a rename
+    (owner-only permissions)."""
+    data = payload if isinstance(payload, bytes) else encode_json(payload)
     tmp = path.with_name(f".{path.name}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(payload, f)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -89,7 +96,8 @@ class HostBuffer:
         """Remove the commit record before the bytes are overwritten."""
         self.header_path.unlink(missing_ok=True)
 
-    def commit(self, header: dict) -> None:
+    def commit(self, header: dict | bytes) -> None:
+        """Record the bytes as complete with `header` (a dict or its JSON encoding)."""
         write_json_atomic(self.header_path, header)
 
     def _unpin(self) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from moevement.background import enter_background
 from moevement.hostmem import make_private_dir, read_header, write_json_atomic
 from moevement.snapshot import SnapshotError, SnapshotHeader, read_entries
 
@@ -67,8 +68,8 @@ def read_window(rank_dir: Path) -> list[tuple[SnapshotHeader, dict[tuple[str, st
 class DiskWriter:
     """Writes windows on a background thread; `busy(parity)` says whether a window's buffers are still read."""
 
-    def __init__(self, root: Path, rank: int, keep: int = KEEP):
-        self.root, self.rank, self.keep = make_private_dir(root), rank, keep
+    def __init__(self, root: Path, rank: int, keep: int = KEEP, priority: str = "idle"):
+        self.root, self.rank, self.keep, self.priority = make_private_dir(root), rank, keep, priority
         self.threads: dict[int, threading.Thread] = {}
         self.error: BaseException | None = None
 
@@ -91,6 +92,7 @@ class DiskWriter:
 
     def _write(self, snapshots: list[tuple[dict, torch.Tensor]]) -> None:
         try:
+            enter_background(self.priority)
             write_window(self.root, self.rank, snapshots)
             mine = sorted(d for d in self.root.glob("window-*") if (d / f"rank{self.rank:05d}").exists())
             for old in mine[:-self.keep]:

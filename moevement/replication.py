@@ -13,7 +13,6 @@ the sparse checkpoint is then *persisted*.
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import threading
@@ -25,6 +24,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from moevement.background import enter_background
 from moevement.hostmem import HostBuffer, make_private_dir, map_bytes
 
 
@@ -68,8 +68,8 @@ class Outgoing:
     window_index: int
     slot: int
     last_in_window: bool
-    header: dict
-    payload: torch.Tensor  # uint8, exactly header["nbytes"] long
+    header: bytes  # the snapshot's JSON commit record
+    payload: torch.Tensor  # uint8, exactly the header's "nbytes" long
 
 
 class Replicator:
@@ -78,11 +78,11 @@ class Replicator:
 
     def __init__(self, rank: int, peers: list[list[int]], store: ReplicaStore, group,
                  on_window_replicated: Callable[[int], None], same_node: frozenset[int] = frozenset(),
-                 local_buffer: Callable[[int, int, int], Path] | None = None):
+                 local_buffer: Callable[[int, int, int], Path] | None = None, priority: str = "idle"):
         self.rank, self.group, self.store = rank, group, store
         self.peers = peers[rank]
         self.sources = [src for src, targets in enumerate(peers) if rank in targets]
-        self.same_node, self.local_buffer = same_node, local_buffer
+        self.same_node, self.local_buffer, self.priority = same_node, local_buffer, priority
         self.mapped: dict[tuple[int, int, int], tuple[int, torch.Tensor]] = {}  # key -> (inode, mapping)
         self.on_window_replicated = on_window_replicated
         self.queue: queue.Queue[Outgoing | None] = queue.Queue()
@@ -115,6 +115,7 @@ class Replicator:
 
     def _run(self) -> None:
         try:
+            enter_background(self.priority)
             while (item := self.queue.get()) is not None:
                 self._round(item)
                 self.backlog -= 1
@@ -127,7 +128,7 @@ class Replicator:
             self.error = e
 
     def _round(self, item: Outgoing) -> None:
-        header = torch.frombuffer(bytearray(json.dumps(item.header).encode()), dtype=torch.uint8)
+        header = torch.frombuffer(bytearray(item.header), dtype=torch.uint8)
         sizes = torch.tensor([header.numel(), item.payload.numel()], dtype=torch.int64)
         incoming = {src: torch.empty(2, dtype=torch.int64) for src in self.sources}
         works = [dist.isend(sizes, peer, group=self.group, tag=0) for peer in self.peers]
@@ -154,7 +155,7 @@ class Replicator:
             received[src] = (replica, header_buf)
         _wait(works)
         for replica, header_buf in received.values():
-            replica.commit(json.loads(header_buf.numpy().tobytes()))
+            replica.commit(header_buf.numpy().tobytes())  # the sender's commit record, byte for byte
 
 
     def _shared_bytes(self, src: int, parity: int, slot: int, nbytes: int) -> torch.Tensor:

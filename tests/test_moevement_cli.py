@@ -67,6 +67,7 @@ def check_replicas(ranks: dict[int, Path]) -> None:
     ("checkpoint.ordering", "random", "'checkpoint.ordering' must be one of count, soft, ema, capacity"),
     ("checkpoint.replicas", "-1", "'checkpoint.replicas' must be >= 0"),
     ("checkpoint.replication", "rdma", "'checkpoint.replication' must be one of auto, network"),
+    ("checkpoint.background_priority", "high", "'checkpoint.background_priority' must be one of idle, normal"),
     ("checkpoint.persist_every", "0", "'checkpoint.persist_every' must be >= 1"),
     ("checkpoint.bandwidth_gbps", "-2", "'checkpoint.bandwidth_gbps' must be >= 0"),
 ])

@@ -27,7 +27,7 @@ ARGS = dict(family="deepseek", vocab_size=64, dim=32, n_layers=3, n_heads=4, n_d
 
 def options(**overrides) -> SimpleNamespace:
     base = dict(window=3, slots="count", ordering="count", ema_decay=0.9, replicas=2, bandwidth_gbps=0.0, persist_dir="",
-                persist_every=1, profile_iters=2, reprofile_every=0, keep_host_state=True)
+                persist_every=1, profile_iters=2, reprofile_every=0, keep_host_state=True, background_priority="idle")
     return SimpleNamespace(**{**base, **overrides})
 
 
@@ -73,6 +73,20 @@ def check_snapshot(header: SnapshotHeader, before: dict, engine, compute_dtype) 
     for (role, name), value in tensors.items():
         expected = before[name] if role == "master" else before[name].to(compute_dtype)
         assert value.dtype == expected.dtype and torch.equal(value, expected), (header.iteration, role, name)
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux-only")
+@pytest.mark.parametrize("priority, policy", [("idle", "SCHED_IDLE"), ("normal", "SCHED_OTHER")])
+def test_copy_thread_gives_way_to_compute(tmp_path, priority, policy):
+    """The copy thread runs with one OpenMP thread and, at `idle` priority, under SCHED_IDLE."""
+    model = build_model(ModelArgs(**ARGS))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine = SparseCheckpointer(options(background_priority=priority), model, optimizer, compute_dtype=torch.float32,
+                                device=torch.device("cpu"), rank_dir=tmp_path, topology=Topology.single())
+    seen = engine.copier.submit(lambda: (os.sched_getscheduler(0), torch.get_num_threads())).result()
+    engine.close()
+    assert seen == (getattr(os, policy), 1)
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the training thread keeps its priority
 
 
 @pytest.mark.parametrize("compute_dtype", [torch.float32, torch.bfloat16])

@@ -15,6 +15,7 @@ from pathlib import Path
 import tomli
 
 from models.args import ModelArgs
+from moevement.background import PRIORITIES
 from moevement.faults import FaultPlan, FaultSpecError
 from moevement.popularity import POLICIES
 from parallelisms.mesh import SCHEDULES, ParallelismConfig
@@ -73,6 +74,7 @@ class CheckpointConfig:
     replicas: int = 2  # peers holding a copy of each snapshot (capped by world size - 1)
     replication: str = "auto"  # auto: peers on this node copy from shared memory | network: all via the process group
     bandwidth_gbps: float = 0.0  # cap on the snapshot copy rate to host memory, Gbit/s (0: none)
+    background_priority: str = "idle"  # CPU priority of the copy/replication/disk threads: idle | normal
     host_dir: str = "/dev/shm/moevement"  # shared-memory directory for snapshots and replicas
     keep_host_state: bool = False  # keep snapshots in host memory after a clean finish
     persist_dir: str = ""  # also write every `persist_every`-th persisted checkpoint here
@@ -124,6 +126,7 @@ CHOICES = {
     "checkpoint.ordering": POLICIES,
     "checkpoint.slots": ("count", "bytes"),
     "checkpoint.replication": ("auto", "network"),
+    "checkpoint.background_priority": PRIORITIES,
     "parallelism.schedule": SCHEDULES,
 }
 
