@@ -23,6 +23,7 @@ from trainer.checkpoint import CheckpointError, load_dense, save_dense
 from moevement.faults import FaultPlan
 from moevement.hostmem import HostMemoryError
 from trainer.accounting import RunAccounting
+from trainer.allocator import reuse_freed_host_memory
 from trainer.checkpointing import FaultTolerance, build_fault_tolerance
 from trainer.config import Config, ConfigError, check_world_size, fault_plan, load_config
 from trainer.data import DataError, TokenBatches, build_data, make_loader
@@ -100,6 +101,8 @@ def setup(cfg: Config) -> tuple[Job, int, float]:
     check_world_size(cfg, world)
     configure_determinism(cfg)
     dims = build_mesh(cfg.parallelism, device_type())
+    if dims.device.type == "cpu" and cfg.training.cpu_reuse_memory:
+        reuse_freed_host_memory()
     tokenizer, train_batches, val_batches = build_data(
         cfg.data, cfg.training.seq_len, cfg.training.batch_size, cfg.training.micro_batches, cfg.job.seed)
     if tokenizer.vocab_size > cfg.model.vocab_size:

@@ -56,6 +56,7 @@ class TrainingConfig:
     # CPU bf16 matrix products: native bf16 kernels, or SGEMM on the bf16 operands (fp32 accumulation,
     # 15x faster on CPUs without bf16 instructions); auto: fp32 unless the CPU has AVX512-BF16 / AMX
     cpu_bf16_gemm: str = "auto"  # auto | native | fp32
+    cpu_reuse_memory: bool = True  # CPU: keep freed large blocks in the heap (trainer/allocator.py)
     val_every: int = 0  # 0 disables validation
     val_batches: int = 4
     deterministic: bool = True
