@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     for round_index in range(args.rounds):
         for strategy in order:
             flags = list(extra)
-            if strategy != "none":
+            if variant_flags(strategy)[0] != "none":
                 if cap <= 0:
                     sys.exit("--bandwidth-gbps is required when `none` is not among the strategies")
                 flags += ["--checkpoint.bandwidth_gbps", f"{cap:.6f}"]
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
           f"dense_snapshot_iters={dense_s / (base / 1e3):.2f}")
     for strategy, rs in runs.items():
         line = f"strategy={strategy} iter_ms={iter_ms[strategy]:.1f} overhead={iter_ms[strategy] / base - 1:.4f}"
-        if strategy != "none":
+        if variant_flags(strategy)[0] != "none":
             whole = [r for records in rs for r in whole_windows(records, profile_iters)]
             if not whole:
                 print(f"note: no complete window of {strategy} in {args.steps} steps: snapshot sizes averaged "
