@@ -19,9 +19,11 @@ PRIORITIES = ("idle", "normal")
 
 
 def enter_background(priority: str) -> None:
-    """Make the calling thread a checkpointing thread: one OpenMP thread (the setting is per
-    thread, so compute keeps its cores) and the given CPU priority (`idle` falls back to the
-    lowest nice value where SCHED_IDLE does not exist)."""
+    """Make the calling thread a checkpointing thread: one OpenMP thread and the given CPU
+    priority (`idle` falls back to the lowest nice value where SCHED_IDLE does not exist).
+
+    Threads that already run keep their thread count (the training thread keeps its cores), but
+    torch also records 1 as the default that threads created later start with."""
     torch.set_num_threads(1)
     if priority != "idle":
         return

@@ -70,8 +70,9 @@ class SparseCheckpointer:
     """Takes, replicates and persists sparse snapshots; see the module docstring for the call order.
 
     `cfg` provides: window, slots, ordering, ema_decay, replicas, bandwidth_gbps, persist_dir,
-    persist_every, profile_iters, reprofile_every, keep_host_state, background_priority. `rank_dirs(r)` is where rank r
-    keeps its host state: replicas of ranks on this node are then copied from their shared memory.
+    persist_every, profile_iters, reprofile_every, keep_host_state, background_priority.
+    `rank_dirs(r)` is where rank r keeps its host state: replicas of ranks on this node are then
+    copied from their shared memory.
 
     With an `IntervalPolicy` (the gemini, checkfreq and moc baselines) a snapshot is taken only at
     the policy's checkpoint iterations, as a window of W = 1 holding the FP32 state of the
