@@ -57,6 +57,8 @@ def whole_windows(records: dict[int, dict[str, float]], profile_iters: int) -> l
     """The records of the complete windows of one run (windows start right after the profile)."""
     last = max(records)
     window = int(records[last]["window"])
+    if window == 0:  # still profiling: no snapshot taken
+        return []
     complete = (last - profile_iters) // window
     return [r for step, r in records.items() if profile_iters < step <= profile_iters + complete * window]
 
