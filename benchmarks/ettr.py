@@ -154,6 +154,10 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
+    strategies = [s for s in args.strategies.split(",") if s != "none"]
+    if variants_of_none := [s for s in strategies if variant_flags(s)[0] == "none"]:
+        sys.exit(f"--strategies: {','.join(variants_of_none)}: `none` is the fault-free reference and cannot "
+                 f"recover from the failures the other runs get; variants of it are for benchmarks.overhead")
     runs = {"none": parse_run(launch(args.config, "none", args.none_steps, args.pp, extra, args.threads))}
     none_iteration_s = statistics.fmean(iteration_times(runs["none"], tokens))
     dense_rank_bytes = 12 * count_params(cfg.model)[0] / args.pp  # FP32 master + AdamW moments, per stage
@@ -162,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
           f"dense_snapshot_iters={dense_rank_bytes * 8 / 1e9 / cap / none_iteration_s:.2f}", flush=True)
     faults = ["--fault.mtbf_iters", str(args.mtbf_iters), "--fault.seed", str(args.seed),
               "--checkpoint.bandwidth_gbps", f"{cap:.6f}"]
-    for strategy in [s for s in args.strategies.split(",") if s != "none"]:
+    for strategy in strategies:
         stdout = launch(args.config, strategy, args.steps, args.pp, [*extra, *faults], args.threads)
         (out / f"{strategy}.log").write_text(stdout)  # kept so that a stopped invocation loses no finished run
         runs[strategy] = parse_run(stdout)

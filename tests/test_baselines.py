@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.ettr import parse_run, summarize
+from benchmarks.ettr import main as ettr_main, parse_run, summarize
 from moevement.faults import FaultPlan, FaultSpecError, poisson_events
 from moevement.intervals import IntervalPolicy, checkfreq_interval, oracle_interval, periodic_ettr
 from moevement.moc import LostTokens, PartialExpertSelector, moc_selection
@@ -151,6 +151,11 @@ def test_ettr_accounting_on_a_scripted_run(monkeypatch):
     assert result["ettr"] == pytest.approx(4 / 7.5)  # the fault-free run needs 4 s for these 4 iterations
     assert result["overhead"] == pytest.approx((1 + 2 + 1) / 3 - 1)  # first executions of 4, 5, 6
     assert result["recovery_s"] == pytest.approx(2.5) and result["failures"] == 1
+
+
+def test_ettr_benchmark_rejects_variants_of_the_fault_free_reference(tmp_path):
+    with pytest.raises(SystemExit, match="none@training.cpu_reuse_memory=false: `none` is the fault-free"):
+        ettr_main(["--strategies", "none,none@training.cpu_reuse_memory=false,moevement", "--out", str(tmp_path)])
 
 
 # ---- end to end ----------------------------------------------------------------------------------------
