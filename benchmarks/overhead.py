@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> None:
                 cap = dense_bytes * 8 / 1e9 / (args.dense_snapshot_iters * iter_s)
                 print(f"calibrated bandwidth_gbps={cap:.4f} (dense snapshot {dense_bytes / 1e6:.0f} MB "
                       f"in {args.dense_snapshot_iters} iterations of {iter_s * 1e3:.0f} ms)", flush=True)
-            print(f"round={round_index} strategy={strategy} iterations={len(records)}", flush=True)
+            run_ms = statistics.median(tokens / r["tok_per_s"] * 1e3 for t, r in records.items() if t > skip)
+            print(f"round={round_index} strategy={strategy} iterations={len(records)} iter_ms={run_ms:.1f}", flush=True)
 
     iter_ms = {s: statistics.median(tokens / r["tok_per_s"] * 1e3 for records in rs
                                     for t, r in records.items() if t > skip) for s, rs in runs.items()}
