@@ -151,13 +151,13 @@ def main(argv: list[str] | None = None) -> None:
     args, extra = parser.parse_known_args(argv)
     cfg = load_config(args.config, extra)
     tokens, batch = cfg.training.batch_size * cfg.training.seq_len, cfg.training.batch_size
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-
     strategies = [s for s in args.strategies.split(",") if s != "none"]
     if variants_of_none := [s for s in strategies if variant_flags(s)[0] == "none"]:
         sys.exit(f"--strategies: {','.join(variants_of_none)}: `none` is the fault-free reference and cannot "
                  f"recover from the failures the other runs get; variants of it are for benchmarks.overhead")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
     runs = {"none": parse_run(launch(args.config, "none", args.none_steps, args.pp, extra, args.threads))}
     none_iteration_s = statistics.fmean(iteration_times(runs["none"], tokens))
     dense_rank_bytes = 12 * count_params(cfg.model)[0] / args.pp  # FP32 master + AdamW moments, per stage

@@ -155,7 +155,8 @@ def test_ettr_accounting_on_a_scripted_run(monkeypatch):
 
 def test_ettr_benchmark_rejects_variants_of_the_fault_free_reference(tmp_path):
     with pytest.raises(SystemExit, match="none@training.cpu_reuse_memory=false: `none` is the fault-free"):
-        ettr_main(["--strategies", "none,none@training.cpu_reuse_memory=false,moevement", "--out", str(tmp_path)])
+        ettr_main(["--strategies", "none,none@training.cpu_reuse_memory=false,moevement", "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()  # nothing written on bad input
 
 
 # ---- end to end ----------------------------------------------------------------------------------------
