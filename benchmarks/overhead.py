@@ -82,6 +82,10 @@ def main(argv: list[str] | None = None) -> None:
     profile_iters = cfg.checkpoint.profile_iters
     skip = profile_iters + 1  # start-up, profile and the first snapshot's buffer allocation
 
+    def steady_ms(records: dict[int, dict[str, float]]) -> list[float]:
+        """Milliseconds of each iteration after `skip`."""
+        return [tokens / r["tok_per_s"] * 1e3 for t, r in records.items() if t > skip]
+
     cap = args.bandwidth_gbps
     runs: dict[str, list[dict[int, dict[str, float]]]] = {s: [] for s in strategies}
     order = sorted(strategies, key=lambda s: s != "none")  # calibrate on `none` before anything is capped
@@ -97,15 +101,14 @@ def main(argv: list[str] | None = None) -> None:
             records = run(args.config, strategy, args.steps, flags, args.threads)
             runs[strategy].append(records)
             if strategy == "none" and cap <= 0:
-                iter_s = statistics.median(tokens / r["tok_per_s"] for t, r in records.items() if t > skip)
+                iter_s = statistics.median(steady_ms(records)) / 1e3
                 cap = dense_bytes * 8 / 1e9 / (args.dense_snapshot_iters * iter_s)
                 print(f"calibrated bandwidth_gbps={cap:.4f} (dense snapshot {dense_bytes / 1e6:.0f} MB "
                       f"in {args.dense_snapshot_iters} iterations of {iter_s * 1e3:.0f} ms)", flush=True)
-            run_ms = statistics.median(tokens / r["tok_per_s"] * 1e3 for t, r in records.items() if t > skip)
-            print(f"round={round_index} strategy={strategy} iterations={len(records)} iter_ms={run_ms:.1f}", flush=True)
+            print(f"round={round_index} strategy={strategy} iterations={len(records)} "
+                  f"iter_ms={statistics.median(steady_ms(records)):.1f}", flush=True)
 
-    iter_ms = {s: statistics.median(tokens / r["tok_per_s"] * 1e3 for records in rs
-                                    for t, r in records.items() if t > skip) for s, rs in runs.items()}
+    iter_ms = {s: statistics.median(ms for records in rs for ms in steady_ms(records)) for s, rs in runs.items()}
     base = iter_ms.get("none", min(iter_ms.values()))
     dense_s = dense_bytes / (cap * 1e9 / 8)
     print(f"dense_snapshot_mb={dense_bytes / 1e6:.1f} bandwidth_gbps={cap:.4f} "
