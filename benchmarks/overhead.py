@@ -15,8 +15,11 @@ takes --dense-snapshot-iters iterations. Per strategy it prints
 
     strategy=<s> iter_ms=<median> overhead=<ratio-1> snapshot_mb_per_iter=<x> stall_ms=<median> ...
 
-over the steady-state iterations (after the profile and the first window) of all rounds;
-snapshot_mb_per_iter averages whole windows only, and dense_fraction divides it by the dense size.
+over the steady-state iterations of all rounds: after the first window, which is planned from
+the start-up iterations (they run slower, so its snapshots may stall). round_overhead is the
+median over rounds of each run's median against the same round's `none` run (robust to a
+machine that drifts between rounds); snapshot_mb_per_iter averages whole windows only, and
+dense_fraction divides it by the dense size.
 """
 
 from __future__ import annotations
@@ -53,14 +56,29 @@ def run(config: str, spec: str, steps: int, extra: list[str], threads: int) -> d
     return parse_steps(proc.stdout)
 
 
+def window_starts(records: dict[int, dict[str, float]], profile_iters: int) -> list[tuple[int, int]]:
+    """(first iteration, W) of each complete window of one run (windows follow the profile; W may
+    change from one window to the next)."""
+    out, start, last = [], profile_iters + 1, max(records)
+    while start in records and int(records[start]["window"]) > 0:
+        window = int(records[start]["window"])
+        if start + window - 1 > last:
+            break
+        out.append((start, window))
+        start += window
+    return out
+
+
 def whole_windows(records: dict[int, dict[str, float]], profile_iters: int) -> list[dict[str, float]]:
-    """The records of the complete windows of one run (windows start right after the profile)."""
-    last = max(records)
-    window = int(records[last]["window"])
-    if window == 0:  # still profiling: no snapshot taken
-        return []
-    complete = (last - profile_iters) // window
-    return [r for step, r in records.items() if profile_iters < step <= profile_iters + complete * window]
+    """The records of the complete windows of one run."""
+    return [records[t] for start, window in window_starts(records, profile_iters) for t in range(start, start + window)]
+
+
+def steady_start(records: dict[int, dict[str, float]], profile_iters: int) -> int:
+    """First steady-state iteration: after the first window (planned from start-up iterations, which
+    run slower), or after the profile and the first iteration's set-up when there are no windows."""
+    first = int(records.get(profile_iters + 1, {}).get("window", 0))
+    return profile_iters + max(first, 1) + 1
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -80,11 +98,14 @@ def main(argv: list[str] | None = None) -> None:
     dense_bytes = 12 * count_params(cfg.model)[0]  # FP32 master + exp_avg + exp_avg_sq
     tokens = cfg.training.batch_size * cfg.training.seq_len
     profile_iters = cfg.checkpoint.profile_iters
-    skip = profile_iters + 1  # start-up, profile and the first snapshot's buffer allocation
+
+    def steady(records: dict[int, dict[str, float]]) -> list[dict[str, float]]:
+        start = steady_start(records, profile_iters)
+        return [r for t, r in records.items() if t >= start]
 
     def steady_ms(records: dict[int, dict[str, float]]) -> list[float]:
-        """Milliseconds of each iteration after `skip`."""
-        return [tokens / r["tok_per_s"] * 1e3 for t, r in records.items() if t > skip]
+        """Milliseconds of each steady-state iteration."""
+        return [tokens / r["tok_per_s"] * 1e3 for r in steady(records)]
 
     cap = args.bandwidth_gbps
     runs: dict[str, list[dict[int, dict[str, float]]]] = {s: [] for s in strategies}
@@ -99,6 +120,9 @@ def main(argv: list[str] | None = None) -> None:
                 if args.window:
                     flags += ["--checkpoint.window", str(args.window)]
             records = run(args.config, strategy, args.steps, flags, args.threads)
+            if not steady_ms(records):
+                sys.exit(f"{strategy}: no steady-state iteration in {args.steps} steps (the first one would be "
+                         f"{steady_start(records, profile_iters)}): raise --steps")
             runs[strategy].append(records)
             if strategy == "none" and cap <= 0:
                 iter_s = statistics.median(steady_ms(records)) / 1e3
@@ -113,8 +137,12 @@ def main(argv: list[str] | None = None) -> None:
     dense_s = dense_bytes / (cap * 1e9 / 8)
     print(f"dense_snapshot_mb={dense_bytes / 1e6:.1f} bandwidth_gbps={cap:.4f} "
           f"dense_snapshot_iters={dense_s / (base / 1e3):.2f}")
+    run_ms = {s: [statistics.median(steady_ms(records)) for records in rs] for s, rs in runs.items()}
     for strategy, rs in runs.items():
         line = f"strategy={strategy} iter_ms={iter_ms[strategy]:.1f} overhead={iter_ms[strategy] / base - 1:.4f}"
+        if "none" in runs and strategy != "none":  # each run against the same round's `none` run
+            paired = statistics.median(a / b for a, b in zip(run_ms[strategy], run_ms["none"]))
+            line += f" round_overhead={paired - 1:.4f}"
         if variant_flags(strategy)[0] != "none":
             whole = [r for records in rs for r in whole_windows(records, profile_iters)]
             if not whole:
@@ -122,9 +150,10 @@ def main(argv: list[str] | None = None) -> None:
                       f"over every snapshot iteration", flush=True)
                 whole = [r for records in rs for t, r in records.items() if t > profile_iters]
             mb = statistics.mean(r["ckpt_mb"] for r in whole)
-            stall = statistics.median(r["stall_ms"] for records in rs for t, r in records.items() if t > skip)
+            stalls = [r["stall_ms"] for records in rs for r in steady(records)]
             windows = sorted({int(r["window"]) for r in whole})
-            line += (f" snapshot_mb_per_iter={mb:.1f} stall_ms={stall:.1f} window={','.join(map(str, windows))}"
+            line += (f" snapshot_mb_per_iter={mb:.1f} stall_ms={statistics.median(stalls):.1f}"
+                     f" mean_stall_ms={statistics.mean(stalls):.1f} window={','.join(map(str, windows))}"
                      f" dense_fraction={mb / (dense_bytes / 1e6):.3f}")
         print(line, flush=True)
 

@@ -247,10 +247,6 @@ class SparseCheckpointer:
         start, window = self.persisted_window
         self._write_manifest(self.persisted, start, window)
 
-    def request_profile(self) -> None:
-        """Re-measure iteration time (over the current window) and bandwidth, for the next window."""
-        self.profile.open()
-
     def close(self) -> None:
         """Finish copies, replication and disk writes; drop host state unless asked to keep it."""
         if self.pending is not None:
@@ -273,10 +269,10 @@ class SparseCheckpointer:
         if reordered:
             self.order = order_operators(self.registry_order, [op.kind == "expert" for op in self.ops],
                                          self.tracker.popularity())
-        if self.profile.recording:
-            self.profile.close()
-            if self.plan is not None:
-                self.profile.measure_bandwidth(self.rank_dir, self.device)
+        self.profile.update()
+        every = self.cfg.reprofile_every
+        if self.plan is not None and every and (self.window_index + 1) % every == 0:
+            self.profile.measure_bandwidth(self.rank_dir, self.device)
         if self.policy is not None:
             slots = self._interval_checkpoint(iteration)
         else:
@@ -285,9 +281,6 @@ class SparseCheckpointer:
         self.window_index += 1
         if self.window_index == 0:
             self._reserve_buffers()
-        every = self.cfg.reprofile_every
-        if every and self.window_index % every == every - 1:
-            self.profile.open()
 
     def _sparse_slots(self) -> tuple[tuple[str, ...], ...]:
         """Algorithm 1 on this rank's operators in schedule order; W agreed across ranks (or forced)."""

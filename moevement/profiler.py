@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import statistics
 import time
 from pathlib import Path
 
@@ -42,16 +41,21 @@ def measure_copy_bandwidth(directory: Path, device: torch.device, repeats: int =
 class Profile:
     """The iteration time a snapshot can overlap (forward + backward) and the copy bandwidth.
 
-    Overlap times are recorded while a profile is open (the first iterations of a run, or the window
-    after `open()`); `close()` fixes `iteration_s` to their median (the warm-up iteration dropped).
+    Every iteration's overlap time is recorded; `update()`, at each window boundary, sets
+    `iteration_s` (what Algorithm 1 plans the next window for) to the shortest overlap since the
+    previous update, the run's first (warm-up) iteration left out. The shortest, not the median:
+    on a shared machine iterations vary by 10% or more, and a snapshot sized for the median
+    stalls the optimizer step of every shorter iteration, while one sized for the shortest costs
+    at most a slightly longer window. Re-planning every window follows the machine as it warms up
+    (the first iterations run up to 30% slower) and as it speeds up or slows down.
     """
 
     def __init__(self, cap_gbps: float = 0.0):
         self.cap = gbps_to_bytes(cap_gbps)
         self.measured_bandwidth = 0.0
         self.iteration_s = 0.0
-        self.recording = True
         self.times: list[float] = []
+        self.warm = False  # whether the warm-up iteration has been left out
 
     def measure_bandwidth(self, directory: Path, device: torch.device) -> None:
         self.measured_bandwidth = measure_copy_bandwidth(directory, device)
@@ -65,14 +69,12 @@ class Profile:
         return Throttle(self.cap)
 
     def record(self, seconds: float) -> None:
-        if self.recording:
-            self.times.append(seconds)
+        self.times.append(seconds)
 
-    def open(self) -> None:
-        self.recording, self.times = True, []
-
-    def close(self) -> None:
-        times = self.times[1:] if len(self.times) > 1 else self.times
+    def update(self) -> None:
+        """Fix `iteration_s` from the times recorded since the last update (kept if there are none)."""
+        times = self.times if self.warm or len(self.times) < 2 else self.times[1:]
         if times:
-            self.iteration_s = statistics.median(times)
-        self.recording, self.times = False, []
+            self.iteration_s = min(times)
+            self.warm = True
+        self.times = []

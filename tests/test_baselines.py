@@ -178,6 +178,16 @@ def baseline_run(tmp_path: Path, strategy: str, *extra: str) -> str:
 def accounting(out: str) -> dict[str, float]:
     return {k: float(v) for k, v in (kv.split("=") for kv in ACCOUNTING.search(out)[1].split())}
 
+def test_overhead_benchmark_measures_after_the_first_window_of_changing_windows():
+    """Windows follow the profile and may change size; steady state starts after the first one."""
+    from benchmarks.overhead import steady_start, whole_windows
+    sizes = {t: 0 for t in (1, 2)} | {t: 7 for t in range(3, 10)} | {t: 13 for t in range(10, 17)}
+    records = {t: {"window": float(w), "ckpt_mb": float(t)} for t, w in sizes.items()}
+    assert steady_start(records, 2) == 10
+    assert [r["ckpt_mb"] for r in whole_windows(records, 2)] == list(range(3, 10))  # 10-22 is incomplete
+    fault_free = {t: {"window": 0.0} for t in range(1, 9)}
+    assert steady_start(fault_free, 2) == 4 and whole_windows(fault_free, 2) == []
+
 
 def test_gemini_poisson_failures_roll_every_rank_back_and_recompute_exactly(tmp_path):
     plan = FaultPlan(mtbf_iters=4, seed=6, world=2, last_step=14)

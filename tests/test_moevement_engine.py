@@ -40,14 +40,17 @@ def full_state(model, optimizer) -> dict[str, torch.Tensor]:
     return state
 
 
-def train(rank_dir: Path, steps: int, compute_dtype=torch.float32, on_snapshot=None, **opts):
+def train(rank_dir: Path, steps: int, compute_dtype=torch.float32, on_snapshot=None, prepare=None, **opts):
     """Train a tiny MoE for `steps` iterations with the engine on; call `on_snapshot(header, before)` after
-    each iteration that took a snapshot, with the state copied synchronously before its optimizer step."""
+    each iteration that took a snapshot, with the state copied synchronously before its optimizer step
+    (and `prepare(engine)` before the first iteration)."""
     torch.manual_seed(0)
     model = build_model(ModelArgs(**ARGS))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
     engine = SparseCheckpointer(options(**opts), model, optimizer, compute_dtype=compute_dtype,
                                 device=torch.device("cpu"), rank_dir=rank_dir, topology=Topology.single())
+    if prepare is not None:
+        prepare(engine)
     data = torch.Generator().manual_seed(1)
     for t in range(1, steps + 1):
         engine.begin(t)
@@ -108,6 +111,50 @@ def test_window_reassembles_exact_state_at_each_snapshot_iteration(tmp_path, com
         for h in headers:  # compute weights are exactly the later slots' operators
             later = [op for g in headers[h.slot + 1:] for op in g.active]
             assert len(headers) < 3 or h.frozen == later
+
+
+def test_every_window_is_planned_for_the_shortest_overlap_of_the_one_before(tmp_path, monkeypatch):
+    """Algorithm 1 runs at every window boundary on the overlap times measured since the last plan
+    (the run's first iteration left out): the window size follows them, and windows of changing
+    size still reassemble the exact state and persist."""
+    import moevement.engine as engine_module
+    plans = []  # (iteration_s, W) of every plan
+    real = engine_module.find_window_size
+
+    def spy(fp32, compute, iteration_s, bandwidth):
+        w, o_active = real(fp32, compute, iteration_s, bandwidth)
+        plans.append((iteration_s, w))
+        return w, o_active
+
+    monkeypatch.setattr(engine_module, "find_window_size", spy)
+    cap = 0.8  # Gbit/s: 100 MB/s, far below any real copy, so Algorithm 1 plans with exactly this
+    full_s = 0.0
+
+    def prepare(engine):
+        nonlocal full_s
+        full_s = sum(op.fp32_bytes(engine.optimizer) for op in engine.ops) / (cap * 1e9 / 8)
+        iteration = iter(range(1, 100))
+        # iteration 1: shortest of all, but warm-up; 2: the whole state fits (W = 1); later: about half
+        scripted = {1: full_s / 100, 2: full_s * 1.01, 3: full_s / 1.9, 4: full_s / 2}
+        engine.profile.record = lambda _seconds: engine.profile.times.append(scripted.get(next(iteration), full_s / 2))
+
+    seen: dict[int, list] = {}  # window start -> its snapshots' headers
+
+    def on_snapshot(header, before, engine):
+        check_snapshot(header, before, engine, torch.float32)
+        seen.setdefault(header.window_start, []).append(header)
+
+    engine = train(tmp_path / "rank0", 20, prepare=prepare, on_snapshot=on_snapshot, window=0, bandwidth_gbps=cap)
+    assert [t for t, _ in plans[:3]] == [full_s * 1.01, full_s / 1.9, full_s / 2]
+    windows = [w for _, w in plans]
+    assert windows[0] == 1 and windows[1] > 2 and len(seen) >= 3
+    assert list(seen) == [3 + sum(windows[:k]) for k in range(len(seen))]
+    assert [headers[0].window for headers in seen.values()] == windows[:len(seen)]
+    for headers in seen.values():
+        if len(headers) == headers[0].window:  # complete: every operator in exactly one slot
+            assert sorted(op for h in headers for op in h.active) == sorted(engine.ops_by_name)
+    persisted = read_header(tmp_path / "rank0" / "persisted")
+    assert persisted["window"] == windows[persisted["window_index"]]
 
 
 def test_snapshot_is_not_torn_by_the_optimizer_step(tmp_path):

@@ -81,7 +81,7 @@ class CheckpointConfig:
     persist_dir: str = ""  # also write every `persist_every`-th persisted checkpoint here
     persist_every: int = 1
     profile_iters: int = 2  # iterations measured before the first window
-    reprofile_every: int = 0  # re-measure every N windows (0: only at start-up)
+    reprofile_every: int = 0  # re-measure the copy bandwidth every N windows (0: only at start-up)
     # Interval baselines (gemini, checkfreq, moc)
     interval: str = "auto"  # N | oracle (best ETTR for fault.mtbf_iters) | capped (overhead <= 3%) | auto
     moc_experts: int = 1  # MoC's K_pec: routed experts saved per MoE layer per checkpoint (initially)
