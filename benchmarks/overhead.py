@@ -15,8 +15,9 @@ takes --dense-snapshot-iters iterations. Per strategy it prints
 
     strategy=<s> iter_ms=<median> overhead=<ratio-1> snapshot_mb_per_iter=<x> stall_ms=<median> ...
 
-over the steady-state iterations of all rounds: after the first window, which is planned from
-the start-up iterations (they run slower, so its snapshots may stall). round_overhead is the
+over the steady-state iterations of all rounds: from the second iteration of the second window
+(the first is planned from start-up iterations, which run slower, so its snapshots may stall;
+the second reserves host memory for its size). round_overhead is the
 median over rounds of each run's median against the same round's `none` run (robust to a
 machine that drifts between rounds); snapshot_mb_per_iter averages whole windows only, and
 dense_fraction divides it by the dense size.
@@ -75,10 +76,12 @@ def whole_windows(records: dict[int, dict[str, float]], profile_iters: int) -> l
 
 
 def steady_start(records: dict[int, dict[str, float]], profile_iters: int) -> int:
-    """First steady-state iteration: after the first window (planned from start-up iterations, which
-    run slower), or after the profile and the first iteration's set-up when there are no windows."""
+    """First steady-state iteration: the second of the second window. The first window is planned
+    from start-up iterations, which run slower (its snapshots may stall), and the second one,
+    planned from steady iterations, reserves at its first iteration the host memory a larger
+    window needs. Without windows: the second iteration after the profile."""
     first = int(records.get(profile_iters + 1, {}).get("window", 0))
-    return profile_iters + max(first, 1) + 1
+    return profile_iters + first + 2
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -279,8 +279,7 @@ class SparseCheckpointer:
             slots = self._sparse_slots()
         self.plan = WindowPlan(iteration, slots)
         self.window_index += 1
-        if self.window_index == 0:
-            self._reserve_buffers()
+        self._reserve_buffers()
 
     def _sparse_slots(self) -> tuple[tuple[str, ...], ...]:
         """Algorithm 1 on this rank's operators in schedule order; W agreed across ranks (or forced)."""
@@ -323,18 +322,23 @@ class SparseCheckpointer:
                 [self.ops_by_name[n] for n in self.plan.frozen_after(slot)])
 
     def _reserve_buffers(self) -> None:
-        """Allocate (and fault in) both buffer sets for the first window's snapshot sizes, once."""
-        sizes = [layout(*self._slot_operators(slot), self.optimizer, self.compute_dtype)[2]
+        """Allocate (and fault in) both buffer sets for this window's snapshot sizes, on the training
+        thread at the window boundary: a buffer grown by the copy thread faults its pages in at idle
+        priority while the copy is due, and the step stalls (a window grows when the profile
+        re-plans it). Buffers only grow, so this allocates nothing once the largest window has run."""
+        sizes = [max(layout(*self._slot_operators(slot), self.optimizer, self.compute_dtype)[2], 1)
                  for slot in range(self.plan.window)]
-        need, free = 2 * sum(sizes), shutil.disk_usage(self.local_dir).free
-        if need > free:
+        grow = sum(max(0, nbytes - self._buffer(parity, slot).capacity)
+                   for slot, nbytes in enumerate(sizes) for parity in (0, 1))
+        free = shutil.disk_usage(self.local_dir).free
+        if grow > free:
             raise HostMemoryError(
-                f"a window of W={self.plan.window} snapshots needs {need / 1e9:.2f} GB of host memory in "
+                f"a window of W={self.plan.window} snapshots needs {grow / 1e9:.2f} GB more host memory in "
                 f"{self.local_dir} ({free / 1e9:.2f} GB free): set checkpoint.window lower, raise "
                 f"checkpoint.bandwidth_gbps, or train with training.mixed_precision bf16 (smaller compute weights)")
         for slot, nbytes in enumerate(sizes):
             for parity in (0, 1):
-                self._buffer(parity, slot).ensure(max(nbytes, 1))
+                self._buffer(parity, slot).ensure(nbytes)
 
     def _copy(self, window_index: int, buffer: HostBuffer, header: SnapshotHeader, sources) -> None:
         """Copy thread: wait until the buffer's old window is garbage, then copy SS_t into it."""
