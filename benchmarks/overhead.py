@@ -2,7 +2,7 @@
 
     python -m benchmarks.overhead --config train_configs/bench_moe.toml --strategies none,moevement \
         --steps 20 [--rounds 2] [--window W] [--dense-snapshot-iters 3.5 | --bandwidth-gbps X] [--threads N]
-        [--key value ...]
+        [--logs DIR] [--key value ...]
 
 Each round runs `train.py` once per strategy (real subprocesses, strategies alternating). Extra
 `--section.key value` arguments go to every run (e.g. `--training.mixed_precision bf16`); a
@@ -31,6 +31,7 @@ import re
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 from benchmarks.variants import variant_flags
 from models import count_params
@@ -46,12 +47,16 @@ def parse_steps(stdout: str) -> dict[int, dict[str, float]]:
             for m in STEP_RE.finditer(stdout)}
 
 
-def run(config: str, spec: str, steps: int, extra: list[str], threads: int) -> dict[int, dict[str, float]]:
+def run(config: str, spec: str, steps: int, extra: list[str], threads: int,
+        log: Path | None = None) -> dict[int, dict[str, float]]:
+    """One `train.py` run's step records (its output also written to `log`, if given)."""
     strategy, own = variant_flags(spec)
     cmd = [sys.executable, "train.py", "--config", config, *QUIET, "--training.steps", str(steps),
            "--checkpoint.strategy", strategy, *extra, *own]
     env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if log is not None:
+        log.write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         sys.exit(f"run failed ({strategy}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     return parse_steps(proc.stdout)
@@ -93,6 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--window", type=int, default=0, help="force W (0: Algorithm 1)")
     parser.add_argument("--bandwidth-gbps", type=float, default=0.0, help="snapshot copy cap (0: calibrate)")
     parser.add_argument("--dense-snapshot-iters", type=float, default=3.5)
+    parser.add_argument("--logs", type=Path, default=None, help="keep each run's output in this folder")
     parser.add_argument("--threads", type=int, default=0,
                         help="compute threads of every run (0: torch's default); cores - 1 leaves the copy thread a core")
     args, extra = parser.parse_known_args(argv)
@@ -110,6 +116,8 @@ def main(argv: list[str] | None = None) -> None:
         """Milliseconds of each steady-state iteration."""
         return [tokens / r["tok_per_s"] * 1e3 for r in steady(records)]
 
+    if args.logs:
+        args.logs.mkdir(parents=True, exist_ok=True)
     cap = args.bandwidth_gbps
     runs: dict[str, list[dict[int, dict[str, float]]]] = {s: [] for s in strategies}
     order = sorted(strategies, key=lambda s: s != "none")  # calibrate on `none` before anything is capped
@@ -122,7 +130,8 @@ def main(argv: list[str] | None = None) -> None:
                 flags += ["--checkpoint.bandwidth_gbps", f"{cap:.6f}"]
                 if args.window:
                     flags += ["--checkpoint.window", str(args.window)]
-            records = run(args.config, strategy, args.steps, flags, args.threads)
+            log = args.logs / f"round{round_index}-{strategy}.log" if args.logs else None
+            records = run(args.config, strategy, args.steps, flags, args.threads, log)
             if not steady_ms(records):
                 sys.exit(f"{strategy}: no steady-state iteration in {args.steps} steps (the first one would be "
                          f"{steady_start(records, profile_iters)}): raise --steps")
