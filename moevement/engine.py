@@ -11,7 +11,7 @@ optimizer step; an optimizer step pre-hook sits in between:
                 replicator. When every rank's window is replicated the checkpoint is persisted,
                 the previous one garbage-collected, and every Nth written to disk.
 
-Buffers: two sets (window parity) of one buffer per slot, allocated once and grown when needed,
+Buffers: two sets (window parity) of one buffer per slot, grown (at window boundaries) when needed,
 so at most one persisted and one in-flight checkpoint exist. A window's copies wait until the
 previous window is persisted before overwriting the buffers of the one before it.
 """
