@@ -67,10 +67,14 @@ def _init_distributed() -> tuple[int, int]:
     return 0, 1
 
 
-def _shutdown_distributed() -> None:
+def _shutdown_distributed(finished: bool) -> None:
+    """Tear the group down; after a finished evaluation, only once every rank is done with it
+    (a rank that destroys its gloo group while a peer still talks to it can abort)."""
     import torch.distributed as dist
 
     if dist.is_initialized():
+        if finished:
+            dist.barrier()
         dist.destroy_process_group()
 
 
@@ -125,7 +129,7 @@ def evaluate(args: argparse.Namespace, rank: int) -> Optional[dict[str, Any]]:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    rank = 0
+    rank, finished = 0, False
     try:
         _check_args(args)
         rank, _ = _init_distributed()
@@ -138,13 +142,14 @@ def main(argv: Optional[list[str]] = None) -> int:
             info = results["moevement"]
             print(f"eval: {info['items']} items in {info['eval_wall_s']:.1f} s "
                   f"({info['items_per_s']:.1f} items/s); results -> {output}", file=sys.stderr, flush=True)
+        finished = True
         return 0
     except EvalError as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     finally:
-        _shutdown_distributed()
+        _shutdown_distributed(finished)
 
 
 if __name__ == "__main__":
