@@ -1,4 +1,5 @@
-"""Start-up (and on-request) measurements that feed Algorithm 1: overlap time and copy bandwidth."""
+"""Measurements that feed Algorithm 1: every iteration's overlap time, and the copy bandwidth
+(at start-up and every `checkpoint.reprofile_every` windows)."""
 
 from __future__ import annotations
 
