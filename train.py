@@ -13,6 +13,11 @@ import sys
 import time
 from dataclasses import dataclass
 
+# MKL's GEMMs give the same bits at any thread count, so a replaying rank may use its paused
+# neighbours' cores without breaking bit-exactness (moevement/replay_threads.py). Read at MKL's
+# first call; at one thread it costs no measurable time.
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+
 import torch
 
 from models import count_params

@@ -13,8 +13,10 @@ replays the same iterations as a pipeline). It prints, from the `recovery ...` l
     localized_over_global=<replay ratio> theory=<M/(M+S-1)> target=<theory+0.05> met=<bool>
 
 A lone stage replays its M micro-batches without pipeline bubbles, so its replay should take
-M/(M+S-1) of the pipeline's. Then, in this process, it counts the forward+backward work of one
-conversion window (slot i active at iteration t0+i, later slots frozen) against an all-active replay:
+M/(M+S-1) of the pipeline's. Both modes replay with one thread per rank (`--fault.replay_threads 1`)
+so that the ratio isolates the bubbles; `--fault.replay_threads 0` lets the lone stage also take the
+idle cores of the paused stages (moevement/replay_threads.py). Then, in this process, it counts the
+forward+backward work of one conversion window (slot i active at iteration t0+i, later slots frozen) against an all-active replay:
 
     frozen_saving_flops=<1 - frozen/all-active> frozen_saving_time=<same, measured> (paper: about 0.33)
 
@@ -55,7 +57,7 @@ def run(args, mode: str, extra: list[str]) -> tuple[float, float]:
                "--parallelism.pp", str(args.pp), "--training.micro_batches", str(args.micro_batches),
                "--checkpoint.strategy", "moevement", "--checkpoint.window", str(args.window),
                "--checkpoint.host_dir", host_dir, "--fault.at", f"{args.fail_step}:{args.pp // 2}",
-               "--fault.scope", mode, *extra]
+               "--fault.scope", mode, "--fault.replay_threads", "1", *extra]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     m = RECOVERY_RE.search(proc.stdout)

@@ -12,7 +12,8 @@ at iteration boundaries; injected ones are known to all ranks):
      scalar log by a survivor.
   4. Every rank of the failed stages converts (replays t0..t0+W-1, activating slot i at t0+i)
      and catches up (replays t0+W..T-1): at most 2W iterations (convert, catchup). Healthy stages
-     only serve logs and wait.
+     only serve logs and wait, so the replaying ranks take over their idle cores
+     (`moevement.replay_threads`: same bits at any thread count).
 A second failure during a recovery (a later event of the same iteration) fires after the first
 replayed iteration, widens the failed set and restarts the joint recovery.
 """
@@ -32,6 +33,7 @@ from moevement.faults import FaultEvent
 from moevement.operators import Operator
 from moevement.restart import Found
 from moevement.replay import load_compute, load_master, reset_to_initial, set_frozen, wipe_operators
+from moevement.replay_threads import intra_op_threads, replay_threads
 from moevement.snapshot import SnapshotHeader, read_entries
 from moevement.upstream_log import UpstreamLog
 
@@ -71,14 +73,18 @@ class _Stats:
     convert: float = 0.0
     catchup: float = 0.0
     replayed: int = 0
+    threads: int = 0  # intra-op threads this rank replayed with (0: it did not replay)
     sources: dict = field(default_factory=dict)
 
 
 class Recovery:
     def __init__(self, checkpointer: SparseCheckpointer, log: UpstreamLog | None, optimizer, layout: Layout,
-                 n_stages: int, micro_batches: int, hooks: TrainerHooks, global_rollback: bool = False):
+                 n_stages: int, micro_batches: int, hooks: TrainerHooks, global_rollback: bool = False,
+                 threads: int = 0):
         self.ck, self.log, self.optimizer, self.layout = checkpointer, log, optimizer, layout
         self.global_rollback = global_rollback  # every stage rolls back and replays (the baseline to compare with)
+        self.threads = threads  # intra-op threads of a replaying rank (0: auto, see moevement.replay_threads)
+        self.training_threads = torch.get_num_threads()
         self.n_stages, self.micro, self.hooks = n_stages, micro_batches, hooks
         self.me, self.world = dist.get_rank(), dist.get_world_size()
         self.ops: list[Operator] = checkpointer.ops
@@ -109,9 +115,10 @@ class Recovery:
         forwards, backwards = (a - b for a, b in zip(self.log.work() if self.log else (0, 0), work_before))
         role = "failed" if self.me in failed else ("rolled-back" if self.layout.pp_of[self.me] in pps else "healthy")
         source = f" snapshots_from={stats.sources[self.me]}" if self.me in stats.sources else ""
+        threads = f" threads={stats.threads}" if stats.threads else ""
         work = [None] * self.world if self.me == 0 else None
         dist.gather_object(f"recovery work rank={self.me} role={role} forwards={forwards} backwards={backwards}"
-                           f"{source}", work, dst=0)
+                           f"{threads}{source}", work, dst=0)
         for text in work or []:
             self.hooks.line(text)
 
@@ -174,26 +181,34 @@ class Recovery:
         `slot_snapshot(i)` gives (header, tensors) of SS_{t0+i}; `scalars[t]` the scalar log of t.
         Returns False when stopped early after `stop_after` iterations (a failure during recovery)."""
         self.ck.replaying = True
+        stats.threads = self._replay_threads(scope)
         try:
-            for t in range(t0, end):
-                start = time.perf_counter()
-                if t < t0 + window:
-                    self._activate_slot(*slot_snapshot(t - t0))
-                self.hooks.begin_iteration(t)
-                self.hooks.forward_backward(t, scope, *self.hooks.batch(t), boundary)
-                self.hooks.optimizer_step(scalars[t])
-                elapsed = time.perf_counter() - start
-                if t < t0 + window:
-                    stats.convert += elapsed
-                else:
-                    stats.catchup += elapsed
-                stats.replayed += 1
-                if stop_after is not None and stats.replayed >= stop_after and t + 1 < end:
-                    return False
+            with intra_op_threads(stats.threads):
+                for t in range(t0, end):
+                    start = time.perf_counter()
+                    if t < t0 + window:
+                        self._activate_slot(*slot_snapshot(t - t0))
+                    self.hooks.begin_iteration(t)
+                    self.hooks.forward_backward(t, scope, *self.hooks.batch(t), boundary)
+                    self.hooks.optimizer_step(scalars[t])
+                    elapsed = time.perf_counter() - start
+                    if t < t0 + window:
+                        stats.convert += elapsed
+                    else:
+                        stats.catchup += elapsed
+                    stats.replayed += 1
+                    if stop_after is not None and stats.replayed >= stop_after and t + 1 < end:
+                        return False
         finally:
             self.ck.replaying = False
             set_frozen(self.ops, False)
         return True
+
+    def _replay_threads(self, scope: set[int]) -> int:
+        """Threads for this rank's replay of `scope`: the idle cores of its node (moevement.replay_threads)."""
+        replaying = [r for r, p in enumerate(self.layout.pp_of) if set(self.layout.stages_of_pp[p]) & scope]
+        return replay_threads(replaying, self.ck.topology.node_of, self.me, self.threads, self.training_threads,
+                              self.ck.device)
 
     def _wipe(self) -> None:
         wipe_operators(self.ops, self.optimizer)

@@ -8,6 +8,7 @@ covers every case with few launches.
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -17,6 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from models import ModelArgs, build_model
 from moevement.operators import build_registry
 from moevement.replay import set_frozen
+from moevement.replay_threads import intra_op_threads, replay_threads
 from parallelisms.pipeline import lm_loss
 from tests.conftest import DEBUG_CONFIG, final_line, run_cli, step_losses
 
@@ -56,15 +58,18 @@ def fault_run(tmp_path, layout: list[str], nproc: int, *extra: str, torchrun: tu
 def test_pp2_dp2_ep2_bf16_clipped_one_failure(tmp_path):
     reference = baseline(PP2_DP2_EP2_BF16, 4)
     assert re.search(r"^step=8 .*grad_norm=(\S+)", reference, re.M)  # clipping is active: norm > 0.5
-    # slots cut by bytes: uneven operator counts per slot, the same exactness
-    out = fault_run(tmp_path, PP2_DP2_EP2_BF16, 4, "--fault.at", "8:1", "--checkpoint.slots", "bytes")
+    # slots cut by bytes: uneven operator counts per slot, the same exactness; replay with more threads
+    # than training (3 against 1): the same bits (MKL_CBWR strict mode, moevement/replay_threads.py)
+    out = fault_run(tmp_path, PP2_DP2_EP2_BF16, 4, "--fault.at", "8:1", "--checkpoint.slots", "bytes",
+                    "--fault.replay_threads", "3")
     assert_identical(out, reference)
     # windows 3-5, 6-8: at 8 the newest persisted one starts at 3; the whole of stage 0 rolls back
     assert RECOVERY.findall(out) == [("8", "1", "0", "3", "5")]
     roles = {int(r): (role, int(f), int(b)) for r, role, f, b in WORK.findall(out)}
     assert roles[1][0] == "failed" and roles[0][0] == "rolled-back"
     assert all(roles[r] == ("healthy", 0, 0) for r in (2, 3))  # the other stage re-executes nothing
-    assert re.search(r"^recovery work rank=1 .*snapshots_from=rank\d", out, re.M)
+    assert re.search(r"^recovery work rank=1 .*threads=3 snapshots_from=rank\d", out, re.M)
+    assert re.search(r"^recovery work rank=0 role=rolled-back .*threads=3$", out, re.M)
 
 
 def test_pp4_first_window_middle_stage_and_two_disjoint_stages(tmp_path):
@@ -74,6 +79,10 @@ def test_pp4_first_window_middle_stage_and_two_disjoint_stages(tmp_path):
     assert_identical(out, reference)
     assert RECOVERY.findall(out) == [("4", "1", "1", "1", "3"), ("8", "2", "2", "4", "4"),
                                      ("11", "0+2", "0,2", "8", "3")]
+    # a lone replaying rank takes every core of the node (auto, with MKL's strict mode); two share them
+    threads = [int(n) for n in re.findall(r"^recovery work rank=\d+ role=failed .*threads=(\d+)", out, re.M)]
+    cpus = len(os.sched_getaffinity(0)) if torch.backends.mkl.is_available() else 1
+    assert threads == [cpus, cpus, max(1, cpus // 2), max(1, cpus // 2)]
     work = WORK.findall(out)
     for rank, role, forwards, backwards in work[-4:]:  # the last recovery: stages 1 and 3 only serve logs
         if int(rank) in (1, 3):
@@ -136,3 +145,21 @@ def test_frozen_operators_compute_no_weight_gradient():
     assert partly_frozen < all_active
     set_frozen(list(ops.values()), False)
     assert backward_flops() == all_active
+
+
+def test_replay_threads_share_the_node_among_its_replaying_ranks(monkeypatch):
+    cpu, node_of = torch.device("cpu"), [0, 0, 0, 0, 1, 1, 1, 1]
+    monkeypatch.setenv("MKL_CBWR", "AUTO,STRICT")
+    if torch.backends.mkl.is_available():
+        assert replay_threads([1], node_of, 1, 0, 1, cpu, cpus=8) == 8  # alone on its node
+        assert replay_threads([1, 2, 5], node_of, 1, 0, 1, cpu, cpus=8) == 4  # rank 5 is on the other node
+        assert replay_threads(range(8), node_of, 1, 0, 1, cpu, cpus=8) == 2  # global rollback: 4 share 8
+        assert replay_threads(range(8), node_of, 1, 0, 3, cpu, cpus=8) == 3  # never below the training count
+    assert replay_threads([1], node_of, 1, 5, 1, cpu, cpus=8) == 5  # asked for explicitly
+    assert replay_threads([1], node_of, 1, 0, 1, torch.device("cuda"), cpus=8) == 1  # CPU threads do not compute
+    monkeypatch.setenv("MKL_CBWR", "AUTO")  # GEMM bits may depend on the thread count: keep training's
+    assert replay_threads([1], node_of, 1, 0, 1, cpu, cpus=8) == 1
+    before = torch.get_num_threads()
+    with intra_op_threads(before + 1):
+        assert torch.get_num_threads() == before + 1
+    assert torch.get_num_threads() == before

@@ -120,7 +120,7 @@ def build_fault_tolerance(cfg: Config, model: ModelParts, optimizer, dims: Paral
     log = UpstreamLog(model.parts, model.stage_ids, model.n_stages) if cfg.parallelism.pp > 1 else None
     hooks = _trainer_hooks(cfg, model, optimizer, dims, seeder, log, layout, train_batches, line)
     recovery = Recovery(checkpointer, log, optimizer, layout, model.n_stages, cfg.training.micro_batches, hooks,
-                        global_rollback=cfg.fault.scope == "global")
+                        global_rollback=cfg.fault.scope == "global", threads=cfg.fault.replay_threads)
     return FaultTolerance(checkpointer, log, recovery, found)
 
 

@@ -96,6 +96,7 @@ class FaultConfig:
     at: str = ""  # STEP:RANK[+RANK...][,...]: these ranks lose their state at STEP and recover in place
     crash: str = ""  # STEP:RANK[,...]: the process exits at STEP (first attempt), for torchrun restarts
     scope: str = "localized"  # localized: the failed stages roll back | global: every stage does (for comparison)
+    replay_threads: int = 0  # CPU threads of a replaying rank (0: auto, the cores its paused neighbours leave idle)
     mtbf_iters: float = 0.0  # Poisson failures of random ranks, mean time between failures in iterations (0: none)
     seed: int = 0  # seed of the Poisson failure schedule
     trace: str = ""  # CSV of failures: `iteration,rank` or `time_s,rank` rows
@@ -281,6 +282,7 @@ def _validate_fault(cfg: Config) -> None:
     f = cfg.fault
     _check(f.mtbf_iters >= 0, "fault.mtbf_iters", f"must be >= 0, got {f.mtbf_iters}")
     plan = fault_plan(cfg, world=2)
+    _check(f.replay_threads >= 0, "fault.replay_threads", f"must be >= 0 (0: auto), got {f.replay_threads}")
     _check(f.scope in FAULT_SCOPES, "fault.scope", f"must be one of {', '.join(FAULT_SCOPES)}, got {f.scope!r}")
     if plan:
         key = "fault.at" if f.at else "fault.crash" if f.crash else "fault.mtbf_iters" if f.mtbf_iters else "fault.trace"
