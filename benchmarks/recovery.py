@@ -16,7 +16,8 @@ A lone stage replays its M micro-batches without pipeline bubbles, so its replay
 M/(M+S-1) of the pipeline's. Both modes replay with one thread per rank (`--fault.replay_threads 1`)
 so that the ratio isolates the bubbles; `--fault.replay_threads 0` lets the lone stage also take the
 idle cores of the paused stages (moevement/replay_threads.py). Then, in this process, it counts the
-forward+backward work of one conversion window (slot i active at iteration t0+i, later slots frozen) against an all-active replay:
+forward+backward work of one conversion window (slot i active at iteration t0+i, later slots
+frozen) against an all-active replay:
 
     frozen_saving_flops=<1 - frozen/all-active> frozen_saving_time=<same, measured> (paper: about 0.33)
 
