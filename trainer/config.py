@@ -66,7 +66,9 @@ class TrainingConfig:
 class CheckpointConfig:
     strategy: str = "none"  # none | moevement | gemini | checkfreq | moc
     save_final: str = ""  # directory for a dense DCP checkpoint at the end of training
-    load: str = ""  # directory of a dense DCP checkpoint to resume from
+    load: str = ""  # directory of a dense checkpoint to resume from
+    # load a dense checkpoint saved under another training config (fine-tuning); the differences are printed
+    load_other_config: bool = False
     # MoEvement sparse checkpointing (strategy = "moevement")
     window: int = 0  # sparse window W; 0: chosen by Algorithm 1 from the profile
     slots: str = "count"  # cut operators into slots by equal count (the paper) or by bytes: count | bytes
