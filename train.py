@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -26,12 +27,15 @@ from parallelisms.mesh import ParallelDims, build_mesh
 from parallelisms.parallelize import ModelParts, parallelize
 from trainer.checkpoint import CheckpointError, load_dense, save_dense
 from moevement.faults import FaultPlan
+from moevement.fetch import RecoveryError
 from moevement.hostmem import HostMemoryError
+from moevement.snapshot import SnapshotError
 from trainer.accounting import RunAccounting
 from trainer.allocator import reuse_freed_host_memory
 from trainer.checkpointing import FaultTolerance, build_fault_tolerance
 from trainer.config import Config, ConfigError, check_world_size, fault_plan, load_config
 from trainer.data import DataError, TokenBatches, build_data, make_loader
+from trainer.identity import IdentityError
 from trainer.metrics import MetricsLogger
 from trainer.optim import build_optimizer
 from trainer.state import consolidated_training_state, state_digest
@@ -60,6 +64,21 @@ def build_training(cfg: Config, dims: ParallelDims):
     # A pipeline schedule divides all gradients by the micro-batch count itself.
     set_aux_grad_scale(model.view, 1.0 if model.schedule is not None else 1.0 / t.micro_batches)
     return model, build_optimizer(model.view, t)
+
+
+def exit_on_sigterm(cfg: Config, rank: int, progress: dict) -> None:
+    """SIGTERM (a scheduler's notice before preemption, forwarded by the torchrun agent): exit at once.
+
+    Host state is committed atomically (DESIGN §6), so nothing is left half-written, and it is kept:
+    a relaunch of the same job resumes from the newest persisted sparse checkpoint."""
+
+    def handler(signum, _frame):
+        kept = ("host state kept: a relaunch of the job resumes from its newest persisted sparse checkpoint"
+                if cfg.checkpoint.strategy == "moevement" else "no sparse checkpoint: a relaunch starts over")
+        print(f"preempted: rank {rank} received SIGTERM at step {progress['step']}; {kept}", flush=True)
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
 
 
 def inject_failures(faults: FaultPlan, step: int, rank: int, ft, accounting: RunAccounting, elapsed_s: float) -> int:
@@ -97,12 +116,15 @@ class Job:
     logger: MetricsLogger
     ft: FaultTolerance | None
     faults: FaultPlan
+    progress: dict  # {"step": the iteration running}, for the preemption line
     accounting: RunAccounting | None = None
 
 
 def setup(cfg: Config) -> tuple[Job, int, float]:
     """Process group, data, model, optimizer, optional resume and fault tolerance; (job, last step done, its loss)."""
     rank, world = init_distributed()
+    progress = {"step": 0}
+    exit_on_sigterm(cfg, rank, progress)
     check_world_size(cfg, world)
     configure_determinism(cfg)
     dims = build_mesh(cfg.parallelism, device_type())
@@ -128,7 +150,8 @@ def setup(cfg: Config) -> tuple[Job, int, float]:
         step = ft.recovery.restart(ft.restart_from) - 1  # state_{t0+W} is current: train on from t0+W
     val_data = [] if val_batches is None else [val_batches.val_batch(i, dims.dp_rank, cfg.parallelism.dp)
                                                for i in range(min(cfg.training.val_batches, val_batches.num_batches))]
-    job = Job(cfg, rank, dims, model, optimizer, seeder, train_batches, val_data, logger, ft, fault_plan(cfg, world))
+    job = Job(cfg, rank, dims, model, optimizer, seeder, train_batches, val_data, logger, ft, fault_plan(cfg, world),
+              progress=progress)
     return job, step, loss
 
 
@@ -166,6 +189,7 @@ def run(job: Job, step: int, loss: float) -> tuple[int, float]:
         next_step = last_step + 1
         started = time.perf_counter()  # an iteration's time includes loading its batch, not a recovery
         for step, inputs, labels in loader:
+            job.progress["step"] = step
             if job.faults:
                 resume = inject_failures(job.faults, step, job.rank, job.ft, job.accounting,
                                          time.perf_counter() - job.accounting.started)
@@ -210,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"params total={total} active={active}")
             return 0
         train(cfg)
-    except (ConfigError, CheckpointError, DataError, HostMemoryError) as e:
+    except (ConfigError, CheckpointError, DataError, HostMemoryError, IdentityError, SnapshotError, RecoveryError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:

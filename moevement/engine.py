@@ -112,7 +112,7 @@ class SparseCheckpointer:
         self.window_headers: dict[int, list[dict]] = {}
         self.disk = DiskWriter(Path(cfg.persist_dir), topology.rank, disk_keep, cfg.background_priority) \
             if cfg.persist_dir else None
-        self.replicas = ReplicaStore(rank_dir / "replicas")
+        self.replicas = ReplicaStore(make_private_dir(rank_dir / "replicas"))
         self.replicator = None
         # peers[r]: the ranks holding rank r's replicas (recovery fetches from them)
         self.peers = peer_map(topology.world, cfg.replicas, topology.stage_of, topology.node_of) \

@@ -1,32 +1,97 @@
-"""Reusable host-memory buffers for snapshots and replicas, and their commit records.
+"""Reusable host-memory buffers for snapshots and replicas, their commit records, and the safety of
+the directories that hold them (DESIGN.md §6).
 
-On CPU a buffer is a file in a shared-memory directory (`/dev/shm` by default), mapped into the
-process: it outlives a crashed training process, so a restarted job (or a test) can read it.
-On GPU the same mapping is page-locked (pinned) for asynchronous device-to-host copies.
+On CPU a buffer is a file in a shared-memory directory (`/dev/shm/moevement-<uid>` by default),
+mapped into the process: it outlives a crashed training process, so a restarted job (or a test) can
+read it. On GPU the same mapping is page-locked (pinned) for asynchronous device-to-host copies.
 
 A buffer's bytes become meaningful only through its header, a JSON commit record written to a
 temporary name and renamed once the bytes are complete (and removed before they are overwritten),
-so a crash mid-copy never leaves a snapshot that looks complete. Files and directories are
-owner-only.
+so a crash mid-copy never leaves a snapshot that looks complete.
+
+Safety: every directory level from the host directory down is created owner-only, and one that
+already exists is used only if it is a real directory (not a symlink) owned by this user with no
+group or other permissions; files are opened with `O_NOFOLLOW` and created with `O_EXCL`.
+Anything else is refused with one `HostMemoryError` naming the path.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
+import stat
+import tempfile
 from pathlib import Path
 
 import torch
 
 
 class HostMemoryError(RuntimeError):
-    """Snapshot host memory cannot be reserved (the shared-memory directory is full)."""
+    """Snapshot host memory cannot be used: full, unsafe (foreign owner, open permissions, symlink) or
+    unwritable; the message names the path."""
+
+
+def default_host_dir() -> str:
+    """The per-user shared-memory directory for host state (`/dev/shm/moevement-<uid>`; the system
+    temporary directory where there is no /dev/shm)."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return os.path.join(base, f"moevement-{os.geteuid()}")
+
+
+def check_private(path: Path, st: os.stat_result | None = None) -> None:
+    """Refuse `path` unless it is a real directory or regular file owned by this user, owner-only."""
+    st = st or os.lstat(path)
+    kind = "directory" if stat.S_ISDIR(st.st_mode) else "file" if stat.S_ISREG(st.st_mode) else None
+    if stat.S_ISLNK(st.st_mode) or kind is None:
+        raise HostMemoryError(f"{path}: is a symlink or special file; refusing to use it for host state")
+    if st.st_uid != os.geteuid():
+        raise HostMemoryError(f"{path}: {kind} is owned by uid {st.st_uid}, not by this user "
+                              f"(uid {os.geteuid()}); refusing to use it for host state")
+    if st.st_mode & 0o077:
+        raise HostMemoryError(f"{path}: {kind} has group/other permissions ({stat.filemode(st.st_mode)}); "
+                              f"host state needs an owner-only location (chmod 700 it, or choose another)")
 
 
 def make_private_dir(path: Path) -> Path:
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    """Create `path` owner-only (its parent must exist), or check an existing one (see `check_private`)."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise HostMemoryError(f"{path}: cannot create the host-state directory ({e.strerror})") from None
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) and not stat.S_ISLNK(st.st_mode):
+        raise HostMemoryError(f"{path}: not a directory; host state needs a directory")
+    check_private(path, st)
     return path
+
+
+def make_private_dirs(root: Path, *parts: str) -> Path:
+    """`root/parts...`, every level from `root` down created owner-only or checked (`root`'s parents
+    are not: a shared parent such as /dev/shm is normal)."""
+    if not root.parent.is_dir():
+        raise HostMemoryError(f"{root}: its parent directory does not exist")
+    path = make_private_dir(root)
+    for part in parts:
+        path = make_private_dir(path / part)
+    return path
+
+
+def open_private(path: Path, flags: int) -> int:
+    """A file descriptor of `path`, never following a symlink; an existing file must be owner-only."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o600)
+    except OSError as e:
+        raise HostMemoryError(f"{path}: cannot open ({e.strerror})") from None
+    try:
+        check_private(path, os.fstat(fd))
+    except HostMemoryError:
+        os.close(fd)
+        raise
+    return fd
 
 
 def encode_json(payload: dict) -> bytes:
@@ -35,16 +100,57 @@ def encode_json(payload: dict) -> bytes:
 
 
 def write_json_atomic(path: Path, payload: dict | bytes) -> None:
-    """Write `payload` (a dict, or its `encode_json` bytes) to `path` via a temporary file and a rename
-    (owner-only permissions)."""
+    """Write `payload` (a dict, or its `encode_json` bytes) to `path` via a fresh temporary file
+    (created exclusively, owner-only) and a rename."""
     data = payload if isinstance(payload, bytes) else encode_json(payload)
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class JobLock:
+    """An exclusive lock held for a process's lifetime (`flock`: the kernel drops it when the process
+    dies, however it dies), so a live job is detectable and a dead one provably dead."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.fd = open_private(path, os.O_RDWR | os.O_CREAT)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self.fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(self.fd)
+            raise HostMemoryError(f"{path}: held by a live process (pid {holder}) of the same job; stop it, "
+                                  f"or choose another job.name or checkpoint.host_dir") from None
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
+
+    @staticmethod
+    def held(path: Path) -> bool:
+        """Whether a live process holds the lock at `path` (False when there is no such file)."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return False
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 class HostBuffer:
@@ -68,7 +174,7 @@ class HostBuffer:
         if nbytes > self.capacity:
             self._unpin()
             bin_path = self.path.with_suffix(".bin")
-            fd = os.open(bin_path, os.O_RDWR | os.O_CREAT, 0o600)
+            fd = open_private(bin_path, os.O_RDWR | os.O_CREAT)
             try:
                 os.ftruncate(fd, nbytes)
                 # Reserve the pages now: a full /dev/shm must fail here, not SIGBUS a later copy.
@@ -107,14 +213,39 @@ class HostBuffer:
 
 
 def read_header(path: Path) -> dict | None:
-    """The committed header of the buffer at `path` (no suffix), or None if there is none."""
+    """The committed header of the buffer at `path` (no suffix), or None if there is none.
+
+    A header that is not a JSON object (truncated, corrupted) raises HostMemoryError naming the file."""
+    json_path = path.with_suffix(".json")
     try:
-        return json.loads(path.with_suffix(".json").read_text())
+        fd = os.open(json_path, os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
         return None
+    except OSError as e:
+        raise HostMemoryError(f"{json_path}: cannot read ({e.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        raw = f.read()
+    try:
+        header = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise HostMemoryError(f"{json_path}: unreadable header ({e})") from None
+    if not isinstance(header, dict):
+        raise HostMemoryError(f"{json_path}: unreadable header (not a JSON object)")
+    return header
 
 
 def map_bytes(path: Path) -> torch.Tensor:
-    """The bytes of the buffer file `<path>.bin`, mapped read-write (no copy)."""
+    """The bytes of the buffer file `<path>.bin`, mapped read-write (no copy; never through a symlink)."""
     bin_path = path.with_suffix(".bin")
+    check_private(bin_path)
     return torch.from_file(str(bin_path), shared=True, size=bin_path.stat().st_size, dtype=torch.uint8)
+
+
+def remove_tree(path: Path) -> None:
+    """Remove a host-state directory this program wrote (checked owner-only first; symlinks inside are
+    unlinked, never followed)."""
+    try:
+        check_private(path)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(path, ignore_errors=True)

@@ -1,9 +1,10 @@
 """Optional disk persistence of persisted sparse checkpoints, for whole-job restarts.
 
-Layout: `<persist_dir>/window-<start:08d>/rank<r:05d>/s<slot>.bin` with the snapshot's
-self-describing JSON header beside it (`s<slot>.json`: entries, dtypes, shapes, checksums, metadata).
-A rank's directory is written under a temporary name and renamed when complete; a checkpoint is
-complete when every rank's directory exists. Each rank keeps its two newest windows, so a
+Layout: `<persist_dir>/<job>/window-<start:08d>/rank<r:05d>/s<slot>.bin` with the snapshot's
+self-describing JSON header beside it (`s<slot>.json`: entries, dtypes, shapes, checksums, metadata,
+the identity of the run). A rank's directory is written under a fresh temporary name (owner-only,
+files created exclusively) and renamed when complete; a checkpoint is complete when every rank's
+directory exists. Each rank keeps its two newest windows, so a
 checkpoint other ranks are still writing never costs the previous complete one (MoC keeps
 more: its stale experts live in older windows).
 """
@@ -11,14 +12,15 @@ more: its stale experts live in older windows).
 from __future__ import annotations
 
 import os
-import shutil
+import tempfile
 import threading
 from pathlib import Path
 
 import torch
 
 from moevement.background import enter_background
-from moevement.hostmem import make_private_dir, read_header, write_json_atomic
+from moevement.hostmem import (HostMemoryError, check_private, make_private_dir, open_private, read_header,
+                               remove_tree, write_json_atomic)
 from moevement.snapshot import SnapshotError, SnapshotHeader, read_entries
 
 KEEP = 2  # newest windows kept per rank
@@ -31,37 +33,40 @@ def window_dir(root: Path, window_start: int) -> Path:
 def write_window(root: Path, rank: int, snapshots: list[tuple[dict, torch.Tensor]]) -> Path:
     """Write one rank's snapshots of a window (headers + bytes); returns the rank directory."""
     start = snapshots[0][0]["window_start"]
-    final = window_dir(root, start) / f"rank{rank:05d}"
-    tmp = final.with_name(f".{final.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    make_private_dir(tmp)
+    final = make_private_dir(window_dir(root, start)) / f"rank{rank:05d}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
     for header, payload in snapshots:
         path = tmp / f"s{header['slot']}.bin"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = open_private(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         with os.fdopen(fd, "wb") as f:
             f.write(payload[:header["nbytes"]].numpy().tobytes())
             f.flush()
             os.fsync(f.fileno())
         write_json_atomic(path.with_suffix(".json"), header)
-    shutil.rmtree(final, ignore_errors=True)
+    remove_tree(final)
     os.replace(tmp, final)
     return final
 
 
 def read_window(rank_dir: Path) -> list[tuple[SnapshotHeader, dict[tuple[str, str], torch.Tensor]]]:
     """Every snapshot of a persisted rank directory, in slot order, checksums verified."""
-    headers = sorted((p for p in rank_dir.glob("s*.json")), key=lambda p: int(p.stem[1:]))
+    try:
+        check_private(rank_dir)
+    except HostMemoryError as e:
+        raise SnapshotError(str(e)) from None
+    headers = sorted((p for p in rank_dir.glob("s*.json") if p.stem[1:].isdigit()), key=lambda p: int(p.stem[1:]))
     if not headers:
         raise SnapshotError(f"{rank_dir}: no snapshots")
     out = []
     for path in headers:
         try:
             header = SnapshotHeader.from_json(read_header(path.with_suffix("")))
-        except (ValueError, SnapshotError) as e:
-            raise SnapshotError(f"{path}: unreadable snapshot header ({e})") from None
-        data = path.with_suffix(".bin")
-        raw = torch.frombuffer(bytearray(data.read_bytes()), dtype=torch.uint8)
-        out.append((header, read_entries(raw, header, source=str(data))))
+            fd = open_private(path.with_suffix(".bin"), os.O_RDONLY)
+        except HostMemoryError as e:
+            raise SnapshotError(str(e)) from None
+        with os.fdopen(fd, "rb") as f:
+            raw = torch.frombuffer(bytearray(f.read()), dtype=torch.uint8)
+        out.append((header, read_entries(raw, header, source=str(path.with_suffix(".bin")))))
     return out
 
 
@@ -96,7 +101,7 @@ class DiskWriter:
             write_window(self.root, self.rank, snapshots)
             mine = sorted(d for d in self.root.glob("window-*") if (d / f"rank{self.rank:05d}").exists())
             for old in mine[:-self.keep]:
-                shutil.rmtree(old / f"rank{self.rank:05d}", ignore_errors=True)
+                remove_tree(old / f"rank{self.rank:05d}")
                 try:
                     old.rmdir()
                 except OSError:  # other ranks' directories are still there

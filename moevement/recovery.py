@@ -146,7 +146,7 @@ class Recovery:
             f"scope={_ranges(list(range(self.n_stages)))} rollback_to={t0} replayed={window} "
             f"seconds={time.perf_counter() - started + found.seconds:.3f} "
             f"(fetch={totals[0]:.3f} convert={totals[1]:.3f} catchup=0.000) restart=global "
-            f"snapshots_from=\"{found.source}\"")
+            f"snapshots_from=\"{'; '.join(f'rank{r}: {src}' for r, src in enumerate(found.sources))}\"")
         return t0 + window
 
     # ---- one (possibly widened) recovery -----------------------------------------------------------

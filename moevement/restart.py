@@ -1,33 +1,40 @@
-"""Whole-job restart (DESIGN.md §4): find the newest sparse checkpoint that every rank still has.
+"""Whole-job restart (DESIGN.md §4): the newest persisted sparse checkpoint of this job that every rank
+can load.
 
-After every process died (say under `torchrun --max-restarts`), each rank looks for the snapshots
-of its persisted checkpoints in three places, in this order:
+Runs at every start of a `moevement` job: after torchrun restarted every process, or when the same
+job is launched again (a relaunch after preemption). Each rank lists its copies of each window:
 
   1. its own shared-memory buffers (`<host_dir>/<job>/rank<r>/local`), which outlive the process;
   2. the replicas its peers hold in their shared-memory directories on this node
      (`<host_dir>/<job>/rank<q>/replicas/from<r>`);
-  3. the disk copies under `checkpoint.persist_dir`.
+  3. the disk copies under `<persist_dir>/<job>/window-*/rank<r>`.
 
-A window counts when all W of its snapshots are committed. The ranks agree on the newest window all
-of them have; each then loads it, verifying every checksum and falling back to the next copy when
-one fails. `Recovery.restart` converts it with a full-pipeline replay (global rollback).
+Only persisted windows count: a copy in host memory counts if its window is no newer than the newest
+window any rank's manifest (`persisted.json`) records as persisted (a newer one may be complete
+locally but not yet replicated); disk copies are written only once persisted. The ranks agree on the
+windows every rank has a copy of and try them newest first: each rank loads its copies in order,
+verifying every checksum and the run identity (`check`), and names every file it rejects; if some
+rank has no intact copy, every rank falls back to the next older window, then to the initial state,
+loudly. `Recovery.restart` converts the chosen window with a full-pipeline replay (global rollback).
 """
 
 from __future__ import annotations
 
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch.distributed as dist
 
-from moevement.hostmem import map_bytes, read_header
+from moevement.hostmem import HostMemoryError, map_bytes, read_header, remove_tree
 from moevement.persist import read_window
 from moevement.snapshot import SnapshotError, SnapshotHeader, read_entries
 
 Loaded = list[tuple[SnapshotHeader, dict]]  # (header, {(role, name): tensor}) per slot, in slot order
+CheckHeader = Callable[[SnapshotHeader, str], None]  # raises when a snapshot belongs to another run
+UNUSABLE = (SnapshotError, HostMemoryError, OSError)
 
 
 @dataclass
@@ -37,25 +44,50 @@ class Found:
     window_start: int
     window: int
     snapshots: Loaded
-    source: str  # which copy was used
+    sources: list[str]  # which copy every rank used, by rank
     last_iteration: int  # newest iteration any surviving snapshot records (the job died after it)
     seconds: float  # time spent finding and loading
 
 
-def _host_windows(directory: Path) -> tuple[dict[int, list[Path]], int]:
-    """({window_start: buffer paths in slot order} of complete windows, newest iteration seen) in a buffer dir."""
+@dataclass
+class _Copy:
+    source: str
+    load: Callable[[], Loaded]
+    in_host_memory: bool
+    file_of: Callable[[SnapshotHeader], str]  # the file a snapshot of this copy was read from
+
+
+@dataclass
+class _Survey:
+    """What one rank found: copies by window start, the newest persisted window its manifest records."""
+
+    copies: dict[int, list[_Copy]] = field(default_factory=lambda: defaultdict(list))
+    persisted: int = -1
+    newest_iteration: int = 0
+    anything: bool = False  # any state of this job at all (a fresh job finds none and says nothing)
+
+
+def _reject(rank: int, source: str, error: Exception) -> None:
+    print(f"restart: rank {rank} rejected {source}: {error}", flush=True)
+
+
+def _host_windows(rank: int, directory: Path, survey: _Survey) -> dict[int, list[Path]]:
+    """{window_start: buffer paths in slot order} of the complete windows in a buffer directory."""
     slots: dict[int, dict[int, Path]] = defaultdict(dict)
-    sizes, newest = {}, 0
-    for json_path in directory.glob("w*-s*.json"):
-        header = read_header(json_path.with_suffix(""))
-        if header is None:
+    sizes = {}
+    for json_path in sorted(directory.glob("w*-s*.json")):
+        survey.anything = True
+        try:
+            header = read_header(json_path.with_suffix(""))
+            start, slot, window = header["window_start"], header["slot"], header["window"]
+            survey.newest_iteration = max(survey.newest_iteration, int(header["iteration"]))
+        except (*UNUSABLE, KeyError, TypeError, ValueError) as e:
+            _reject(rank, str(json_path), e)
             continue
-        slots[header["window_start"]][header["slot"]] = json_path.with_suffix("")
-        sizes[header["window_start"]] = header["window"]
-        newest = max(newest, header["iteration"])
-    complete = {start: [by_slot[i] for i in range(sizes[start])] for start, by_slot in slots.items()
-                if set(by_slot) == set(range(sizes[start]))}
-    return complete, newest
+        slots[start][slot] = json_path.with_suffix("")
+        sizes[start] = window
+    return {start: [by_slot[i] for i in range(sizes[start])] for start, by_slot in slots.items()
+            if set(by_slot) == set(range(sizes[start]))}
 
 
 def _load_host(paths: list[Path]) -> Loaded:
@@ -66,57 +98,98 @@ def _load_host(paths: list[Path]) -> Loaded:
     return out
 
 
-def _candidates(rank: int, job_dir: Path, persist_dir: str) -> tuple[dict[int, list[tuple[str, Callable]]], int]:
-    """{window_start: [(source, loader), ...] in preference order}, newest iteration seen locally."""
-    found: dict[int, list[tuple[str, Callable]]] = defaultdict(list)
-    local, newest = _host_windows(job_dir / f"rank{rank:05d}" / "local")
-    for start, paths in local.items():
-        found[start].append(("local shared memory", lambda p=paths: _load_host(p)))
-    for holder in sorted(job_dir.glob("rank*")):
-        replicas, _ = _host_windows(holder / "replicas" / f"from{rank}")
-        for start, paths in replicas.items():
-            found[start].append((f"replica on {holder.name}", lambda p=paths: _load_host(p)))
-    if persist_dir:
-        for directory in Path(persist_dir).glob(f"window-*/rank{rank:05d}"):
+def _survey(rank: int, job_dir: Path, persist_root: Path | None) -> _Survey:
+    survey = _Survey()
+    own = job_dir / f"rank{rank:05d}"
+    try:
+        manifest = read_header(own / "persisted")
+        if manifest is not None:
+            survey.persisted, survey.anything = int(manifest["window_start"]), True
+    except (*UNUSABLE, KeyError, TypeError, ValueError) as e:
+        _reject(rank, str(own / "persisted.json"), e)
+    holders = [("local shared memory", own / "local")]
+    holders += [(f"replica on {d.name}", d / "replicas" / f"from{rank}") for d in sorted(job_dir.glob("rank*[0-9]"))]
+    for source, directory in holders:
+        for start, paths in _host_windows(rank, directory, survey).items():
+            survey.copies[start].append(_Copy(source, lambda p=paths: _load_host(p), True,
+                                              lambda h, p=paths: str(p[h.slot].with_suffix(".bin"))))
+    if persist_root is not None:
+        for directory in sorted(persist_root.glob(f"window-*/rank{rank:05d}")):
+            survey.anything = True
             start = int(directory.parent.name.removeprefix("window-"))
-            found[start].append((f"disk {directory}", lambda d=directory: read_window(d)))
-    return found, newest
+            survey.copies[start].append(_Copy(f"disk {directory}", lambda d=directory: read_window(d), False,
+                                              lambda h, d=directory: str(d / f"s{h.slot}.bin")))
+    return survey
 
 
-def find_restart_checkpoint(job_dir: Path, persist_dir: str, expect: dict, line: Callable[[str], None]
-                            ) -> Found | None:
-    """The newest persisted sparse checkpoint every rank can load, loaded (collective over all ranks).
+def _load_first_intact(rank: int, copies: list[_Copy], check: CheckHeader) -> tuple[Loaded, str] | None:
+    """The first copy that loads with valid checksums and belongs to this run (rejections are printed)."""
+    for copy in copies:
+        try:
+            snapshots = copy.load()
+            for header, _ in snapshots:
+                check(header, copy.file_of(header))
+            return snapshots, copy.source
+        except (*UNUSABLE, RuntimeError) as e:
+            _reject(rank, copy.source, e)
+    return None
 
-    `expect` holds header metadata that must match (seed, pp_rank, dp_rank): a snapshot of another
-    job or layout is rejected with its file named. None when no common checkpoint survives.
-    """
+
+def find_restart_checkpoint(job_dir: Path, persist_root: Path | None, check: CheckHeader,
+                            line: Callable[[str], None]) -> Found | None:
+    """The newest persisted sparse checkpoint of this job that every rank can load, loaded (collective
+    over all ranks); None, with a line saying so when any state of the job was found, otherwise."""
     started = time.perf_counter()
     rank, world = dist.get_rank(), dist.get_world_size()
-    candidates, newest = _candidates(rank, job_dir, persist_dir)
+    survey = _survey(rank, job_dir, persist_root)
     gathered: list = [None] * world
-    dist.all_gather_object(gathered, (sorted(candidates), newest))
-    common = set.intersection(*(set(starts) for starts, _ in gathered))
-    last_iteration = max(n for _, n in gathered)
-    if not common:
-        line("restart: no persisted sparse checkpoint survives on every rank; starting from the initial state")
-        return None
-    start = max(common)
-    for source, load in candidates[start]:
-        try:
-            snapshots = load()
-        except (SnapshotError, OSError) as e:
-            print(f"restart: rank {rank} rejected the copy in {source}: {e}; trying the next one", flush=True)
-            continue
-        _check_job(snapshots, expect, source)
-        return Found(start, len(snapshots), snapshots, source, last_iteration, time.perf_counter() - started)
-    raise SnapshotError(f"rank {rank}: every copy of the sparse checkpoint of window {start} failed its checksums "
-                        f"(tried {', '.join(s for s, _ in candidates[start])})")
+    dist.all_gather_object(gathered, (survey.persisted, survey.newest_iteration, survey.anything))
+    persisted = max(p for p, _, _ in gathered)
+    last_iteration = max(n for _, n, _ in gathered)
+    any_state = any(anything for _, _, anything in gathered)
+    usable = {start: [c for c in copies if not c.in_host_memory or start <= persisted]
+              for start, copies in survey.copies.items()}
+    starts = sorted(start for start, copies in usable.items() if copies)
+    dist.all_gather_object(gathered, starts)
+    common = set.intersection(*(set(s) for s in gathered))
+    for start in sorted(common, reverse=True):
+        loaded = _load_first_intact(rank, usable[start], check)
+        dist.all_gather_object(gathered, loaded[1] if loaded else None)
+        if all(source is not None for source in gathered):
+            _drop_newer_disk_windows(rank, persist_root, start)
+            snapshots = loaded[0]
+            return Found(start, len(snapshots), snapshots, list(gathered), last_iteration,
+                         time.perf_counter() - started)
+        missing = [r for r, source in enumerate(gathered) if source is None]
+        line(f"restart: window {start} has no intact copy on rank(s) {'+'.join(map(str, missing))}; "
+             f"falling back to the next older window")
+    if any_state:
+        line("restart: no intact persisted sparse checkpoint of this job survives on every rank; "
+             "STARTING FROM THE INITIAL STATE")
+    return None
 
 
-def _check_job(snapshots: Loaded, expect: dict, source: str) -> None:
-    for header, _ in snapshots:
+def _drop_newer_disk_windows(rank: int, persist_root: Path | None, start: int) -> None:
+    """This rank's disk windows newer than the one restarted from are unusable: training re-creates them."""
+    if persist_root is None:
+        return
+    for directory in persist_root.glob(f"window-*/rank{rank:05d}"):
+        if int(directory.parent.name.removeprefix("window-")) > start:
+            remove_tree(directory)
+
+
+def snapshot_identity_check(expect: dict, identity_mismatch: Callable[[object], list[str]]) -> CheckHeader:
+    """A `CheckHeader` refusing snapshots whose rank coordinates differ from `expect` or whose run
+    identity (`meta["run"]`) differs from this run's (`identity_mismatch` lists the differences)."""
+
+    def check(header: SnapshotHeader, source: str) -> None:
         for key, value in expect.items():
             if header.meta.get(key) != value:
                 raise SnapshotError(f"{source}: snapshot of iteration {header.iteration} has {key}="
-                                    f"{header.meta.get(key)!r}, this job has {value!r} (another job or layout)")
+                                    f"{header.meta.get(key)!r}, this rank has {value!r}")
+        differ = identity_mismatch(header.meta.get("run"))
+        if differ:
+            raise SnapshotError(f"{source}: snapshot of iteration {header.iteration} belongs to another run: "
+                                f"{'; '.join(differ)}")
 
+    return check

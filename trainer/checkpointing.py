@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import shutil
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,19 +17,21 @@ import torch.distributed as dist
 
 from moevement.engine import SparseCheckpointer, Topology
 from moevement.faults import FaultEvent
+from moevement.hostmem import JobLock, default_host_dir, make_private_dirs, remove_tree
 from moevement.intervals import IntervalPolicy
 from moevement.moc import LostTokens, PartialExpertSelector, expert_counts
 from moevement.operators import build_registry
 from moevement.recovery import Layout, Recovery, TrainerHooks
 from moevement.rollback import GlobalRollback, MocState
 from moevement.replay import PipelineReplay, StageRef
-from moevement.restart import Found, find_restart_checkpoint
+from moevement.restart import Found, find_restart_checkpoint, snapshot_identity_check
 from moevement.upstream_log import UpstreamLog
 from parallelisms.fsdp import DTYPES
 from parallelisms.mesh import ParallelDims
 from parallelisms.parallelize import ModelParts, initial_parameters
 from parallelisms.pipeline import lm_loss, local_stage_ids
 from trainer.config import Config
+from trainer.identity import RunIdentity
 from trainer.step import DropoutSeeder, forward_backward, replay_update
 
 
@@ -44,6 +44,7 @@ class FaultTolerance:
     recovery: Recovery | GlobalRollback
     restart_from: Found | None = None  # a whole-job restart found this persisted checkpoint to convert
     moc: MocState | None = None
+    lock: JobLock | None = None  # held for the process's lifetime: a second live run of the job is refused
 
     def recover(self, step: int, events: list[FaultEvent]) -> int:
         """Failures at the start of iteration `step`: recover; returns the iteration training goes on with
@@ -86,8 +87,22 @@ def gather_layout(dims: ParallelDims) -> tuple[Topology, Layout]:
     return topology, layout
 
 
+def host_job_dir(cfg: Config) -> Path:
+    """`<host_dir>/<job.name>`: this job's host state on this node (host_dir: per user by default)."""
+    return Path(cfg.checkpoint.host_dir or default_host_dir()) / cfg.job.name
+
+
 def host_rank_dir(cfg: Config, rank: int) -> Path:
-    return Path(cfg.checkpoint.host_dir) / cfg.job.name / f"rank{rank:05d}"
+    return host_job_dir(cfg) / f"rank{rank:05d}"
+
+
+def persist_root(cfg: Config, default: str = "") -> Path | None:
+    """`<persist_dir>/<job.name>`, created owner-only (None: no disk persistence)."""
+    directory = cfg.checkpoint.persist_dir or default
+    if not directory:
+        return None
+    Path(directory).parent.mkdir(parents=True, exist_ok=True)
+    return make_private_dirs(Path(directory), cfg.job.name)
 
 
 def _same_node_dirs(cfg: Config):
@@ -95,33 +110,49 @@ def _same_node_dirs(cfg: Config):
     return (lambda rank: host_rank_dir(cfg, rank)) if cfg.checkpoint.replication == "auto" else None
 
 
+def claim_host_state(cfg: Config, rank: int) -> JobLock:
+    """Lock this rank's place in the job's host directory (refused while a live process holds it)."""
+    job_dir = make_private_dirs(Path(cfg.checkpoint.host_dir or default_host_dir()), cfg.job.name)
+    return JobLock(job_dir / f"rank{rank:05d}.lock")
+
+
 def build_fault_tolerance(cfg: Config, model: ModelParts, optimizer, dims: ParallelDims, seeder: DropoutSeeder,
                           train_batches, line) -> FaultTolerance | None:
-    """The pieces of `checkpoint.strategy` on this rank (collective over all ranks); None for `none`."""
+    """The pieces of `checkpoint.strategy` on this rank (collective over all ranks); None for `none`.
+
+    MoEvement first looks for a persisted sparse checkpoint of this job to restart from (a torchrun
+    restart, or a relaunch of the same job); whatever else the rank's host directory holds is removed."""
     strategy = cfg.checkpoint.strategy
     if strategy == "none":
         return None
+    lock = claim_host_state(cfg, dist.get_rank() if dist.is_initialized() else 0)
     topo, layout = gather_layout(dims)
     rank_dir = host_rank_dir(cfg, topo.rank)
-    job_meta = {"seed": cfg.job.seed, "dp_rank": dims.dp_rank, "pp_rank": dims.pp_rank,
+    identity = RunIdentity.of_sparse(cfg)
+    job_meta = {"seed": cfg.job.seed, "dp_rank": dims.dp_rank, "pp_rank": dims.pp_rank, "run": identity.to_json(),
                 "rng": "dropout seed = derive_seed(seed, iteration, micro-batch, stage, dp_rank)"}
     found = None
-    if strategy == "moevement" and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
-        expect = {k: job_meta[k] for k in ("seed", "dp_rank", "pp_rank")}  # torchrun restarted the whole job
-        found = find_restart_checkpoint(rank_dir.parent, cfg.checkpoint.persist_dir, expect, line)
-        dist.barrier()  # every rank holds its copy before any rank clears its directory
-    shutil.rmtree(rank_dir, ignore_errors=True)  # what is left there belongs to an earlier run
+    disk = persist_root(cfg)
+    if strategy == "moevement":
+        check = snapshot_identity_check({"dp_rank": dims.dp_rank, "pp_rank": dims.pp_rank}, identity.mismatch)
+        found = find_restart_checkpoint(rank_dir.parent, disk, check, line)
+        if dist.is_initialized():
+            dist.barrier()  # every rank holds its copy before any rank clears its directory
+    remove_tree(rank_dir)  # loaded, or of no use to any restart
     compute_dtype = DTYPES[cfg.training.mixed_precision]
     if strategy != "moevement":
-        return _interval_baseline(cfg, model, optimizer, dims, topo, rank_dir, job_meta, compute_dtype, line)
-    checkpointer = SparseCheckpointer(cfg.checkpoint, model.view, optimizer, compute_dtype=compute_dtype,
+        ft = _interval_baseline(cfg, model, optimizer, dims, topo, rank_dir, job_meta, compute_dtype, line)
+        ft.lock = lock
+        return ft
+    ck_cfg = dataclasses.replace(cfg.checkpoint, persist_dir=str(disk or ""))
+    checkpointer = SparseCheckpointer(ck_cfg, model.view, optimizer, compute_dtype=compute_dtype,
                                       device=dims.device, rank_dir=rank_dir, topology=topo, job_meta=job_meta,
                                       rank_dirs=_same_node_dirs(cfg))
     log = UpstreamLog(model.parts, model.stage_ids, model.n_stages) if cfg.parallelism.pp > 1 else None
     hooks = _trainer_hooks(cfg, model, optimizer, dims, seeder, log, layout, train_batches, line)
     recovery = Recovery(checkpointer, log, optimizer, layout, model.n_stages, cfg.training.micro_batches, hooks,
                         global_rollback=cfg.fault.scope == "global", threads=cfg.fault.replay_threads)
-    return FaultTolerance(checkpointer, log, recovery, found)
+    return FaultTolerance(checkpointer, log, recovery, found, lock=lock)
 
 
 def _interval_baseline(cfg: Config, model: ModelParts, optimizer, dims: ParallelDims, topo: Topology, rank_dir: Path,
@@ -141,10 +172,11 @@ def _interval_baseline(cfg: Config, model: ModelParts, optimizer, dims: Parallel
     else:
         select = lambda: names  # noqa: E731  (dense: every operator)
     if strategy != "gemini":  # snapshot in host memory, then persist asynchronously to disk
-        persist = ck_cfg.persist_dir or str(Path(cfg.job.output_dir) / cfg.job.name / f"{strategy}-checkpoints")
-        ck_cfg = dataclasses.replace(ck_cfg, replicas=0, persist_dir=persist, persist_every=1)
-        for old in Path(persist).glob(f"window-*/rank{topo.rank:05d}"):
-            shutil.rmtree(old)  # an earlier run's checkpoints must not be restored into this one
+        default = str(Path(cfg.job.output_dir) / f"{strategy}-checkpoints")
+        persist = persist_root(cfg, default)
+        ck_cfg = dataclasses.replace(ck_cfg, replicas=0, persist_dir=str(persist), persist_every=1)
+        for old in persist.glob(f"window-*/rank{topo.rank:05d}"):
+            remove_tree(old)  # an earlier run's checkpoints must not be restored into this one
     policy = IntervalPolicy(strategy, ck_cfg.interval, cfg.fault.mtbf_iters, select)
     checkpointer = SparseCheckpointer(ck_cfg, model.view, optimizer, compute_dtype=compute_dtype, device=dims.device,
                                       rank_dir=rank_dir, topology=topo, job_meta=job_meta, policy=policy,

@@ -78,7 +78,7 @@ class CheckpointConfig:
     replication: str = "auto"  # auto: peers on this node copy from shared memory | network: all via the process group
     bandwidth_gbps: float = 0.0  # cap on the snapshot copy rate to host memory, Gbit/s (0: none)
     background_priority: str = "idle"  # CPU priority of the copy/replication/disk threads: idle | normal
-    host_dir: str = "/dev/shm/moevement"  # shared-memory directory for snapshots and replicas
+    host_dir: str = ""  # owner-only shared-memory directory for snapshots and replicas ("": /dev/shm/moevement-<uid>)
     keep_host_state: bool = False  # keep snapshots in host memory after a clean finish
     persist_dir: str = ""  # also write every `persist_every`-th persisted checkpoint here
     persist_every: int = 1
@@ -272,8 +272,6 @@ def _validate_checkpoint(c: CheckpointConfig) -> None:
         _check(getattr(c, name) >= 1, f"checkpoint.{name}", f"must be >= 1, got {getattr(c, name)}")
     _check(c.bandwidth_gbps >= 0, "checkpoint.bandwidth_gbps", f"must be >= 0, got {c.bandwidth_gbps}")
     _check(0 < c.ema_decay < 1, "checkpoint.ema_decay", f"must be in (0, 1), got {c.ema_decay}")
-    if c.strategy != "none":
-        _check(bool(c.host_dir), "checkpoint.host_dir", "must name a (shared-memory) directory")
     _check(c.interval in INTERVAL_POLICIES or (c.interval.isdigit() and int(c.interval) >= 1), "checkpoint.interval",
            f"must be a positive integer or one of {', '.join(INTERVAL_POLICIES)}, got {c.interval!r}")
     _check(c.moc_experts >= 1, "checkpoint.moc_experts", f"must be >= 1, got {c.moc_experts}")

@@ -1,0 +1,200 @@
+"""Host state that can be trusted (DESIGN.md §4, §6): what a restart accepts, where state lives, what
+is refused, and what is cleaned. Real processes, real files, real signals."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import DEBUG_CONFIG, ROOT, final_line, run_cli, step_losses
+
+BASE = ["--config", DEBUG_CONFIG, "--metrics.tensorboard", "false", "--training.val_every", "0",
+        "--training.steps", "10", "--checkpoint.strategy", "moevement", "--checkpoint.window", "2"]
+RESTART = re.compile(r"^recovery step=(\d+) ranks=\S+ scope=\S+ rollback_to=(\d+) replayed=(\d+) .* restart=global "
+                     r"snapshots_from=\"([^\"]*)\"", re.M)
+
+_references: dict[tuple[str, ...], str] = {}
+
+
+def reference(*extra: str, nproc: int = 1) -> str:
+    """stdout of the fault-free run with these extra arguments (once per session)."""
+    key = (*extra, str(nproc))
+    if key not in _references:
+        _references[key] = run_cli(*BASE, *extra, nproc=nproc).stdout
+    return _references[key]
+
+
+def crash(*args: str) -> None:
+    """A run whose process exits at `--fault.crash STEP:0` (no clean-up: its host state stays)."""
+    proc = run_cli(*BASE, *args, check=False)
+    assert proc.returncode == 13 and "fault: rank 0 crashes at step" in proc.stdout, proc.stdout + proc.stderr
+
+
+def host(tmp_path: Path, *extra: str) -> list[str]:
+    return [*extra, "--checkpoint.host_dir", str(tmp_path / "shm"), "--job.name", "safety"]
+
+
+def test_relaunch_resumes_and_foreign_state_is_refused(tmp_path):
+    """A crashed job relaunched with the same config resumes from its persisted window (bit-exact); one
+    with another learning rate refuses the window, naming the file and the key, and starts afresh."""
+    args = host(tmp_path, "--checkpoint.persist_dir", str(tmp_path / "disk"))
+    crash(*args, "--fault.crash", "8:0")
+    other_lr = run_cli(*BASE, *args, "--training.lr", "0.001", "--training.steps", "10").stdout
+    assert re.search(r"^restart: rank 0 rejected .*shm/safety/rank00000/local/w\d-s\d\.bin.*belongs to another run: "
+                     r"training\.lr \(saved 0\.003, this run 0\.001\)", other_lr, re.M), other_lr
+    assert "STARTING FROM THE INITIAL STATE" in other_lr
+    assert final_line(other_lr) == final_line(reference("--training.lr", "0.001"))
+    # that run finished cleanly: its state is gone, so crash again and relaunch with the same config
+    crash(*args, "--fault.crash", "8:0")
+    resumed = run_cli(*BASE, *args).stdout
+    m = RESTART.search(resumed)
+    assert m and m.groups() == ("8", "5", "2", "rank0: local shared memory"), resumed
+    assert final_line(resumed) == final_line(reference())
+
+
+def test_restart_falls_back_window_by_window(tmp_path):
+    """Only persisted windows are used; a corrupted newest window (every copy) falls back to the older
+    disk window, and a truncated header is named, not a traceback."""
+    disk = tmp_path / "disk"
+    args = host(tmp_path, "--checkpoint.persist_dir", str(disk))
+    crash(*args, "--fault.crash", "8:0")
+    shm = tmp_path / "shm" / "safety" / "rank00000" / "local"
+    persisted = sorted((p for p in shm.glob("w*-s*.json") if '"window_start": 5' in p.read_text()),
+                       key=lambda p: p.stem[-1])
+    assert len(persisted) == 2
+    _flip_byte(persisted[0].with_suffix(".bin"))  # slot 0: a flipped byte in memory and on disk
+    _flip_byte(disk / "safety" / "window-00000005" / "rank00000" / "s0.bin")
+    persisted[1].write_text(persisted[1].read_text()[:40])  # slot 1: a truncated header
+    out = run_cli(*BASE, *args).stdout
+    assert re.search(rf"^restart: rank 0 rejected {re.escape(str(persisted[1]))}: .*unreadable header", out, re.M), out
+    assert re.search(r"^restart: rank 0 rejected disk .*window-00000005/rank00000: .*checksum mismatch", out, re.M)
+    assert "restart: window 5 has no intact copy on rank(s) 0; falling back to the next older window" in out
+    m = RESTART.search(out)
+    assert m and m.groups()[1:3] == ("3", "2") and "disk" in m[4], out
+    assert final_line(out) == final_line(reference())
+    assert step_losses(out) == {t: v for t, v in step_losses(reference()).items() if t >= 5}
+
+
+def _flip_byte(path: Path, offset: int = 100) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("case", ["symlink", "foreign-owner", "group-readable", "planted-lock-symlink", "file"])
+def test_unsafe_host_directories_are_refused(tmp_path, case):
+    """A host directory that is a symlink, owned by someone else, open to others, or a file is refused with
+    one line; a planted symlink is never followed (its target stays untouched)."""
+    shm, victim = tmp_path / "shm", tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    victim.chmod(0o600)
+    if case == "symlink":
+        real = tmp_path / "real"
+        real.mkdir(mode=0o700)
+        shm.symlink_to(real)
+        expect = "is a symlink"
+    elif case == "foreign-owner":
+        if os.geteuid() != 0:
+            pytest.skip("chown to another user needs root")
+        shm.mkdir(mode=0o700)
+        os.chown(shm, 65534, 65534)
+        expect = "owned by uid 65534"
+    elif case == "group-readable":
+        shm.mkdir()
+        shm.chmod(0o755)
+        expect = "group/other permissions"
+    elif case == "planted-lock-symlink":
+        (shm / "safety").mkdir(parents=True, mode=0o700)
+        shm.chmod(0o700)
+        (shm / "safety" / "rank00000.lock").symlink_to(victim)
+        expect = "rank00000.lock: cannot open"
+    else:
+        shm.write_text("not a directory")
+        shm.chmod(0o600)
+        expect = "not a directory"
+    proc = run_cli(*BASE, *host(tmp_path), "--training.steps", "1", check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and expect in errors[0] and "Traceback" not in proc.stderr, proc.stderr
+    assert victim.read_bytes() == b"precious"
+
+
+def test_default_host_dir_is_per_user_and_owner_only():
+    from moevement.hostmem import default_host_dir
+
+    assert default_host_dir().endswith(f"moevement-{os.geteuid()}")
+
+
+def test_second_live_job_is_refused_and_clean_keeps_it(tmp_path):
+    """While a job runs, a second run of the same job exits with one line and leaves the first intact; the
+    clean tool keeps a live job's state and removes a dead one's."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    long_run = ["--training.steps", "120", "--metrics.log_every", "1"]
+    cmd = [sys.executable, "train.py", *BASE, *host(tmp_path), *long_run]
+    first = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_line(first, "step=3 ")
+        second = run_cli(*BASE, *host(tmp_path), *long_run, check=False)
+        assert second.returncode == 2 and re.search(r"^error: .*rank00000\.lock: held by a live process \(pid "
+                                                    rf"{first.pid}\)", second.stderr, re.M), second.stderr
+        clean = _clean(tmp_path)
+        assert "kept" in clean and "the job is running" in clean
+    finally:
+        out, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err
+    assert final_line(out) == final_line(reference(*long_run))
+    crash(*host(tmp_path), "--fault.crash", "6:0")
+    assert list((tmp_path / "shm" / "safety" / "rank00000" / "local").glob("*.bin"))
+    assert re.search(r"^removed .*shm/safety \(\d+\.\d MB\)$", _clean(tmp_path), re.M)
+    assert not (tmp_path / "shm" / "safety").exists()
+
+
+def _clean(tmp_path: Path) -> str:
+    proc = subprocess.run([sys.executable, "-m", "moevement.clean", "--host-dir", str(tmp_path / "shm")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def _wait_for_line(proc: subprocess.Popen, prefix: str, timeout: float = 300) -> list[str]:
+    lines, deadline = [], time.time() + timeout
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            raise AssertionError(f"process ended before {prefix!r}:\n{''.join(lines)}")
+        lines.append(line)
+        if line.startswith(prefix):
+            return lines
+    raise AssertionError(f"no {prefix!r} within {timeout} s")
+
+
+def test_sigterm_to_torchrun_then_relaunch_resumes(tmp_path):
+    """SIGTERM to the torchrun agent (a scheduler's preemption notice): the workers exit at once saying the
+    state is kept; relaunching the same command resumes from the newest persisted window, bit-exact."""
+    pp2 = ["--parallelism.pp", "2", "--training.micro_batches", "2", "--training.steps", "14",
+           "--metrics.log_every", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+              *BASE, *pp2, *host(tmp_path)]
+    agent = subprocess.Popen(launch, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
+    try:
+        _wait_for_line(agent, "step=9 ")
+        agent.send_signal(signal.SIGTERM)
+        out, _ = agent.communicate(timeout=60)
+    finally:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+    assert re.search(r"^preempted: rank \d received SIGTERM at step \d+; host state kept", out, re.M), out
+    relaunched = run_cli(*BASE, *pp2, *host(tmp_path), nproc=2).stdout
+    m = RESTART.search(relaunched)
+    assert m, relaunched
+    assert int(m[2]) >= 5  # a persisted window after the profile, not the initial state
+    assert final_line(relaunched) == final_line(reference(*pp2, nproc=2))
