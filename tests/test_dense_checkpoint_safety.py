@@ -193,3 +193,17 @@ def test_damaged_checkpoint_is_one_line_naming_the_file(saved, tmp_path):
         if case != "optim":  # evaluation reads only the model tensors
             with pytest.raises(EvalError, match=f"{re.escape(str(ckpt / name))}.*{what}"):
                 load_checkpoint(ckpt)
+
+
+@pytest.mark.slow
+def test_single_process_checkpoint_loads_into_sharded_layouts(tmp_path):
+    """Each rank takes its own pipeline stages, experts and FSDP shards (parameters and AdamW state)
+    from the safetensors files: pp=2,dp=2,ep=2 and dp=4,ep=2 report the saved state's digest."""
+    ckpt = tmp_path / "ckpt"
+    shape = ["--model.n_layers", "4", "--training.batch_size", "16", "--training.micro_batches", "4",
+             "--training.seq_len", "64", "--training.steps", "3"]
+    saved_line = final_line(train(*shape, "--checkpoint.save_final", str(ckpt)).stdout)
+    for layout in (["--parallelism.pp", "2", "--parallelism.dp", "2", "--parallelism.ep", "2"],
+                   ["--parallelism.dp", "4", "--parallelism.ep", "2"]):
+        loaded = train(*shape, *layout, "--checkpoint.load", str(ckpt), nproc=4).stdout
+        assert step_losses(loaded) == {} and final_line(loaded) == saved_line, layout
