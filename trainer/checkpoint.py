@@ -264,8 +264,8 @@ def open_meta(directory: str) -> dict:
     """The parsed `meta.json` of a checkpoint in this format. The old DCP format is refused unread."""
     path = Path(directory)
     meta_path = path / META
-    old = f"{path}: old checkpoint format {OLD_FORMAT} (torch DCP, whose .metadata is a pickle that could run code); " \
-          f"not loaded: re-save it with this version of train.py"
+    old = (f"{path}: old checkpoint format {OLD_FORMAT} (torch DCP, whose .metadata is a pickle that could run "
+           f"code); not loaded: re-save it with this version of train.py")
     if os.path.lexists(path / ".metadata"):
         raise CheckpointError(old)
     if not meta_path.is_file():
@@ -327,7 +327,8 @@ class _Reader:
             self.handle = safe_open(str(file), framework="pt", device="cpu")
             self.names = set(self.handle.keys())
         except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"{file}: unreadable ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise CheckpointError(f"{file}: unreadable ({reason})") from None
 
     def take(self, name: str, like: torch.Tensor) -> torch.Tensor:
         """Tensor `name`, shaped like `like`; only this rank's part when `like` is a DTensor."""
