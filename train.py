@@ -25,7 +25,7 @@ from models import count_params
 from parallelisms.distributed import device_type, init_distributed, shutdown_distributed
 from parallelisms.mesh import ParallelDims, build_mesh
 from parallelisms.parallelize import ModelParts, parallelize
-from trainer.checkpoint import CheckpointError, load_dense, save_dense
+from trainer.checkpoint import CheckpointError, check_save_target, load_dense, save_dense
 from moevement.faults import FaultPlan
 from moevement.fetch import RecoveryError
 from moevement.hostmem import HostMemoryError
@@ -121,11 +121,15 @@ class Job:
 
 
 def setup(cfg: Config) -> tuple[Job, int, float]:
-    """Process group, data, model, optimizer, optional resume and fault tolerance; (job, last step done, its loss)."""
+    """Process group, data, model, optimizer, optional resume and fault tolerance; (job, last step done, its loss).
+
+    A `checkpoint.save_final` target that saving would have to destroy is refused before anything else."""
     rank, world = init_distributed()
     progress = {"step": 0}
     exit_on_sigterm(cfg, rank, progress)
     check_world_size(cfg, world)
+    if cfg.checkpoint.save_final:
+        check_save_target(cfg.checkpoint.save_final)
     configure_determinism(cfg)
     dims = build_mesh(cfg.parallelism, device_type())
     if dims.device.type == "cpu" and cfg.training.cpu_reuse_memory:
@@ -139,8 +143,11 @@ def setup(cfg: Config) -> tuple[Job, int, float]:
     seeder = DropoutSeeder(model, cfg.job.seed, dims.dp_rank)
     step, loss = 0, float("nan")
     if cfg.checkpoint.load:
-        meta = load_dense(cfg.checkpoint.load, model.view, optimizer, cfg.model)
-        step, loss = int(meta["step"]), meta.get("loss", loss)
+        meta, differ = load_dense(cfg.checkpoint.load, model.view, optimizer, cfg)
+        step, loss = meta["step"], meta.get("loss", loss)
+        if differ and rank == 0:
+            print(f"checkpoint: {cfg.checkpoint.load} was saved under another config (checkpoint.load_other_config): "
+                  f"{'; '.join(differ)}", flush=True)
         if step > cfg.training.steps:
             raise ConfigError(f"config key 'training.steps' ({cfg.training.steps}) is below the "
                               f"checkpoint's step ({step}) in {cfg.checkpoint.load}")
@@ -213,8 +220,7 @@ def finish(job: Job, step: int, loss: float) -> None:
     if state is not None:
         job.logger.line(f"final step={step} loss={loss:.6f} state_digest={state_digest(state)}")
     if cfg.checkpoint.save_final:
-        save_dense(cfg.checkpoint.save_final, job.model.view, job.optimizer, step, cfg.model, loss=loss,
-                   tokenizer=cfg.data.tokenizer)
+        save_dense(cfg.checkpoint.save_final, state, step, loss, cfg)
         job.logger.line(f"saved checkpoint step={step} dir={cfg.checkpoint.save_final}")
     job.logger.close()
 

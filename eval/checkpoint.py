@@ -1,12 +1,13 @@
 """Load a dense checkpoint written by ``train.py --checkpoint.save_final DIR`` for evaluation.
 
-The directory holds DCP shards keyed by global parameter names plus ``meta.json`` (model shape,
-step, sha256 of every file; see :mod:`trainer.checkpoint`). :func:`load_checkpoint` checks it with
-:func:`trainer.checkpoint.read_meta`, builds the whole model on one device with
-:func:`models.build_model` and loads only the model tensors (not the AdamW state) through
-``torch.distributed.checkpoint`` with ``no_dist=True``: every process reads the full model by
-global name, so a checkpoint saved from any parallel layout (pipeline stages, FSDP shards, expert
-shards) loads into the single-device model, with or without ``torch.distributed`` initialised.
+The directory holds ``model.safetensors`` (every parameter by global name), ``optim.safetensors``
+and ``meta.json`` (format, model shape, step, sha256 of every file; see :mod:`trainer.checkpoint`).
+:func:`load_checkpoint` checks the format (the old pickled DCP format is refused unread), the model
+shape and the sha256 of ``model.safetensors`` before parsing it, builds the whole model on one device
+with :func:`models.build_model` and reads only the model tensors (not the AdamW state) with
+safetensors, by global name: nothing is unpickled, and a checkpoint saved from any parallel layout
+(pipeline stages, FSDP shards, expert shards) loads into the single-device model, with or without
+``torch.distributed`` initialised. There is no training config to compare the run identity with.
 
 The tokenizer is the trainer's (:func:`trainer.tokenizer.build_tokenizer`), chosen in this order:
 the ``tokenizer`` argument, ``data.tokenizer`` of the ``config`` TOML, a ``tokenizer`` (or
@@ -17,8 +18,6 @@ trainer's default).
 from __future__ import annotations
 
 import dataclasses
-import json
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -29,7 +28,7 @@ from eval.errors import EvalError
 from models import build_model
 from models.args import ModelArgs
 from models.transformer import Transformer
-from trainer.checkpoint import META, CheckpointError, read_meta
+from trainer.checkpoint import META, MODEL_FILE, CheckpointError, check_model, load_model, open_meta, verify_files
 from trainer.tokenizer import Tokenizer, build_tokenizer
 
 
@@ -79,36 +78,6 @@ def _model_args_from_meta(directory: Path, meta: dict) -> ModelArgs:
     return args
 
 
-def _read_raw_meta(directory: Path) -> dict:
-    meta_path = directory / META
-    if not meta_path.is_file():
-        raise EvalError(f"checkpoint {str(directory)!r}: no {META}; not a checkpoint written by "
-                        f"'train.py --checkpoint.save_final DIR'")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise EvalError(f"{meta_path}: unreadable ({e})") from None
-    if not isinstance(meta, dict):
-        raise EvalError(f"{meta_path}: not a JSON object")
-    return meta
-
-
-def load_model_weights(directory: str, model: torch.nn.Module) -> None:
-    """Read the model tensors (only) of a dense checkpoint into ``model`` by global name."""
-    from torch.distributed.checkpoint import load as dcp_load
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-
-    state = {"model": get_model_state_dict(model)}
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            dcp_load(state, checkpoint_id=directory, no_dist=True)
-    except Exception as e:  # DCP wraps failures in CheckpointException; keep one clear line
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise EvalError(f"{directory}: cannot load the model tensors ({type(e).__name__}: {first})") from e
-    set_model_state_dict(model, state["model"])
-
-
 def load_checkpoint(directory: str | Path, *, tokenizer: Optional[str] = None, config: Optional[str] = None,
                     device: str | torch.device = "cpu") -> LoadedCheckpoint:
     """Validate and load ``directory`` (a ``--checkpoint.save_final`` output) for evaluation.
@@ -121,7 +90,10 @@ def load_checkpoint(directory: str | Path, *, tokenizer: Optional[str] = None, c
         raise EvalError(f"checkpoint {str(path)!r}: no such directory")
     if not path.is_dir():
         raise EvalError(f"checkpoint {str(path)!r}: not a directory")
-    meta = _read_raw_meta(path)
+    try:
+        meta = open_meta(str(path))  # the format first: the old pickled one is refused unread
+    except CheckpointError as e:
+        raise EvalError(str(e)) from None
     config_tokenizer = None
     if config is not None:
         from trainer.config import ConfigError, load_config
@@ -134,7 +106,8 @@ def load_checkpoint(directory: str | Path, *, tokenizer: Optional[str] = None, c
     else:
         model_args = _model_args_from_meta(path, meta)
     try:
-        meta = read_meta(str(path), model_args)  # format, shape and per-file sha256
+        check_model(meta, path / META, model_args)
+        verify_files(str(path), meta, (MODEL_FILE,))  # before safetensors parses it
     except CheckpointError as e:
         raise EvalError(str(e)) from None
     spec, source = tokenizer_spec(meta, tokenizer, config_tokenizer)
@@ -147,7 +120,10 @@ def load_checkpoint(directory: str | Path, *, tokenizer: Optional[str] = None, c
                         f"model.vocab_size is {model_args.vocab_size}: wrong tokenizer for this checkpoint")
     with torch.random.fork_rng(devices=[]):  # build_model's init draws from the global RNG
         model = build_model(model_args, device=device)
-    load_model_weights(str(path), model)
+    try:
+        load_model(str(path), model)
+    except CheckpointError as e:
+        raise EvalError(str(e)) from None
     model.float().eval()
     return LoadedCheckpoint(model=model, tokenizer=tok, model_args=model_args, directory=str(path),
                             tokenizer_spec=spec, tokenizer_source=source, meta=meta)

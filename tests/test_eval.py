@@ -222,7 +222,7 @@ def test_truncated_checkpoint_is_one_line_error(checkpoint, tmp_path, capsys):
     import shutil
     copy = tmp_path / "ckpt"
     shutil.copytree(checkpoint, copy)
-    shard = next(p for p in copy.iterdir() if p.suffix == ".distcp")
+    shard = copy / "model.safetensors"
     shard.write_bytes(shard.read_bytes()[:1000])
     assert "checksum mismatch" in _error(capsys, "--checkpoint", str(copy))
 

@@ -2,12 +2,12 @@
 
 Each layout trains the same config for 10 steps in real processes over gloo; every step's
 loss must match the single-process run within 1e-5 (relative), and so must every final
-parameter (compared through the layout-independent DCP checkpoints each run saves).
+parameter (compared through the layout-independent checkpoints each run saves).
 """
 
 import pytest
 import torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from safetensors.torch import load_file
 
 from tests.conftest import DEBUG_CONFIG, final_line, run_cli, step_losses
 
@@ -28,10 +28,8 @@ LAYOUTS = {
 SLOW = {"dp4_ep2"}
 
 
-def checkpoint_tensors(directory, tmp_path) -> dict[str, torch.Tensor]:
-    out = tmp_path / f"{directory.name}.pt"
-    dcp_to_torch_save(str(directory), str(out))
-    return torch.load(out, weights_only=True)
+def checkpoint_tensors(directory) -> dict[str, dict[str, torch.Tensor]]:
+    return {"model": load_file(directory / "model.safetensors")}
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +49,7 @@ def test_layout_matches_single_process(layout, reference, tmp_path):
     assert sorted(losses) == list(range(1, STEPS + 1))
     for step, loss in losses.items():
         assert loss == pytest.approx(ref_losses[step], rel=1e-5), step
-    ours, ref = checkpoint_tensors(ckpt, tmp_path), checkpoint_tensors(ref_ckpt, tmp_path)
+    ours, ref = checkpoint_tensors(ckpt), checkpoint_tensors(ref_ckpt)
     params = sorted(k for k in ref["model"])
     assert sorted(ours["model"]) == params  # global names: every expert of every layer, once
     for name in params:

@@ -1,0 +1,209 @@
+"""Dense checkpoints that can be trusted, through real train.py / eval.harness processes and real files:
+saving never destroys what it did not write and never leaves a complete-looking partial checkpoint;
+loading never unpickles, refuses another run's state, and reports damage in one line naming the file."""
+
+import dataclasses
+import hashlib
+import json
+import os
+import pickle
+import re
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import DEBUG_CONFIG, ROOT, final_line, run_cli, step_losses
+from trainer.config import load_config
+
+QUIET = ["--metrics.tensorboard", "false", "--metrics.log_every", "1", "--training.val_every", "0"]
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+
+def train(*args, **kw):
+    return run_cli("--config", DEBUG_CONFIG, *QUIET, *args, **kw)
+
+
+def harness(checkpoint: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "eval.harness", "--checkpoint", str(checkpoint), "--tasks", "piqa",
+                           "--limit", "1"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+
+
+def one_error(proc: subprocess.CompletedProcess, *words: str) -> str:
+    """The process failed with status 2 and exactly one `error:` line (no traceback) holding `words`."""
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    for word in words:
+        assert word in errors[0], errors[0]
+    return errors[0]
+
+
+def refused_before_training(proc: subprocess.CompletedProcess, *words: str) -> None:
+    one_error(proc, "checkpoint.save_final", *words)
+    assert proc.stderr.strip().count("\n") == 0 and step_losses(proc.stdout) == {}, proc.stdout
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> tuple[Path, str]:
+    """A checkpoint after 1 step of the debug config, and the stdout of the run that saved it."""
+    ckpt = tmp_path_factory.mktemp("saved") / "ckpt"
+    return ckpt, train("--training.steps", "1", "--checkpoint.save_final", str(ckpt)).stdout
+
+
+def test_save_final_refuses_what_it_would_destroy(tmp_path):
+    """A user's directory, a file, a symlink or an unwritable place: refused before training, nothing touched."""
+    users = tmp_path / "results"
+    users.mkdir()
+    (users / "notes.txt").write_text("mine")
+    refused_before_training(train("--training.steps", "1", "--checkpoint.save_final", str(users), check=False),
+                            "not a MoEvement checkpoint")
+    assert os.listdir(users) == ["notes.txt"] and (users / "notes.txt").read_text() == "mine"
+    file = tmp_path / "model"
+    file.write_text("mine")
+    refused_before_training(train("--training.steps", "1", "--checkpoint.save_final", str(file), check=False),
+                            "not a directory")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "empty")
+    refused_before_training(train("--training.steps", "1", "--checkpoint.save_final", str(tmp_path / "link"),
+                                  check=False), "symlink")
+    assert sorted(os.listdir(tmp_path)) == ["empty", "link", "model", "results"] and file.read_text() == "mine"
+    assert os.listdir(tmp_path / "empty") == []
+    refused_before_training(train("--training.steps", "1", "--checkpoint.save_final", "/proc/x", check=False),
+                            "cannot write", "/proc/x")
+
+
+def test_replacing_a_checkpoint_touches_nothing_else(tmp_path):
+    """DIR.tmp and DIR.old are not ours; a checkpoint is replaced atomically, leaving no temporaries."""
+    ckpt = tmp_path / "ckpt"
+    for name in ("ckpt.tmp", "ckpt.old"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "mine.txt").write_text(name)
+    train("--training.steps", "2", "--training.stop_at", "1", "--checkpoint.save_final", str(ckpt))
+    second = train("--training.steps", "2", "--checkpoint.save_final", str(ckpt)).stdout
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "ckpt.old", "ckpt.tmp"]
+    for name in ("ckpt.tmp", "ckpt.old"):
+        assert os.listdir(tmp_path / name) == ["mine.txt"] and (tmp_path / name / "mine.txt").read_text() == name
+    assert sorted(os.listdir(ckpt)) == ["meta.json", "model.safetensors", "optim.safetensors"]
+    assert ckpt.stat().st_mode & 0o777 == 0o700 and all(p.stat().st_mode & 0o777 == 0o600 for p in ckpt.iterdir())
+    loaded = train("--training.steps", "2", "--checkpoint.load", str(ckpt)).stdout
+    assert json.loads((ckpt / "meta.json").read_text())["step"] == 2 and final_line(loaded) == final_line(second)
+    # A checkpoint that also holds a file train.py did not write is not replaced.
+    (ckpt / "eval_results.json").write_text("{}")
+    meta = (ckpt / "meta.json").read_text()
+    refused_before_training(train("--training.steps", "1", "--checkpoint.save_final", str(ckpt), check=False),
+                            "eval_results.json")
+    assert (ckpt / "meta.json").read_text() == meta and (ckpt / "eval_results.json").exists()
+
+
+def test_interrupted_save_looks_incomplete_and_only_it_is_cleaned(tmp_path):
+    """A save killed mid-write (SIGXFSZ at 512 KiB) leaves only a marked `.ckpt.tmp-*`; the next save
+    removes it, and leaves a marked temporary of a live process and an unmarked look-alike alone."""
+    ckpt = tmp_path / "ckpt"
+    script = ("import runpy, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_DFL); "
+              "sys.argv = sys.argv[1:]; runpy.run_path('train.py', run_name='__main__')")
+    args = ["train.py", "--config", DEBUG_CONFIG, *QUIET, "--training.steps", "1", "--checkpoint.save_final", str(ckpt)]
+    killed = subprocess.run([sys.executable, "-c", script, *args], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                            timeout=600, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 19, 1 << 19)))
+    assert killed.returncode == -signal.SIGXFSZ and final_line(killed.stdout)[0] == 1, killed.stderr
+    [partial] = os.listdir(tmp_path)
+    assert partial.startswith(".ckpt.tmp-") and "meta.json" not in os.listdir(tmp_path / partial)
+    assert ".moevement-partial" in os.listdir(tmp_path / partial)
+    one_error(train("--training.steps", "1", "--checkpoint.load", str(tmp_path / partial), check=False), "meta.json")
+    live, lookalike = tmp_path / ".ckpt.tmp-live", tmp_path / ".ckpt.tmp-mine"
+    live.mkdir()
+    (live / ".moevement-partial").write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+    (live / "model.safetensors").write_text("being written")
+    lookalike.mkdir()
+    (lookalike / "model.safetensors").write_text("mine")
+    train("--training.steps", "1", "--checkpoint.save_final", str(ckpt))
+    assert sorted(os.listdir(tmp_path)) == [".ckpt.tmp-live", ".ckpt.tmp-mine", "ckpt"]
+    assert sorted(os.listdir(live)) == [".moevement-partial", "model.safetensors"]
+    assert os.listdir(lookalike) == ["model.safetensors"]
+
+
+class _Payload:
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').write('code ran')",)
+
+
+def test_old_pickled_format_is_refused_unread(tmp_path):
+    """A crafted DCP-format checkpoint whose `.metadata` pickle runs code: refused, and the code never runs."""
+    sanity = tmp_path / "sanity"
+    pickle.loads(pickle.dumps(_Payload(sanity)))
+    assert sanity.exists()  # the payload is live
+    crafted, marker = tmp_path / "crafted", tmp_path / "pwned"
+    crafted.mkdir()
+    (crafted / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    (crafted / "__0_0.distcp").write_bytes(b"\0" * 64)
+    model = dataclasses.asdict(load_config(str(ROOT / DEBUG_CONFIG)).model)
+    files = {name: sha256(crafted / name) for name in (".metadata", "__0_0.distcp")}
+    (crafted / "meta.json").write_text(json.dumps({"format": "moevement-dense-v1", "step": 1, "loss": 1.0,
+                                                   "model": model, "files": files}))
+    one_error(train("--training.steps", "1", "--checkpoint.load", str(crafted), check=False), "old", "re-save")
+    one_error(harness(crafted), "old", "re-save")
+    assert not marker.exists()
+
+
+def test_checkpoint_of_another_config_needs_load_other_config(saved, tmp_path):
+    """Another training.lr is refused naming meta.json and the key (another job.name is not a difference);
+    with checkpoint.load_other_config it loads, listing the differences."""
+    ckpt, stdout = saved
+    other = ["--training.steps", "1", "--training.lr", "0.01", "--job.name", "fine_tune", "--checkpoint.load", str(ckpt)]
+    error = one_error(train(*other, check=False), str(ckpt / "meta.json"), "training.lr")
+    assert "job.name" not in error
+    allowed = train(*other, "--checkpoint.load_other_config", "true").stdout
+    [line] = [line for line in allowed.splitlines() if line.startswith("checkpoint:")]
+    assert "training.lr" in line and "job.name" not in line
+    assert step_losses(allowed) == {} and final_line(allowed) == final_line(stdout)
+
+
+def test_damaged_checkpoint_is_one_line_naming_the_file(saved, tmp_path):
+    """meta.json garbage, a truncated optimizer file, a safetensors file whose bytes match meta.json but
+    do not parse: train.py and eval.harness each fail with one line naming the file."""
+    from eval.checkpoint import load_checkpoint
+    from eval.errors import EvalError
+
+    cases = {"meta": ("meta.json", "unreadable"), "optim": ("optim.safetensors", "checksum"),
+             "model": ("model.safetensors", "unreadable")}
+    for case, (name, what) in cases.items():
+        ckpt = tmp_path / case
+        shutil.copytree(saved[0], ckpt)
+        if case == "meta":
+            (ckpt / name).write_text('{"format": "moevement-dense-v2", "step": ')
+        elif case == "optim":
+            (ckpt / name).write_bytes((ckpt / name).read_bytes()[:-100])
+        else:
+            (ckpt / name).write_bytes(b"\xff" * 8 + b"not a header")
+            meta = json.loads((ckpt / "meta.json").read_text())
+            meta["files"][name] = sha256(ckpt / name)
+            (ckpt / "meta.json").write_text(json.dumps(meta))
+        one_error(train("--training.steps", "1", "--checkpoint.load", str(ckpt), check=False), str(ckpt / name), what)
+        if case != "optim":  # evaluation reads only the model tensors
+            with pytest.raises(EvalError, match=f"{re.escape(str(ckpt / name))}.*{what}"):
+                load_checkpoint(ckpt)
+
+
+@pytest.mark.slow
+def test_single_process_checkpoint_loads_into_sharded_layouts(tmp_path):
+    """Each rank takes its own pipeline stages, experts and FSDP shards (parameters and AdamW state)
+    from the safetensors files: pp=2,dp=2,ep=2 and dp=4,ep=2 report the saved state's digest."""
+    ckpt = tmp_path / "ckpt"
+    shape = ["--model.n_layers", "4", "--training.batch_size", "16", "--training.micro_batches", "4",
+             "--training.seq_len", "64", "--training.steps", "3"]
+    saved_line = final_line(train(*shape, "--checkpoint.save_final", str(ckpt)).stdout)
+    for layout in (["--parallelism.pp", "2", "--parallelism.dp", "2", "--parallelism.ep", "2"],
+                   ["--parallelism.dp", "4", "--parallelism.ep", "2"]):
+        loaded = train(*shape, *layout, "--checkpoint.load", str(ckpt), nproc=4).stdout
+        assert step_losses(loaded) == {} and final_line(loaded) == saved_line, layout
