@@ -1,0 +1,95 @@
+"""Bad input gets one clear error line naming the key and the file, never a traceback (DESIGN.md §5).
+
+End-to-end cases run `train.py` as a real subprocess; the rest check the same errors at the function
+that raises them.
+"""
+
+import os
+
+# Never touch the network: must be set before `datasets` is first imported.
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import json
+from pathlib import Path
+
+import pytest
+
+from moevement.faults import FaultPlan, FaultSpecError, read_trace
+from tests.conftest import DEBUG_CONFIG, ROOT, run_cli
+from trainer.config import ConfigError, load_config
+from trainer.corpus import DataConfig, DataError, load_tokens
+from trainer.data import build_data
+from trainer.tokenizer import ByteTokenizer, TokenizerError, build_tokenizer
+
+QUIET = ("--metrics.tensorboard", "false", "--metrics.progress", "false")
+
+
+@pytest.fixture(scope="module")
+def hf_cache(tmp_path_factory):
+    """A private datasets cache so tests neither read nor litter ~/.cache."""
+    return str(tmp_path_factory.mktemp("hf_datasets_cache"))
+
+
+def train_error(*args: str) -> str:
+    """The one `error: ` line of a `train.py` run that must fail on bad input (exit status 2)."""
+    proc = run_cli("--config", DEBUG_CONFIG, *QUIET, "--training.steps", "2", *args, check=False)
+    assert proc.returncode == 2, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    return lines[0]
+
+
+def write(path: Path, data: bytes | str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(data, str):
+        data = data.encode()
+    path.write_bytes(data)
+    return path
+
+
+GARBAGE = bytes(range(256)) * 8  # NUL bytes and invalid UTF-8
+
+
+# ----------------------------------------------------------------------------- 1. tokenizer file
+
+@pytest.mark.parametrize("content, why", [
+    ('{"model": ', "not JSON"),
+    ('{"a": 1}', "not a Hugging Face tokenizers file"),
+])
+def test_cli_bad_tokenizer_file_is_one_line(tmp_path, content, why):
+    path = write(tmp_path / "tokenizer.json", content)
+    line = train_error("--data.tokenizer", str(path))
+    assert "data.tokenizer" in line and str(path) in line and why in line
+
+
+def _bpe_json(special: list[str]) -> str:
+    from tokenizers import Tokenizer, models
+
+    tok = Tokenizer(models.BPE(vocab={"a": 0, "b": 1, **{s: 2 + i for i, s in enumerate(special)}}, merges=[]))
+    return tok.to_str()
+
+
+@pytest.mark.parametrize("content, why", [
+    ("", "not JSON (the file is empty)"),
+    ("{'model': 1}", "not JSON"),
+    (b"\xff\xfe{}", "not UTF-8"),
+    ("[1, 2]", 'no "model" object'),
+    ('{"model": {"type": "BPE"}}', "not a valid tokenizers file"),
+    (_bpe_json([]), "none of the end-of-sequence tokens"),
+])
+def test_bad_tokenizer_file_says_why(tmp_path, content, why):
+    path = write(tmp_path / "tok.json", content)
+    with pytest.raises(TokenizerError, match=r"^data\.tokenizer: .*tok\.json") as e:
+        build_tokenizer(str(path))
+    assert why in str(e.value)
+    with pytest.raises(DataError, match="data.tokenizer"):  # what train.py catches
+        build_data(DataConfig(tokenizer=str(path)), 64, 8, 1, 0)
+
+
+def test_good_tokenizer_file_still_loads(tmp_path):
+    tok = build_tokenizer(str(write(tmp_path / "tok.json", _bpe_json(["</s>"]))))
+    assert (tok.eos_id, tok.vocab_size) == (2, 3)
+    with pytest.raises(TokenizerError, match="data.tokenizer: .*neither 'byte' nor an existing"):
+        build_tokenizer(str(tmp_path / "absent.json"))
