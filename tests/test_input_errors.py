@@ -93,3 +93,67 @@ def test_good_tokenizer_file_still_loads(tmp_path):
     assert (tok.eos_id, tok.vocab_size) == (2, 3)
     with pytest.raises(TokenizerError, match="data.tokenizer: .*neither 'byte' nor an existing"):
         build_tokenizer(str(tmp_path / "absent.json"))
+
+
+# ----------------------------------------------------------------------------- 2. data files
+
+@pytest.mark.parametrize("name, content, why", [
+    ("valid.txt", b"", "is empty"),
+    ("valid.txt", GARBAGE, "is binary, not text"),
+    ("valid.txt", b"caf\xe9 au lait\n" * 50, "is not UTF-8 text (invalid byte 0xe9 near offset 3)"),
+    ("valid.jsonl", b"", "is empty"),
+])
+def test_cli_empty_or_binary_data_file_is_one_line(tmp_path, name, content, why):
+    path = write(tmp_path / "data" / name, content)
+    line = train_error("--data.dataset", str(path.parent), "--data.cache_dir", str(tmp_path / "cache"))
+    assert line.startswith("error: data.dataset: ") and str(path) in line and "data.train_split='valid'" in line
+    assert why in line and "An error occurred" not in line
+
+
+def test_cli_missing_text_field_and_missing_dir_are_one_line(tmp_path):
+    path = write(tmp_path / "data" / "valid.jsonl", '{"body": "hello"}\n')
+    line = train_error("--data.dataset", str(path.parent), "--data.cache_dir", str(tmp_path / "cache"))
+    assert "data.text_field: column 'text' not found" in line and str(path) in line and "['body']" in line
+    line = train_error("--data.dataset", str(tmp_path / "nowhere"))
+    assert "data.dataset: path" in line and "does not exist" in line
+    line = train_error("--data.dataset", str(path.parent), "--data.train_split", "train")
+    assert "data.train_split: no file for split 'train'" in line
+
+
+@pytest.mark.parametrize("name, content, why", [
+    ("valid.txt", b"", "is empty"),
+    ("valid.txt", b"abc\x00def\n", "is binary, not text (NUL byte at offset 3)"),
+    ("valid.txt", b"\n  \n", "contains no text"),
+    ("valid.jsonl", b"\n\n", "has no rows"),
+    ("valid.json", b"[]", "has no rows"),
+    ("valid.jsonl", b'{"text": "a"}\n{"text": \n', "JSON parse error"),
+    ("valid.jsonl", b'{"text": 5}\n', "holds int, not text"),
+    ("valid.jsonl", b'{"text": null}\n{"body": 1}\n', "contains no text"),
+    ("valid.parquet", b"", "is empty"),
+    ("valid.parquet", b"PAR1 not parquet", "ArrowInvalid"),
+])
+def test_bad_data_file_names_file_and_cause(tmp_path, hf_cache, name, content, why):
+    path = write(tmp_path / name, content)
+    with pytest.raises(DataError, match=r"^data\.(dataset|text_field): ") as e:
+        load_tokens(DataConfig(dataset=str(tmp_path), cache_dir=hf_cache), "valid", ByteTokenizer())
+    msg = str(e.value)
+    assert why in msg and str(path) in msg and "data.train_split='valid'" in msg and "\n" not in msg
+
+
+def test_shards_one_empty_is_fine_all_empty_is_not(tmp_path, hf_cache):
+    cfg = DataConfig(dataset=str(tmp_path), cache_dir=hf_cache)
+    write(tmp_path / "train-0.txt", "")
+    write(tmp_path / "train-1.txt", "")
+    with pytest.raises(DataError, match=r"all 2 files of .* \(data\.train_split='train'\) are empty"):
+        load_tokens(cfg, "train", ByteTokenizer())
+    write(tmp_path / "train-1.txt", "hello\n")
+    assert load_tokens(cfg, "train", ByteTokenizer()).tolist() == list(b"hello\n")
+
+
+def test_unlistable_data_directory(tmp_path, monkeypatch):
+    def denied(self):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "iterdir", denied)
+    with pytest.raises(DataError, match=r"^data\.dataset: cannot list directory .*: Permission denied"):
+        load_tokens(DataConfig(dataset=str(tmp_path)), "valid", ByteTokenizer())
