@@ -157,3 +157,16 @@ def test_unlistable_data_directory(tmp_path, monkeypatch):
     monkeypatch.setattr(Path, "iterdir", denied)
     with pytest.raises(DataError, match=r"^data\.dataset: cannot list directory .*: Permission denied"):
         load_tokens(DataConfig(dataset=str(tmp_path)), "valid", ByteTokenizer())
+
+
+# ----------------------------------------------------------------------------- 3. training.steps
+
+def test_cli_zero_steps_is_refused():
+    line = train_error("--training.steps", "0", "--dry-run")
+    assert line == "error: config key 'training.steps' must be positive, got 0"
+
+
+@pytest.mark.parametrize("steps", ["0", "-3"])
+def test_zero_or_negative_steps_is_refused(steps):
+    with pytest.raises(ConfigError, match=f"'training.steps' must be positive, got {steps}"):
+        load_config(str(ROOT / DEBUG_CONFIG), ["--training.steps", steps])
