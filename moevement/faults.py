@@ -51,6 +51,14 @@ def parse_events(spec: str, key: str) -> list[FaultEvent]:
     return events
 
 
+def check_last_step(events: list[FaultEvent], key: str, last_step: int) -> None:
+    """Refuse a failure after iteration `last_step` (the run's last): it would silently never fire."""
+    late = [e.step for e in events if e.step > last_step]
+    if late:
+        raise FaultSpecError(f"config key '{key}' has a failure at step {max(late)}, after the run's last step "
+                             f"{last_step} (training.stop_at, or training.steps when it is 0): it would never fire")
+
+
 def poisson_events(mtbf_iters: float, seed: int, world: int, last_step: int) -> list[FaultEvent]:
     """Failures of one random rank each, exponential inter-arrival times of mean `mtbf_iters` iterations."""
     rng, events, clock = random.Random(seed), [], 0.0
@@ -87,12 +95,20 @@ def read_trace(path: str) -> tuple[list[FaultEvent], list[tuple[float, int]]]:
 
 
 class FaultPlan:
-    """The injected failures of a run, looked up by iteration; each fires once."""
+    """The injected failures of a run, looked up by iteration; each fires once.
+
+    `last_step`: the run's last iteration. Poisson failures stop there; a `fault.at` or `fault.crash`
+    failure after it could never fire and is refused (FaultSpecError naming the key, the step and
+    `last_step`); 0 leaves them unchecked. Trace rows after it are ignored, like Poisson failures.
+    """
 
     def __init__(self, at: str = "", crash: str = "", *, mtbf_iters: float = 0.0, seed: int = 0, trace: str = "",
                  world: int = 1, last_step: int = 0):
         self.events = parse_events(at, "fault.at")
         self.crashes = parse_events(crash, "fault.crash")
+        if last_step >= 1:
+            check_last_step(self.events, "fault.at", last_step)
+            check_last_step(self.crashes, "fault.crash", last_step)
         self.timed: list[tuple[float, int]] = []
         if mtbf_iters > 0:
             self.events += poisson_events(mtbf_iters, seed, world, last_step)

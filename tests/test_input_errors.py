@@ -170,3 +170,31 @@ def test_cli_zero_steps_is_refused():
 def test_zero_or_negative_steps_is_refused(steps):
     with pytest.raises(ConfigError, match=f"'training.steps' must be positive, got {steps}"):
         load_config(str(ROOT / DEBUG_CONFIG), ["--training.steps", steps])
+
+
+# ----------------------------------------------------------------------------- 4. failures after the last step
+
+MOEVEMENT = ("--checkpoint.strategy", "moevement")
+
+
+def test_cli_fault_after_last_step_is_refused():
+    line = train_error(*MOEVEMENT, "--fault.at", "3:1", "--dry-run")
+    assert "'fault.at'" in line and "step 3" in line and "last step 2" in line
+
+
+@pytest.mark.parametrize("args, key, step, last", [
+    (["--fault.at", "5:1,61:0"], "fault.at", 61, 60),
+    (["--fault.crash", "70:1"], "fault.crash", 70, 60),
+    (["--training.stop_at", "20", "--fault.at", "21:1"], "fault.at", 21, 20),
+])
+def test_fault_after_last_step_names_key_step_and_last_step(args, key, step, last):
+    with pytest.raises(ConfigError, match=rf"'{key}' has a failure at step {step}, after the run's last step {last}"):
+        load_config(str(ROOT / DEBUG_CONFIG), [*MOEVEMENT, *args])
+
+
+def test_fault_at_last_step_is_accepted():
+    cfg = load_config(str(ROOT / DEBUG_CONFIG), [*MOEVEMENT, "--fault.at", "60:1", "--fault.crash", "60:0"])
+    assert cfg.fault.at == "60:1"
+    assert [e.step for e in FaultPlan("5:1", world=2, last_step=5).events] == [5]
+    with pytest.raises(FaultSpecError, match="'fault.at' has a failure at step 6, after the run's last step 5"):
+        FaultPlan("6:1", world=2, last_step=5)
