@@ -72,14 +72,28 @@ def poisson_events(mtbf_iters: float, seed: int, world: int, last_step: int) -> 
 
 
 def read_trace(path: str) -> tuple[list[FaultEvent], list[tuple[float, int]]]:
-    """(iteration events, (seconds, rank) events) of a failure trace CSV."""
+    """(iteration events, (seconds, rank) events) of a failure trace CSV.
+
+    A file that cannot be read, is not UTF-8 CSV, lacks a `rank` and an `iteration` or `time_s`
+    header column, has no failure row, or has a bad value raises FaultSpecError naming the file."""
+    name = f"config key 'fault.trace': {path}"
     try:
-        with open(path, newline="") as f:
-            rows = list(csv.DictReader(f))
+        with open(path, newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            rows = [(reader.line_num, row) for row in reader]
+            header = reader.fieldnames or []
     except OSError as e:
-        raise FaultSpecError(f"config key 'fault.trace': cannot read {path}: {e.strerror}") from None
+        raise FaultSpecError(f"{name}: cannot read it: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise FaultSpecError(f"{name} is not UTF-8 text (byte offset {e.start})") from None
+    except csv.Error as e:
+        raise FaultSpecError(f"{name} is not a CSV file: {e}") from None
+    if "rank" not in header or not {"iteration", "time_s"} & set(header):
+        raise FaultSpecError(f"{name} must start with a header `iteration,rank` or `time_s,rank`, got {header}")
+    if not rows:
+        raise FaultSpecError(f"{name} has a header but no failure rows")
     by_step, by_time = [], []
-    for n, row in enumerate(rows, start=2):
+    for n, row in rows:
         try:
             rank = int(row["rank"])
             if row.get("iteration") not in (None, ""):
@@ -87,10 +101,12 @@ def read_trace(path: str) -> tuple[list[FaultEvent], list[tuple[float, int]]]:
             else:
                 by_time.append((float(row["time_s"]), rank))
         except (KeyError, TypeError, ValueError):
-            raise FaultSpecError(f"config key 'fault.trace': {path} line {n} must have `rank` and `iteration` "
+            raise FaultSpecError(f"{name} line {n} must have `rank` and `iteration` "
                                  f"or `time_s` columns with numbers, got {dict(row)}") from None
     if any(e.step < 1 for e in by_step) or any(r < 0 for _, r in by_time) or any(min(e.ranks) < 0 for e in by_step):
-        raise FaultSpecError(f"config key 'fault.trace': {path} has an iteration < 1 or a rank < 0")
+        raise FaultSpecError(f"{name} has an iteration < 1 or a rank < 0")
+    if any(not (math.isfinite(t) and t >= 0) for t, _ in by_time):
+        raise FaultSpecError(f"{name} has a time_s that is negative or not a finite number")
     return by_step, sorted(by_time)
 
 

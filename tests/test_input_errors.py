@@ -198,3 +198,32 @@ def test_fault_at_last_step_is_accepted():
     assert [e.step for e in FaultPlan("5:1", world=2, last_step=5).events] == [5]
     with pytest.raises(FaultSpecError, match="'fault.at' has a failure at step 6, after the run's last step 5"):
         FaultPlan("6:1", world=2, last_step=5)
+
+
+# ----------------------------------------------------------------------------- 5. fault.trace
+
+def test_cli_bad_trace_is_one_line(tmp_path):
+    trace = write(tmp_path / "trace.csv", b"iteration,rank\n\xff\xfe,1\n")
+    line = train_error(*MOEVEMENT, "--fault.trace", str(trace), "--dry-run")
+    assert "'fault.trace'" in line and str(trace) in line and "not UTF-8" in line
+
+
+@pytest.mark.parametrize("content, why", [
+    (b"", "must start with a header"),
+    (b"a,b\n1,2\n", "must start with a header `iteration,rank` or `time_s,rank`, got ['a', 'b']"),
+    (b"iteration,rank\n", "no failure rows"),
+    (b"iteration,rank\n\xff,1\n", "not UTF-8"),
+    (b"iteration,rank\n\n5,x\n", "line 3 must have"),
+    (b"time_s,rank\nnan,1\n", "not a finite number"),
+    (b"time_s,rank\n-1,1\n", "negative"),
+    (b"iteration,rank\n0,1\n", "iteration < 1"),
+])
+def test_bad_trace_names_file_and_cause(tmp_path, content, why):
+    trace = write(tmp_path / "trace.csv", content)
+    with pytest.raises(FaultSpecError, match=r"^config key 'fault\.trace': ") as e:
+        read_trace(str(trace))
+    assert why in str(e.value) and str(trace) in str(e.value)
+    with pytest.raises(FaultSpecError, match="cannot read it"):
+        read_trace(str(tmp_path / "absent.csv"))
+    with pytest.raises(FaultSpecError, match="cannot read it"):
+        read_trace(str(tmp_path))
