@@ -51,6 +51,14 @@ def parse_events(spec: str, key: str) -> list[FaultEvent]:
     return events
 
 
+def check_last_step(events: list[FaultEvent], key: str, last_step: int) -> None:
+    """Refuse a failure after iteration `last_step` (the run's last): it would silently never fire."""
+    late = [e.step for e in events if e.step > last_step]
+    if late:
+        raise FaultSpecError(f"config key '{key}' has a failure at step {max(late)}, after the run's last step "
+                             f"{last_step} (training.stop_at, or training.steps when it is 0): it would never fire")
+
+
 def poisson_events(mtbf_iters: float, seed: int, world: int, last_step: int) -> list[FaultEvent]:
     """Failures of one random rank each, exponential inter-arrival times of mean `mtbf_iters` iterations."""
     rng, events, clock = random.Random(seed), [], 0.0
@@ -64,14 +72,28 @@ def poisson_events(mtbf_iters: float, seed: int, world: int, last_step: int) -> 
 
 
 def read_trace(path: str) -> tuple[list[FaultEvent], list[tuple[float, int]]]:
-    """(iteration events, (seconds, rank) events) of a failure trace CSV."""
+    """(iteration events, (seconds, rank) events) of a failure trace CSV.
+
+    A file that cannot be read, is not UTF-8 CSV, lacks a `rank` and an `iteration` or `time_s`
+    header column, has no failure row, or has a bad value raises FaultSpecError naming the file."""
+    name = f"config key 'fault.trace': {path}"
     try:
-        with open(path, newline="") as f:
-            rows = list(csv.DictReader(f))
+        with open(path, newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            rows = [(reader.line_num, row) for row in reader]
+            header = reader.fieldnames or []
     except OSError as e:
-        raise FaultSpecError(f"config key 'fault.trace': cannot read {path}: {e.strerror}") from None
+        raise FaultSpecError(f"{name}: cannot read it: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise FaultSpecError(f"{name} is not UTF-8 text (byte offset {e.start})") from None
+    except csv.Error as e:
+        raise FaultSpecError(f"{name} is not a CSV file: {e}") from None
+    if "rank" not in header or not {"iteration", "time_s"} & set(header):
+        raise FaultSpecError(f"{name} must start with a header `iteration,rank` or `time_s,rank`, got {header}")
+    if not rows:
+        raise FaultSpecError(f"{name} has a header but no failure rows")
     by_step, by_time = [], []
-    for n, row in enumerate(rows, start=2):
+    for n, row in rows:
         try:
             rank = int(row["rank"])
             if row.get("iteration") not in (None, ""):
@@ -79,20 +101,30 @@ def read_trace(path: str) -> tuple[list[FaultEvent], list[tuple[float, int]]]:
             else:
                 by_time.append((float(row["time_s"]), rank))
         except (KeyError, TypeError, ValueError):
-            raise FaultSpecError(f"config key 'fault.trace': {path} line {n} must have `rank` and `iteration` "
+            raise FaultSpecError(f"{name} line {n} must have `rank` and `iteration` "
                                  f"or `time_s` columns with numbers, got {dict(row)}") from None
     if any(e.step < 1 for e in by_step) or any(r < 0 for _, r in by_time) or any(min(e.ranks) < 0 for e in by_step):
-        raise FaultSpecError(f"config key 'fault.trace': {path} has an iteration < 1 or a rank < 0")
+        raise FaultSpecError(f"{name} has an iteration < 1 or a rank < 0")
+    if any(not (math.isfinite(t) and t >= 0) for t, _ in by_time):
+        raise FaultSpecError(f"{name} has a time_s that is negative or not a finite number")
     return by_step, sorted(by_time)
 
 
 class FaultPlan:
-    """The injected failures of a run, looked up by iteration; each fires once."""
+    """The injected failures of a run, looked up by iteration; each fires once.
+
+    `last_step`: the run's last iteration. Poisson failures stop there; a `fault.at` or `fault.crash`
+    failure after it could never fire and is refused (FaultSpecError naming the key, the step and
+    `last_step`); 0 leaves them unchecked. Trace rows after it are ignored, like Poisson failures.
+    """
 
     def __init__(self, at: str = "", crash: str = "", *, mtbf_iters: float = 0.0, seed: int = 0, trace: str = "",
                  world: int = 1, last_step: int = 0):
         self.events = parse_events(at, "fault.at")
         self.crashes = parse_events(crash, "fault.crash")
+        if last_step >= 1:
+            check_last_step(self.events, "fault.at", last_step)
+            check_last_step(self.crashes, "fault.crash", last_step)
         self.timed: list[tuple[float, int]] = []
         if mtbf_iters > 0:
             self.events += poisson_events(mtbf_iters, seed, world, last_step)

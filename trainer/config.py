@@ -247,8 +247,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(str(e)) from None
     t = cfg.training
     for name in ("steps", "batch_size", "micro_batches", "seq_len", "val_batches"):
-        _check(getattr(t, name) >= (0 if name == "steps" else 1), f"training.{name}",
-               f"must be positive, got {getattr(t, name)}")
+        _check(getattr(t, name) >= 1, f"training.{name}", f"must be positive, got {getattr(t, name)}")
     _check(t.batch_size % t.micro_batches == 0, "training.batch_size",
            f"({t.batch_size}) must be divisible by training.micro_batches ({t.micro_batches})")
     _check(t.seq_len <= cfg.model.max_seq_len, "training.seq_len",

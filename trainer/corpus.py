@@ -20,6 +20,7 @@ the tokenizer's ``eos_id`` between them; results are cached in-process.
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import dataclasses
 import os
@@ -101,6 +102,16 @@ def _format_of(files: Sequence[Path], where: str) -> str:
 
 
 def _split_files(directory: Path, split: str, key: str) -> list[Path]:
+    """The files of split ``split`` in ``directory``; DataError naming ``key`` when there are none."""
+    try:
+        return _find_split_files(directory, split, key)
+    except OSError as e:
+        raise DataError(
+            f"data.dataset: cannot list directory {str(directory)!r} ({key}={split!r}): {e.strerror}"
+        ) from None
+
+
+def _find_split_files(directory: Path, split: str, key: str) -> list[Path]:
     cands: list[Path] = []
     for f in sorted(directory.iterdir()):
         if not f.is_file() or f.suffix.lower() not in _FORMATS:
@@ -166,13 +177,17 @@ def _resolve_source(cfg: DataConfig, split: str, key: str) -> _Source:
 
 @contextlib.contextmanager
 def _quiet_datasets():
+    """No progress bars, and no log lines that repeat the error :class:`DataError` reports."""
     import datasets
 
     was_disabled = datasets.are_progress_bars_disabled()
+    verbosity = datasets.logging.get_verbosity()
     datasets.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     try:
         yield
     finally:
+        datasets.logging.set_verbosity(verbosity)
         if not was_disabled:
             datasets.enable_progress_bars()
 
@@ -200,22 +215,90 @@ def _group_lines(lines: Sequence[Optional[str]]) -> list[str]:
     return docs
 
 
-def _load_documents(src: _Source, cfg: DataConfig) -> list[str]:
+_CHECK_CHUNK = 1 << 20
+
+
+def _text_problem(path: str) -> Optional[str]:
+    """Why the file at ``path`` is not UTF-8 text (a NUL byte or an invalid sequence), or ``None``."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(_CHECK_CHUNK)
+            nul = chunk.find(b"\0")
+            if nul >= 0:
+                return f"is binary, not text (NUL byte at offset {offset + nul})"
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as e:
+                return f"is not UTF-8 text (invalid byte 0x{e.object[e.start]:02x} near offset {offset + e.start})"
+            if not chunk:
+                return None
+            offset += len(chunk)
+
+
+def _check_local_files(src: _Source, where: str) -> None:
+    """Refuse, naming the file, local files that cannot be read, are all empty, or are not UTF-8 text.
+
+    ``where`` names the split's config key, e.g. ``(data.train_split='valid')``.
+    """
+    empty = []
+    for path in src.files:
+        try:
+            if os.path.getsize(path) == 0:
+                empty.append(path)
+                continue
+            problem = _text_problem(path) if src.builder in ("text", "json") else None
+        except OSError as e:
+            raise DataError(f"data.dataset: cannot read {path!r} {where}: {e.strerror}") from None
+        if problem:
+            raise DataError(f"data.dataset: {path!r} {where} {problem}")
+    if len(empty) == len(src.files):
+        if len(empty) == 1:
+            raise DataError(f"data.dataset: {empty[0]!r} {where} is empty")
+        raise DataError(f"data.dataset: all {len(empty)} files of {src.describe()!r} {where} are empty")
+
+
+def _cause(e: BaseException) -> str:
+    """The first line of the innermost useful error under a ``datasets`` wrapper (which says only
+    "An error occurred while generating the dataset")."""
+    import datasets
+
+    seen = set()
+    while isinstance(e, datasets.exceptions.DatasetGenerationError) and id(e) not in seen:
+        seen.add(id(e))
+        inner = e.__cause__ or e.__context__
+        if inner is None:
+            break
+        e = inner
+    msg = str(e).splitlines()[0] if str(e).strip() else ""
+    if "corresponds to no data" in msg:  # datasets' wording for a file without a single row
+        return "it has no rows"
+    return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
+
+
+def _load_local(src: _Source, cache_dir: Optional[str], where: str):
+    import datasets
+
+    _check_local_files(src, where)
+    kwargs: dict[str, Any] = {"keep_linebreaks": True} if src.builder == "text" else {}
+    try:
+        return datasets.load_dataset(
+            src.builder, data_files={"split": list(src.files)}, split="split", cache_dir=cache_dir, **kwargs
+        )
+    except Exception as e:
+        why = _cause(e)
+        raise DataError(f"data.dataset: could not read {src.describe()!r} {where} as {src.builder}: {why}") from e
+
+
+def _load_documents(src: _Source, cfg: DataConfig, where: str) -> list[str]:
+    """The documents of ``src``; ``where`` (e.g. ``(data.train_split='valid')``) is named in errors."""
     import datasets
 
     cache_dir = cfg.cache_dir or None
     with _quiet_datasets():
         if src.kind == "local":
-            kwargs: dict[str, Any] = {}
-            if src.builder == "text":
-                kwargs["keep_linebreaks"] = True
-            try:
-                ds = datasets.load_dataset(
-                    src.builder, data_files={"split": list(src.files)}, split="split", cache_dir=cache_dir, **kwargs
-                )
-            except Exception as e:
-                msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-                raise DataError(f"data.dataset: could not read {src.describe()!r} as {src.builder}: {msg}") from e
+            ds = _load_local(src, cache_dir, where)
         else:
             try:
                 ds = datasets.load_dataset(src.hub_id, src.hub_config or None, split=src.hub_split, cache_dir=cache_dir)
@@ -234,16 +317,16 @@ def _load_documents(src: _Source, cfg: DataConfig) -> list[str]:
     field = "text" if (src.kind == "local" and src.builder == "text") else cfg.text_field
     if field not in ds.column_names:
         raise DataError(
-            f"data.text_field: column {field!r} not found in {src.describe()} (columns: {ds.column_names})"
+            f"data.text_field: column {field!r} not found in {src.describe()!r} {where} (columns: {ds.column_names})"
         )
     texts = ds.data.column(field).to_pylist()  # straight from Arrow: much faster than row access
     if src.builder == "text" or src.lines_are_rows:
         return _group_lines(texts)
-    for t in texts[:1]:
-        if t is not None and not isinstance(t, str):
-            raise DataError(
-                f"data.text_field: column {field!r} of {src.describe()} holds {type(t).__name__}, not text"
-            )
+    first = next((t for t in texts if t is not None), None)
+    if first is not None and not isinstance(first, str):
+        raise DataError(
+            f"data.text_field: column {field!r} of {src.describe()!r} {where} holds {type(first).__name__}, not text"
+        )
     return [t for t in texts if t is not None and t.strip()]
 
 
@@ -275,9 +358,10 @@ def load_tokens(cfg: DataConfig, split: str, tokenizer: Tokenizer, *, split_key:
     hit = _TOKEN_CACHE.get(key)
     if hit is not None:
         return hit
-    docs = _load_documents(src, cfg)
+    where = f"({split_key}={split!r})"
+    docs = _load_documents(src, cfg, where)
     if not docs:
-        raise DataError(f"data.dataset: {src.describe()} ({split_key}={split!r}) contains no text")
+        raise DataError(f"data.dataset: {src.describe()!r} {where} contains no text")
     arr = encode_documents(tokenizer, docs)
     tokens = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.int32))
     _TOKEN_CACHE[key] = tokens

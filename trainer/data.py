@@ -20,7 +20,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from trainer.corpus import DataConfig, DataError, describe_split, load_tokens
-from trainer.tokenizer import Tokenizer, build_tokenizer
+from trainer.tokenizer import Tokenizer, TokenizerError, build_tokenizer
 
 __all__ = ["DataConfig", "DataError", "TokenBatches", "build_data", "make_loader"]
 
@@ -263,10 +263,14 @@ def build_data(
     ``train_batches`` is shuffled per epoch with ``seed``; ``val_batches`` serves the val
     split's sequences in file order (``val_batches.val_batch(i, rank, dp)`` for
     ``i < val_batches.num_batches``), or is ``None`` when ``cfg.val_split == ""``.
+    Bad settings, a bad tokenizer file or bad data files raise :class:`DataError` naming the key and file.
     """
     if cfg.num_workers < 0:
         raise DataError(f"data.num_workers must be >= 0, got {cfg.num_workers}")
-    tok = build_tokenizer(cfg.tokenizer)
+    try:
+        tok = build_tokenizer(cfg.tokenizer)
+    except TokenizerError as e:  # the trainer reports DataError as one line
+        raise DataError(str(e)) from None
     train = TokenBatches(
         load_tokens(cfg, cfg.train_split, tok, split_key="data.train_split"),
         seq_len, global_batch_size, micro_batches, seed,

@@ -12,6 +12,7 @@ Two implementations share the small :class:`Tokenizer` interface:
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Iterable, Protocol, Sequence, runtime_checkable
 
@@ -21,6 +22,10 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # Looked up in this order in a tokenizer.json's vocabulary / added tokens.
 EOS_CANDIDATES: tuple[str, ...] = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>")
+
+
+class TokenizerError(ValueError):
+    """A bad ``data.tokenizer`` value or file; the message names the key and the file."""
 
 
 @runtime_checkable
@@ -65,21 +70,41 @@ class ByteTokenizer:
         return "ByteTokenizer()"
 
 
+def _read_tokenizer_json(path: Path):
+    """``path`` read as a ``tokenizers`` tokenizer.json; :class:`TokenizerError` saying why it is not one."""
+    from tokenizers import Tokenizer as _HFTok
+
+    name = f"data.tokenizer: {str(path)!r}"
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise TokenizerError(f"{name} does not exist") from None
+    except OSError as e:
+        raise TokenizerError(f"{name} cannot be read: {e.strerror}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise TokenizerError(f"{name} is not a tokenizer.json: not UTF-8 text (byte offset {e.start})") from None
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as e:
+        what = "the file is empty" if not text.strip() else f"{e.msg} at line {e.lineno} column {e.colno}"
+        raise TokenizerError(f"{name} is not a tokenizer.json: not JSON ({what})") from None
+    if not isinstance(spec, dict) or not isinstance(spec.get("model"), dict):
+        raise TokenizerError(f'{name} is JSON but not a Hugging Face tokenizers file (no "model" object)')
+    try:
+        return _HFTok.from_str(text)
+    except Exception as e:  # tokenizers raises a bare Exception on malformed files
+        msg = str(e).splitlines()[0] if str(e).strip() else type(e).__name__
+        raise TokenizerError(f"{name} is not a valid tokenizers file: {msg}") from None
+
+
 class HFTokenizer:
     """A ``tokenizer.json`` file (Hugging Face ``tokenizers`` format)."""
 
     def __init__(self, path: str | Path):
-        from tokenizers import Tokenizer as _HFTok
-
         self.path = Path(path)
-        if not self.path.is_file():
-            raise ValueError(f"data.tokenizer: tokenizer file {str(self.path)!r} does not exist")
-        try:
-            self._tok = _HFTok.from_file(str(self.path))
-        except Exception as e:  # tokenizers raises a bare Exception on malformed files
-            raise ValueError(
-                f"data.tokenizer: could not read {str(self.path)!r} as a tokenizer.json: {e}"
-            ) from e
+        self._tok = _read_tokenizer_json(self.path)
         eos = None
         for tok in EOS_CANDIDATES:
             tid = self._tok.token_to_id(tok)
@@ -88,7 +113,7 @@ class HFTokenizer:
                 self.eos_token = tok
                 break
         if eos is None:
-            raise ValueError(
+            raise TokenizerError(
                 f"data.tokenizer: {str(self.path)!r} has none of the end-of-sequence tokens "
                 f"{list(EOS_CANDIDATES)}"
             )
@@ -136,10 +161,11 @@ def build_tokenizer(spec: str) -> Tokenizer:
     """``"byte"`` -> :class:`ByteTokenizer`; otherwise a path to a ``tokenizer.json``.
 
     A relative path is resolved against the repository root (then the CWD).
-    Raises ``ValueError`` naming ``data.tokenizer`` if the file does not exist.
+    Raises :class:`TokenizerError` naming ``data.tokenizer`` and the file when it is missing or is
+    not a tokenizer.json.
     """
     if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"data.tokenizer: expected 'byte' or a path to a tokenizer.json, got {spec!r}")
+        raise TokenizerError(f"data.tokenizer: expected 'byte' or a path to a tokenizer.json, got {spec!r}")
     spec = spec.strip()
     if spec == "byte":
         return ByteTokenizer()
@@ -147,7 +173,7 @@ def build_tokenizer(spec: str) -> Tokenizer:
     if path.is_dir() and (path / "tokenizer.json").is_file():
         path = path / "tokenizer.json"
     if not path.is_file():
-        raise ValueError(
+        raise TokenizerError(
             f"data.tokenizer: {spec!r} is neither 'byte' nor an existing tokenizer.json file "
             f"(looked at {str(path)!r})"
         )

@@ -1,0 +1,229 @@
+"""Bad input gets one clear error line naming the key and the file, never a traceback (DESIGN.md §5).
+
+End-to-end cases run `train.py` as a real subprocess; the rest check the same errors at the function
+that raises them.
+"""
+
+import os
+
+# Never touch the network: must be set before `datasets` is first imported.
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import json
+from pathlib import Path
+
+import pytest
+
+from moevement.faults import FaultPlan, FaultSpecError, read_trace
+from tests.conftest import DEBUG_CONFIG, ROOT, run_cli
+from trainer.config import ConfigError, load_config
+from trainer.corpus import DataConfig, DataError, load_tokens
+from trainer.data import build_data
+from trainer.tokenizer import ByteTokenizer, TokenizerError, build_tokenizer
+
+QUIET = ("--metrics.tensorboard", "false", "--metrics.progress", "false")
+
+
+@pytest.fixture(scope="module")
+def hf_cache(tmp_path_factory):
+    """A private datasets cache so tests neither read nor litter ~/.cache."""
+    return str(tmp_path_factory.mktemp("hf_datasets_cache"))
+
+
+def train_error(*args: str) -> str:
+    """The one `error: ` line of a `train.py` run that must fail on bad input (exit status 2)."""
+    proc = run_cli("--config", DEBUG_CONFIG, *QUIET, "--training.steps", "2", *args, check=False)
+    assert proc.returncode == 2, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    return lines[0]
+
+
+def write(path: Path, data: bytes | str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(data, str):
+        data = data.encode()
+    path.write_bytes(data)
+    return path
+
+
+GARBAGE = bytes(range(256)) * 8  # NUL bytes and invalid UTF-8
+
+
+# ----------------------------------------------------------------------------- 1. tokenizer file
+
+@pytest.mark.parametrize("content, why", [
+    ('{"model": ', "not JSON"),
+    ('{"a": 1}', "not a Hugging Face tokenizers file"),
+])
+def test_cli_bad_tokenizer_file_is_one_line(tmp_path, content, why):
+    path = write(tmp_path / "tokenizer.json", content)
+    line = train_error("--data.tokenizer", str(path))
+    assert "data.tokenizer" in line and str(path) in line and why in line
+
+
+def _bpe_json(special: list[str]) -> str:
+    from tokenizers import Tokenizer, models
+
+    tok = Tokenizer(models.BPE(vocab={"a": 0, "b": 1, **{s: 2 + i for i, s in enumerate(special)}}, merges=[]))
+    return tok.to_str()
+
+
+@pytest.mark.parametrize("content, why", [
+    ("", "not JSON (the file is empty)"),
+    ("{'model': 1}", "not JSON"),
+    (b"\xff\xfe{}", "not UTF-8"),
+    ("[1, 2]", 'no "model" object'),
+    ('{"model": {"type": "BPE"}}', "not a valid tokenizers file"),
+    (_bpe_json([]), "none of the end-of-sequence tokens"),
+])
+def test_bad_tokenizer_file_says_why(tmp_path, content, why):
+    path = write(tmp_path / "tok.json", content)
+    with pytest.raises(TokenizerError, match=r"^data\.tokenizer: .*tok\.json") as e:
+        build_tokenizer(str(path))
+    assert why in str(e.value)
+    with pytest.raises(DataError, match="data.tokenizer"):  # what train.py catches
+        build_data(DataConfig(tokenizer=str(path)), 64, 8, 1, 0)
+
+
+def test_good_tokenizer_file_still_loads(tmp_path):
+    tok = build_tokenizer(str(write(tmp_path / "tok.json", _bpe_json(["</s>"]))))
+    assert (tok.eos_id, tok.vocab_size) == (2, 3)
+    with pytest.raises(TokenizerError, match="data.tokenizer: .*neither 'byte' nor an existing"):
+        build_tokenizer(str(tmp_path / "absent.json"))
+
+
+# ----------------------------------------------------------------------------- 2. data files
+
+@pytest.mark.parametrize("name, content, why", [
+    ("valid.txt", b"", "is empty"),
+    ("valid.txt", GARBAGE, "is binary, not text"),
+    ("valid.txt", b"caf\xe9 au lait\n" * 50, "is not UTF-8 text (invalid byte 0xe9 near offset 3)"),
+    ("valid.jsonl", b"", "is empty"),
+])
+def test_cli_empty_or_binary_data_file_is_one_line(tmp_path, name, content, why):
+    path = write(tmp_path / "data" / name, content)
+    line = train_error("--data.dataset", str(path.parent), "--data.cache_dir", str(tmp_path / "cache"))
+    assert line.startswith("error: data.dataset: ") and str(path) in line and "data.train_split='valid'" in line
+    assert why in line and "An error occurred" not in line
+
+
+def test_cli_missing_text_field_and_missing_dir_are_one_line(tmp_path):
+    path = write(tmp_path / "data" / "valid.jsonl", '{"body": "hello"}\n')
+    line = train_error("--data.dataset", str(path.parent), "--data.cache_dir", str(tmp_path / "cache"))
+    assert "data.text_field: column 'text' not found" in line and str(path) in line and "['body']" in line
+    line = train_error("--data.dataset", str(tmp_path / "nowhere"))
+    assert "data.dataset: path" in line and "does not exist" in line
+    line = train_error("--data.dataset", str(path.parent), "--data.train_split", "train")
+    assert "data.train_split: no file for split 'train'" in line
+
+
+@pytest.mark.parametrize("name, content, why", [
+    ("valid.txt", b"", "is empty"),
+    ("valid.txt", b"abc\x00def\n", "is binary, not text (NUL byte at offset 3)"),
+    ("valid.txt", b"\n  \n", "contains no text"),
+    ("valid.jsonl", b"\n\n", "has no rows"),
+    ("valid.json", b"[]", "has no rows"),
+    ("valid.jsonl", b'{"text": "a"}\n{"text": \n', "JSON parse error"),
+    ("valid.jsonl", b'{"text": 5}\n', "holds int, not text"),
+    ("valid.jsonl", b'{"text": null}\n{"body": 1}\n', "contains no text"),
+    ("valid.parquet", b"", "is empty"),
+    ("valid.parquet", b"PAR1 not parquet", "ArrowInvalid"),
+])
+def test_bad_data_file_names_file_and_cause(tmp_path, hf_cache, name, content, why):
+    path = write(tmp_path / name, content)
+    with pytest.raises(DataError, match=r"^data\.(dataset|text_field): ") as e:
+        load_tokens(DataConfig(dataset=str(tmp_path), cache_dir=hf_cache), "valid", ByteTokenizer())
+    msg = str(e.value)
+    assert why in msg and str(path) in msg and "data.train_split='valid'" in msg and "\n" not in msg
+
+
+def test_shards_one_empty_is_fine_all_empty_is_not(tmp_path, hf_cache):
+    cfg = DataConfig(dataset=str(tmp_path), cache_dir=hf_cache)
+    write(tmp_path / "train-0.txt", "")
+    write(tmp_path / "train-1.txt", "")
+    with pytest.raises(DataError, match=r"all 2 files of .* \(data\.train_split='train'\) are empty"):
+        load_tokens(cfg, "train", ByteTokenizer())
+    write(tmp_path / "train-1.txt", "hello\n")
+    assert load_tokens(cfg, "train", ByteTokenizer()).tolist() == list(b"hello\n")
+
+
+def test_unlistable_data_directory(tmp_path, monkeypatch):
+    def denied(self):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "iterdir", denied)
+    with pytest.raises(DataError, match=r"^data\.dataset: cannot list directory .*: Permission denied"):
+        load_tokens(DataConfig(dataset=str(tmp_path)), "valid", ByteTokenizer())
+
+
+# ----------------------------------------------------------------------------- 3. training.steps
+
+def test_cli_zero_steps_is_refused():
+    line = train_error("--training.steps", "0", "--dry-run")
+    assert line == "error: config key 'training.steps' must be positive, got 0"
+
+
+@pytest.mark.parametrize("steps", ["0", "-3"])
+def test_zero_or_negative_steps_is_refused(steps):
+    with pytest.raises(ConfigError, match=f"'training.steps' must be positive, got {steps}"):
+        load_config(str(ROOT / DEBUG_CONFIG), ["--training.steps", steps])
+
+
+# ----------------------------------------------------------------------------- 4. failures after the last step
+
+MOEVEMENT = ("--checkpoint.strategy", "moevement")
+
+
+def test_cli_fault_after_last_step_is_refused():
+    line = train_error(*MOEVEMENT, "--fault.at", "3:1", "--dry-run")
+    assert "'fault.at'" in line and "step 3" in line and "last step 2" in line
+
+
+@pytest.mark.parametrize("args, key, step, last", [
+    (["--fault.at", "5:1,61:0"], "fault.at", 61, 60),
+    (["--fault.crash", "70:1"], "fault.crash", 70, 60),
+    (["--training.stop_at", "20", "--fault.at", "21:1"], "fault.at", 21, 20),
+])
+def test_fault_after_last_step_names_key_step_and_last_step(args, key, step, last):
+    with pytest.raises(ConfigError, match=rf"'{key}' has a failure at step {step}, after the run's last step {last}"):
+        load_config(str(ROOT / DEBUG_CONFIG), [*MOEVEMENT, *args])
+
+
+def test_fault_at_last_step_is_accepted():
+    cfg = load_config(str(ROOT / DEBUG_CONFIG), [*MOEVEMENT, "--fault.at", "60:1", "--fault.crash", "60:0"])
+    assert cfg.fault.at == "60:1"
+    assert [e.step for e in FaultPlan("5:1", world=2, last_step=5).events] == [5]
+    with pytest.raises(FaultSpecError, match="'fault.at' has a failure at step 6, after the run's last step 5"):
+        FaultPlan("6:1", world=2, last_step=5)
+
+
+# ----------------------------------------------------------------------------- 5. fault.trace
+
+def test_cli_bad_trace_is_one_line(tmp_path):
+    trace = write(tmp_path / "trace.csv", b"iteration,rank\n\xff\xfe,1\n")
+    line = train_error(*MOEVEMENT, "--fault.trace", str(trace), "--dry-run")
+    assert "'fault.trace'" in line and str(trace) in line and "not UTF-8" in line
+
+
+@pytest.mark.parametrize("content, why", [
+    (b"", "must start with a header"),
+    (b"a,b\n1,2\n", "must start with a header `iteration,rank` or `time_s,rank`, got ['a', 'b']"),
+    (b"iteration,rank\n", "no failure rows"),
+    (b"iteration,rank\n\xff,1\n", "not UTF-8"),
+    (b"iteration,rank\n\n5,x\n", "line 3 must have"),
+    (b"time_s,rank\nnan,1\n", "not a finite number"),
+    (b"time_s,rank\n-1,1\n", "negative"),
+    (b"iteration,rank\n0,1\n", "iteration < 1"),
+])
+def test_bad_trace_names_file_and_cause(tmp_path, content, why):
+    trace = write(tmp_path / "trace.csv", content)
+    with pytest.raises(FaultSpecError, match=r"^config key 'fault\.trace': ") as e:
+        read_trace(str(trace))
+    assert why in str(e.value) and str(trace) in str(e.value)
+    with pytest.raises(FaultSpecError, match="cannot read it"):
+        read_trace(str(tmp_path / "absent.csv"))
+    with pytest.raises(FaultSpecError, match="cannot read it"):
+        read_trace(str(tmp_path))
