@@ -5,8 +5,11 @@ replication runs in lockstep rounds on a background thread: in each round a rank
 snapshot (sizes, header, bytes) to its peers with point-to-point ops and receives the snapshots of
 the ranks it is a peer of into shared-memory replica buffers. A peer on the same node copies the
 bytes straight from the sender's shared-memory buffer instead (one memory copy, where loopback
-TCP costs about 4x the CPU); the sender cannot overwrite that buffer before the copy is done,
-since it reuses it only two windows later, after every rank has replicated the window between. After the last round of a window an
+TCP costs about 4x the CPU) and acknowledges the copy in the same round: a sender's round ends
+only when every peer holds its bytes, so once `drain` or `close` returns the sender's buffer may
+be overwritten, wiped (a failed rank) or removed (the end of the run), even when the window it
+belongs to never completes (an aborted window, the last window of a run). Every round also
+checks that sender and receiver are at the same (window, slot). After the last round of a window an
 all-reduce on the same group tells every rank that the whole window is replicated everywhere:
 the sparse checkpoint is then *persisted*.
 """
@@ -129,19 +132,26 @@ class Replicator:
 
     def _round(self, item: Outgoing) -> None:
         header = torch.frombuffer(bytearray(item.header), dtype=torch.uint8)
-        sizes = torch.tensor([header.numel(), item.payload.numel()], dtype=torch.int64)
-        incoming = {src: torch.empty(2, dtype=torch.int64) for src in self.sources}
+        sizes = torch.tensor([header.numel(), item.payload.numel(), item.window_index, item.slot], dtype=torch.int64)
+        incoming = {src: torch.empty(4, dtype=torch.int64) for src in self.sources}
         works = [dist.isend(sizes, peer, group=self.group, tag=0) for peer in self.peers]
         works += [dist.irecv(buf, src, group=self.group, tag=0) for src, buf in incoming.items()]
         _wait(works)
-        works = []
+        works, acks = [], []
         for peer in self.peers:
             works.append(dist.isend(header, peer, group=self.group, tag=1))
-            if item.payload.numel() and peer not in self.same_node:
-                works.append(dist.isend(item.payload, peer, group=self.group, tag=2))
+            if item.payload.numel():
+                if peer in self.same_node:  # the peer copies from this rank's buffer: wait for its acknowledgement
+                    acks.append(torch.empty(1, dtype=torch.int64))
+                    works.append(dist.irecv(acks[-1], peer, group=self.group, tag=3))
+                else:
+                    works.append(dist.isend(item.payload, peer, group=self.group, tag=2))
         received = {}
         parity = item.window_index % 2
-        for src, (header_len, payload_len) in ((s, b.tolist()) for s, b in incoming.items()):
+        for src, (header_len, payload_len, window_index, slot) in ((s, b.tolist()) for s, b in incoming.items()):
+            if (window_index, slot) != (item.window_index, item.slot):
+                raise RuntimeError(f"replication out of step: rank {src} sends its snapshot of window {window_index} "
+                                   f"slot {slot} while rank {self.rank} is at window {item.window_index} slot {item.slot}")
             replica = self.store.buffer(src, parity, item.slot)
             replica.invalidate()
             header_buf = torch.empty(header_len, dtype=torch.uint8)
@@ -150,13 +160,13 @@ class Replicator:
                 data = replica.ensure(payload_len)[:payload_len]
                 if src in self.same_node:
                     data.copy_(self._shared_bytes(src, parity, item.slot, payload_len))
+                    works.append(dist.isend(_ACK, src, group=self.group, tag=3))  # its buffer is free again
                 else:
                     works.append(dist.irecv(data, src, group=self.group, tag=2))
             received[src] = (replica, header_buf)
         _wait(works)
         for replica, header_buf in received.values():
             replica.commit(header_buf.numpy().tobytes())  # the sender's commit record, byte for byte
-
 
     def _shared_bytes(self, src: int, parity: int, slot: int, nbytes: int) -> torch.Tensor:
         """The first `nbytes` of rank `src`'s buffer (parity, slot), mapped once (again if it grew or was replaced)."""
@@ -167,6 +177,9 @@ class Replicator:
         if cached is None or cached[0] != inode or cached[1].numel() < nbytes:
             self.mapped[key] = (inode, map_bytes(path.with_suffix("")))
         return self.mapped[key][1][:nbytes]
+
+
+_ACK = torch.ones(1, dtype=torch.int64)  # a same-node peer has copied the snapshot out of the sender's buffer
 
 
 def _wait(works: list) -> None:

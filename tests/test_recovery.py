@@ -163,3 +163,50 @@ def test_replay_threads_share_the_node_among_its_replaying_ranks(monkeypatch):
     with intra_op_threads(before + 1):
         assert torch.get_num_threads() == before + 1
     assert torch.get_num_threads() == before
+
+
+# ---- after a recovery, training goes on through later windows, to a run that ends mid-window ----------
+# A run's last snapshot is replicated to same-node peers out of its sender's shared memory; when it
+# does not end its window no all-reduce follows, and the sender must not remove its buffers before
+# the peers have copied them (a recovery realigns the windows, so a run that ended on a window
+# boundary ends inside one after it).
+
+BF16_CLIPPED = ["--training.mixed_precision", "bf16", "--training.max_grad_norm", "1.0"]
+FP32_UNCLIPPED = ["--training.mixed_precision", "fp32", "--training.max_grad_norm", "0"]
+PP4_INTERLEAVED = ["--parallelism.pp", "4", "--parallelism.schedule", "Interleaved1F1B",
+                   "--parallelism.stages_per_rank", "2", "--training.micro_batches", "4", "--model.n_layers", "8"]
+
+
+def test_pp4_window3_bf16_clipped_middle_stage_then_two_more_windows(tmp_path):
+    """The reported case: stage 1 fails at 7 (mid-window); windows restart at 7, cross 10 and 13, and the run
+    ends at 14, inside window 13-15; every later step and the final state equal the fault-free run's."""
+    layout = [*PP4, *BF16_CLIPPED, "--training.steps", "14"]
+    reference = baseline(layout, 4)
+    out = run_cli(*BASE, *layout, "--checkpoint.strategy", "moevement", "--checkpoint.window", "3",
+                  "--checkpoint.host_dir", str(tmp_path / "shm"), "--fault.at", "7:1", nproc=4).stdout
+    assert_identical(out, reference)
+    assert RECOVERY.findall(out) == [("7", "1", "1", "3", "4")]
+    assert re.search(r"^step=14 .*window=3 ", out, re.M)
+
+
+STAGE_FAULTS = "5:0,9:1,13:2,17:3"  # every stage position of pp=4, each failing inside a different window
+STAGE_STEPS = "20"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16_clipped"])
+@pytest.mark.parametrize("window", ["1", "3", "0"])  # 0: Algorithm 1
+def test_pp4_each_stage_fails_in_turn(tmp_path, schedule, precision, window):
+    """pp=4: ranks 0, 1, 2, 3 fail one after the other; each recovers alone and training goes on through
+    later windows, ending mid-window where W > 1; bit-exact against the fault-free run of the layout."""
+    layout = [*(PP4 if schedule == "1F1B" else PP4_INTERLEAVED),
+              *(BF16_CLIPPED if precision == "bf16_clipped" else FP32_UNCLIPPED), "--training.steps", STAGE_STEPS]
+    reference = baseline(layout, 4)  # one fault-free run per layout, shared by the three window sizes
+    out = run_cli(*BASE, *layout, "--checkpoint.strategy", "moevement", "--checkpoint.window", window,
+                  "--checkpoint.host_dir", str(tmp_path / "shm"), "--fault.at", STAGE_FAULTS, nproc=4).stdout
+    assert_identical(out, reference)
+    recoveries = RECOVERY.findall(out)
+    assert [(step, ranks) for step, ranks, *_ in recoveries] == [("5", "0"), ("9", "1"), ("13", "2"), ("17", "3")]
+    stages_of = (lambda r: str(r)) if schedule == "1F1B" else (lambda r: f"{r},{r + 4}")
+    assert [scope for _, _, scope, *_ in recoveries] == [stages_of(r) for r in range(4)]
