@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 
 from moevement.background import enter_background
-from moevement.hostmem import (HostBuffer, HostMemoryError, encode_json, make_private_dir, read_header,
-                               write_json_atomic)
+from moevement.hostmem import (HostBuffer, HostMemoryError, encode_json, make_private_dir, make_private_dirs,
+                               read_header, write_json_atomic)
 from moevement.intervals import IntervalPolicy
 from moevement.operators import Operator, build_registry
 from moevement.persist import DiskWriter
@@ -91,7 +91,7 @@ class SparseCheckpointer:
         self.registry_order = [op.name for op in self.ops]
         self.order = list(self.registry_order)
         self.tracker = PopularityTracker(cfg.ordering, cfg.ema_decay)
-        self.rank_dir = make_private_dir(rank_dir)
+        self.rank_dir = make_private_dirs(rank_dir.parent, rank_dir.name)
         self.local_dir = make_private_dir(rank_dir / "local")
         self.profile = Profile(cfg.bandwidth_gbps)
         self.profile.measure_bandwidth(self.rank_dir, device)
@@ -112,7 +112,7 @@ class SparseCheckpointer:
         self.window_headers: dict[int, list[dict]] = {}
         self.disk = DiskWriter(Path(cfg.persist_dir), topology.rank, disk_keep, cfg.background_priority) \
             if cfg.persist_dir else None
-        self.replicas = ReplicaStore(make_private_dir(rank_dir / "replicas"))
+        self.replicas = ReplicaStore(rank_dir / "replicas")
         self.replicator = None
         # peers[r]: the ranks holding rank r's replicas (recovery fetches from them)
         self.peers = peer_map(topology.world, cfg.replicas, topology.stage_of, topology.node_of) \

@@ -47,7 +47,7 @@ class ReplicaStore:
     """Replicas this rank holds for other ranks: `<root>/from<src>/w<parity>-s<slot>.{bin,json}`."""
 
     def __init__(self, root: Path):
-        self.root = root
+        self.root = make_private_dir(root)
         self.buffers: dict[tuple[int, int, int], HostBuffer] = {}
 
     def buffer(self, src: int, parity: int, slot: int) -> HostBuffer:

@@ -65,7 +65,7 @@ class TrainingConfig:
 @dataclass
 class CheckpointConfig:
     strategy: str = "none"  # none | moevement | gemini | checkfreq | moc
-    save_final: str = ""  # directory for a dense DCP checkpoint at the end of training
+    save_final: str = ""  # directory for a dense checkpoint (safetensors + meta.json) at the end of training
     load: str = ""  # directory of a dense checkpoint to resume from
     # load a dense checkpoint saved under another training config (fine-tuning); the differences are printed
     load_other_config: bool = False
@@ -80,7 +80,7 @@ class CheckpointConfig:
     background_priority: str = "idle"  # CPU priority of the copy/replication/disk threads: idle | normal
     host_dir: str = ""  # owner-only shared-memory directory for snapshots and replicas ("": /dev/shm/moevement-<uid>)
     keep_host_state: bool = False  # keep snapshots in host memory after a clean finish
-    persist_dir: str = ""  # also write every `persist_every`-th persisted checkpoint here
+    persist_dir: str = ""  # also write every `persist_every`-th persisted checkpoint to <persist_dir>/<job.name>
     persist_every: int = 1
     profile_iters: int = 2  # iterations measured before the first window
     reprofile_every: int = 0  # re-measure the copy bandwidth every N windows (0: only at start-up)
