@@ -22,16 +22,16 @@ os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 import torch
 
 from models import count_params
-from parallelisms.distributed import device_type, init_distributed, shutdown_distributed
-from parallelisms.mesh import ParallelDims, build_mesh
-from parallelisms.parallelize import ModelParts, parallelize
-from trainer.checkpoint import CheckpointError, check_save_target, load_dense, save_dense
 from moevement.faults import FaultPlan
 from moevement.fetch import RecoveryError
 from moevement.hostmem import HostMemoryError
 from moevement.snapshot import SnapshotError
+from parallelisms.distributed import device_type, init_distributed, shutdown_distributed
+from parallelisms.mesh import ParallelDims, build_mesh
+from parallelisms.parallelize import ModelParts, parallelize
 from trainer.accounting import RunAccounting
 from trainer.allocator import reuse_freed_host_memory
+from trainer.checkpoint import CheckpointError, check_save_target, load_dense, save_dense
 from trainer.checkpointing import FaultTolerance, build_fault_tolerance
 from trainer.config import Config, ConfigError, check_world_size, fault_plan, load_config
 from trainer.data import DataError, TokenBatches, build_data, make_loader

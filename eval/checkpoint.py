@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -45,11 +45,11 @@ class LoadedCheckpoint:
     meta: dict[str, Any] = field(default_factory=dict)
 
     @property
-    def step(self) -> Optional[int]:
+    def step(self) -> int | None:
         return self.meta.get("step")
 
 
-def tokenizer_spec(meta: dict, tokenizer: Optional[str] = None, config_tokenizer: Optional[str] = None
+def tokenizer_spec(meta: dict, tokenizer: str | None = None, config_tokenizer: str | None = None
                    ) -> tuple[str, str]:
     """``(spec, source)`` of the tokenizer to use; see the module docstring for the order."""
     if tokenizer:
@@ -78,7 +78,7 @@ def _model_args_from_meta(directory: Path, meta: dict) -> ModelArgs:
     return args
 
 
-def load_checkpoint(directory: str | Path, *, tokenizer: Optional[str] = None, config: Optional[str] = None,
+def load_checkpoint(directory: str | Path, *, tokenizer: str | None = None, config: str | None = None,
                     device: str | torch.device = "cpu") -> LoadedCheckpoint:
     """Validate and load ``directory`` (a ``--checkpoint.save_final`` output) for evaluation.
 

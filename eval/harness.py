@@ -18,7 +18,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from eval.errors import EvalError
 from eval.tasks import DEFAULT_PIQA_DIR, TASKS, parse_task_names
@@ -94,8 +94,8 @@ def write_results(results: dict[str, Any], path: Path) -> None:
     os.replace(tmp, path)
 
 
-def run_tasks(lm, tasks: list, limit: Optional[int], batch_size: int, device: str,
-              log_samples: bool = False) -> Optional[dict[str, Any]]:
+def run_tasks(lm, tasks: list, limit: int | None, batch_size: int, device: str,
+              log_samples: bool = False) -> dict[str, Any] | None:
     """lm-eval over our own task objects only (no indexing of lm-eval's bundled tasks)."""
     import lm_eval
     from lm_eval.tasks import TaskManager
@@ -104,7 +104,7 @@ def run_tasks(lm, tasks: list, limit: Optional[int], batch_size: int, device: st
                                    log_samples=log_samples, task_manager=TaskManager(include_defaults=False))
 
 
-def evaluate(args: argparse.Namespace, rank: int) -> Optional[dict[str, Any]]:
+def evaluate(args: argparse.Namespace, rank: int) -> dict[str, Any] | None:
     """Load tasks and checkpoint, run lm-eval; the results on rank 0, None elsewhere."""
     import datasets
 
@@ -127,7 +127,7 @@ def evaluate(args: argparse.Namespace, rank: int) -> Optional[dict[str, Any]]:
     return results
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     rank, finished = 0, False
     try:

@@ -28,7 +28,8 @@ metrics on rank 0 through :meth:`all_gather` / :meth:`gather_object` / :meth:`ba
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -77,13 +78,13 @@ class MoEvementLM(LM):
     spec string). Through lm-eval: ``--model moevement --model_args checkpoint=DIR,batch_size=32``.
     """
 
-    def __init__(self, checkpoint: Optional[str] = None, *, model: Optional[torch.nn.Module] = None,
-                 tokenizer: Any = None, config: Optional[str] = None, batch_size: int | str = 16,
-                 device: Optional[str] = None, max_length: Optional[int] = None, drop_tokens: bool = False,
+    def __init__(self, checkpoint: str | None = None, *, model: torch.nn.Module | None = None,
+                 tokenizer: Any = None, config: str | None = None, batch_size: int | str = 16,
+                 device: str | None = None, max_length: int | None = None, drop_tokens: bool = False,
                  **_unused: Any) -> None:
         super().__init__()
         device = device or "cpu"
-        self.checkpoint: Optional[LoadedCheckpoint] = None
+        self.checkpoint: LoadedCheckpoint | None = None
         if (checkpoint is None) == (model is None):
             raise EvalError("MoEvementLM: give exactly one of checkpoint=DIR or model=<module>")
         if checkpoint is not None:
@@ -212,7 +213,7 @@ class MoEvementLM(LM):
         dist.all_gather(parts, tensor)
         return torch.stack(parts) if tensor.dim() == 0 else torch.cat(parts)
 
-    def gather_object(self, obj: Any, dst: int = 0) -> Optional[list]:
+    def gather_object(self, obj: Any, dst: int = 0) -> list | None:
         if self.world_size == 1:
             return [obj]
         out = [None] * self.world_size if self.rank == dst else None

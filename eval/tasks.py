@@ -20,7 +20,7 @@ import functools
 import json
 import logging
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from eval.errors import EvalError
 from trainer.tokenizer import REPO_ROOT
@@ -161,7 +161,7 @@ def piqa_config(data_dir: str | Path = DEFAULT_PIQA_DIR) -> dict[str, Any]:
     }
 
 
-def hellaswag_config(file: Optional[str | Path] = None) -> dict[str, Any]:
+def hellaswag_config(file: str | Path | None = None) -> dict[str, Any]:
     """lm-eval's ``hellaswag`` task: from the hub (``file=None``) or over a local JSONL."""
     from lm_eval.tasks.hellaswag.utils import process_docs
 
@@ -192,7 +192,7 @@ def parse_task_names(spec: str) -> list[str]:
 
 
 def task_config(name: str, *, piqa_dir: str | Path = DEFAULT_PIQA_DIR,
-                hellaswag_file: Optional[str | Path] = None) -> dict[str, Any]:
+                hellaswag_file: str | Path | None = None) -> dict[str, Any]:
     if name == "piqa":
         return piqa_config(piqa_dir)
     if name == "hellaswag":
@@ -201,7 +201,7 @@ def task_config(name: str, *, piqa_dir: str | Path = DEFAULT_PIQA_DIR,
 
 
 def load_tasks(names: list[str], *, piqa_dir: str | Path = DEFAULT_PIQA_DIR,
-               hellaswag_file: Optional[str | Path] = None) -> dict[str, Any]:
+               hellaswag_file: str | Path | None = None) -> dict[str, Any]:
     """``{name: lm_eval Task}``, data loaded; one-line :class:`EvalError` on failure."""
     from lm_eval.tasks import TaskManager
 

@@ -21,25 +21,39 @@ from __future__ import annotations
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from moevement.background import enter_background
-from moevement.hostmem import (HostBuffer, HostMemoryError, encode_json, make_private_dir, make_private_dirs,
-                               read_header, write_json_atomic)
+from moevement.hostmem import (
+    HostBuffer,
+    HostMemoryError,
+    encode_json,
+    make_private_dir,
+    make_private_dirs,
+    read_header,
+    write_json_atomic,
+)
 from moevement.intervals import IntervalPolicy
 from moevement.operators import Operator, build_registry
 from moevement.persist import DiskWriter
 from moevement.popularity import PopularityTracker
 from moevement.profiler import Profile
 from moevement.replication import Outgoing, ReplicaStore, Replicator, peer_map
-from moevement.schedule import (WindowPlan, byte_slots, byte_window_size, find_window_size, generate_schedule,
-                                order_operators, slot_size_for)
+from moevement.schedule import (
+    WindowPlan,
+    byte_slots,
+    byte_window_size,
+    find_window_size,
+    generate_schedule,
+    order_operators,
+    slot_size_for,
+)
 from moevement.snapshot import SnapshotHeader, copy_entries, layout
 
 
@@ -53,7 +67,7 @@ class Topology:
     node_of: list[int]  # node index of every rank
 
     @classmethod
-    def single(cls) -> "Topology":
+    def single(cls) -> Topology:
         return cls(0, 1, [0], [0])
 
 

@@ -8,7 +8,7 @@ against its checksums, and a rejected copy makes the failed rank try the next pe
 from __future__ import annotations
 
 import json
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist

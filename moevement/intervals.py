@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 CHECKFREQ_MAX_OVERHEAD = 0.03
 

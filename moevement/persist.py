@@ -19,8 +19,15 @@ from pathlib import Path
 import torch
 
 from moevement.background import enter_background
-from moevement.hostmem import (HostMemoryError, check_private, make_private_dir, open_private, read_header,
-                               remove_tree, write_json_atomic)
+from moevement.hostmem import (
+    HostMemoryError,
+    check_private,
+    make_private_dir,
+    open_private,
+    read_header,
+    remove_tree,
+    write_json_atomic,
+)
 from moevement.snapshot import SnapshotError, SnapshotHeader, read_entries
 
 KEEP = 2  # newest windows kept per rank

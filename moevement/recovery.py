@@ -21,19 +21,19 @@ replayed iteration, widens the failed set and restarts the joint recovery.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from moevement.engine import SparseCheckpointer
-from moevement.fetch import RecoveryError, fetch_from_replicas, persisted_header
 from moevement.faults import FaultEvent
+from moevement.fetch import RecoveryError, fetch_from_replicas, persisted_header
 from moevement.operators import Operator
-from moevement.restart import Found
 from moevement.replay import load_compute, load_master, reset_to_initial, set_frozen, wipe_operators
 from moevement.replay_threads import intra_op_threads, replay_threads
+from moevement.restart import Found
 from moevement.snapshot import SnapshotHeader, read_entries
 from moevement.upstream_log import UpstreamLog
 

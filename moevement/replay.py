@@ -19,8 +19,8 @@ own `PipelineStage` methods, so FSDP2 behaves exactly as under the schedule.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist

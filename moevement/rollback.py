@@ -17,9 +17,9 @@ At the start of iteration T (failures detected at iteration boundaries), on ever
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist

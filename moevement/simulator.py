@@ -43,8 +43,9 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Sequence
+from typing import Any
 
 from moevement.intervals import checkfreq_interval, checkfreq_overhead, ettr, oracle_interval
 from moevement.schedule import find_window_size, snapshot_sizes
@@ -256,7 +257,7 @@ class Scenario:
     dense_bytes: float
 
     @classmethod
-    def of(cls, preset: Preset) -> "Scenario":
+    def of(cls, preset: Preset) -> Scenario:
         st, hw = stage_model(preset), preset.hw
         idle = max(0.0, 1 - st.nic_s / st.iteration_s)
         snap = min(hw.host_bw, hw.nic_bw * idle / max(1, preset.layout.replicas))
@@ -349,7 +350,7 @@ class MeasuredProfile:
     strategies: dict[str, MeasuredStrategy]
 
     @classmethod
-    def from_json(cls, data: str | dict[str, Any]) -> "MeasuredProfile":
+    def from_json(cls, data: str | dict[str, Any]) -> MeasuredProfile:
         d = json.loads(data) if isinstance(data, str) else data
         try:
             strategies = {name: MeasuredStrategy(float(s["overhead"]), float(s["recovery_s"]),

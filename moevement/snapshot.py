@@ -57,7 +57,7 @@ class SnapshotHeader:
                 "entries": [dict(vars(e)) for e in self.entries], "meta": copy.deepcopy(self.meta)}
 
     @classmethod
-    def from_json(cls, payload: dict) -> "SnapshotHeader":
+    def from_json(cls, payload: dict) -> SnapshotHeader:
         try:
             entries = [Entry(**e) for e in payload["entries"]]
             return cls(**{**payload, "entries": entries})
@@ -127,7 +127,7 @@ def entry_view(buffer: torch.Tensor, entry: Entry) -> torch.Tensor:
 
 
 def copy_entries(buffer: torch.Tensor, entries: list[Entry], sources: list[torch.Tensor], throttle: Throttle,
-                 stream: "torch.cuda.Stream | None" = None) -> None:
+                 stream: torch.cuda.Stream | None = None) -> None:
     """Copy (and cast) each source into its entry, zero the padding, and checksum every entry.
 
     Entries (laid out one after another) are copied in groups of about CHUNK_BYTES, one foreach

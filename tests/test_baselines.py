@@ -14,13 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.ettr import main as ettr_main, parse_run, summarize
+from benchmarks.ettr import main as ettr_main
+from benchmarks.ettr import parse_run, summarize
 from moevement.faults import FaultPlan, FaultSpecError, poisson_events
 from moevement.intervals import IntervalPolicy, checkfreq_interval, oracle_interval, periodic_ettr
 from moevement.moc import LostTokens, PartialExpertSelector, moc_selection
 from moevement.operators import Operator
-from trainer.accounting import RunAccounting
 from tests.conftest import DEBUG_CONFIG, final_line, run_cli, step_losses
+from trainer.accounting import RunAccounting
 
 BASE = ["--config", DEBUG_CONFIG, "--metrics.tensorboard", "false", "--metrics.log_every", "1",
         "--training.val_every", "0", "--training.steps", "14", "--model.n_layers", "4", "--parallelism.pp", "2"]

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from trainer import corpus
+from trainer.corpus import load_tokens
 from trainer.data import (
     DataConfig,
     DataError,
@@ -19,7 +20,6 @@ from trainer.data import (
     build_data,
     make_loader,
 )
-from trainer.corpus import load_tokens
 from trainer.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
 
 WIKI = corpus.SHARED_WIKITEXT2

@@ -10,7 +10,6 @@ import os
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import json
 from pathlib import Path
 
 import pytest

@@ -10,8 +10,16 @@ from torch import nn
 from models import ModelArgs, build_model
 from moevement.operators import build_registry
 from moevement.popularity import PopularityTracker, changed_fraction
-from moevement.schedule import (WindowPlan, byte_slots, byte_window_size, find_window_size, generate_schedule,
-                                order_operators, snapshot_sizes, slot_size_for)
+from moevement.schedule import (
+    WindowPlan,
+    byte_slots,
+    byte_window_size,
+    find_window_size,
+    generate_schedule,
+    order_operators,
+    slot_size_for,
+    snapshot_sizes,
+)
 
 L1, L2 = "layers.1.moe", "layers.2.moe"
 

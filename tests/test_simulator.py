@@ -6,8 +6,20 @@ import math
 import pytest
 
 from moevement.intervals import checkfreq_interval, checkfreq_overhead, ettr, oracle_interval, periodic_ettr
-from moevement.simulator import (PRESETS, Hardware, Layout, MeasuredProfile, ModelShape, Preset, StageModel, main,
-                                 pipeline_s, predict_from_profile, simulate, stage_model)
+from moevement.simulator import (
+    PRESETS,
+    Hardware,
+    Layout,
+    MeasuredProfile,
+    ModelShape,
+    Preset,
+    StageModel,
+    main,
+    pipeline_s,
+    predict_from_profile,
+    simulate,
+    stage_model,
+)
 
 # One MoE layer, h=1000, 2 routed experts of 3e6 params (top-1), attention 4e6, router 2000;
 # 2 GPUs: pp=1, dp=2, ep=2 (one expert per GPU, expert data-parallel degree 1); one micro-batch

@@ -26,9 +26,9 @@ import socket
 import stat
 import tempfile
 from collections import defaultdict
+from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist

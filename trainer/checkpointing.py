@@ -22,9 +22,9 @@ from moevement.intervals import IntervalPolicy
 from moevement.moc import LostTokens, PartialExpertSelector, expert_counts
 from moevement.operators import build_registry
 from moevement.recovery import Layout, Recovery, TrainerHooks
-from moevement.rollback import GlobalRollback, MocState
 from moevement.replay import PipelineReplay, StageRef
 from moevement.restart import Found, find_restart_checkpoint, snapshot_identity_check
+from moevement.rollback import GlobalRollback, MocState
 from moevement.upstream_log import UpstreamLog
 from parallelisms.fsdp import DTYPES
 from parallelisms.mesh import ParallelDims

@@ -21,7 +21,6 @@ from moevement.popularity import POLICIES
 from parallelisms.mesh import SCHEDULES, ParallelismConfig
 from trainer.data import DataConfig
 
-
 STRATEGIES = ("none", "moevement", "gemini", "checkfreq", "moc")
 INTERVAL_POLICIES = ("auto", "oracle", "capped")
 

@@ -25,8 +25,9 @@ import contextlib
 import dataclasses
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -197,7 +198,7 @@ def _is_article_heading(line: str) -> bool:
     return len(s) > 4 and s.startswith("= ") and s.endswith(" =") and not s.startswith("= =") and not s.endswith("= =")
 
 
-def _group_lines(lines: Sequence[Optional[str]]) -> list[str]:
+def _group_lines(lines: Sequence[str | None]) -> list[str]:
     """Lines (line breaks kept) -> documents; a WikiText article heading starts a new one."""
     docs: list[str] = []
     cur: list[str] = []
@@ -218,7 +219,7 @@ def _group_lines(lines: Sequence[Optional[str]]) -> list[str]:
 _CHECK_CHUNK = 1 << 20
 
 
-def _text_problem(path: str) -> Optional[str]:
+def _text_problem(path: str) -> str | None:
     """Why the file at ``path`` is not UTF-8 text (a NUL byte or an invalid sequence), or ``None``."""
     decoder = codecs.getincrementaldecoder("utf-8")()
     offset = 0
@@ -277,7 +278,7 @@ def _cause(e: BaseException) -> str:
     return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
 
 
-def _load_local(src: _Source, cache_dir: Optional[str], where: str):
+def _load_local(src: _Source, cache_dir: str | None, where: str):
     import datasets
 
     _check_local_files(src, where)

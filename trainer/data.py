@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import hashlib
 import warnings
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -200,7 +201,7 @@ class StepSampler(torch.utils.data.Sampler[int]):
     position directly instead of fast-forwarding.
     """
 
-    def __init__(self, start_step: int = 0, end_step: Optional[int] = None):
+    def __init__(self, start_step: int = 0, end_step: int | None = None):
         self.next_step = int(start_step)
         self.end_step = end_step
 
@@ -224,7 +225,7 @@ def make_loader(
     dp_size: int = 1,
     num_workers: int = 0,
     *,
-    end_step: Optional[int] = None,
+    end_step: int | None = None,
     pin_memory: bool = False,
 ):
     """A ``torchdata.stateful_dataloader.StatefulDataLoader`` yielding ``(step, inputs, labels)``
@@ -257,7 +258,7 @@ def make_loader(
 
 def build_data(
     cfg: DataConfig, seq_len: int, global_batch_size: int, micro_batches: int, seed: int
-) -> tuple[Tokenizer, TokenBatches, Optional[TokenBatches]]:
+) -> tuple[Tokenizer, TokenBatches, TokenBatches | None]:
     """``(tokenizer, train_batches, val_batches)``.
 
     ``train_batches`` is shuffled per epoch with ``seed``; ``val_batches`` serves the val
