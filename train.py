@@ -1,8 +1,8 @@
 """MoEvement trainer entry point.
 
-    python train.py --config train_configs/debug_moe.toml [--section.key value ...]
-    torchrun --nproc_per_node N train.py --config ...
-    python train.py --config ... --dry-run      # parameter counts on the meta device
+python train.py --config train_configs/debug_moe.toml [--section.key value ...]
+torchrun --nproc_per_node N train.py --config ...
+python train.py --config ... --dry-run      # parameter counts on the meta device
 """
 
 from __future__ import annotations
@@ -59,8 +59,16 @@ def build_training(cfg: Config, dims: ParallelDims):
     """This rank's model parts (FP32 master weights; bf16 compute via FSDP2 if asked) and their AdamW."""
     t = cfg.training
     micro_batch_shape = (t.batch_size // (t.micro_batches * cfg.parallelism.dp), t.seq_len)
-    model = parallelize(cfg.model, dims, cfg.job.seed, t.mixed_precision, micro_batch_shape, t.micro_batches,
-                        dims.device, t.cpu_bf16_gemm)
+    model = parallelize(
+        cfg.model,
+        dims,
+        cfg.job.seed,
+        t.mixed_precision,
+        micro_batch_shape,
+        t.micro_batches,
+        dims.device,
+        t.cpu_bf16_gemm,
+    )
     # A pipeline schedule divides all gradients by the micro-batch count itself.
     set_aux_grad_scale(model.view, 1.0 if model.schedule is not None else 1.0 / t.micro_batches)
     return model, build_optimizer(model.view, t)
@@ -73,8 +81,11 @@ def exit_on_sigterm(cfg: Config, rank: int, progress: dict) -> None:
     a relaunch of the same job resumes from the newest persisted sparse checkpoint."""
 
     def handler(signum, _frame):
-        kept = ("host state kept: a relaunch of the job resumes from its newest persisted sparse checkpoint"
-                if cfg.checkpoint.strategy == "moevement" else "no sparse checkpoint: a relaunch starts over")
+        kept = (
+            "host state kept: a relaunch of the job resumes from its newest persisted sparse checkpoint"
+            if cfg.checkpoint.strategy == "moevement"
+            else "no sparse checkpoint: a relaunch starts over"
+        )
         print(f"preempted: rank {rank} received SIGTERM at step {progress['step']}; {kept}", flush=True)
         os._exit(128 + signum)
 
@@ -135,10 +146,13 @@ def setup(cfg: Config) -> tuple[Job, int, float]:
     if dims.device.type == "cpu" and cfg.training.cpu_reuse_memory:
         reuse_freed_host_memory()
     tokenizer, train_batches, val_batches = build_data(
-        cfg.data, cfg.training.seq_len, cfg.training.batch_size, cfg.training.micro_batches, cfg.job.seed)
+        cfg.data, cfg.training.seq_len, cfg.training.batch_size, cfg.training.micro_batches, cfg.job.seed
+    )
     if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(f"config key 'model.vocab_size' ({cfg.model.vocab_size}) is smaller than the "
-                          f"tokenizer's vocabulary ({tokenizer.vocab_size}, data.tokenizer={cfg.data.tokenizer!r})")
+        raise ConfigError(
+            f"config key 'model.vocab_size' ({cfg.model.vocab_size}) is smaller than the "
+            f"tokenizer's vocabulary ({tokenizer.vocab_size}, data.tokenizer={cfg.data.tokenizer!r})"
+        )
     model, optimizer = build_training(cfg, dims)
     seeder = DropoutSeeder(model, cfg.job.seed, dims.dp_rank)
     step, loss = 0, float("nan")
@@ -146,19 +160,42 @@ def setup(cfg: Config) -> tuple[Job, int, float]:
         meta, differ = load_dense(cfg.checkpoint.load, model.view, optimizer, cfg)
         step, loss = meta["step"], meta.get("loss", loss)
         if differ and rank == 0:
-            print(f"checkpoint: {cfg.checkpoint.load} was saved under another config (checkpoint.load_other_config): "
-                  f"{'; '.join(differ)}", flush=True)
+            print(
+                f"checkpoint: {cfg.checkpoint.load} was saved under another config (checkpoint.load_other_config): "
+                f"{'; '.join(differ)}",
+                flush=True,
+            )
         if step > cfg.training.steps:
-            raise ConfigError(f"config key 'training.steps' ({cfg.training.steps}) is below the "
-                              f"checkpoint's step ({step}) in {cfg.checkpoint.load}")
+            raise ConfigError(
+                f"config key 'training.steps' ({cfg.training.steps}) is below the "
+                f"checkpoint's step ({step}) in {cfg.checkpoint.load}"
+            )
     logger = MetricsLogger(cfg, rank, first_step=step + 1)
     ft = build_fault_tolerance(cfg, model, optimizer, dims, seeder, train_batches, logger.line)
     if ft is not None and ft.restart_from is not None:
         step = ft.recovery.restart(ft.restart_from) - 1  # state_{t0+W} is current: train on from t0+W
-    val_data = [] if val_batches is None else [val_batches.val_batch(i, dims.dp_rank, cfg.parallelism.dp)
-                                               for i in range(min(cfg.training.val_batches, val_batches.num_batches))]
-    job = Job(cfg, rank, dims, model, optimizer, seeder, train_batches, val_data, logger, ft, fault_plan(cfg, world),
-              progress=progress)
+    val_data = (
+        []
+        if val_batches is None
+        else [
+            val_batches.val_batch(i, dims.dp_rank, cfg.parallelism.dp)
+            for i in range(min(cfg.training.val_batches, val_batches.num_batches))
+        ]
+    )
+    job = Job(
+        cfg,
+        rank,
+        dims,
+        model,
+        optimizer,
+        seeder,
+        train_batches,
+        val_data,
+        logger,
+        ft,
+        fault_plan(cfg, world),
+        progress=progress,
+    )
     return job, step, loss
 
 
@@ -172,13 +209,21 @@ def iteration(job: Job, step: int, inputs: torch.Tensor, labels: torch.Tensor, s
     tokens, gate_probs = take_expert_load(job.model.view)
     scalars = {"loss": result.loss, "aux_loss": result.aux_loss, "lr": result.lr, "grad_norm": result.grad_norm}
     if ft is not None:
-        ft.end(step, {**scalars, "clip_coef": result.clip_coef, "loss_scale": 1.0, "skipped": False},
-               tokens, gate_probs)
+        ft.end(
+            step, {**scalars, "clip_coef": result.clip_coef, "loss_scale": 1.0, "skipped": False}, tokens, gate_probs
+        )
         scalars.update(ft.metrics())
     elapsed = time.perf_counter() - started
     job.accounting.iteration(step, elapsed)
-    job.logger.step(step, {**scalars, "tok_per_s": cfg.training.batch_size * cfg.training.seq_len / elapsed,
-                           "wall_s": time.perf_counter() - job.accounting.started}, tokens)
+    job.logger.step(
+        step,
+        {
+            **scalars,
+            "tok_per_s": cfg.training.batch_size * cfg.training.seq_len / elapsed,
+            "wall_s": time.perf_counter() - job.accounting.started,
+        },
+        tokens,
+    )
     if cfg.training.val_every and step % cfg.training.val_every == 0 and job.val_data:
         job.logger.validation(step, evaluate(job.model, job.val_data, job.dims, cfg.training.micro_batches))
     return result.loss
@@ -191,15 +236,22 @@ def run(job: Job, step: int, loss: float) -> tuple[int, float]:
     job.accounting = RunAccounting(step + 1, cfg.training.batch_size)
     next_step = step + 1
     while next_step <= last_step:
-        loader = make_loader(job.train_batches, next_step, job.dims.dp_rank, cfg.parallelism.dp, cfg.data.num_workers,
-                             end_step=last_step + 1)
+        loader = make_loader(
+            job.train_batches,
+            next_step,
+            job.dims.dp_rank,
+            cfg.parallelism.dp,
+            cfg.data.num_workers,
+            end_step=last_step + 1,
+        )
         next_step = last_step + 1
         started = time.perf_counter()  # an iteration's time includes loading its batch, not a recovery
         for step, inputs, labels in loader:
             job.progress["step"] = step
             if job.faults:
-                resume = inject_failures(job.faults, step, job.rank, job.ft, job.accounting,
-                                         time.perf_counter() - job.accounting.started)
+                resume = inject_failures(
+                    job.faults, step, job.rank, job.ft, job.accounting, time.perf_counter() - job.accounting.started
+                )
                 if resume != step:
                     next_step = resume
                     break

@@ -39,8 +39,16 @@ from moevement.intervals import ettr as steady_ettr
 from moevement.simulator import MeasuredProfile, predict_from_profile
 from trainer.config import load_config
 
-QUIET = ["--metrics.tensorboard", "false", "--metrics.log_every", "1", "--training.val_every", "0",
-         "--metrics.progress", "false"]
+QUIET = [
+    "--metrics.tensorboard",
+    "false",
+    "--metrics.log_every",
+    "1",
+    "--training.val_every",
+    "0",
+    "--metrics.progress",
+    "false",
+]
 FIELDS = re.compile(r"(\w+)=(\S+)")
 WARMUP = 3  # first iterations (allocation, profiling) left out of per-iteration means
 
@@ -74,40 +82,70 @@ def summarize(run: dict, none_iteration_s: float, tokens: int) -> dict:
     mean_s = statistics.fmean(iteration_times(run, tokens))
     failures = int(acct["failures"])
     lost_s = acct["recovery_s"] + acct["recompute_s"]
-    return {"ettr": acct["iterations"] * none_iteration_s / acct["wall_s"],
-            "overhead": mean_s / none_iteration_s - 1, "recovery_s": lost_s, "failures": failures,
-            "recovery_per_failure_s": lost_s / failures if failures else 0.0,
-            "lost_tokens": int(acct["lost_tokens"]), "goodput": acct["goodput"], "wall_s": acct["wall_s"],
-            "iterations": int(acct["iterations"]), "host_mb": acct["host_mb"], "log_mb": acct["log_mb"]}
+    return {
+        "ettr": acct["iterations"] * none_iteration_s / acct["wall_s"],
+        "overhead": mean_s / none_iteration_s - 1,
+        "recovery_s": lost_s,
+        "failures": failures,
+        "recovery_per_failure_s": lost_s / failures if failures else 0.0,
+        "lost_tokens": int(acct["lost_tokens"]),
+        "goodput": acct["goodput"],
+        "wall_s": acct["wall_s"],
+        "iterations": int(acct["iterations"]),
+        "host_mb": acct["host_mb"],
+        "log_mb": acct["log_mb"],
+    }
 
 
 def launch(config: str, spec: str, steps: int, pp: int, flags: list[str], threads: int) -> str:
     strategy, own = variant_flags(spec)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={pp}", "train.py",
-           "--config", config, *QUIET, "--training.steps", str(steps), "--parallelism.pp", str(pp),
-           "--checkpoint.strategy", strategy, *flags, *own]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={pp}",
+        "train.py",
+        "--config",
+        config,
+        *QUIET,
+        "--training.steps",
+        str(steps),
+        "--parallelism.pp",
+        str(pp),
+        "--checkpoint.strategy",
+        strategy,
+        *flags,
+        *own,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
     if proc.returncode != 0:
-        error = proc.stderr[proc.stderr.find("Traceback"):][:4000]
+        error = proc.stderr[proc.stderr.find("Traceback") :][:4000]
         sys.exit(f"run failed ({strategy}):\n{proc.stdout[-2000:]}\n{error}")
     return proc.stdout
 
 
 def plot(out: Path, results: dict, runs: dict, none_iteration_s: float, mtbf_iters: float, batch: int) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    mtbfs = [10 * 1.1 ** i for i in range(50)]
+    mtbfs = [10 * 1.1**i for i in range(50)]
     fig, ax = plt.subplots(figsize=(6, 4))
     for s, r in results.items():
         if s == "none":
             continue
         curve = [steady_ettr(r["overhead"], r["recovery_per_failure_s"], m * none_iteration_s) for m in mtbfs]
-        line, = ax.plot(mtbfs, curve, label=s)
+        (line,) = ax.plot(mtbfs, curve, label=s)
         ax.plot([mtbf_iters], [r["ettr"]], "o", color=line.get_color())
-    ax.set(xscale="log", xlabel="MTBF (iterations)", ylabel="ETTR", ylim=(0, 1.02),
-           title="ETTR vs MTBF (lines: measured costs; dots: measured runs)")
+    ax.set(
+        xscale="log",
+        xlabel="MTBF (iterations)",
+        ylabel="ETTR",
+        ylim=(0, 1.02),
+        title="ETTR vs MTBF (lines: measured costs; dots: measured runs)",
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "ettr_vs_mtbf.png", dpi=120)
@@ -153,8 +191,10 @@ def main(argv: list[str] | None = None) -> None:
     tokens, batch = cfg.training.batch_size * cfg.training.seq_len, cfg.training.batch_size
     strategies = [s for s in args.strategies.split(",") if s != "none"]
     if variants_of_none := [s for s in strategies if variant_flags(s)[0] == "none"]:
-        sys.exit(f"--strategies: {','.join(variants_of_none)}: `none` is the fault-free reference and cannot "
-                 f"recover from the failures the other runs get; variants of it are for benchmarks.overhead")
+        sys.exit(
+            f"--strategies: {','.join(variants_of_none)}: `none` is the fault-free reference and cannot "
+            f"recover from the failures the other runs get; variants of it are for benchmarks.overhead"
+        )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -162,10 +202,19 @@ def main(argv: list[str] | None = None) -> None:
     none_iteration_s = statistics.fmean(iteration_times(runs["none"], tokens))
     dense_rank_bytes = 12 * count_params(cfg.model)[0] / args.pp  # FP32 master + AdamW moments, per stage
     cap = args.bandwidth_gbps or dense_rank_bytes * 8 / 1e9 / (args.dense_snapshot_iters * none_iteration_s)
-    print(f"none iteration_s={none_iteration_s:.3f} bandwidth_gbps={cap:.4f} "
-          f"dense_snapshot_iters={dense_rank_bytes * 8 / 1e9 / cap / none_iteration_s:.2f}", flush=True)
-    faults = ["--fault.mtbf_iters", str(args.mtbf_iters), "--fault.seed", str(args.seed),
-              "--checkpoint.bandwidth_gbps", f"{cap:.6f}"]
+    print(
+        f"none iteration_s={none_iteration_s:.3f} bandwidth_gbps={cap:.4f} "
+        f"dense_snapshot_iters={dense_rank_bytes * 8 / 1e9 / cap / none_iteration_s:.2f}",
+        flush=True,
+    )
+    faults = [
+        "--fault.mtbf_iters",
+        str(args.mtbf_iters),
+        "--fault.seed",
+        str(args.seed),
+        "--checkpoint.bandwidth_gbps",
+        f"{cap:.6f}",
+    ]
     for strategy in strategies:
         stdout = launch(args.config, strategy, args.steps, args.pp, [*extra, *faults], args.threads)
         (out / f"{strategy}.log").write_text(stdout)  # kept so that a stopped invocation loses no finished run
@@ -173,14 +222,24 @@ def main(argv: list[str] | None = None) -> None:
         for line in runs[strategy]["recoveries"]:
             print(f"  {strategy}: {line}", flush=True)
         r = summarize(runs[strategy], none_iteration_s, tokens)
-        print(f"  {strategy}: ettr={r['ettr']:.4f} overhead={r['overhead']:.4f} recovery_s={r['recovery_s']:.3f} "
-              f"failures={r['failures']} wall_s={r['wall_s']:.1f}", flush=True)
+        print(
+            f"  {strategy}: ettr={r['ettr']:.4f} overhead={r['overhead']:.4f} recovery_s={r['recovery_s']:.3f} "
+            f"failures={r['failures']} wall_s={r['wall_s']:.1f}",
+            flush=True,
+        )
 
     results = {"none": {**summarize(runs["none"], none_iteration_s, tokens), "ettr": 1.0}}
     results.update({s: summarize(run, none_iteration_s, tokens) for s, run in runs.items() if s != "none"})
-    profile = {"iteration_s": none_iteration_s, "mtbf_s": args.mtbf_iters * none_iteration_s, "steps": args.steps,
-               "strategies": {s: {"overhead": r["overhead"], "recovery_s": r["recovery_per_failure_s"],
-                                  "failures": r["failures"]} for s, r in results.items() if s != "none"}}
+    profile = {
+        "iteration_s": none_iteration_s,
+        "mtbf_s": args.mtbf_iters * none_iteration_s,
+        "steps": args.steps,
+        "strategies": {
+            s: {"overhead": r["overhead"], "recovery_s": r["recovery_per_failure_s"], "failures": r["failures"]}
+            for s, r in results.items()
+            if s != "none"
+        },
+    }
     (out / "profile.json").write_text(json.dumps(profile, indent=1))
     predicted = predict_from_profile(profile)
     steady = {s: MeasuredProfile.from_json(profile).steady_ettr(s) for s in profile["strategies"]}
@@ -188,16 +247,26 @@ def main(argv: list[str] | None = None) -> None:
         writer = csv.DictWriter(f, fieldnames=["strategy", *results["none"], "predicted_ettr", "steady_ettr"])
         writer.writeheader()
         for s, r in results.items():
-            writer.writerow({"strategy": s, **r, "predicted_ettr": predicted.get(s, ""), "steady_ettr": steady.get(s, "")})
+            writer.writerow(
+                {"strategy": s, **r, "predicted_ettr": predicted.get(s, ""), "steady_ettr": steady.get(s, "")}
+            )
     for s, r in results.items():
-        note = " (fault-free reference: cannot recover)" if s == "none" else \
-            f" predicted_ettr={predicted[s]:.4f} error={abs(predicted[s] / r['ettr'] - 1):.4f} " \
+        note = (
+            " (fault-free reference: cannot recover)"
+            if s == "none"
+            else f" predicted_ettr={predicted[s]:.4f} error={abs(predicted[s] / r['ettr'] - 1):.4f} "
             f"steady_ettr={steady[s]:.4f}"
-        print(f"strategy={s} ettr={r['ettr']:.4f} overhead={r['overhead']:.4f} recovery_s={r['recovery_s']:.3f} "
-              f"failures={r['failures']} lost_tokens={r['lost_tokens']}{note}", flush=True)
+        )
+        print(
+            f"strategy={s} ettr={r['ettr']:.4f} overhead={r['overhead']:.4f} recovery_s={r['recovery_s']:.3f} "
+            f"failures={r['failures']} lost_tokens={r['lost_tokens']}{note}",
+            flush=True,
+        )
     plot(out, results, runs, none_iteration_s, args.mtbf_iters, batch)
-    print(f"wrote {out / 'ettr.csv'}, {out / 'profile.json'}, {out / 'ettr_vs_mtbf.png'}, {out / 'goodput.png'}"
-          + (f", {out / 'moc_k_pec.png'}" if "moc" in runs else ""))
+    print(
+        f"wrote {out / 'ettr.csv'}, {out / 'profile.json'}, {out / 'ettr_vs_mtbf.png'}, {out / 'goodput.png'}"
+        + (f", {out / 'moc_k_pec.png'}" if "moc" in runs else "")
+    )
 
 
 if __name__ == "__main__":

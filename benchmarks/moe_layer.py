@@ -22,9 +22,20 @@ from models.moe import MoE
 
 # The [model] section of train_configs/bench_moe.toml, used when that file is missing.
 BENCH_MOE = dict(
-    family="deepseek", vocab_size=260, dim=512, n_layers=8, n_heads=8, max_seq_len=1024,
-    n_dense_layers=1, dense_hidden_dim=1536, n_routed_experts=32, n_shared_experts=1,
-    expert_hidden_dim=256, shared_expert_hidden_dim=512, top_k=4, aux_loss_coef=0.01,
+    family="deepseek",
+    vocab_size=260,
+    dim=512,
+    n_layers=8,
+    n_heads=8,
+    max_seq_len=1024,
+    n_dense_layers=1,
+    dense_hidden_dim=1536,
+    n_routed_experts=32,
+    n_shared_experts=1,
+    expert_hidden_dim=256,
+    shared_expert_hidden_dim=512,
+    top_k=4,
+    aux_loss_coef=0.01,
 )
 DEFAULT_TOKENS = 2048
 
@@ -71,19 +82,23 @@ def main() -> None:
     variants = {"moe": moe, "dense": dense}
     times = {name: [] for name in variants}
     for i in range(opts.warmup + opts.repeats):
-        for name in (("moe", "dense") if i % 2 == 0 else ("dense", "moe")):
+        for name in ("moe", "dense") if i % 2 == 0 else ("dense", "moe"):
             elapsed = fwd_bwd_seconds(variants[name], x, grad)
             if i >= opts.warmup:
                 times[name].append(elapsed)
 
     med = {name: statistics.median(t) for name, t in times.items()}
     best = {name: min(t) for name, t in times.items()}
-    print(f"tokens={n_tokens} dim={args.dim} experts={args.n_routed_experts} top_k={args.top_k} "
-          f"expert_hidden={args.expert_hidden_dim} shared={n_shared}x{args.shared_expert_hidden_dim} "
-          f"threads={torch.get_num_threads()} repeats={opts.repeats}")
+    print(
+        f"tokens={n_tokens} dim={args.dim} experts={args.n_routed_experts} top_k={args.top_k} "
+        f"expert_hidden={args.expert_hidden_dim} shared={n_shared}x{args.shared_expert_hidden_dim} "
+        f"threads={torch.get_num_threads()} repeats={opts.repeats}"
+    )
     for name in variants:
         print(f"{name:5s} fwd+bwd median {med[name] * 1e3:8.2f} ms  min {best[name] * 1e3:8.2f} ms")
-    print(f"dense hidden={dense_hidden}; min ratio {best['moe'] / best['dense']:.3f} (less sensitive to CPU contention)")
+    print(
+        f"dense hidden={dense_hidden}; min ratio {best['moe'] / best['dense']:.3f} (less sensitive to CPU contention)"
+    )
     print(f"ratio={med['moe'] / med['dense']:.3f}")
 
 

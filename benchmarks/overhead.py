@@ -38,21 +38,42 @@ from models import count_params
 from trainer.config import load_config
 
 STEP_RE = re.compile(r"^step=(\d+) (.*)$", re.MULTILINE)
-QUIET = ["--metrics.tensorboard", "false", "--metrics.log_every", "1", "--training.val_every", "0",
-         "--metrics.progress", "false"]
+QUIET = [
+    "--metrics.tensorboard",
+    "false",
+    "--metrics.log_every",
+    "1",
+    "--training.val_every",
+    "0",
+    "--metrics.progress",
+    "false",
+]
 
 
 def parse_steps(stdout: str) -> dict[int, dict[str, float]]:
-    return {int(m[1]): {k: float(v) for k, v in (kv.split("=") for kv in m[2].split())}
-            for m in STEP_RE.finditer(stdout)}
+    return {
+        int(m[1]): {k: float(v) for k, v in (kv.split("=") for kv in m[2].split())} for m in STEP_RE.finditer(stdout)
+    }
 
 
-def run(config: str, spec: str, steps: int, extra: list[str], threads: int,
-        log: Path | None = None) -> dict[int, dict[str, float]]:
+def run(
+    config: str, spec: str, steps: int, extra: list[str], threads: int, log: Path | None = None
+) -> dict[int, dict[str, float]]:
     """One `train.py` run's step records (its output also written to `log`, if given)."""
     strategy, own = variant_flags(spec)
-    cmd = [sys.executable, "train.py", "--config", config, *QUIET, "--training.steps", str(steps),
-           "--checkpoint.strategy", strategy, *extra, *own]
+    cmd = [
+        sys.executable,
+        "train.py",
+        "--config",
+        config,
+        *QUIET,
+        "--training.steps",
+        str(steps),
+        "--checkpoint.strategy",
+        strategy,
+        *extra,
+        *own,
+    ]
     env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {})}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if log is not None:
@@ -99,8 +120,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bandwidth-gbps", type=float, default=0.0, help="snapshot copy cap (0: calibrate)")
     parser.add_argument("--dense-snapshot-iters", type=float, default=3.5)
     parser.add_argument("--logs", type=Path, default=None, help="keep each run's output in this folder")
-    parser.add_argument("--threads", type=int, default=0,
-                        help="compute threads of every run (0: torch's default); cores - 1 leaves the copy thread a core")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="compute threads of every run (0: torch's default); cores - 1 leaves the copy thread a core",
+    )
     args, extra = parser.parse_known_args(argv)
     strategies = args.strategies.split(",")
     cfg = load_config(args.config, extra)
@@ -133,22 +158,32 @@ def main(argv: list[str] | None = None) -> None:
             log = args.logs / f"round{round_index}-{strategy}.log" if args.logs else None
             records = run(args.config, strategy, args.steps, flags, args.threads, log)
             if not steady_ms(records):
-                sys.exit(f"{strategy}: no steady-state iteration in {args.steps} steps (the first one would be "
-                         f"{steady_start(records, profile_iters)}): raise --steps")
+                sys.exit(
+                    f"{strategy}: no steady-state iteration in {args.steps} steps (the first one would be "
+                    f"{steady_start(records, profile_iters)}): raise --steps"
+                )
             runs[strategy].append(records)
             if strategy == "none" and cap <= 0:
                 iter_s = statistics.median(steady_ms(records)) / 1e3
                 cap = dense_bytes * 8 / 1e9 / (args.dense_snapshot_iters * iter_s)
-                print(f"calibrated bandwidth_gbps={cap:.4f} (dense snapshot {dense_bytes / 1e6:.0f} MB "
-                      f"in {args.dense_snapshot_iters} iterations of {iter_s * 1e3:.0f} ms)", flush=True)
-            print(f"round={round_index} strategy={strategy} iterations={len(records)} "
-                  f"iter_ms={statistics.median(steady_ms(records)):.1f}", flush=True)
+                print(
+                    f"calibrated bandwidth_gbps={cap:.4f} (dense snapshot {dense_bytes / 1e6:.0f} MB "
+                    f"in {args.dense_snapshot_iters} iterations of {iter_s * 1e3:.0f} ms)",
+                    flush=True,
+                )
+            print(
+                f"round={round_index} strategy={strategy} iterations={len(records)} "
+                f"iter_ms={statistics.median(steady_ms(records)):.1f}",
+                flush=True,
+            )
 
     iter_ms = {s: statistics.median(ms for records in rs for ms in steady_ms(records)) for s, rs in runs.items()}
     base = iter_ms.get("none", min(iter_ms.values()))
     dense_s = dense_bytes / (cap * 1e9 / 8)
-    print(f"dense_snapshot_mb={dense_bytes / 1e6:.1f} bandwidth_gbps={cap:.4f} "
-          f"dense_snapshot_iters={dense_s / (base / 1e3):.2f}")
+    print(
+        f"dense_snapshot_mb={dense_bytes / 1e6:.1f} bandwidth_gbps={cap:.4f} "
+        f"dense_snapshot_iters={dense_s / (base / 1e3):.2f}"
+    )
     run_ms = {s: [statistics.median(steady_ms(records)) for records in rs] for s, rs in runs.items()}
     for strategy, rs in runs.items():
         line = f"strategy={strategy} iter_ms={iter_ms[strategy]:.1f} overhead={iter_ms[strategy] / base - 1:.4f}"
@@ -158,15 +193,20 @@ def main(argv: list[str] | None = None) -> None:
         if variant_flags(strategy)[0] != "none":
             whole = [r for records in rs for r in whole_windows(records, profile_iters)]
             if not whole:
-                print(f"note: no complete window of {strategy} in {args.steps} steps: snapshot sizes averaged "
-                      f"over every snapshot iteration", flush=True)
+                print(
+                    f"note: no complete window of {strategy} in {args.steps} steps: snapshot sizes averaged "
+                    f"over every snapshot iteration",
+                    flush=True,
+                )
                 whole = [r for records in rs for t, r in records.items() if t > profile_iters]
             mb = statistics.mean(r["ckpt_mb"] for r in whole)
             stalls = [r["stall_ms"] for records in rs for r in steady(records)]
             windows = sorted({int(r["window"]) for r in whole})
-            line += (f" snapshot_mb_per_iter={mb:.1f} stall_ms={statistics.median(stalls):.1f}"
-                     f" mean_stall_ms={statistics.mean(stalls):.1f} window={','.join(map(str, windows))}"
-                     f" dense_fraction={mb / (dense_bytes / 1e6):.3f}")
+            line += (
+                f" snapshot_mb_per_iter={mb:.1f} stall_ms={statistics.median(stalls):.1f}"
+                f" mean_stall_ms={statistics.mean(stalls):.1f} window={','.join(map(str, windows))}"
+                f" dense_fraction={mb / (dense_bytes / 1e6):.3f}"
+            )
         print(line, flush=True)
 
 

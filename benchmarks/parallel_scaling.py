@@ -33,9 +33,22 @@ from train import build_training
 from trainer.config import load_config
 
 CONFIG = "train_configs/debug_moe.toml"
-COMMON = ["--model.n_layers", "4", "--training.batch_size", "16", "--training.micro_batches", "4",
-          "--training.seq_len", "128", "--metrics.tensorboard", "false", "--metrics.log_every", "1",
-          "--training.val_every", "0"]
+COMMON = [
+    "--model.n_layers",
+    "4",
+    "--training.batch_size",
+    "16",
+    "--training.micro_batches",
+    "4",
+    "--training.seq_len",
+    "128",
+    "--metrics.tensorboard",
+    "false",
+    "--metrics.log_every",
+    "1",
+    "--training.val_every",
+    "0",
+]
 VARIANTS = {  # name: (processes, parallelism overrides)
     "1proc": (1, []),
     "dp2": (2, ["--parallelism.dp", "2"]),
@@ -68,7 +81,9 @@ def run_checked(cmd: list[str]) -> str:
 def run_variant(name: str, steps: int) -> list[float]:
     """tok_per_s of every logged step after the first SKIP_STEPS of one training run."""
     nproc, extra = VARIANTS[name]
-    out = run_checked([*launcher(nproc), "train.py", "--config", CONFIG, *COMMON, "--training.steps", str(steps), *extra])
+    out = run_checked(
+        [*launcher(nproc), "train.py", "--config", CONFIG, *COMMON, "--training.steps", str(steps), *extra]
+    )
     rates = [float(rate) for step, rate in STEP_RE.findall(out) if int(step) > SKIP_STEPS]
     if not rates:
         raise RuntimeError(f"{name}: no step lines after step {SKIP_STEPS} in output:\n{out[-2000:]}")
@@ -85,11 +100,14 @@ def scaling(steps: int, rounds: int) -> None:
     for name, (nproc, _) in VARIANTS.items():
         median = statistics.median(rates[name])
         print(f"variant={name} nproc={nproc} tok_per_s={median:.1f} speedup={median / base:.2f}")
-    print(f"note: this machine has {os.cpu_count()} CPU cores; nproc=4 variants oversubscribe them "
-          f"(OMP_NUM_THREADS=1 per process), so their speedups mostly measure contention.")
+    print(
+        f"note: this machine has {os.cpu_count()} CPU cores; nproc=4 variants oversubscribe them "
+        f"(OMP_NUM_THREADS=1 per process), so their speedups mostly measure contention."
+    )
 
 
 # ---------------------------------------------------------------- bubble worker (runs under torchrun)
+
 
 def time_schedule(model, inputs, targets) -> float:
     """Median wall time of one pipeline step, barrier to barrier (the slowest rank's makespan)."""
@@ -101,8 +119,9 @@ def time_schedule(model, inputs, targets) -> float:
         losses = [] if model.has_last_stage else None
         dist.barrier()
         start = time.perf_counter()
-        model.schedule.step(*args, target=targets if model.has_last_stage else None, losses=losses,
-                            return_outputs=False)
+        model.schedule.step(
+            *args, target=targets if model.has_last_stage else None, losses=losses, return_outputs=False
+        )
         dist.barrier()
         times.append(time.perf_counter() - start)
     return statistics.median(times[BUBBLE_WARMUP:])
@@ -126,8 +145,20 @@ def time_stage(model, tokens, targets, dim: int) -> float:
 
 def bubble_point(dims, pp: int, micro: int) -> tuple[float, float]:
     """(T_step, this rank's t_stage) for 1F1B over `pp` stages with `micro` micro-batches."""
-    cfg = load_config(CONFIG, [*BUBBLE_MODEL, "--parallelism.pp", str(pp), "--parallelism.schedule", "1F1B",
-                               "--training.micro_batches", str(micro), "--training.batch_size", str(micro * BUBBLE_MB)])
+    cfg = load_config(
+        CONFIG,
+        [
+            *BUBBLE_MODEL,
+            "--parallelism.pp",
+            str(pp),
+            "--parallelism.schedule",
+            "1F1B",
+            "--training.micro_batches",
+            str(micro),
+            "--training.batch_size",
+            str(micro * BUBBLE_MB),
+        ],
+    )
     model, _ = build_training(cfg, dims)
     torch.manual_seed(0)  # every rank draws the same batch; stage 0 uses the tokens, the last the targets
     tokens = torch.randint(cfg.model.vocab_size, (micro * BUBBLE_MB, cfg.training.seq_len))
@@ -153,20 +184,28 @@ def worker(pp: int) -> None:
             measured = 1 - micro * stage_times[slow] / t_step
             theory = (pp - 1) / (micro + pp - 1)
             per_rank = "/".join(f"{t * 1e3:.1f}" for t in stage_times)
-            print(f"bubble pp={pp} M={micro} measured={measured:.3f} theory={theory:.3f} "
-                  f"t_step_ms={t_step * 1e3:.1f} t_stage_ms={per_rank} bottleneck_stage={slow}", flush=True)
+            print(
+                f"bubble pp={pp} M={micro} measured={measured:.3f} theory={theory:.3f} "
+                f"t_step_ms={t_step * 1e3:.1f} t_stage_ms={per_rank} bottleneck_stage={slow}",
+                flush=True,
+            )
     shutdown_distributed()
 
 
 def bubble() -> None:
-    print(f"# bubble: debug model dim=128 n_layers=4 seq_len=128, micro-batch={BUBBLE_MB} sequences, "
-          f"1F1B; median of {BUBBLE_ITERS} steps after {BUBBLE_WARMUP} warm-up", flush=True)
+    print(
+        f"# bubble: debug model dim=128 n_layers=4 seq_len=128, micro-batch={BUBBLE_MB} sequences, "
+        f"1F1B; median of {BUBBLE_ITERS} steps after {BUBBLE_WARMUP} warm-up",
+        flush=True,
+    )
     for pp in (2, 4):
         out = run_checked([*launcher(pp), "-m", "benchmarks.parallel_scaling", "--worker", "--pp", str(pp)])
         print("".join(line + "\n" for line in out.splitlines() if line.startswith("bubble")), end="", flush=True)
-    print(f"note: pp=2 fits the {os.cpu_count()} cores; pp=4 runs 4 processes on them, so stages that should run "
-          f"concurrently time-share cores, T_step inflates and measured > theory there. t_stage is timed one "
-          f"rank at a time (uncontended); gloo P2P adds ~1-3 ms per micro-batch per stage boundary.")
+    print(
+        f"note: pp=2 fits the {os.cpu_count()} cores; pp=4 runs 4 processes on them, so stages that should run "
+        f"concurrently time-share cores, T_step inflates and measured > theory there. t_stage is timed one "
+        f"rank at a time (uncontended); gloo P2P adds ~1-3 ms per micro-batch per stage boundary."
+    )
 
 
 def main() -> None:

@@ -46,19 +46,51 @@ from parallelisms.pipeline import lm_loss
 from trainer.config import load_config
 
 RECOVERY_RE = re.compile(r"^recovery step=\d+ .* seconds=(\S+) \(fetch=(\S+) convert=(\S+) catchup=(\S+)\)", re.M)
-QUIET = ["--metrics.tensorboard", "false", "--metrics.log_every", "1", "--training.val_every", "0",
-         "--metrics.progress", "false"]
+QUIET = [
+    "--metrics.tensorboard",
+    "false",
+    "--metrics.log_every",
+    "1",
+    "--training.val_every",
+    "0",
+    "--metrics.progress",
+    "false",
+]
 
 
 def run(args, mode: str, extra: list[str]) -> tuple[float, float]:
     """(recovery seconds, replay seconds) of one run with the failure recovered in `mode`."""
     with tempfile.TemporaryDirectory(prefix="moevement-bench-", dir="/dev/shm") as host_dir:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.pp}",
-               "train.py", "--config", args.config, *QUIET, "--training.steps", str(args.fail_step),
-               "--parallelism.pp", str(args.pp), "--training.micro_batches", str(args.micro_batches),
-               "--checkpoint.strategy", "moevement", "--checkpoint.window", str(args.window),
-               "--checkpoint.host_dir", host_dir, "--fault.at", f"{args.fail_step}:{args.pp // 2}",
-               "--fault.scope", mode, "--fault.replay_threads", "1", *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={args.pp}",
+            "train.py",
+            "--config",
+            args.config,
+            *QUIET,
+            "--training.steps",
+            str(args.fail_step),
+            "--parallelism.pp",
+            str(args.pp),
+            "--training.micro_batches",
+            str(args.micro_batches),
+            "--checkpoint.strategy",
+            "moevement",
+            "--checkpoint.window",
+            str(args.window),
+            "--checkpoint.host_dir",
+            host_dir,
+            "--fault.at",
+            f"{args.fail_step}:{args.pp // 2}",
+            "--fault.scope",
+            mode,
+            "--fault.replay_threads",
+            "1",
+            *extra,
+        ]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     m = RECOVERY_RE.search(proc.stdout)
@@ -68,8 +100,9 @@ def run(args, mode: str, extra: list[str]) -> tuple[float, float]:
     return seconds, convert + catchup
 
 
-def conversion_work(config: str, window: int, micro_batches: int, extra: list[str], repeats: int = 3
-                    ) -> tuple[float, float]:
+def conversion_work(
+    config: str, window: int, micro_batches: int, extra: list[str], repeats: int = 3
+) -> tuple[float, float]:
     """(FLOP saving, time saving) of a conversion window with frozen operators vs all operators active."""
     cfg = load_config(config, extra)
     torch.manual_seed(0)
@@ -97,7 +130,7 @@ def conversion_work(config: str, window: int, micro_batches: int, extra: list[st
 
     frozen_flops = frozen_time = active_flops = active_time = 0.0
     for i in range(window):  # interleaved: the iteration t0+i of a conversion, then an all-active one
-        flops, seconds = fwd_bwd(list(slots[i + 1:]))
+        flops, seconds = fwd_bwd(list(slots[i + 1 :]))
         frozen_flops, frozen_time = frozen_flops + flops, frozen_time + seconds
         flops, seconds = fwd_bwd([])
         active_flops, active_time = active_flops + flops, active_time + seconds
@@ -128,11 +161,14 @@ def main(argv: list[str] | None = None) -> None:
     m, s = args.micro_batches, args.pp
     theory = m / (m + s - 1)
     ratio = replay["localized"] / replay["global"]
-    print(f"localized_over_global={ratio:.3f} theory={theory:.3f} target={theory + 0.05:.3f} "
-          f"met={ratio <= theory + 0.05}")
+    print(
+        f"localized_over_global={ratio:.3f} theory={theory:.3f} target={theory + 0.05:.3f} met={ratio <= theory + 0.05}"
+    )
     flops, seconds = conversion_work(args.config, args.window, args.micro_batches, extra)
-    print(f"frozen_saving_flops={flops:.3f} frozen_saving_time={seconds:.3f} window={args.window} "
-          f"(conversion replay vs all operators active; paper: about 0.33)")
+    print(
+        f"frozen_saving_flops={flops:.3f} frozen_saving_time={seconds:.3f} window={args.window} "
+        f"(conversion replay vs all operators active; paper: about 0.33)"
+    )
 
 
 if __name__ == "__main__":

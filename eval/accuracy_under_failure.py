@@ -38,9 +38,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from eval.errors import EvalError  # noqa: E402
 from trainer.config import STRATEGIES, ConfigError, load_config  # noqa: E402
 
-OWNED = {"training.steps": "--steps", "training.val_every": "--val-every", "parallelism.pp": "--pp",
-         "checkpoint.strategy": "--strategies", "checkpoint.save_final": "--out", "fault.at": "--fail-every",
-         "checkpoint.host_dir": "(a temporary directory per run)", "checkpoint.persist_dir": "(one per run)"}
+OWNED = {
+    "training.steps": "--steps",
+    "training.val_every": "--val-every",
+    "parallelism.pp": "--pp",
+    "checkpoint.strategy": "--strategies",
+    "checkpoint.save_final": "--out",
+    "fault.at": "--fail-every",
+    "checkpoint.host_dir": "(a temporary directory per run)",
+    "checkpoint.persist_dir": "(one per run)",
+}
 QUIET = ["--metrics.tensorboard", "false", "--metrics.log_every", "1", "--metrics.progress", "false"]
 FIELDS = re.compile(r"(\w+)=(\S+)")
 
@@ -63,8 +70,12 @@ def fault_flag(schedule: list[tuple[int, int]]) -> str:
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    p = argparse.ArgumentParser(prog="python -m eval.accuracy_under_failure", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    p = argparse.ArgumentParser(
+        prog="python -m eval.accuracy_under_failure",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
     p.add_argument("--config", required=True, help="training TOML")
     p.add_argument("--steps", type=int, required=True, help="iterations of every run")
     p.add_argument("--fail-every", type=int, required=True, help="a failure every K iterations (K, 2K, ... < steps)")
@@ -96,8 +107,20 @@ def check_args(args: argparse.Namespace, extra: list[str]) -> tuple[list[str], l
         schedule = fault_schedule(args.steps, args.fail_every, args.world)
         if not schedule:
             raise RunError(f"--fail-every {args.fail_every} leaves no failure before --steps {args.steps}")
-        load_config(args.config, [*extra, "--parallelism.pp", str(args.pp), "--training.steps", str(args.steps),
-                                  "--checkpoint.strategy", "moevement", "--fault.at", fault_flag(schedule)])
+        load_config(
+            args.config,
+            [
+                *extra,
+                "--parallelism.pp",
+                str(args.pp),
+                "--training.steps",
+                str(args.steps),
+                "--checkpoint.strategy",
+                "moevement",
+                "--fault.at",
+                fault_flag(schedule),
+            ],
+        )
     except ConfigError as e:
         raise RunError(str(e)) from None
     return strategies, schedule
@@ -108,10 +131,28 @@ def train(args: argparse.Namespace, strategy: str, extra: list[str], faults: str
     run_dir = run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     shm = tempfile.mkdtemp(prefix="moev-acc-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.world}", "train.py",
-           "--config", str(Path(args.config).resolve()), *QUIET, *extra, "--parallelism.pp", str(args.pp),
-           "--training.steps", str(args.steps), "--training.val_every", str(args.val_every),
-           "--checkpoint.strategy", strategy, "--checkpoint.save_final", str(run_dir / "checkpoint")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={args.world}",
+        "train.py",
+        "--config",
+        str(Path(args.config).resolve()),
+        *QUIET,
+        *extra,
+        "--parallelism.pp",
+        str(args.pp),
+        "--training.steps",
+        str(args.steps),
+        "--training.val_every",
+        str(args.val_every),
+        "--checkpoint.strategy",
+        strategy,
+        "--checkpoint.save_final",
+        str(run_dir / "checkpoint"),
+    ]
     if strategy != "none":
         cmd += ["--checkpoint.host_dir", f"{shm}/host", "--checkpoint.persist_dir", f"{shm}/disk", "--fault.at", faults]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -121,9 +162,11 @@ def train(args: argparse.Namespace, strategy: str, extra: list[str], faults: str
         shutil.rmtree(shm, ignore_errors=True)
     (run_dir / "train.log").write_text(f"$ {' '.join(cmd)}\n{proc.stdout}\n--- stderr ---\n{proc.stderr}")
     if proc.returncode != 0:
-        tail = proc.stderr[proc.stderr.find("Traceback"):] if "Traceback" in proc.stderr else proc.stderr
-        raise RunError(f"{strategy} run failed (exit {proc.returncode}; log {run_dir / 'train.log'}):\n"
-                       f"{proc.stdout[-1500:]}{tail[-2500:]}")
+        tail = proc.stderr[proc.stderr.find("Traceback") :] if "Traceback" in proc.stderr else proc.stderr
+        raise RunError(
+            f"{strategy} run failed (exit {proc.returncode}; log {run_dir / 'train.log'}):\n"
+            f"{proc.stdout[-1500:]}{tail[-2500:]}"
+        )
     return proc.stdout
 
 
@@ -137,8 +180,14 @@ def parse_training(stdout: str, strategy: str) -> dict:
     if not val:
         raise RunError(f"{strategy}: no validation line (does the config have a validation split?)")
     accounting = {k: float(v) for k, v in FIELDS.findall(acct[1])}
-    return {"final_step": int(final[1]), "train_loss": float(final[2]), "digest": final[3], "val": val,
-            "failures": int(accounting["failures"]), "lost_tokens": int(accounting["lost_tokens"])}
+    return {
+        "final_step": int(final[1]),
+        "train_loss": float(final[2]),
+        "digest": final[3],
+        "val": val,
+        "failures": int(accounting["failures"]),
+        "lost_tokens": int(accounting["lost_tokens"]),
+    }
 
 
 def score_piqa(checkpoint: Path, config: str, limit: int | None, out_dir: Path) -> dict:
@@ -162,14 +211,30 @@ def score_piqa(checkpoint: Path, config: str, limit: int | None, out_dir: Path) 
 
 
 def markdown_table(rows: dict[str, dict], val_step: int) -> str:
-    head = ["strategy", "failures", "final train loss", f"val loss (step {val_step})", "PIQA acc", "PIQA acc_norm",
-            "digest = fault-free", "PIQA log-likelihoods = fault-free", "lost tokens"]
+    head = [
+        "strategy",
+        "failures",
+        "final train loss",
+        f"val loss (step {val_step})",
+        "PIQA acc",
+        "PIQA acc_norm",
+        "digest = fault-free",
+        "PIQA log-likelihoods = fault-free",
+        "lost tokens",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s, r in rows.items():
-        cells = [s, r["failures"], f"{r['train_loss']:.6f}", f"{r['val'][val_step]:.6f}", f"{r['acc']:.4f}",
-                 f"{r['acc_norm']:.4f}", "yes" if r["digest_equal"] else "no",
-                 "yes" if r["lls_differ"] == 0 else f"no ({r['lls_differ']}/{r['items']} items differ)",
-                 r["lost_tokens"]]
+        cells = [
+            s,
+            r["failures"],
+            f"{r['train_loss']:.6f}",
+            f"{r['val'][val_step]:.6f}",
+            f"{r['acc']:.4f}",
+            f"{r['acc_norm']:.4f}",
+            "yes" if r["digest_equal"] else "no",
+            "yes" if r["lls_differ"] == 0 else f"no ({r['lls_differ']}/{r['items']} items differ)",
+            r["lost_tokens"],
+        ]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines) + "\n"
 
@@ -177,6 +242,7 @@ def markdown_table(rows: dict[str, dict], val_step: int) -> str:
 def plot(path: Path, rows: dict[str, dict], schedule: list[tuple[int, int]]) -> None:
     """Validation loss vs iteration (top) and its difference from fault-free (bottom); failures dotted."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -190,8 +256,16 @@ def plot(path: Path, rows: dict[str, dict], schedule: list[tuple[int, int]]) -> 
     for n, (t, rank) in enumerate(schedule):
         for a in (ax, diff):
             a.axvline(t, color="grey", ls=":", lw=1, label="failure" if n == 0 and a is ax else None)
-        ax.annotate(f"rank {rank}", (t, 1), xycoords=("data", "axes fraction"), xytext=(2, -2),
-                    textcoords="offset points", fontsize=7, ha="left", va="top")
+        ax.annotate(
+            f"rank {rank}",
+            (t, 1),
+            xycoords=("data", "axes fraction"),
+            xytext=(2, -2),
+            textcoords="offset points",
+            fontsize=7,
+            ha="left",
+            va="top",
+        )
     ax.set(ylabel="validation loss", title="Validation loss under failures")
     diff.set(xlabel="iteration", ylabel="minus fault-free")
     ax.legend()
@@ -204,16 +278,26 @@ def run_all(args: argparse.Namespace, extra: list[str], strategies: list[str], s
     out, faults, rows = Path(args.out), fault_flag(schedule), {}
     for i, s in enumerate(strategies, start=1):
         tag = f"[{i}/{len(strategies)}] {s}"
-        print(f"{tag}: training {args.steps} iterations, pp={args.pp}"
-              + ("" if s == "none" else f", failures {faults}") + " ...", flush=True)
+        print(
+            f"{tag}: training {args.steps} iterations, pp={args.pp}"
+            + ("" if s == "none" else f", failures {faults}")
+            + " ...",
+            flush=True,
+        )
         started = time.perf_counter()
         r = parse_training(train(args, s, extra, faults, out / s), s)
-        print(f"{tag}: trained in {time.perf_counter() - started:.1f} s (loss={r['train_loss']:.6f}, "
-              f"failures={r['failures']}); scoring PIQA ...", flush=True)
+        print(
+            f"{tag}: trained in {time.perf_counter() - started:.1f} s (loss={r['train_loss']:.6f}, "
+            f"failures={r['failures']}); scoring PIQA ...",
+            flush=True,
+        )
         started = time.perf_counter()
         r.update(score_piqa(out / s / "checkpoint", args.config, args.limit, out / s))
-        print(f"{tag}: PIQA {r['items']} items in {time.perf_counter() - started:.1f} s "
-              f"(acc={r['acc']:.4f} acc_norm={r['acc_norm']:.4f})", flush=True)
+        print(
+            f"{tag}: PIQA {r['items']} items in {time.perf_counter() - started:.1f} s "
+            f"(acc={r['acc']:.4f} acc_norm={r['acc_norm']:.4f})",
+            flush=True,
+        )
         ref = rows.get("none", r)
         r["digest_equal"] = r["digest"] == ref["digest"]
         r["lls_differ"] = sum(a != b for a, b in zip(r["lls"], ref["lls"]))
@@ -233,15 +317,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     val_step = max(rows["none"]["val"])
     table = markdown_table(rows, val_step)
-    (out / "accuracy.md").write_text(f"Failures (iteration:rank): {fault_flag(schedule)}; {args.steps} iterations, "
-                                     f"pp={args.pp}, config {args.config}, extra {' '.join(extra) or '-'}\n\n{table}")
+    (out / "accuracy.md").write_text(
+        f"Failures (iteration:rank): {fault_flag(schedule)}; {args.steps} iterations, "
+        f"pp={args.pp}, config {args.config}, extra {' '.join(extra) or '-'}\n\n{table}"
+    )
     summary = {s: {k: v for k, v in r.items() if k != "lls"} for s, r in rows.items()}
     (out / "accuracy.json").write_text(json.dumps({"schedule": schedule, "rows": summary}, indent=1))
     plot(out / "val_loss.png", rows, schedule)
     print(table, end="")
     for s, r in rows.items():
-        print(f"strategy={s} val_loss={r['val'][val_step]:.6f} piqa_acc={r['acc']:.4f} "
-              f"piqa_acc_norm={r['acc_norm']:.4f} digest_equal={str(r['digest_equal']).lower()}")
+        print(
+            f"strategy={s} val_loss={r['val'][val_step]:.6f} piqa_acc={r['acc']:.4f} "
+            f"piqa_acc_norm={r['acc_norm']:.4f} digest_equal={str(r['digest_equal']).lower()}"
+        )
     print(f"wrote {out / 'accuracy.md'}, {out / 'accuracy.json'}, {out / 'val_loss.png'}")
     return 0
 

@@ -49,8 +49,7 @@ class LoadedCheckpoint:
         return self.meta.get("step")
 
 
-def tokenizer_spec(meta: dict, tokenizer: str | None = None, config_tokenizer: str | None = None
-                   ) -> tuple[str, str]:
+def tokenizer_spec(meta: dict, tokenizer: str | None = None, config_tokenizer: str | None = None) -> tuple[str, str]:
     """``(spec, source)`` of the tokenizer to use; see the module docstring for the order."""
     if tokenizer:
         return tokenizer, "argument"
@@ -78,8 +77,13 @@ def _model_args_from_meta(directory: Path, meta: dict) -> ModelArgs:
     return args
 
 
-def load_checkpoint(directory: str | Path, *, tokenizer: str | None = None, config: str | None = None,
-                    device: str | torch.device = "cpu") -> LoadedCheckpoint:
+def load_checkpoint(
+    directory: str | Path,
+    *,
+    tokenizer: str | None = None,
+    config: str | None = None,
+    device: str | torch.device = "cpu",
+) -> LoadedCheckpoint:
     """Validate and load ``directory`` (a ``--checkpoint.save_final`` output) for evaluation.
 
     ``config``: the training TOML (its ``[model]`` must match the checkpoint; its
@@ -116,8 +120,10 @@ def load_checkpoint(directory: str | Path, *, tokenizer: str | None = None, conf
     except ValueError as e:
         raise EvalError(f"tokenizer ({source}): {e}") from None
     if tok.vocab_size > model_args.vocab_size:
-        raise EvalError(f"tokenizer {spec!r} ({source}) has {tok.vocab_size} ids but the checkpoint's "
-                        f"model.vocab_size is {model_args.vocab_size}: wrong tokenizer for this checkpoint")
+        raise EvalError(
+            f"tokenizer {spec!r} ({source}) has {tok.vocab_size} ids but the checkpoint's "
+            f"model.vocab_size is {model_args.vocab_size}: wrong tokenizer for this checkpoint"
+        )
     with torch.random.fork_rng(devices=[]):  # build_model's init draws from the global RNG
         model = build_model(model_args, device=device)
     try:
@@ -125,5 +131,12 @@ def load_checkpoint(directory: str | Path, *, tokenizer: str | None = None, conf
     except CheckpointError as e:
         raise EvalError(str(e)) from None
     model.float().eval()
-    return LoadedCheckpoint(model=model, tokenizer=tok, model_args=model_args, directory=str(path),
-                            tokenizer_spec=spec, tokenizer_source=source, meta=meta)
+    return LoadedCheckpoint(
+        model=model,
+        tokenizer=tok,
+        model_args=model_args,
+        directory=str(path),
+        tokenizer_spec=spec,
+        tokenizer_source=source,
+        meta=meta,
+    )

@@ -27,15 +27,22 @@ RESULTS_FILE = "eval_results.json"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m eval.harness", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m eval.harness", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--checkpoint", required=True, help="directory written by train.py --checkpoint.save_final")
     p.add_argument("--tasks", default="piqa", help=f"comma-separated, from: {', '.join(TASKS)} (default: piqa)")
     p.add_argument("--limit", type=int, default=None, help="score only the first N items of each task")
-    p.add_argument("--hellaswag-file", default=None,
-                   help="local JSONL in the original HellaSwag format (default: lm-eval's hellaswag from the hub)")
-    p.add_argument("--piqa-dir", default=str(DEFAULT_PIQA_DIR),
-                   help="directory with valid.jsonl + valid-labels.lst (default: ../shared/data/piqa)")
+    p.add_argument(
+        "--hellaswag-file",
+        default=None,
+        help="local JSONL in the original HellaSwag format (default: lm-eval's hellaswag from the hub)",
+    )
+    p.add_argument(
+        "--piqa-dir",
+        default=str(DEFAULT_PIQA_DIR),
+        help="directory with valid.jsonl + valid-labels.lst (default: ../shared/data/piqa)",
+    )
     p.add_argument("--batch-size", type=int, default=32, help="windows per forward pass (default: 32)")
     p.add_argument("--output", default=None, help=f"results JSON (default: <checkpoint>/{RESULTS_FILE})")
     p.add_argument("--config", default=None, help="training TOML: checks the model shape, picks data.tokenizer")
@@ -51,8 +58,9 @@ def _check_args(args: argparse.Namespace) -> None:
         raise EvalError(f"--batch-size must be >= 1, got {args.batch_size}")
     checkpoint = Path(args.checkpoint)
     if not checkpoint.is_dir():  # fail before importing lm-eval and reading task data
-        raise EvalError(f"checkpoint {args.checkpoint!r}: " + ("not a directory" if checkpoint.exists()
-                                                               else "no such directory"))
+        raise EvalError(
+            f"checkpoint {args.checkpoint!r}: " + ("not a directory" if checkpoint.exists() else "no such directory")
+        )
 
 
 def _init_distributed() -> tuple[int, int]:
@@ -94,14 +102,22 @@ def write_results(results: dict[str, Any], path: Path) -> None:
     os.replace(tmp, path)
 
 
-def run_tasks(lm, tasks: list, limit: int | None, batch_size: int, device: str,
-              log_samples: bool = False) -> dict[str, Any] | None:
+def run_tasks(
+    lm, tasks: list, limit: int | None, batch_size: int, device: str, log_samples: bool = False
+) -> dict[str, Any] | None:
     """lm-eval over our own task objects only (no indexing of lm-eval's bundled tasks)."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    return lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=limit, batch_size=batch_size, device=device,
-                                   log_samples=log_samples, task_manager=TaskManager(include_defaults=False))
+    return lm_eval.simple_evaluate(
+        model=lm,
+        tasks=tasks,
+        limit=limit,
+        batch_size=batch_size,
+        device=device,
+        log_samples=log_samples,
+        task_manager=TaskManager(include_defaults=False),
+    )
 
 
 def evaluate(args: argparse.Namespace, rank: int) -> dict[str, Any] | None:
@@ -114,16 +130,25 @@ def evaluate(args: argparse.Namespace, rank: int) -> dict[str, Any] | None:
     datasets.disable_progress_bars()
     names = parse_task_names(args.tasks)
     tasks = load_tasks(names, piqa_dir=args.piqa_dir, hellaswag_file=args.hellaswag_file)
-    lm = MoEvementLM(checkpoint=args.checkpoint, config=args.config, tokenizer=args.tokenizer,
-                     batch_size=args.batch_size, device=args.device)
+    lm = MoEvementLM(
+        checkpoint=args.checkpoint,
+        config=args.config,
+        tokenizer=args.tokenizer,
+        batch_size=args.batch_size,
+        device=args.device,
+    )
     started = time.perf_counter()
     results = run_tasks(lm, list(tasks.values()), args.limit, args.batch_size, args.device)
     wall = time.perf_counter() - started
     if rank != 0 or results is None:
         return None
     items = sum(int(results["n-samples"][t]["effective"]) for t in names)
-    results["moevement"] = {"checkpoint": str(args.checkpoint), "eval_wall_s": wall, "items": items,
-                            "items_per_s": items / wall if wall > 0 else None}
+    results["moevement"] = {
+        "checkpoint": str(args.checkpoint),
+        "eval_wall_s": wall,
+        "items": items,
+        "items_per_s": items / wall if wall > 0 else None,
+    }
     return results
 
 
@@ -140,8 +165,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(task_line(task, results), flush=True)
             write_results(results, output)
             info = results["moevement"]
-            print(f"eval: {info['items']} items in {info['eval_wall_s']:.1f} s "
-                  f"({info['items_per_s']:.1f} items/s); results -> {output}", file=sys.stderr, flush=True)
+            print(
+                f"eval: {info['items']} items in {info['eval_wall_s']:.1f} s "
+                f"({info['items_per_s']:.1f} items/s); results -> {output}",
+                file=sys.stderr,
+                flush=True,
+            )
         finished = True
         return 0
     except EvalError as e:

@@ -78,10 +78,19 @@ class MoEvementLM(LM):
     spec string). Through lm-eval: ``--model moevement --model_args checkpoint=DIR,batch_size=32``.
     """
 
-    def __init__(self, checkpoint: str | None = None, *, model: torch.nn.Module | None = None,
-                 tokenizer: Any = None, config: str | None = None, batch_size: int | str = 16,
-                 device: str | None = None, max_length: int | None = None, drop_tokens: bool = False,
-                 **_unused: Any) -> None:
+    def __init__(
+        self,
+        checkpoint: str | None = None,
+        *,
+        model: torch.nn.Module | None = None,
+        tokenizer: Any = None,
+        config: str | None = None,
+        batch_size: int | str = 16,
+        device: str | None = None,
+        max_length: int | None = None,
+        drop_tokens: bool = False,
+        **_unused: Any,
+    ) -> None:
         super().__init__()
         device = device or "cpu"
         self.checkpoint: LoadedCheckpoint | None = None
@@ -136,7 +145,7 @@ class MoEvementLM(LM):
             context, continuation = context[:-n_spaces], context[-n_spaces:] + continuation
         whole = self.tok_encode(context + continuation)
         context_ids = self.tok_encode(context)
-        return context_ids, whole[len(context_ids):]
+        return context_ids, whole[len(context_ids) :]
 
     # -- lm-eval API ---------------------------------------------------------------
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
@@ -166,8 +175,9 @@ class MoEvementLM(LM):
 
     # -- scoring -------------------------------------------------------------------
     @torch.inference_mode()
-    def score_tokens(self, seqs: Sequence[tuple[Sequence[int], int]], desc: str = "scoring",
-                     disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+    def score_tokens(
+        self, seqs: Sequence[tuple[Sequence[int], int]], desc: str = "scoring", disable_tqdm: bool = False
+    ) -> list[tuple[float, bool]]:
         """For each ``(tokens, n_pred)``: (sum of log p(token | tokens before it) over the last
         ``n_pred`` tokens, whether each of them is the argmax). ``n_pred == 0`` gives ``(0.0, True)``."""
         totals = [0.0] * len(seqs)
@@ -226,11 +236,18 @@ class MoEvementLM(LM):
 
     def get_model_info(self) -> dict[str, Any]:
         """Recorded in the results' ``config`` by ``lm_eval.simple_evaluate``."""
-        info: dict[str, Any] = {"max_length": self.max_length, "tokenizer": self.tokenizer_name,
-                                "drop_tokens": self.drop_tokens, "world_size": self.world_size}
+        info: dict[str, Any] = {
+            "max_length": self.max_length,
+            "tokenizer": self.tokenizer_name,
+            "drop_tokens": self.drop_tokens,
+            "world_size": self.world_size,
+        }
         if self.checkpoint is not None:
-            info.update(checkpoint=self.checkpoint.directory, checkpoint_step=self.checkpoint.step,
-                        tokenizer_source=self.checkpoint.tokenizer_source)
+            info.update(
+                checkpoint=self.checkpoint.directory,
+                checkpoint_step=self.checkpoint.step,
+                tokenizer_source=self.checkpoint.tokenizer_source,
+            )
         return info
 
 

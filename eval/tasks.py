@@ -98,8 +98,10 @@ def piqa_docs(data_dir: str | Path = DEFAULT_PIQA_DIR) -> list[dict]:
     data, labels_file = data_dir / PIQA_DATA, data_dir / PIQA_LABELS
     for f in (data, labels_file):
         if not f.is_file():
-            raise EvalError(f"piqa: data file {str(f)!r} not found (need {PIQA_DATA} and {PIQA_LABELS} "
-                            f"in {str(data_dir)!r}; see ../shared/data/README.md, or pass --piqa-dir)")
+            raise EvalError(
+                f"piqa: data file {str(f)!r} not found (need {PIQA_DATA} and {PIQA_LABELS} "
+                f"in {str(data_dir)!r}; see ../shared/data/README.md, or pass --piqa-dir)"
+            )
     rows = _read_jsonl(data, "piqa")
     labels = [line.strip() for line in labels_file.read_text().splitlines() if line.strip()]
     if len(labels) != len(rows):
@@ -125,8 +127,10 @@ def hellaswag_docs(file: str | Path) -> list[dict]:
     for n, row in enumerate(rows, 1):
         missing = [k for k in HELLASWAG_FIELDS if k not in row]
         if missing:
-            raise EvalError(f"hellaswag: {path}:{n}: missing field(s) {missing} "
-                            f"(the original HellaSwag format has {', '.join(HELLASWAG_FIELDS)})")
+            raise EvalError(
+                f"hellaswag: {path}:{n}: missing field(s) {missing} "
+                f"(the original HellaSwag format has {', '.join(HELLASWAG_FIELDS)})"
+            )
         endings = row["endings"]
         if not isinstance(endings, list) or len(endings) < 2 or not all(isinstance(e, str) for e in endings):
             raise EvalError(f"hellaswag: {path}:{n}: 'endings' must be a list of at least 2 strings")
@@ -191,8 +195,9 @@ def parse_task_names(spec: str) -> list[str]:
     return names
 
 
-def task_config(name: str, *, piqa_dir: str | Path = DEFAULT_PIQA_DIR,
-                hellaswag_file: str | Path | None = None) -> dict[str, Any]:
+def task_config(
+    name: str, *, piqa_dir: str | Path = DEFAULT_PIQA_DIR, hellaswag_file: str | Path | None = None
+) -> dict[str, Any]:
     if name == "piqa":
         return piqa_config(piqa_dir)
     if name == "hellaswag":
@@ -200,8 +205,9 @@ def task_config(name: str, *, piqa_dir: str | Path = DEFAULT_PIQA_DIR,
     raise EvalError(f"unknown task {name!r} (allowed: {', '.join(TASKS)})")
 
 
-def load_tasks(names: list[str], *, piqa_dir: str | Path = DEFAULT_PIQA_DIR,
-               hellaswag_file: str | Path | None = None) -> dict[str, Any]:
+def load_tasks(
+    names: list[str], *, piqa_dir: str | Path = DEFAULT_PIQA_DIR, hellaswag_file: str | Path | None = None
+) -> dict[str, Any]:
     """``{name: lm_eval Task}``, data loaded; one-line :class:`EvalError` on failure."""
     from lm_eval.tasks import TaskManager
 
@@ -217,8 +223,10 @@ def load_tasks(names: list[str], *, piqa_dir: str | Path = DEFAULT_PIQA_DIR,
             msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             hint = ""
             if name == "hellaswag" and hellaswag_file is None:
-                hint = (f"; without access to {HELLASWAG_TASK['dataset_path']} on the Hugging Face hub, pass "
-                        f"--hellaswag-file FILE (a local JSONL in the original HellaSwag format)")
+                hint = (
+                    f"; without access to {HELLASWAG_TASK['dataset_path']} on the Hugging Face hub, pass "
+                    f"--hellaswag-file FILE (a local JSONL in the original HellaSwag format)"
+                )
             raise EvalError(f"{name}: cannot load the task ({type(e).__name__}: {msg}){hint}") from e
         tasks[name] = loaded[name]
     return tasks

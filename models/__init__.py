@@ -29,6 +29,7 @@ def count_params(args: ModelArgs) -> tuple[int, int]:
         model = Transformer(args)
     total = sum(p.numel() for p in model.parameters())
     idle_experts = args.n_routed_experts - args.top_k
-    inactive = sum(idle_experts * sum(p.numel() for p in moe.experts["0"].parameters())
-                   for moe in model.moe_layers().values())
+    inactive = sum(
+        idle_experts * sum(p.numel() for p in moe.experts["0"].parameters()) for moe in model.moe_layers().values()
+    )
     return total, total - inactive

@@ -53,21 +53,43 @@ class ModelArgs:
                 raise ValueError(f"model.{f.name}={value!r} must be of type {f.type.__name__}")
         req = self._require
         req("family", self.family in FAMILIES, f"must be one of {', '.join(FAMILIES)}")
-        for key in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len", "dense_hidden_dim",
-                    "n_routed_experts", "expert_hidden_dim", "shared_expert_hidden_dim", "moe_every"):
+        for key in (
+            "vocab_size",
+            "dim",
+            "n_layers",
+            "n_heads",
+            "max_seq_len",
+            "dense_hidden_dim",
+            "n_routed_experts",
+            "expert_hidden_dim",
+            "shared_expert_hidden_dim",
+            "moe_every",
+        ):
             req(key, getattr(self, key) >= 1, "must be >= 1")
         req("dim", self.dim % self.n_heads == 0, f"must be divisible by model.n_heads={self.n_heads}")
-        req("dim", self.dim // self.n_heads % 2 == 0,
-            f"/ model.n_heads={self.n_heads} (the head dim) must be even for RoPE")
-        req("n_kv_heads", self.n_kv_heads == 0 or self.n_kv_heads >= 1 and self.n_heads % self.n_kv_heads == 0,
-            f"must be 0 (= n_heads) or a divisor of model.n_heads={self.n_heads}")
+        req(
+            "dim",
+            self.dim // self.n_heads % 2 == 0,
+            f"/ model.n_heads={self.n_heads} (the head dim) must be even for RoPE",
+        )
+        req(
+            "n_kv_heads",
+            self.n_kv_heads == 0 or self.n_kv_heads >= 1 and self.n_heads % self.n_kv_heads == 0,
+            f"must be 0 (= n_heads) or a divisor of model.n_heads={self.n_heads}",
+        )
         for key in ("rope_theta", "norm_eps"):
             req(key, getattr(self, key) > 0, "must be > 0")
         req("dropout", 0 <= self.dropout < 1, "must be in [0, 1)")
-        req("n_dense_layers", 0 <= self.n_dense_layers <= self.n_layers,
-            f"must be in [0, model.n_layers={self.n_layers}]")
-        req("top_k", 1 <= self.top_k <= self.n_routed_experts,
-            f"must be in [1, model.n_routed_experts={self.n_routed_experts}]")
+        req(
+            "n_dense_layers",
+            0 <= self.n_dense_layers <= self.n_layers,
+            f"must be in [0, model.n_layers={self.n_layers}]",
+        )
+        req(
+            "top_k",
+            1 <= self.top_k <= self.n_routed_experts,
+            f"must be in [1, model.n_routed_experts={self.n_routed_experts}]",
+        )
         fixed = _FIXED_SHARED.get(self.family)
         if fixed is None:
             req("n_shared_experts", self.n_shared_experts >= 0, "must be >= 0")
@@ -79,6 +101,7 @@ class ModelArgs:
     def _require(self, key: str, ok: bool, rule: str) -> None:
         if not ok:
             raise ValueError(f"model.{key}={getattr(self, key)!r} {rule}")
+
 
 FAMILIES = ("deepseek", "qwen", "gpt")
 _FIXED_SHARED = {"qwen": 1, "gpt": 0}  # families with a fixed number of shared experts

@@ -139,8 +139,9 @@ class MoE(nn.Module):
         return torch.cat([expert(chunk) for expert, chunk in zip(self.experts.values(), chunks, strict=True)])
 
     @staticmethod
-    def combine(expert_out: torch.Tensor, weights: torch.Tensor, token_ids: torch.Tensor, n_tokens: int
-                ) -> torch.Tensor:
+    def combine(
+        expert_out: torch.Tensor, weights: torch.Tensor, token_ids: torch.Tensor, n_tokens: int
+    ) -> torch.Tensor:
         """Sum ``weights * expert_out`` rows into their tokens; dropped assignments contribute 0."""
         weighted = expert_out * weights.to(expert_out.dtype).unsqueeze(1)
         return expert_out.new_zeros(n_tokens, expert_out.shape[1]).index_add_(0, token_ids, weighted)

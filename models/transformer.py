@@ -88,8 +88,9 @@ class Transformer(nn.Module):
         """
         if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight  # to_empty() from meta unties them
-        cos, sin = rope_tables(self.args.dim // self.args.n_heads, self.args.max_seq_len, self.args.rope_theta,
-                               device=self.rope_cos.device)
+        cos, sin = rope_tables(
+            self.args.dim // self.args.n_heads, self.args.max_seq_len, self.args.rope_theta, device=self.rope_cos.device
+        )
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
         for moe in self.moe_layers().values():

@@ -93,10 +93,21 @@ class SparseCheckpointer:
     operators the policy selects (all of them, or MoC's partial set), and no compute weights.
     """
 
-    def __init__(self, cfg, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-                 compute_dtype: torch.dtype, device: torch.device, rank_dir: Path, topology: Topology,
-                 job_meta: dict | None = None, policy: IntervalPolicy | None = None, disk_keep: int = 2,
-                 rank_dirs: Callable[[int], Path] | None = None):
+    def __init__(
+        self,
+        cfg,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        compute_dtype: torch.dtype,
+        device: torch.device,
+        rank_dir: Path,
+        topology: Topology,
+        job_meta: dict | None = None,
+        policy: IntervalPolicy | None = None,
+        disk_keep: int = 2,
+        rank_dirs: Callable[[int], Path] | None = None,
+    ):
         self.cfg, self.optimizer, self.compute_dtype, self.device = cfg, optimizer, compute_dtype, device
         self.policy = policy
         self.topology, self.job_meta = topology, dict(job_meta or {})
@@ -111,8 +122,9 @@ class SparseCheckpointer:
         self.profile.measure_bandwidth(self.rank_dir, device)
         self.buffers: dict[tuple[int, int], HostBuffer] = {}
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.copier = ThreadPoolExecutor(1, thread_name_prefix="moevement-copy",
-                                         initializer=enter_background, initargs=(cfg.background_priority,))
+        self.copier = ThreadPoolExecutor(
+            1, thread_name_prefix="moevement-copy", initializer=enter_background, initargs=(cfg.background_priority,)
+        )
         self.plan: WindowPlan | None = None
         self.window_index = -1
         self.iterations_seen = 0
@@ -124,21 +136,35 @@ class SparseCheckpointer:
         self.replaying = False
         self.persisted_cond = threading.Condition()
         self.window_headers: dict[int, list[dict]] = {}
-        self.disk = DiskWriter(Path(cfg.persist_dir), topology.rank, disk_keep, cfg.background_priority) \
-            if cfg.persist_dir else None
+        self.disk = (
+            DiskWriter(Path(cfg.persist_dir), topology.rank, disk_keep, cfg.background_priority)
+            if cfg.persist_dir
+            else None
+        )
         self.replicas = ReplicaStore(rank_dir / "replicas")
         self.replicator = None
         # peers[r]: the ranks holding rank r's replicas (recovery fetches from them)
-        self.peers = peer_map(topology.world, cfg.replicas, topology.stage_of, topology.node_of) \
-            if topology.world > 1 else [[]]
+        self.peers = (
+            peer_map(topology.world, cfg.replicas, topology.stage_of, topology.node_of) if topology.world > 1 else [[]]
+        )
         if topology.world > 1 and cfg.replicas > 0:
             group = dist.new_group(backend="gloo")
             node = topology.node_of[topology.rank]
-            same_node = frozenset(r for r, n in enumerate(topology.node_of) if n == node and r != topology.rank) \
-                if rank_dirs is not None else frozenset()
-            self.replicator = Replicator(topology.rank, self.peers, self.replicas, group, self._on_window_replicated,
-                                         same_node, lambda src, parity, slot: local_buffer(rank_dirs(src), parity, slot),
-                                         cfg.background_priority)
+            same_node = (
+                frozenset(r for r, n in enumerate(topology.node_of) if n == node and r != topology.rank)
+                if rank_dirs is not None
+                else frozenset()
+            )
+            self.replicator = Replicator(
+                topology.rank,
+                self.peers,
+                self.replicas,
+                group,
+                self._on_window_replicated,
+                same_node,
+                lambda src, parity, slot: local_buffer(rank_dirs(src), parity, slot),
+                cfg.background_priority,
+            )
         self._begin_time = 0.0
         self.last = {"ckpt_mb": 0.0, "stall_ms": 0.0}
         optimizer.register_step_pre_hook(self._before_optimizer_step)
@@ -159,9 +185,18 @@ class SparseCheckpointer:
         slot = self.plan.slot_at(iteration)
         active, frozen = self._slot_operators(slot)
         entries, sources, nbytes = layout(active, frozen, self.optimizer, self.compute_dtype)
-        header = SnapshotHeader(iteration, self.plan.start, slot, self.plan.window, self.topology.rank,
-                                [op.name for op in active], [op.name for op in frozen], entries, nbytes,
-                                {**self.job_meta, "data_position": iteration})
+        header = SnapshotHeader(
+            iteration,
+            self.plan.start,
+            slot,
+            self.plan.window,
+            self.topology.rank,
+            [op.name for op in active],
+            [op.name for op in frozen],
+            entries,
+            nbytes,
+            {**self.job_meta, "data_position": iteration},
+        )
         buffer = self._buffer(self.window_index % 2, slot)
         copy = self.copier.submit(self._copy, self.window_index, buffer, header, sources)
         self.pending = _Pending(self.window_index, slot, header, buffer, copy)
@@ -176,8 +211,13 @@ class SparseCheckpointer:
             self.pending.copy.result()
             self.last["stall_ms"] = (time.perf_counter() - start) * 1e3
 
-    def end(self, iteration: int, scalars: dict[str, float], tokens: dict[str, torch.Tensor],
-            gate_probs: dict[str, torch.Tensor]) -> None:
+    def end(
+        self,
+        iteration: int,
+        scalars: dict[str, float],
+        tokens: dict[str, torch.Tensor],
+        gate_probs: dict[str, torch.Tensor],
+    ) -> None:
         """Iteration `iteration` finished with these logged scalars and router statistics."""
         self.tracker.observe(tokens, gate_probs)
         self.scalar_log[iteration] = dict(scalars)
@@ -197,17 +237,22 @@ class SparseCheckpointer:
         self.latest = (pending.header, pending.buffer.data)
         last = pending.slot == self.plan.window - 1
         if self.replicator is not None:
-            self.replicator.submit(Outgoing(pending.window_index, pending.slot, last, encoded,
-                                            pending.buffer.data[:header["nbytes"]]))
+            self.replicator.submit(
+                Outgoing(pending.window_index, pending.slot, last, encoded, pending.buffer.data[: header["nbytes"]])
+            )
         elif last:
             self._on_window_replicated(pending.window_index)
 
     def metrics(self) -> dict[str, float]:
         """Per-iteration figures for the log and TensorBoard."""
         interval = {"interval": self.policy.interval} if self.policy else {}
-        return {**self.last, **interval, "window": self.plan.window if self.plan else 0,
-                "repl_lag": self.replicator.backlog if self.replicator else 0,
-                "host_mb": self.host_bytes() / 1e6}
+        return {
+            **self.last,
+            **interval,
+            "window": self.plan.window if self.plan else 0,
+            "repl_lag": self.replicator.backlog if self.replicator else 0,
+            "host_mb": self.host_bytes() / 1e6,
+        }
 
     def host_bytes(self) -> int:
         return sum(b.capacity for b in self.buffers.values()) + self.replicas.nbytes()
@@ -281,8 +326,9 @@ class SparseCheckpointer:
         """Plan window [iteration, iteration + W): order, Algorithm 1, slots (same W on every rank)."""
         reordered = self.tracker.end_window()
         if reordered:
-            self.order = order_operators(self.registry_order, [op.kind == "expert" for op in self.ops],
-                                         self.tracker.popularity())
+            self.order = order_operators(
+                self.registry_order, [op.kind == "expert" for op in self.ops], self.tracker.popularity()
+            )
         self.profile.update()
         every = self.cfg.reprofile_every
         if self.plan is not None and every and (self.window_index + 1) % every == 0:
@@ -332,24 +378,32 @@ class SparseCheckpointer:
 
     def _slot_operators(self, slot: int) -> tuple[list[Operator], list[Operator]]:
         """(operators whose FP32 state SS_{start+slot} holds, operators whose compute weights it holds)."""
-        return ([self.ops_by_name[n] for n in self.plan.slots[slot]],
-                [self.ops_by_name[n] for n in self.plan.frozen_after(slot)])
+        return (
+            [self.ops_by_name[n] for n in self.plan.slots[slot]],
+            [self.ops_by_name[n] for n in self.plan.frozen_after(slot)],
+        )
 
     def _reserve_buffers(self) -> None:
         """Allocate (and fault in) both buffer sets for this window's snapshot sizes, on the training
         thread at the window boundary: a buffer grown by the copy thread faults its pages in at idle
         priority while the copy is due, and the step stalls (a window grows when the profile
         re-plans it). Buffers only grow, so this allocates nothing once the largest window has run."""
-        sizes = [max(layout(*self._slot_operators(slot), self.optimizer, self.compute_dtype)[2], 1)
-                 for slot in range(self.plan.window)]
-        grow = sum(max(0, nbytes - self._buffer(parity, slot).capacity)
-                   for slot, nbytes in enumerate(sizes) for parity in (0, 1))
+        sizes = [
+            max(layout(*self._slot_operators(slot), self.optimizer, self.compute_dtype)[2], 1)
+            for slot in range(self.plan.window)
+        ]
+        grow = sum(
+            max(0, nbytes - self._buffer(parity, slot).capacity)
+            for slot, nbytes in enumerate(sizes)
+            for parity in (0, 1)
+        )
         free = shutil.disk_usage(self.local_dir).free
         if grow > free:
             raise HostMemoryError(
                 f"a window of W={self.plan.window} snapshots needs {grow / 1e9:.2f} GB more host memory in "
                 f"{self.local_dir} ({free / 1e9:.2f} GB free): set checkpoint.window lower, raise "
-                f"checkpoint.bandwidth_gbps, or train with training.mixed_precision bf16 (smaller compute weights)")
+                f"checkpoint.bandwidth_gbps, or train with training.mixed_precision bf16 (smaller compute weights)"
+            )
         for slot, nbytes in enumerate(sizes):
             for parity in (0, 1):
                 self._buffer(parity, slot).ensure(nbytes)
@@ -390,9 +444,16 @@ class SparseCheckpointer:
             self.persisted_cond.notify_all()
 
     def _write_manifest(self, window_index: int, start: int, window: int) -> None:
-        write_json_atomic(self.rank_dir / "persisted.json", {
-            "window_index": window_index, "window_start": start, "window": window, "rank": self.topology.rank,
-            "snapshots": [str(local_buffer(Path(), window_index % 2, slot)) for slot in range(window)]})
+        write_json_atomic(
+            self.rank_dir / "persisted.json",
+            {
+                "window_index": window_index,
+                "window_start": start,
+                "window": window,
+                "rank": self.topology.rank,
+                "snapshots": [str(local_buffer(Path(), window_index % 2, slot)) for slot in range(window)],
+            },
+        )
 
 
 def local_buffer(rank_dir: Path, parity: int, slot: int) -> Path:

@@ -45,8 +45,10 @@ def parse_events(spec: str, key: str) -> list[FaultEvent]:
         except ValueError:
             event = None
         if not sep or event is None or event.step < 1 or min(event.ranks) < 0:
-            raise FaultSpecError(f"config key '{key}' must look like STEP:RANK[+RANK...][,STEP:RANK...] "
-                                 f"with STEP >= 1 and RANK >= 0, got {item!r}")
+            raise FaultSpecError(
+                f"config key '{key}' must look like STEP:RANK[+RANK...][,STEP:RANK...] "
+                f"with STEP >= 1 and RANK >= 0, got {item!r}"
+            )
         events.append(event)
     return events
 
@@ -55,8 +57,10 @@ def check_last_step(events: list[FaultEvent], key: str, last_step: int) -> None:
     """Refuse a failure after iteration `last_step` (the run's last): it would silently never fire."""
     late = [e.step for e in events if e.step > last_step]
     if late:
-        raise FaultSpecError(f"config key '{key}' has a failure at step {max(late)}, after the run's last step "
-                             f"{last_step} (training.stop_at, or training.steps when it is 0): it would never fire")
+        raise FaultSpecError(
+            f"config key '{key}' has a failure at step {max(late)}, after the run's last step "
+            f"{last_step} (training.stop_at, or training.steps when it is 0): it would never fire"
+        )
 
 
 def poisson_events(mtbf_iters: float, seed: int, world: int, last_step: int) -> list[FaultEvent]:
@@ -101,8 +105,9 @@ def read_trace(path: str) -> tuple[list[FaultEvent], list[tuple[float, int]]]:
             else:
                 by_time.append((float(row["time_s"]), rank))
         except (KeyError, TypeError, ValueError):
-            raise FaultSpecError(f"{name} line {n} must have `rank` and `iteration` "
-                                 f"or `time_s` columns with numbers, got {dict(row)}") from None
+            raise FaultSpecError(
+                f"{name} line {n} must have `rank` and `iteration` or `time_s` columns with numbers, got {dict(row)}"
+            ) from None
     if any(e.step < 1 for e in by_step) or any(r < 0 for _, r in by_time) or any(min(e.ranks) < 0 for e in by_step):
         raise FaultSpecError(f"{name} has an iteration < 1 or a rank < 0")
     if any(not (math.isfinite(t) and t >= 0) for t, _ in by_time):
@@ -118,8 +123,17 @@ class FaultPlan:
     `last_step`); 0 leaves them unchecked. Trace rows after it are ignored, like Poisson failures.
     """
 
-    def __init__(self, at: str = "", crash: str = "", *, mtbf_iters: float = 0.0, seed: int = 0, trace: str = "",
-                 world: int = 1, last_step: int = 0):
+    def __init__(
+        self,
+        at: str = "",
+        crash: str = "",
+        *,
+        mtbf_iters: float = 0.0,
+        seed: int = 0,
+        trace: str = "",
+        world: int = 1,
+        last_step: int = 0,
+    ):
         self.events = parse_events(at, "fault.at")
         self.crashes = parse_events(crash, "fault.crash")
         if last_step >= 1:
@@ -136,20 +150,25 @@ class FaultPlan:
 
     def check_world(self, world: int) -> None:
         if (self.events or self.timed) and world == 1:
-            raise FaultSpecError("config key 'fault.at' needs a multi-process run (torchrun): "
-                                 "a single process has no survivor to recover from")
+            raise FaultSpecError(
+                "config key 'fault.at' needs a multi-process run (torchrun): "
+                "a single process has no survivor to recover from"
+            )
         for key, events in (("fault.at", self.events), ("fault.crash", self.crashes)):
             for event in events:
                 if max(event.ranks) >= world:
-                    raise FaultSpecError(f"config key '{key}' names rank {max(event.ranks)}, "
-                                         f"but the job has {world} ranks")
+                    raise FaultSpecError(
+                        f"config key '{key}' names rank {max(event.ranks)}, but the job has {world} ranks"
+                    )
         if any(rank >= world for _, rank in self.timed):
             raise FaultSpecError(f"config key 'fault.trace' names a rank >= {world}, the job's rank count")
         for event in self.events:
             failed = set().union(*(e.ranks for e in self.events if e.step == event.step))
             if len(failed) == world:
-                raise FaultSpecError(f"config key 'fault.at' fails every rank at step {event.step}; in-place "
-                                     "recovery needs a survivor (use fault.crash with torchrun --max-restarts)")
+                raise FaultSpecError(
+                    f"config key 'fault.at' fails every rank at step {event.step}; in-place "
+                    "recovery needs a survivor (use fault.crash with torchrun --max-restarts)"
+                )
 
     def at(self, step: int, elapsed_s: float | None = None) -> list[FaultEvent]:
         """The failures at the start of iteration `step` not yet fired (marked fired now).

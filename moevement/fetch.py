@@ -90,11 +90,12 @@ def _send(ck: SparseCheckpointer, dst: int, window: int, buffer_of: Callable[[in
         raw = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
         dist.send(torch.tensor([raw.numel(), header["nbytes"]]), dst)
         dist.send(raw, dst)
-        dist.send(buf.data[:header["nbytes"]].contiguous(), dst)
+        dist.send(buf.data[: header["nbytes"]].contiguous(), dst)
 
 
-def _receive(ck: SparseCheckpointer, src: int, window: int, buffer_of: Callable[[int], HostBuffer],
-             source: str) -> bool:
+def _receive(
+    ck: SparseCheckpointer, src: int, window: int, buffer_of: Callable[[int], HostBuffer], source: str
+) -> bool:
     """Receive all slots from `src` into `buffer_of(slot)`, verified; False if any is missing or corrupt."""
     ok = True
     for slot in range(window):

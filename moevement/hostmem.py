@@ -47,11 +47,15 @@ def check_private(path: Path, st: os.stat_result | None = None) -> None:
     if stat.S_ISLNK(st.st_mode) or kind is None:
         raise HostMemoryError(f"{path}: is a symlink or special file; refusing to use it for host state")
     if st.st_uid != os.geteuid():
-        raise HostMemoryError(f"{path}: {kind} is owned by uid {st.st_uid}, not by this user "
-                              f"(uid {os.geteuid()}); refusing to use it for host state")
+        raise HostMemoryError(
+            f"{path}: {kind} is owned by uid {st.st_uid}, not by this user "
+            f"(uid {os.geteuid()}); refusing to use it for host state"
+        )
     if st.st_mode & 0o077:
-        raise HostMemoryError(f"{path}: {kind} has group/other permissions ({stat.filemode(st.st_mode)}); "
-                              f"host state needs an owner-only location (chmod 700 it, or choose another)")
+        raise HostMemoryError(
+            f"{path}: {kind} has group/other permissions ({stat.filemode(st.st_mode)}); "
+            f"host state needs an owner-only location (chmod 700 it, or choose another)"
+        )
 
 
 def make_private_dir(path: Path) -> Path:
@@ -127,8 +131,10 @@ class JobLock:
         except BlockingIOError:
             holder = os.pread(self.fd, 32, 0).decode(errors="replace").strip() or "?"
             os.close(self.fd)
-            raise HostMemoryError(f"{path}: held by a live process (pid {holder}) of the same job; stop it, "
-                                  f"or choose another job.name or checkpoint.host_dir") from None
+            raise HostMemoryError(
+                f"{path}: held by a live process (pid {holder}) of the same job; stop it, "
+                f"or choose another job.name or checkpoint.host_dir"
+            ) from None
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
 
@@ -181,8 +187,10 @@ class HostBuffer:
                 os.posix_fallocate(fd, 0, nbytes)
             except OSError as e:
                 free = shutil.disk_usage(bin_path.parent).free
-                raise HostMemoryError(f"{bin_path}: cannot reserve {nbytes / 1e9:.2f} GB of host memory "
-                                      f"({free / 1e9:.2f} GB free there: {e.strerror})") from None
+                raise HostMemoryError(
+                    f"{bin_path}: cannot reserve {nbytes / 1e9:.2f} GB of host memory "
+                    f"({free / 1e9:.2f} GB free there: {e.strerror})"
+                ) from None
             finally:
                 os.close(fd)
             old = self.capacity

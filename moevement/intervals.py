@@ -47,7 +47,7 @@ def oracle_interval(stall_s: float, iteration_s: float, fixed_s: float, mtbf_s: 
     unimodal on x > 0 with its maximum at x* = -a + sqrt(a^2 + a b / d).
     """
     if math.isinf(mtbf_s):  # no failures: only the overhead counts
-        return 1 if stall_s <= 0 else 10 ** 6
+        return 1 if stall_s <= 0 else 10**6
     a, b, d = stall_s / iteration_s, 1 - (fixed_s + iteration_s) / mtbf_s, iteration_s / (2 * mtbf_s)
     if a <= 0 or b <= 0 or d <= 0:
         return 1
@@ -61,8 +61,9 @@ def checkfreq_overhead(k: int, stall_s: float, persist_s: float, iteration_s: fl
     return (stall_s + max(0.0, persist_s - k * iteration_s)) / (k * iteration_s)
 
 
-def checkfreq_interval(stall_s: float, persist_s: float, iteration_s: float,
-                       cap: float = CHECKFREQ_MAX_OVERHEAD) -> int:
+def checkfreq_interval(
+    stall_s: float, persist_s: float, iteration_s: float, cap: float = CHECKFREQ_MAX_OVERHEAD
+) -> int:
     """Smallest k with `checkfreq_overhead` <= cap (overhead falls as k grows, so the search ends)."""
     k = 1
     while checkfreq_overhead(k, stall_s, persist_s, iteration_s) > cap:
@@ -99,8 +100,11 @@ class IntervalPolicy:
         mode = self.mode()
         if mode == "fixed":
             return int(self.spec)
-        cost = statistics.median(self.stalls[-3:]) if self.stalls else \
-            checkpoint_cost(snapshot_bytes, bandwidth, overlap_s)
+        cost = (
+            statistics.median(self.stalls[-3:])
+            if self.stalls
+            else checkpoint_cost(snapshot_bytes, bandwidth, overlap_s)
+        )
         if mode == "oracle":
             return oracle_interval(cost, overlap_s, 0.0, self.mtbf_iters * overlap_s)
         return checkfreq_interval(cost, 0.0, overlap_s)

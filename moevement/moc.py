@@ -40,8 +40,7 @@ class PartialExpertSelector:
         """Operator names of the next checkpoint (non-expert + this rank's selected experts); advances."""
         chosen = moc_selection(self.cursor, len(self.position), self.n_experts, self.ep, self.k)
         self.cursor += self.k
-        return [op.name for op in self.ops
-                if op.kind != "expert" or op.expert in chosen[self.position[op.layer]]]
+        return [op.name for op in self.ops if op.kind != "expert" or op.expert in chosen[self.position[op.layer]]]
 
     def double(self) -> None:
         self.k = min(2 * self.k, self.n_experts)
@@ -65,8 +64,13 @@ class LostTokens:
         self.processed += sum(counts.values())
 
     def account(self, rollback_to: int, saved_at: dict[str, int]) -> tuple[float, float]:
-        lost = sum(n for t, counts in self.history.items() if t < rollback_to
-                   for op, n in counts.items() if t >= saved_at.get(op, 1))  # never saved: lost since the start
+        lost = sum(
+            n
+            for t, counts in self.history.items()
+            if t < rollback_to
+            for op, n in counts.items()
+            if t >= saved_at.get(op, 1)
+        )  # never saved: lost since the start
         self.history = {t: c for t, c in self.history.items() if t < rollback_to}
         return lost, self.processed
 

@@ -17,14 +17,17 @@ from torch import nn
 
 # (pattern on the global tensor name, kind); the first match wins. The match's `op` group names
 # the operator: every tensor under `layers.3.moe.experts.17.` belongs to `layers.3.moe.experts.17`.
-RULES: tuple[tuple[re.Pattern, str], ...] = tuple((re.compile(p), kind) for p, kind in (
-    (r"^(?P<op>layers\.(?P<layer>\d+)\.moe\.experts\.(?P<expert>\d+))\.", "expert"),
-    (r"^(?P<op>layers\.(?P<layer>\d+)\.moe\.router)\.", "router"),
-    (r"^(?P<op>layers\.(?P<layer>\d+)\.moe)\.(shared_experts|shared_expert_gate)", "shared_expert"),
-    (r"^(?P<op>layers\.(?P<layer>\d+))\.", "block"),
-    (r"^(?P<op>tok_embeddings)\.", "embedding"),
-    (r"^(norm|output)\.", "head"),
-))
+RULES: tuple[tuple[re.Pattern, str], ...] = tuple(
+    (re.compile(p), kind)
+    for p, kind in (
+        (r"^(?P<op>layers\.(?P<layer>\d+)\.moe\.experts\.(?P<expert>\d+))\.", "expert"),
+        (r"^(?P<op>layers\.(?P<layer>\d+)\.moe\.router)\.", "router"),
+        (r"^(?P<op>layers\.(?P<layer>\d+)\.moe)\.(shared_experts|shared_expert_gate)", "shared_expert"),
+        (r"^(?P<op>layers\.(?P<layer>\d+))\.", "block"),
+        (r"^(?P<op>tok_embeddings)\.", "embedding"),
+        (r"^(norm|output)\.", "head"),
+    )
+)
 OPTIMIZER_KEYS = ("exp_avg", "exp_avg_sq", "step")
 
 
@@ -58,8 +61,9 @@ class Operator:
 
     def compute_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """(name, tensor) of what a frozen operator needs to run: its weights (cast on copy) and buffers."""
-        return [(name, local_tensor(p)) for name, p in self.params.items()] + \
-            [(name, b.detach()) for name, b in self.buffers.items()]
+        return [(name, local_tensor(p)) for name, p in self.params.items()] + [
+            (name, b.detach()) for name, b in self.buffers.items()
+        ]
 
     def fp32_bytes(self, optimizer: torch.optim.Optimizer) -> int:
         """Bytes of the full FP32 state; a parameter without optimizer state yet counts AdamW's two moments."""
@@ -67,8 +71,9 @@ class Operator:
         for p in self.params.values():
             nbytes = _nbytes(local_tensor(p))
             state = optimizer.state.get(p)
-            total += nbytes + (sum(_nbytes(local_tensor(state[k])) for k in OPTIMIZER_KEYS if k in state)
-                               if state else 2 * nbytes)
+            total += nbytes + (
+                sum(_nbytes(local_tensor(state[k])) for k in OPTIMIZER_KEYS if k in state) if state else 2 * nbytes
+            )
         return total
 
     def compute_bytes(self, compute_dtype: torch.dtype) -> int:
@@ -103,7 +108,8 @@ def _classify(name: str, ops: dict[str, Operator]) -> Operator:
         op_name = groups.get("op") or kind
         if op_name not in ops:
             layer, expert = groups.get("layer"), groups.get("expert")
-            ops[op_name] = Operator(op_name, kind, None if layer is None else int(layer),
-                                    None if expert is None else int(expert))
+            ops[op_name] = Operator(
+                op_name, kind, None if layer is None else int(layer), None if expert is None else int(expert)
+            )
         return ops[op_name]
     raise ValueError(f"tensor {name!r} belongs to no MoEvement operator (see moevement.operators.RULES)")

@@ -46,7 +46,7 @@ def write_window(root: Path, rank: int, snapshots: list[tuple[dict, torch.Tensor
         path = tmp / f"s{header['slot']}.bin"
         fd = open_private(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         with os.fdopen(fd, "wb") as f:
-            f.write(payload[:header["nbytes"]].numpy().tobytes())
+            f.write(payload[: header["nbytes"]].numpy().tobytes())
             f.flush()
             os.fsync(f.fileno())
         write_json_atomic(path.with_suffix(".json"), header)
@@ -107,7 +107,7 @@ class DiskWriter:
             enter_background(self.priority)
             write_window(self.root, self.rank, snapshots)
             mine = sorted(d for d in self.root.glob("window-*") if (d / f"rank{self.rank:05d}").exists())
-            for old in mine[:-self.keep]:
+            for old in mine[: -self.keep]:
                 remove_tree(old / f"rank{self.rank:05d}")
                 try:
                     old.rmdir()

@@ -46,8 +46,12 @@ class PopularityTracker:
 
     def current(self) -> dict[str, float]:
         """This policy's popularity per expert operator over the statistics seen since `end_window`."""
-        source = {"count": self.window_tokens, "soft": self.window_soft, "ema": self.ema,
-                  "capacity": self.window_tokens}[self.policy]
+        source = {
+            "count": self.window_tokens,
+            "soft": self.window_soft,
+            "ema": self.ema,
+            "capacity": self.window_tokens,
+        }[self.policy]
         out = {}
         for layer, values in source.items():
             if self.policy == "capacity":

@@ -78,9 +78,18 @@ class _Stats:
 
 
 class Recovery:
-    def __init__(self, checkpointer: SparseCheckpointer, log: UpstreamLog | None, optimizer, layout: Layout,
-                 n_stages: int, micro_batches: int, hooks: TrainerHooks, global_rollback: bool = False,
-                 threads: int = 0):
+    def __init__(
+        self,
+        checkpointer: SparseCheckpointer,
+        log: UpstreamLog | None,
+        optimizer,
+        layout: Layout,
+        n_stages: int,
+        micro_batches: int,
+        hooks: TrainerHooks,
+        global_rollback: bool = False,
+        threads: int = 0,
+    ):
         self.ck, self.log, self.optimizer, self.layout = checkpointer, log, optimizer, layout
         self.global_rollback = global_rollback  # every stage rolls back and replays (the baseline to compare with)
         self.threads = threads  # intra-op threads of a replaying rank (0: auto, see moevement.replay_threads)
@@ -111,14 +120,18 @@ class Recovery:
         self.hooks.line(
             f"recovery step={step} ranks={'+'.join(map(str, sorted(failed)))} scope={_ranges(scope)} "
             f"rollback_to={t0} replayed={step - t0} seconds={seconds:.3f} "
-            f"(fetch={totals[0]:.3f} convert={totals[1]:.3f} catchup={totals[2]:.3f})")
+            f"(fetch={totals[0]:.3f} convert={totals[1]:.3f} catchup={totals[2]:.3f})"
+        )
         forwards, backwards = (a - b for a, b in zip(self.log.work() if self.log else (0, 0), work_before))
         role = "failed" if self.me in failed else ("rolled-back" if self.layout.pp_of[self.me] in pps else "healthy")
         source = f" snapshots_from={stats.sources[self.me]}" if self.me in stats.sources else ""
         threads = f" threads={stats.threads}" if stats.threads else ""
         work = [None] * self.world if self.me == 0 else None
-        dist.gather_object(f"recovery work rank={self.me} role={role} forwards={forwards} backwards={backwards}"
-                           f"{threads}{source}", work, dst=0)
+        dist.gather_object(
+            f"recovery work rank={self.me} role={role} forwards={forwards} backwards={backwards}{threads}{source}",
+            work,
+            dst=0,
+        )
         for text in work or []:
             self.hooks.line(text)
 
@@ -136,8 +149,16 @@ class Recovery:
         t0, window = found.window_start, found.window
         stats = _Stats(fetch=found.seconds)
         scalars = {header.iteration: header.meta["scalars"] for header, _ in found.snapshots}
-        self.replay(t0, t0 + window, window, set(range(self.n_stages)), lambda i: found.snapshots[i], scalars,
-                    _no_boundary, stats)
+        self.replay(
+            t0,
+            t0 + window,
+            window,
+            set(range(self.n_stages)),
+            lambda i: found.snapshots[i],
+            scalars,
+            _no_boundary,
+            stats,
+        )
         dist.barrier()
         totals = torch.tensor([stats.fetch, stats.convert], dtype=torch.float64)
         dist.all_reduce(totals, op=dist.ReduceOp.MAX)
@@ -146,7 +167,8 @@ class Recovery:
             f"scope={_ranges(list(range(self.n_stages)))} rollback_to={t0} replayed={window} "
             f"seconds={time.perf_counter() - started + found.seconds:.3f} "
             f"(fetch={totals[0]:.3f} convert={totals[1]:.3f} catchup=0.000) restart=global "
-            f"snapshots_from=\"{'; '.join(f'rank{r}: {src}' for r, src in enumerate(found.sources))}\"")
+            f'snapshots_from="{"; ".join(f"rank{r}: {src}" for r, src in enumerate(found.sources))}"'
+        )
         return t0 + window
 
     # ---- one (possibly widened) recovery -----------------------------------------------------------
@@ -170,12 +192,31 @@ class Recovery:
         self.ck.reset_popularity()
         if not window:
             self._load_initial_state()
-        self.replay(t0, step, window, scope, self._persisted_slot, scalars,
-                    lambda k, i, s, m: boundary[(k, i, s, m)], stats, stop_after)
+        self.replay(
+            t0,
+            step,
+            window,
+            scope,
+            self._persisted_slot,
+            scalars,
+            lambda k, i, s, m: boundary[(k, i, s, m)],
+            stats,
+            stop_after,
+        )
         return stats
 
-    def replay(self, t0: int, end: int, window: int, scope: set[int], slot_snapshot: Callable, scalars: dict,
-               boundary: Callable, stats: _Stats, stop_after: int | None = None) -> bool:
+    def replay(
+        self,
+        t0: int,
+        end: int,
+        window: int,
+        scope: set[int],
+        slot_snapshot: Callable,
+        scalars: dict,
+        boundary: Callable,
+        stats: _Stats,
+        stop_after: int | None = None,
+    ) -> bool:
         """Replay iterations t0..end-1 of the stages in `scope`, activating slot i at t0+i (i < window).
 
         `slot_snapshot(i)` gives (header, tensors) of SS_{t0+i}; `scalars[t]` the scalar log of t.
@@ -207,8 +248,9 @@ class Recovery:
     def _replay_threads(self, scope: set[int]) -> int:
         """Threads for this rank's replay of `scope`: the idle cores of its node (moevement.replay_threads)."""
         replaying = [r for r, p in enumerate(self.layout.pp_of) if set(self.layout.stages_of_pp[p]) & scope]
-        return replay_threads(replaying, self.ck.topology.node_of, self.me, self.threads, self.training_threads,
-                              self.ck.device)
+        return replay_threads(
+            replaying, self.ck.topology.node_of, self.me, self.threads, self.training_threads, self.ck.device
+        )
 
     def _wipe(self) -> None:
         wipe_operators(self.ops, self.optimizer)
@@ -231,8 +273,10 @@ class Recovery:
         by_name = self.ck.ops_by_name
         missing = [name for name in [*header.active, *header.frozen] if name not in by_name]
         if missing:
-            raise RecoveryError(f"snapshot of iteration {header.iteration} names operators this model does not "
-                                f"have ({', '.join(missing[:3])}): it belongs to another model or layout")
+            raise RecoveryError(
+                f"snapshot of iteration {header.iteration} names operators this model does not "
+                f"have ({', '.join(missing[:3])}): it belongs to another model or layout"
+            )
         for name in header.active:
             load_master(by_name[name], tensors, self.optimizer)
             set_frozen([by_name[name]], False)
@@ -278,7 +322,9 @@ class Recovery:
 
 
 def _no_boundary(kind: str, iteration: int, stage: int, micro: int):
-    raise RecoveryError(f"a full-pipeline replay needs no upstream log ({kind} of stage {stage}, iteration {iteration})")
+    raise RecoveryError(
+        f"a full-pipeline replay needs no upstream log ({kind} of stage {stage}, iteration {iteration})"
+    )
 
 
 def _ranges(stages: list[int]) -> str:

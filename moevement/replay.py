@@ -102,15 +102,29 @@ class StageRef:
 class PipelineReplay:
     """Re-run iterations of this rank's stages inside a recovery scope (see the module docstring)."""
 
-    def __init__(self, stages: dict[int, StageRef], n_stages: int, micro_batches: int, owner_rank: Callable[[int], int],
-                 log: UpstreamLog, loss_fn: Callable, device: torch.device):
+    def __init__(
+        self,
+        stages: dict[int, StageRef],
+        n_stages: int,
+        micro_batches: int,
+        owner_rank: Callable[[int], int],
+        log: UpstreamLog,
+        loss_fn: Callable,
+        device: torch.device,
+    ):
         self.stages, self.n_stages, self.micro = stages, n_stages, micro_batches
         self.owner_rank = owner_rank  # rank holding stage s in this rank's data-parallel slice
         self.log, self.loss_fn, self.device = log, loss_fn, device
         self.me = dist.get_rank()
 
-    def forward_backward(self, iteration: int, scope: set[int], inputs: torch.Tensor, labels: torch.Tensor,
-                         boundary: Callable[[str, int, int, int], torch.Tensor]) -> None:
+    def forward_backward(
+        self,
+        iteration: int,
+        scope: set[int],
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        boundary: Callable[[str, int, int, int], torch.Tensor],
+    ) -> None:
         """Accumulate this rank's gradients of `iteration` for its stages in `scope`, reduced and scaled.
 
         `boundary(kind, iteration, stage, micro)` returns the logged "act" of stage-1 or "grad" of
@@ -135,12 +149,20 @@ class PipelineReplay:
             ref = self.stages[s]
             for m in range(self.micro):
                 out, x = cache.pop((s, m))
-                grad = None if s == self.n_stages - 1 else \
-                    self._incoming("grad", s + 1, s, m, scope, iteration, xs, handoff, boundary)
+                grad = (
+                    None
+                    if s == self.n_stages - 1
+                    else self._incoming("grad", s + 1, s, m, scope, iteration, xs, handoff, boundary)
+                )
                 if out.requires_grad:
                     grads, _ = ref.stage.backward_maybe_with_nosync(
-                        "full", {"stage_output": out if grad is None else (out,),
-                                 "output_grads": None if grad is None else (grad,), "input_values": [x]})
+                        "full",
+                        {
+                            "stage_output": out if grad is None else (out,),
+                            "output_grads": None if grad is None else (grad,),
+                            "input_values": [x],
+                        },
+                    )
                     grad_in = grads[0]
                 else:  # every operator up to here is frozen and the input is data: nothing to do
                     grad_in = None
@@ -152,8 +174,9 @@ class PipelineReplay:
         for work in pending:
             work.wait()
 
-    def _incoming(self, kind: str, src_stage: int, stage: int, micro: int, scope: set[int], iteration: int,
-                  xs, handoff, boundary) -> torch.Tensor:
+    def _incoming(
+        self, kind: str, src_stage: int, stage: int, micro: int, scope: set[int], iteration: int, xs, handoff, boundary
+    ) -> torch.Tensor:
         """Stage `stage`'s input activation (kind act) or output gradient (kind grad) for `micro`."""
         if kind == "act" and stage == 0:
             return xs[micro]
@@ -168,8 +191,9 @@ class PipelineReplay:
             dist.recv(tensor, self.owner_rank(src_stage), tag=_tag(kind, src_stage))
         return tensor.detach().requires_grad_(kind == "act")
 
-    def _outgoing(self, kind: str, stage: int, dst_stage: int, micro: int, tensor: torch.Tensor, scope: set[int],
-                  handoff) -> list:
+    def _outgoing(
+        self, kind: str, stage: int, dst_stage: int, micro: int, tensor: torch.Tensor, scope: set[int], handoff
+    ) -> list:
         if dst_stage not in scope:
             return []  # the neighbour is healthy and already has it
         if dst_stage in self.stages:

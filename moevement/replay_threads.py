@@ -25,8 +25,15 @@ def thread_invariant_cpu_kernels() -> bool:
     return torch.backends.mkl.is_available() and "STRICT" in os.environ.get("MKL_CBWR", "").upper()
 
 
-def replay_threads(replaying: Iterable[int], node_of: list[int], rank: int, requested: int, base: int,
-                   device: torch.device, cpus: int | None = None) -> int:
+def replay_threads(
+    replaying: Iterable[int],
+    node_of: list[int],
+    rank: int,
+    requested: int,
+    base: int,
+    device: torch.device,
+    cpus: int | None = None,
+) -> int:
     """Intra-op threads for `rank` while the ranks `replaying` replay.
 
     `requested` > 0 is used as given; 0 (auto) shares this node's `cpus` among its replaying ranks,

@@ -35,7 +35,7 @@ def choose_peers(rank: int, world: int, replicas: int, stage_of: list[int], node
     """The ranks holding `rank`'s replicas: other pipeline stages first, then other nodes, then nearest."""
     others = [c for c in range(world) if c != rank]
     others.sort(key=lambda c: (stage_of[c] == stage_of[rank], node_of[c] == node_of[rank], (c - rank) % world))
-    return others[:min(replicas, world - 1)]
+    return others[: min(replicas, world - 1)]
 
 
 def peer_map(world: int, replicas: int, stage_of: list[int], node_of: list[int]) -> list[list[int]]:
@@ -79,9 +79,17 @@ class Replicator:
     """`local_buffer(src, parity, slot)`: where rank `src` keeps that snapshot buffer, for the ranks in
     `same_node` (their bytes are copied from shared memory; everyone else's travel over `group`)."""
 
-    def __init__(self, rank: int, peers: list[list[int]], store: ReplicaStore, group,
-                 on_window_replicated: Callable[[int], None], same_node: frozenset[int] = frozenset(),
-                 local_buffer: Callable[[int, int, int], Path] | None = None, priority: str = "idle"):
+    def __init__(
+        self,
+        rank: int,
+        peers: list[list[int]],
+        store: ReplicaStore,
+        group,
+        on_window_replicated: Callable[[int], None],
+        same_node: frozenset[int] = frozenset(),
+        local_buffer: Callable[[int, int, int], Path] | None = None,
+        priority: str = "idle",
+    ):
         self.rank, self.group, self.store = rank, group, store
         self.peers = peers[rank]
         self.sources = [src for src, targets in enumerate(peers) if rank in targets]
@@ -150,8 +158,10 @@ class Replicator:
         parity = item.window_index % 2
         for src, (header_len, payload_len, window_index, slot) in ((s, b.tolist()) for s, b in incoming.items()):
             if (window_index, slot) != (item.window_index, item.slot):
-                raise RuntimeError(f"replication out of step: rank {src} sends its snapshot of window {window_index} "
-                                   f"slot {slot} while rank {self.rank} is at window {item.window_index} slot {item.slot}")
+                raise RuntimeError(
+                    f"replication out of step: rank {src} sends its snapshot of window {window_index} "
+                    f"slot {slot} while rank {self.rank} is at window {item.window_index} slot {item.slot}"
+                )
             replica = self.store.buffer(src, parity, item.slot)
             replica.invalidate()
             header_buf = torch.empty(header_len, dtype=torch.uint8)

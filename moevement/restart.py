@@ -86,8 +86,11 @@ def _host_windows(rank: int, directory: Path, survey: _Survey) -> dict[int, list
             continue
         slots[start][slot] = json_path.with_suffix("")
         sizes[start] = window
-    return {start: [by_slot[i] for i in range(sizes[start])] for start, by_slot in slots.items()
-            if set(by_slot) == set(range(sizes[start]))}
+    return {
+        start: [by_slot[i] for i in range(sizes[start])]
+        for start, by_slot in slots.items()
+        if set(by_slot) == set(range(sizes[start]))
+    }
 
 
 def _load_host(paths: list[Path]) -> Loaded:
@@ -111,14 +114,23 @@ def _survey(rank: int, job_dir: Path, persist_root: Path | None) -> _Survey:
     holders += [(f"replica on {d.name}", d / "replicas" / f"from{rank}") for d in sorted(job_dir.glob("rank*[0-9]"))]
     for source, directory in holders:
         for start, paths in _host_windows(rank, directory, survey).items():
-            survey.copies[start].append(_Copy(source, lambda p=paths: _load_host(p), True,
-                                              lambda h, p=paths: str(p[h.slot].with_suffix(".bin"))))
+            survey.copies[start].append(
+                _Copy(
+                    source, lambda p=paths: _load_host(p), True, lambda h, p=paths: str(p[h.slot].with_suffix(".bin"))
+                )
+            )
     if persist_root is not None:
         for directory in sorted(persist_root.glob(f"window-*/rank{rank:05d}")):
             survey.anything = True
             start = int(directory.parent.name.removeprefix("window-"))
-            survey.copies[start].append(_Copy(f"disk {directory}", lambda d=directory: read_window(d), False,
-                                              lambda h, d=directory: str(d / f"s{h.slot}.bin")))
+            survey.copies[start].append(
+                _Copy(
+                    f"disk {directory}",
+                    lambda d=directory: read_window(d),
+                    False,
+                    lambda h, d=directory: str(d / f"s{h.slot}.bin"),
+                )
+            )
     return survey
 
 
@@ -135,8 +147,9 @@ def _load_first_intact(rank: int, copies: list[_Copy], check: CheckHeader) -> tu
     return None
 
 
-def find_restart_checkpoint(job_dir: Path, persist_root: Path | None, check: CheckHeader,
-                            line: Callable[[str], None]) -> Found | None:
+def find_restart_checkpoint(
+    job_dir: Path, persist_root: Path | None, check: CheckHeader, line: Callable[[str], None]
+) -> Found | None:
     """The newest persisted sparse checkpoint of this job that every rank can load, loaded (collective
     over all ranks); None, with a line saying so when any state of the job was found, otherwise."""
     started = time.perf_counter()
@@ -147,8 +160,10 @@ def find_restart_checkpoint(job_dir: Path, persist_root: Path | None, check: Che
     persisted = max(p for p, _, _ in gathered)
     last_iteration = max(n for _, n, _ in gathered)
     any_state = any(anything for _, _, anything in gathered)
-    usable = {start: [c for c in copies if not c.in_host_memory or start <= persisted]
-              for start, copies in survey.copies.items()}
+    usable = {
+        start: [c for c in copies if not c.in_host_memory or start <= persisted]
+        for start, copies in survey.copies.items()
+    }
     starts = sorted(start for start, copies in usable.items() if copies)
     dist.all_gather_object(gathered, starts)
     common = set.intersection(*(set(s) for s in gathered))
@@ -158,14 +173,19 @@ def find_restart_checkpoint(job_dir: Path, persist_root: Path | None, check: Che
         if all(source is not None for source in gathered):
             _drop_newer_disk_windows(rank, persist_root, start)
             snapshots = loaded[0]
-            return Found(start, len(snapshots), snapshots, list(gathered), last_iteration,
-                         time.perf_counter() - started)
+            return Found(
+                start, len(snapshots), snapshots, list(gathered), last_iteration, time.perf_counter() - started
+            )
         missing = [r for r, source in enumerate(gathered) if source is None]
-        line(f"restart: window {start} has no intact copy on rank(s) {'+'.join(map(str, missing))}; "
-             f"falling back to the next older window")
+        line(
+            f"restart: window {start} has no intact copy on rank(s) {'+'.join(map(str, missing))}; "
+            f"falling back to the next older window"
+        )
     if any_state:
-        line("restart: no intact persisted sparse checkpoint of this job survives on every rank; "
-             "STARTING FROM THE INITIAL STATE")
+        line(
+            "restart: no intact persisted sparse checkpoint of this job survives on every rank; "
+            "STARTING FROM THE INITIAL STATE"
+        )
     return None
 
 
@@ -185,11 +205,14 @@ def snapshot_identity_check(expect: dict, identity_mismatch: Callable[[object], 
     def check(header: SnapshotHeader, source: str) -> None:
         for key, value in expect.items():
             if header.meta.get(key) != value:
-                raise SnapshotError(f"{source}: snapshot of iteration {header.iteration} has {key}="
-                                    f"{header.meta.get(key)!r}, this rank has {value!r}")
+                raise SnapshotError(
+                    f"{source}: snapshot of iteration {header.iteration} has {key}="
+                    f"{header.meta.get(key)!r}, this rank has {value!r}"
+                )
         differ = identity_mismatch(header.meta.get("run"))
         if differ:
-            raise SnapshotError(f"{source}: snapshot of iteration {header.iteration} belongs to another run: "
-                                f"{'; '.join(differ)}")
+            raise SnapshotError(
+                f"{source}: snapshot of iteration {header.iteration} belongs to another run: {'; '.join(differ)}"
+            )
 
     return check

@@ -47,8 +47,16 @@ class MocState:
 
 
 class GlobalRollback:
-    def __init__(self, strategy: str, checkpointer: SparseCheckpointer, optimizer, n_stages: int,
-                 initial_parameters: Callable[[], dict], line: Callable[[str], None], moc: MocState | None = None):
+    def __init__(
+        self,
+        strategy: str,
+        checkpointer: SparseCheckpointer,
+        optimizer,
+        n_stages: int,
+        initial_parameters: Callable[[], dict],
+        line: Callable[[str], None],
+        moc: MocState | None = None,
+    ):
         self.strategy, self.ck, self.optimizer, self.n_stages = strategy, checkpointer, optimizer, n_stages
         self.initial_parameters, self.line, self.moc = initial_parameters, line, moc
         self.me, self.world = dist.get_rank(), dist.get_world_size()
@@ -73,10 +81,12 @@ class GlobalRollback:
         sources: list = [None] * self.world
         dist.all_gather_object(sources, source)
         source = "; ".join(f"rank{r}: {sources[r]}" for r in sorted(failed))
-        self.line(f"recovery step={step} ranks={'+'.join(map(str, sorted(failed)))} scope=0-{self.n_stages - 1} "
-                  f"rollback_to={rollback_to} replayed={step - rollback_to} seconds={time.perf_counter() - started:.3f} "
-                  f"(fetch={fetched:.3f} convert=0.000 catchup=0.000) strategy={self.strategy} "
-                  f"snapshots_from=\"{source}\"{lost}")
+        self.line(
+            f"recovery step={step} ranks={'+'.join(map(str, sorted(failed)))} scope=0-{self.n_stages - 1} "
+            f"rollback_to={rollback_to} replayed={step - rollback_to} seconds={time.perf_counter() - started:.3f} "
+            f"(fetch={fetched:.3f} convert=0.000 catchup=0.000) strategy={self.strategy} "
+            f'snapshots_from="{source}"{lost}'
+        )
         return rollback_to
 
     # ---- where the checkpoint comes from ------------------------------------------------------------
@@ -88,8 +98,11 @@ class GlobalRollback:
         sources = fetch_from_replicas(self.ck, failed, 1)
         buf = self.ck.persisted_buffer(0)
         header = SnapshotHeader.from_json(persisted_header(buf))
-        return self.ck.rollback_point(), [(header, read_entries(buf.data, header, source=str(buf.path)))], \
-            f"replica on {sources[self.me]}" if self.me in sources else "local host memory"
+        return (
+            self.ck.rollback_point(),
+            [(header, read_entries(buf.data, header, source=str(buf.path)))],
+            f"replica on {sources[self.me]}" if self.me in sources else "local host memory",
+        )
 
     def _disk_saves(self) -> tuple[int, list, str]:
         """CheckFreq and MoC: the newest checkpoint on disk that every rank completed, and older ones (newest first)."""
@@ -101,8 +114,9 @@ class GlobalRollback:
         if not common:
             return 1, [], "none (initial state)"
         newest = max(common)
-        saves = [snapshot for start in sorted(mine, reverse=True) if start <= newest
-                 for snapshot in read_window(mine[start])]
+        saves = [
+            snapshot for start in sorted(mine, reverse=True) if start <= newest for snapshot in read_window(mine[start])
+        ]
         return newest, saves, f"disk {root}"
 
     # ---- restoring operators ------------------------------------------------------------------------

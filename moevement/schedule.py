@@ -47,7 +47,7 @@ class WindowPlan:
 
     def frozen_after(self, slot: int) -> tuple[str, ...]:
         """Operators whose compute weights `SS_{start+slot}` holds: those of later slots."""
-        return tuple(name for later in self.slots[slot + 1:] for name in later)
+        return tuple(name for later in self.slots[slot + 1 :] for name in later)
 
 
 def order_operators(names: Sequence[str], experts: Sequence[bool], popularity: dict[str, float]) -> list[str]:
@@ -62,7 +62,7 @@ def generate_schedule(ordered: Sequence[str], o_active: int, window: int) -> tup
     """Consecutive slots of `o_active` operators; trailing slots are empty when the window exceeds the need."""
     if o_active < 1 or window * o_active < len(ordered):
         raise ValueError(f"{window} slots of {o_active} cannot hold {len(ordered)} operators")
-    return tuple(tuple(ordered[i * o_active:(i + 1) * o_active]) for i in range(window))
+    return tuple(tuple(ordered[i * o_active : (i + 1) * o_active]) for i in range(window))
 
 
 def snapshot_sizes(slots: Sequence[Sequence[int]], fp32: Sequence[int], compute: Sequence[int]) -> list[int]:
@@ -75,8 +75,9 @@ def snapshot_sizes(slots: Sequence[Sequence[int]], fp32: Sequence[int], compute:
     return sizes
 
 
-def find_window_size(fp32: Sequence[int], compute: Sequence[int], iteration_s: float,
-                     bandwidth: float) -> tuple[int, int]:
+def find_window_size(
+    fp32: Sequence[int], compute: Sequence[int], iteration_s: float, bandwidth: float
+) -> tuple[int, int]:
     """(W, O_active) for operators in schedule order with these FP32 / compute sizes in bytes.
 
     The largest `O_active` whose every snapshot takes at most `iteration_s` at `bandwidth` bytes/s.
@@ -99,8 +100,9 @@ def slot_size_for(n_operators: int, window: int) -> int:
     return max(1, math.ceil(n_operators / window))
 
 
-def _greedy_slots(fp32: Sequence[int], compute: Sequence[int], budget: float, oversize_alone: bool = False
-                  ) -> list[int] | None:
+def _greedy_slots(
+    fp32: Sequence[int], compute: Sequence[int], budget: float, oversize_alone: bool = False
+) -> list[int] | None:
     """Slot lengths from filling each slot as far as its snapshot fits `budget`.
 
     An operator that does not fit even alone gets a slot of its own if `oversize_alone`, else None."""
@@ -128,8 +130,9 @@ def byte_window_size(fp32: Sequence[int], compute: Sequence[int], iteration_s: f
     return max(1, len(_greedy_slots(fp32, compute, iteration_s * bandwidth, oversize_alone=True)))
 
 
-def byte_slots(ordered: Sequence[str], fp32: Sequence[int], compute: Sequence[int],
-               window: int) -> tuple[tuple[str, ...], ...]:
+def byte_slots(
+    ordered: Sequence[str], fp32: Sequence[int], compute: Sequence[int], window: int
+) -> tuple[tuple[str, ...], ...]:
     """Cut the ordered operators into `window` consecutive slots with the largest snapshot as small as possible.
 
     Binary search on the budget with the greedy cut; trailing slots are empty when fewer suffice."""
@@ -143,6 +146,6 @@ def byte_slots(ordered: Sequence[str], fp32: Sequence[int], compute: Sequence[in
             lo = mid + 1
     slots, start = [], 0
     for length in _greedy_slots(fp32, compute, lo):
-        slots.append(tuple(ordered[start:start + length]))
+        slots.append(tuple(ordered[start : start + length]))
         start += length
     return tuple(slots) + ((),) * (window - len(slots))

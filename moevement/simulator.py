@@ -72,7 +72,7 @@ class ModelShape:
 
     @property
     def attn(self) -> int:
-        return self.attn_params or 4 * self.hidden ** 2
+        return self.attn_params or 4 * self.hidden**2
 
     @property
     def expert(self) -> int:
@@ -84,25 +84,29 @@ class ModelShape:
 
     def total_params(self) -> int:
         moe = (self.experts + self.shared_experts) * self.expert + self.hidden * self.experts
-        return (self.layers * self.attn + self.dense_layers * 3 * self.hidden * self.dense_ffn
-                + self.moe_layers * moe + 2 * self.vocab * self.hidden)
+        return (
+            self.layers * self.attn
+            + self.dense_layers * 3 * self.hidden * self.dense_ffn
+            + self.moe_layers * moe
+            + 2 * self.vocab * self.hidden
+        )
 
 
 @dataclass(frozen=True)
 class Hardware:
     """Per-GPU rates (bytes/s, FLOP/s) and the restart constant (seconds)."""
 
-    peak_flops: float = 989e12   # H100/H800 dense BF16
+    peak_flops: float = 989e12  # H100/H800 dense BF16
     mfu: float = 0.35
     a2a_alpha_s: float = 30e-6
-    a2a_bw: float = 40 * GB      # 400 Gb/s InfiniBand per GPU, ~80% achieved
+    a2a_bw: float = 40 * GB  # 400 Gb/s InfiniBand per GPU, ~80% achieved
     nvlink_bw: float = 150 * GB  # all-to-all inside one node (ep <= gpus_per_node)
     gpus_per_node: int = 8
     dp_alpha_s: float = 50e-6
     dp_bw: float = 40 * GB
-    host_bw: float = 25 * GB     # GPU -> pinned host memory over PCIe, effective
-    nic_bw: float = 50 * GB      # what replication / peer fetch may use when the NIC is idle
-    disk_bw: float = 1 * GB      # per-GPU share of the node's persistent storage
+    host_bw: float = 25 * GB  # GPU -> pinned host memory over PCIe, effective
+    nic_bw: float = 50 * GB  # what replication / peer fetch may use when the NIC is idle
+    disk_bw: float = 1 * GB  # per-GPU share of the node's persistent storage
     restart_s: float = 60.0
 
 
@@ -146,17 +150,21 @@ _S32 = ModelShape(36, 1, 3072, 8192, 64, 2, 6, 1408, 102400)
 _S67 = ModelShape(39, 1, 4096, 10944, 64, 2, 6, 2048, 102400)
 _S145 = ModelShape(62, 1, 4096, 10944, 128, 4, 12, 1408, 102400)
 _S671 = ModelShape(61, 3, 7168, 18432, 256, 1, 8, 2048, 129280, attn_params=187_000_000)
-PRESETS: dict[str, Preset] = {p.name: p for p in (
-    Preset("32B-512", _S32, Layout(512, 4, 8, 16)),
-    Preset("67B-1024", _S67, Layout(1024, 8, 16, 16)),
-    Preset("67B-2048", _S67, Layout(2048, 8, 16, 16)),
-    Preset("145B-4096", _S145, Layout(4096, 8, 32, 16)),
-    Preset("145B-8192", _S145, Layout(8192, 8, 32, 16)),
-    Preset("671B-16384", _S671, Layout(16384, 16, 64, 16)),
-)}
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in (
+        Preset("32B-512", _S32, Layout(512, 4, 8, 16)),
+        Preset("67B-1024", _S67, Layout(1024, 8, 16, 16)),
+        Preset("67B-2048", _S67, Layout(2048, 8, 16, 16)),
+        Preset("145B-4096", _S145, Layout(4096, 8, 32, 16)),
+        Preset("145B-8192", _S145, Layout(8192, 8, 32, 16)),
+        Preset("671B-16384", _S671, Layout(16384, 16, 64, 16)),
+    )
+}
 
 
 # ---- iteration time ------------------------------------------------------------------------------
+
 
 def collective_s(alpha_s: float, nbytes: float, bandwidth: float) -> float:
     """Affine cost of one collective: alpha + bytes / bandwidth."""
@@ -179,11 +187,11 @@ class StageModel:
     operators: tuple[int, ...]  # parameter counts in schedule order: routed experts, then the rest
     expert_params: int
     nonexpert_params: int
-    compute_s: float            # forward + backward FLOP time of one micro-batch
-    t_f: float                  # forward incl. all-to-all
-    t_b: float                  # backward incl. all-to-all
-    dp_s: float                 # gradient reduce-scatter + all-gather per iteration
-    nic_s: float                # seconds per iteration the NIC carries training traffic
+    compute_s: float  # forward + backward FLOP time of one micro-batch
+    t_f: float  # forward incl. all-to-all
+    t_b: float  # backward incl. all-to-all
+    dp_s: float  # gradient reduce-scatter + all-gather per iteration
+    nic_s: float  # seconds per iteration the NIC carries training traffic
     stages: int
     micro_batches: int
 
@@ -211,8 +219,11 @@ def stage_model(preset: Preset) -> StageModel:
     others = [m.attn] * n_layers + [3 * m.hidden * m.dense_ffn] * n_dense
     others += [m.hidden * m.experts] * n_moe + [m.expert] * (n_moe * m.shared_experts)
     tokens = lay.micro_batch_seqs * lay.seq_len
-    active = (n_layers * m.attn + n_dense * 3 * m.hidden * m.dense_ffn
-              + n_moe * ((m.top_k + m.shared_experts) * m.expert + m.hidden * m.experts))
+    active = (
+        n_layers * m.attn
+        + n_dense * 3 * m.hidden * m.dense_ffn
+        + n_moe * ((m.top_k + m.shared_experts) * m.expert + m.hidden * m.experts)
+    )
     attn_scores = 2 * lay.seq_len * m.hidden * n_layers  # causal QK^T + AV, per token
     fwd_flops = (2 * active + attn_scores) * tokens
     fwd_compute = fwd_flops / (hw.peak_flops * hw.mfu)
@@ -225,14 +236,24 @@ def stage_model(preset: Preset) -> StageModel:
         if group > 1:
             dp_s += 2 * collective_s(hw.dp_alpha_s, (group - 1) / group * params * GRAD_BYTES, hw.dp_bw)
     nic_s = dp_s + (0.0 if lay.ep <= hw.gpus_per_node else 2 * a2a * lay.micro_batches)
-    return StageModel(tuple(experts + others), sum(experts), sum(others), 3 * fwd_compute,
-                      fwd_compute + a2a, 2 * fwd_compute + a2a, dp_s, nic_s, lay.pp,
-                      lay.micro_batches)
+    return StageModel(
+        tuple(experts + others),
+        sum(experts),
+        sum(others),
+        3 * fwd_compute,
+        fwd_compute + a2a,
+        2 * fwd_compute + a2a,
+        dp_s,
+        nic_s,
+        lay.pp,
+        lay.micro_batches,
+    )
 
 
 # ---- ETTR ----------------------------------------------------------------------------------------
 
 # ---- strategies ----------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class StrategyResult:
@@ -261,8 +282,7 @@ class Scenario:
         st, hw = stage_model(preset), preset.hw
         idle = max(0.0, 1 - st.nic_s / st.iteration_s)
         snap = min(hw.host_bw, hw.nic_bw * idle / max(1, preset.layout.replicas))
-        return cls(preset, st, st.iteration_s, snap, min(hw.host_bw, hw.nic_bw),
-                   FP32_STATE_BYTES * st.params)
+        return cls(preset, st, st.iteration_s, snap, min(hw.host_bw, hw.nic_bw), FP32_STATE_BYTES * st.params)
 
     def stall_s(self, nbytes: float) -> float:
         return max(0.0, nbytes / self.snapshot_bw - self.iteration_s)
@@ -316,12 +336,12 @@ def _none(sc: Scenario, mtbf_s: float, interval: int | None) -> StrategyResult:
     return StrategyResult("none", 1.0 if math.isinf(mtbf_s) else 0.0, 0.0, math.inf)
 
 
-_EVALUATORS = {"none": _none, "moevement": _moevement, "gemini": _gemini,
-               "checkfreq": _checkfreq, "moc": _moc}
+_EVALUATORS = {"none": _none, "moevement": _moevement, "gemini": _gemini, "checkfreq": _checkfreq, "moc": _moc}
 
 
-def simulate(preset: Preset, mtbf_s: float, strategies: Sequence[str] = STRATEGIES,
-             interval: int | None = None) -> list[StrategyResult]:
+def simulate(
+    preset: Preset, mtbf_s: float, strategies: Sequence[str] = STRATEGIES, interval: int | None = None
+) -> list[StrategyResult]:
     """One result per strategy; `interval` fixes gemini/checkfreq/moc's k (default: their policy)."""
     sc = Scenario.of(preset)
     return [_EVALUATORS[s](sc, mtbf_s, interval) for s in strategies]
@@ -329,10 +349,11 @@ def simulate(preset: Preset, mtbf_s: float, strategies: Sequence[str] = STRATEGI
 
 # ---- calibration against a measured run ----------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class MeasuredStrategy:
-    overhead: float     # measured checkpoint overhead, fraction of the fault-free iteration
-    recovery_s: float   # mean seconds lost per failure (recovery + recomputation)
+    overhead: float  # measured checkpoint overhead, fraction of the fault-free iteration
+    recovery_s: float  # mean seconds lost per failure (recovery + recomputation)
     failures: int
 
 
@@ -353,9 +374,10 @@ class MeasuredProfile:
     def from_json(cls, data: str | dict[str, Any]) -> MeasuredProfile:
         d = json.loads(data) if isinstance(data, str) else data
         try:
-            strategies = {name: MeasuredStrategy(float(s["overhead"]), float(s["recovery_s"]),
-                                                 int(s["failures"]))
-                          for name, s in d["strategies"].items()}
+            strategies = {
+                name: MeasuredStrategy(float(s["overhead"]), float(s["recovery_s"]), int(s["failures"]))
+                for name, s in d["strategies"].items()
+            }
             return cls(float(d["iteration_s"]), float(d["mtbf_s"]), int(d["steps"]), strategies)
         except KeyError as err:
             raise ValueError(f"profile: missing key {err}") from None
@@ -379,6 +401,7 @@ def predict_from_profile(profile: dict[str, Any] | MeasuredProfile) -> dict[str,
 
 
 # ---- CLI -----------------------------------------------------------------------------------------
+
 
 def _fmt(value: float | int | None) -> str:
     if value is None:
@@ -418,8 +441,9 @@ def _run_profile(path: str, as_json: bool) -> None:
         _fail(f"--profile {path}: {err}")
     predicted = predict_from_profile(profile)
     if as_json:
-        print(json.dumps({s: {"predicted_ettr": e, "steady_ettr": profile.steady_ettr(s)}
-                          for s, e in predicted.items()}))
+        print(
+            json.dumps({s: {"predicted_ettr": e, "steady_ettr": profile.steady_ettr(s)} for s, e in predicted.items()})
+        )
         return
     for s, e in predicted.items():
         print(f"strategy={s} predicted_ettr={e:.4f} steady_ettr={profile.steady_ettr(s):.4f}")
@@ -429,8 +453,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = _parse(argv)
     if args.list:
         for p in PRESETS.values():
-            print(f"{p.name} gpus={p.layout.gpus} params_b={p.model.total_params() / 1e9:.1f} "
-                  f"pp={p.layout.pp} ep={p.layout.ep} dp={p.layout.dp}")
+            print(
+                f"{p.name} gpus={p.layout.gpus} params_b={p.model.total_params() / 1e9:.1f} "
+                f"pp={p.layout.pp} ep={p.layout.ep} dp={p.layout.dp}"
+            )
         return
     if args.profile:
         return _run_profile(args.profile, args.json)
@@ -456,24 +482,32 @@ def main(argv: Sequence[str] | None = None) -> None:
     _report(preset, args.mtbf_min * 60, strategies, args.interval, args.json)
 
 
-def _report(preset: Preset, mtbf_s: float, strategies: Sequence[str], interval: int | None,
-            as_json: bool) -> None:
+def _report(preset: Preset, mtbf_s: float, strategies: Sequence[str], interval: int | None, as_json: bool) -> None:
     sc = Scenario.of(preset)
     results = simulate(preset, mtbf_s, strategies, interval)
-    head = {"preset": preset.name, "gpus": preset.layout.gpus,
-            "params_b": preset.model.total_params() / 1e9, "pp": preset.layout.pp,
-            "ep": preset.layout.ep, "dp": preset.layout.dp, "iter_s": sc.iteration_s,
-            "snapshot_gbs": sc.snapshot_bw / GB, "dense_gb_per_gpu": sc.dense_bytes / GB,
-            "mtbf_min": mtbf_s / 60}
+    head = {
+        "preset": preset.name,
+        "gpus": preset.layout.gpus,
+        "params_b": preset.model.total_params() / 1e9,
+        "pp": preset.layout.pp,
+        "ep": preset.layout.ep,
+        "dp": preset.layout.dp,
+        "iter_s": sc.iteration_s,
+        "snapshot_gbs": sc.snapshot_bw / GB,
+        "dense_gb_per_gpu": sc.dense_bytes / GB,
+        "mtbf_min": mtbf_s / 60,
+    }
     if as_json:
         rows = {r.strategy: {k: _finite(v) for k, v in asdict(r).items()} for r in results}
         print(json.dumps({**head, "strategies": rows}))
         return
     print(" ".join(f"{k}={_fmt(v)}" for k, v in head.items()))
     for r in results:
-        print(f"strategy={r.strategy} ettr={_fmt(r.ettr)} overhead={_fmt(r.overhead)} "
-              f"recovery_s={_fmt(r.recovery_s)} interval={_fmt(r.interval)} window={_fmt(r.window)} "
-              f"plt={_fmt(r.plt)}")
+        print(
+            f"strategy={r.strategy} ettr={_fmt(r.ettr)} overhead={_fmt(r.overhead)} "
+            f"recovery_s={_fmt(r.recovery_s)} interval={_fmt(r.interval)} window={_fmt(r.window)} "
+            f"plt={_fmt(r.plt)}"
+        )
 
 
 if __name__ == "__main__":

@@ -53,8 +53,13 @@ class SnapshotHeader:
 
     def to_json(self) -> dict:
         """A JSON-ready copy (`dataclasses.asdict` would deep-copy ~1000 entries: ~25 ms per snapshot)."""
-        return {**vars(self), "active": list(self.active), "frozen": list(self.frozen),
-                "entries": [dict(vars(e)) for e in self.entries], "meta": copy.deepcopy(self.meta)}
+        return {
+            **vars(self),
+            "active": list(self.active),
+            "frozen": list(self.frozen),
+            "entries": [dict(vars(e)) for e in self.entries],
+            "meta": copy.deepcopy(self.meta),
+        }
 
     @classmethod
     def from_json(cls, payload: dict) -> SnapshotHeader:
@@ -76,8 +81,9 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def layout(active: list[Operator], frozen: list[Operator], optimizer: torch.optim.Optimizer,
-           compute_dtype: torch.dtype) -> tuple[list[Entry], list[torch.Tensor], int]:
+def layout(
+    active: list[Operator], frozen: list[Operator], optimizer: torch.optim.Optimizer, compute_dtype: torch.dtype
+) -> tuple[list[Entry], list[torch.Tensor], int]:
     """Entries (without checksums), their source tensors, and the total byte size."""
     entries, sources, offset = [], [], 0
 
@@ -118,7 +124,7 @@ def _padded(nbytes: int) -> int:
 
 def entry_bytes(buffer: torch.Tensor, entry: Entry) -> torch.Tensor:
     """The entry's bytes inside `buffer` (a uint8 tensor), without copying."""
-    return buffer[entry.offset:entry.offset + entry.nbytes]
+    return buffer[entry.offset : entry.offset + entry.nbytes]
 
 
 def entry_view(buffer: torch.Tensor, entry: Entry) -> torch.Tensor:
@@ -126,8 +132,13 @@ def entry_view(buffer: torch.Tensor, entry: Entry) -> torch.Tensor:
     return entry_bytes(buffer, entry).view(_dtype(entry.dtype)).view(entry.shape)
 
 
-def copy_entries(buffer: torch.Tensor, entries: list[Entry], sources: list[torch.Tensor], throttle: Throttle,
-                 stream: torch.cuda.Stream | None = None) -> None:
+def copy_entries(
+    buffer: torch.Tensor,
+    entries: list[Entry],
+    sources: list[torch.Tensor],
+    throttle: Throttle,
+    stream: torch.cuda.Stream | None = None,
+) -> None:
     """Copy (and cast) each source into its entry, zero the padding, and checksum every entry.
 
     Entries (laid out one after another) are copied in groups of about CHUNK_BYTES, one foreach
@@ -146,7 +157,7 @@ def copy_entries(buffer: torch.Tensor, entries: list[Entry], sources: list[torch
             for target, src in zip(targets, sources[start:stop]):
                 target.copy_(src, non_blocking=True)
             stream.synchronize()
-        pads = [buffer[e.offset + e.nbytes:e.offset + _padded(e.nbytes)] for e in group if e.nbytes % BLOCK]
+        pads = [buffer[e.offset + e.nbytes : e.offset + _padded(e.nbytes)] for e in group if e.nbytes % BLOCK]
         if pads:
             torch._foreach_zero_(pads)
         first, last = group[0].offset // BLOCK, _span_end(group) // BLOCK
@@ -174,7 +185,7 @@ def _span_end(entries: list[Entry]) -> int:
 
 def _words(buffer: torch.Tensor, first: int, last: int) -> torch.Tensor:
     """Blocks `first` to `last` (exclusive) of `buffer` as rows of 8-byte words."""
-    return buffer[first * BLOCK:last * BLOCK].view(torch.int64).view(-1, BLOCK // 8)
+    return buffer[first * BLOCK : last * BLOCK].view(torch.int64).view(-1, BLOCK // 8)
 
 
 def checksums(buffer: torch.Tensor, entries: list[Entry]) -> list[str]:
@@ -210,7 +221,7 @@ def _checksums_from_blocks(blocks: torch.Tensor, entries: list[Entry]) -> list[s
 def checksum(raw: torch.Tensor) -> str:
     """The checksum of a uint8 tensor (as one entry at offset 0; see `checksums`)."""
     padded = torch.zeros(_padded(raw.numel()), dtype=torch.uint8)
-    padded[:raw.numel()] = raw
+    padded[: raw.numel()] = raw
     return checksums(padded, [Entry("", "", "", "uint8", [raw.numel()], 0, raw.numel())])[0]
 
 
@@ -227,12 +238,14 @@ def verify_entries(buffer: torch.Tensor, header: SnapshotHeader, source: str = "
         raise SnapshotError(f"{source}: {e}") from None
     for entry, value in zip(header.entries, found, strict=True):
         if value != entry.checksum:
-            raise SnapshotError(f"{source}: checksum mismatch in {entry.role} tensor {entry.name} "
-                                f"(iteration {header.iteration})")
+            raise SnapshotError(
+                f"{source}: checksum mismatch in {entry.role} tensor {entry.name} (iteration {header.iteration})"
+            )
 
 
-def read_entries(buffer: torch.Tensor, header: SnapshotHeader, source: str = "snapshot",
-                 verify: bool = True) -> dict[tuple[str, str], torch.Tensor]:
+def read_entries(
+    buffer: torch.Tensor, header: SnapshotHeader, source: str = "snapshot", verify: bool = True
+) -> dict[tuple[str, str], torch.Tensor]:
     """{(role, tensor name): tensor copy} of a snapshot; checksums verified (SnapshotError names `source`)."""
     if verify:
         verify_entries(buffer, header, source)

@@ -29,7 +29,9 @@ class UpstreamLog:
         self.forwards = self.backwards = 0
         self.stream = None
         for part, stage in zip(parts, stage_ids):
-            part.register_forward_hook(lambda module, args, out, stage=stage: self._on_forward(module, stage, args, out))
+            part.register_forward_hook(
+                lambda module, args, out, stage=stage: self._on_forward(module, stage, args, out)
+            )
 
     def begin(self, iteration: int) -> None:
         """Iteration `iteration`'s micro-batches are about to run (again, in a replay)."""
@@ -42,8 +44,9 @@ class UpstreamLog:
         try:
             return self.entries[(kind, iteration, stage, micro)]
         except KeyError:
-            raise KeyError(f"upstream log has no {kind} of stage {stage} for iteration {iteration} "
-                           f"micro-batch {micro}") from None
+            raise KeyError(
+                f"upstream log has no {kind} of stage {stage} for iteration {iteration} micro-batch {micro}"
+            ) from None
 
     def put(self, kind: str, iteration: int, stage: int, micro: int, tensor: torch.Tensor) -> None:
         self.entries[(kind, iteration, stage, micro)] = tensor

@@ -24,8 +24,9 @@ def init_distributed() -> tuple[int, int]:
                 # A restarted job may meet the same agent store as the attempt before: keys of its own
                 # (the old attempt's gloo addresses would otherwise be read and refused).
                 store, rank, world = next(dist.rendezvous("env://"))
-                dist.init_process_group(backend, store=dist.PrefixStore(f"attempt{attempt}", store),
-                                        rank=rank, world_size=world)
+                dist.init_process_group(
+                    backend, store=dist.PrefixStore(f"attempt{attempt}", store), rank=rank, world_size=world
+                )
             else:
                 dist.init_process_group(backend)
         else:

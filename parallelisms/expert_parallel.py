@@ -74,8 +74,9 @@ def _dp_global_token_counts(dp_group: ProcessGroup, dp: int):
     return global_token_counts
 
 
-def _all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: ProcessGroup
-                ) -> torch.Tensor:
+def _all_to_all(
+    x: torch.Tensor, output_splits: list[int], input_splits: list[int], group: ProcessGroup
+) -> torch.Tensor:
     """Differentiable all-to-all of rows with uneven splits (backward: the reverse all-to-all).
 
     Under grad mode the input always requires grad, so every ep rank runs the backward all-to-all:
@@ -101,11 +102,12 @@ def _ep_experts_forward(ep_group: ProcessGroup, ep: int):
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=ep_group)
         sizes = torch.cat([send.sum(1), recv.sum(1), recv.sum(0)]).tolist()  # one device -> host sync
-        input_splits, output_splits, expert_counts = sizes[:ep], sizes[ep:2 * ep], sizes[2 * ep:]
+        input_splits, output_splits, expert_counts = sizes[:ep], sizes[ep : 2 * ep], sizes[2 * ep :]
         received = _all_to_all(x, output_splits, input_splits, ep_group)
         # Row i of ``received`` belongs to chunk (src, e) = divmod(chunk_id, n_local); stable sort by e.
-        chunk_id = torch.repeat_interleave(torch.arange(ep * n_local, device=x.device), recv.flatten(),
-                                           output_size=received.shape[0])
+        chunk_id = torch.repeat_interleave(
+            torch.arange(ep * n_local, device=x.device), recv.flatten(), output_size=received.shape[0]
+        )
         order = (chunk_id % n_local).argsort(stable=True)
         expert_out = self.run_experts(received.index_select(0, order), expert_counts)
         inverse = torch.empty_like(order)

@@ -54,9 +54,16 @@ class ModelView(nn.Module):
             self.layers.update(part.layers)
 
 
-def parallelize(args: ModelArgs, dims: ParallelDims, seed: int, mixed_precision: str,
-                micro_batch_shape: tuple[int, int], micro_batches: int, device: torch.device,
-                cpu_bf16_gemm: str = "auto") -> ModelParts:
+def parallelize(
+    args: ModelArgs,
+    dims: ParallelDims,
+    seed: int,
+    mixed_precision: str,
+    micro_batch_shape: tuple[int, int],
+    micro_batches: int,
+    device: torch.device,
+    cpu_bf16_gemm: str = "auto",
+) -> ModelParts:
     """Build this rank's parts of the model described by `args` in the layout `dims`.
 
     `cpu_bf16_gemm` (auto | native | fp32): how bf16 products run on CPU (`parallelisms.precision`)."""
@@ -66,15 +73,17 @@ def parallelize(args: ModelArgs, dims: ParallelDims, seed: int, mixed_precision:
         whole = Transformer(args)
     stage_ids, parts = split_model(whole, cfg, dims.pp_rank)
     for part in parts:
-        apply_expert_parallel(part, dims.group("ep") if cfg.ep > 1 else None,
-                              dims.group("dp") if cfg.dp > 1 else None)
+        apply_expert_parallel(part, dims.group("ep") if cfg.ep > 1 else None, dims.group("dp") if cfg.dp > 1 else None)
         part.to_empty(device=device)
         torch.manual_seed(seed)
         part.init_weights()
         if cfg.dp > 1 or mixed_precision != "fp32":
             apply_fsdp(part, dims, mixed_precision)
-        if device.type == "cpu" and mixed_precision != "fp32" and \
-                (cpu_bf16_gemm == "fp32" or (cpu_bf16_gemm == "auto" and not cpu_has_native_bf16())):
+        if (
+            device.type == "cpu"
+            and mixed_precision != "fp32"
+            and (cpu_bf16_gemm == "fp32" or (cpu_bf16_gemm == "auto" and not cpu_has_native_bf16()))
+        ):
             use_fp32_gemm(part)
     n_stages = cfg.pp * cfg.stages_per_rank
     schedule, stages = None, []
@@ -109,10 +118,16 @@ def _stage_shapes(args: ModelArgs, micro_batch_shape: tuple[int, int], compute_d
     def shapes(stage: int):
         meta = torch.device("meta")
         first, last = stage == 0, stage == n_stages - 1
-        inputs = (torch.empty(b, s, dtype=torch.long, device=meta) if first else
-                  torch.empty(b, s, args.dim, dtype=compute_dtype, device=meta, requires_grad=True))
-        outputs = (torch.empty(b, s, args.vocab_size, dtype=torch.float32, device=meta, requires_grad=True) if last else
-                   torch.empty(b, s, args.dim, dtype=compute_dtype, device=meta, requires_grad=True))
+        inputs = (
+            torch.empty(b, s, dtype=torch.long, device=meta)
+            if first
+            else torch.empty(b, s, args.dim, dtype=compute_dtype, device=meta, requires_grad=True)
+        )
+        outputs = (
+            torch.empty(b, s, args.vocab_size, dtype=torch.float32, device=meta, requires_grad=True)
+            if last
+            else torch.empty(b, s, args.dim, dtype=compute_dtype, device=meta, requires_grad=True)
+        )
         return inputs, outputs
 
     return shapes

@@ -47,7 +47,9 @@ def prune_to_stage(model: torch.nn.Module, stage: int, n_stages: int, layers: ra
     return part
 
 
-def split_model(model: torch.nn.Module, cfg: ParallelismConfig, pp_rank: int) -> tuple[list[int], list[torch.nn.Module]]:
+def split_model(
+    model: torch.nn.Module, cfg: ParallelismConfig, pp_rank: int
+) -> tuple[list[int], list[torch.nn.Module]]:
     """(stage ids, stage modules) this pipeline rank runs; build `model` on meta to save memory."""
     n_stages = cfg.pp * cfg.stages_per_rank
     ranges = stage_layer_ranges(len(model.layers), n_stages, cfg.split_points)
@@ -55,8 +57,14 @@ def split_model(model: torch.nn.Module, cfg: ParallelismConfig, pp_rank: int) ->
     return ids, [prune_to_stage(model, s, n_stages, ranges[s]) for s in ids]
 
 
-def build_schedule(parts: list[torch.nn.Module], stage_ids: list[int], dims: ParallelDims, micro_batches: int,
-                   device: torch.device, stage_shapes):
+def build_schedule(
+    parts: list[torch.nn.Module],
+    stage_ids: list[int],
+    dims: ParallelDims,
+    micro_batches: int,
+    device: torch.device,
+    stage_shapes,
+):
     """(schedule, PipelineStages) over this rank's stages; the loss is the per-micro-batch mean CE.
 
     `stage_shapes(s)` gives example (input, output) tensors of stage `s` (static shapes: no

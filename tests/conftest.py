@@ -27,8 +27,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def run_cli(*args: str, cwd: Path = ROOT, check: bool = True, nproc: int = 1,
-            torchrun: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, cwd: Path = ROOT, check: bool = True, nproc: int = 1, torchrun: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
     """Run `train.py` (under torchrun, with `torchrun` options, when nproc > 1) and return the finished process."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     if nproc > 1:

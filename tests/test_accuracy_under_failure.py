@@ -19,8 +19,11 @@ import pytest
 from eval import accuracy_under_failure as acc
 from tests.conftest import DEBUG_CONFIG, ROOT
 
-STRATEGY_LINE = re.compile(r"^strategy=(\w+) val_loss=(\S+) piqa_acc=(\S+) piqa_acc_norm=(\S+) "
-                           r"digest_equal=(true|false)$", re.M)
+STRATEGY_LINE = re.compile(
+    r"^strategy=(\w+) val_loss=(\S+) piqa_acc=(\S+) piqa_acc_norm=(\S+) "
+    r"digest_equal=(true|false)$",
+    re.M,
+)
 
 
 def test_fault_schedule_every_k_iterations_alternating_ranks():
@@ -35,38 +38,70 @@ def test_fault_schedule_every_k_iterations_alternating_ranks():
 
 
 def test_arguments_defaults_and_errors(capsys):
-    args, extra = acc.parse_args(["--config", DEBUG_CONFIG, "--steps", "12", "--fail-every", "5",
-                                  "--strategies", "moc,moevement", "--checkpoint.interval", "2"])
+    args, extra = acc.parse_args(
+        [
+            "--config",
+            DEBUG_CONFIG,
+            "--steps",
+            "12",
+            "--fail-every",
+            "5",
+            "--strategies",
+            "moc,moevement",
+            "--checkpoint.interval",
+            "2",
+        ]
+    )
     assert args.val_every == 2 and args.pp == 2 and extra == ["--checkpoint.interval", "2"]
     strategies, schedule = acc.check_args(args, extra)
     assert strategies == ["none", "moc", "moevement"] and schedule == [(5, 1), (10, 0)] and args.world == 2
     base = ["--config", DEBUG_CONFIG, "--steps", "12", "--fail-every", "5"]
-    for extra_args, message in [(["--fail-every", "12"], "leaves no failure"),
-                                (["--strategies", "none,foo"], "unknown foo"),
-                                (["--fault.at", "3:1"], "--fault.at is set by this tool: use --fail-every"),
-                                (["--checkpoint.interval", "often"], "checkpoint.interval"),
-                                (["--pp", "4"], "parallelism.pp")]:
+    for extra_args, message in [
+        (["--fail-every", "12"], "leaves no failure"),
+        (["--strategies", "none,foo"], "unknown foo"),
+        (["--fault.at", "3:1"], "--fault.at is set by this tool: use --fail-every"),
+        (["--checkpoint.interval", "often"], "checkpoint.interval"),
+        (["--pp", "4"], "parallelism.pp"),
+    ]:
         assert acc.main([*base, *extra_args]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and message in err and "Traceback" not in err
 
 
 def test_parse_training_keeps_the_rerun_validation_and_builds_table_and_plot(tmp_path):
-    stdout = "\n".join([
-        "step=1 loss=5.0", "validation step=2 val_loss=4.5", "validation step=4 val_loss=4.2",
-        "recovery step=5 ranks=1 scope=0-1 rollback_to=3 replayed=2 seconds=0.1 strategy=moc",
-        "validation step=4 val_loss=4.25", "validation step=6 val_loss=4.0",
-        "accounting wall_s=4.5 iterations=6 failures=1 recomputed=2 goodput=2.0 lost_tokens=123 host_mb=1.0",
-        "final step=6 loss=3.9 state_digest=" + "ab" * 32, ""])
+    stdout = "\n".join(
+        [
+            "step=1 loss=5.0",
+            "validation step=2 val_loss=4.5",
+            "validation step=4 val_loss=4.2",
+            "recovery step=5 ranks=1 scope=0-1 rollback_to=3 replayed=2 seconds=0.1 strategy=moc",
+            "validation step=4 val_loss=4.25",
+            "validation step=6 val_loss=4.0",
+            "accounting wall_s=4.5 iterations=6 failures=1 recomputed=2 goodput=2.0 lost_tokens=123 host_mb=1.0",
+            "final step=6 loss=3.9 state_digest=" + "ab" * 32,
+            "",
+        ]
+    )
     run = acc.parse_training(stdout, "moc")
     assert run["val"] == {2: 4.5, 4: 4.25, 6: 4.0}  # the line after the rollback wins
     assert (run["failures"], run["lost_tokens"], run["train_loss"], run["digest"]) == (1, 123, 3.9, "ab" * 32)
     with pytest.raises(acc.RunError, match="no 'final'"):
         acc.parse_training("step=1 loss=5.0\n", "moc")
-    ref = {**run, "val": {2: 4.5, 4: 4.2, 6: 3.95}, "failures": 0, "lost_tokens": 0, "acc": 0.5, "acc_norm": 0.52,
-           "items": 2, "digest_equal": True, "lls_differ": 0}
-    rows = {"none": ref, "moc": {**run, "acc": 0.5, "acc_norm": 0.5, "items": 2, "digest_equal": False,
-                                 "lls_differ": 2}}
+    ref = {
+        **run,
+        "val": {2: 4.5, 4: 4.2, 6: 3.95},
+        "failures": 0,
+        "lost_tokens": 0,
+        "acc": 0.5,
+        "acc_norm": 0.52,
+        "items": 2,
+        "digest_equal": True,
+        "lls_differ": 0,
+    }
+    rows = {
+        "none": ref,
+        "moc": {**run, "acc": 0.5, "acc_norm": 0.5, "items": 2, "digest_equal": False, "lls_differ": 2},
+    }
     table = acc.markdown_table(rows, 6).splitlines()
     assert table[0].startswith("| strategy | failures | final train loss | val loss (step 6) | PIQA acc |")
     assert table[2] == "| none | 0 | 3.900000 | 3.950000 | 0.5000 | 0.5200 | yes | yes | 0 |"
@@ -78,11 +113,35 @@ def test_parse_training_keeps_the_rerun_validation_and_builds_table_and_plot(tmp
 def test_moevement_checkpoint_scores_like_fault_free_and_moc_does_not(tmp_path):
     out = tmp_path / "accuracy"
     proc = subprocess.run(
-        [sys.executable, "-m", "eval.accuracy_under_failure", "--config", DEBUG_CONFIG, "--steps", "12",
-         "--fail-every", "5", "--val-every", "2", "--limit", "30", "--out", str(out), "--strategies", "moevement,moc",
-         "--checkpoint.interval", "2", "--checkpoint.moc_experts", "2"],
-        cwd=ROOT, capture_output=True, text=True, timeout=900,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+        [
+            sys.executable,
+            "-m",
+            "eval.accuracy_under_failure",
+            "--config",
+            DEBUG_CONFIG,
+            "--steps",
+            "12",
+            "--fail-every",
+            "5",
+            "--val-every",
+            "2",
+            "--limit",
+            "30",
+            "--out",
+            str(out),
+            "--strategies",
+            "moevement,moc",
+            "--checkpoint.interval",
+            "2",
+            "--checkpoint.moc_experts",
+            "2",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     lines = {m[1]: m for m in STRATEGY_LINE.finditer(proc.stdout)}
     assert list(lines) == ["none", "moevement", "moc"]

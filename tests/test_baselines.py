@@ -23,14 +23,32 @@ from moevement.operators import Operator
 from tests.conftest import DEBUG_CONFIG, final_line, run_cli, step_losses
 from trainer.accounting import RunAccounting
 
-BASE = ["--config", DEBUG_CONFIG, "--metrics.tensorboard", "false", "--metrics.log_every", "1",
-        "--training.val_every", "0", "--training.steps", "14", "--model.n_layers", "4", "--parallelism.pp", "2"]
-RECOVERY = re.compile(r"^recovery step=(\d+) ranks=(\S+) scope=(\S+) rollback_to=(\d+) replayed=(\d+) .*"
-                      r"strategy=(\w+) snapshots_from=\"([^\"]*)\"(.*)$", re.M)
+BASE = [
+    "--config",
+    DEBUG_CONFIG,
+    "--metrics.tensorboard",
+    "false",
+    "--metrics.log_every",
+    "1",
+    "--training.val_every",
+    "0",
+    "--training.steps",
+    "14",
+    "--model.n_layers",
+    "4",
+    "--parallelism.pp",
+    "2",
+]
+RECOVERY = re.compile(
+    r"^recovery step=(\d+) ranks=(\S+) scope=(\S+) rollback_to=(\d+) replayed=(\d+) .*"
+    r"strategy=(\w+) snapshots_from=\"([^\"]*)\"(.*)$",
+    re.M,
+)
 ACCOUNTING = re.compile(r"^accounting (.*)$", re.M)
 
 
 # ---- MoC: selection, lost tokens, K doubling ----------------------------------------------------------
+
 
 def test_moc_selection_paper_example_4_layers_3_experts_ep3():
     """K=1: layer j starts one EP rank further on; every (layer, expert) is saved once per 3 checkpoints."""
@@ -44,8 +62,11 @@ def test_moc_selection_paper_example_4_layers_3_experts_ep3():
 
 
 def _moe_ops(n_experts: int) -> list[Operator]:
-    return [Operator("layers.1", "block", 1), Operator("layers.1.moe.router", "router", 1),
-            *[Operator(f"layers.1.moe.experts.{e}", "expert", 1, e) for e in range(n_experts)]]
+    return [
+        Operator("layers.1", "block", 1),
+        Operator("layers.1.moe.router", "router", 1),
+        *[Operator(f"layers.1.moe.experts.{e}", "expert", 1, e) for e in range(n_experts)],
+    ]
 
 
 def test_selector_keeps_non_expert_operators_and_doubles_k_up_to_all():
@@ -78,6 +99,7 @@ def test_plt_closed_form_under_uniform_routing():
 
 # ---- intervals ---------------------------------------------------------------------------------------
 
+
 def test_interval_policies():
     fixed = IntervalPolicy("gemini", "7", 0.0, lambda: [])
     assert fixed.choose(1e9, 1e6, 1.0) == 7
@@ -96,6 +118,7 @@ def test_interval_policies():
 
 
 # ---- failure schedules -------------------------------------------------------------------------------
+
 
 def test_poisson_schedule_is_deterministic_and_fires_once():
     events = poisson_events(10, seed=3, world=4, last_step=200)
@@ -124,14 +147,16 @@ def test_trace_file(tmp_path: Path):
 
 
 def test_bad_baseline_config_is_one_clear_error():
-    proc = run_cli("--config", DEBUG_CONFIG, "--checkpoint.strategy", "gemini", "--checkpoint.interval", "often",
-                   check=False)
+    proc = run_cli(
+        "--config", DEBUG_CONFIG, "--checkpoint.strategy", "gemini", "--checkpoint.interval", "often", check=False
+    )
     assert proc.returncode == 2 and "checkpoint.interval" in proc.stderr and "oracle" in proc.stderr
     proc = run_cli("--config", DEBUG_CONFIG, "--fault.mtbf_iters", "10", check=False)
     assert proc.returncode == 2 and "fault.mtbf_iters" in proc.stderr and "moevement" in proc.stderr
 
 
 # ---- ETTR accounting --------------------------------------------------------------------------------
+
 
 def test_ettr_accounting_on_a_scripted_run(monkeypatch):
     """4 iterations of 1 s, a failure costing 0.5 s that rolls back 2 iterations (recomputed at 1 s each)."""
@@ -144,8 +169,10 @@ def test_ettr_accounting_on_a_scripted_run(monkeypatch):
     for step in (2, 3, 4):
         acct.iteration(step, 1.0)
     line = acct.line({"host_mb": 3.0}, lost_tokens=0)
-    assert line.startswith("accounting wall_s=7.500 iterations=4 productive_s=4.000 recompute_s=2.000 "
-                           "recovery_s=0.500 failures=1 recomputed=2 goodput=4.267")
+    assert line.startswith(
+        "accounting wall_s=7.500 iterations=4 productive_s=4.000 recompute_s=2.000 "
+        "recovery_s=0.500 failures=1 recomputed=2 goodput=4.267"
+    )
     steps = "".join(f"step={s} loss=1 tok_per_s={t} wall_s=0\n" for s, t in [(4, 100), (5, 50), (4, 100), (6, 100)])
     run = parse_run(steps + line + "\n")
     result = summarize(run, none_iteration_s=1.0, tokens=100)
@@ -156,7 +183,9 @@ def test_ettr_accounting_on_a_scripted_run(monkeypatch):
 
 def test_ettr_benchmark_rejects_variants_of_the_fault_free_reference(tmp_path):
     with pytest.raises(SystemExit, match="none@training.cpu_reuse_memory=false: `none` is the fault-free"):
-        ettr_main(["--strategies", "none,none@training.cpu_reuse_memory=false,moevement", "--out", str(tmp_path / "out")])
+        ettr_main(
+            ["--strategies", "none,none@training.cpu_reuse_memory=false,moevement", "--out", str(tmp_path / "out")]
+        )
     assert not (tmp_path / "out").exists()  # nothing written on bad input
 
 
@@ -172,17 +201,28 @@ def reference() -> str:
 
 
 def baseline_run(tmp_path: Path, strategy: str, *extra: str) -> str:
-    return run_cli(*BASE, "--checkpoint.strategy", strategy, "--checkpoint.host_dir", str(tmp_path / "shm"),
-                   "--checkpoint.persist_dir", str(tmp_path / "disk"), *extra, nproc=2).stdout
+    return run_cli(
+        *BASE,
+        "--checkpoint.strategy",
+        strategy,
+        "--checkpoint.host_dir",
+        str(tmp_path / "shm"),
+        "--checkpoint.persist_dir",
+        str(tmp_path / "disk"),
+        *extra,
+        nproc=2,
+    ).stdout
 
 
 def accounting(out: str) -> dict[str, float]:
     return {k: float(v) for k, v in (kv.split("=") for kv in ACCOUNTING.search(out)[1].split())}
 
+
 def test_overhead_benchmark_measures_after_the_first_window_of_changing_windows():
     """Windows follow the profile and may change size; steady state starts after the first one
     and the second one's first iteration."""
     from benchmarks.overhead import steady_start, whole_windows
+
     sizes = {t: 0 for t in (1, 2)} | {t: 7 for t in range(3, 10)} | {t: 13 for t in range(10, 17)}
     records = {t: {"window": float(w), "ckpt_mb": float(t)} for t, w in sizes.items()}
     assert steady_start(records, 2) == 11
@@ -194,8 +234,7 @@ def test_overhead_benchmark_measures_after_the_first_window_of_changing_windows(
 def test_gemini_poisson_failures_roll_every_rank_back_and_recompute_exactly(tmp_path):
     plan = FaultPlan(mtbf_iters=4, seed=6, world=2, last_step=14)
     assert len(plan.events) >= 3
-    out = baseline_run(tmp_path, "gemini", "--checkpoint.interval", "3", "--fault.mtbf_iters", "4",
-                       "--fault.seed", "6")
+    out = baseline_run(tmp_path, "gemini", "--checkpoint.interval", "3", "--fault.mtbf_iters", "4", "--fault.seed", "6")
     recoveries = RECOVERY.findall(out)
     assert [int(r[0]) for r in recoveries] == [e.step for e in plan.events]
     for step, ranks, scope, rollback_to, replayed, strategy, source, _ in recoveries:
@@ -214,16 +253,17 @@ def test_checkfreq_recovers_from_disk_exactly(tmp_path):
     trace = tmp_path / "trace.csv"
     trace.write_text("iteration,rank\n9,0\n")
     out = baseline_run(tmp_path, "checkfreq", "--checkpoint.interval", "4", "--fault.trace", str(trace))
-    (step, ranks, scope, rollback_to, replayed, strategy, source, _), = RECOVERY.findall(out)
+    ((step, ranks, scope, rollback_to, replayed, strategy, source, _),) = RECOVERY.findall(out)
     assert (step, ranks, scope, rollback_to, strategy) == ("9", "0", "0-1", "7", "checkfreq")
     assert source.startswith("rank0: disk ") and (tmp_path / "disk").is_dir()
     assert final_line(out) == final_line(reference())
 
 
 def test_moc_restores_stale_experts_and_loses_tokens(tmp_path):
-    out = baseline_run(tmp_path, "moc", "--checkpoint.interval", "2", "--checkpoint.moc_experts", "2",
-                       "--fault.at", "10:1")
-    (step, ranks, scope, rollback_to, replayed, strategy, source, tail), = RECOVERY.findall(out)
+    out = baseline_run(
+        tmp_path, "moc", "--checkpoint.interval", "2", "--checkpoint.moc_experts", "2", "--fault.at", "10:1"
+    )
+    ((step, ranks, scope, rollback_to, replayed, strategy, source, tail),) = RECOVERY.findall(out)
     assert (step, scope, rollback_to, strategy) == ("10", "0-1", "9", "moc")
     lost = dict(kv.split("=") for kv in tail.split())
     assert float(lost["lost_tokens"]) > 0 and 0 < float(lost["plt"]) < 1

@@ -213,7 +213,9 @@ def test_missing_path_split_and_too_small(tmp_path, hf_cache):
     with pytest.raises(DataError, match=r"^data\.val_split: no file for split 'validation'"):
         build_data(DataConfig(val_split="validation", cache_dir=hf_cache), 64, 8, 1, 0)
     # 1.1 MB of bytes is 1064 sequences of 1025 tokens; a 2048-sequence batch does not fit
-    with pytest.raises(DataError, match=r"^data\.dataset: .*valid\.txt.*fewer than one global batch.*training\.batch_size=2048"):
+    with pytest.raises(
+        DataError, match=r"^data\.dataset: .*valid\.txt.*fewer than one global batch.*training\.batch_size=2048"
+    ):
         build_data(DataConfig(cache_dir=hf_cache), 1024, 2048, 1, 0)
 
 
@@ -221,7 +223,12 @@ def test_source_resolution_without_network(tmp_path, monkeypatch):
     # wikitext-2 without ../shared/data falls back to the hub, with hub split names
     monkeypatch.setattr(corpus, "SHARED_WIKITEXT2", tmp_path / "absent")
     src = corpus._resolve_source(DataConfig(), "valid", "data.train_split")
-    assert (src.kind, src.hub_id, src.hub_config, src.hub_split) == ("hub", "Salesforce/wikitext", "wikitext-2-raw-v1", "validation")
+    assert (src.kind, src.hub_id, src.hub_config, src.hub_split) == (
+        "hub",
+        "Salesforce/wikitext",
+        "wikitext-2-raw-v1",
+        "validation",
+    )
     assert corpus._resolve_source(DataConfig(), "test", "data.val_split").hub_split == "test"
     # other names: owner/name is a hub id, path-like strings are missing local paths
     src = corpus._resolve_source(DataConfig(dataset="owner/corpus", hub_config="en"), "train", "data.train_split")
@@ -282,8 +289,17 @@ def test_local_directory_of_json_jsonl_parquet(tmp_path, hf_cache):
 
     with pytest.raises(DataError, match=r"^data\.text_field: column 'text' not found.*columns: \['id', 'content'\]"):
         load_tokens(DataConfig(dataset=str(d), cache_dir=hf_cache), "train", tok)
-    with pytest.raises(DataError, match=r"^data\.val_split: no file for split 'dev'.*found: \['test\.parquet', 'train\.jsonl', 'valid\.json'\]"):
-        build_data(DataConfig(dataset=str(d), text_field="content", train_split="train", val_split="dev", cache_dir=hf_cache), 15, 4, 2, 0)
+    with pytest.raises(
+        DataError,
+        match=r"^data\.val_split: no file for split 'dev'.*found: \['test\.parquet', 'train\.jsonl', 'valid\.json'\]",
+    ):
+        build_data(
+            DataConfig(dataset=str(d), text_field="content", train_split="train", val_split="dev", cache_dir=hf_cache),
+            15,
+            4,
+            2,
+            0,
+        )
 
 
 # ----------------------------------------------------------------------------- StatefulDataLoader

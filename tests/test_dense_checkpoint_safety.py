@@ -30,8 +30,14 @@ def train(*args, **kw):
 
 
 def harness(checkpoint: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "eval.harness", "--checkpoint", str(checkpoint), "--tasks", "piqa",
-                           "--limit", "1"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "eval.harness", "--checkpoint", str(checkpoint), "--tasks", "piqa", "--limit", "1"],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def one_error(proc: subprocess.CompletedProcess, *words: str) -> str:
@@ -64,21 +70,25 @@ def test_save_final_refuses_what_it_would_destroy(tmp_path):
     users = tmp_path / "results"
     users.mkdir()
     (users / "notes.txt").write_text("mine")
-    refused_before_training(train("--training.steps", "1", "--checkpoint.save_final", str(users), check=False),
-                            "not a MoEvement checkpoint")
+    refused_before_training(
+        train("--training.steps", "1", "--checkpoint.save_final", str(users), check=False), "not a MoEvement checkpoint"
+    )
     assert os.listdir(users) == ["notes.txt"] and (users / "notes.txt").read_text() == "mine"
     file = tmp_path / "model"
     file.write_text("mine")
-    refused_before_training(train("--training.steps", "1", "--checkpoint.save_final", str(file), check=False),
-                            "not a directory")
+    refused_before_training(
+        train("--training.steps", "1", "--checkpoint.save_final", str(file), check=False), "not a directory"
+    )
     (tmp_path / "empty").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "empty")
-    refused_before_training(train("--training.steps", "1", "--checkpoint.save_final", str(tmp_path / "link"),
-                                  check=False), "symlink")
+    refused_before_training(
+        train("--training.steps", "1", "--checkpoint.save_final", str(tmp_path / "link"), check=False), "symlink"
+    )
     assert sorted(os.listdir(tmp_path)) == ["empty", "link", "model", "results"] and file.read_text() == "mine"
     assert os.listdir(tmp_path / "empty") == []
-    refused_before_training(train("--training.steps", "1", "--checkpoint.save_final", "/proc/x", check=False),
-                            "cannot write", "/proc/x")
+    refused_before_training(
+        train("--training.steps", "1", "--checkpoint.save_final", "/proc/x", check=False), "cannot write", "/proc/x"
+    )
 
 
 def test_replacing_a_checkpoint_touches_nothing_else(tmp_path):
@@ -99,8 +109,9 @@ def test_replacing_a_checkpoint_touches_nothing_else(tmp_path):
     # A checkpoint that also holds a file train.py did not write is not replaced.
     (ckpt / "eval_results.json").write_text("{}")
     meta = (ckpt / "meta.json").read_text()
-    refused_before_training(train("--training.steps", "1", "--checkpoint.save_final", str(ckpt), check=False),
-                            "eval_results.json")
+    refused_before_training(
+        train("--training.steps", "1", "--checkpoint.save_final", str(ckpt), check=False), "eval_results.json"
+    )
     assert (ckpt / "meta.json").read_text() == meta and (ckpt / "eval_results.json").exists()
 
 
@@ -108,11 +119,20 @@ def test_interrupted_save_looks_incomplete_and_only_it_is_cleaned(tmp_path):
     """A save killed mid-write (SIGXFSZ at 512 KiB) leaves only a marked `.ckpt.tmp-*`; the next save
     removes it, and leaves a marked temporary of a live process and an unmarked look-alike alone."""
     ckpt = tmp_path / "ckpt"
-    script = ("import runpy, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_DFL); "
-              "sys.argv = sys.argv[1:]; runpy.run_path('train.py', run_name='__main__')")
+    script = (
+        "import runpy, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_DFL); "
+        "sys.argv = sys.argv[1:]; runpy.run_path('train.py', run_name='__main__')"
+    )
     args = ["train.py", "--config", DEBUG_CONFIG, *QUIET, "--training.steps", "1", "--checkpoint.save_final", str(ckpt)]
-    killed = subprocess.run([sys.executable, "-c", script, *args], cwd=ROOT, env=ENV, capture_output=True, text=True,
-                            timeout=600, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 19, 1 << 19)))
+    killed = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 19, 1 << 19)),
+    )
     assert killed.returncode == -signal.SIGXFSZ and final_line(killed.stdout)[0] == 1, killed.stderr
     [partial] = os.listdir(tmp_path)
     assert partial.startswith(".ckpt.tmp-") and "meta.json" not in os.listdir(tmp_path / partial)
@@ -149,8 +169,9 @@ def test_old_pickled_format_is_refused_unread(tmp_path):
     (crafted / "__0_0.distcp").write_bytes(b"\0" * 64)
     model = dataclasses.asdict(load_config(str(ROOT / DEBUG_CONFIG)).model)
     files = {name: sha256(crafted / name) for name in (".metadata", "__0_0.distcp")}
-    (crafted / "meta.json").write_text(json.dumps({"format": "moevement-dense-v1", "step": 1, "loss": 1.0,
-                                                   "model": model, "files": files}))
+    (crafted / "meta.json").write_text(
+        json.dumps({"format": "moevement-dense-v1", "step": 1, "loss": 1.0, "model": model, "files": files})
+    )
     one_error(train("--training.steps", "1", "--checkpoint.load", str(crafted), check=False), "old", "re-save")
     one_error(harness(crafted), "old", "re-save")
     assert not marker.exists()
@@ -160,7 +181,16 @@ def test_checkpoint_of_another_config_needs_load_other_config(saved, tmp_path):
     """Another training.lr is refused naming meta.json and the key (another job.name is not a difference);
     with checkpoint.load_other_config it loads, listing the differences."""
     ckpt, stdout = saved
-    other = ["--training.steps", "1", "--training.lr", "0.01", "--job.name", "fine_tune", "--checkpoint.load", str(ckpt)]
+    other = [
+        "--training.steps",
+        "1",
+        "--training.lr",
+        "0.01",
+        "--job.name",
+        "fine_tune",
+        "--checkpoint.load",
+        str(ckpt),
+    ]
     error = one_error(train(*other, check=False), str(ckpt / "meta.json"), "training.lr")
     assert "job.name" not in error
     allowed = train(*other, "--checkpoint.load_other_config", "true").stdout
@@ -175,8 +205,11 @@ def test_damaged_checkpoint_is_one_line_naming_the_file(saved, tmp_path):
     from eval.checkpoint import load_checkpoint
     from eval.errors import EvalError
 
-    cases = {"meta": ("meta.json", "unreadable"), "optim": ("optim.safetensors", "checksum"),
-             "model": ("model.safetensors", "unreadable")}
+    cases = {
+        "meta": ("meta.json", "unreadable"),
+        "optim": ("optim.safetensors", "checksum"),
+        "model": ("model.safetensors", "unreadable"),
+    }
     for case, (name, what) in cases.items():
         ckpt = tmp_path / case
         shutil.copytree(saved[0], ckpt)
@@ -200,10 +233,22 @@ def test_single_process_checkpoint_loads_into_sharded_layouts(tmp_path):
     """Each rank takes its own pipeline stages, experts and FSDP shards (parameters and AdamW state)
     from the safetensors files: pp=2,dp=2,ep=2 and dp=4,ep=2 report the saved state's digest."""
     ckpt = tmp_path / "ckpt"
-    shape = ["--model.n_layers", "4", "--training.batch_size", "16", "--training.micro_batches", "4",
-             "--training.seq_len", "64", "--training.steps", "3"]
+    shape = [
+        "--model.n_layers",
+        "4",
+        "--training.batch_size",
+        "16",
+        "--training.micro_batches",
+        "4",
+        "--training.seq_len",
+        "64",
+        "--training.steps",
+        "3",
+    ]
     saved_line = final_line(train(*shape, "--checkpoint.save_final", str(ckpt)).stdout)
-    for layout in (["--parallelism.pp", "2", "--parallelism.dp", "2", "--parallelism.ep", "2"],
-                   ["--parallelism.dp", "4", "--parallelism.ep", "2"]):
+    for layout in (
+        ["--parallelism.pp", "2", "--parallelism.dp", "2", "--parallelism.ep", "2"],
+        ["--parallelism.dp", "4", "--parallelism.ep", "2"],
+    ):
         loaded = train(*shape, *layout, "--checkpoint.load", str(ckpt), nproc=4).stdout
         assert step_losses(loaded) == {} and final_line(loaded) == saved_line, layout

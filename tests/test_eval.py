@@ -27,24 +27,56 @@ PIQA_LABELS = DEFAULT_PIQA_DIR / "valid-labels.lst"
 
 # A made-up toy fixture in HellaSwag's file format -- NOT items of the benchmark.
 TOY_HELLASWAG = [
-    {"ind": 0, "activity_label": "Toy fixture", "ctx_a": "A cat sits on a mat.", "ctx_b": "it",
-     "endings": ["purrs quietly [title] and sleeps.", "flies to the moon.", "writes a novel.", "becomes a teapot."],
-     "label": 0},
-    {"ind": 1, "activity_label": "Toy fixture", "ctx_a": "The kettle boils.", "ctx_b": "someone",
-     "endings": ["pours the water into a cup.", "eats the kettle.", "swims in it.", "paints it blue."], "label": "0"},
-    {"ind": 2, "activity_label": "Toy fixture", "ctx_a": "It starts to rain.", "ctx_b": "people",
-     "endings": ["dance on the sun.", "open their umbrellas.", "freeze into ice.", "turn into birds."], "label": 1},
-    {"ind": 3, "activity_label": "Toy fixture", "ctx_a": "The baker kneads dough.", "ctx_b": "then she",
-     "endings": ["bakes it into bread.", "mails it to Mars.", "plays chess with it.", "sings to the oven."],
-     "label": 0},
+    {
+        "ind": 0,
+        "activity_label": "Toy fixture",
+        "ctx_a": "A cat sits on a mat.",
+        "ctx_b": "it",
+        "endings": ["purrs quietly [title] and sleeps.", "flies to the moon.", "writes a novel.", "becomes a teapot."],
+        "label": 0,
+    },
+    {
+        "ind": 1,
+        "activity_label": "Toy fixture",
+        "ctx_a": "The kettle boils.",
+        "ctx_b": "someone",
+        "endings": ["pours the water into a cup.", "eats the kettle.", "swims in it.", "paints it blue."],
+        "label": "0",
+    },
+    {
+        "ind": 2,
+        "activity_label": "Toy fixture",
+        "ctx_a": "It starts to rain.",
+        "ctx_b": "people",
+        "endings": ["dance on the sun.", "open their umbrellas.", "freeze into ice.", "turn into birds."],
+        "label": 1,
+    },
+    {
+        "ind": 3,
+        "activity_label": "Toy fixture",
+        "ctx_a": "The baker kneads dough.",
+        "ctx_b": "then she",
+        "endings": ["bakes it into bread.", "mails it to Mars.", "plays chess with it.", "sings to the oven."],
+        "label": 0,
+    },
 ]
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> str:
     ckpt = str(tmp_path_factory.mktemp("eval") / "ckpt")
-    run_cli("--config", DEBUG_CONFIG, "--training.steps", "2", "--metrics.tensorboard", "false",
-            "--training.val_every", "0", "--checkpoint.save_final", ckpt)
+    run_cli(
+        "--config",
+        DEBUG_CONFIG,
+        "--training.steps",
+        "2",
+        "--metrics.tensorboard",
+        "false",
+        "--training.val_every",
+        "0",
+        "--checkpoint.save_final",
+        ckpt,
+    )
     return ckpt
 
 
@@ -65,10 +97,9 @@ def direct_loglikelihood(model, ids: list[int], n_pred: int) -> tuple[float, boo
     with torch.no_grad():
         logits = model(torch.tensor([ids]))[0]
     logprobs = F.log_softmax(logits.float(), dim=-1)
-    targets = torch.tensor(ids[len(ids) - n_pred:])
+    targets = torch.tensor(ids[len(ids) - n_pred :])
     picked = logprobs[len(ids) - n_pred - 1 : len(ids) - 1]
-    return (float(picked.gather(1, targets[:, None]).double().sum()),
-            bool((picked.argmax(-1) == targets).all()))
+    return (float(picked.gather(1, targets[:, None]).double().sum()), bool((picked.argmax(-1) == targets).all()))
 
 
 PAIRS = [
@@ -84,12 +115,13 @@ def test_loglikelihood_equals_direct_forward(lm):
     expected = []
     for context, continuation in PAIRS:
         ctx = lm.tokenizer.encode(context.rstrip()) if context else [eos]
-        spaces = context[len(context.rstrip()):]
+        spaces = context[len(context.rstrip()) :]
         cont = lm.tokenizer.encode(spaces + continuation)
         expected.append(direct_loglikelihood(lm.model, ctx + cont, len(cont)))
     batched = lm.loglikelihood(requests_from_pairs(PAIRS))
     one_by_one = MoEvementLM(model=lm.model, tokenizer=lm.tokenizer, batch_size=1).loglikelihood(
-        requests_from_pairs(PAIRS))
+        requests_from_pairs(PAIRS)
+    )
     assert one_by_one == expected  # same forward, same arithmetic: bit-identical
     for (got, greedy), (want, want_greedy) in zip(batched, expected):
         assert abs(got - want) <= 1e-6 * max(1.0, abs(want)), (got, want)  # padded batch of 4
@@ -128,6 +160,7 @@ def test_checkpoint_loads_trained_weights_single_process(checkpoint, lm):
     assert not torch.distributed.is_initialized()
     # Trained weights, not the initialisation: they differ from a fresh build with the job's seed.
     from models import build_model
+
     torch.manual_seed(0)
     fresh = build_model(loaded.model_args)
     name = "layers.1.moe.experts.3.w1.weight"
@@ -174,8 +207,22 @@ def test_task_configs_match_installed_lm_eval_tasks():
 
 def test_hellaswag_fixture_end_to_end(checkpoint, toy_hellaswag, tmp_path, capsys):
     out = tmp_path / "results.json"
-    rc = harness.main(["--checkpoint", checkpoint, "--tasks", "piqa,hellaswag", "--limit", "3",
-                       "--hellaswag-file", str(toy_hellaswag), "--batch-size", "8", "--output", str(out)])
+    rc = harness.main(
+        [
+            "--checkpoint",
+            checkpoint,
+            "--tasks",
+            "piqa,hellaswag",
+            "--limit",
+            "3",
+            "--hellaswag-file",
+            str(toy_hellaswag),
+            "--batch-size",
+            "8",
+            "--output",
+            str(out),
+        ]
+    )
     stdout = capsys.readouterr().out
     assert rc == 0
     lines = LINE.findall(stdout)
@@ -213,13 +260,15 @@ def test_one_line_errors(checkpoint, tmp_path, toy_hellaswag, capsys):
     assert "valid.jsonl" in _error(capsys, "--checkpoint", checkpoint, "--piqa-dir", str(tmp_path))
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"ctx_a": "x", "endings": ["a", "b"], "label": 0}) + "\n")
-    assert "missing field(s)" in _error(capsys, "--checkpoint", checkpoint, "--tasks", "hellaswag",
-                                        "--hellaswag-file", str(bad))
+    assert "missing field(s)" in _error(
+        capsys, "--checkpoint", checkpoint, "--tasks", "hellaswag", "--hellaswag-file", str(bad)
+    )
     assert "tokenizer" in _error(capsys, "--checkpoint", checkpoint, "--tokenizer", str(tmp_path / "none.json"))
 
 
 def test_truncated_checkpoint_is_one_line_error(checkpoint, tmp_path, capsys):
     import shutil
+
     copy = tmp_path / "ckpt"
     shutil.copytree(checkpoint, copy)
     shard = copy / "model.safetensors"
@@ -230,6 +279,7 @@ def test_truncated_checkpoint_is_one_line_error(checkpoint, tmp_path, capsys):
 def test_hub_hellaswag_offline_points_to_local_file(checkpoint, monkeypatch, capsys):
     import datasets.config
     import huggingface_hub.constants
+
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     err = _error(capsys, "--checkpoint", checkpoint, "--tasks", "hellaswag")
@@ -238,6 +288,7 @@ def test_hub_hellaswag_offline_points_to_local_file(checkpoint, monkeypatch, cap
 
 def test_loads_through_lm_eval_registry(checkpoint):
     from lm_eval.api.registry import get_model
+
     cls = get_model("moevement")
     assert cls is MoEvementLM
     lm = cls.create_from_arg_string(f"checkpoint={checkpoint},batch_size=2")
@@ -250,18 +301,37 @@ def test_torchrun_two_ranks_match_single_process(checkpoint, tmp_path):
     """Documents split across 2 gloo ranks, metrics gathered on rank 0: same scores as 1 process."""
     import subprocess
     import sys
+
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     scores = {}
     for nproc in (1, 2):
         out = tmp_path / f"r{nproc}.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", "eval.harness", "--checkpoint", checkpoint, "--tasks", "piqa", "--limit", "10",
-               "--output", str(out)]
-        proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True,
-                              text=True, timeout=300)
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            "-m",
+            "eval.harness",
+            "--checkpoint",
+            checkpoint,
+            "--tasks",
+            "piqa",
+            "--limit",
+            "10",
+            "--output",
+            str(out),
+        ]
+        proc = subprocess.run(
+            cmd, cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True, timeout=300
+        )
         assert proc.returncode == 0, proc.stderr
         assert len(LINE.findall(proc.stdout)) == 1, proc.stdout
         results = json.loads(out.read_text())
-        scores[nproc] = (results["results"]["piqa"]["acc,none"], results["results"]["piqa"]["acc_norm,none"],
-                         results["n-samples"]["piqa"]["effective"])
+        scores[nproc] = (
+            results["results"]["piqa"]["acc,none"],
+            results["results"]["piqa"]["acc_norm,none"],
+            results["n-samples"]["piqa"]["effective"],
+        )
     assert scores[1] == scores[2]

@@ -15,8 +15,18 @@ from models.moe import load_balancing_loss
 from parallelisms.expert_parallel import apply_expert_parallel, local_expert_ids
 
 WORLD = 2
-ARGS = dict(family="deepseek", dim=16, n_heads=2, n_routed_experts=8, top_k=2, n_shared_experts=1,
-            expert_hidden_dim=24, shared_expert_hidden_dim=24, aux_loss_coef=0.01, vocab_size=64)
+ARGS = dict(
+    family="deepseek",
+    dim=16,
+    n_heads=2,
+    n_routed_experts=8,
+    top_k=2,
+    n_shared_experts=1,
+    expert_hidden_dim=24,
+    shared_expert_hidden_dim=24,
+    aux_loss_coef=0.01,
+    vocab_size=64,
+)
 
 
 def test_aux_loss_dp_decomposition():

@@ -15,10 +15,25 @@ import pytest
 
 from tests.conftest import DEBUG_CONFIG, ROOT, final_line, run_cli, step_losses
 
-BASE = ["--config", DEBUG_CONFIG, "--metrics.tensorboard", "false", "--training.val_every", "0",
-        "--training.steps", "10", "--checkpoint.strategy", "moevement", "--checkpoint.window", "2"]
-RESTART = re.compile(r"^recovery step=(\d+) ranks=\S+ scope=\S+ rollback_to=(\d+) replayed=(\d+) .* restart=global "
-                     r"snapshots_from=\"([^\"]*)\"", re.M)
+BASE = [
+    "--config",
+    DEBUG_CONFIG,
+    "--metrics.tensorboard",
+    "false",
+    "--training.val_every",
+    "0",
+    "--training.steps",
+    "10",
+    "--checkpoint.strategy",
+    "moevement",
+    "--checkpoint.window",
+    "2",
+]
+RESTART = re.compile(
+    r"^recovery step=(\d+) ranks=\S+ scope=\S+ rollback_to=(\d+) replayed=(\d+) .* restart=global "
+    r"snapshots_from=\"([^\"]*)\"",
+    re.M,
+)
 
 _references: dict[tuple[str, ...], str] = {}
 
@@ -47,8 +62,12 @@ def test_relaunch_resumes_and_foreign_state_is_refused(tmp_path):
     args = host(tmp_path, "--checkpoint.persist_dir", str(tmp_path / "disk"))
     crash(*args, "--fault.crash", "8:0")
     other_lr = run_cli(*BASE, *args, "--training.lr", "0.001", "--training.steps", "10").stdout
-    assert re.search(r"^restart: rank 0 rejected .*shm/safety/rank00000/local/w\d-s\d\.bin.*belongs to another run: "
-                     r"training\.lr \(saved 0\.003, this run 0\.001\)", other_lr, re.M), other_lr
+    assert re.search(
+        r"^restart: rank 0 rejected .*shm/safety/rank00000/local/w\d-s\d\.bin.*belongs to another run: "
+        r"training\.lr \(saved 0\.003, this run 0\.001\)",
+        other_lr,
+        re.M,
+    ), other_lr
     assert "STARTING FROM THE INITIAL STATE" in other_lr
     assert final_line(other_lr) == final_line(reference("--training.lr", "0.001"))
     # that run finished cleanly: its state is gone, so crash again and relaunch with the same config
@@ -66,8 +85,9 @@ def test_restart_falls_back_window_by_window(tmp_path):
     args = host(tmp_path, "--checkpoint.persist_dir", str(disk))
     crash(*args, "--fault.crash", "8:0")
     shm = tmp_path / "shm" / "safety" / "rank00000" / "local"
-    persisted = sorted((p for p in shm.glob("w*-s*.json") if '"window_start": 5' in p.read_text()),
-                       key=lambda p: p.stem[-1])
+    persisted = sorted(
+        (p for p in shm.glob("w*-s*.json") if '"window_start": 5' in p.read_text()), key=lambda p: p.stem[-1]
+    )
     assert len(persisted) == 2
     _flip_byte(persisted[0].with_suffix(".bin"))  # slot 0: a flipped byte in memory and on disk
     _flip_byte(disk / "safety" / "window-00000005" / "rank00000" / "s0.bin")
@@ -142,8 +162,12 @@ def test_second_live_job_is_refused_and_clean_keeps_it(tmp_path):
     try:
         _wait_for_line(first, "step=3 ")
         second = run_cli(*BASE, *host(tmp_path), *long_run, check=False)
-        assert second.returncode == 2 and re.search(r"^error: .*rank00000\.lock: held by a live process \(pid "
-                                                    rf"{first.pid}\)", second.stderr, re.M), second.stderr
+        assert second.returncode == 2 and re.search(
+            r"^error: .*rank00000\.lock: held by a live process \(pid "
+            rf"{first.pid}\)",
+            second.stderr,
+            re.M,
+        ), second.stderr
         clean = _clean(tmp_path)
         assert "kept" in clean and "the job is running" in clean
     finally:
@@ -157,8 +181,13 @@ def test_second_live_job_is_refused_and_clean_keeps_it(tmp_path):
 
 
 def _clean(tmp_path: Path) -> str:
-    proc = subprocess.run([sys.executable, "-m", "moevement.clean", "--host-dir", str(tmp_path / "shm")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "moevement.clean", "--host-dir", str(tmp_path / "shm")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
 
@@ -178,13 +207,31 @@ def _wait_for_line(proc: subprocess.Popen, prefix: str, timeout: float = 300) ->
 def test_sigterm_to_torchrun_then_relaunch_resumes(tmp_path):
     """SIGTERM to the torchrun agent (a scheduler's preemption notice): the workers exit at once saying the
     state is kept; relaunching the same command resumes from the newest persisted window, bit-exact."""
-    pp2 = ["--parallelism.pp", "2", "--training.micro_batches", "2", "--training.steps", "14",
-           "--metrics.log_every", "1"]
+    pp2 = [
+        "--parallelism.pp",
+        "2",
+        "--training.micro_batches",
+        "2",
+        "--training.steps",
+        "14",
+        "--metrics.log_every",
+        "1",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-              *BASE, *pp2, *host(tmp_path)]
-    agent = subprocess.Popen(launch, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             start_new_session=True)
+    launch = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "train.py",
+        *BASE,
+        *pp2,
+        *host(tmp_path),
+    ]
+    agent = subprocess.Popen(
+        launch, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         _wait_for_line(agent, "step=9 ")
         agent.send_signal(signal.SIGTERM)

@@ -53,10 +53,14 @@ GARBAGE = bytes(range(256)) * 8  # NUL bytes and invalid UTF-8
 
 # ----------------------------------------------------------------------------- 1. tokenizer file
 
-@pytest.mark.parametrize("content, why", [
-    ('{"model": ', "not JSON"),
-    ('{"a": 1}', "not a Hugging Face tokenizers file"),
-])
+
+@pytest.mark.parametrize(
+    "content, why",
+    [
+        ('{"model": ', "not JSON"),
+        ('{"a": 1}', "not a Hugging Face tokenizers file"),
+    ],
+)
 def test_cli_bad_tokenizer_file_is_one_line(tmp_path, content, why):
     path = write(tmp_path / "tokenizer.json", content)
     line = train_error("--data.tokenizer", str(path))
@@ -70,14 +74,17 @@ def _bpe_json(special: list[str]) -> str:
     return tok.to_str()
 
 
-@pytest.mark.parametrize("content, why", [
-    ("", "not JSON (the file is empty)"),
-    ("{'model': 1}", "not JSON"),
-    (b"\xff\xfe{}", "not UTF-8"),
-    ("[1, 2]", 'no "model" object'),
-    ('{"model": {"type": "BPE"}}', "not a valid tokenizers file"),
-    (_bpe_json([]), "none of the end-of-sequence tokens"),
-])
+@pytest.mark.parametrize(
+    "content, why",
+    [
+        ("", "not JSON (the file is empty)"),
+        ("{'model': 1}", "not JSON"),
+        (b"\xff\xfe{}", "not UTF-8"),
+        ("[1, 2]", 'no "model" object'),
+        ('{"model": {"type": "BPE"}}', "not a valid tokenizers file"),
+        (_bpe_json([]), "none of the end-of-sequence tokens"),
+    ],
+)
 def test_bad_tokenizer_file_says_why(tmp_path, content, why):
     path = write(tmp_path / "tok.json", content)
     with pytest.raises(TokenizerError, match=r"^data\.tokenizer: .*tok\.json") as e:
@@ -96,12 +103,16 @@ def test_good_tokenizer_file_still_loads(tmp_path):
 
 # ----------------------------------------------------------------------------- 2. data files
 
-@pytest.mark.parametrize("name, content, why", [
-    ("valid.txt", b"", "is empty"),
-    ("valid.txt", GARBAGE, "is binary, not text"),
-    ("valid.txt", b"caf\xe9 au lait\n" * 50, "is not UTF-8 text (invalid byte 0xe9 near offset 3)"),
-    ("valid.jsonl", b"", "is empty"),
-])
+
+@pytest.mark.parametrize(
+    "name, content, why",
+    [
+        ("valid.txt", b"", "is empty"),
+        ("valid.txt", GARBAGE, "is binary, not text"),
+        ("valid.txt", b"caf\xe9 au lait\n" * 50, "is not UTF-8 text (invalid byte 0xe9 near offset 3)"),
+        ("valid.jsonl", b"", "is empty"),
+    ],
+)
 def test_cli_empty_or_binary_data_file_is_one_line(tmp_path, name, content, why):
     path = write(tmp_path / "data" / name, content)
     line = train_error("--data.dataset", str(path.parent), "--data.cache_dir", str(tmp_path / "cache"))
@@ -119,18 +130,21 @@ def test_cli_missing_text_field_and_missing_dir_are_one_line(tmp_path):
     assert "data.train_split: no file for split 'train'" in line
 
 
-@pytest.mark.parametrize("name, content, why", [
-    ("valid.txt", b"", "is empty"),
-    ("valid.txt", b"abc\x00def\n", "is binary, not text (NUL byte at offset 3)"),
-    ("valid.txt", b"\n  \n", "contains no text"),
-    ("valid.jsonl", b"\n\n", "has no rows"),
-    ("valid.json", b"[]", "has no rows"),
-    ("valid.jsonl", b'{"text": "a"}\n{"text": \n', "JSON parse error"),
-    ("valid.jsonl", b'{"text": 5}\n', "holds int, not text"),
-    ("valid.jsonl", b'{"text": null}\n{"body": 1}\n', "contains no text"),
-    ("valid.parquet", b"", "is empty"),
-    ("valid.parquet", b"PAR1 not parquet", "ArrowInvalid"),
-])
+@pytest.mark.parametrize(
+    "name, content, why",
+    [
+        ("valid.txt", b"", "is empty"),
+        ("valid.txt", b"abc\x00def\n", "is binary, not text (NUL byte at offset 3)"),
+        ("valid.txt", b"\n  \n", "contains no text"),
+        ("valid.jsonl", b"\n\n", "has no rows"),
+        ("valid.json", b"[]", "has no rows"),
+        ("valid.jsonl", b'{"text": "a"}\n{"text": \n', "JSON parse error"),
+        ("valid.jsonl", b'{"text": 5}\n', "holds int, not text"),
+        ("valid.jsonl", b'{"text": null}\n{"body": 1}\n', "contains no text"),
+        ("valid.parquet", b"", "is empty"),
+        ("valid.parquet", b"PAR1 not parquet", "ArrowInvalid"),
+    ],
+)
 def test_bad_data_file_names_file_and_cause(tmp_path, hf_cache, name, content, why):
     path = write(tmp_path / name, content)
     with pytest.raises(DataError, match=r"^data\.(dataset|text_field): ") as e:
@@ -160,6 +174,7 @@ def test_unlistable_data_directory(tmp_path, monkeypatch):
 
 # ----------------------------------------------------------------------------- 3. training.steps
 
+
 def test_cli_zero_steps_is_refused():
     line = train_error("--training.steps", "0", "--dry-run")
     assert line == "error: config key 'training.steps' must be positive, got 0"
@@ -181,11 +196,14 @@ def test_cli_fault_after_last_step_is_refused():
     assert "'fault.at'" in line and "step 3" in line and "last step 2" in line
 
 
-@pytest.mark.parametrize("args, key, step, last", [
-    (["--fault.at", "5:1,61:0"], "fault.at", 61, 60),
-    (["--fault.crash", "70:1"], "fault.crash", 70, 60),
-    (["--training.stop_at", "20", "--fault.at", "21:1"], "fault.at", 21, 20),
-])
+@pytest.mark.parametrize(
+    "args, key, step, last",
+    [
+        (["--fault.at", "5:1,61:0"], "fault.at", 61, 60),
+        (["--fault.crash", "70:1"], "fault.crash", 70, 60),
+        (["--training.stop_at", "20", "--fault.at", "21:1"], "fault.at", 21, 20),
+    ],
+)
 def test_fault_after_last_step_names_key_step_and_last_step(args, key, step, last):
     with pytest.raises(ConfigError, match=rf"'{key}' has a failure at step {step}, after the run's last step {last}"):
         load_config(str(ROOT / DEBUG_CONFIG), [*MOEVEMENT, *args])
@@ -201,22 +219,26 @@ def test_fault_at_last_step_is_accepted():
 
 # ----------------------------------------------------------------------------- 5. fault.trace
 
+
 def test_cli_bad_trace_is_one_line(tmp_path):
     trace = write(tmp_path / "trace.csv", b"iteration,rank\n\xff\xfe,1\n")
     line = train_error(*MOEVEMENT, "--fault.trace", str(trace), "--dry-run")
     assert "'fault.trace'" in line and str(trace) in line and "not UTF-8" in line
 
 
-@pytest.mark.parametrize("content, why", [
-    (b"", "must start with a header"),
-    (b"a,b\n1,2\n", "must start with a header `iteration,rank` or `time_s,rank`, got ['a', 'b']"),
-    (b"iteration,rank\n", "no failure rows"),
-    (b"iteration,rank\n\xff,1\n", "not UTF-8"),
-    (b"iteration,rank\n\n5,x\n", "line 3 must have"),
-    (b"time_s,rank\nnan,1\n", "not a finite number"),
-    (b"time_s,rank\n-1,1\n", "negative"),
-    (b"iteration,rank\n0,1\n", "iteration < 1"),
-])
+@pytest.mark.parametrize(
+    "content, why",
+    [
+        (b"", "must start with a header"),
+        (b"a,b\n1,2\n", "must start with a header `iteration,rank` or `time_s,rank`, got ['a', 'b']"),
+        (b"iteration,rank\n", "no failure rows"),
+        (b"iteration,rank\n\xff,1\n", "not UTF-8"),
+        (b"iteration,rank\n\n5,x\n", "line 3 must have"),
+        (b"time_s,rank\nnan,1\n", "not a finite number"),
+        (b"time_s,rank\n-1,1\n", "negative"),
+        (b"iteration,rank\n0,1\n", "iteration < 1"),
+    ],
+)
 def test_bad_trace_names_file_and_cause(tmp_path, content, why):
     trace = write(tmp_path / "trace.csv", content)
     with pytest.raises(FaultSpecError, match=r"^config key 'fault\.trace': ") as e:

@@ -15,9 +15,21 @@ SHARED = {"deepseek": 2, "qwen": 1, "gpt": 0}
 
 def tiny(family: str = "deepseek", **overrides) -> ModelArgs:
     """A debug-sized shape: 4 layers, layer 0 dense, 8 experts top-2."""
-    args = dict(family=family, vocab_size=260, dim=32, n_layers=4, n_heads=4, max_seq_len=64, n_dense_layers=1,
-                dense_hidden_dim=64, n_routed_experts=8, n_shared_experts=SHARED.get(family, 0), expert_hidden_dim=16,
-                shared_expert_hidden_dim=24, top_k=2)
+    args = dict(
+        family=family,
+        vocab_size=260,
+        dim=32,
+        n_layers=4,
+        n_heads=4,
+        max_seq_len=64,
+        n_dense_layers=1,
+        dense_hidden_dim=64,
+        n_routed_experts=8,
+        n_shared_experts=SHARED.get(family, 0),
+        expert_hidden_dim=16,
+        shared_expert_hidden_dim=24,
+        top_k=2,
+    )
     args.update(overrides)
     return ModelArgs(**args)
 
@@ -34,8 +46,16 @@ def small_moe(gate_weight, family: str = "gpt", **overrides) -> MoE:
     """An MoE layer over dim = gate_weight.shape[1] with a fixed router gate."""
     gate_weight = torch.tensor(gate_weight)
     n_experts, dim = gate_weight.shape
-    args = ModelArgs(family=family, dim=dim, n_heads=1, n_routed_experts=n_experts, expert_hidden_dim=4,
-                     n_shared_experts=SHARED[family], shared_expert_hidden_dim=4, **overrides)
+    args = ModelArgs(
+        family=family,
+        dim=dim,
+        n_heads=1,
+        n_routed_experts=n_experts,
+        expert_hidden_dim=4,
+        n_shared_experts=SHARED[family],
+        shared_expert_hidden_dim=4,
+        **overrides,
+    )
     torch.manual_seed(0)
     moe = MoE(args).train()
     with torch.no_grad():
@@ -43,11 +63,14 @@ def small_moe(gate_weight, family: str = "gpt", **overrides) -> MoE:
     return moe
 
 
-@pytest.mark.parametrize("family, extra", [
-    ("deepseek", dict(n_kv_heads=2)),
-    ("qwen", dict(qkv_bias=True, norm_topk_prob=True)),
-    ("gpt", dict(n_dense_layers=0, moe_every=2, tie_embeddings=True)),
-])
+@pytest.mark.parametrize(
+    "family, extra",
+    [
+        ("deepseek", dict(n_kv_heads=2)),
+        ("qwen", dict(qkv_bias=True, norm_topk_prob=True)),
+        ("gpt", dict(n_dense_layers=0, moe_every=2, tie_embeddings=True)),
+    ],
+)
 def test_forward_backward_each_family(family, extra):
     torch.manual_seed(0)
     model = build_model(tiny(family, **extra)).train()
@@ -205,8 +228,13 @@ def test_count_params_on_meta_matches_real_model(tie):
     args = tiny(tie_embeddings=tie)
     model = build_model(args)
     total = sum(p.numel() for p in model.parameters())
-    idle = sum(p.numel() for moe in model.moe_layers().values() for key, expert in moe.experts.items()
-               if int(key) >= args.top_k for p in expert.parameters())
+    idle = sum(
+        p.numel()
+        for moe in model.moe_layers().values()
+        for key, expert in moe.experts.items()
+        if int(key) >= args.top_k
+        for p in expert.parameters()
+    )
     assert count_params(args) == (total, total - idle)
 
 
@@ -227,16 +255,19 @@ def test_training_is_bitwise_deterministic():
     assert all(torch.equal(state_a[k], state_b[k]) for k in state_a)
 
 
-@pytest.mark.parametrize("overrides, key", [
-    (dict(family="mixtral"), "model.family"),
-    (dict(dim=30), "model.dim"),
-    (dict(n_kv_heads=3), "model.n_kv_heads"),
-    (dict(top_k=9), "model.top_k"),
-    (dict(n_dense_layers=5), "model.n_dense_layers"),
-    (dict(family="gpt", n_shared_experts=1), "model.n_shared_experts"),
-    (dict(dropout=1.0), "model.dropout"),
-    (dict(dim="32"), "model.dim"),
-])
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (dict(family="mixtral"), "model.family"),
+        (dict(dim=30), "model.dim"),
+        (dict(n_kv_heads=3), "model.n_kv_heads"),
+        (dict(top_k=9), "model.top_k"),
+        (dict(n_dense_layers=5), "model.n_dense_layers"),
+        (dict(family="gpt", n_shared_experts=1), "model.n_shared_experts"),
+        (dict(dropout=1.0), "model.dropout"),
+        (dict(dim="32"), "model.dim"),
+    ],
+)
 def test_validate_names_the_bad_key(overrides, key):
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         tiny(**overrides).validate()

@@ -32,9 +32,24 @@ def test_sparse_checkpointing_under_pp_dp_ep(tmp_path):
     baseline = run_cli("--config", DEBUG_CONFIG, *QUIET, *LAYOUT, *steps, nproc=4).stdout
     for replication in ("auto", "network"):
         host = tmp_path / replication
-        out = run_cli("--config", DEBUG_CONFIG, *QUIET, *LAYOUT, *steps, "--checkpoint.strategy", "moevement",
-                      "--checkpoint.window", "3", "--checkpoint.host_dir", str(host), "--checkpoint.keep_host_state",
-                      "true", "--checkpoint.replication", replication, nproc=4).stdout
+        out = run_cli(
+            "--config",
+            DEBUG_CONFIG,
+            *QUIET,
+            *LAYOUT,
+            *steps,
+            "--checkpoint.strategy",
+            "moevement",
+            "--checkpoint.window",
+            "3",
+            "--checkpoint.host_dir",
+            str(host),
+            "--checkpoint.keep_host_state",
+            "true",
+            "--checkpoint.replication",
+            replication,
+            nproc=4,
+        ).stdout
         assert final_line(out) == final_line(baseline)  # snapshots never perturb training
         m = re.search(r"^step=3 loss=\S+ .*ckpt_mb=(\S+) stall_ms=\S+ window=3 repl_lag=\d+ host_mb=(\S+)", out, re.M)
         assert m and 0 < float(m[1]) <= float(m[2]), out
@@ -62,15 +77,18 @@ def check_replicas(ranks: dict[int, Path]) -> None:
                 assert map_bytes(replica_path)[:n].numpy().tobytes() == map_bytes(path)[:n].numpy().tobytes()
 
 
-@pytest.mark.parametrize("key, value, message", [
-    ("checkpoint.strategy", "sparse", "'checkpoint.strategy' must be one of none, moevement"),
-    ("checkpoint.ordering", "random", "'checkpoint.ordering' must be one of count, soft, ema, capacity"),
-    ("checkpoint.replicas", "-1", "'checkpoint.replicas' must be >= 0"),
-    ("checkpoint.replication", "rdma", "'checkpoint.replication' must be one of auto, network"),
-    ("checkpoint.background_priority", "high", "'checkpoint.background_priority' must be one of idle, normal"),
-    ("checkpoint.persist_every", "0", "'checkpoint.persist_every' must be >= 1"),
-    ("checkpoint.bandwidth_gbps", "-2", "'checkpoint.bandwidth_gbps' must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("checkpoint.strategy", "sparse", "'checkpoint.strategy' must be one of none, moevement"),
+        ("checkpoint.ordering", "random", "'checkpoint.ordering' must be one of count, soft, ema, capacity"),
+        ("checkpoint.replicas", "-1", "'checkpoint.replicas' must be >= 0"),
+        ("checkpoint.replication", "rdma", "'checkpoint.replication' must be one of auto, network"),
+        ("checkpoint.background_priority", "high", "'checkpoint.background_priority' must be one of idle, normal"),
+        ("checkpoint.persist_every", "0", "'checkpoint.persist_every' must be >= 1"),
+        ("checkpoint.bandwidth_gbps", "-2", "'checkpoint.bandwidth_gbps' must be >= 0"),
+    ],
+)
 def test_bad_checkpoint_keys_fail_with_one_line(key, value, message):
     proc = run_cli("--config", DEBUG_CONFIG, f"--{key}", value, check=False)
     assert proc.returncode == 2 and message in proc.stderr and proc.stdout == ""

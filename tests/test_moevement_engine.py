@@ -20,14 +20,39 @@ from moevement.snapshot import SnapshotError, SnapshotHeader, read_entries
 from parallelisms.pipeline import lm_loss
 from trainer.step import take_expert_load
 
-ARGS = dict(family="deepseek", vocab_size=64, dim=32, n_layers=3, n_heads=4, n_dense_layers=1, dense_hidden_dim=64,
-            n_routed_experts=4, n_shared_experts=1, expert_hidden_dim=16, shared_expert_hidden_dim=16, top_k=2,
-            max_seq_len=32, aux_loss_coef=0.01)
+ARGS = dict(
+    family="deepseek",
+    vocab_size=64,
+    dim=32,
+    n_layers=3,
+    n_heads=4,
+    n_dense_layers=1,
+    dense_hidden_dim=64,
+    n_routed_experts=4,
+    n_shared_experts=1,
+    expert_hidden_dim=16,
+    shared_expert_hidden_dim=16,
+    top_k=2,
+    max_seq_len=32,
+    aux_loss_coef=0.01,
+)
 
 
 def options(**overrides) -> SimpleNamespace:
-    base = dict(window=3, slots="count", ordering="count", ema_decay=0.9, replicas=2, bandwidth_gbps=0.0, persist_dir="",
-                persist_every=1, profile_iters=2, reprofile_every=0, keep_host_state=True, background_priority="idle")
+    base = dict(
+        window=3,
+        slots="count",
+        ordering="count",
+        ema_decay=0.9,
+        replicas=2,
+        bandwidth_gbps=0.0,
+        persist_dir="",
+        persist_every=1,
+        profile_iters=2,
+        reprofile_every=0,
+        keep_host_state=True,
+        background_priority="idle",
+    )
     return SimpleNamespace(**{**base, **overrides})
 
 
@@ -47,8 +72,15 @@ def train(rank_dir: Path, steps: int, compute_dtype=torch.float32, on_snapshot=N
     torch.manual_seed(0)
     model = build_model(ModelArgs(**ARGS))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
-    engine = SparseCheckpointer(options(**opts), model, optimizer, compute_dtype=compute_dtype,
-                                device=torch.device("cpu"), rank_dir=rank_dir, topology=Topology.single())
+    engine = SparseCheckpointer(
+        options(**opts),
+        model,
+        optimizer,
+        compute_dtype=compute_dtype,
+        device=torch.device("cpu"),
+        rank_dir=rank_dir,
+        topology=Topology.single(),
+    )
     if prepare is not None:
         prepare(engine)
     data = torch.Generator().manual_seed(1)
@@ -84,8 +116,15 @@ def test_copy_thread_gives_way_to_compute(tmp_path, priority, policy):
     """The copy thread runs with one OpenMP thread and, at `idle` priority, under SCHED_IDLE."""
     model = build_model(ModelArgs(**ARGS))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    engine = SparseCheckpointer(options(background_priority=priority), model, optimizer, compute_dtype=torch.float32,
-                                device=torch.device("cpu"), rank_dir=tmp_path, topology=Topology.single())
+    engine = SparseCheckpointer(
+        options(background_priority=priority),
+        model,
+        optimizer,
+        compute_dtype=torch.float32,
+        device=torch.device("cpu"),
+        rank_dir=tmp_path,
+        topology=Topology.single(),
+    )
     seen = engine.copier.submit(lambda: (os.sched_getscheduler(0), torch.get_num_threads())).result()
     engine.close()
     assert seen == (getattr(os, policy), 1)
@@ -109,7 +148,7 @@ def test_window_reassembles_exact_state_at_each_snapshot_iteration(tmp_path, com
         if len(headers) == 3:  # every operator in exactly one slot of a complete window
             assert sorted(op for h in headers for op in h.active) == all_ops
         for h in headers:  # compute weights are exactly the later slots' operators
-            later = [op for g in headers[h.slot + 1:] for op in g.active]
+            later = [op for g in headers[h.slot + 1 :] for op in g.active]
             assert len(headers) < 3 or h.frozen == later
 
 
@@ -118,6 +157,7 @@ def test_every_window_is_planned_for_the_shortest_overlap_of_the_one_before(tmp_
     (the run's first iteration left out): the window size follows them, and windows of changing
     size still reassemble the exact state and persist."""
     import moevement.engine as engine_module
+
     plans = []  # (iteration_s, W) of every plan
     real = engine_module.find_window_size
 
@@ -149,7 +189,7 @@ def test_every_window_is_planned_for_the_shortest_overlap_of_the_one_before(tmp_
     windows = [w for _, w in plans]
     assert windows[0] == 1 and windows[1] > 2 and len(seen) >= 3
     assert list(seen) == [3 + sum(windows[:k]) for k in range(len(seen))]
-    assert [headers[0].window for headers in seen.values()] == windows[:len(seen)]
+    assert [headers[0].window for headers in seen.values()] == windows[: len(seen)]
     for headers in seen.values():
         if len(headers) == headers[0].window:  # complete: every operator in exactly one slot
             assert sorted(op for h in headers for op in h.active) == sorted(engine.ops_by_name)
@@ -237,16 +277,18 @@ def test_shared_memory_snapshots_survive_the_death_of_their_process(tmp_path):
                 assert torch.equal(value, want if role == "master" else want.to(torch.bfloat16))
     finally:
         import shutil
+
         shutil.rmtree(rank_dir.parent, ignore_errors=True)
 
 
 def _reference_checksum(raw: bytes) -> str:
     """The checksum's definition in plain Python integers (mod 2**64): zero-padded blocks of 8-byte words."""
     from moevement.snapshot import BLOCK, MASK
+
     n = len(raw)
     raw += bytes(-n % BLOCK)
-    words = [int.from_bytes(raw[i:i + 8], "little") for i in range(0, len(raw), 8)]
-    blocks = [sum(words[i:i + BLOCK // 8]) for i in range(0, len(words), BLOCK // 8)]
+    words = [int.from_bytes(raw[i : i + 8], "little") for i in range(0, len(raw), 8)]
+    blocks = [sum(words[i : i + BLOCK // 8]) for i in range(0, len(words), BLOCK // 8)]
     first = sum(blocks) & MASK
     second = (sum(b * (k + 1) for k, b in enumerate(blocks)) + (len(blocks) + 1) * (first + n)) & MASK
     return f"{first:016x}{second:016x}"
@@ -256,25 +298,28 @@ def test_vectorised_snapshot_checksums_match_the_definition():
     """copy_entries checksums all entries in one pass (prefix sums, wrapping int64); every entry's
     checksum equals the definition computed entry by entry, whatever the stale padding held."""
     from moevement.snapshot import BLOCK, Entry, Throttle, copy_entries
+
     g = torch.Generator().manual_seed(0)
     sources = [torch.randn(n, generator=g) * 1e30 for n in (1, 300, 0, 1000, 7, 4096)] + [torch.tensor(5.0)]
     entries, offset = [], 0
     for i, src in enumerate(sources):
         dtype = torch.bfloat16 if i % 2 else torch.float32
         nbytes = src.numel() * dtype.itemsize
-        entries.append(Entry("op", f"t{i}", "master", str(dtype).removeprefix("torch."), list(src.shape), offset,
-                             nbytes))
+        entries.append(
+            Entry("op", f"t{i}", "master", str(dtype).removeprefix("torch."), list(src.shape), offset, nbytes)
+        )
         offset += -(-nbytes // BLOCK) * BLOCK
     buffer = torch.full((offset,), 255, dtype=torch.uint8)  # stale bytes where the padding goes
     copy_entries(buffer, entries, sources, Throttle(0))
     for entry, src in zip(entries, sources):
-        raw = buffer[entry.offset:entry.offset + entry.nbytes]
+        raw = buffer[entry.offset : entry.offset + entry.nbytes]
         assert torch.equal(raw.view(getattr(torch, entry.dtype)).view(entry.shape), src.to(getattr(torch, entry.dtype)))
         assert entry.checksum == _reference_checksum(raw.numpy().tobytes())
 
 
 def test_checksum_detects_flips_moved_blocks_and_length():
     from moevement.snapshot import checksum
+
     raw = torch.randint(0, 256, (3 * 4096 + 5,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     base = checksum(raw)
     assert checksum(raw.clone()) == base

@@ -26,21 +26,25 @@ L1, L2 = "layers.1.moe", "layers.2.moe"
 
 # ---- Algorithm 1: FindWindowSize ------------------------------------------------------------------
 
+
 def test_snapshot_sizes_hand_case():
     # slots [0,1] [2]: SS_0 = fp32 0+1 + compute 2 = 24 + 2; SS_1 = fp32 2 = 12
     assert snapshot_sizes([[0, 1], [2]], [12, 12, 12], [2, 2, 2]) == [26, 12]
 
 
-@pytest.mark.parametrize("bandwidth, expected", [
-    # 6 operators, fp32=12, compute=2; all slots full -> max snapshot is SS_0 = 12k + 2(6-k):
-    # k=6: 72, k=5: 62, k=4: 52, k=3: 42, k=2: 32, k=1: 22
-    (30, (6, 1)),     # only k=1 (22) fits
-    (35, (3, 2)),     # k=2 (32) fits, k=3 (42) does not
-    (42, (2, 3)),     # budget equal to the largest snapshot fits (<=)
-    (41.5, (3, 2)),
-    (1000, (1, 6)),   # everything in one slot
-    (1, (6, 1)),      # nothing fits: one per slot
-])
+@pytest.mark.parametrize(
+    "bandwidth, expected",
+    [
+        # 6 operators, fp32=12, compute=2; all slots full -> max snapshot is SS_0 = 12k + 2(6-k):
+        # k=6: 72, k=5: 62, k=4: 52, k=3: 42, k=2: 32, k=1: 22
+        (30, (6, 1)),  # only k=1 (22) fits
+        (35, (3, 2)),  # k=2 (32) fits, k=3 (42) does not
+        (42, (2, 3)),  # budget equal to the largest snapshot fits (<=)
+        (41.5, (3, 2)),
+        (1000, (1, 6)),  # everything in one slot
+        (1, (6, 1)),  # nothing fits: one per slot
+    ],
+)
 def test_find_window_size_uniform(bandwidth, expected):
     assert find_window_size([12] * 6, [2] * 6, 1.0, bandwidth) == expected
 
@@ -79,16 +83,19 @@ def test_find_window_size_matches_brute_force():
         budget = float(torch.randint(1, 3 * sum(fp32), (1,), generator=gen))
 
         def fits(k):
-            return all(sum(fp32[s:s + k]) + sum(compute[s + k:]) <= budget for s in range(0, n, k))
+            return all(sum(fp32[s : s + k]) + sum(compute[s + k :]) <= budget for s in range(0, n, k))
+
         k = max([k for k in range(1, n + 1) if fits(k)], default=1)
         assert find_window_size(fp32, compute, 1.0, budget) == (math.ceil(n / k), k)
 
 
 # ---- slots cut by bytes (checkpoint.slots = "bytes") ----------------------------------------------
 
+
 def _cuts(n: int, window: int):
     """Every way to cut n operators into at most `window` consecutive non-empty slots (as index lists)."""
     import itertools
+
     for k in range(1, min(n, window) + 1):
         for bounds in itertools.combinations(range(1, n), k - 1):
             edges = (0, *bounds, n)
@@ -129,6 +136,7 @@ def test_byte_slots_minimise_the_largest_snapshot_and_cover_every_operator_once(
 
 
 # ---- Algorithm 1: GenerateSchedule, WindowPlan ----------------------------------------------------
+
 
 def test_generate_schedule_slots():
     ops = ["a", "b", "c", "d", "e"]
@@ -176,6 +184,7 @@ def test_order_operators():
 
 # ---- popularity --------------------------------------------------------------------------------------
 
+
 def experts(prefix, values):
     return {f"{prefix}.experts.{e}": float(v) for e, v in enumerate(values)}
 
@@ -188,12 +197,15 @@ def observed(policy, **kwargs):
     return tracker
 
 
-@pytest.mark.parametrize("policy, expected", [
-    ("count", experts(L1, [2, 2, 3, 7])),                       # summed tokens
-    ("soft", experts(L2, [0.75, 0.5, 0.5, 0.25])),              # summed gate probabilities
-    ("ema", experts(L1, [0.175, 0.1, 0.15, 0.575])),            # .5*[.1,.2,.3,.4] + .5*[.25,0,0,.75]
-    ("capacity", experts(L1, [4 / 7, 4 / 7, 6 / 7, 2.0])),      # tokens / mean load 3.5
-])
+@pytest.mark.parametrize(
+    "policy, expected",
+    [
+        ("count", experts(L1, [2, 2, 3, 7])),  # summed tokens
+        ("soft", experts(L2, [0.75, 0.5, 0.5, 0.25])),  # summed gate probabilities
+        ("ema", experts(L1, [0.175, 0.1, 0.15, 0.575])),  # .5*[.1,.2,.3,.4] + .5*[.25,0,0,.75]
+        ("capacity", experts(L1, [4 / 7, 4 / 7, 6 / 7, 2.0])),  # tokens / mean load 3.5
+    ],
+)
 def test_policies(policy, expected):
     current = observed(policy, ema_decay=0.5).current()
     assert current.keys() == expected.keys()
@@ -239,20 +251,36 @@ def test_end_window_reorders_on_large_changes_only():
 
 # ---- operator registry ----------------------------------------------------------------------------
 
+
 def tiny(family):
-    return build_model(ModelArgs(
-        family=family, vocab_size=64, dim=32, n_layers=3, n_heads=4, n_dense_layers=1, dense_hidden_dim=64,
-        n_routed_experts=4, n_shared_experts=1, expert_hidden_dim=16, shared_expert_hidden_dim=16, top_k=2,
-        max_seq_len=64))
+    return build_model(
+        ModelArgs(
+            family=family,
+            vocab_size=64,
+            dim=32,
+            n_layers=3,
+            n_heads=4,
+            n_dense_layers=1,
+            dense_hidden_dim=64,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            expert_hidden_dim=16,
+            shared_expert_hidden_dim=16,
+            top_k=2,
+            max_seq_len=64,
+        )
+    )
 
 
 @pytest.mark.parametrize("family", ["deepseek", "qwen"])
 def test_registry_partitions_parameters(family):
     model = tiny(family)
     ops = build_registry(model)
-    moe = lambda layer: ([(f"layers.{layer}", "block"), (f"layers.{layer}.moe.router", "router")]
-                         + [(f"layers.{layer}.moe.experts.{e}", "expert") for e in range(4)]
-                         + [(f"layers.{layer}.moe", "shared_expert")])
+    moe = lambda layer: (
+        [(f"layers.{layer}", "block"), (f"layers.{layer}.moe.router", "router")]
+        + [(f"layers.{layer}.moe.experts.{e}", "expert") for e in range(4)]
+        + [(f"layers.{layer}.moe", "shared_expert")]
+    )
     expected = [("tok_embeddings", "embedding"), ("layers.0", "block"), *moe(1), *moe(2), ("head", "head")]
     assert [(op.name, op.kind) for op in ops] == expected
     owned = [name for op in ops for name in op.params]
@@ -294,7 +322,9 @@ def test_operator_bytes_and_master_tensors():
         assert op.fp32_bytes(optimizer) == 3 * param_bytes[op.name] + 4 * len(op.params)  # fp32 step scalars
     expert = next(op for op in ops if op.name == "layers.1.moe.experts.0")
     names = [n for n, _ in expert.master_tensors(optimizer)]
-    expected = list(expert.params) + [f"optim.{p}.{k}" for p in expert.params for k in ("exp_avg", "exp_avg_sq", "step")]
+    expected = list(expert.params) + [
+        f"optim.{p}.{k}" for p in expert.params for k in ("exp_avg", "exp_avg_sq", "step")
+    ]
     assert names == expected
     tensors = dict(expert.master_tensors(optimizer))
     w1 = "layers.1.moe.experts.0.w1.weight"

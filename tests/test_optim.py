@@ -59,8 +59,12 @@ def test_local_shard_adamw_matches_adamw_on_dtensors_bit_for_bit():
                 opt.step()
                 for i, p in enumerate(params):
                     assert torch.equal(p.to_local(), before[i]) == (i not in subset)
-            results.append(([p.to_local() for p in params],
-                            [opt.state[p][k].to_local() for p in params for k in ("exp_avg", "exp_avg_sq")]))
+            results.append(
+                (
+                    [p.to_local() for p in params],
+                    [opt.state[p][k].to_local() for p in params for k in ("exp_avg", "exp_avg_sq")],
+                )
+            )
         for ref, got in zip(results[0], results[1]):
             assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
     finally:

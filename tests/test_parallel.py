@@ -12,15 +12,34 @@ from safetensors.torch import load_file
 from tests.conftest import DEBUG_CONFIG, final_line, run_cli, step_losses
 
 STEPS = 10
-BASE = ["--config", DEBUG_CONFIG, "--metrics.tensorboard", "false", "--metrics.log_every", "1",
-        "--training.val_every", "0", "--training.steps", str(STEPS), "--model.n_layers", "4",
-        "--training.batch_size", "16", "--training.micro_batches", "4", "--training.seq_len", "64"]
+BASE = [
+    "--config",
+    DEBUG_CONFIG,
+    "--metrics.tensorboard",
+    "false",
+    "--metrics.log_every",
+    "1",
+    "--training.val_every",
+    "0",
+    "--training.steps",
+    str(STEPS),
+    "--model.n_layers",
+    "4",
+    "--training.batch_size",
+    "16",
+    "--training.micro_batches",
+    "4",
+    "--training.seq_len",
+    "64",
+]
 
 LAYOUTS = {
     "pp2_dp2_ep2": (4, ["--parallelism.pp", "2", "--parallelism.dp", "2", "--parallelism.ep", "2"]),
     "pp4": (4, ["--parallelism.pp", "4"]),
-    "pp2_interleaved": (2, ["--parallelism.pp", "2", "--parallelism.schedule", "Interleaved1F1B",
-                            "--parallelism.stages_per_rank", "2"]),
+    "pp2_interleaved": (
+        2,
+        ["--parallelism.pp", "2", "--parallelism.schedule", "Interleaved1F1B", "--parallelism.stages_per_rank", "2"],
+    ),
     "dp4_ep4": (4, ["--parallelism.dp", "4", "--parallelism.ep", "4"]),
     # experts FSDP-sharded over the expert-data-parallel ranks (edp = 2)
     "dp4_ep2": (4, ["--parallelism.dp", "4", "--parallelism.ep", "2"]),
@@ -67,13 +86,19 @@ def test_checkpoint_from_one_layout_loads_into_another(tmp_path):
     assert final_line(loaded) == final_line(saved)
 
 
-@pytest.mark.parametrize("args, key", [
-    (["--parallelism.pp", "2"], "parallelism.pp"),  # 2 stages x 1 rank != 1 process
-    (["--parallelism.dp", "2", "--parallelism.ep", "4"], "parallelism.ep"),
-    (["--parallelism.pp", "8"], "parallelism.pp"),  # more stages than layers
-    (["--parallelism.schedule", "ZeroBubble"], "parallelism.schedule"),
-    (["--parallelism.pp", "2", "--training.micro_batches", "1", "--training.batch_size", "4"], "training.micro_batches"),
-])
+@pytest.mark.parametrize(
+    "args, key",
+    [
+        (["--parallelism.pp", "2"], "parallelism.pp"),  # 2 stages x 1 rank != 1 process
+        (["--parallelism.dp", "2", "--parallelism.ep", "4"], "parallelism.ep"),
+        (["--parallelism.pp", "8"], "parallelism.pp"),  # more stages than layers
+        (["--parallelism.schedule", "ZeroBubble"], "parallelism.schedule"),
+        (
+            ["--parallelism.pp", "2", "--training.micro_batches", "1", "--training.batch_size", "4"],
+            "training.micro_batches",
+        ),
+    ],
+)
 def test_bad_layouts_name_the_key(args, key):
     proc = run_cli(*BASE, *args, check=False)
     assert proc.returncode == 2 and key in proc.stderr, proc.stderr

@@ -22,16 +22,47 @@ from moevement.replay_threads import intra_op_threads, replay_threads
 from parallelisms.pipeline import lm_loss
 from tests.conftest import DEBUG_CONFIG, final_line, run_cli, step_losses
 
-BASE = ["--config", DEBUG_CONFIG, "--metrics.tensorboard", "false", "--metrics.log_every", "1",
-        "--training.val_every", "0", "--training.steps", "12", "--model.n_layers", "4"]
+BASE = [
+    "--config",
+    DEBUG_CONFIG,
+    "--metrics.tensorboard",
+    "false",
+    "--metrics.log_every",
+    "1",
+    "--training.val_every",
+    "0",
+    "--training.steps",
+    "12",
+    "--model.n_layers",
+    "4",
+]
 MOEVEMENT = ["--checkpoint.strategy", "moevement", "--checkpoint.window", "3"]
-PP2_DP2_EP2_BF16 = ["--parallelism.pp", "2", "--parallelism.dp", "2", "--parallelism.ep", "2",
-                    "--training.mixed_precision", "bf16", "--training.max_grad_norm", "0.5"]
+PP2_DP2_EP2_BF16 = [
+    "--parallelism.pp",
+    "2",
+    "--parallelism.dp",
+    "2",
+    "--parallelism.ep",
+    "2",
+    "--training.mixed_precision",
+    "bf16",
+    "--training.max_grad_norm",
+    "0.5",
+]
 PP4 = ["--parallelism.pp", "4", "--training.micro_batches", "4"]
-INTERLEAVED = ["--parallelism.pp", "2", "--parallelism.schedule", "Interleaved1F1B",
-               "--parallelism.stages_per_rank", "2"]
-RECOVERY = re.compile(r"^recovery step=(\d+) ranks=(\S+) scope=(\S+) rollback_to=(\d+) replayed=(\d+) "
-                      r"seconds=\S+ \(fetch=\S+ convert=\S+ catchup=\S+\)", re.M)
+INTERLEAVED = [
+    "--parallelism.pp",
+    "2",
+    "--parallelism.schedule",
+    "Interleaved1F1B",
+    "--parallelism.stages_per_rank",
+    "2",
+]
+RECOVERY = re.compile(
+    r"^recovery step=(\d+) ranks=(\S+) scope=(\S+) rollback_to=(\d+) replayed=(\d+) "
+    r"seconds=\S+ \(fetch=\S+ convert=\S+ catchup=\S+\)",
+    re.M,
+)
 WORK = re.compile(r"^recovery work rank=(\d+) role=(\S+) forwards=(\d+) backwards=(\d+)", re.M)
 
 _baselines: dict[tuple[str, ...], str] = {}
@@ -51,8 +82,16 @@ def assert_identical(out: str, reference: str) -> None:
 
 
 def fault_run(tmp_path, layout: list[str], nproc: int, *extra: str, torchrun: tuple[str, ...] = ()) -> str:
-    return run_cli(*BASE, *layout, *MOEVEMENT, "--checkpoint.host_dir", str(tmp_path / "shm"), *extra,
-                   nproc=nproc, torchrun=torchrun).stdout
+    return run_cli(
+        *BASE,
+        *layout,
+        *MOEVEMENT,
+        "--checkpoint.host_dir",
+        str(tmp_path / "shm"),
+        *extra,
+        nproc=nproc,
+        torchrun=torchrun,
+    ).stdout
 
 
 def test_pp2_dp2_ep2_bf16_clipped_one_failure(tmp_path):
@@ -60,8 +99,9 @@ def test_pp2_dp2_ep2_bf16_clipped_one_failure(tmp_path):
     assert re.search(r"^step=8 .*grad_norm=(\S+)", reference, re.M)  # clipping is active: norm > 0.5
     # slots cut by bytes: uneven operator counts per slot, the same exactness; replay with more threads
     # than training (3 against 1): the same bits (MKL_CBWR strict mode, moevement/replay_threads.py)
-    out = fault_run(tmp_path, PP2_DP2_EP2_BF16, 4, "--fault.at", "8:1", "--checkpoint.slots", "bytes",
-                    "--fault.replay_threads", "3")
+    out = fault_run(
+        tmp_path, PP2_DP2_EP2_BF16, 4, "--fault.at", "8:1", "--checkpoint.slots", "bytes", "--fault.replay_threads", "3"
+    )
     assert_identical(out, reference)
     # windows 3-5, 6-8: at 8 the newest persisted one starts at 3; the whole of stage 0 rolls back
     assert RECOVERY.findall(out) == [("8", "1", "0", "3", "5")]
@@ -77,8 +117,11 @@ def test_pp4_first_window_middle_stage_and_two_disjoint_stages(tmp_path):
     # 4: nothing persisted yet (first window 3-5) -> initial state; 8: middle stage; 11: stages 0 and 2
     out = fault_run(tmp_path, PP4, 4, "--fault.at", "4:1,8:2,11:0+2")
     assert_identical(out, reference)
-    assert RECOVERY.findall(out) == [("4", "1", "1", "1", "3"), ("8", "2", "2", "4", "4"),
-                                     ("11", "0+2", "0,2", "8", "3")]
+    assert RECOVERY.findall(out) == [
+        ("4", "1", "1", "1", "3"),
+        ("8", "2", "2", "4", "4"),
+        ("11", "0+2", "0,2", "8", "3"),
+    ]
     # a lone replaying rank takes every core of the node (auto, with MKL's strict mode); two share them
     threads = [int(n) for n in re.findall(r"^recovery work rank=\d+ role=failed .*threads=(\d+)", out, re.M)]
     cpus = len(os.sched_getaffinity(0)) if torch.backends.mkl.is_available() else 1
@@ -113,16 +156,28 @@ def test_whole_job_restart_after_a_real_crash(tmp_path):
     assert "fault: rank 1 crashes at step 8" in out
     m = re.search(r"^recovery step=8 ranks=0\+1\+2\+3 scope=0-1 rollback_to=3 replayed=3 .* restart=global", out, re.M)
     assert m, out
-    after = out[m.end():]
+    after = out[m.end() :]
     assert final_line(after) == final_line(reference)
     assert {s: l for s, l in step_losses(after).items()} == {s: l for s, l in step_losses(reference).items() if s >= 6}
 
 
 def test_frozen_operators_compute_no_weight_gradient():
     """A frozen operator gets no gradient and costs no weight-gradient FLOPs; the input gradient still flows."""
-    args = ModelArgs(family="deepseek", vocab_size=64, dim=32, n_layers=2, n_heads=4, n_dense_layers=1,
-                     dense_hidden_dim=64, n_routed_experts=4, n_shared_experts=1, expert_hidden_dim=16,
-                     shared_expert_hidden_dim=16, top_k=2, max_seq_len=32)
+    args = ModelArgs(
+        family="deepseek",
+        vocab_size=64,
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        n_dense_layers=1,
+        dense_hidden_dim=64,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        expert_hidden_dim=16,
+        shared_expert_hidden_dim=16,
+        top_k=2,
+        max_seq_len=32,
+    )
     torch.manual_seed(0)
     model = build_model(args)
     ops = {op.name: op for op in build_registry(model)}
@@ -173,8 +228,18 @@ def test_replay_threads_share_the_node_among_its_replaying_ranks(monkeypatch):
 
 BF16_CLIPPED = ["--training.mixed_precision", "bf16", "--training.max_grad_norm", "1.0"]
 FP32_UNCLIPPED = ["--training.mixed_precision", "fp32", "--training.max_grad_norm", "0"]
-PP4_INTERLEAVED = ["--parallelism.pp", "4", "--parallelism.schedule", "Interleaved1F1B",
-                   "--parallelism.stages_per_rank", "2", "--training.micro_batches", "4", "--model.n_layers", "8"]
+PP4_INTERLEAVED = [
+    "--parallelism.pp",
+    "4",
+    "--parallelism.schedule",
+    "Interleaved1F1B",
+    "--parallelism.stages_per_rank",
+    "2",
+    "--training.micro_batches",
+    "4",
+    "--model.n_layers",
+    "8",
+]
 
 
 def test_pp4_window3_bf16_clipped_middle_stage_then_two_more_windows(tmp_path):
@@ -182,8 +247,19 @@ def test_pp4_window3_bf16_clipped_middle_stage_then_two_more_windows(tmp_path):
     ends at 14, inside window 13-15; every later step and the final state equal the fault-free run's."""
     layout = [*PP4, *BF16_CLIPPED, "--training.steps", "14"]
     reference = baseline(layout, 4)
-    out = run_cli(*BASE, *layout, "--checkpoint.strategy", "moevement", "--checkpoint.window", "3",
-                  "--checkpoint.host_dir", str(tmp_path / "shm"), "--fault.at", "7:1", nproc=4).stdout
+    out = run_cli(
+        *BASE,
+        *layout,
+        "--checkpoint.strategy",
+        "moevement",
+        "--checkpoint.window",
+        "3",
+        "--checkpoint.host_dir",
+        str(tmp_path / "shm"),
+        "--fault.at",
+        "7:1",
+        nproc=4,
+    ).stdout
     assert_identical(out, reference)
     assert RECOVERY.findall(out) == [("7", "1", "1", "3", "4")]
     assert re.search(r"^step=14 .*window=3 ", out, re.M)
@@ -200,11 +276,26 @@ STAGE_STEPS = "20"
 def test_pp4_each_stage_fails_in_turn(tmp_path, schedule, precision, window):
     """pp=4: ranks 0, 1, 2, 3 fail one after the other; each recovers alone and training goes on through
     later windows, ending mid-window where W > 1; bit-exact against the fault-free run of the layout."""
-    layout = [*(PP4 if schedule == "1F1B" else PP4_INTERLEAVED),
-              *(BF16_CLIPPED if precision == "bf16_clipped" else FP32_UNCLIPPED), "--training.steps", STAGE_STEPS]
+    layout = [
+        *(PP4 if schedule == "1F1B" else PP4_INTERLEAVED),
+        *(BF16_CLIPPED if precision == "bf16_clipped" else FP32_UNCLIPPED),
+        "--training.steps",
+        STAGE_STEPS,
+    ]
     reference = baseline(layout, 4)  # one fault-free run per layout, shared by the three window sizes
-    out = run_cli(*BASE, *layout, "--checkpoint.strategy", "moevement", "--checkpoint.window", window,
-                  "--checkpoint.host_dir", str(tmp_path / "shm"), "--fault.at", STAGE_FAULTS, nproc=4).stdout
+    out = run_cli(
+        *BASE,
+        *layout,
+        "--checkpoint.strategy",
+        "moevement",
+        "--checkpoint.window",
+        window,
+        "--checkpoint.host_dir",
+        str(tmp_path / "shm"),
+        "--fault.at",
+        STAGE_FAULTS,
+        nproc=4,
+    ).stdout
     assert_identical(out, reference)
     recoveries = RECOVERY.findall(out)
     assert [(step, ranks) for step, ranks, *_ in recoveries] == [("5", "0"), ("9", "1"), ("13", "2"), ("17", "3")]

@@ -35,10 +35,16 @@ def _replicate_one_snapshot_then_drop_it(rank: int, root: str, init: str, slow_c
         header = encode_json({"iteration": 4, "window_start": 3, "slot": 1, "nbytes": NBYTES, "rank": rank})
         own.commit(header)
         store = ReplicaStore(base / f"rank{rank}" / "replicas")
-        replicator = Replicator(rank, [[1], [0]], store, dist.new_group(backend="gloo"), lambda window: None,
-                                frozenset({1 - rank}),
-                                lambda src, parity, slot: local_buffer(base / f"rank{src}", parity, slot),
-                                priority="normal")
+        replicator = Replicator(
+            rank,
+            [[1], [0]],
+            store,
+            dist.new_group(backend="gloo"),
+            lambda window: None,
+            frozenset({1 - rank}),
+            lambda src, parity, slot: local_buffer(base / f"rank{src}", parity, slot),
+            priority="normal",
+        )
         if rank == slow_copier:
             shared_bytes = replicator._shared_bytes
 
@@ -55,7 +61,8 @@ def _replicate_one_snapshot_then_drop_it(rank: int, root: str, init: str, slow_c
         replica = store.buffer(1 - rank, 0, 1)
         assert torch.equal(replica.data[:NBYTES], _payload(1 - rank))
         assert replica.header_path.read_bytes() == encode_json(
-            {"iteration": 4, "window_start": 3, "slot": 1, "nbytes": NBYTES, "rank": 1 - rank})
+            {"iteration": 4, "window_start": 3, "slot": 1, "nbytes": NBYTES, "rank": 1 - rank}
+        )
         dist.barrier()
     finally:
         dist.destroy_process_group()

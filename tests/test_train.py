@@ -13,8 +13,7 @@ def train(*args, **kw):
     return run_cli("--config", DEBUG_CONFIG, *QUIET, *args, **kw)
 
 
-@pytest.mark.parametrize("config, billions", [
-    ("deepseek_moe_16b", 16.4), ("qwen_moe_14b", 14.3), ("gpt_moe_7b", 7.3)])
+@pytest.mark.parametrize("config, billions", [("deepseek_moe_16b", 16.4), ("qwen_moe_14b", 14.3), ("gpt_moe_7b", 7.3)])
 def test_paper_configs_dry_run_within_5_percent_of_table_2(config, billions):
     out = run_cli("--config", f"train_configs/{config}.toml", "--dry-run").stdout
     m = re.search(r"^params total=(\d+) active=(\d+)$", out, re.M)

@@ -109,13 +109,17 @@ def _old_checkpoint_files(path: Path) -> list[str]:
     except (OSError, ValueError, RecursionError, TypeError, KeyError):
         files, fmt = {}, None
     if fmt not in (FORMAT, OLD_FORMAT) or not isinstance(files, dict):
-        raise CheckpointError(f"{KEY}: {path} is a non-empty directory that is not a MoEvement checkpoint; "
-                              f"not replaced (choose a new or empty directory)")
+        raise CheckpointError(
+            f"{KEY}: {path} is a non-empty directory that is not a MoEvement checkpoint; "
+            f"not replaced (choose a new or empty directory)"
+        )
     own = {META, PARTIAL, *files}
     foreign = [e for e in entries if e not in own or not _own_file(path / e)]
     if foreign:
-        raise CheckpointError(f"{KEY}: checkpoint {path} also holds {', '.join(foreign)}, not written by "
-                              f"train.py; not replaced (move them or choose another directory)")
+        raise CheckpointError(
+            f"{KEY}: checkpoint {path} also holds {', '.join(foreign)}, not written by "
+            f"train.py; not replaced (move them or choose another directory)"
+        )
     return entries
 
 
@@ -251,9 +255,14 @@ def _write_checkpoint(path: Path, state: dict[str, torch.Tensor], meta: dict) ->
 def save_dense(directory: str, state: dict[str, torch.Tensor] | None, step: int, loss: float, cfg) -> None:
     """Save `state` (`consolidated_training_state`: the whole state on rank 0, None elsewhere) after
     `step` iterations (`loss`: that iteration's) as a checkpoint of the run `cfg`. Collective."""
-    meta = {"format": FORMAT, "step": step, "loss": loss, "model": dataclasses.asdict(cfg.model),
-            "run": RunIdentity.of_dense(cfg).to_json(),
-            **({"tokenizer": cfg.data.tokenizer} if cfg.data.tokenizer else {})}
+    meta = {
+        "format": FORMAT,
+        "step": step,
+        "loss": loss,
+        "model": dataclasses.asdict(cfg.model),
+        "run": RunIdentity.of_dense(cfg).to_json(),
+        **({"tokenizer": cfg.data.tokenizer} if cfg.data.tokenizer else {}),
+    }
     _on_rank0(lambda: _write_checkpoint(Path(directory), state, meta))
 
 
@@ -264,8 +273,10 @@ def open_meta(directory: str) -> dict:
     """The parsed `meta.json` of a checkpoint in this format. The old DCP format is refused unread."""
     path = Path(directory)
     meta_path = path / META
-    old = (f"{path}: old checkpoint format {OLD_FORMAT} (torch DCP, whose .metadata is a pickle that could run "
-           f"code); not loaded: re-save it with this version of train.py")
+    old = (
+        f"{path}: old checkpoint format {OLD_FORMAT} (torch DCP, whose .metadata is a pickle that could run "
+        f"code); not loaded: re-save it with this version of train.py"
+    )
     if os.path.lexists(path / ".metadata"):
         raise CheckpointError(old)
     if not meta_path.is_file():
@@ -294,8 +305,11 @@ def check_model(meta: dict, meta_path: Path, model_args: ModelArgs) -> None:
     """Refuse a checkpoint of another model shape, naming the keys that differ."""
     saved = meta.get("model")
     saved = saved if isinstance(saved, dict) else {}
-    differ = [f"model.{k} (checkpoint {saved.get(k)!r}, config {v!r})"
-              for k, v in dataclasses.asdict(model_args).items() if saved.get(k) != v]
+    differ = [
+        f"model.{k} (checkpoint {saved.get(k)!r}, config {v!r})"
+        for k, v in dataclasses.asdict(model_args).items()
+        if saved.get(k) != v
+    ]
     if differ:
         raise CheckpointError(f"{meta_path}: checkpoint is of another model: {', '.join(differ)}")
 
@@ -339,8 +353,9 @@ class _Reader:
         except SafetensorError as e:
             raise CheckpointError(f"{self.file}: tensor {name!r} unreadable ({e})") from None
         if full.shape != like.shape:
-            raise CheckpointError(f"{self.file}: tensor {name!r} has shape {tuple(full.shape)}, "
-                                  f"the model {tuple(like.shape)}")
+            raise CheckpointError(
+                f"{self.file}: tensor {name!r} has shape {tuple(full.shape)}, the model {tuple(like.shape)}"
+            )
         if isinstance(like, DTensor):
             return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
         return full
@@ -364,7 +379,7 @@ def _load_optimizer(directory: str, model: torch.nn.Module, optimizer: torch.opt
     reader = _Reader(Path(directory) / OPTIM_FILE)
     keys: dict[str, list[str]] = defaultdict(list)
     for stored in reader.names:
-        param_name, _, key = stored[len(OPTIM_PREFIX):].rpartition(".")
+        param_name, _, key = stored[len(OPTIM_PREFIX) :].rpartition(".")
         keys[param_name].append(key)
     for name, param in model.named_parameters():
         state = {}

@@ -80,10 +80,14 @@ def gather_layout(dims: ParallelDims) -> tuple[Topology, Layout]:
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (dims.pp_rank, dims.dp_rank, socket.gethostname()))
     hosts = list(dict.fromkeys(host for _, _, host in gathered))
-    topology = Topology(dist.get_rank(), len(gathered), [p for p, _, _ in gathered],
-                        [hosts.index(h) for _, _, h in gathered])
-    layout = Layout([p for p, _, _ in gathered], [d for _, d, _ in gathered],
-                    [local_stage_ids(dims.cfg, p) for p in range(dims.cfg.pp)])
+    topology = Topology(
+        dist.get_rank(), len(gathered), [p for p, _, _ in gathered], [hosts.index(h) for _, _, h in gathered]
+    )
+    layout = Layout(
+        [p for p, _, _ in gathered],
+        [d for _, d, _ in gathered],
+        [local_stage_ids(dims.cfg, p) for p in range(dims.cfg.pp)],
+    )
     return topology, layout
 
 
@@ -116,8 +120,9 @@ def claim_host_state(cfg: Config, rank: int) -> JobLock:
     return JobLock(job_dir / f"rank{rank:05d}.lock")
 
 
-def build_fault_tolerance(cfg: Config, model: ModelParts, optimizer, dims: ParallelDims, seeder: DropoutSeeder,
-                          train_batches, line) -> FaultTolerance | None:
+def build_fault_tolerance(
+    cfg: Config, model: ModelParts, optimizer, dims: ParallelDims, seeder: DropoutSeeder, train_batches, line
+) -> FaultTolerance | None:
     """The pieces of `checkpoint.strategy` on this rank (collective over all ranks); None for `none`.
 
     MoEvement first looks for a persisted sparse checkpoint of this job to restart from (a torchrun
@@ -129,8 +134,13 @@ def build_fault_tolerance(cfg: Config, model: ModelParts, optimizer, dims: Paral
     topo, layout = gather_layout(dims)
     rank_dir = host_rank_dir(cfg, topo.rank)
     identity = RunIdentity.of_sparse(cfg)
-    job_meta = {"seed": cfg.job.seed, "dp_rank": dims.dp_rank, "pp_rank": dims.pp_rank, "run": identity.to_json(),
-                "rng": "dropout seed = derive_seed(seed, iteration, micro-batch, stage, dp_rank)"}
+    job_meta = {
+        "seed": cfg.job.seed,
+        "dp_rank": dims.dp_rank,
+        "pp_rank": dims.pp_rank,
+        "run": identity.to_json(),
+        "rng": "dropout seed = derive_seed(seed, iteration, micro-batch, stage, dp_rank)",
+    }
     found = None
     disk = persist_root(cfg)
     if strategy == "moevement":
@@ -145,18 +155,44 @@ def build_fault_tolerance(cfg: Config, model: ModelParts, optimizer, dims: Paral
         ft.lock = lock
         return ft
     ck_cfg = dataclasses.replace(cfg.checkpoint, persist_dir=str(disk or ""))
-    checkpointer = SparseCheckpointer(ck_cfg, model.view, optimizer, compute_dtype=compute_dtype,
-                                      device=dims.device, rank_dir=rank_dir, topology=topo, job_meta=job_meta,
-                                      rank_dirs=_same_node_dirs(cfg))
+    checkpointer = SparseCheckpointer(
+        ck_cfg,
+        model.view,
+        optimizer,
+        compute_dtype=compute_dtype,
+        device=dims.device,
+        rank_dir=rank_dir,
+        topology=topo,
+        job_meta=job_meta,
+        rank_dirs=_same_node_dirs(cfg),
+    )
     log = UpstreamLog(model.parts, model.stage_ids, model.n_stages) if cfg.parallelism.pp > 1 else None
     hooks = _trainer_hooks(cfg, model, optimizer, dims, seeder, log, layout, train_batches, line)
-    recovery = Recovery(checkpointer, log, optimizer, layout, model.n_stages, cfg.training.micro_batches, hooks,
-                        global_rollback=cfg.fault.scope == "global", threads=cfg.fault.replay_threads)
+    recovery = Recovery(
+        checkpointer,
+        log,
+        optimizer,
+        layout,
+        model.n_stages,
+        cfg.training.micro_batches,
+        hooks,
+        global_rollback=cfg.fault.scope == "global",
+        threads=cfg.fault.replay_threads,
+    )
     return FaultTolerance(checkpointer, log, recovery, found, lock=lock)
 
 
-def _interval_baseline(cfg: Config, model: ModelParts, optimizer, dims: ParallelDims, topo: Topology, rank_dir: Path,
-                       job_meta: dict, compute_dtype, line) -> FaultTolerance:
+def _interval_baseline(
+    cfg: Config,
+    model: ModelParts,
+    optimizer,
+    dims: ParallelDims,
+    topo: Topology,
+    rank_dir: Path,
+    job_meta: dict,
+    compute_dtype,
+    line,
+) -> FaultTolerance:
     """gemini (dense, host memory, replicated), checkfreq (dense, persisted to disk), moc (partial, disk)."""
     strategy, ck_cfg, m = cfg.checkpoint.strategy, cfg.checkpoint, cfg.model
     ops = build_registry(model.view)
@@ -165,8 +201,13 @@ def _interval_baseline(cfg: Config, model: ModelParts, optimizer, dims: Parallel
     if strategy == "moc":
         moe_layers = [layer for layer in range(m.n_layers) if m.is_moe_layer(layer)]
         selector = PartialExpertSelector(ops, moe_layers, m.n_routed_experts, cfg.parallelism.ep, ck_cfg.moc_experts)
-        moc = MocState(selector, LostTokens(), ck_cfg.moc_plt_threshold, dims.dp_rank < cfg.parallelism.ep,
-                       experts={op.name for op in ops if op.kind == "expert"})
+        moc = MocState(
+            selector,
+            LostTokens(),
+            ck_cfg.moc_plt_threshold,
+            dims.dp_rank < cfg.parallelism.ep,
+            experts={op.name for op in ops if op.kind == "expert"},
+        )
         keep = math.ceil(m.n_routed_experts / selector.k) + 1  # every expert's newest save stays on disk
         select = selector.next_checkpoint
     else:
@@ -178,16 +219,42 @@ def _interval_baseline(cfg: Config, model: ModelParts, optimizer, dims: Parallel
         for old in persist.glob(f"window-*/rank{topo.rank:05d}"):
             remove_tree(old)  # an earlier run's checkpoints must not be restored into this one
     policy = IntervalPolicy(strategy, ck_cfg.interval, cfg.fault.mtbf_iters, select)
-    checkpointer = SparseCheckpointer(ck_cfg, model.view, optimizer, compute_dtype=compute_dtype, device=dims.device,
-                                      rank_dir=rank_dir, topology=topo, job_meta=job_meta, policy=policy,
-                                      disk_keep=keep, rank_dirs=_same_node_dirs(cfg))
-    rollback = GlobalRollback(strategy, checkpointer, optimizer, model.n_stages,
-                              lambda: initial_parameters(cfg.model, dims, cfg.job.seed), line, moc)
+    checkpointer = SparseCheckpointer(
+        ck_cfg,
+        model.view,
+        optimizer,
+        compute_dtype=compute_dtype,
+        device=dims.device,
+        rank_dir=rank_dir,
+        topology=topo,
+        job_meta=job_meta,
+        policy=policy,
+        disk_keep=keep,
+        rank_dirs=_same_node_dirs(cfg),
+    )
+    rollback = GlobalRollback(
+        strategy,
+        checkpointer,
+        optimizer,
+        model.n_stages,
+        lambda: initial_parameters(cfg.model, dims, cfg.job.seed),
+        line,
+        moc,
+    )
     return FaultTolerance(checkpointer, None, rollback, moc=moc)
 
 
-def _trainer_hooks(cfg: Config, model: ModelParts, optimizer, dims: ParallelDims, seeder: DropoutSeeder,
-                   log: UpstreamLog | None, layout: Layout, train_batches, line) -> TrainerHooks:
+def _trainer_hooks(
+    cfg: Config,
+    model: ModelParts,
+    optimizer,
+    dims: ParallelDims,
+    seeder: DropoutSeeder,
+    log: UpstreamLog | None,
+    layout: Layout,
+    train_batches,
+    line,
+) -> TrainerHooks:
     micro, dp = cfg.training.micro_batches, cfg.parallelism.dp
 
     def begin_iteration(t: int) -> None:
@@ -196,12 +263,22 @@ def _trainer_hooks(cfg: Config, model: ModelParts, optimizer, dims: ParallelDims
             log.begin(t)
 
     if model.schedule is not None:
-        stages = {s: StageRef(part, stage, *model.stage_shapes(s))
-                  for s, part, stage in zip(model.stage_ids, model.parts, model.pipeline_stages)}
-        replay = PipelineReplay(stages, model.n_stages, micro, lambda s: layout.rank_of(layout.owner_pp(s), dims.dp_rank),
-                                log, lm_loss, dims.device)
+        stages = {
+            s: StageRef(part, stage, *model.stage_shapes(s))
+            for s, part, stage in zip(model.stage_ids, model.parts, model.pipeline_stages)
+        }
+        replay = PipelineReplay(
+            stages,
+            model.n_stages,
+            micro,
+            lambda s: layout.rank_of(layout.owner_pp(s), dims.dp_rank),
+            log,
+            lm_loss,
+            dims.device,
+        )
         run = replay.forward_backward
     else:
+
         def run(t, scope, inputs, labels, boundary):
             forward_backward(model, inputs.to(dims.device), labels.to(dims.device), micro)
 
@@ -211,4 +288,5 @@ def _trainer_hooks(cfg: Config, model: ModelParts, optimizer, dims: ParallelDims
         forward_backward=run,
         optimizer_step=lambda scalars: replay_update(model, optimizer, scalars),
         initial_parameters=lambda: initial_parameters(cfg.model, dims, cfg.job.seed),
-        line=line)
+        line=line,
+    )

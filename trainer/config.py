@@ -247,10 +247,16 @@ def validate(cfg: Config) -> None:
     t = cfg.training
     for name in ("steps", "batch_size", "micro_batches", "seq_len", "val_batches"):
         _check(getattr(t, name) >= 1, f"training.{name}", f"must be positive, got {getattr(t, name)}")
-    _check(t.batch_size % t.micro_batches == 0, "training.batch_size",
-           f"({t.batch_size}) must be divisible by training.micro_batches ({t.micro_batches})")
-    _check(t.seq_len <= cfg.model.max_seq_len, "training.seq_len",
-           f"({t.seq_len}) must be at most model.max_seq_len ({cfg.model.max_seq_len})")
+    _check(
+        t.batch_size % t.micro_batches == 0,
+        "training.batch_size",
+        f"({t.batch_size}) must be divisible by training.micro_batches ({t.micro_batches})",
+    )
+    _check(
+        t.seq_len <= cfg.model.max_seq_len,
+        "training.seq_len",
+        f"({t.seq_len}) must be at most model.max_seq_len ({cfg.model.max_seq_len})",
+    )
     _check(0 <= t.stop_at <= t.steps, "training.stop_at", f"must be in [0, training.steps], got {t.stop_at}")
     _check(t.lr > 0, "training.lr", f"must be positive, got {t.lr}")
     _check(0 <= t.min_lr <= t.lr, "training.min_lr", f"must be in [0, training.lr], got {t.min_lr}")
@@ -270,8 +276,11 @@ def _validate_checkpoint(c: CheckpointConfig) -> None:
         _check(getattr(c, name) >= 1, f"checkpoint.{name}", f"must be >= 1, got {getattr(c, name)}")
     _check(c.bandwidth_gbps >= 0, "checkpoint.bandwidth_gbps", f"must be >= 0, got {c.bandwidth_gbps}")
     _check(0 < c.ema_decay < 1, "checkpoint.ema_decay", f"must be in (0, 1), got {c.ema_decay}")
-    _check(c.interval in INTERVAL_POLICIES or (c.interval.isdigit() and int(c.interval) >= 1), "checkpoint.interval",
-           f"must be a positive integer or one of {', '.join(INTERVAL_POLICIES)}, got {c.interval!r}")
+    _check(
+        c.interval in INTERVAL_POLICIES or (c.interval.isdigit() and int(c.interval) >= 1),
+        "checkpoint.interval",
+        f"must be a positive integer or one of {', '.join(INTERVAL_POLICIES)}, got {c.interval!r}",
+    )
     _check(c.moc_experts >= 1, "checkpoint.moc_experts", f"must be >= 1, got {c.moc_experts}")
     _check(0 < c.moc_plt_threshold < 1, "checkpoint.moc_plt_threshold", f"must be in (0, 1), got {c.moc_plt_threshold}")
 
@@ -283,12 +292,20 @@ def _validate_fault(cfg: Config) -> None:
     _check(f.replay_threads >= 0, "fault.replay_threads", f"must be >= 0 (0: auto), got {f.replay_threads}")
     _check(f.scope in FAULT_SCOPES, "fault.scope", f"must be one of {', '.join(FAULT_SCOPES)}, got {f.scope!r}")
     if plan:
-        key = "fault.at" if f.at else "fault.crash" if f.crash else "fault.mtbf_iters" if f.mtbf_iters else "fault.trace"
-        _check(cfg.checkpoint.strategy != "none", key, "needs a checkpoint.strategy that recovers "
-               "(moevement, gemini, checkfreq or moc), got 'none'")
+        key = (
+            "fault.at" if f.at else "fault.crash" if f.crash else "fault.mtbf_iters" if f.mtbf_iters else "fault.trace"
+        )
+        _check(
+            cfg.checkpoint.strategy != "none",
+            key,
+            "needs a checkpoint.strategy that recovers (moevement, gemini, checkfreq or moc), got 'none'",
+        )
     if f.crash:
-        _check(cfg.checkpoint.strategy == "moevement", "fault.crash",
-               f"needs checkpoint.strategy = moevement (whole-job restart), got {cfg.checkpoint.strategy!r}")
+        _check(
+            cfg.checkpoint.strategy == "moevement",
+            "fault.crash",
+            f"needs checkpoint.strategy = moevement (whole-job restart), got {cfg.checkpoint.strategy!r}",
+        )
     if cfg.checkpoint.interval == "oracle":
         _check(f.mtbf_iters > 0, "checkpoint.interval", "oracle needs fault.mtbf_iters > 0 (the MTBF it optimises for)")
 
@@ -297,8 +314,15 @@ def fault_plan(cfg: Config, world: int) -> FaultPlan:
     """The run's failure schedule (`fault.*` keys), for `world` ranks."""
     f = cfg.fault
     try:
-        return FaultPlan(f.at, f.crash, mtbf_iters=f.mtbf_iters, seed=f.seed, trace=f.trace, world=world,
-                         last_step=cfg.training.stop_at or cfg.training.steps)
+        return FaultPlan(
+            f.at,
+            f.crash,
+            mtbf_iters=f.mtbf_iters,
+            seed=f.seed,
+            trace=f.trace,
+            world=world,
+            last_step=cfg.training.stop_at or cfg.training.steps,
+        )
     except FaultSpecError as e:
         raise ConfigError(str(e)) from None
 
@@ -308,36 +332,61 @@ def _validate_parallelism(cfg: Config) -> None:
     for name in ("pp", "dp", "ep", "stages_per_rank"):
         _check(getattr(p, name) >= 1, f"parallelism.{name}", f"must be >= 1, got {getattr(p, name)}")
     _check(p.dp % p.ep == 0, "parallelism.ep", f"({p.ep}) must divide parallelism.dp ({p.dp})")
-    _check(m.n_routed_experts % p.ep == 0, "parallelism.ep",
-           f"({p.ep}) must divide model.n_routed_experts ({m.n_routed_experts})")
+    _check(
+        m.n_routed_experts % p.ep == 0,
+        "parallelism.ep",
+        f"({p.ep}) must divide model.n_routed_experts ({m.n_routed_experts})",
+    )
     interleaved = p.schedule == "Interleaved1F1B"
-    _check(interleaved == (p.stages_per_rank > 1), "parallelism.stages_per_rank",
-           f"({p.stages_per_rank}) must be >= 2 exactly when parallelism.schedule is Interleaved1F1B")
+    _check(
+        interleaved == (p.stages_per_rank > 1),
+        "parallelism.stages_per_rank",
+        f"({p.stages_per_rank}) must be >= 2 exactly when parallelism.schedule is Interleaved1F1B",
+    )
     n_stages = p.pp * p.stages_per_rank
-    _check(n_stages <= m.n_layers, "parallelism.pp",
-           f"x parallelism.stages_per_rank ({n_stages} stages) must be at most model.n_layers ({m.n_layers})")
+    _check(
+        n_stages <= m.n_layers,
+        "parallelism.pp",
+        f"x parallelism.stages_per_rank ({n_stages} stages) must be at most model.n_layers ({m.n_layers})",
+    )
     if p.pp > 1:
-        _check(t.micro_batches >= p.pp, "training.micro_batches",
-               f"({t.micro_batches}) must be at least parallelism.pp ({p.pp}) for the pipeline schedule")
-        _check(not interleaved or t.micro_batches % p.pp == 0, "training.micro_batches",
-               f"({t.micro_batches}) must be a multiple of parallelism.pp ({p.pp}) for Interleaved1F1B")
-    _check(t.batch_size % (t.micro_batches * p.dp) == 0, "training.batch_size",
-           f"({t.batch_size}) must be divisible by training.micro_batches x parallelism.dp ({t.micro_batches * p.dp})")
+        _check(
+            t.micro_batches >= p.pp,
+            "training.micro_batches",
+            f"({t.micro_batches}) must be at least parallelism.pp ({p.pp}) for the pipeline schedule",
+        )
+        _check(
+            not interleaved or t.micro_batches % p.pp == 0,
+            "training.micro_batches",
+            f"({t.micro_batches}) must be a multiple of parallelism.pp ({p.pp}) for Interleaved1F1B",
+        )
+    _check(
+        t.batch_size % (t.micro_batches * p.dp) == 0,
+        "training.batch_size",
+        f"({t.batch_size}) must be divisible by training.micro_batches x parallelism.dp ({t.micro_batches * p.dp})",
+    )
     if p.split_points:
         try:
             points = [int(x) for x in p.split_points.split(",")]
         except ValueError:
             points = []
         ok = len(points) == n_stages - 1 and points == sorted(set(points)) and all(0 < x < m.n_layers for x in points)
-        _check(ok, "parallelism.split_points", f"must be {n_stages - 1} increasing layer ids in (0, {m.n_layers}), "
-               f"comma-separated, got {p.split_points!r}")
+        _check(
+            ok,
+            "parallelism.split_points",
+            f"must be {n_stages - 1} increasing layer ids in (0, {m.n_layers}), "
+            f"comma-separated, got {p.split_points!r}",
+        )
 
 
 def check_world_size(cfg: Config, world_size: int) -> None:
     """The launched process count must equal pp x dp; fault ranks must exist."""
     p = cfg.parallelism
-    _check(p.pp * p.dp == world_size, "parallelism.pp",
-           f"x parallelism.dp ({p.pp} x {p.dp}) must equal the number of processes ({world_size})")
+    _check(
+        p.pp * p.dp == world_size,
+        "parallelism.pp",
+        f"x parallelism.dp ({p.pp} x {p.dp}) must equal the number of processes ({world_size})",
+    )
     try:
         fault_plan(cfg, world_size).check_world(world_size)
     except FaultSpecError as e:

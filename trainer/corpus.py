@@ -347,7 +347,9 @@ def describe_split(cfg: DataConfig, split: str, split_key: str = "data.train_spl
     return f"{_resolve_source(cfg, split, split_key).describe()!r} ({split_key}={split!r})"
 
 
-def load_tokens(cfg: DataConfig, split: str, tokenizer: Tokenizer, *, split_key: str = "data.train_split") -> torch.Tensor:
+def load_tokens(
+    cfg: DataConfig, split: str, tokenizer: Tokenizer, *, split_key: str = "data.train_split"
+) -> torch.Tensor:
     """Tokens of split ``split`` of ``cfg.dataset``: documents joined with ``eos_id`` between them.
 
     Returns a 1-D int32 tensor (shared with an in-process cache -- do not modify it).

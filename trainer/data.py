@@ -274,14 +274,22 @@ def build_data(
         raise DataError(str(e)) from None
     train = TokenBatches(
         load_tokens(cfg, cfg.train_split, tok, split_key="data.train_split"),
-        seq_len, global_batch_size, micro_batches, seed,
-        shuffle=True, name=describe_split(cfg, cfg.train_split, "data.train_split"),
+        seq_len,
+        global_batch_size,
+        micro_batches,
+        seed,
+        shuffle=True,
+        name=describe_split(cfg, cfg.train_split, "data.train_split"),
     )
     val = None
     if cfg.val_split:
         val = TokenBatches(
             load_tokens(cfg, cfg.val_split, tok, split_key="data.val_split"),
-            seq_len, global_batch_size, micro_batches, seed,
-            shuffle=False, name=describe_split(cfg, cfg.val_split, "data.val_split"),
+            seq_len,
+            global_batch_size,
+            micro_batches,
+            seed,
+            shuffle=False,
+            name=describe_split(cfg, cfg.val_split, "data.val_split"),
         )
     return tok, train, val

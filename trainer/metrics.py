@@ -18,8 +18,9 @@ class MetricsLogger:
         self.enabled = rank == 0
         self.log_every = cfg.metrics.log_every
         show_bar = self.enabled and cfg.metrics.progress and sys.stderr.isatty()
-        self.bar = tqdm(total=cfg.training.steps, initial=first_step - 1, disable=not show_bar,
-                        dynamic_ncols=True, unit="step")
+        self.bar = tqdm(
+            total=cfg.training.steps, initial=first_step - 1, disable=not show_bar, dynamic_ncols=True, unit="step"
+        )
         self.writer = None
         if self.enabled and cfg.metrics.tensorboard:
             from torch.utils.tensorboard import SummaryWriter

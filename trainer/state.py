@@ -41,7 +41,9 @@ def state_digest(state: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def consolidated_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor] | None:
+def consolidated_training_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, torch.Tensor] | None:
     """The whole job's training state on rank 0 (None elsewhere); collective over all ranks.
 
     Data-parallel replicas hold the same names and values; pipeline stages and expert

@@ -80,8 +80,7 @@ def forward_backward(model: ModelParts, inputs: torch.Tensor, labels: torch.Tens
     if model.schedule is not None:
         losses = [] if model.has_last_stage else None
         args = (inputs,) if model.has_first_stage else ()
-        model.schedule.step(*args, target=labels if model.has_last_stage else None, losses=losses,
-                            return_outputs=False)
+        model.schedule.step(*args, target=labels if model.has_last_stage else None, losses=losses, return_outputs=False)
         return torch.stack(losses).detach().double().mean() if losses else _zero(inputs.device)
     part = model.parts[0]
     loss_sum = _zero(inputs.device)
@@ -109,16 +108,24 @@ def _global_mean_loss(loss: torch.Tensor, dims: ParallelDims) -> float:
 
 
 def _aux_loss(model: ModelParts, dims: ParallelDims) -> float:
-    aux = torch.tensor(sum(float(m.last_aux_loss) for m in moe_modules(model.view).values()),
-                       dtype=torch.float64, device=dims.device)
+    aux = torch.tensor(
+        sum(float(m.last_aux_loss) for m in moe_modules(model.view).values()), dtype=torch.float64, device=dims.device
+    )
     if dist.get_world_size() > 1:
         dist.all_reduce(aux)
         aux /= dims.cfg.dp
     return float(aux)
 
 
-def train_step(model: ModelParts, optimizer: torch.optim.Optimizer, inputs: torch.Tensor, labels: torch.Tensor,
-               step: int, cfg: TrainingConfig, dims: ParallelDims) -> StepResult:
+def train_step(
+    model: ModelParts,
+    optimizer: torch.optim.Optimizer,
+    inputs: torch.Tensor,
+    labels: torch.Tensor,
+    step: int,
+    cfg: TrainingConfig,
+    dims: ParallelDims,
+) -> StepResult:
     """Forward/backward over `cfg.micro_batches` micro-batches, clip, AdamW step."""
     for part in model.parts:
         part.train()
@@ -146,8 +153,9 @@ def replay_update(model: ModelParts, optimizer: torch.optim.Optimizer, scalars: 
 
 
 @torch.no_grad()
-def evaluate(model: ModelParts, batches: list[tuple[torch.Tensor, torch.Tensor]], dims: ParallelDims,
-             micro: int) -> float:
+def evaluate(
+    model: ModelParts, batches: list[tuple[torch.Tensor, torch.Tensor]], dims: ParallelDims, micro: int
+) -> float:
     """Mean cross-entropy over fixed validation batches (dropout off, no load counting)."""
     for part in model.parts:
         part.eval()
@@ -160,8 +168,9 @@ def evaluate(model: ModelParts, batches: list[tuple[torch.Tensor, torch.Tensor]]
             model.schedule.eval(*args, target=y if model.has_last_stage else None, losses=losses)
             loss = torch.stack(losses).double().mean() if losses else _zero(x.device)
         else:
-            loss = torch.stack([lm_loss(model.parts[0](xm), ym).double()
-                                for xm, ym in zip(x.chunk(micro), y.chunk(micro))]).mean()
+            loss = torch.stack(
+                [lm_loss(model.parts[0](xm), ym).double() for xm, ym in zip(x.chunk(micro), y.chunk(micro))]
+            ).mean()
         total += _global_mean_loss(loss, dims)
     for part in model.parts:
         part.train()

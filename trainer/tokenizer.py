@@ -115,8 +115,7 @@ class HFTokenizer:
                 break
         if eos is None:
             raise TokenizerError(
-                f"data.tokenizer: {str(self.path)!r} has none of the end-of-sequence tokens "
-                f"{list(EOS_CANDIDATES)}"
+                f"data.tokenizer: {str(self.path)!r} has none of the end-of-sequence tokens {list(EOS_CANDIDATES)}"
             )
         self.eos_id: int = int(eos)
         self.vocab_size: int = int(self._tok.get_vocab_size(with_added_tokens=True))
@@ -175,8 +174,7 @@ def build_tokenizer(spec: str) -> Tokenizer:
         path = path / "tokenizer.json"
     if not path.is_file():
         raise TokenizerError(
-            f"data.tokenizer: {spec!r} is neither 'byte' nor an existing tokenizer.json file "
-            f"(looked at {str(path)!r})"
+            f"data.tokenizer: {spec!r} is neither 'byte' nor an existing tokenizer.json file (looked at {str(path)!r})"
         )
     return HFTokenizer(path)
 
