@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 CONFIG ?= train_configs/debug_moe.toml
 
-.PHONY: train test test-all venv clean
+.PHONY: train test test-all lint format venv clean
 
 $(VENV)/.installed: requirements.txt
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found (set PYTHON=...)"; exit 1; }
@@ -19,6 +19,14 @@ venv: $(VENV)/.installed
 train: $(VENV)/.installed
 	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node 2 train.py --config $(CONFIG) \
 		--parallelism.pp 2 --checkpoint.strategy moevement --fault.at 30:1
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(VENV)/.installed
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q tests

@@ -50,7 +50,7 @@ def fetch_from_replicas(ck: SparseCheckpointer, failed: set[int], window: int) -
                 request = torch.zeros(1, dtype=torch.int64)
                 dist.recv(request, f)
                 if int(request):
-                    _send(ck, f, window, lambda slot: ck.replica_buffer(f, slot))
+                    _send(ck, f, window, lambda slot, f=f: ck.replica_buffer(f, slot))
         if me == f and not done:
             raise RecoveryError(f"rank {f}: no intact replica of its persisted checkpoint on peers {holders}")
     if me in failed:

@@ -74,6 +74,11 @@ def _random_sizes(gen: torch.Generator, n: int) -> tuple[list[int], list[int]]:
     return [c * int(torch.randint(2, 8, (1,), generator=gen)) for c in compute], compute
 
 
+def _fits(fp32: list[float], compute: list[float], budget: float, k: int) -> bool:
+    """Whether every window of k active operators fits the budget (the brute-force definition)."""
+    return all(sum(fp32[s : s + k]) + sum(compute[s + k :]) <= budget for s in range(0, len(fp32), k))
+
+
 def test_find_window_size_matches_brute_force():
     """Largest fitting O_active against an independent snapshot computation, on random sizes."""
     gen = torch.Generator().manual_seed(0)
@@ -81,11 +86,7 @@ def test_find_window_size_matches_brute_force():
         n = int(torch.randint(1, 12, (1,), generator=gen))
         fp32, compute = _random_sizes(gen, n)
         budget = float(torch.randint(1, 3 * sum(fp32), (1,), generator=gen))
-
-        def fits(k):
-            return all(sum(fp32[s : s + k]) + sum(compute[s + k :]) <= budget for s in range(0, n, k))
-
-        k = max([k for k in range(1, n + 1) if fits(k)], default=1)
+        k = max([k for k in range(1, n + 1) if _fits(fp32, compute, budget, k)], default=1)
         assert find_window_size(fp32, compute, 1.0, budget) == (math.ceil(n / k), k)
 
 
@@ -276,11 +277,14 @@ def tiny(family):
 def test_registry_partitions_parameters(family):
     model = tiny(family)
     ops = build_registry(model)
-    moe = lambda layer: (
-        [(f"layers.{layer}", "block"), (f"layers.{layer}.moe.router", "router")]
-        + [(f"layers.{layer}.moe.experts.{e}", "expert") for e in range(4)]
-        + [(f"layers.{layer}.moe", "shared_expert")]
-    )
+
+    def moe(layer):
+        return (
+            [(f"layers.{layer}", "block"), (f"layers.{layer}.moe.router", "router")]
+            + [(f"layers.{layer}.moe.experts.{e}", "expert") for e in range(4)]
+            + [(f"layers.{layer}.moe", "shared_expert")]
+        )
+
     expected = [("tok_embeddings", "embedding"), ("layers.0", "block"), *moe(1), *moe(2), ("head", "head")]
     assert [(op.name, op.kind) for op in ops] == expected
     owned = [name for op in ops for name in op.params]

@@ -158,7 +158,9 @@ def test_whole_job_restart_after_a_real_crash(tmp_path):
     assert m, out
     after = out[m.end() :]
     assert final_line(after) == final_line(reference)
-    assert {s: l for s, l in step_losses(after).items()} == {s: l for s, l in step_losses(reference).items() if s >= 6}
+    assert {s: loss for s, loss in step_losses(after).items()} == {
+        s: loss for s, loss in step_losses(reference).items() if s >= 6
+    }
 
 
 def test_frozen_operators_compute_no_weight_gradient():

@@ -38,7 +38,7 @@ def test_save_resume_gives_identical_continuation(tmp_path):
     first = train("--training.steps", "4", "--training.stop_at", "2", "--checkpoint.save_final", ckpt).stdout
     assert final_line(first)[0] == 2
     resumed = train("--training.steps", "4", "--checkpoint.load", ckpt).stdout
-    assert step_losses(resumed) == {s: l for s, l in step_losses(full).items() if s > 2}
+    assert step_losses(resumed) == {s: loss for s, loss in step_losses(full).items() if s > 2}
     assert final_line(resumed) == final_line(full)
     # Loading with steps equal to the saved step runs nothing and reports the saved state.
     again = train("--training.steps", "2", "--checkpoint.load", ckpt).stdout
