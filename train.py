@@ -15,26 +15,27 @@ import time
 from dataclasses import dataclass
 
 # MKL's GEMMs give the same bits at any thread count, so a replaying rank may use its paused
-# neighbours' cores without breaking bit-exactness (moevement/replay_threads.py). Read at MKL's
+# neighbours' cores without breaking bit-exactness (moevement/recovery/replay_threads.py). Read at MKL's
 # first call; at one thread it costs no measurable time.
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 import torch
 
 from models import count_params
-from moevement.faults import FaultPlan
-from moevement.fetch import RecoveryError
-from moevement.hostmem import HostMemoryError
-from moevement.snapshot import SnapshotError
+from moevement.failures import FaultPlan
+from moevement.recovery.fetch import RecoveryError
+from moevement.storage.host_memory import HostMemoryError
+from moevement.storage.snapshot import SnapshotError
+from moevement.strategy import CheckpointStrategy
 from parallelisms.distributed import device_type, init_distributed, shutdown_distributed
 from parallelisms.mesh import ParallelDims, build_mesh
 from parallelisms.parallelize import ModelParts, parallelize
 from trainer.accounting import RunAccounting
 from trainer.allocator import reuse_freed_host_memory
-from trainer.checkpoint import CheckpointError, check_save_target, load_dense, save_dense
-from trainer.checkpointing import FaultTolerance, build_fault_tolerance
 from trainer.config import Config, ConfigError, check_world_size, fault_plan, load_config
 from trainer.data import DataError, TokenBatches, build_data, make_loader
+from trainer.dense_checkpoint import CheckpointError, check_save_target, load_dense, save_dense
+from trainer.fault_tolerance import build_strategy
 from trainer.identity import IdentityError
 from trainer.metrics import MetricsLogger
 from trainer.optim import build_optimizer
@@ -92,7 +93,9 @@ def exit_on_sigterm(cfg: Config, rank: int, progress: dict) -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def inject_failures(faults: FaultPlan, step: int, rank: int, ft, accounting: RunAccounting, elapsed_s: float) -> int:
+def inject_failures(
+    faults: FaultPlan, step: int, rank: int, ft: CheckpointStrategy, accounting: RunAccounting, elapsed_s: float
+) -> int:
     """Before iteration `step`: crash this process, or fail ranks in place and recover them.
 
     Returns the iteration to run next: `step`, or an interval baseline's rollback target."""
@@ -125,7 +128,7 @@ class Job:
     train_batches: TokenBatches
     val_data: list
     logger: MetricsLogger
-    ft: FaultTolerance | None
+    ft: CheckpointStrategy
     faults: FaultPlan
     progress: dict  # {"step": the iteration running}, for the preemption line
     accounting: RunAccounting | None = None
@@ -171,9 +174,8 @@ def setup(cfg: Config) -> tuple[Job, int, float]:
                 f"checkpoint's step ({step}) in {cfg.checkpoint.load}"
             )
     logger = MetricsLogger(cfg, rank, first_step=step + 1)
-    ft = build_fault_tolerance(cfg, model, optimizer, dims, seeder, train_batches, logger.line)
-    if ft is not None and ft.restart_from is not None:
-        step = ft.recovery.restart(ft.restart_from) - 1  # state_{t0+W} is current: train on from t0+W
+    ft = build_strategy(cfg, model, optimizer, dims, seeder, train_batches, logger.line)
+    step = ft.resume(step)
     val_data = (
         []
         if val_batches is None
@@ -203,16 +205,12 @@ def iteration(job: Job, step: int, inputs: torch.Tensor, labels: torch.Tensor, s
     """Run iteration `step` (snapshot, forward/backward, optimizer step), log it; returns its loss."""
     cfg, ft = job.cfg, job.ft
     job.seeder.begin(step)
-    if ft is not None:
-        ft.begin(step)
+    ft.begin(step)
     result = train_step(job.model, job.optimizer, inputs, labels, step, cfg.training, job.dims)
     tokens, gate_probs = take_expert_load(job.model.view)
     scalars = {"loss": result.loss, "aux_loss": result.aux_loss, "lr": result.lr, "grad_norm": result.grad_norm}
-    if ft is not None:
-        ft.end(
-            step, {**scalars, "clip_coef": result.clip_coef, "loss_scale": 1.0, "skipped": False}, tokens, gate_probs
-        )
-        scalars.update(ft.metrics())
+    ft.end(step, {**scalars, "clip_coef": result.clip_coef, "loss_scale": 1.0, "skipped": False}, tokens, gate_probs)
+    scalars.update(ft.metrics())
     elapsed = time.perf_counter() - started
     job.accounting.iteration(step, elapsed)
     job.logger.step(
@@ -263,11 +261,9 @@ def run(job: Job, step: int, loss: float) -> tuple[int, float]:
 
 def finish(job: Job, step: int, loss: float) -> None:
     """Close the checkpointer, print the accounting and final lines, save a dense checkpoint if asked."""
-    ft, cfg = job.ft, job.cfg
-    metrics = ft.metrics() if ft else {}
-    if ft is not None:
-        ft.checkpointer.close()
-    job.logger.line(job.accounting.line(metrics, ft.moc.lost_tokens if ft and ft.moc else 0.0))
+    cfg = job.cfg
+    totals = job.ft.close()
+    job.logger.line(job.accounting.line(totals, totals.get("lost_tokens", 0.0)))
     state = consolidated_training_state(job.model.view, job.optimizer)
     if state is not None:
         job.logger.line(f"final step={step} loss={loss:.6f} state_digest={state_digest(state)}")

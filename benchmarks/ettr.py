@@ -16,7 +16,7 @@ ETTR = useful time / wall time, where useful time is what the fault-free `none` 
 the same iterations (iterations x T) and wall time is the training loop's; overhead compares mean
 first-execution iteration times with `none`'s; recovery_s is the time lost to failures (recovery
 plus recomputed iterations). `none` cannot recover, so its line is the fault-free reference.
-It writes `<out>/ettr.csv`, `<out>/profile.json` (the measured profile `moevement.simulator
+It writes `<out>/ettr.csv`, `<out>/profile.json` (the measured profile `simulator.ettr
 --profile` reads; the simulator's prediction is printed beside the measurement) and the plots
 `ettr_vs_mtbf.png`, `goodput.png` and `moc_k_pec.png`.
 """
@@ -33,10 +33,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from baselines.intervals import ettr as steady_ettr
 from benchmarks.variants import variant_flags
 from models import count_params
-from moevement.intervals import ettr as steady_ettr
-from moevement.simulator import MeasuredProfile, predict_from_profile
+from simulator.ettr import MeasuredProfile, predict_from_profile
 from trainer.config import load_config
 
 QUIET = [

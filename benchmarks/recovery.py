@@ -15,7 +15,7 @@ replays the same iterations as a pipeline). It prints, from the `recovery ...` l
 A lone stage replays its M micro-batches without pipeline bubbles, so its replay should take
 M/(M+S-1) of the pipeline's. Both modes replay with one thread per rank (`--fault.replay_threads 1`)
 so that the ratio isolates the bubbles; `--fault.replay_threads 0` lets the lone stage also take the
-idle cores of the paused stages (moevement/replay_threads.py). Then, in this process, it counts the
+idle cores of the paused stages (moevement/recovery/replay_threads.py). Then, in this process, it counts the
 forward+backward work of one conversion window (slot i active at iteration t0+i, later slots
 frozen) against an all-active replay:
 
@@ -39,9 +39,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from models import build_model
+from moevement.checkpoint.schedule import generate_schedule, order_operators, slot_size_for
 from moevement.operators import build_registry
-from moevement.replay import set_frozen
-from moevement.schedule import generate_schedule, order_operators, slot_size_for
+from moevement.recovery.replay import set_frozen
 from parallelisms.pipeline import lm_loss
 from trainer.config import load_config
 

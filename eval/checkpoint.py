@@ -1,7 +1,7 @@
 """Load a dense checkpoint written by ``train.py --checkpoint.save_final DIR`` for evaluation.
 
 The directory holds ``model.safetensors`` (every parameter by global name), ``optim.safetensors``
-and ``meta.json`` (format, model shape, step, sha256 of every file; see :mod:`trainer.checkpoint`).
+and ``meta.json`` (format, model shape, step, sha256 of every file; see :mod:`trainer.dense_checkpoint`).
 :func:`load_checkpoint` checks the format (the old pickled DCP format is refused unread), the model
 shape and the sha256 of ``model.safetensors`` before parsing it, builds the whole model on one device
 with :func:`models.build_model` and reads only the model tensors (not the AdamW state) with
@@ -28,7 +28,7 @@ from eval.errors import EvalError
 from models import build_model
 from models.args import ModelArgs
 from models.transformer import Transformer
-from trainer.checkpoint import META, MODEL_FILE, CheckpointError, check_model, load_model, open_meta, verify_files
+from trainer.dense_checkpoint import META, MODEL_FILE, CheckpointError, check_model, load_model, open_meta, verify_files
 from trainer.tokenizer import Tokenizer, build_tokenizer
 
 

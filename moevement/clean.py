@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from moevement.hostmem import HostMemoryError, JobLock, check_private, default_host_dir, remove_tree
+from moevement.storage.host_memory import HostMemoryError, JobLock, check_private, default_host_dir, remove_tree
 
 
 def tree_bytes(path: Path) -> int:

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from baselines.intervals import IntervalPolicy, checkfreq_interval, oracle_interval, periodic_ettr
+from baselines.moc import LostTokens, PartialExpertSelector, moc_selection
 from benchmarks.ettr import main as ettr_main
 from benchmarks.ettr import parse_run, summarize
-from moevement.faults import FaultPlan, FaultSpecError, poisson_events
-from moevement.intervals import IntervalPolicy, checkfreq_interval, oracle_interval, periodic_ettr
-from moevement.moc import LostTokens, PartialExpertSelector, moc_selection
+from moevement.failures import FaultPlan, FaultSpecError, poisson_events
 from moevement.operators import Operator
 from tests.conftest import DEBUG_CONFIG, final_line, run_cli, step_losses
 from trainer.accounting import RunAccounting

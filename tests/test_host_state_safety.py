@@ -147,7 +147,7 @@ def test_unsafe_host_directories_are_refused(tmp_path, case):
 
 
 def test_default_host_dir_is_per_user_and_owner_only():
-    from moevement.hostmem import default_host_dir
+    from moevement.storage.host_memory import default_host_dir
 
     assert default_host_dir().endswith(f"moevement-{os.geteuid()}")
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from moevement.faults import FaultPlan, FaultSpecError, read_trace
+from moevement.failures import FaultPlan, FaultSpecError, read_trace
 from tests.conftest import DEBUG_CONFIG, ROOT, run_cli
 from trainer.config import ConfigError, load_config
 from trainer.corpus import DataConfig, DataError, load_tokens

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from moevement.hostmem import map_bytes, read_header
+from moevement.storage.host_memory import map_bytes, read_header
 from tests.conftest import DEBUG_CONFIG, final_line, run_cli
 
 QUIET = ["--metrics.tensorboard", "false", "--metrics.log_every", "1", "--training.val_every", "0"]

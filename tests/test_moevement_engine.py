@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from models import ModelArgs, build_model
-from moevement.engine import SparseCheckpointer, Topology, persisted_snapshots
-from moevement.hostmem import map_bytes, read_header
-from moevement.persist import read_window, window_dir
-from moevement.snapshot import SnapshotError, SnapshotHeader, read_entries
+from moevement.checkpoint.checkpointer import SparseCheckpointer, Topology, persisted_snapshots
+from moevement.storage.host_memory import map_bytes, read_header
+from moevement.storage.persistence import read_window, window_dir
+from moevement.storage.snapshot import SnapshotError, SnapshotHeader, read_entries
 from parallelisms.pipeline import lm_loss
 from trainer.step import take_expert_load
 
@@ -156,7 +156,7 @@ def test_every_window_is_planned_for_the_shortest_overlap_of_the_one_before(tmp_
     """Algorithm 1 runs at every window boundary on the overlap times measured since the last plan
     (the run's first iteration left out): the window size follows them, and windows of changing
     size still reassemble the exact state and persist."""
-    import moevement.engine as engine_module
+    import moevement.checkpoint.checkpointer as engine_module
 
     plans = []  # (iteration_s, W) of every plan
     real = engine_module.find_window_size
@@ -283,7 +283,7 @@ def test_shared_memory_snapshots_survive_the_death_of_their_process(tmp_path):
 
 def _reference_checksum(raw: bytes) -> str:
     """The checksum's definition in plain Python integers (mod 2**64): zero-padded blocks of 8-byte words."""
-    from moevement.snapshot import BLOCK, MASK
+    from moevement.storage.snapshot import BLOCK, MASK
 
     n = len(raw)
     raw += bytes(-n % BLOCK)
@@ -297,7 +297,7 @@ def _reference_checksum(raw: bytes) -> str:
 def test_vectorised_snapshot_checksums_match_the_definition():
     """copy_entries checksums all entries in one pass (prefix sums, wrapping int64); every entry's
     checksum equals the definition computed entry by entry, whatever the stale padding held."""
-    from moevement.snapshot import BLOCK, Entry, Throttle, copy_entries
+    from moevement.storage.snapshot import BLOCK, Entry, Throttle, copy_entries
 
     g = torch.Generator().manual_seed(0)
     sources = [torch.randn(n, generator=g) * 1e30 for n in (1, 300, 0, 1000, 7, 4096)] + [torch.tensor(5.0)]
@@ -318,7 +318,7 @@ def test_vectorised_snapshot_checksums_match_the_definition():
 
 
 def test_checksum_detects_flips_moved_blocks_and_length():
-    from moevement.snapshot import checksum
+    from moevement.storage.snapshot import checksum
 
     raw = torch.randint(0, 256, (3 * 4096 + 5,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     base = checksum(raw)

@@ -8,9 +8,8 @@ import torch
 from torch import nn
 
 from models import ModelArgs, build_model
-from moevement.operators import build_registry
-from moevement.popularity import PopularityTracker, changed_fraction
-from moevement.schedule import (
+from moevement.checkpoint.popularity import PopularityTracker, changed_fraction
+from moevement.checkpoint.schedule import (
     WindowPlan,
     byte_slots,
     byte_window_size,
@@ -20,6 +19,7 @@ from moevement.schedule import (
     slot_size_for,
     snapshot_sizes,
 )
+from moevement.operators import build_registry
 
 L1, L2 = "layers.1.moe", "layers.2.moe"
 

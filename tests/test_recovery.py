@@ -17,8 +17,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from models import ModelArgs, build_model
 from moevement.operators import build_registry
-from moevement.replay import set_frozen
-from moevement.replay_threads import intra_op_threads, replay_threads
+from moevement.recovery.replay import set_frozen
+from moevement.recovery.replay_threads import intra_op_threads, replay_threads
 from parallelisms.pipeline import lm_loss
 from tests.conftest import DEBUG_CONFIG, final_line, run_cli, step_losses
 
@@ -98,7 +98,7 @@ def test_pp2_dp2_ep2_bf16_clipped_one_failure(tmp_path):
     reference = baseline(PP2_DP2_EP2_BF16, 4)
     assert re.search(r"^step=8 .*grad_norm=(\S+)", reference, re.M)  # clipping is active: norm > 0.5
     # slots cut by bytes: uneven operator counts per slot, the same exactness; replay with more threads
-    # than training (3 against 1): the same bits (MKL_CBWR strict mode, moevement/replay_threads.py)
+    # than training (3 against 1): the same bits (MKL_CBWR strict mode, moevement/recovery/replay_threads.py)
     out = fault_run(
         tmp_path, PP2_DP2_EP2_BF16, 4, "--fault.at", "8:1", "--checkpoint.slots", "bytes", "--fault.replay_threads", "3"
     )

@@ -1,4 +1,4 @@
-"""Snapshot replication between ranks of one node (moevement.replication), in real processes over gloo."""
+"""Snapshot replication between ranks of one node (moevement.storage.replication), in real processes over gloo."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moevement.engine import local_buffer
-from moevement.hostmem import HostBuffer, encode_json
-from moevement.replication import Outgoing, ReplicaStore, Replicator
+from moevement.checkpoint.checkpointer import local_buffer
+from moevement.storage.host_memory import HostBuffer, encode_json
+from moevement.storage.replication import Outgoing, ReplicaStore, Replicator
 
 NBYTES = 4096
 

@@ -1,12 +1,12 @@
-"""ETTR simulator (moevement.simulator): formulas on hand-computed cases, interval policies, CLI."""
+"""ETTR simulator (simulator.ettr): formulas on hand-computed cases, interval policies, CLI."""
 
 import json
 import math
 
 import pytest
 
-from moevement.intervals import checkfreq_interval, checkfreq_overhead, ettr, oracle_interval, periodic_ettr
-from moevement.simulator import (
+from baselines.intervals import checkfreq_interval, checkfreq_overhead, ettr, oracle_interval, periodic_ettr
+from simulator.ettr import (
     PRESETS,
     Hardware,
     Layout,

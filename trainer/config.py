@@ -15,9 +15,9 @@ from pathlib import Path
 import tomli
 
 from models.args import ModelArgs
-from moevement.background import PRIORITIES
-from moevement.faults import FaultPlan, FaultSpecError
-from moevement.popularity import POLICIES
+from moevement.checkpoint.popularity import POLICIES
+from moevement.failures import FaultPlan, FaultSpecError
+from moevement.storage.background import PRIORITIES
 from parallelisms.mesh import SCHEDULES, ParallelismConfig
 from trainer.data import DataConfig
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from moevement.background import enter_background
-from moevement.hostmem import (
+from moevement.storage.background import enter_background
+from moevement.storage.host_memory import (
     HostMemoryError,
     check_private,
     make_private_dir,
@@ -28,7 +28,7 @@ from moevement.hostmem import (
     remove_tree,
     write_json_atomic,
 )
-from moevement.snapshot import SnapshotError, SnapshotHeader, read_entries
+from moevement.storage.snapshot import SnapshotError, SnapshotHeader, read_entries
 
 KEEP = 2  # newest windows kept per rank
 

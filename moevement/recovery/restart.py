@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from moevement.hostmem import HostMemoryError, map_bytes, read_header, remove_tree
-from moevement.persist import read_window
-from moevement.snapshot import SnapshotError, SnapshotHeader, read_entries
+from moevement.storage.host_memory import HostMemoryError, map_bytes, read_header, remove_tree
+from moevement.storage.persistence import read_window
+from moevement.storage.snapshot import SnapshotError, SnapshotHeader, read_entries
 
 Loaded = list[tuple[SnapshotHeader, dict]]  # (header, {(role, name): tensor}) per slot, in slot order
 CheckHeader = Callable[[SnapshotHeader, str], None]  # raises when a snapshot belongs to another run

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from moevement.hostmem import HostBuffer
-from moevement.snapshot import Throttle
+from moevement.storage.host_memory import HostBuffer
+from moevement.storage.snapshot import Throttle
 
 PROBE_BYTES = 32 << 20
 

@@ -25,27 +25,14 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from moevement.background import enter_background
-from moevement.hostmem import (
-    HostBuffer,
-    HostMemoryError,
-    encode_json,
-    make_private_dir,
-    make_private_dirs,
-    read_header,
-    write_json_atomic,
-)
-from moevement.intervals import IntervalPolicy
-from moevement.operators import Operator, build_registry
-from moevement.persist import DiskWriter
-from moevement.popularity import PopularityTracker
-from moevement.profiler import Profile
-from moevement.replication import Outgoing, ReplicaStore, Replicator, peer_map
-from moevement.schedule import (
+from moevement.checkpoint.popularity import PopularityTracker
+from moevement.checkpoint.profiler import Profile
+from moevement.checkpoint.schedule import (
     WindowPlan,
     byte_slots,
     byte_window_size,
@@ -54,7 +41,32 @@ from moevement.schedule import (
     order_operators,
     slot_size_for,
 )
-from moevement.snapshot import SnapshotHeader, copy_entries, layout
+from moevement.operators import Operator, build_registry
+from moevement.storage.background import enter_background
+from moevement.storage.host_memory import (
+    HostBuffer,
+    HostMemoryError,
+    encode_json,
+    make_private_dir,
+    make_private_dirs,
+    read_header,
+    write_json_atomic,
+)
+from moevement.storage.persistence import DiskWriter
+from moevement.storage.replication import Outgoing, ReplicaStore, Replicator, peer_map
+from moevement.storage.snapshot import SnapshotHeader, copy_entries, layout
+
+
+class SnapshotPolicy(Protocol):
+    """When an interval strategy snapshots, and what (implemented by `baselines.intervals.IntervalPolicy`)."""
+
+    interval: int
+
+    def due(self, iteration: int) -> bool: ...
+    def select(self) -> list[str]: ...
+    def choose(self, snapshot_bytes: float, bandwidth: float, overlap_s: float) -> int: ...
+    def scheduled(self, iteration: int, interval: int) -> None: ...
+    def observe_stall(self, seconds: float) -> None: ...
 
 
 @dataclass
@@ -88,7 +100,7 @@ class SparseCheckpointer:
     `rank_dirs(r)` is where rank r keeps its host state: replicas of ranks on this node are then
     copied from their shared memory.
 
-    With an `IntervalPolicy` (the gemini, checkfreq and moc baselines) a snapshot is taken only at
+    With a `SnapshotPolicy` (the gemini, checkfreq and moc baselines) a snapshot is taken only at
     the policy's checkpoint iterations, as a window of W = 1 holding the FP32 state of the
     operators the policy selects (all of them, or MoC's partial set), and no compute weights.
     """
@@ -104,7 +116,7 @@ class SparseCheckpointer:
         rank_dir: Path,
         topology: Topology,
         job_meta: dict | None = None,
-        policy: IntervalPolicy | None = None,
+        policy: SnapshotPolicy | None = None,
         disk_keep: int = 2,
         rank_dirs: Callable[[int], Path] | None = None,
     ):
@@ -261,7 +273,7 @@ class SparseCheckpointer:
         """First iteration of the newest persisted checkpoint (1: none yet, roll back to the initial state)."""
         return self.persisted_window[0] if self.persisted_window else 1
 
-    # ---- recovery support (moevement.recovery) ----------------------------------------------------
+    # ---- recovery support (moevement.recovery.localized) ----------------------------------------------------
 
     def abort_window(self) -> None:
         """Recovery starts: finish replication, then drop the in-flight window on every rank.

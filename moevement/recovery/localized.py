@@ -13,7 +13,7 @@ at iteration boundaries; injected ones are known to all ranks):
   4. Every rank of the failed stages converts (replays t0..t0+W-1, activating slot i at t0+i)
      and catches up (replays t0+W..T-1): at most 2W iterations (convert, catchup). Healthy stages
      only serve logs and wait, so the replaying ranks take over their idle cores
-     (`moevement.replay_threads`: same bits at any thread count).
+     (`moevement.recovery.replay_threads`: same bits at any thread count).
 A second failure during a recovery (a later event of the same iteration) fires after the first
 replayed iteration, widens the failed set and restarts the joint recovery.
 """
@@ -27,15 +27,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from moevement.engine import SparseCheckpointer
-from moevement.faults import FaultEvent
-from moevement.fetch import RecoveryError, fetch_from_replicas, persisted_header
+from moevement.checkpoint.checkpointer import SparseCheckpointer
+from moevement.failures import FaultEvent
 from moevement.operators import Operator
-from moevement.replay import load_compute, load_master, reset_to_initial, set_frozen, wipe_operators
-from moevement.replay_threads import intra_op_threads, replay_threads
-from moevement.restart import Found
-from moevement.snapshot import SnapshotHeader, read_entries
-from moevement.upstream_log import UpstreamLog
+from moevement.recovery.fetch import RecoveryError, fetch_from_replicas, persisted_header
+from moevement.recovery.replay import load_compute, load_master, reset_to_initial, set_frozen, wipe_operators
+from moevement.recovery.replay_threads import intra_op_threads, replay_threads
+from moevement.recovery.restart import Found
+from moevement.recovery.upstream_log import UpstreamLog
+from moevement.storage.snapshot import SnapshotHeader, read_entries
 
 DTYPE_CODES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -92,7 +92,7 @@ class Recovery:
     ):
         self.ck, self.log, self.optimizer, self.layout = checkpointer, log, optimizer, layout
         self.global_rollback = global_rollback  # every stage rolls back and replays (the baseline to compare with)
-        self.threads = threads  # intra-op threads of a replaying rank (0: auto, see moevement.replay_threads)
+        self.threads = threads  # intra-op threads of a replaying rank (0: auto, see moevement.recovery.replay_threads)
         self.training_threads = torch.get_num_threads()
         self.n_stages, self.micro, self.hooks = n_stages, micro_batches, hooks
         self.me, self.world = dist.get_rank(), dist.get_world_size()
@@ -246,7 +246,7 @@ class Recovery:
         return True
 
     def _replay_threads(self, scope: set[int]) -> int:
-        """Threads for this rank's replay of `scope`: the idle cores of its node (moevement.replay_threads)."""
+        """Threads for this rank's replay of `scope`: the idle cores of its node (moevement.recovery.replay_threads)."""
         replaying = [r for r, p in enumerate(self.layout.pp_of) if set(self.layout.stages_of_pp[p]) & scope]
         return replay_threads(
             replaying, self.ck.topology.node_of, self.me, self.threads, self.training_threads, self.ck.device

@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moevement.background import enter_background
-from moevement.hostmem import HostBuffer, make_private_dir, map_bytes
+from moevement.storage.background import enter_background
+from moevement.storage.host_memory import HostBuffer, make_private_dir, map_bytes
 
 
 def choose_peers(rank: int, world: int, replicas: int, stage_of: list[int], node_of: list[int]) -> list[int]:

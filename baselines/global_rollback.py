@@ -24,13 +24,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from moevement.engine import SparseCheckpointer
-from moevement.faults import FaultEvent
-from moevement.fetch import fetch_from_replicas, persisted_header
-from moevement.moc import LostTokens, PartialExpertSelector
-from moevement.persist import read_window
-from moevement.replay import load_master, reset_to_initial, wipe_operators
-from moevement.snapshot import SnapshotHeader, read_entries
+from baselines.moc import LostTokens, PartialExpertSelector
+from moevement.checkpoint.checkpointer import SparseCheckpointer
+from moevement.failures import FaultEvent
+from moevement.recovery.fetch import fetch_from_replicas, persisted_header
+from moevement.recovery.replay import load_master, reset_to_initial, wipe_operators
+from moevement.storage.persistence import read_window
+from moevement.storage.snapshot import SnapshotHeader, read_entries
 
 
 @dataclass

@@ -13,9 +13,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from moevement.engine import SparseCheckpointer
-from moevement.hostmem import HostBuffer, read_header
-from moevement.snapshot import SnapshotError, SnapshotHeader, verify_entries
+from moevement.checkpoint.checkpointer import SparseCheckpointer
+from moevement.storage.host_memory import HostBuffer, read_header
+from moevement.storage.snapshot import SnapshotError, SnapshotHeader, verify_entries
 
 
 class RecoveryError(RuntimeError):

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from moevement.operators import Operator, local_tensor
-from moevement.upstream_log import UpstreamLog
+from moevement.recovery.upstream_log import UpstreamLog
 
 
 def set_frozen(ops: list[Operator], frozen: bool) -> None:

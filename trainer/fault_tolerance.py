@@ -1,8 +1,9 @@
-"""Build the fault-tolerance pieces the config asks for, wired to this rank's model and layout.
+"""Build the checkpoint strategy the config asks for, wired to this rank's model, layout and data.
 
-`moevement`: the sparse checkpointer, the upstream log (pipeline boundaries) and localized recovery.
-`gemini`, `checkfreq`, `moc`: the same snapshot engine driven by an interval policy (dense or
-partial checkpoints, W = 1) and the global rollback of `moevement.rollback`.
+`none`: nothing. `moevement`: the sparse checkpointer, the upstream log (pipeline boundaries) and
+localized recovery (`moevement.strategy.MoEvement`). `gemini`, `checkfreq`, `moc`: the same snapshot
+machinery driven by an interval policy (dense or partial checkpoints, W = 1) and a global rollback
+(`baselines.strategy.IntervalBaseline`). The training loop sees only `CheckpointStrategy`.
 """
 
 from __future__ import annotations
@@ -10,22 +11,22 @@ from __future__ import annotations
 import dataclasses
 import math
 import socket
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
 
-from moevement.engine import SparseCheckpointer, Topology
-from moevement.faults import FaultEvent
-from moevement.hostmem import JobLock, default_host_dir, make_private_dirs, remove_tree
-from moevement.intervals import IntervalPolicy
-from moevement.moc import LostTokens, PartialExpertSelector, expert_counts
+from baselines.global_rollback import GlobalRollback, MocState
+from baselines.intervals import IntervalPolicy
+from baselines.moc import LostTokens, PartialExpertSelector
+from baselines.strategy import IntervalBaseline
+from moevement.checkpoint.checkpointer import SparseCheckpointer, Topology
 from moevement.operators import build_registry
-from moevement.recovery import Layout, Recovery, TrainerHooks
-from moevement.replay import PipelineReplay, StageRef
-from moevement.restart import Found, find_restart_checkpoint, snapshot_identity_check
-from moevement.rollback import GlobalRollback, MocState
-from moevement.upstream_log import UpstreamLog
+from moevement.recovery.localized import Layout, Recovery, TrainerHooks
+from moevement.recovery.replay import PipelineReplay, StageRef
+from moevement.recovery.restart import find_restart_checkpoint, snapshot_identity_check
+from moevement.recovery.upstream_log import UpstreamLog
+from moevement.storage.host_memory import JobLock, default_host_dir, make_private_dirs, remove_tree
+from moevement.strategy import CheckpointStrategy, MoEvement, NoCheckpointing
 from parallelisms.fsdp import DTYPES
 from parallelisms.mesh import ParallelDims
 from parallelisms.parallelize import ModelParts, initial_parameters
@@ -33,44 +34,6 @@ from parallelisms.pipeline import lm_loss, local_stage_ids
 from trainer.config import Config
 from trainer.identity import RunIdentity
 from trainer.step import DropoutSeeder, forward_backward, replay_update
-
-
-@dataclass
-class FaultTolerance:
-    """The checkpoint strategy's pieces on this rank."""
-
-    checkpointer: SparseCheckpointer
-    log: UpstreamLog | None  # pipeline boundaries only (moevement, pp > 1)
-    recovery: Recovery | GlobalRollback
-    restart_from: Found | None = None  # a whole-job restart found this persisted checkpoint to convert
-    moc: MocState | None = None
-    lock: JobLock | None = None  # held for the process's lifetime: a second live run of the job is refused
-
-    def recover(self, step: int, events: list[FaultEvent]) -> int:
-        """Failures at the start of iteration `step`: recover; returns the iteration training goes on with
-        (`step` after MoEvement's in-place recovery, the rollback target after a baseline's)."""
-        if isinstance(self.recovery, GlobalRollback):
-            return self.recovery.recover(step, events)
-        self.recovery.recover(step, events)
-        return step
-
-    def begin(self, step: int) -> None:
-        if self.log is not None:
-            self.log.collect_garbage(self.checkpointer.rollback_point())
-            self.log.begin(step)
-        self.checkpointer.begin(step)
-
-    def end(self, step: int, scalars: dict[str, float], tokens, gate_probs) -> None:
-        """Iteration `step` is done: its scalar log (what a replay needs) goes into its snapshot."""
-        self.checkpointer.end(step, scalars, tokens, gate_probs)
-        if self.moc is not None:
-            self.moc.lost.observe(step, expert_counts(tokens, self.moc.experts))
-
-    def metrics(self) -> dict[str, float]:
-        out = {**self.checkpointer.metrics(), "log_mb": self.log.nbytes() / 1e6 if self.log else 0.0}
-        if self.moc is not None:
-            out.update(k_pec=self.moc.selector.k, plt=self.moc.plt)
-        return out
 
 
 def gather_layout(dims: ParallelDims) -> tuple[Topology, Layout]:
@@ -120,16 +83,16 @@ def claim_host_state(cfg: Config, rank: int) -> JobLock:
     return JobLock(job_dir / f"rank{rank:05d}.lock")
 
 
-def build_fault_tolerance(
+def build_strategy(
     cfg: Config, model: ModelParts, optimizer, dims: ParallelDims, seeder: DropoutSeeder, train_batches, line
-) -> FaultTolerance | None:
-    """The pieces of `checkpoint.strategy` on this rank (collective over all ranks); None for `none`.
+) -> CheckpointStrategy:
+    """`checkpoint.strategy` on this rank (collective over all ranks).
 
     MoEvement first looks for a persisted sparse checkpoint of this job to restart from (a torchrun
     restart, or a relaunch of the same job); whatever else the rank's host directory holds is removed."""
     strategy = cfg.checkpoint.strategy
     if strategy == "none":
-        return None
+        return NoCheckpointing()
     lock = claim_host_state(cfg, dist.get_rank() if dist.is_initialized() else 0)
     topo, layout = gather_layout(dims)
     rank_dir = host_rank_dir(cfg, topo.rank)
@@ -151,9 +114,7 @@ def build_fault_tolerance(
     remove_tree(rank_dir)  # loaded, or of no use to any restart
     compute_dtype = DTYPES[cfg.training.mixed_precision]
     if strategy != "moevement":
-        ft = _interval_baseline(cfg, model, optimizer, dims, topo, rank_dir, job_meta, compute_dtype, line)
-        ft.lock = lock
-        return ft
+        return _interval_baseline(cfg, model, optimizer, dims, topo, rank_dir, job_meta, compute_dtype, line, lock)
     ck_cfg = dataclasses.replace(cfg.checkpoint, persist_dir=str(disk or ""))
     checkpointer = SparseCheckpointer(
         ck_cfg,
@@ -179,7 +140,7 @@ def build_fault_tolerance(
         global_rollback=cfg.fault.scope == "global",
         threads=cfg.fault.replay_threads,
     )
-    return FaultTolerance(checkpointer, log, recovery, found, lock=lock)
+    return MoEvement(checkpointer, log, recovery, found, lock)
 
 
 def _interval_baseline(
@@ -192,7 +153,8 @@ def _interval_baseline(
     job_meta: dict,
     compute_dtype,
     line,
-) -> FaultTolerance:
+    lock: JobLock,
+) -> IntervalBaseline:
     """gemini (dense, host memory, replicated), checkfreq (dense, persisted to disk), moc (partial, disk)."""
     strategy, ck_cfg, m = cfg.checkpoint.strategy, cfg.checkpoint, cfg.model
     ops = build_registry(model.view)
@@ -241,7 +203,7 @@ def _interval_baseline(
         line,
         moc,
     )
-    return FaultTolerance(checkpointer, None, rollback, moc=moc)
+    return IntervalBaseline(checkpointer, rollback, moc, lock)
 
 
 def _trainer_hooks(

@@ -9,7 +9,7 @@ that overlap is a stall of the optimizer step: `cost = max(0, bytes / bandwidth 
   oracle   Gemini with a known MTBF (`fault.mtbf_iters = M`, i.e. M T seconds): the k maximising
            `ETTR(k) = 1 / (1 + cost / (k T)) * max(0, 1 - (k / 2 + 1) T / (M T))`: checkpoint
            overhead against the iterations a failure loses on average (Young/Daly, in integers).
-The ETTR formulas here are shared with `moevement.simulator`.
+The ETTR formulas here are shared with `simulator.ettr`.
 `auto` is the strategy's own policy: oracle for gemini when the MTBF is known, else capped.
 """
 

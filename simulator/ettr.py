@@ -1,7 +1,7 @@
 """ETTR simulator: checkpointing strategies under failures at scale (the paper's Appendix C study).
 
-    python -m moevement.simulator --preset 671B-16384 --mtbf-min 10 [--strategies ...] [--json]
-    python -m moevement.simulator --list | --profile profile.json
+    python -m simulator.ettr --preset 671B-16384 --mtbf-min 10 [--strategies ...] [--json]
+    python -m simulator.ettr --list | --profile profile.json
 
 Appendix C's text was not at hand; this is a first-principles model with these assumptions.
 
@@ -25,7 +25,7 @@ average) and pay `restart_s`; a checkpoint of state_t is usable once iteration t
   disk persist outlasts k iterations, loads from disk, and its newest checkpoint is durable only
   `persist` s later (that much more lost). moc: every iteration, all non-expert state + K_pec
   experts per MoE layer (round robin; PLT = lost expert updates / all updates).
-- moevement, window W from Algorithm 1 (`moevement.schedule.find_window_size`): the failed stage's
+- moevement, window W from Algorithm 1 (`moevement.checkpoint.schedule.find_window_size`): the failed stage's
   data-parallel group fetches the W snapshots and replays W conversion + (W - 1) / 2 catch-up
   iterations on average (catch-up is uniform on 0..W-1), each M (t_f + t_b) + t_dp (one stage, no
   bubble); during conversion (W - 1) / (2W) of the work is frozen on average and skips its weight
@@ -47,8 +47,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from moevement.intervals import checkfreq_interval, checkfreq_overhead, ettr, oracle_interval
-from moevement.schedule import find_window_size, snapshot_sizes
+from baselines.intervals import checkfreq_interval, checkfreq_overhead, ettr, oracle_interval
+from moevement.checkpoint.schedule import find_window_size, snapshot_sizes
 
 STRATEGIES = ("none", "moevement", "gemini", "checkfreq", "moc")
 FP32_STATE_BYTES, COMPUTE_BYTES, GRAD_BYTES, ACT_BYTES = 12, 2, 2, 2
@@ -420,7 +420,7 @@ def _fail(message: str) -> None:
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m moevement.simulator", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m simulator.ettr", description=__doc__.split("\n")[0])
     ap.add_argument("--preset", help="scaling-run preset (see --list)")
     ap.add_argument("--mtbf-min", type=float, help="mean time between failures, minutes (inf: none)")
     ap.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated subset")

@@ -1,0 +1,111 @@
+"""The one interface the training loop talks to, and MoEvement's implementation of it.
+
+Per run, the loop calls `resume` once after building the model, then per iteration t: `recover(t, ...)`
+when failures strike before t, `begin(t)` before the forward pass, `end(t, ...)` after the optimizer
+step, `metrics()` for the step line; at the end `close()`. Every checkpoint strategy (`none`, MoEvement,
+and the baselines in `baselines/`) implements `CheckpointStrategy`; nothing else of a strategy is reached
+from the loop.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from moevement.checkpoint.checkpointer import SparseCheckpointer
+from moevement.failures import FaultEvent
+from moevement.recovery.localized import Recovery
+from moevement.recovery.restart import Found
+from moevement.recovery.upstream_log import UpstreamLog
+from moevement.storage.host_memory import JobLock
+
+
+class CheckpointStrategy(Protocol):
+    def resume(self, step: int) -> int:
+        """`state_{step+1}` is loaded (`step` = 0, or a dense checkpoint's step); returns the last iteration
+        done once any whole-job restart has converted its sparse checkpoint (training goes on after it)."""
+        ...
+
+    def begin(self, step: int) -> None:
+        """Iteration `step` starts (its snapshot, if any, is of `state_step`)."""
+        ...
+
+    def end(self, step: int, scalars: dict[str, float], tokens: dict, gate_probs: dict) -> None:
+        """Iteration `step` is done; `scalars` (lr, clip coefficient, ...) are what a replay of it needs."""
+        ...
+
+    def recover(self, step: int, failures: list[FaultEvent]) -> int:
+        """`failures` strike before iteration `step`; returns the iteration training goes on with."""
+        ...
+
+    def metrics(self) -> dict[str, float]:
+        """Columns of the step line (`ckpt_mb`, `stall_ms`, `host_mb`, ...)."""
+        ...
+
+    def close(self) -> dict[str, float]:
+        """Drain background work and release host state; returns the run's totals for the accounting line."""
+        ...
+
+
+class NoCheckpointing:
+    """`checkpoint.strategy = "none"`: the fault-free reference (the config refuses failures with it)."""
+
+    def resume(self, step: int) -> int:
+        return step
+
+    def begin(self, step: int) -> None:
+        pass
+
+    def end(self, step: int, scalars: dict[str, float], tokens: dict, gate_probs: dict) -> None:
+        pass
+
+    def recover(self, step: int, failures: list[FaultEvent]) -> int:
+        raise RuntimeError("checkpoint.strategy 'none' cannot recover from a failure")
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+    def close(self) -> dict[str, float]:
+        return {}
+
+
+class MoEvement:
+    """Sparse checkpointing, upstream logs at pipeline boundaries, localized recovery (docs/design.md)."""
+
+    def __init__(
+        self,
+        checkpointer: SparseCheckpointer,
+        log: UpstreamLog | None,
+        recovery: Recovery,
+        found: Found | None,
+        lock: JobLock,
+    ):
+        self.checkpointer, self.log, self.recovery = checkpointer, log, recovery
+        self.found = found  # a persisted sparse checkpoint of this job to restart from (a relaunch or a restart)
+        self.lock = lock  # held for the process's lifetime: a second live run of the job is refused
+
+    def resume(self, step: int) -> int:
+        if self.found is None:
+            return step
+        found, self.found = self.found, None
+        return self.recovery.restart(found) - 1  # state_{t0+W} is current: train on from t0+W
+
+    def begin(self, step: int) -> None:
+        if self.log is not None:
+            self.log.collect_garbage(self.checkpointer.rollback_point())
+            self.log.begin(step)
+        self.checkpointer.begin(step)
+
+    def end(self, step: int, scalars: dict[str, float], tokens: dict, gate_probs: dict) -> None:
+        self.checkpointer.end(step, scalars, tokens, gate_probs)
+
+    def recover(self, step: int, failures: list[FaultEvent]) -> int:
+        self.recovery.recover(step, failures)
+        return step  # the failed stages caught up in place: iteration `step` runs next on every rank
+
+    def metrics(self) -> dict[str, float]:
+        return {**self.checkpointer.metrics(), "log_mb": self.log.nbytes() / 1e6 if self.log else 0.0}
+
+    def close(self) -> dict[str, float]:
+        totals = self.metrics()
+        self.checkpointer.close()
+        return totals

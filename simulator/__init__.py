@@ -1,0 +1,1 @@
+"""ETTR of checkpointing strategies under failures at cluster scale (`python -m simulator.ettr`)."""
