@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from baselines.intervals import IntervalPolicy
 from baselines.moc import LostTokens, PartialExpertSelector
 from moevement.checkpoint.checkpointer import SparseCheckpointer
 from moevement.failures import FaultEvent
@@ -51,13 +52,16 @@ class GlobalRollback:
         self,
         strategy: str,
         checkpointer: SparseCheckpointer,
+        policy: IntervalPolicy,
+        persist_dir: Path | None,
         optimizer,
         n_stages: int,
         initial_parameters: Callable[[], dict],
         line: Callable[[str], None],
         moc: MocState | None = None,
     ):
-        self.strategy, self.ck, self.optimizer, self.n_stages = strategy, checkpointer, optimizer, n_stages
+        self.strategy, self.ck, self.policy, self.persist_dir = strategy, checkpointer, policy, persist_dir
+        self.optimizer, self.n_stages = optimizer, n_stages
         self.initial_parameters, self.line, self.moc = initial_parameters, line, moc
         self.me, self.world = dist.get_rank(), dist.get_world_size()
         self.from_disk = strategy in ("checkfreq", "moc")
@@ -67,8 +71,7 @@ class GlobalRollback:
         started = time.perf_counter()
         failed = set().union(*(e.ranks for e in events))
         self.ck.abort_window()
-        if self.ck.disk is not None:
-            self.ck.disk.close()  # every write that was going to land has landed
+        self.ck.flush_disk()  # every write that was going to land has landed
         if self.me in failed:
             wipe_operators(self.ck.ops, self.optimizer)
             self.ck.wipe()
@@ -76,8 +79,7 @@ class GlobalRollback:
         fetched = time.perf_counter() - started
         saved_at = self._restore(saves)
         lost = self._account_lost_tokens(rollback_to, saved_at) if self.moc else ""
-        if self.ck.policy is not None:
-            self.ck.policy.rolled_back(rollback_to)
+        self.policy.rolled_back(rollback_to)
         sources: list = [None] * self.world
         dist.all_gather_object(sources, source)
         source = "; ".join(f"rank{r}: {sources[r]}" for r in sorted(failed))
@@ -93,7 +95,7 @@ class GlobalRollback:
 
     def _memory_saves(self, failed: set[int]) -> tuple[int, list, str]:
         """Gemini: the newest replicated dense checkpoint in host memory (failed ranks fetch theirs)."""
-        if self.ck.persisted_window is None:
+        if self.ck.persisted.window is None:
             return 1, [], "none (initial state)"
         sources = fetch_from_replicas(self.ck, failed, 1)
         buf = self.ck.persisted_buffer(0)
@@ -106,7 +108,7 @@ class GlobalRollback:
 
     def _disk_saves(self) -> tuple[int, list, str]:
         """CheckFreq and MoC: the newest checkpoint on disk that every rank completed, and older ones (newest first)."""
-        root = Path(self.ck.cfg.persist_dir)
+        root = self.persist_dir
         mine = {int(d.parent.name.removeprefix("window-")): d for d in root.glob(f"window-*/rank{self.me:05d}")}
         gathered: list = [None] * self.world
         dist.all_gather_object(gathered, sorted(mine))

@@ -125,7 +125,7 @@ def test_copy_thread_gives_way_to_compute(tmp_path, priority, policy):
         rank_dir=tmp_path,
         topology=Topology.single(),
     )
-    seen = engine.copier.submit(lambda: (os.sched_getscheduler(0), torch.get_num_threads())).result()
+    seen = engine.buffers.submit(lambda: (os.sched_getscheduler(0), torch.get_num_threads())).result()
     engine.close()
     assert seen == (getattr(os, policy), 1)
     assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the training thread keeps its priority
@@ -156,7 +156,7 @@ def test_every_window_is_planned_for_the_shortest_overlap_of_the_one_before(tmp_
     """Algorithm 1 runs at every window boundary on the overlap times measured since the last plan
     (the run's first iteration left out): the window size follows them, and windows of changing
     size still reassemble the exact state and persist."""
-    import moevement.checkpoint.checkpointer as engine_module
+    import moevement.checkpoint.planner as engine_module
 
     plans = []  # (iteration_s, W) of every plan
     real = engine_module.find_window_size
@@ -176,7 +176,9 @@ def test_every_window_is_planned_for_the_shortest_overlap_of_the_one_before(tmp_
         iteration = iter(range(1, 100))
         # iteration 1: shortest of all, but warm-up; 2: the whole state fits (W = 1); later: about half
         scripted = {1: full_s / 100, 2: full_s * 1.01, 3: full_s / 1.9, 4: full_s / 2}
-        engine.profile.record = lambda _seconds: engine.profile.times.append(scripted.get(next(iteration), full_s / 2))
+        engine.planner.profile.record = lambda _seconds: engine.planner.profile.times.append(
+            scripted.get(next(iteration), full_s / 2)
+        )
 
     seen: dict[int, list] = {}  # window start -> its snapshots' headers
 

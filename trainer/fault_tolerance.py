@@ -21,7 +21,9 @@ from baselines.moc import LostTokens, PartialExpertSelector
 from baselines.strategy import IntervalBaseline
 from moevement.checkpoint.checkpointer import SparseCheckpointer, Topology
 from moevement.operators import build_registry
-from moevement.recovery.localized import Layout, Recovery, TrainerHooks
+from moevement.recovery.conversion import Conversion, TrainerHooks
+from moevement.recovery.localized import Recovery
+from moevement.recovery.rank_layout import RankLayout
 from moevement.recovery.replay import PipelineReplay, StageRef
 from moevement.recovery.restart import find_restart_checkpoint, snapshot_identity_check
 from moevement.recovery.upstream_log import UpstreamLog
@@ -36,20 +38,17 @@ from trainer.identity import RunIdentity
 from trainer.step import DropoutSeeder, forward_backward, replay_update
 
 
-def gather_layout(dims: ParallelDims) -> tuple[Topology, Layout]:
+def gather_layout(dims: ParallelDims) -> tuple[Topology, RankLayout]:
     """Every rank's pipeline rank, data-parallel rank and node (collective over all ranks)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return Topology.single(), Layout([0], [0], [local_stage_ids(dims.cfg, 0)])
+        return Topology.single(), RankLayout([0], [0], [0], [local_stage_ids(dims.cfg, 0)])
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (dims.pp_rank, dims.dp_rank, socket.gethostname()))
     hosts = list(dict.fromkeys(host for _, _, host in gathered))
-    topology = Topology(
-        dist.get_rank(), len(gathered), [p for p, _, _ in gathered], [hosts.index(h) for _, _, h in gathered]
-    )
-    layout = Layout(
-        [p for p, _, _ in gathered],
-        [d for _, d, _ in gathered],
-        [local_stage_ids(dims.cfg, p) for p in range(dims.cfg.pp)],
+    pp_of, node_of = [p for p, _, _ in gathered], [hosts.index(h) for _, _, h in gathered]
+    topology = Topology(dist.get_rank(), len(gathered), pp_of, node_of)
+    layout = RankLayout(
+        pp_of, [d for _, d, _ in gathered], node_of, [local_stage_ids(dims.cfg, p) for p in range(dims.cfg.pp)]
     )
     return topology, layout
 
@@ -129,16 +128,15 @@ def build_strategy(
     )
     log = UpstreamLog(model.parts, model.stage_ids, model.n_stages) if cfg.parallelism.pp > 1 else None
     hooks = _trainer_hooks(cfg, model, optimizer, dims, seeder, log, layout, train_batches, line)
+    conversion = Conversion(checkpointer, optimizer, layout, hooks, dims.device, cfg.fault.replay_threads)
     recovery = Recovery(
         checkpointer,
         log,
-        optimizer,
         layout,
-        model.n_stages,
         cfg.training.micro_batches,
-        hooks,
+        conversion,
+        line,
         global_rollback=cfg.fault.scope == "global",
-        threads=cfg.fault.replay_threads,
     )
     return MoEvement(checkpointer, log, recovery, found, lock)
 
@@ -197,6 +195,8 @@ def _interval_baseline(
     rollback = GlobalRollback(
         strategy,
         checkpointer,
+        policy,
+        Path(ck_cfg.persist_dir) if ck_cfg.persist_dir else None,
         optimizer,
         model.n_stages,
         lambda: initial_parameters(cfg.model, dims, cfg.job.seed),
@@ -213,7 +213,7 @@ def _trainer_hooks(
     dims: ParallelDims,
     seeder: DropoutSeeder,
     log: UpstreamLog | None,
-    layout: Layout,
+    layout: RankLayout,
     train_batches,
     line,
 ) -> TrainerHooks:

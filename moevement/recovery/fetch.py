@@ -1,8 +1,10 @@
-"""Failed ranks pull the snapshots of the newest persisted checkpoint from their replica peers.
+"""What a recovery fetches: snapshots from replica peers, boundary logs from healthy neighbours, and
+the scalar log from a survivor.
 
-Every rank calls `fetch_from_replicas` together. Exchanges run in one global (failed rank, holder)
-order, so blocking point-to-point calls cannot deadlock; every received snapshot is verified
-against its checksums, and a rejected copy makes the failed rank try the next peer.
+Every rank calls each function together. Exchanges run in one global order (failed rank, holder;
+stage, neighbour, data-parallel rank), so blocking point-to-point calls cannot deadlock. Every
+received snapshot is verified against its checksums, and a rejected copy makes the failed rank try
+the next peer.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import torch
 import torch.distributed as dist
 
 from moevement.checkpoint.checkpointer import SparseCheckpointer
+from moevement.recovery.rank_layout import RankLayout
+from moevement.recovery.upstream_log import UpstreamLog
 from moevement.storage.host_memory import HostBuffer, read_header
 from moevement.storage.snapshot import SnapshotError, SnapshotHeader, verify_entries
 
@@ -37,7 +41,7 @@ def fetch_from_replicas(ck: SparseCheckpointer, failed: set[int], window: int) -
     flags = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
     dist.all_gather(flags, intact)
     for f in sorted(failed):
-        holders = ck.peers[f]
+        holders = ck.replica_holders(f)
         done = bool(flags[f])
         if done and me == f:
             sources[f] = "local (restored earlier in this recovery)"
@@ -54,9 +58,9 @@ def fetch_from_replicas(ck: SparseCheckpointer, failed: set[int], window: int) -
         if me == f and not done:
             raise RecoveryError(f"rank {f}: no intact replica of its persisted checkpoint on peers {holders}")
     if me in failed:
-        ck.restored()
+        ck.persisted.restored()
     for h in sorted(failed):  # every rank holds its own snapshots again: re-send the lost replicas
-        for src in (s for s in range(world) if h in ck.peers[s]):
+        for src in (s for s in range(world) if h in ck.replica_holders(s)):
             if me == src:
                 _send(ck, h, window, ck.persisted_buffer)
             elif me == h:
@@ -69,7 +73,7 @@ def _local_copy_intact(ck: SparseCheckpointer, window: int) -> bool:
     for slot in range(window):
         buf = ck.persisted_buffer(slot)
         header = persisted_header(buf)
-        if header is None or header["window_start"] != ck.persisted_window[0]:
+        if header is None or header["window_start"] != ck.rollback_point():
             return False
         try:
             verify_entries(buf.data, SnapshotHeader.from_json(header), source=str(buf.path))
@@ -80,7 +84,7 @@ def _local_copy_intact(ck: SparseCheckpointer, window: int) -> bool:
 
 def _send(ck: SparseCheckpointer, dst: int, window: int, buffer_of: Callable[[int], HostBuffer]) -> None:
     """Send the persisted checkpoint's slots held in `buffer_of(slot)` (sizes 0, 0 for a missing one)."""
-    start = ck.persisted_window[0]
+    start = ck.rollback_point()
     for slot in range(window):
         buf = buffer_of(slot)
         header = persisted_header(buf)
@@ -120,3 +124,45 @@ def _receive(
             continue
         buf.commit(header)
     return ok
+
+
+DTYPE_CODES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def fetch_boundary_logs(
+    log: UpstreamLog | None, layout: RankLayout, micro_batches: int, scope: set[int], t0: int, step: int
+) -> dict:
+    """Boundary tensors of iterations t0..step-1 that the stages in `scope` need, from the upstream logs
+    of their healthy neighbours: {(kind, iteration, sending stage, micro-batch): tensor} on the receiver."""
+    boundary = {}
+    if log is None:
+        return boundary
+    me = dist.get_rank()
+    for s in sorted(scope):
+        for kind, nb in (("act", s - 1), ("grad", s + 1)):
+            if not 0 <= nb < layout.n_stages or nb in scope:
+                continue
+            for d in range(layout.dp_size):
+                sender = layout.rank_of(layout.owner_pp(nb), d)
+                receiver = layout.rank_of(layout.owner_pp(s), d)
+                wanted = [(kind, t, nb, m) for t in range(t0, step) for m in range(micro_batches)]
+                if me == sender:
+                    stacked = torch.stack([log.get(*key) for key in wanted])
+                    dist.send(torch.tensor([*stacked.shape, DTYPE_CODES.index(stacked.dtype)]), receiver)
+                    dist.send(stacked, receiver)
+                elif me == receiver:
+                    meta = torch.zeros(5, dtype=torch.int64)
+                    dist.recv(meta, sender)
+                    stacked = torch.empty(meta[:4].tolist(), dtype=DTYPE_CODES[int(meta[4])])
+                    dist.recv(stacked, sender)
+                    boundary.update(zip(wanted, stacked.unbind(0)))
+    return boundary
+
+
+def fetch_scalars(ck: SparseCheckpointer, failed: set[int], t0: int, step: int) -> dict[int, dict]:
+    """The scalar log of t0..step-1, from the lowest-numbered surviving rank (kept again by every rank)."""
+    source = min(r for r in range(dist.get_world_size()) if r not in failed)
+    payload = [ck.persisted.scalars(t0, step) if dist.get_rank() == source else None]
+    dist.broadcast_object_list(payload, src=source)
+    ck.persisted.restore_scalars(payload[0])  # a failed rank's log is back: it may serve the next recovery
+    return payload[0]

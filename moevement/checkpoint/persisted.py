@@ -1,0 +1,109 @@
+"""The newest persisted sparse checkpoint of a rank: the rollback point recovery reads.
+
+A window's snapshots are committed one per iteration (`committed`); when every rank has replicated
+the whole window it is *persisted* (`publish`): `persisted.json` names it, and the window before it
+becomes garbage. Recovery reads only through `rollback_point`, `window` and `scalars`.
+
+Threads: `committed`, `log_scalars`, `restore_scalars`, `abort_in_flight`, `forget` and `restored` run on
+the training thread; `take_headers` and `publish` on the replication thread (or the training thread without
+replication); `wait_until_persisted` on the copy thread. Every field is read and written under `cond`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from moevement.storage.host_memory import write_json_atomic
+
+MANIFEST = "persisted.json"
+
+
+class PersistedCheckpoint:
+    def __init__(self, rank_dir: Path, rank: int, buffer_path: Callable[[Path, int, int], Path]):
+        self.rank_dir, self.rank, self.buffer_path = rank_dir, rank, buffer_path
+        self.cond = threading.Condition()
+        self.index = -1  # index of the newest persisted window (-1: none yet)
+        self.window: tuple[int, int] | None = None  # its (first iteration, W)
+        self.headers: dict[int, list[dict]] = {}  # window index -> headers committed so far
+        self.scalar_log: dict[int, dict] = {}  # iteration -> logged scalars, kept from rollback_point()
+
+    def rollback_point(self) -> int:
+        """First iteration of the newest persisted checkpoint (1: none yet, roll back to the initial state)."""
+        with self.cond:
+            return self.window[0] if self.window else 1
+
+    def scalars(self, first: int, stop: int) -> dict[int, dict]:
+        """The logged scalars of iterations `first..stop-1` (all kept since the rollback point)."""
+        with self.cond:
+            return {t: self.scalar_log[t] for t in range(first, stop)}
+
+    def log_scalars(self, iteration: int, scalars: dict[str, float]) -> None:
+        with self.cond:
+            self.scalar_log[iteration] = dict(scalars)
+            first = self.window[0] if self.window else 1
+            for old in [t for t in self.scalar_log if t < first]:
+                del self.scalar_log[old]
+
+    def restore_scalars(self, log: dict[int, dict]) -> None:
+        """A failed rank's scalar log is back (from a survivor): it may serve the next recovery."""
+        with self.cond:
+            self.scalar_log.update(log)
+
+    def committed(self, window_index: int, header: dict) -> None:
+        """A snapshot of window `window_index` is complete in its local buffer."""
+        with self.cond:
+            self.headers.setdefault(window_index, []).append(header)
+
+    def take_headers(self, window_index: int) -> list[dict]:
+        """The headers of a window every rank has replicated (the window before it is dropped too)."""
+        with self.cond:
+            self.headers.pop(window_index - 1, None)
+            return self.headers.pop(window_index)
+
+    def publish(self, window_index: int, headers: list[dict]) -> None:
+        """Window `window_index` is persisted: record it and wake a copy waiting for its buffers."""
+        start, window = headers[0]["window_start"], len(headers)
+        self._write_manifest(window_index, start, window)
+        with self.cond:
+            self.index, self.window = window_index, (start, window)
+            self.cond.notify_all()
+
+    def wait_until_persisted(self, window_index: int, check: Callable[[], None]) -> None:
+        """Block until window `window_index` is persisted (`check` raises if it never will be)."""
+        with self.cond:
+            while self.index < window_index:
+                check()
+                self.cond.wait(timeout=1.0)
+
+    def abort_in_flight(self) -> int:
+        """Drop the in-flight window's headers; returns the newest persisted window's index."""
+        with self.cond:
+            for index in [i for i in self.headers if i > self.index]:
+                del self.headers[index]
+            return self.index
+
+    def forget(self) -> None:
+        """This rank failed: its manifest and scalar log are gone (recovery fetches them back)."""
+        (self.rank_dir / MANIFEST).unlink(missing_ok=True)
+        with self.cond:
+            self.scalar_log.clear()
+
+    def restored(self) -> None:
+        """Every slot of the persisted checkpoint is back in the local buffers: record it again."""
+        with self.cond:
+            index, (start, window) = self.index, self.window
+        self._write_manifest(index, start, window)
+
+    def _write_manifest(self, window_index: int, start: int, window: int) -> None:
+        write_json_atomic(
+            self.rank_dir / MANIFEST,
+            {
+                "window_index": window_index,
+                "window_start": start,
+                "window": window,
+                "rank": self.rank,
+                "snapshots": [str(self.buffer_path(Path(), window_index % 2, slot)) for slot in range(window)],
+            },
+        )

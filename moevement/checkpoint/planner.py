@@ -1,0 +1,132 @@
+"""Window planning: which operators each iteration of a window snapshots (docs/design.md, sparse checkpoints).
+
+At a window boundary the planner orders the operators by popularity (least popular experts first,
+non-expert operators last), runs Algorithm 1 on the profiled iteration time and copy bandwidth, and
+cuts the order into W slots; W is agreed across ranks (the largest any rank needs) because windows are
+global. An interval baseline's `SnapshotPolicy` replaces Algorithm 1: one slot holding the operators the
+policy selects, at the iterations it chooses.
+
+Training thread only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from moevement.checkpoint.popularity import PopularityTracker
+from moevement.checkpoint.profiler import Profile
+from moevement.checkpoint.schedule import (
+    WindowPlan,
+    byte_slots,
+    byte_window_size,
+    find_window_size,
+    generate_schedule,
+    order_operators,
+    slot_size_for,
+)
+from moevement.operators import Operator
+
+
+class SnapshotPolicy(Protocol):
+    """When an interval strategy snapshots, and what (implemented by `baselines.intervals.IntervalPolicy`)."""
+
+    interval: int
+
+    def due(self, iteration: int) -> bool: ...
+    def select(self) -> list[str]: ...
+    def choose(self, snapshot_bytes: float, bandwidth: float, overlap_s: float) -> int: ...
+    def scheduled(self, iteration: int, interval: int) -> None: ...
+    def observe_stall(self, seconds: float) -> None: ...
+
+
+class WindowPlanner:
+    """Plans windows over this rank's operators; `cfg` provides window, slots, ordering, ema_decay,
+    bandwidth_gbps, reprofile_every."""
+
+    def __init__(
+        self,
+        cfg,
+        ops: list[Operator],
+        optimizer: torch.optim.Optimizer,
+        compute_dtype: torch.dtype,
+        device: torch.device,
+        world: int,
+        policy: SnapshotPolicy | None,
+    ):
+        self.cfg, self.optimizer, self.compute_dtype, self.device, self.world = (
+            cfg,
+            optimizer,
+            compute_dtype,
+            device,
+            world,
+        )
+        self.ops = ops
+        self.ops_by_name = {op.name: op for op in ops}
+        self.registry_order = [op.name for op in ops]
+        self.is_expert = [op.kind == "expert" for op in ops]
+        self.policy = policy
+        self.profile = Profile(cfg.bandwidth_gbps)
+        self.reset_popularity()
+
+    def reset_popularity(self) -> None:
+        """Forget the popularity history and return to registry order (applied at the next window)."""
+        self.tracker = PopularityTracker(self.cfg.ordering, self.cfg.ema_decay)
+        self.order = list(self.registry_order)
+
+    def observe(self, tokens: dict[str, torch.Tensor], gate_probs: dict[str, torch.Tensor]) -> None:
+        """An iteration's router statistics."""
+        self.tracker.observe(tokens, gate_probs)
+
+    def due(self, iteration: int) -> bool:
+        """Whether `iteration` takes a snapshot (always for MoEvement; by the policy for a baseline)."""
+        return self.policy is None or self.policy.due(iteration)
+
+    def plan(self, iteration: int, window_index: int, follows_a_window: bool, measure_dir: Path) -> WindowPlan:
+        """Window number `window_index`, starting at `iteration` (collective: W is agreed across ranks).
+        The copy bandwidth is re-measured every `reprofile_every` windows, never right after a recovery."""
+        if self.tracker.end_window():
+            self.order = order_operators(self.registry_order, self.is_expert, self.tracker.popularity())
+        self.profile.update()
+        every = self.cfg.reprofile_every
+        if follows_a_window and every and window_index % every == 0:
+            self.profile.measure_bandwidth(measure_dir, self.device)
+        slots = self._interval_checkpoint(iteration) if self.policy is not None else self._sparse_slots()
+        return WindowPlan(iteration, slots)
+
+    def slot_operators(self, plan: WindowPlan, slot: int) -> tuple[list[Operator], list[Operator]]:
+        """(operators whose FP32 state SS_{start+slot} holds, operators whose compute weights it holds)."""
+        return (
+            [self.ops_by_name[n] for n in plan.slots[slot]],
+            [self.ops_by_name[n] for n in plan.frozen_after(slot)],
+        )
+
+    def _sparse_slots(self) -> tuple[tuple[str, ...], ...]:
+        """Algorithm 1 on this rank's operators in schedule order; W agreed across ranks (or forced)."""
+        fp32 = [self.ops_by_name[n].fp32_bytes(self.optimizer) for n in self.order]
+        compute = [self.ops_by_name[n].compute_bytes(self.compute_dtype) for n in self.order]
+        t, bandwidth = self.profile.iteration_s, self.profile.bandwidth
+        if self.cfg.slots == "bytes":
+            window = self.cfg.window or self._agree(byte_window_size(fp32, compute, t, bandwidth))
+            return byte_slots(self.order, fp32, compute, window)
+        window = self.cfg.window or self._agree(find_window_size(fp32, compute, t, bandwidth)[0])
+        return generate_schedule(self.order, slot_size_for(len(self.order), window), window)
+
+    def _interval_checkpoint(self, iteration: int) -> tuple[tuple[str, ...]]:
+        """An interval baseline's checkpoint at `iteration`: its operators, and when the next one is due."""
+        names = tuple(self.policy.select())
+        nbytes = sum(self.ops_by_name[n].fp32_bytes(self.optimizer) for n in names)
+        interval = self._agree(self.policy.choose(nbytes, self.profile.bandwidth, self.profile.iteration_s))
+        self.policy.scheduled(iteration, interval)
+        return (names,)
+
+    def _agree(self, window: int) -> int:
+        """The largest window (or interval) any rank needs: checkpoints are global so they replicate in lockstep."""
+        if self.world == 1:
+            return window
+        agreed = torch.tensor([window], dtype=torch.int64, device=self.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        return int(agreed)

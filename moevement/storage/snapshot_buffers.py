@@ -1,0 +1,82 @@
+"""A rank's own snapshot buffers and the thread that copies snapshots into them.
+
+Two sets of buffers (window parity) of one buffer per slot: the set of the newest persisted window
+is kept while the next window's snapshots are copied into the other. Buffers only grow; `reserve`
+grows them on the training thread at a window boundary so that the copy thread never faults pages
+in while a copy is due.
+
+Threads: `buffer` and `reserve` run on the training thread, `invalidate` also on the replication
+thread, and the copies submitted with `submit` on the copy thread (one worker, background priority:
+see `moevement.storage.background`). The buffer table is guarded by `lock`; a buffer's bytes are
+written only by the copy thread, and only after the window that owned them is garbage.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from moevement.storage.background import enter_background
+from moevement.storage.host_memory import HostBuffer, HostMemoryError, make_private_dir
+
+
+def local_buffer(rank_dir: Path, parity: int, slot: int) -> Path:
+    """Path (no suffix) of a rank's own snapshot buffer for window parity `parity`, slot `slot`."""
+    return rank_dir / "local" / f"w{parity}-s{slot}"
+
+
+class SnapshotBuffers:
+    def __init__(self, rank_dir: Path, device: torch.device, background_priority: str):
+        self.rank_dir, self.pin = rank_dir, device.type == "cuda"
+        self.local_dir = make_private_dir(rank_dir / "local")
+        self.lock = threading.Lock()
+        self.buffers: dict[tuple[int, int], HostBuffer] = {}
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.copier = ThreadPoolExecutor(
+            1, thread_name_prefix="moevement-copy", initializer=enter_background, initargs=(background_priority,)
+        )
+
+    def buffer(self, parity: int, slot: int) -> HostBuffer:
+        with self.lock:
+            key = (parity, slot)
+            if key not in self.buffers:
+                self.buffers[key] = HostBuffer(local_buffer(self.rank_dir, parity, slot), pin=self.pin)
+            return self.buffers[key]
+
+    def reserve(self, sizes: list[int]) -> None:
+        """Grow both sets to these per-slot sizes (and fault them in), or refuse if host memory is short."""
+        grow = sum(max(0, n - self.buffer(parity, slot).capacity) for slot, n in enumerate(sizes) for parity in (0, 1))
+        free = shutil.disk_usage(self.local_dir).free
+        if grow > free:
+            raise HostMemoryError(
+                f"a window of W={len(sizes)} snapshots needs {grow / 1e9:.2f} GB more host memory in "
+                f"{self.local_dir} ({free / 1e9:.2f} GB free): set checkpoint.window lower, raise "
+                f"checkpoint.bandwidth_gbps, or train with training.mixed_precision bf16 (smaller compute weights)"
+            )
+        for slot, nbytes in enumerate(sizes):
+            for parity in (0, 1):
+                self.buffer(parity, slot).ensure(nbytes)
+
+    def invalidate(self, parity: int) -> None:
+        """The snapshots of this parity are garbage (their commit records go)."""
+        with self.lock:
+            stale = [buf for (p, _), buf in self.buffers.items() if p == parity]
+        for buf in stale:
+            buf.invalidate()
+
+    def submit(self, fn, *args) -> Future:
+        return self.copier.submit(fn, *args)
+
+    def all(self) -> list[HostBuffer]:
+        with self.lock:
+            return list(self.buffers.values())
+
+    def nbytes(self) -> int:
+        return sum(b.capacity for b in self.all())
+
+    def close(self) -> None:
+        self.copier.shutdown()
