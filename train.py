@@ -134,6 +134,26 @@ class Job:
     accounting: RunAccounting | None = None
 
 
+def resume_dense(cfg: Config, model: ModelParts, optimizer: torch.optim.Optimizer, rank: int) -> tuple[int, float]:
+    """(last iteration done, its loss) of `checkpoint.load`, loaded into the model; (0, nan) without one."""
+    if not cfg.checkpoint.load:
+        return 0, float("nan")
+    meta, differ = load_dense(cfg.checkpoint.load, model.view, optimizer, cfg)
+    step, loss = meta["step"], meta.get("loss", float("nan"))
+    if differ and rank == 0:
+        print(
+            f"checkpoint: {cfg.checkpoint.load} was saved under another config (checkpoint.load_other_config): "
+            f"{'; '.join(differ)}",
+            flush=True,
+        )
+    if step > cfg.training.steps:
+        raise ConfigError(
+            f"config key 'training.steps' ({cfg.training.steps}) is below the "
+            f"checkpoint's step ({step}) in {cfg.checkpoint.load}"
+        )
+    return step, loss
+
+
 def setup(cfg: Config) -> tuple[Job, int, float]:
     """Process group, data, model, optimizer, optional resume and fault tolerance; (job, last step done, its loss).
 
@@ -158,21 +178,7 @@ def setup(cfg: Config) -> tuple[Job, int, float]:
         )
     model, optimizer = build_training(cfg, dims)
     seeder = DropoutSeeder(model, cfg.job.seed, dims.dp_rank)
-    step, loss = 0, float("nan")
-    if cfg.checkpoint.load:
-        meta, differ = load_dense(cfg.checkpoint.load, model.view, optimizer, cfg)
-        step, loss = meta["step"], meta.get("loss", loss)
-        if differ and rank == 0:
-            print(
-                f"checkpoint: {cfg.checkpoint.load} was saved under another config (checkpoint.load_other_config): "
-                f"{'; '.join(differ)}",
-                flush=True,
-            )
-        if step > cfg.training.steps:
-            raise ConfigError(
-                f"config key 'training.steps' ({cfg.training.steps}) is below the "
-                f"checkpoint's step ({step}) in {cfg.checkpoint.load}"
-            )
+    step, loss = resume_dense(cfg, model, optimizer, rank)
     logger = MetricsLogger(cfg, rank, first_step=step + 1)
     ft = build_strategy(cfg, model, optimizer, dims, seeder, train_batches, logger.line)
     step = ft.resume(step)

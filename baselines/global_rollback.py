@@ -98,7 +98,7 @@ class GlobalRollback:
         if self.ck.persisted.window is None:
             return 1, [], "none (initial state)"
         sources = fetch_from_replicas(self.ck, failed, 1)
-        buf = self.ck.persisted_buffer(0)
+        buf = self.ck.persisted.snapshot_buffer(0)
         header = SnapshotHeader.from_json(persisted_header(buf))
         return (
             self.ck.rollback_point(),

@@ -154,22 +154,14 @@ def _interval_baseline(
     lock: JobLock,
 ) -> IntervalBaseline:
     """gemini (dense, host memory, replicated), checkfreq (dense, persisted to disk), moc (partial, disk)."""
-    strategy, ck_cfg, m = cfg.checkpoint.strategy, cfg.checkpoint, cfg.model
+    strategy, ck_cfg = cfg.checkpoint.strategy, cfg.checkpoint
     ops = build_registry(model.view)
     names = [op.name for op in ops]
     moc, keep = None, 2
     if strategy == "moc":
-        moe_layers = [layer for layer in range(m.n_layers) if m.is_moe_layer(layer)]
-        selector = PartialExpertSelector(ops, moe_layers, m.n_routed_experts, cfg.parallelism.ep, ck_cfg.moc_experts)
-        moc = MocState(
-            selector,
-            LostTokens(),
-            ck_cfg.moc_plt_threshold,
-            dims.dp_rank < cfg.parallelism.ep,
-            experts={op.name for op in ops if op.kind == "expert"},
-        )
-        keep = math.ceil(m.n_routed_experts / selector.k) + 1  # every expert's newest save stays on disk
-        select = selector.next_checkpoint
+        moc = _moc_state(cfg, ops, dims)
+        keep = math.ceil(cfg.model.n_routed_experts / moc.selector.k) + 1  # every expert's newest save stays
+        select = moc.selector.next_checkpoint
     else:
         select = lambda: names  # noqa: E731  (dense: every operator)
     if strategy != "gemini":  # snapshot in host memory, then persist asynchronously to disk
@@ -204,6 +196,20 @@ def _interval_baseline(
         moc,
     )
     return IntervalBaseline(checkpointer, rollback, moc, lock)
+
+
+def _moc_state(cfg: Config, ops: list, dims: ParallelDims) -> MocState:
+    """MoC's partial expert selection over this rank's operators and its lost-token accounting."""
+    m, ck_cfg = cfg.model, cfg.checkpoint
+    moe_layers = [layer for layer in range(m.n_layers) if m.is_moe_layer(layer)]
+    selector = PartialExpertSelector(ops, moe_layers, m.n_routed_experts, cfg.parallelism.ep, ck_cfg.moc_experts)
+    return MocState(
+        selector,
+        LostTokens(),
+        ck_cfg.moc_plt_threshold,
+        dims.dp_rank < cfg.parallelism.ep,
+        experts={op.name for op in ops if op.kind == "expert"},
+    )
 
 
 def _trainer_hooks(

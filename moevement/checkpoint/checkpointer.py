@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from moevement.checkpoint.persisted import PersistedCheckpoint
 from moevement.checkpoint.planner import SnapshotPolicy, WindowPlanner
@@ -42,25 +41,11 @@ from moevement.checkpoint.schedule import WindowPlan
 from moevement.operators import Operator, build_registry
 from moevement.storage.host_memory import HostBuffer, encode_json, make_private_dirs, read_header
 from moevement.storage.persistence import DiskWriter
-from moevement.storage.replication import Outgoing, ReplicaStore, Replicator, choose_peers, peer_map
-from moevement.storage.snapshot import SnapshotHeader, copy_entries, layout
+from moevement.storage.replication import Outgoing, ReplicaStore, Topology, start_replication
+from moevement.storage.snapshot import SnapshotHeader, layout
 from moevement.storage.snapshot_buffers import SnapshotBuffers, local_buffer
 
 __all__ = ["SnapshotPolicy", "SparseCheckpointer", "Topology", "local_buffer", "persisted_snapshots"]
-
-
-@dataclass
-class Topology:
-    """Where this rank sits: what replica placement needs to know about every rank."""
-
-    rank: int
-    world: int
-    stage_of: list[int]  # pipeline stage (pp rank) of every rank
-    node_of: list[int]  # node index of every rank
-
-    @classmethod
-    def single(cls) -> Topology:
-        return cls(0, 1, [0], [0])
 
 
 @dataclass
@@ -84,9 +69,9 @@ class SparseCheckpointer:
     the policy's checkpoint iterations, as a window of W = 1 holding the FP32 state of the
     operators the policy selects (all of them, or MoC's partial set), and no compute weights.
 
-    Recovery reads the persisted checkpoint through `persisted` (rollback point, scalar log),
-    `persisted_buffer`, `replica_buffer` and `replica_holders`, and drives the checkpointer through
-    `abort_window`, `wipe`, `paused` and `reset_popularity`.
+    Recovery reads the persisted checkpoint through `persisted` (rollback point, a slot's snapshot,
+    the scalar log) and `replica_holders`, and drives the checkpointer through `abort_window`, `wipe`,
+    `paused` and `reset_popularity`.
     """
 
     def __init__(
@@ -111,38 +96,20 @@ class SparseCheckpointer:
         self.rank_dir = make_private_dirs(rank_dir.parent, rank_dir.name)
         self.buffers = SnapshotBuffers(self.rank_dir, device, cfg.background_priority)
         self.planner.profile.measure_bandwidth(self.rank_dir, device)
-        self.persisted = PersistedCheckpoint(self.rank_dir, topology.rank, local_buffer)
         self.replicas = ReplicaStore(rank_dir / "replicas")
+        self.persisted = PersistedCheckpoint(self.rank_dir, topology.rank, self.buffers, self.replicas)
         self.disk = None
         if cfg.persist_dir:
             self.disk = DiskWriter(Path(cfg.persist_dir), topology.rank, disk_keep, cfg.background_priority)
-        self.replicator = self._replicator(rank_dirs)
+        self.replicator = start_replication(
+            topology, cfg.replicas, self.replicas, self._on_window_replicated, rank_dirs, cfg.background_priority
+        )
         self.plan: WindowPlan | None = None
         self.window_index = -1
         self.pending: _Pending | None = None
         self.latest: tuple[SnapshotHeader, torch.Tensor] | None = None  # newest committed snapshot, its bytes
         self.stats = _LoopState()
         optimizer.register_step_pre_hook(self._before_optimizer_step)
-
-    def _replicator(self, rank_dirs: Callable[[int], Path] | None) -> Replicator | None:
-        topology = self.topology
-        if topology.world == 1 or self.cfg.replicas == 0:
-            return None
-        group = dist.new_group(backend="gloo")
-        node = topology.node_of[topology.rank]
-        same_node = frozenset()
-        if rank_dirs is not None:
-            same_node = frozenset(r for r, n in enumerate(topology.node_of) if n == node and r != topology.rank)
-        return Replicator(
-            topology.rank,
-            peer_map(topology.world, self.cfg.replicas, topology.stage_of, topology.node_of),
-            self.replicas,
-            group,
-            self._on_window_replicated,
-            same_node,
-            lambda src, parity, slot: local_buffer(rank_dirs(src), parity, slot),
-            self.cfg.background_priority,
-        )
 
     @property
     def ops(self) -> list[Operator]:
@@ -273,18 +240,9 @@ class SparseCheckpointer:
         finally:
             self.stats.paused = False
 
-    def persisted_buffer(self, slot: int) -> HostBuffer:
-        """Local buffer of slot `slot` of the newest persisted checkpoint."""
-        return self.buffers.buffer(self.persisted.index % 2, slot)
-
-    def replica_buffer(self, src: int, slot: int) -> HostBuffer:
-        """Buffer of the replica of rank `src`'s slot `slot` of the newest persisted checkpoint."""
-        return self.replicas.buffer(src, self.persisted.index % 2, slot)
-
     def replica_holders(self, rank: int) -> list[int]:
         """The ranks holding replicas of `rank`'s snapshots, in fetch order."""
-        t = self.topology
-        return choose_peers(rank, t.world, self.cfg.replicas, t.stage_of, t.node_of) if t.world > 1 else []
+        return self.topology.replica_holders(rank, self.cfg.replicas)
 
     def flush_disk(self) -> None:
         """Every disk write that was going to land has landed."""
@@ -326,15 +284,7 @@ class SparseCheckpointer:
         self.persisted.wait_until_persisted(window_index - 1, check)
         if self.disk is not None:
             self.disk.wait(window_index % 2)
-        buffer.invalidate()
-        data = buffer.ensure(max(header.nbytes, 1))
-        throttle, stream = self.planner.profile.throttle(), self.buffers.stream
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(self.planner.device))
-            with torch.cuda.stream(stream):
-                copy_entries(data, header.entries, sources, throttle, stream)
-        else:
-            copy_entries(data, header.entries, sources, throttle)
+        self.buffers.copy(buffer, header, sources, self.planner.profile.throttle())
 
     def _on_window_replicated(self, window_index: int) -> None:
         """Window `window_index` is complete on every rank and its replicas: it is persisted."""

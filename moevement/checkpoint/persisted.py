@@ -2,7 +2,8 @@
 
 A window's snapshots are committed one per iteration (`committed`); when every rank has replicated
 the whole window it is *persisted* (`publish`): `persisted.json` names it, and the window before it
-becomes garbage. Recovery reads only through `rollback_point`, `window` and `scalars`.
+becomes garbage. Recovery reads only through `rollback_point`, `window`, `snapshot_buffer`,
+`replica_buffer` and `scalars`.
 
 Threads: `committed`, `log_scalars`, `restore_scalars`, `abort_in_flight`, `forget` and `restored` run on
 the training thread; `take_headers` and `publish` on the replication thread (or the training thread without
@@ -15,14 +16,16 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from moevement.storage.host_memory import write_json_atomic
+from moevement.storage.host_memory import HostBuffer, write_json_atomic
+from moevement.storage.replication import ReplicaStore
+from moevement.storage.snapshot_buffers import SnapshotBuffers, local_buffer
 
 MANIFEST = "persisted.json"
 
 
 class PersistedCheckpoint:
-    def __init__(self, rank_dir: Path, rank: int, buffer_path: Callable[[Path, int, int], Path]):
-        self.rank_dir, self.rank, self.buffer_path = rank_dir, rank, buffer_path
+    def __init__(self, rank_dir: Path, rank: int, buffers: SnapshotBuffers, replicas: ReplicaStore):
+        self.rank_dir, self.rank, self.buffers, self.replicas = rank_dir, rank, buffers, replicas
         self.cond = threading.Condition()
         self.index = -1  # index of the newest persisted window (-1: none yet)
         self.window: tuple[int, int] | None = None  # its (first iteration, W)
@@ -33,6 +36,14 @@ class PersistedCheckpoint:
         """First iteration of the newest persisted checkpoint (1: none yet, roll back to the initial state)."""
         with self.cond:
             return self.window[0] if self.window else 1
+
+    def snapshot_buffer(self, slot: int) -> HostBuffer:
+        """This rank's buffer of slot `slot` of the newest persisted checkpoint."""
+        return self.buffers.buffer(self.index % 2, slot)
+
+    def replica_buffer(self, src: int, slot: int) -> HostBuffer:
+        """The replica this rank holds of rank `src`'s slot `slot` of the newest persisted checkpoint."""
+        return self.replicas.buffer(src, self.index % 2, slot)
 
     def scalars(self, first: int, stop: int) -> dict[int, dict]:
         """The logged scalars of iterations `first..stop-1` (all kept since the rollback point)."""
@@ -104,6 +115,6 @@ class PersistedCheckpoint:
                 "window_start": start,
                 "window": window,
                 "rank": self.rank,
-                "snapshots": [str(self.buffer_path(Path(), window_index % 2, slot)) for slot in range(window)],
+                "snapshots": [str(local_buffer(Path(), window_index % 2, slot)) for slot in range(window)],
             },
         )

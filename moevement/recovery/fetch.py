@@ -48,13 +48,13 @@ def fetch_from_replicas(ck: SparseCheckpointer, failed: set[int], window: int) -
         for h in holders:
             if me == f:
                 dist.send(torch.tensor([0 if done else 1]), h)
-                if not done and _receive(ck, h, window, ck.persisted_buffer, f"replica on rank {h}"):
+                if not done and _receive(ck, h, window, ck.persisted.snapshot_buffer, f"replica on rank {h}"):
                     done, sources[f] = True, f"rank{h}"
             elif me == h:
                 request = torch.zeros(1, dtype=torch.int64)
                 dist.recv(request, f)
                 if int(request):
-                    _send(ck, f, window, lambda slot, f=f: ck.replica_buffer(f, slot))
+                    _send(ck, f, window, lambda slot, f=f: ck.persisted.replica_buffer(f, slot))
         if me == f and not done:
             raise RecoveryError(f"rank {f}: no intact replica of its persisted checkpoint on peers {holders}")
     if me in failed:
@@ -62,16 +62,16 @@ def fetch_from_replicas(ck: SparseCheckpointer, failed: set[int], window: int) -
     for h in sorted(failed):  # every rank holds its own snapshots again: re-send the lost replicas
         for src in (s for s in range(world) if h in ck.replica_holders(s)):
             if me == src:
-                _send(ck, h, window, ck.persisted_buffer)
+                _send(ck, h, window, ck.persisted.snapshot_buffer)
             elif me == h:
-                _receive(ck, src, window, lambda slot, src=src: ck.replica_buffer(src, slot), f"rank {src}")
+                _receive(ck, src, window, lambda slot, src=src: ck.persisted.replica_buffer(src, slot), f"rank {src}")
     return sources
 
 
 def _local_copy_intact(ck: SparseCheckpointer, window: int) -> bool:
     """Whether this rank's local buffers hold the whole persisted checkpoint with valid checksums."""
     for slot in range(window):
-        buf = ck.persisted_buffer(slot)
+        buf = ck.persisted.snapshot_buffer(slot)
         header = persisted_header(buf)
         if header is None or header["window_start"] != ck.rollback_point():
             return False

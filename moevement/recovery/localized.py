@@ -177,7 +177,7 @@ class Recovery:
 
     def _persisted_slot(self, slot: int) -> tuple[SnapshotHeader, dict]:
         """SS_{t0+slot} of the newest persisted checkpoint, from the local buffers (verified at fetch)."""
-        buf = self.ck.persisted_buffer(slot)
+        buf = self.ck.persisted.snapshot_buffer(slot)
         header = SnapshotHeader.from_json(persisted_header(buf))
         return header, read_entries(buf.data, header, source=str(buf.path), verify=False)
 

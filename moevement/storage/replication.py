@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from moevement.storage.background import enter_background
 from moevement.storage.host_memory import HostBuffer, make_private_dir, map_bytes
+from moevement.storage.snapshot_buffers import local_buffer
 
 
 def choose_peers(rank: int, world: int, replicas: int, stage_of: list[int], node_of: list[int]) -> list[int]:
@@ -195,3 +196,51 @@ _ACK = torch.ones(1, dtype=torch.int64)  # a same-node peer has copied the snaps
 def _wait(works: list) -> None:
     for work in works:
         work.wait()
+
+
+@dataclass
+class Topology:
+    """Where this rank sits: what replica placement needs to know about every rank."""
+
+    rank: int
+    world: int
+    stage_of: list[int]  # pipeline stage (pp rank) of every rank
+    node_of: list[int]  # node index of every rank
+
+    @classmethod
+    def single(cls) -> Topology:
+        return cls(0, 1, [0], [0])
+
+    def replica_holders(self, rank: int, replicas: int) -> list[int]:
+        """The ranks holding `rank`'s replicas, in fetch order."""
+        return choose_peers(rank, self.world, replicas, self.stage_of, self.node_of) if self.world > 1 else []
+
+
+def start_replication(
+    topology: Topology,
+    replicas: int,
+    store: ReplicaStore,
+    on_window_replicated: Callable[[int], None],
+    rank_dirs: Callable[[int], Path] | None,
+    priority: str,
+) -> Replicator | None:
+    """This rank's replicator over a dedicated gloo group (collective; None on one rank or without
+    replicas). `rank_dirs(r)`: where rank r keeps its host state, so that a peer on the same node copies
+    from its shared memory; None: everything goes over the group."""
+    if topology.world == 1 or replicas == 0:
+        return None
+    group = dist.new_group(backend="gloo")
+    node = topology.node_of[topology.rank]
+    same_node = frozenset()
+    if rank_dirs is not None:
+        same_node = frozenset(r for r, n in enumerate(topology.node_of) if n == node and r != topology.rank)
+    return Replicator(
+        topology.rank,
+        peer_map(topology.world, replicas, topology.stage_of, topology.node_of),
+        store,
+        group,
+        on_window_replicated,
+        same_node,
+        lambda src, parity, slot: local_buffer(rank_dirs(src), parity, slot),
+        priority,
+    )

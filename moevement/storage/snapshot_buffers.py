@@ -22,6 +22,7 @@ import torch
 
 from moevement.storage.background import enter_background
 from moevement.storage.host_memory import HostBuffer, HostMemoryError, make_private_dir
+from moevement.storage.snapshot import SnapshotHeader, Throttle, copy_entries
 
 
 def local_buffer(rank_dir: Path, parity: int, slot: int) -> Path:
@@ -67,6 +68,17 @@ class SnapshotBuffers:
             stale = [buf for (p, _), buf in self.buffers.items() if p == parity]
         for buf in stale:
             buf.invalidate()
+
+    def copy(self, buffer: HostBuffer, header: SnapshotHeader, sources: list[torch.Tensor], throttle: Throttle) -> None:
+        """Copy thread: copy a snapshot's tensors into `buffer` (a side stream on GPU), uncommitted."""
+        buffer.invalidate()
+        data = buffer.ensure(max(header.nbytes, 1))
+        if self.stream is None:
+            copy_entries(data, header.entries, sources, throttle)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        with torch.cuda.stream(self.stream):
+            copy_entries(data, header.entries, sources, throttle, self.stream)
 
     def submit(self, fn, *args) -> Future:
         return self.copier.submit(fn, *args)
