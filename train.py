@@ -78,7 +78,7 @@ def build_training(cfg: Config, dims: ParallelDims):
 def exit_on_sigterm(cfg: Config, rank: int, progress: dict) -> None:
     """SIGTERM (a scheduler's notice before preemption, forwarded by the torchrun agent): exit at once.
 
-    Host state is committed atomically (DESIGN §6), so nothing is left half-written, and it is kept:
+    Host state is committed atomically (docs/design.md §6), so nothing is left half-written, and it is kept:
     a relaunch of the same job resumes from the newest persisted sparse checkpoint."""
 
     def handler(signum, _frame):

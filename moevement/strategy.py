@@ -69,7 +69,7 @@ class NoCheckpointing:
 
 
 class MoEvement:
-    """Sparse checkpointing, upstream logs at pipeline boundaries, localized recovery (docs/design.md)."""
+    """Sparse checkpointing, upstream logs at pipeline boundaries, localized recovery (docs/design.md §4)."""
 
     def __init__(
         self,

@@ -1,4 +1,4 @@
-"""MoEvement sparse checkpointing inside the training loop (docs/design.md, sparse checkpoints).
+"""MoEvement sparse checkpointing inside the training loop (docs/design.md §2).
 
 Per iteration t the loop calls `begin(t)` before the forward pass and `end(t, ...)` after the
 optimizer step; an optimizer step pre-hook sits in between:

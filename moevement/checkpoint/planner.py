@@ -1,4 +1,4 @@
-"""Window planning: which operators each iteration of a window snapshots (docs/design.md, sparse checkpoints).
+"""Window planning: which operators each iteration of a window snapshots (docs/design.md §2).
 
 At a window boundary the planner orders the operators by popularity (least popular experts first,
 non-expert operators last), runs Algorithm 1 on the profiled iteration time and copy bandwidth, and

@@ -8,7 +8,7 @@ probabilities. Policies:
   ema       exponential moving average of the per-iteration share of a layer's tokens
   capacity  routed tokens relative to the layer's mean load (the capacity of a balanced router)
 Operators are reordered when, for more than 25% of experts, the policy's share of its layer moved
-by more than 10% since the order was last set (DESIGN.md §2); the caller applies the new order at
+by more than 10% since the order was last set (docs/design.md §2); the caller applies the new order at
 the next window boundary.
 """
 

@@ -1,4 +1,4 @@
-"""CPU threads for a replaying rank: the cores its paused neighbours leave idle (DESIGN.md §4).
+"""CPU threads for a replaying rank: the cores its paused neighbours leave idle (docs/design.md §4).
 
 During a localized recovery only the failed stages' ranks compute; the other ranks of the node
 wait in collectives. A replaying rank may then use the node's cores, shared among the node's

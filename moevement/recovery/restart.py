@@ -1,4 +1,4 @@
-"""Whole-job restart (DESIGN.md §4): the newest persisted sparse checkpoint of this job that every rank
+"""Whole-job restart (docs/design.md §4): the newest persisted sparse checkpoint of this job that every rank
 can load.
 
 Runs at every start of a `moevement` job: after torchrun restarted every process, or when the same

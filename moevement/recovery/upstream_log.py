@@ -1,4 +1,4 @@
-"""Upstream logging at pipeline boundaries (DESIGN.md §1.3, §4).
+"""Upstream logging at pipeline boundaries (docs/design.md §1.3, §4).
 
 Every stage logs, at the sender, what it sends across a pipeline boundary, tagged
 (iteration, stage, micro-batch):
