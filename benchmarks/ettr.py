@@ -37,7 +37,7 @@ from baselines.intervals import ettr as steady_ettr
 from benchmarks.variants import variant_flags
 from models import count_params
 from simulator.ettr import MeasuredProfile, predict_from_profile
-from trainer.config import load_config
+from trainer.config import Config, load_config
 
 QUIET = [
     "--metrics.tensorboard",
@@ -173,7 +173,8 @@ def plot(out: Path, results: dict, runs: dict, none_iteration_s: float, mtbf_ite
     plt.close("all")
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    """The benchmark's own flags and the `--section.key value` overrides passed on to every run."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="train_configs/bench_moe.toml")
     parser.add_argument("--strategies", default="none,moevement,gemini,checkfreq,moc")
@@ -186,20 +187,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bandwidth-gbps", type=float, default=0.0, help="snapshot copy cap (0: calibrate)")
     parser.add_argument("--out", default="outputs/ettr")
     parser.add_argument("--threads", type=int, default=1, help="compute threads per process (OMP_NUM_THREADS)")
-    args, extra = parser.parse_known_args(argv)
-    cfg = load_config(args.config, extra)
-    tokens, batch = cfg.training.batch_size * cfg.training.seq_len, cfg.training.batch_size
-    strategies = [s for s in args.strategies.split(",") if s != "none"]
+    return parser.parse_known_args(argv)
+
+
+def strategies_under_failures(spec: str) -> list[str]:
+    """The strategies of `--strategies` other than `none`, in order; exits on a variant of `none`
+    (the fault-free reference cannot recover from failures)."""
+    strategies = [s for s in spec.split(",") if s != "none"]
     if variants_of_none := [s for s in strategies if variant_flags(s)[0] == "none"]:
         sys.exit(
             f"--strategies: {','.join(variants_of_none)}: `none` is the fault-free reference and cannot "
             f"recover from the failures the other runs get; variants of it are for benchmarks.overhead"
         )
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    return strategies
 
-    runs = {"none": parse_run(launch(args.config, "none", args.none_steps, args.pp, extra, args.threads))}
-    none_iteration_s = statistics.fmean(iteration_times(runs["none"], tokens))
+
+def snapshot_cap(args: argparse.Namespace, cfg: Config, none_iteration_s: float) -> float:
+    """Snapshot bandwidth cap in Gbit/s (`--bandwidth-gbps`, else the one under which a dense snapshot of
+    a stage takes `--dense-snapshot-iters` iterations); prints it with the reference iteration time."""
     dense_rank_bytes = 12 * count_params(cfg.model)[0] / args.pp  # FP32 master + AdamW moments, per stage
     cap = args.bandwidth_gbps or dense_rank_bytes * 8 / 1e9 / (args.dense_snapshot_iters * none_iteration_s)
     print(
@@ -207,7 +212,12 @@ def main(argv: list[str] | None = None) -> None:
         f"dense_snapshot_iters={dense_rank_bytes * 8 / 1e9 / cap / none_iteration_s:.2f}",
         flush=True,
     )
-    faults = [
+    return cap
+
+
+def fault_flags(args: argparse.Namespace, cap: float) -> list[str]:
+    """The flags every strategy's run shares: the failure schedule and the snapshot bandwidth cap."""
+    return [
         "--fault.mtbf_iters",
         str(args.mtbf_iters),
         "--fault.seed",
@@ -215,41 +225,54 @@ def main(argv: list[str] | None = None) -> None:
         "--checkpoint.bandwidth_gbps",
         f"{cap:.6f}",
     ]
-    for strategy in strategies:
-        stdout = launch(args.config, strategy, args.steps, args.pp, [*extra, *faults], args.threads)
-        (out / f"{strategy}.log").write_text(stdout)  # kept so that a stopped invocation loses no finished run
-        runs[strategy] = parse_run(stdout)
-        for line in runs[strategy]["recoveries"]:
-            print(f"  {strategy}: {line}", flush=True)
-        r = summarize(runs[strategy], none_iteration_s, tokens)
-        print(
-            f"  {strategy}: ettr={r['ettr']:.4f} overhead={r['overhead']:.4f} recovery_s={r['recovery_s']:.3f} "
-            f"failures={r['failures']} wall_s={r['wall_s']:.1f}",
-            flush=True,
-        )
 
-    results = {"none": {**summarize(runs["none"], none_iteration_s, tokens), "ettr": 1.0}}
-    results.update({s: summarize(run, none_iteration_s, tokens) for s, run in runs.items() if s != "none"})
-    profile = {
+
+def run_under_failures(
+    args: argparse.Namespace, strategy: str, flags: list[str], out: Path, none_iteration_s: float, tokens: int
+) -> dict:
+    """Train `strategy` for `--steps` iterations with `flags`, keep its log in `out` and print its
+    recoveries and summary; returns the parsed run (see :func:`parse_run`)."""
+    stdout = launch(args.config, strategy, args.steps, args.pp, flags, args.threads)
+    (out / f"{strategy}.log").write_text(stdout)  # kept so that a stopped invocation loses no finished run
+    run = parse_run(stdout)
+    for line in run["recoveries"]:
+        print(f"  {strategy}: {line}", flush=True)
+    r = summarize(run, none_iteration_s, tokens)
+    print(
+        f"  {strategy}: ettr={r['ettr']:.4f} overhead={r['overhead']:.4f} recovery_s={r['recovery_s']:.3f} "
+        f"failures={r['failures']} wall_s={r['wall_s']:.1f}",
+        flush=True,
+    )
+    return run
+
+
+def measured_profile(results: dict, none_iteration_s: float, mtbf_iters: float, steps: int) -> dict:
+    """The measured profile `simulator.ettr --profile` reads (every strategy but the `none` reference)."""
+    return {
         "iteration_s": none_iteration_s,
-        "mtbf_s": args.mtbf_iters * none_iteration_s,
-        "steps": args.steps,
+        "mtbf_s": mtbf_iters * none_iteration_s,
+        "steps": steps,
         "strategies": {
             s: {"overhead": r["overhead"], "recovery_s": r["recovery_per_failure_s"], "failures": r["failures"]}
             for s, r in results.items()
             if s != "none"
         },
     }
-    (out / "profile.json").write_text(json.dumps(profile, indent=1))
-    predicted = predict_from_profile(profile)
-    steady = {s: MeasuredProfile.from_json(profile).steady_ettr(s) for s in profile["strategies"]}
-    with open(out / "ettr.csv", "w", newline="") as f:
+
+
+def write_csv(path: Path, results: dict, predicted: dict, steady: dict) -> None:
+    """One row per strategy: its summary, the simulator's predicted and steady-state ETTR (empty for `none`)."""
+    with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["strategy", *results["none"], "predicted_ettr", "steady_ettr"])
         writer.writeheader()
         for s, r in results.items():
             writer.writerow(
                 {"strategy": s, **r, "predicted_ettr": predicted.get(s, ""), "steady_ettr": steady.get(s, "")}
             )
+
+
+def print_results(results: dict, predicted: dict, steady: dict) -> None:
+    """The `strategy=<s> ettr=<x> ...` line of every strategy, the simulator's prediction beside it."""
     for s, r in results.items():
         note = (
             " (fault-free reference: cannot recover)"
@@ -262,6 +285,34 @@ def main(argv: list[str] | None = None) -> None:
             f"failures={r['failures']} lost_tokens={r['lost_tokens']}{note}",
             flush=True,
         )
+
+
+def report(out: Path, results: dict, profile: dict) -> None:
+    """Write `profile.json` and `ettr.csv` to `out` and print every strategy's line."""
+    (out / "profile.json").write_text(json.dumps(profile, indent=1))
+    predicted = predict_from_profile(profile)
+    steady = {s: MeasuredProfile.from_json(profile).steady_ettr(s) for s in profile["strategies"]}
+    write_csv(out / "ettr.csv", results, predicted, steady)
+    print_results(results, predicted, steady)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, extra = parse_args(argv)
+    cfg = load_config(args.config, extra)
+    tokens, batch = cfg.training.batch_size * cfg.training.seq_len, cfg.training.batch_size
+    strategies = strategies_under_failures(args.strategies)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    runs = {"none": parse_run(launch(args.config, "none", args.none_steps, args.pp, extra, args.threads))}
+    none_iteration_s = statistics.fmean(iteration_times(runs["none"], tokens))
+    faults = fault_flags(args, snapshot_cap(args, cfg, none_iteration_s))
+    for strategy in strategies:
+        runs[strategy] = run_under_failures(args, strategy, [*extra, *faults], out, none_iteration_s, tokens)
+
+    results = {"none": {**summarize(runs["none"], none_iteration_s, tokens), "ettr": 1.0}}
+    results.update({s: summarize(run, none_iteration_s, tokens) for s, run in runs.items() if s != "none"})
+    report(out, results, measured_profile(results, none_iteration_s, args.mtbf_iters, args.steps))
     plot(out, results, runs, none_iteration_s, args.mtbf_iters, batch)
     print(
         f"wrote {out / 'ettr.csv'}, {out / 'profile.json'}, {out / 'ettr_vs_mtbf.png'}, {out / 'goodput.png'}"

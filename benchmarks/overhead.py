@@ -110,7 +110,19 @@ def steady_start(records: dict[int, dict[str, float]], profile_iters: int) -> in
     return profile_iters + first + 2
 
 
-def main(argv: list[str] | None = None) -> None:
+def steady_records(records: dict[int, dict[str, float]], profile_iters: int) -> list[dict[str, float]]:
+    """The records of one run's steady-state iterations (from :func:`steady_start` on)."""
+    start = steady_start(records, profile_iters)
+    return [r for t, r in records.items() if t >= start]
+
+
+def steady_ms(records: dict[int, dict[str, float]], profile_iters: int, tokens: int) -> list[float]:
+    """Milliseconds of each steady-state iteration (`tokens` per iteration)."""
+    return [tokens / r["tok_per_s"] * 1e3 for r in steady_records(records, profile_iters)]
+
+
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    """The benchmark's own flags and the `--section.key value` overrides passed on to every run."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="train_configs/bench_moe.toml")
     parser.add_argument("--strategies", default="none,moevement")
@@ -126,88 +138,131 @@ def main(argv: list[str] | None = None) -> None:
         default=0,
         help="compute threads of every run (0: torch's default); cores - 1 leaves the copy thread a core",
     )
-    args, extra = parser.parse_known_args(argv)
-    strategies = args.strategies.split(",")
-    cfg = load_config(args.config, extra)
-    dense_bytes = 12 * count_params(cfg.model)[0]  # FP32 master + exp_avg + exp_avg_sq
-    tokens = cfg.training.batch_size * cfg.training.seq_len
-    profile_iters = cfg.checkpoint.profile_iters
+    return parser.parse_known_args(argv)
 
-    def steady(records: dict[int, dict[str, float]]) -> list[dict[str, float]]:
-        start = steady_start(records, profile_iters)
-        return [r for t, r in records.items() if t >= start]
 
-    def steady_ms(records: dict[int, dict[str, float]]) -> list[float]:
-        """Milliseconds of each steady-state iteration."""
-        return [tokens / r["tok_per_s"] * 1e3 for r in steady(records)]
+def run_flags(strategy: str, extra: list[str], cap: float, window: int) -> list[str]:
+    """`extra` plus, for a checkpointing strategy, the bandwidth cap and the forced window (if any);
+    exits when a checkpointing strategy would run before any cap is known."""
+    flags = list(extra)
+    if variant_flags(strategy)[0] != "none":
+        if cap <= 0:
+            sys.exit("--bandwidth-gbps is required when `none` is not among the strategies")
+        flags += ["--checkpoint.bandwidth_gbps", f"{cap:.6f}"]
+        if window:
+            flags += ["--checkpoint.window", str(window)]
+    return flags
 
-    if args.logs:
-        args.logs.mkdir(parents=True, exist_ok=True)
+
+def calibrate(iter_s: float, dense_bytes: int, dense_snapshot_iters: float) -> float:
+    """The bandwidth cap (Gbit/s) under which a dense snapshot takes `dense_snapshot_iters` iterations
+    of `iter_s` seconds; prints it."""
+    cap = dense_bytes * 8 / 1e9 / (dense_snapshot_iters * iter_s)
+    print(
+        f"calibrated bandwidth_gbps={cap:.4f} (dense snapshot {dense_bytes / 1e6:.0f} MB "
+        f"in {dense_snapshot_iters} iterations of {iter_s * 1e3:.0f} ms)",
+        flush=True,
+    )
+    return cap
+
+
+def run_rounds(
+    args: argparse.Namespace, extra: list[str], strategies: list[str], dense_bytes: int, tokens: int, profile_iters: int
+) -> tuple[dict[str, list[dict[int, dict[str, float]]]], float]:
+    """Every strategy's step records, one run per round (`none` first in each round), and the bandwidth
+    cap: `--bandwidth-gbps`, else calibrated on the first `none` run. Exits on a run without a
+    steady-state iteration."""
     cap = args.bandwidth_gbps
     runs: dict[str, list[dict[int, dict[str, float]]]] = {s: [] for s in strategies}
     order = sorted(strategies, key=lambda s: s != "none")  # calibrate on `none` before anything is capped
     for round_index in range(args.rounds):
         for strategy in order:
-            flags = list(extra)
-            if variant_flags(strategy)[0] != "none":
-                if cap <= 0:
-                    sys.exit("--bandwidth-gbps is required when `none` is not among the strategies")
-                flags += ["--checkpoint.bandwidth_gbps", f"{cap:.6f}"]
-                if args.window:
-                    flags += ["--checkpoint.window", str(args.window)]
+            flags = run_flags(strategy, extra, cap, args.window)
             log = args.logs / f"round{round_index}-{strategy}.log" if args.logs else None
             records = run(args.config, strategy, args.steps, flags, args.threads, log)
-            if not steady_ms(records):
+            if not steady_ms(records, profile_iters, tokens):
                 sys.exit(
                     f"{strategy}: no steady-state iteration in {args.steps} steps (the first one would be "
                     f"{steady_start(records, profile_iters)}): raise --steps"
                 )
             runs[strategy].append(records)
             if strategy == "none" and cap <= 0:
-                iter_s = statistics.median(steady_ms(records)) / 1e3
-                cap = dense_bytes * 8 / 1e9 / (args.dense_snapshot_iters * iter_s)
-                print(
-                    f"calibrated bandwidth_gbps={cap:.4f} (dense snapshot {dense_bytes / 1e6:.0f} MB "
-                    f"in {args.dense_snapshot_iters} iterations of {iter_s * 1e3:.0f} ms)",
-                    flush=True,
-                )
+                iter_s = statistics.median(steady_ms(records, profile_iters, tokens)) / 1e3
+                cap = calibrate(iter_s, dense_bytes, args.dense_snapshot_iters)
             print(
                 f"round={round_index} strategy={strategy} iterations={len(records)} "
-                f"iter_ms={statistics.median(steady_ms(records)):.1f}",
+                f"iter_ms={statistics.median(steady_ms(records, profile_iters, tokens)):.1f}",
                 flush=True,
             )
+    return runs, cap
 
-    iter_ms = {s: statistics.median(ms for records in rs for ms in steady_ms(records)) for s, rs in runs.items()}
+
+def snapshot_fields(
+    strategy: str, rs: list[dict[int, dict[str, float]]], steps: int, dense_bytes: int, profile_iters: int
+) -> str:
+    """The snapshot part of a checkpointing strategy's line: sizes over whole windows (over every
+    snapshot iteration, with a printed note, when no window is complete), stalls over steady iterations."""
+    whole = [r for records in rs for r in whole_windows(records, profile_iters)]
+    if not whole:
+        print(
+            f"note: no complete window of {strategy} in {steps} steps: snapshot sizes averaged "
+            f"over every snapshot iteration",
+            flush=True,
+        )
+        whole = [r for records in rs for t, r in records.items() if t > profile_iters]
+    mb = statistics.mean(r["ckpt_mb"] for r in whole)
+    stalls = [r["stall_ms"] for records in rs for r in steady_records(records, profile_iters)]
+    windows = sorted({int(r["window"]) for r in whole})
+    return (
+        f" snapshot_mb_per_iter={mb:.1f} stall_ms={statistics.median(stalls):.1f}"
+        f" mean_stall_ms={statistics.mean(stalls):.1f} window={','.join(map(str, windows))}"
+        f" dense_fraction={mb / (dense_bytes / 1e6):.3f}"
+    )
+
+
+def report(
+    runs: dict[str, list[dict[int, dict[str, float]]]],
+    cap: float,
+    steps: int,
+    dense_bytes: int,
+    tokens: int,
+    profile_iters: int,
+) -> None:
+    """Print the dense snapshot's size and duration, then every strategy's `strategy=<s> ...` line."""
+    iter_ms = {
+        s: statistics.median(ms for records in rs for ms in steady_ms(records, profile_iters, tokens))
+        for s, rs in runs.items()
+    }
     base = iter_ms.get("none", min(iter_ms.values()))
     dense_s = dense_bytes / (cap * 1e9 / 8)
     print(
         f"dense_snapshot_mb={dense_bytes / 1e6:.1f} bandwidth_gbps={cap:.4f} "
         f"dense_snapshot_iters={dense_s / (base / 1e3):.2f}"
     )
-    run_ms = {s: [statistics.median(steady_ms(records)) for records in rs] for s, rs in runs.items()}
+    run_ms = {
+        s: [statistics.median(steady_ms(records, profile_iters, tokens)) for records in rs] for s, rs in runs.items()
+    }
     for strategy, rs in runs.items():
         line = f"strategy={strategy} iter_ms={iter_ms[strategy]:.1f} overhead={iter_ms[strategy] / base - 1:.4f}"
         if "none" in runs and strategy != "none":  # each run against the same round's `none` run
             paired = statistics.median(a / b for a, b in zip(run_ms[strategy], run_ms["none"]))
             line += f" round_overhead={paired - 1:.4f}"
         if variant_flags(strategy)[0] != "none":
-            whole = [r for records in rs for r in whole_windows(records, profile_iters)]
-            if not whole:
-                print(
-                    f"note: no complete window of {strategy} in {args.steps} steps: snapshot sizes averaged "
-                    f"over every snapshot iteration",
-                    flush=True,
-                )
-                whole = [r for records in rs for t, r in records.items() if t > profile_iters]
-            mb = statistics.mean(r["ckpt_mb"] for r in whole)
-            stalls = [r["stall_ms"] for records in rs for r in steady(records)]
-            windows = sorted({int(r["window"]) for r in whole})
-            line += (
-                f" snapshot_mb_per_iter={mb:.1f} stall_ms={statistics.median(stalls):.1f}"
-                f" mean_stall_ms={statistics.mean(stalls):.1f} window={','.join(map(str, windows))}"
-                f" dense_fraction={mb / (dense_bytes / 1e6):.3f}"
-            )
+            line += snapshot_fields(strategy, rs, steps, dense_bytes, profile_iters)
         print(line, flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, extra = parse_args(argv)
+    strategies = args.strategies.split(",")
+    cfg = load_config(args.config, extra)
+    dense_bytes = 12 * count_params(cfg.model)[0]  # FP32 master + exp_avg + exp_avg_sq
+    tokens = cfg.training.batch_size * cfg.training.seq_len
+    profile_iters = cfg.checkpoint.profile_iters
+    if args.logs:
+        args.logs.mkdir(parents=True, exist_ok=True)
+    runs, cap = run_rounds(args, extra, strategies, dense_bytes, tokens, profile_iters)
+    report(runs, cap, args.steps, dense_bytes, tokens, profile_iters)
 
 
 if __name__ == "__main__":

@@ -77,6 +77,74 @@ def _model_args_from_meta(directory: Path, meta: dict) -> ModelArgs:
     return args
 
 
+def _read_meta(path: Path) -> dict:
+    """``meta.json`` of the checkpoint directory ``path``, its format checked first (the old pickled
+    format is refused unread). Raises :class:`EvalError`."""
+    if not path.exists():
+        raise EvalError(f"checkpoint {str(path)!r}: no such directory")
+    if not path.is_dir():
+        raise EvalError(f"checkpoint {str(path)!r}: not a directory")
+    try:
+        return open_meta(str(path))
+    except CheckpointError as e:
+        raise EvalError(str(e)) from None
+
+
+def _model_args(path: Path, meta: dict, config: str | None) -> tuple[ModelArgs, str | None]:
+    """``(model shape, data.tokenizer of the config)``: both from the training TOML ``config`` if given,
+    else the shape recorded in ``meta`` and no tokenizer. Raises :class:`EvalError`."""
+    if config is None:
+        return _model_args_from_meta(path, meta), None
+    from trainer.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(config)
+    except ConfigError as e:
+        raise EvalError(f"config: {e}") from None
+    return cfg.model, cfg.data.tokenizer
+
+
+def _verify(path: Path, meta: dict, model_args: ModelArgs) -> None:
+    """Check that the checkpoint's model is ``model_args`` and that ``model.safetensors`` matches its
+    sha256 in ``meta`` (before safetensors parses it). Raises :class:`EvalError`."""
+    try:
+        check_model(meta, path / META, model_args)
+        verify_files(str(path), meta, (MODEL_FILE,))
+    except CheckpointError as e:
+        raise EvalError(str(e)) from None
+
+
+def _tokenizer(
+    meta: dict, model_args: ModelArgs, tokenizer: str | None, config_tokenizer: str | None
+) -> tuple[Tokenizer, str, str]:
+    """``(tokenizer, spec, source)``, chosen by :func:`tokenizer_spec`; raises :class:`EvalError` when it
+    cannot be built or has more ids than the model's vocabulary."""
+    spec, source = tokenizer_spec(meta, tokenizer, config_tokenizer)
+    try:
+        tok = build_tokenizer(spec)
+    except ValueError as e:
+        raise EvalError(f"tokenizer ({source}): {e}") from None
+    if tok.vocab_size > model_args.vocab_size:
+        raise EvalError(
+            f"tokenizer {spec!r} ({source}) has {tok.vocab_size} ids but the checkpoint's "
+            f"model.vocab_size is {model_args.vocab_size}: wrong tokenizer for this checkpoint"
+        )
+    return tok, spec, source
+
+
+def _load_model(path: Path, model_args: ModelArgs, device: str | torch.device) -> Transformer:
+    """The whole model built on ``device`` (leaving the global RNG untouched) with the checkpoint's
+    weights read by global name, in eval mode and fp32. Raises :class:`EvalError`."""
+    with torch.random.fork_rng(devices=[]):  # build_model's init draws from the global RNG
+        model = build_model(model_args, device=device)
+    try:
+        load_model(str(path), model)
+    except CheckpointError as e:
+        raise EvalError(str(e)) from None
+    model.float().eval()
+    return model
+
+
 def load_checkpoint(
     directory: str | Path,
     *,
@@ -90,47 +158,11 @@ def load_checkpoint(
     ``data.tokenizer`` picks the tokenizer). Raises :class:`EvalError` with a one-line message.
     """
     path = Path(directory)
-    if not path.exists():
-        raise EvalError(f"checkpoint {str(path)!r}: no such directory")
-    if not path.is_dir():
-        raise EvalError(f"checkpoint {str(path)!r}: not a directory")
-    try:
-        meta = open_meta(str(path))  # the format first: the old pickled one is refused unread
-    except CheckpointError as e:
-        raise EvalError(str(e)) from None
-    config_tokenizer = None
-    if config is not None:
-        from trainer.config import ConfigError, load_config
-
-        try:
-            cfg = load_config(config)
-        except ConfigError as e:
-            raise EvalError(f"config: {e}") from None
-        model_args, config_tokenizer = cfg.model, cfg.data.tokenizer
-    else:
-        model_args = _model_args_from_meta(path, meta)
-    try:
-        check_model(meta, path / META, model_args)
-        verify_files(str(path), meta, (MODEL_FILE,))  # before safetensors parses it
-    except CheckpointError as e:
-        raise EvalError(str(e)) from None
-    spec, source = tokenizer_spec(meta, tokenizer, config_tokenizer)
-    try:
-        tok = build_tokenizer(spec)
-    except ValueError as e:
-        raise EvalError(f"tokenizer ({source}): {e}") from None
-    if tok.vocab_size > model_args.vocab_size:
-        raise EvalError(
-            f"tokenizer {spec!r} ({source}) has {tok.vocab_size} ids but the checkpoint's "
-            f"model.vocab_size is {model_args.vocab_size}: wrong tokenizer for this checkpoint"
-        )
-    with torch.random.fork_rng(devices=[]):  # build_model's init draws from the global RNG
-        model = build_model(model_args, device=device)
-    try:
-        load_model(str(path), model)
-    except CheckpointError as e:
-        raise EvalError(str(e)) from None
-    model.float().eval()
+    meta = _read_meta(path)
+    model_args, config_tokenizer = _model_args(path, meta, config)
+    _verify(path, meta, model_args)
+    tok, spec, source = _tokenizer(meta, model_args, tokenizer, config_tokenizer)
+    model = _load_model(path, model_args, device)
     return LoadedCheckpoint(
         model=model,
         tokenizer=tok,

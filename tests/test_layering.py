@@ -1,0 +1,177 @@
+"""The packages import only downward: every import of every .py file, parsed with ``ast``.
+
+Layers, bottom to top (a layer may always import itself):
+
+    models                      nothing of the project but models
+    parallelisms                models
+    moevement.operators, moevement.failures
+                                the base of moevement: each other (and parallelisms)
+    moevement.storage           operators
+    moevement.checkpoint        storage, operators
+    moevement.recovery          checkpoint, storage, operators, failures
+    moevement (the package, strategy, clean)
+                                all of moevement
+    baselines                   moevement
+    simulator                   baselines, moevement
+    trainer                     everything above this line
+    eval, benchmarks, train.py, tests
+                                anything
+
+moevement, baselines and simulator know operators and tensors, never model classes: none of them
+imports ``models`` or ``trainer``. Module-level and function-level imports count alike.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# layer -> the modules it holds (a module and everything under it; the longest prefix wins)
+LAYERS: dict[str, tuple[str, ...]] = {
+    "models": ("models",),
+    "parallelisms": ("parallelisms",),
+    "moevement.operators": ("moevement.operators",),
+    "moevement.failures": ("moevement.failures",),
+    "moevement.storage": ("moevement.storage",),
+    "moevement.checkpoint": ("moevement.checkpoint",),
+    "moevement.recovery": ("moevement.recovery",),
+    # the top of moevement: the package itself, strategy.py, clean.py (a CLI) and any other module placed
+    # directly in moevement/ (which then may import all of moevement, and no lower layer may import it)
+    "moevement": ("moevement", "moevement.strategy", "moevement.clean"),
+    "baselines": ("baselines",),
+    "simulator": ("simulator",),
+    "trainer": ("trainer",),
+    "top": ("eval", "benchmarks", "train", "tests"),
+}
+
+MOEVEMENT = frozenset(layer for layer in LAYERS if layer.startswith("moevement"))
+BELOW_MOEVEMENT = frozenset({"parallelisms"})  # not models: moevement knows no model class
+
+# layer -> the other layers it may import
+MAY_IMPORT: dict[str, frozenset[str]] = {
+    "models": frozenset(),
+    "parallelisms": frozenset({"models"}),
+    "moevement.operators": BELOW_MOEVEMENT | {"moevement.failures"},
+    "moevement.failures": BELOW_MOEVEMENT | {"moevement.operators"},
+    "moevement.storage": BELOW_MOEVEMENT | {"moevement.operators"},
+    "moevement.checkpoint": BELOW_MOEVEMENT | {"moevement.storage", "moevement.operators"},
+    "moevement.recovery": BELOW_MOEVEMENT
+    | {"moevement.checkpoint", "moevement.storage", "moevement.operators", "moevement.failures"},
+    "moevement": BELOW_MOEVEMENT | MOEVEMENT,
+    "baselines": BELOW_MOEVEMENT | MOEVEMENT,
+    "simulator": BELOW_MOEVEMENT | MOEVEMENT | {"baselines"},
+    "trainer": frozenset({"models", "parallelisms", "baselines", "simulator"}) | MOEVEMENT,
+    "top": frozenset(LAYERS),
+}
+
+
+def python_files() -> list[Path]:
+    """Every .py file of the repository, outside hidden folders (.venv, .git) and caches."""
+    return sorted(
+        p
+        for p in ROOT.rglob("*.py")
+        if not any(part.startswith(".") or part in ("__pycache__", "outputs") for part in p.relative_to(ROOT).parts)
+    )
+
+
+def module_name(path: Path) -> str:
+    """Dotted module name of a file relative to the repository root (a package's ``__init__`` is the package)."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def layer_of(module: str) -> str | None:
+    """The layer holding ``module`` (longest matching prefix), or None when no layer does."""
+    best, best_len = None, -1
+    for layer, prefixes in LAYERS.items():
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best_len:
+                best, best_len = layer, len(prefix)
+    return best
+
+
+def imported_modules(source: str, module: str, is_package: bool, known: set[str]) -> list[tuple[int, str]]:
+    """``(line, module)`` of every import in ``source`` (any depth), relative ones resolved against
+    ``module``; ``from a import b`` names ``a.b`` when that is a module of ``known``. ``__future__`` is skipped."""
+    package = module if is_package else module.rpartition(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".") if package else []
+                base = ".".join([*parts[: len(parts) - node.level + 1], *([base] if base else [])])
+            if base == "__future__":
+                continue
+            for alias in node.names:
+                full = f"{base}.{alias.name}" if base else alias.name
+                out.append((node.lineno, full if full in known else base))
+    return out
+
+
+def violations(files: list[Path]) -> list[str]:
+    """One ``file: imports X (layer A may not import layer B)`` per forbidden import, and one line per
+    project file no layer holds."""
+    modules = {module_name(p): p for p in files}
+    roots = {m.split(".")[0] for m in modules}
+    out = []
+    for module, path in modules.items():
+        rel = path.relative_to(ROOT)
+        layer = layer_of(module)
+        if layer is None:
+            out.append(f"{rel}: in no layer (add {module!r} to LAYERS in tests/test_layering.py)")
+            continue
+        is_package = path.name == "__init__.py"
+        for line, target in imported_modules(path.read_text(), module, is_package, set(modules)):
+            if target.split(".")[0] not in roots:
+                continue  # the standard library or a third-party package
+            target_layer = layer_of(target)
+            if target_layer is None:
+                out.append(f"{rel}:{line}: imports {target} (in no layer)")
+            elif target_layer != layer and target_layer not in MAY_IMPORT[layer]:
+                out.append(f"{rel}:{line}: imports {target} (layer {layer} may not import layer {target_layer})")
+    return out
+
+
+def test_every_layer_has_rules():
+    assert set(MAY_IMPORT) == set(LAYERS)
+    assert all(allowed <= set(LAYERS) for allowed in MAY_IMPORT.values())
+
+
+def test_imports_only_go_down():
+    files = python_files()
+    assert ROOT / "moevement" / "operators.py" in files and ROOT / "train.py" in files
+    found = violations(files)
+    assert not found, f"{len(found)} layering violation(s):\n" + "\n".join(found)
+
+
+def test_checker_flags_upward_imports(tmp_path, monkeypatch):
+    """The checker itself: an upward import, a model import from moevement and a relative import are caught."""
+    monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
+    sources = {
+        "models/__init__.py": "",
+        "trainer/__init__.py": "",
+        "moevement/__init__.py": "",
+        "moevement/operators.py": "",
+        "moevement/failures.py": "from moevement import operators\n",
+        "moevement/recovery/__init__.py": "",
+        "moevement/recovery/fetch.py": "from . import replay\nfrom ..storage.snapshot import Snapshot\n",
+        "moevement/recovery/replay.py": "",
+        "moevement/storage/__init__.py": "",
+        "moevement/storage/snapshot.py": "def f():\n    from moevement.recovery import fetch\n",
+        "moevement/checkpoint/__init__.py": "import models\nimport torch\n",
+    }
+    for name, text in sources.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert sorted(violations(python_files())) == [
+        "moevement/checkpoint/__init__.py:1: imports models (layer moevement.checkpoint may not import layer models)",
+        "moevement/storage/snapshot.py:2: imports moevement.recovery.fetch "
+        "(layer moevement.storage may not import layer moevement.recovery)",
+    ]
