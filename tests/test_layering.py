@@ -5,7 +5,7 @@ Layers, bottom to top (a layer may always import itself):
     models                      nothing of the project but models
     parallelisms                models
     moevement.operators, moevement.failures
-                                the base of moevement: each other (and parallelisms)
+                                the base of moevement: each other only
     moevement.storage           operators
     moevement.checkpoint        storage, operators
     moevement.recovery          checkpoint, storage, operators, failures
@@ -47,7 +47,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
 }
 
 MOEVEMENT = frozenset(layer for layer in LAYERS if layer.startswith("moevement"))
-BELOW_MOEVEMENT = frozenset({"parallelisms"})  # not models: moevement knows no model class
+BELOW_MOEVEMENT: frozenset[str] = frozenset()  # moevement knows operators and tensors: no model class, no parallelism
 
 # layer -> the other layers it may import
 MAY_IMPORT: dict[str, frozenset[str]] = {
