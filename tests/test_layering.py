@@ -18,7 +18,7 @@ Layers, bottom to top (a layer may always import itself):
                                 anything
 
 moevement, baselines and simulator know operators and tensors, never model classes: none of them
-imports ``models`` or ``trainer``. Module-level and function-level imports count alike.
+imports ``models``, ``parallelisms`` or ``trainer``. Module-level and function-level imports count alike.
 """
 
 from __future__ import annotations
