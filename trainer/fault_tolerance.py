@@ -9,8 +9,10 @@ machinery driven by an interval policy (dense or partial checkpoints, W = 1) and
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 import torch.distributed as dist
@@ -111,21 +113,20 @@ def build_strategy(
         if dist.is_initialized():
             dist.barrier()  # every rank holds its copy before any rank clears its directory
     remove_tree(rank_dir)  # loaded, or of no use to any restart
-    compute_dtype = DTYPES[cfg.training.mixed_precision]
-    if strategy != "moevement":
-        return _interval_baseline(cfg, model, optimizer, dims, topo, rank_dir, job_meta, compute_dtype, line, lock)
-    ck_cfg = dataclasses.replace(cfg.checkpoint, persist_dir=str(disk or ""))
-    checkpointer = SparseCheckpointer(
-        ck_cfg,
-        model.view,
-        optimizer,
-        compute_dtype=compute_dtype,
+    new_checkpointer = functools.partial(
+        SparseCheckpointer,
+        model=model.view,
+        optimizer=optimizer,
+        compute_dtype=DTYPES[cfg.training.mixed_precision],
         device=dims.device,
         rank_dir=rank_dir,
         topology=topo,
         job_meta=job_meta,
         rank_dirs=_same_node_dirs(cfg),
     )
+    if strategy != "moevement":
+        return _interval_baseline(cfg, model, optimizer, dims, topo.rank, new_checkpointer, line, lock)
+    checkpointer = new_checkpointer(dataclasses.replace(cfg.checkpoint, persist_dir=str(disk or "")))
     log = UpstreamLog(model.parts, model.stage_ids, model.n_stages) if cfg.parallelism.pp > 1 else None
     hooks = _trainer_hooks(cfg, model, optimizer, dims, seeder, log, layout, train_batches, line)
     conversion = Conversion(checkpointer, optimizer, layout, hooks, dims.device, cfg.fault.replay_threads)
@@ -146,10 +147,8 @@ def _interval_baseline(
     model: ModelParts,
     optimizer,
     dims: ParallelDims,
-    topo: Topology,
-    rank_dir: Path,
-    job_meta: dict,
-    compute_dtype,
+    rank: int,
+    new_checkpointer: Callable[..., SparseCheckpointer],
     line,
     lock: JobLock,
 ) -> IntervalBaseline:
@@ -168,22 +167,10 @@ def _interval_baseline(
         default = str(Path(cfg.job.output_dir) / f"{strategy}-checkpoints")
         persist = persist_root(cfg, default)
         ck_cfg = dataclasses.replace(ck_cfg, replicas=0, persist_dir=str(persist), persist_every=1)
-        for old in persist.glob(f"window-*/rank{topo.rank:05d}"):
+        for old in persist.glob(f"window-*/rank{rank:05d}"):
             remove_tree(old)  # an earlier run's checkpoints must not be restored into this one
     policy = IntervalPolicy(strategy, ck_cfg.interval, cfg.fault.mtbf_iters, select)
-    checkpointer = SparseCheckpointer(
-        ck_cfg,
-        model.view,
-        optimizer,
-        compute_dtype=compute_dtype,
-        device=dims.device,
-        rank_dir=rank_dir,
-        topology=topo,
-        job_meta=job_meta,
-        policy=policy,
-        disk_keep=keep,
-        rank_dirs=_same_node_dirs(cfg),
-    )
+    checkpointer = new_checkpointer(ck_cfg, policy=policy, disk_keep=keep)
     rollback = GlobalRollback(
         strategy,
         checkpointer,
