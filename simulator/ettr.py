@@ -111,7 +111,7 @@ class Hardware:
 
 
 @dataclass(frozen=True)
-class Layout:
+class ClusterShape:
     """gpus = pp * dp; experts are sharded over `ep` (which divides dp) and replicated dp/ep times."""
 
     gpus: int
@@ -131,7 +131,7 @@ class Layout:
 class Preset:
     name: str
     model: ModelShape
-    layout: Layout
+    layout: ClusterShape
     hw: Hardware = field(default_factory=Hardware)
     moc_k_pec: int = 0  # experts per MoE layer in each MoC checkpoint; 0 means experts // 8
 
@@ -153,12 +153,12 @@ _S671 = ModelShape(61, 3, 7168, 18432, 256, 1, 8, 2048, 129280, attn_params=187_
 PRESETS: dict[str, Preset] = {
     p.name: p
     for p in (
-        Preset("32B-512", _S32, Layout(512, 4, 8, 16)),
-        Preset("67B-1024", _S67, Layout(1024, 8, 16, 16)),
-        Preset("67B-2048", _S67, Layout(2048, 8, 16, 16)),
-        Preset("145B-4096", _S145, Layout(4096, 8, 32, 16)),
-        Preset("145B-8192", _S145, Layout(8192, 8, 32, 16)),
-        Preset("671B-16384", _S671, Layout(16384, 16, 64, 16)),
+        Preset("32B-512", _S32, ClusterShape(512, 4, 8, 16)),
+        Preset("67B-1024", _S67, ClusterShape(1024, 8, 16, 16)),
+        Preset("67B-2048", _S67, ClusterShape(2048, 8, 16, 16)),
+        Preset("145B-4096", _S145, ClusterShape(4096, 8, 32, 16)),
+        Preset("145B-8192", _S145, ClusterShape(8192, 8, 32, 16)),
+        Preset("671B-16384", _S671, ClusterShape(16384, 16, 64, 16)),
     )
 }
 

@@ -4,11 +4,10 @@ Layers, bottom to top (a layer may always import itself):
 
     models                      nothing of the project but models
     parallelisms                models
-    moevement.operators, moevement.failures
-                                the base of moevement: each other only
-    moevement.storage           operators
-    moevement.checkpoint        storage, operators
-    moevement.recovery          checkpoint, storage, operators, failures
+    moevement.base              operators.py, failures.py, topology.py: nothing of the project
+    moevement.storage           base
+    moevement.checkpoint        storage, base
+    moevement.recovery          checkpoint, storage, base
     moevement (the package, strategy, clean)
                                 all of moevement
     baselines                   moevement
@@ -32,8 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS: dict[str, tuple[str, ...]] = {
     "models": ("models",),
     "parallelisms": ("parallelisms",),
-    "moevement.operators": ("moevement.operators",),
-    "moevement.failures": ("moevement.failures",),
+    "moevement.base": ("moevement.operators", "moevement.failures", "moevement.topology"),
     "moevement.storage": ("moevement.storage",),
     "moevement.checkpoint": ("moevement.checkpoint",),
     "moevement.recovery": ("moevement.recovery",),
@@ -53,12 +51,10 @@ BELOW_MOEVEMENT: frozenset[str] = frozenset()  # moevement knows operators and t
 MAY_IMPORT: dict[str, frozenset[str]] = {
     "models": frozenset(),
     "parallelisms": frozenset({"models"}),
-    "moevement.operators": BELOW_MOEVEMENT | {"moevement.failures"},
-    "moevement.failures": BELOW_MOEVEMENT | {"moevement.operators"},
-    "moevement.storage": BELOW_MOEVEMENT | {"moevement.operators"},
-    "moevement.checkpoint": BELOW_MOEVEMENT | {"moevement.storage", "moevement.operators"},
-    "moevement.recovery": BELOW_MOEVEMENT
-    | {"moevement.checkpoint", "moevement.storage", "moevement.operators", "moevement.failures"},
+    "moevement.base": BELOW_MOEVEMENT,
+    "moevement.storage": BELOW_MOEVEMENT | {"moevement.base"},
+    "moevement.checkpoint": BELOW_MOEVEMENT | {"moevement.storage", "moevement.base"},
+    "moevement.recovery": BELOW_MOEVEMENT | {"moevement.checkpoint", "moevement.storage", "moevement.base"},
     "moevement": BELOW_MOEVEMENT | MOEVEMENT,
     "baselines": BELOW_MOEVEMENT | MOEVEMENT,
     "simulator": BELOW_MOEVEMENT | MOEVEMENT | {"baselines"},

@@ -8,8 +8,8 @@ import pytest
 from baselines.intervals import checkfreq_interval, checkfreq_overhead, ettr, oracle_interval, periodic_ettr
 from simulator.ettr import (
     PRESETS,
+    ClusterShape,
     Hardware,
-    Layout,
     MeasuredProfile,
     ModelShape,
     Preset,
@@ -27,7 +27,7 @@ from simulator.ettr import (
 TINY = Preset(
     "tiny",
     ModelShape(1, 0, 1000, 0, 2, 0, 1, 1000, 10),
-    Layout(gpus=2, pp=1, ep=2, micro_batches=1, seq_len=1000),
+    ClusterShape(gpus=2, pp=1, ep=2, micro_batches=1, seq_len=1000),
     Hardware(
         peak_flops=1e12,
         mfu=1.0,

@@ -21,16 +21,16 @@ from baselines.global_rollback import GlobalRollback, MocState
 from baselines.intervals import IntervalPolicy
 from baselines.moc import LostTokens, PartialExpertSelector
 from baselines.strategy import IntervalBaseline
-from moevement.checkpoint.checkpointer import SparseCheckpointer, Topology
+from moevement.checkpoint.checkpointer import SparseCheckpointer
 from moevement.operators import build_registry
 from moevement.recovery.conversion import Conversion, TrainerHooks
 from moevement.recovery.localized import Recovery
-from moevement.recovery.rank_layout import RankLayout
 from moevement.recovery.replay import PipelineReplay, StageRef
 from moevement.recovery.restart import find_restart_checkpoint, snapshot_identity_check
 from moevement.recovery.upstream_log import UpstreamLog
 from moevement.storage.host_memory import JobLock, default_host_dir, make_private_dirs, remove_tree
 from moevement.strategy import CheckpointStrategy, MoEvement, NoCheckpointing
+from moevement.topology import Topology
 from parallelisms.fsdp import DTYPES
 from parallelisms.mesh import ParallelDims
 from parallelisms.parallelize import ModelParts, initial_parameters
@@ -40,19 +40,20 @@ from trainer.identity import RunIdentity
 from trainer.step import DropoutSeeder, forward_backward, replay_update
 
 
-def gather_layout(dims: ParallelDims) -> tuple[Topology, RankLayout]:
+def gather_topology(dims: ParallelDims) -> Topology:
     """Every rank's pipeline rank, data-parallel rank and node (collective over all ranks)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return Topology.single(), RankLayout([0], [0], [0], [local_stage_ids(dims.cfg, 0)])
+        return Topology.single(local_stage_ids(dims.cfg, 0))
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (dims.pp_rank, dims.dp_rank, socket.gethostname()))
     hosts = list(dict.fromkeys(host for _, _, host in gathered))
-    pp_of, node_of = [p for p, _, _ in gathered], [hosts.index(h) for _, _, h in gathered]
-    topology = Topology(dist.get_rank(), len(gathered), pp_of, node_of)
-    layout = RankLayout(
-        pp_of, [d for _, d, _ in gathered], node_of, [local_stage_ids(dims.cfg, p) for p in range(dims.cfg.pp)]
+    return Topology(
+        dist.get_rank(),
+        [p for p, _, _ in gathered],
+        [d for _, d, _ in gathered],
+        [hosts.index(h) for _, _, h in gathered],
+        [local_stage_ids(dims.cfg, p) for p in range(dims.cfg.pp)],
     )
-    return topology, layout
 
 
 def host_job_dir(cfg: Config) -> Path:
@@ -95,7 +96,7 @@ def build_strategy(
     if strategy == "none":
         return NoCheckpointing()
     lock = claim_host_state(cfg, dist.get_rank() if dist.is_initialized() else 0)
-    topo, layout = gather_layout(dims)
+    topo = gather_topology(dims)
     rank_dir = host_rank_dir(cfg, topo.rank)
     identity = RunIdentity.of_sparse(cfg)
     job_meta = {
@@ -128,12 +129,12 @@ def build_strategy(
         return _interval_baseline(cfg, model, optimizer, dims, topo.rank, new_checkpointer, line, lock)
     checkpointer = new_checkpointer(dataclasses.replace(cfg.checkpoint, persist_dir=str(disk or "")))
     log = UpstreamLog(model.parts, model.stage_ids, model.n_stages) if cfg.parallelism.pp > 1 else None
-    hooks = _trainer_hooks(cfg, model, optimizer, dims, seeder, log, layout, train_batches, line)
-    conversion = Conversion(checkpointer, optimizer, layout, hooks, dims.device, cfg.fault.replay_threads)
+    hooks = _trainer_hooks(cfg, model, optimizer, dims, seeder, log, topo, train_batches, line)
+    conversion = Conversion(checkpointer, optimizer, topo, hooks, dims.device, cfg.fault.replay_threads)
     recovery = Recovery(
         checkpointer,
         log,
-        layout,
+        topo,
         cfg.training.micro_batches,
         conversion,
         line,
@@ -206,7 +207,7 @@ def _trainer_hooks(
     dims: ParallelDims,
     seeder: DropoutSeeder,
     log: UpstreamLog | None,
-    layout: RankLayout,
+    topo: Topology,
     train_batches,
     line,
 ) -> TrainerHooks:
@@ -226,7 +227,7 @@ def _trainer_hooks(
             stages,
             model.n_stages,
             micro,
-            lambda s: layout.rank_of(layout.owner_pp(s), dims.dp_rank),
+            lambda s: topo.rank_of(topo.owner_pp(s), dims.dp_rank),
             log,
             lm_loss,
             dims.device,

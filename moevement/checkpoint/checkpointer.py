@@ -41,9 +41,10 @@ from moevement.checkpoint.schedule import WindowPlan
 from moevement.operators import Operator, build_registry
 from moevement.storage.host_memory import HostBuffer, encode_json, make_private_dirs, read_header
 from moevement.storage.persistence import DiskWriter
-from moevement.storage.replication import Outgoing, ReplicaStore, Topology, start_replication
-from moevement.storage.snapshot import SnapshotHeader, layout
+from moevement.storage.replication import Outgoing, ReplicaStore, start_replication
+from moevement.storage.snapshot import SnapshotHeader, entry_layout
 from moevement.storage.snapshot_buffers import SnapshotBuffers, local_buffer
+from moevement.topology import Topology
 
 __all__ = ["SnapshotPolicy", "SparseCheckpointer", "Topology", "local_buffer", "persisted_snapshots"]
 
@@ -133,23 +134,11 @@ class SparseCheckpointer:
         if self.plan is None or iteration >= self.plan.end:
             self._start_window(iteration)
         slot = self.plan.slot_at(iteration)
-        entries, sources, nbytes = self._layout(slot)
-        header = SnapshotHeader(
-            iteration,
-            self.plan.start,
-            slot,
-            self.plan.window,
-            self.topology.rank,
-            list(self.plan.slots[slot]),
-            list(self.plan.frozen_after(slot)),
-            entries,
-            nbytes,
-            {**self.job_meta, "data_position": iteration},
-        )
+        header, sources = _snapshot_header(self.plan, iteration, self.topology.rank, self._layout(slot), self.job_meta)
         buffer = self.buffers.buffer(self.window_index % 2, slot)
         copy = self.buffers.submit(self._copy, self.window_index, buffer, header, sources)
         self.pending = _Pending(self.window_index, slot, header, buffer, copy)
-        self.stats.last["ckpt_mb"] = nbytes / 1e6
+        self.stats.last["ckpt_mb"] = header.nbytes / 1e6
 
     def _before_optimizer_step(self, _optimizer, _args, _kwargs) -> None:
         if self.stats.paused:
@@ -276,7 +265,7 @@ class SparseCheckpointer:
     def _layout(self, slot: int):
         """(entries, source tensors, bytes) of the snapshot of slot `slot` of the current window."""
         active, frozen = self.planner.slot_operators(self.plan, slot)
-        return layout(active, frozen, self.planner.optimizer, self.planner.compute_dtype)
+        return entry_layout(active, frozen, self.planner.optimizer, self.planner.compute_dtype)
 
     def _copy(self, window_index: int, buffer: HostBuffer, header: SnapshotHeader, sources) -> None:
         """Copy thread: wait until the buffer's old window is garbage, then copy SS_t into it."""
@@ -288,13 +277,9 @@ class SparseCheckpointer:
 
     def _on_window_replicated(self, window_index: int) -> None:
         """Window `window_index` is complete on every rank and its replicas: it is persisted."""
-        headers = self.persisted.take_headers(window_index)
-        parity = window_index % 2
-        self.buffers.invalidate(1 - parity)
-        self.replicas.invalidate(1 - parity)
-        if self.disk is not None and window_index % self.cfg.persist_every == 0:
-            self.disk.submit(parity, [(h, self.buffers.buffer(parity, h["slot"]).data) for h in headers])
-        self.persisted.publish(window_index, headers)
+        self.persisted.window_replicated(
+            window_index, self.disk if window_index % self.cfg.persist_every == 0 else None
+        )
 
 
 class _LoopState:
@@ -326,3 +311,14 @@ def persisted_snapshots(rank_dir: Path) -> list[tuple[dict, Path]]:
             raise FileNotFoundError(f"{rank_dir / rel}: snapshot of the persisted checkpoint is missing")
         out.append((header, rank_dir / rel))
     return out
+
+
+def _snapshot_header(plan: WindowPlan, iteration: int, rank: int, entry_layout, job_meta: dict):
+    """(header, source tensors) of SS_iteration; `entry_layout`: (entries, sources, bytes) of its slot."""
+    entries, sources, nbytes = entry_layout
+    slot = plan.slot_at(iteration)
+    active, frozen = list(plan.slots[slot]), list(plan.frozen_after(slot))
+    meta = {**job_meta, "data_position": iteration}
+    return SnapshotHeader(
+        iteration, plan.start, slot, plan.window, rank, active, frozen, entries, nbytes, meta
+    ), sources

@@ -6,7 +6,7 @@ becomes garbage. Recovery reads only through `rollback_point`, `window`, `snapsh
 `replica_buffer` and `scalars`.
 
 Threads: `committed`, `log_scalars`, `restore_scalars`, `abort_in_flight`, `forget` and `restored` run on
-the training thread; `take_headers` and `publish` on the replication thread (or the training thread without
+the training thread; `window_replicated` on the replication thread (or the training thread without
 replication); `wait_until_persisted` on the copy thread. Every field is read and written under `cond`.
 """
 
@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from moevement.storage.host_memory import HostBuffer, write_json_atomic
+from moevement.storage.persistence import DiskWriter
 from moevement.storage.replication import ReplicaStore
 from moevement.storage.snapshot_buffers import SnapshotBuffers, local_buffer
 
@@ -67,14 +68,17 @@ class PersistedCheckpoint:
         with self.cond:
             self.headers.setdefault(window_index, []).append(header)
 
-    def take_headers(self, window_index: int) -> list[dict]:
-        """The headers of a window every rank has replicated (the window before it is dropped too)."""
+    def window_replicated(self, window_index: int, disk: DiskWriter | None) -> None:
+        """Every rank has replicated window `window_index`: the window before it is garbage, this one is
+        handed to `disk` (if given), recorded, and a copy waiting for its buffers is woken."""
         with self.cond:
             self.headers.pop(window_index - 1, None)
-            return self.headers.pop(window_index)
-
-    def publish(self, window_index: int, headers: list[dict]) -> None:
-        """Window `window_index` is persisted: record it and wake a copy waiting for its buffers."""
+            headers = self.headers.pop(window_index)
+        parity = window_index % 2
+        self.buffers.invalidate(1 - parity)
+        self.replicas.invalidate(1 - parity)
+        if disk is not None:  # before the index is published: the copy thread waits on the disk writer
+            disk.submit(parity, [(h, self.buffers.buffer(parity, h["slot"]).data) for h in headers])
         start, window = headers[0]["window_start"], len(headers)
         self._write_manifest(window_index, start, window)
         with self.cond:

@@ -21,10 +21,10 @@ import torch.distributed as dist
 
 from moevement.checkpoint.checkpointer import SparseCheckpointer
 from moevement.recovery.fetch import RecoveryError
-from moevement.recovery.rank_layout import RankLayout
 from moevement.recovery.replay import load_compute, load_master, reset_to_initial, set_frozen
 from moevement.recovery.replay_threads import intra_op_threads, replay_threads
 from moevement.storage.snapshot import SnapshotHeader
+from moevement.topology import Topology
 
 
 @dataclass
@@ -54,7 +54,7 @@ class Conversion:
         self,
         checkpointer: SparseCheckpointer,
         optimizer: torch.optim.Optimizer,
-        layout: RankLayout,
+        layout: Topology,
         hooks: TrainerHooks,
         device: torch.device,
         threads: int = 0,

@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 
 from moevement.checkpoint.checkpointer import SparseCheckpointer
-from moevement.recovery.rank_layout import RankLayout
 from moevement.recovery.upstream_log import UpstreamLog
 from moevement.storage.host_memory import HostBuffer, read_header
 from moevement.storage.snapshot import SnapshotError, SnapshotHeader, verify_entries
+from moevement.topology import Topology
 
 
 class RecoveryError(RuntimeError):
@@ -130,7 +130,7 @@ DTYPE_CODES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 def fetch_boundary_logs(
-    log: UpstreamLog | None, layout: RankLayout, micro_batches: int, scope: set[int], t0: int, step: int
+    log: UpstreamLog | None, layout: Topology, micro_batches: int, scope: set[int], t0: int, step: int
 ) -> dict:
     """Boundary tensors of iterations t0..step-1 that the stages in `scope` need, from the upstream logs
     of their healthy neighbours: {(kind, iteration, sending stage, micro-batch): tensor} on the receiver."""

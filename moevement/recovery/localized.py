@@ -36,11 +36,11 @@ from moevement.recovery.fetch import (
     fetch_scalars,
     persisted_header,
 )
-from moevement.recovery.rank_layout import RankLayout
 from moevement.recovery.replay import wipe_operators
 from moevement.recovery.restart import Found
 from moevement.recovery.upstream_log import UpstreamLog
 from moevement.storage.snapshot import SnapshotHeader, read_entries
+from moevement.topology import Topology
 
 
 class Recovery:
@@ -50,7 +50,7 @@ class Recovery:
         self,
         checkpointer: SparseCheckpointer,
         log: UpstreamLog | None,
-        layout: RankLayout,
+        layout: Topology,
         micro_batches: int,
         conversion: Conversion,
         line: Callable[[str], None],

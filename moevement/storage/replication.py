@@ -30,18 +30,7 @@ import torch.distributed as dist
 from moevement.storage.background import enter_background
 from moevement.storage.host_memory import HostBuffer, make_private_dir, map_bytes
 from moevement.storage.snapshot_buffers import local_buffer
-
-
-def choose_peers(rank: int, world: int, replicas: int, stage_of: list[int], node_of: list[int]) -> list[int]:
-    """The ranks holding `rank`'s replicas: other pipeline stages first, then other nodes, then nearest."""
-    others = [c for c in range(world) if c != rank]
-    others.sort(key=lambda c: (stage_of[c] == stage_of[rank], node_of[c] == node_of[rank], (c - rank) % world))
-    return others[: min(replicas, world - 1)]
-
-
-def peer_map(world: int, replicas: int, stage_of: list[int], node_of: list[int]) -> list[list[int]]:
-    """peers[rank] for every rank (every rank computes the same map)."""
-    return [choose_peers(r, world, replicas, stage_of, node_of) for r in range(world)]
+from moevement.topology import Topology
 
 
 class ReplicaStore:
@@ -198,24 +187,6 @@ def _wait(works: list) -> None:
         work.wait()
 
 
-@dataclass
-class Topology:
-    """Where this rank sits: what replica placement needs to know about every rank."""
-
-    rank: int
-    world: int
-    stage_of: list[int]  # pipeline stage (pp rank) of every rank
-    node_of: list[int]  # node index of every rank
-
-    @classmethod
-    def single(cls) -> Topology:
-        return cls(0, 1, [0], [0])
-
-    def replica_holders(self, rank: int, replicas: int) -> list[int]:
-        """The ranks holding `rank`'s replicas, in fetch order."""
-        return choose_peers(rank, self.world, replicas, self.stage_of, self.node_of) if self.world > 1 else []
-
-
 def start_replication(
     topology: Topology,
     replicas: int,
@@ -236,7 +207,7 @@ def start_replication(
         same_node = frozenset(r for r, n in enumerate(topology.node_of) if n == node and r != topology.rank)
     return Replicator(
         topology.rank,
-        peer_map(topology.world, replicas, topology.stage_of, topology.node_of),
+        topology.replica_peers(replicas),
         store,
         group,
         on_window_replicated,

@@ -81,7 +81,7 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def layout(
+def entry_layout(
     active: list[Operator], frozen: list[Operator], optimizer: torch.optim.Optimizer, compute_dtype: torch.dtype
 ) -> tuple[list[Entry], list[torch.Tensor], int]:
     """Entries (without checksums), their source tensors, and the total byte size."""

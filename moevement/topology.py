@@ -1,0 +1,61 @@
+"""Where every rank of the job sits, and where its snapshots' replicas go (gathered once at start-up)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def choose_peers(rank: int, world: int, replicas: int, stage_of: list[int], node_of: list[int]) -> list[int]:
+    """The ranks holding `rank`'s replicas: other pipeline stages first, then other nodes, then nearest."""
+    others = [c for c in range(world) if c != rank]
+    others.sort(key=lambda c: (stage_of[c] == stage_of[rank], node_of[c] == node_of[rank], (c - rank) % world))
+    return others[: min(replicas, world - 1)]
+
+
+def peer_map(world: int, replicas: int, stage_of: list[int], node_of: list[int]) -> list[list[int]]:
+    """peers[rank] for every rank (every rank computes the same map)."""
+    return [choose_peers(r, world, replicas, stage_of, node_of) for r in range(world)]
+
+
+@dataclass
+class Topology:
+    """This rank, and per rank: pipeline rank, data-parallel rank and node; per pipeline rank: its stages."""
+
+    rank: int
+    pp_of: list[int]
+    dp_of: list[int]
+    node_of: list[int]
+    stages_of_pp: list[list[int]]
+
+    @classmethod
+    def single(cls, stages: list[int] | None = None) -> Topology:
+        return cls(0, [0], [0], [0], [stages or [0]])
+
+    @property
+    def world(self) -> int:
+        return len(self.pp_of)
+
+    @property
+    def n_stages(self) -> int:
+        return sum(len(stages) for stages in self.stages_of_pp)
+
+    @property
+    def dp_size(self) -> int:
+        return max(self.dp_of) + 1
+
+    def rank_of(self, pp_rank: int, dp_rank: int) -> int:
+        return next(r for r, (p, d) in enumerate(zip(self.pp_of, self.dp_of)) if p == pp_rank and d == dp_rank)
+
+    def owner_pp(self, stage: int) -> int:
+        return next(p for p, stages in enumerate(self.stages_of_pp) if stage in stages)
+
+    def stages_of(self, pp_ranks: set[int]) -> set[int]:
+        return {s for p in pp_ranks for s in self.stages_of_pp[p]}
+
+    def replica_peers(self, replicas: int) -> list[list[int]]:
+        """peers[r]: the ranks holding rank r's replicas, in fetch order."""
+        return peer_map(self.world, replicas, self.pp_of, self.node_of) if self.world > 1 else [[]]
+
+    def replica_holders(self, rank: int, replicas: int) -> list[int]:
+        """The ranks holding `rank`'s replicas, in fetch order."""
+        return choose_peers(rank, self.world, replicas, self.pp_of, self.node_of) if self.world > 1 else []
