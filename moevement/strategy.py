@@ -14,7 +14,7 @@ from typing import Protocol
 from moevement.checkpoint.checkpointer import SparseCheckpointer
 from moevement.failures import FaultEvent
 from moevement.recovery.localized import Recovery
-from moevement.recovery.restart import Found
+from moevement.recovery.restart import RestartPoint
 from moevement.recovery.upstream_log import UpstreamLog
 from moevement.storage.host_memory import JobLock
 
@@ -76,7 +76,7 @@ class MoEvement:
         checkpointer: SparseCheckpointer,
         log: UpstreamLog | None,
         recovery: Recovery,
-        found: Found | None,
+        found: RestartPoint | None,
         lock: JobLock,
     ):
         self.checkpointer, self.log, self.recovery = checkpointer, log, recovery

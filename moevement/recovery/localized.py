@@ -37,7 +37,7 @@ from moevement.recovery.fetch import (
     persisted_header,
 )
 from moevement.recovery.replay import wipe_operators
-from moevement.recovery.restart import Found
+from moevement.recovery.restart import RestartPoint
 from moevement.recovery.upstream_log import UpstreamLog
 from moevement.storage.snapshot import SnapshotHeader, read_entries
 from moevement.topology import Topology
@@ -106,7 +106,7 @@ class Recovery:
             return set(range(len(self.layout.stages_of_pp)))
         return {self.layout.pp_of[r] for r in failed}
 
-    def restart(self, found: Found) -> int:
+    def restart(self, found: RestartPoint) -> int:
         """Whole-job restart: every stage converts `found` by a full-pipeline replay (global rollback).
 
         Returns the first iteration to train next (t0 + W); the logged scalars come from the headers."""

@@ -38,7 +38,7 @@ UNUSABLE = (SnapshotError, HostMemoryError, OSError)
 
 
 @dataclass
-class Found:
+class RestartPoint:
     """The checkpoint a restarted rank converts: window [window_start, window_start + window)."""
 
     window_start: int
@@ -149,7 +149,7 @@ def _load_first_intact(rank: int, copies: list[_Copy], check: CheckHeader) -> tu
 
 def find_restart_checkpoint(
     job_dir: Path, persist_root: Path | None, check: CheckHeader, line: Callable[[str], None]
-) -> Found | None:
+) -> RestartPoint | None:
     """The newest persisted sparse checkpoint of this job that every rank can load, loaded (collective
     over all ranks); None, with a line saying so when any state of the job was found, otherwise."""
     started = time.perf_counter()
@@ -173,7 +173,7 @@ def find_restart_checkpoint(
         if all(source is not None for source in gathered):
             _drop_newer_disk_windows(rank, persist_root, start)
             snapshots = loaded[0]
-            return Found(
+            return RestartPoint(
                 start, len(snapshots), snapshots, list(gathered), last_iteration, time.perf_counter() - started
             )
         missing = [r for r, source in enumerate(gathered) if source is None]
