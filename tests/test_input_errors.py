@@ -186,6 +186,14 @@ def test_zero_or_negative_steps_is_refused(steps):
         load_config(str(ROOT / DEBUG_CONFIG), ["--training.steps", steps])
 
 
+@pytest.mark.parametrize("mtbf", ["-1", "0.5", "1e-12"])
+def test_mtbf_below_one_iteration_is_refused(mtbf):
+    """A mean time between failures below one iteration is refused at load (1e-12 used to make the failure
+    draw loop run for hours)."""
+    with pytest.raises(ConfigError, match=r"'fault.mtbf_iters' must be 0 \(no failures\) or at least 1 iteration"):
+        load_config(str(ROOT / DEBUG_CONFIG), ["--checkpoint.strategy", "moevement", "--fault.mtbf_iters", mtbf])
+
+
 # ----------------------------------------------------------------------------- 4. failures after the last step
 
 MOEVEMENT = ("--checkpoint.strategy", "moevement")

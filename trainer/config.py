@@ -287,7 +287,11 @@ def _validate_checkpoint(c: CheckpointConfig) -> None:
 
 def _validate_fault(cfg: Config) -> None:
     f = cfg.fault
-    _check(f.mtbf_iters >= 0, "fault.mtbf_iters", f"must be >= 0, got {f.mtbf_iters}")
+    _check(
+        f.mtbf_iters == 0 or f.mtbf_iters >= 1,
+        "fault.mtbf_iters",
+        f"must be 0 (no failures) or at least 1 iteration between failures, got {f.mtbf_iters}",
+    )
     plan = fault_plan(cfg, world=2)
     _check(f.replay_threads >= 0, "fault.replay_threads", f"must be >= 0 (0: auto), got {f.replay_threads}")
     _check(f.scope in FAULT_SCOPES, "fault.scope", f"must be one of {', '.join(FAULT_SCOPES)}, got {f.scope!r}")
