@@ -34,21 +34,11 @@ import sys
 from pathlib import Path
 
 from baselines.intervals import ettr as steady_ettr
-from benchmarks.variants import variant_flags
+from benchmarks.variants import QUIET, variant_flags
 from models import count_params
 from simulator.ettr import MeasuredProfile, predict_from_profile
 from trainer.config import Config, load_config
 
-QUIET = [
-    "--metrics.tensorboard",
-    "false",
-    "--metrics.log_every",
-    "1",
-    "--training.val_every",
-    "0",
-    "--metrics.progress",
-    "false",
-]
 FIELDS = re.compile(r"(\w+)=(\S+)")
 WARMUP = 3  # first iterations (allocation, profiling) left out of per-iteration means
 

@@ -33,21 +33,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.variants import variant_flags
+from benchmarks.variants import QUIET, variant_flags
 from models import count_params
 from trainer.config import load_config
 
 STEP_RE = re.compile(r"^step=(\d+) (.*)$", re.MULTILINE)
-QUIET = [
-    "--metrics.tensorboard",
-    "false",
-    "--metrics.log_every",
-    "1",
-    "--training.val_every",
-    "0",
-    "--metrics.progress",
-    "false",
-]
 
 
 def parse_steps(stdout: str) -> dict[int, dict[str, float]]:

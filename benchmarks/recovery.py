@@ -38,6 +38,7 @@ import time
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from benchmarks.variants import QUIET
 from models import build_model
 from moevement.checkpoint.schedule import generate_schedule, order_operators, slot_size_for
 from moevement.operators import build_registry
@@ -46,16 +47,6 @@ from parallelisms.pipeline import lm_loss
 from trainer.config import load_config
 
 RECOVERY_RE = re.compile(r"^recovery step=\d+ .* seconds=(\S+) \(fetch=(\S+) convert=(\S+) catchup=(\S+)\)", re.M)
-QUIET = [
-    "--metrics.tensorboard",
-    "false",
-    "--metrics.log_every",
-    "1",
-    "--training.val_every",
-    "0",
-    "--metrics.progress",
-    "false",
-]
 
 
 def run(args, mode: str, extra: list[str]) -> tuple[float, float]:

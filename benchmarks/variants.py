@@ -8,6 +8,18 @@ from __future__ import annotations
 
 import sys
 
+# What every benchmark run shares: a line every step, no TensorBoard, progress bar or validation.
+QUIET = [
+    "--metrics.tensorboard",
+    "false",
+    "--metrics.log_every",
+    "1",
+    "--training.val_every",
+    "0",
+    "--metrics.progress",
+    "false",
+]
+
 
 def variant_flags(spec: str) -> tuple[str, list[str]]:
     """(strategy, its own `--section.key value` flags) of `strategy[@section.key=value ...]`."""

@@ -81,8 +81,8 @@ def _same_node_dirs(cfg: Config):
 
 def claim_host_state(cfg: Config, rank: int) -> JobLock:
     """Lock this rank's place in the job's host directory (refused while a live process holds it)."""
-    job_dir = make_private_dirs(Path(cfg.checkpoint.host_dir or default_host_dir()), cfg.job.name)
-    return JobLock(job_dir / f"rank{rank:05d}.lock")
+    job_dir = host_job_dir(cfg)
+    return JobLock(make_private_dirs(job_dir.parent, job_dir.name) / f"rank{rank:05d}.lock")
 
 
 def build_strategy(

@@ -25,7 +25,6 @@ handed. Recovery calls `abort_window` first, which drains replication, so recove
 
 from __future__ import annotations
 
-import shutil
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -39,7 +38,7 @@ from moevement.checkpoint.persisted import PersistedCheckpoint
 from moevement.checkpoint.planner import SnapshotPolicy, WindowPlanner
 from moevement.checkpoint.schedule import WindowPlan
 from moevement.operators import Operator, build_registry
-from moevement.storage.host_memory import HostBuffer, encode_json, make_private_dirs, read_header
+from moevement.storage.host_memory import HostBuffer, encode_json, make_private_dirs, read_header, remove_tree
 from moevement.storage.persistence import DiskWriter
 from moevement.storage.replication import Outgoing, ReplicaStore, start_replication
 from moevement.storage.snapshot import SnapshotHeader, entry_layout
@@ -249,7 +248,7 @@ class SparseCheckpointer:
         for buf in [*self.buffers.all(), *self.replicas.buffers.values()]:
             buf.release()
         if not self.cfg.keep_host_state:
-            shutil.rmtree(self.rank_dir, ignore_errors=True)
+            remove_tree(self.rank_dir)
 
     # ---- windows, copies, persistence -----------------------------------------------------------
 
