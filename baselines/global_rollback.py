@@ -28,10 +28,9 @@ from baselines.intervals import IntervalPolicy
 from baselines.moc import LostTokens, PartialExpertSelector
 from moevement.checkpoint.checkpointer import SparseCheckpointer
 from moevement.failures import FaultEvent
-from moevement.recovery.fetch import fetch_from_replicas, persisted_header
+from moevement.recovery.fetch import fetch_from_replicas
 from moevement.recovery.replay import load_master, reset_to_initial, wipe_operators
 from moevement.storage.persistence import read_window
-from moevement.storage.snapshot import SnapshotHeader, read_entries
 
 
 @dataclass
@@ -98,11 +97,9 @@ class GlobalRollback:
         if self.ck.persisted.window is None:
             return 1, [], "none (initial state)"
         sources = fetch_from_replicas(self.ck, failed, 1)
-        buf = self.ck.persisted.snapshot_buffer(0)
-        header = SnapshotHeader.from_json(persisted_header(buf))
         return (
-            self.ck.rollback_point(),
-            [(header, read_entries(buf.data, header, source=str(buf.path)))],
+            self.ck.persisted.rollback_point(),
+            [self.ck.persisted.snapshot(0, verify=True)],
             f"replica on {sources[self.me]}" if self.me in sources else "local host memory",
         )
 

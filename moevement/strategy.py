@@ -91,7 +91,7 @@ class MoEvement:
 
     def begin(self, step: int) -> None:
         if self.log is not None:
-            self.log.collect_garbage(self.checkpointer.rollback_point())
+            self.log.collect_garbage(self.checkpointer.persisted.rollback_point())
             self.log.begin(step)
         self.checkpointer.begin(step)
 

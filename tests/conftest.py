@@ -28,10 +28,17 @@ def pytest_collection_modifyitems(config, items):
 
 
 def run_cli(
-    *args: str, cwd: Path = ROOT, check: bool = True, nproc: int = 1, torchrun: tuple[str, ...] = ()
+    *args: str,
+    cwd: Path = ROOT,
+    check: bool = True,
+    nproc: int = 1,
+    torchrun: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
-    """Run `train.py` (under torchrun, with `torchrun` options, when nproc > 1) and return the finished process."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    """Run `train.py` (under torchrun, with `torchrun` options, when nproc > 1) and return the finished process.
+
+    `env` adds to (or overrides) the inherited environment."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *torchrun]
     else:

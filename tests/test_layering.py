@@ -23,7 +23,10 @@ imports ``models``, ``parallelisms`` or ``trainer``. Module-level and function-l
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
+
+from tests.conftest import DEBUG_CONFIG, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -171,3 +174,29 @@ def test_checker_flags_upward_imports(tmp_path, monkeypatch):
         "moevement/storage/snapshot.py:2: imports moevement.recovery.fetch "
         "(layer moevement.storage may not import layer moevement.recovery)",
     ]
+
+
+def test_localized_recovery_calls_only_downward(tmp_path):
+    """From the failure to the next iteration, the failed rank's calls between project modules never go
+    back and forth (A calls B and B calls A), and every module that calls another is on the failure path
+    that docs/design.md lists."""
+    trace = tmp_path / "trace"
+    trace.mkdir()
+    out = run_cli(
+        *("--config", DEBUG_CONFIG, "--training.steps", "12", "--training.val_every", "0", "--parallelism.pp", "2"),
+        *("--checkpoint.strategy", "moevement", "--checkpoint.window", "3", "--fault.at", "10:1"),
+        *("--checkpoint.host_dir", str(tmp_path / "shm"), "--metrics.tensorboard", "false"),
+        nproc=2,
+        env={"PYTHONPATH": str(ROOT / "tests" / "call_trace"), "CALL_TRACE_DIR": str(trace)},
+    ).stdout
+    assert re.search(r"^recovery step=10 ranks=1 ", out, re.M), out
+    rows = [line.split("\t") for line in (trace / "rank1.tsv").read_text().splitlines()]
+    calls = {(caller, callee) for caller, callee, _ in rows if caller not in ("None", callee)}
+    assert ("moevement/recovery/localized.py", "moevement/recovery/conversion.py") in calls, "trace is empty"
+    back_and_forth = sorted(f"{a} <-> {b}" for a, b in calls if (b, a) in calls and a < b)
+    assert not back_and_forth, back_and_forth
+    design = (ROOT / "docs" / "design.md").read_text()
+    listed = design[design.index("<!-- failure-path: begin") : design.index("<!-- failure-path: end")]
+    callers = {caller for caller, _ in calls}
+    unlisted = sorted(m for m in callers if f"`{m}`" not in listed and f"`{m.split('/', 1)[1]}`" not in listed)
+    assert not unlisted, f"modules on the failure path that docs/design.md does not list: {unlisted}"

@@ -130,7 +130,7 @@ def build_strategy(
     checkpointer = new_checkpointer(dataclasses.replace(cfg.checkpoint, persist_dir=str(disk or "")))
     log = UpstreamLog(model.parts, model.stage_ids, model.n_stages) if cfg.parallelism.pp > 1 else None
     hooks = _trainer_hooks(cfg, model, optimizer, dims, seeder, log, topo, train_batches, line)
-    conversion = Conversion(checkpointer, optimizer, topo, hooks, dims.device, cfg.fault.replay_threads)
+    conversion = Conversion(checkpointer, optimizer, topo, hooks, log, dims.device, cfg.fault.replay_threads)
     recovery = Recovery(
         checkpointer,
         log,
@@ -213,11 +213,6 @@ def _trainer_hooks(
 ) -> TrainerHooks:
     micro, dp = cfg.training.micro_batches, cfg.parallelism.dp
 
-    def begin_iteration(t: int) -> None:
-        seeder.begin(t)
-        if log is not None:
-            log.begin(t)
-
     if model.schedule is not None:
         stages = {
             s: StageRef(part, stage, *model.stage_shapes(s))
@@ -239,10 +234,10 @@ def _trainer_hooks(
             forward_backward(model, inputs.to(dims.device), labels.to(dims.device), micro)
 
     return TrainerHooks(
-        batch=lambda t: train_batches.local_batch(t, dims.dp_rank, dp),
-        begin_iteration=begin_iteration,
+        batch=functools.partial(train_batches.local_batch, dp_rank=dims.dp_rank, dp_size=dp),
+        begin_iteration=seeder.begin,
         forward_backward=run,
-        optimizer_step=lambda scalars: replay_update(model, optimizer, scalars),
-        initial_parameters=lambda: initial_parameters(cfg.model, dims, cfg.job.seed),
+        optimizer_step=functools.partial(replay_update, model, optimizer),
+        initial_parameters=functools.partial(initial_parameters, cfg.model, dims, cfg.job.seed),
         line=line,
     )

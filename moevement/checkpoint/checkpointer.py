@@ -41,7 +41,7 @@ from moevement.operators import Operator, build_registry
 from moevement.storage.host_memory import HostBuffer, encode_json, make_private_dirs, read_header, remove_tree
 from moevement.storage.persistence import DiskWriter
 from moevement.storage.replication import Outgoing, ReplicaStore, start_replication
-from moevement.storage.snapshot import SnapshotHeader, entry_layout
+from moevement.storage.snapshot import SnapshotHeader
 from moevement.storage.snapshot_buffers import SnapshotBuffers, local_buffer
 from moevement.topology import Topology
 
@@ -60,18 +60,11 @@ class _Pending:
 class SparseCheckpointer:
     """Takes, replicates and persists sparse snapshots; see the module docstring for the call order.
 
-    `cfg` provides: window, slots, ordering, ema_decay, replicas, bandwidth_gbps, persist_dir,
-    persist_every, profile_iters, reprofile_every, keep_host_state, background_priority.
-    `rank_dirs(r)` is where rank r keeps its host state: replicas of ranks on this node are then
-    copied from their shared memory.
-
-    With a `SnapshotPolicy` (the gemini, checkfreq and moc baselines) a snapshot is taken only at
-    the policy's checkpoint iterations, as a window of W = 1 holding the FP32 state of the
-    operators the policy selects (all of them, or MoC's partial set), and no compute weights.
-
-    Recovery reads the persisted checkpoint through `persisted` (rollback point, a slot's snapshot,
-    the scalar log) and `replica_holders`, and drives the checkpointer through `abort_window`, `wipe`,
-    `paused` and `reset_popularity`.
+    `cfg`: a CheckpointConfig. `rank_dirs(r)`: where rank r keeps its host state (same-node replicas
+    are copied from there). With a `SnapshotPolicy` (the interval baselines) a snapshot is a window of
+    W = 1 taken at the policy's iterations: the FP32 state of the operators it selects, no compute weights.
+    Recovery reads `persisted` and `replica_holders`, and calls `abort_window`, `wipe`, `paused` and
+    `reset_popularity`.
     """
 
     def __init__(
@@ -133,7 +126,8 @@ class SparseCheckpointer:
         if self.plan is None or iteration >= self.plan.end:
             self._start_window(iteration)
         slot = self.plan.slot_at(iteration)
-        header, sources = _snapshot_header(self.plan, iteration, self.topology.rank, self._layout(slot), self.job_meta)
+        layout = self.planner.slot_layout(self.plan, slot)
+        header, sources = _snapshot_header(self.plan, iteration, self.topology.rank, layout, self.job_meta)
         buffer = self.buffers.buffer(self.window_index % 2, slot)
         copy = self.buffers.submit(self._copy, self.window_index, buffer, header, sources)
         self.pending = _Pending(self.window_index, slot, header, buffer, copy)
@@ -187,10 +181,6 @@ class SparseCheckpointer:
             "repl_lag": self.replicator.backlog if self.replicator else 0,
             "host_mb": (self.buffers.nbytes() + self.replicas.nbytes()) / 1e6,
         }
-
-    def rollback_point(self) -> int:
-        """First iteration of the newest persisted checkpoint (1: none yet, roll back to the initial state)."""
-        return self.persisted.rollback_point()
 
     # ---- recovery support (moevement.recovery, baselines.global_rollback) ------------------------
 
@@ -259,12 +249,7 @@ class SparseCheckpointer:
         self.plan = self.planner.plan(iteration, self.window_index, follows, self.rank_dir)
         # Buffers grow on the training thread at the window boundary: grown by the copy thread, their
         # pages would fault in at idle priority while the copy is due, and the step would stall.
-        self.buffers.reserve([max(self._layout(slot)[2], 1) for slot in range(self.plan.window)])
-
-    def _layout(self, slot: int):
-        """(entries, source tensors, bytes) of the snapshot of slot `slot` of the current window."""
-        active, frozen = self.planner.slot_operators(self.plan, slot)
-        return entry_layout(active, frozen, self.planner.optimizer, self.planner.compute_dtype)
+        self.buffers.reserve([max(self.planner.slot_layout(self.plan, slot)[2], 1) for slot in range(self.plan.window)])
 
     def _copy(self, window_index: int, buffer: HostBuffer, header: SnapshotHeader, sources) -> None:
         """Copy thread: wait until the buffer's old window is garbage, then copy SS_t into it."""

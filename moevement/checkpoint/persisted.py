@@ -2,7 +2,7 @@
 
 A window's snapshots are committed one per iteration (`committed`); when every rank has replicated
 the whole window it is *persisted* (`publish`): `persisted.json` names it, and the window before it
-becomes garbage. Recovery reads only through `rollback_point`, `window`, `snapshot_buffer`,
+becomes garbage. Recovery reads only through `rollback_point`, `window`, `snapshot`, `snapshot_buffer`,
 `replica_buffer` and `scalars`.
 
 Threads: `committed`, `log_scalars`, `restore_scalars`, `abort_in_flight`, `forget` and `restored` run on
@@ -16,9 +16,10 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from moevement.storage.host_memory import HostBuffer, write_json_atomic
+from moevement.storage.host_memory import HostBuffer, read_header, write_json_atomic
 from moevement.storage.persistence import DiskWriter
 from moevement.storage.replication import ReplicaStore
+from moevement.storage.snapshot import SnapshotHeader, read_entries
 from moevement.storage.snapshot_buffers import SnapshotBuffers, local_buffer
 
 MANIFEST = "persisted.json"
@@ -41,6 +42,13 @@ class PersistedCheckpoint:
     def snapshot_buffer(self, slot: int) -> HostBuffer:
         """This rank's buffer of slot `slot` of the newest persisted checkpoint."""
         return self.buffers.buffer(self.index % 2, slot)
+
+    def snapshot(self, slot: int, verify: bool = False) -> tuple[SnapshotHeader, dict]:
+        """SS_{t0+slot} of the newest persisted checkpoint from this rank's buffer (checksums checked if
+        `verify`; localized recovery verifies when it fetches)."""
+        buf = self.snapshot_buffer(slot)
+        header = SnapshotHeader.from_json(read_header(buf.path))
+        return header, read_entries(buf.data, header, source=str(buf.path), verify=verify)
 
     def replica_buffer(self, src: int, slot: int) -> HostBuffer:
         """The replica this rank holds of rank `src`'s slot `slot` of the newest persisted checkpoint."""

@@ -29,6 +29,7 @@ from moevement.checkpoint.schedule import (
     slot_size_for,
 )
 from moevement.operators import Operator
+from moevement.storage.snapshot import entry_layout
 
 
 class SnapshotPolicy(Protocol):
@@ -97,12 +98,12 @@ class WindowPlanner:
         slots = self._interval_checkpoint(iteration) if self.policy is not None else self._sparse_slots()
         return WindowPlan(iteration, slots)
 
-    def slot_operators(self, plan: WindowPlan, slot: int) -> tuple[list[Operator], list[Operator]]:
-        """(operators whose FP32 state SS_{start+slot} holds, operators whose compute weights it holds)."""
-        return (
-            [self.ops_by_name[n] for n in plan.slots[slot]],
-            [self.ops_by_name[n] for n in plan.frozen_after(slot)],
-        )
+    def slot_layout(self, plan: WindowPlan, slot: int):
+        """(entries, source tensors, bytes) of SS_{start+slot}: the FP32 state of the slot's operators and
+        the compute weights of the later slots' operators."""
+        active = [self.ops_by_name[n] for n in plan.slots[slot]]
+        frozen = [self.ops_by_name[n] for n in plan.frozen_after(slot)]
+        return entry_layout(active, frozen, self.optimizer, self.compute_dtype)
 
     def _sparse_slots(self) -> tuple[tuple[str, ...], ...]:
         """Algorithm 1 on this rank's operators in schedule order; W agreed across ranks (or forced)."""

@@ -13,7 +13,7 @@ Training thread only; the checkpointer is paused while iterations replay.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +23,7 @@ from moevement.checkpoint.checkpointer import SparseCheckpointer
 from moevement.recovery.fetch import RecoveryError
 from moevement.recovery.replay import load_compute, load_master, reset_to_initial, set_frozen
 from moevement.recovery.replay_threads import intra_op_threads, replay_threads
+from moevement.recovery.upstream_log import UpstreamLog
 from moevement.storage.snapshot import SnapshotHeader
 from moevement.topology import Topology
 
@@ -33,7 +34,7 @@ class TrainerHooks:
 
     batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # this rank's (inputs, labels) of iteration t
     begin_iteration: Callable[[int], None]  # re-seed dropout etc. before iteration t runs
-    forward_backward: Callable[[int, set, torch.Tensor, torch.Tensor, Callable], None]  # (t, scope, x, y, boundary)
+    forward_backward: Callable[[int, set, torch.Tensor, torch.Tensor, Mapping], None]  # (t, scope, x, y, boundary)
     optimizer_step: Callable[[dict], None]  # clip with the logged coefficient, logged lr, step, zero grads
     initial_parameters: Callable[[], dict[str, torch.Tensor]]  # full initial value of every local parameter
     line: Callable[[str], None]  # rank 0's console line
@@ -56,10 +57,12 @@ class Conversion:
         optimizer: torch.optim.Optimizer,
         layout: Topology,
         hooks: TrainerHooks,
+        log: UpstreamLog | None,
         device: torch.device,
         threads: int = 0,
     ):
-        self.ck, self.optimizer, self.layout, self.hooks, self.device = checkpointer, optimizer, layout, hooks, device
+        self.ck, self.optimizer, self.layout, self.hooks, self.log = checkpointer, optimizer, layout, hooks, log
+        self.device = device
         self.threads = threads  # intra-op threads of a replaying rank (0: auto, see replay_threads)
         self.training_threads = torch.get_num_threads()
 
@@ -71,7 +74,7 @@ class Conversion:
         scope: set[int],
         slot_snapshot: Callable[[int], tuple[SnapshotHeader, dict]],
         scalars: dict,
-        boundary: Callable,
+        boundary: Mapping,
         stats: ReplayStats,
         stop_after: int | None = None,
     ) -> bool:
@@ -87,6 +90,8 @@ class Conversion:
                     if t < t0 + window:
                         self._activate_slot(*slot_snapshot(t - t0))
                     self.hooks.begin_iteration(t)
+                    if self.log is not None:
+                        self.log.begin(t)
                     self.hooks.forward_backward(t, scope, *self.hooks.batch(t), boundary)
                     self.hooks.optimizer_step(scalars[t])
                     elapsed = time.perf_counter() - start

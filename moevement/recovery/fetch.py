@@ -26,10 +26,6 @@ class RecoveryError(RuntimeError):
     """Recovery is impossible (e.g. no intact copy of a failed rank's checkpoint survives)."""
 
 
-def persisted_header(buf) -> dict | None:
-    return read_header(buf.path)
-
-
 def fetch_from_replicas(ck: SparseCheckpointer, failed: set[int], window: int) -> dict[int, str]:
     """Failed ranks pull their persisted snapshots (`window` slots) from replica peers, then get back the
     replicas they held for others (re-protection, so a later failure of those peers is covered too).
@@ -72,8 +68,8 @@ def _local_copy_intact(ck: SparseCheckpointer, window: int) -> bool:
     """Whether this rank's local buffers hold the whole persisted checkpoint with valid checksums."""
     for slot in range(window):
         buf = ck.persisted.snapshot_buffer(slot)
-        header = persisted_header(buf)
-        if header is None or header["window_start"] != ck.rollback_point():
+        header = read_header(buf.path)
+        if header is None or header["window_start"] != ck.persisted.rollback_point():
             return False
         try:
             verify_entries(buf.data, SnapshotHeader.from_json(header), source=str(buf.path))
@@ -84,10 +80,10 @@ def _local_copy_intact(ck: SparseCheckpointer, window: int) -> bool:
 
 def _send(ck: SparseCheckpointer, dst: int, window: int, buffer_of: Callable[[int], HostBuffer]) -> None:
     """Send the persisted checkpoint's slots held in `buffer_of(slot)` (sizes 0, 0 for a missing one)."""
-    start = ck.rollback_point()
+    start = ck.persisted.rollback_point()
     for slot in range(window):
         buf = buffer_of(slot)
-        header = persisted_header(buf)
+        header = read_header(buf.path)
         if header is None or header["window_start"] != start:
             dist.send(torch.tensor([0, 0]), dst)
             continue

@@ -30,16 +30,13 @@ from moevement.checkpoint.checkpointer import SparseCheckpointer
 from moevement.failures import FaultEvent
 from moevement.recovery.conversion import Conversion, ReplayStats
 from moevement.recovery.fetch import (
-    RecoveryError,
     fetch_boundary_logs,
     fetch_from_replicas,
     fetch_scalars,
-    persisted_header,
 )
 from moevement.recovery.replay import wipe_operators
 from moevement.recovery.restart import RestartPoint
 from moevement.recovery.upstream_log import UpstreamLog
-from moevement.storage.snapshot import SnapshotHeader, read_entries
 from moevement.topology import Topology
 
 
@@ -81,7 +78,7 @@ class Recovery:
         seconds = time.perf_counter() - started
         pps = sorted(self._rolled_back(failed))
         scope = sorted(self.layout.stages_of(set(pps)))
-        t0 = self.ck.rollback_point()
+        t0 = self.ck.persisted.rollback_point()
         self.line(
             f"recovery step={step} ranks={'+'.join(map(str, sorted(failed)))} scope={_ranges(scope)} "
             f"rollback_to={t0} replayed={step - t0} seconds={seconds:.3f} "
@@ -119,9 +116,9 @@ class Recovery:
             t0 + window,
             window,
             set(range(self.layout.n_stages)),
-            lambda i: found.snapshots[i],
+            found.snapshots.__getitem__,
             scalars,
-            _no_boundary,
+            {},
             stats,
         )
         dist.barrier()
@@ -142,7 +139,7 @@ class Recovery:
         stats = ReplayStats()
         pps = self._rolled_back(failed)
         scope = self.layout.stages_of(pps)
-        t0 = self.ck.rollback_point()
+        t0 = self.ck.persisted.rollback_point()
         window = self.ck.persisted.window[1] if self.ck.persisted.window else 0
         start = time.perf_counter()
         if window:
@@ -161,9 +158,9 @@ class Recovery:
             step,
             window,
             scope,
-            self._persisted_slot,
+            self.ck.persisted.snapshot,
             scalars,
-            lambda k, i, s, m: boundary[(k, i, s, m)],
+            boundary,
             stats,
             stop_after,
         )
@@ -174,18 +171,6 @@ class Recovery:
         self.ck.wipe()
         if self.log is not None:
             self.log.wipe()
-
-    def _persisted_slot(self, slot: int) -> tuple[SnapshotHeader, dict]:
-        """SS_{t0+slot} of the newest persisted checkpoint, from the local buffers (verified at fetch)."""
-        buf = self.ck.persisted.snapshot_buffer(slot)
-        header = SnapshotHeader.from_json(persisted_header(buf))
-        return header, read_entries(buf.data, header, source=str(buf.path), verify=False)
-
-
-def _no_boundary(kind: str, iteration: int, stage: int, micro: int):
-    raise RecoveryError(
-        f"a full-pipeline replay needs no upstream log ({kind} of stage {stage}, iteration {iteration})"
-    )
 
 
 def _ranges(stages: list[int]) -> str:

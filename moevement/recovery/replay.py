@@ -19,7 +19,7 @@ own `PipelineStage` methods, so FSDP2 behaves exactly as under the schedule.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from moevement.operators import Operator, local_tensor
+from moevement.recovery.fetch import RecoveryError
 from moevement.recovery.upstream_log import UpstreamLog
 
 
@@ -123,11 +124,11 @@ class PipelineReplay:
         scope: set[int],
         inputs: torch.Tensor,
         labels: torch.Tensor,
-        boundary: Callable[[str, int, int, int], torch.Tensor],
+        boundary: Mapping[tuple[str, int, int, int], torch.Tensor],
     ) -> None:
         """Accumulate this rank's gradients of `iteration` for its stages in `scope`, reduced and scaled.
 
-        `boundary(kind, iteration, stage, micro)` returns the logged "act" of stage-1 or "grad" of
+        `boundary[(kind, iteration, stage, micro)]` is the logged "act" of stage-1 or "grad" of
         stage+1 for stages whose neighbour is outside the scope.
         """
         local = sorted(s for s in self.stages if s in scope)
@@ -181,7 +182,10 @@ class PipelineReplay:
         if kind == "act" and stage == 0:
             return xs[micro]
         if src_stage not in scope:
-            tensor = boundary(kind, iteration, src_stage, micro).to(self.device)
+            key = (kind, iteration, src_stage, micro)
+            if key not in boundary:
+                raise RecoveryError(f"no upstream log holds the {kind} of stage {src_stage}, iteration {iteration}")
+            tensor = boundary[key].to(self.device)
         elif (kind, src_stage, micro) in handoff:
             tensor = handoff.pop((kind, src_stage, micro))
         else:

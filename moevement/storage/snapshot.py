@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -85,21 +86,24 @@ def entry_layout(
     active: list[Operator], frozen: list[Operator], optimizer: torch.optim.Optimizer, compute_dtype: torch.dtype
 ) -> tuple[list[Entry], list[torch.Tensor], int]:
     """Entries (without checksums), their source tensors, and the total byte size."""
-    entries, sources, offset = [], [], 0
+    items = [(op.name, name, "master", t, t.dtype) for op in active for name, t in op.master_tensors(optimizer)]
+    for op in frozen:
+        for name, t in op.compute_tensors():
+            items.append((op.name, name, "compute", t, compute_dtype if t.is_floating_point() else t.dtype))
+    return layout_of(items)
 
-    def add(op: Operator, name: str, role: str, src: torch.Tensor, dtype: torch.dtype) -> None:
-        nonlocal offset
+
+def layout_of(
+    items: Iterable[tuple[str, str, str, torch.Tensor, torch.dtype]],
+) -> tuple[list[Entry], list[torch.Tensor], int]:
+    """Entries for (operator, tensor name, role, source, stored dtype) items, laid out one after another;
+    their source tensors; the total byte size."""
+    entries, sources, offset = [], [], 0
+    for op, name, role, src, dtype in items:
         nbytes = src.numel() * dtype.itemsize
-        entries.append(Entry(op.name, name, role, _dtype_name(dtype), list(src.shape), offset, nbytes))
+        entries.append(Entry(op, name, role, _dtype_name(dtype), list(src.shape), offset, nbytes))
         sources.append(src)
         offset += _padded(nbytes)
-
-    for op in active:
-        for name, tensor in op.master_tensors(optimizer):
-            add(op, name, "master", tensor, tensor.dtype)
-    for op in frozen:
-        for name, tensor in op.compute_tensors():
-            add(op, name, "compute", tensor, compute_dtype if tensor.is_floating_point() else tensor.dtype)
     return entries, sources, offset
 
 
