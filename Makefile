@@ -17,8 +17,8 @@ venv: $(VENV)/.installed
 # The product's main job: two pipeline stages under torchrun with MoEvement sparse checkpointing;
 # rank 1 (stage 1) loses all its state at iteration 30 and recovers alone from its neighbour's logs.
 train: $(VENV)/.installed
-	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node 2 train.py --config $(CONFIG) \
-		--parallelism.pp 2 --checkpoint.strategy moevement --fault.at 30:1
+	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node 2 --max-restarts 1 \
+		train.py --config $(CONFIG) --parallelism.pp 2 --checkpoint.strategy moevement --fault.kill 30:1:backward
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -35,12 +34,14 @@ from trainer.allocator import reuse_freed_host_memory
 from trainer.config import Config, ConfigError, check_world_size, fault_plan, load_config
 from trainer.data import DataError, TokenBatches, build_data, make_loader
 from trainer.dense_checkpoint import CheckpointError, check_save_target, load_dense, save_dense
+from trainer.fault_injection import arm_kill
 from trainer.fault_tolerance import build_strategy
 from trainer.identity import IdentityError
 from trainer.metrics import MetricsLogger
 from trainer.optim import build_optimizer
 from trainer.state import consolidated_training_state, state_digest
 from trainer.step import DropoutSeeder, evaluate, set_aux_grad_scale, take_expert_load, train_step
+from trainer.survival import StopGuard, keep_state_and_exit, peer_failure
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -75,30 +76,29 @@ def build_training(cfg: Config, dims: ParallelDims):
     return model, build_optimizer(model.view, t)
 
 
-def exit_on_sigterm(cfg: Config, rank: int, progress: dict) -> None:
-    """SIGTERM (a scheduler's notice before preemption, forwarded by the torchrun agent): exit at once.
+def stop_guard(cfg: Config, rank: int) -> StopGuard:
+    """SIGTERM (the torchrun agent stopping the workers after a death, or a scheduler's preemption notice).
 
-    Host state is committed atomically (docs/design.md §6), so nothing is left half-written, and it is kept:
-    a relaunch of the same job resumes from the newest persisted sparse checkpoint."""
+    Before training starts the rank exits at once; during training it stops at a consistent point and keeps
+    its live state in host memory for a torchrun restart (trainer/survival.py). Host state is committed
+    atomically (docs/design.md §6), so nothing is left half-written."""
 
-    def handler(signum, _frame):
-        kept = (
-            "host state kept: a relaunch of the job resumes from its newest persisted sparse checkpoint"
+    def preempted_line(step: int, kept: str) -> str:
+        resumes = (
+            "a torchrun restart resumes from it, a relaunch from the newest persisted sparse checkpoint"
             if cfg.checkpoint.strategy == "moevement"
             else "no sparse checkpoint: a relaunch starts over"
         )
-        print(f"preempted: rank {rank} received SIGTERM at step {progress['step']}; {kept}", flush=True)
-        os._exit(128 + signum)
+        return f"preempted: rank {rank} received SIGTERM at step {step}; host state kept ({kept}): {resumes}"
 
-    signal.signal(signal.SIGTERM, handler)
+    return StopGuard(rank, preempted_line)
 
 
-def inject_failures(
-    faults: FaultPlan, step: int, rank: int, ft: CheckpointStrategy, accounting: RunAccounting, elapsed_s: float
-) -> int:
+def inject_failures(job: Job, step: int, elapsed_s: float) -> int:
     """Before iteration `step`: crash this process, or fail ranks in place and recover them.
 
     Returns the iteration to run next: `step`, or an interval baseline's rollback target."""
+    faults, rank = job.faults, job.rank
     if faults.crashes_at(step, rank) and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
         print(f"fault: rank {rank} crashes at step {step}", flush=True)
         os._exit(13)
@@ -110,8 +110,9 @@ def inject_failures(
     if not events:
         return step
     started = time.perf_counter()
-    resume = ft.recover(step, events)
-    accounting.recovered(len(events), time.perf_counter() - started)
+    with job.guard.recovering():
+        resume = job.ft.recover(step, events)
+    job.accounting.recovered(len(events), time.perf_counter() - started)
     return resume
 
 
@@ -130,7 +131,7 @@ class Job:
     logger: MetricsLogger
     ft: CheckpointStrategy
     faults: FaultPlan
-    progress: dict  # {"step": the iteration running}, for the preemption line
+    guard: StopGuard  # where SIGTERM may stop this rank, and what state it then holds
     accounting: RunAccounting | None = None
 
 
@@ -159,8 +160,7 @@ def setup(cfg: Config) -> tuple[Job, int, float]:
 
     A `checkpoint.save_final` target that saving would have to destroy is refused before anything else."""
     rank, world = init_distributed()
-    progress = {"step": 0}
-    exit_on_sigterm(cfg, rank, progress)
+    guard = stop_guard(cfg, rank)
     check_world_size(cfg, world)
     if cfg.checkpoint.save_final:
         check_save_target(cfg.checkpoint.save_final)
@@ -181,6 +181,9 @@ def setup(cfg: Config) -> tuple[Job, int, float]:
     step, loss = resume_dense(cfg, model, optimizer, rank)
     logger = MetricsLogger(cfg, rank, first_step=step + 1)
     ft = build_strategy(cfg, model, optimizer, dims, seeder, train_batches, logger.line)
+    optimizer.register_step_pre_hook(guard.optimizer_step_begins)  # after the checkpointer's copy wait
+    faults = fault_plan(cfg, world)
+    arm_kill(faults, rank, model, optimizer, guard)
     step = ft.resume(step)
     val_data = (
         []
@@ -201,8 +204,8 @@ def setup(cfg: Config) -> tuple[Job, int, float]:
         val_data,
         logger,
         ft,
-        fault_plan(cfg, world),
-        progress=progress,
+        faults,
+        guard=guard,
     )
     return job, step, loss
 
@@ -216,6 +219,7 @@ def iteration(job: Job, step: int, inputs: torch.Tensor, labels: torch.Tensor, s
     tokens, gate_probs = take_expert_load(job.model.view)
     scalars = {"loss": result.loss, "aux_loss": result.aux_loss, "lr": result.lr, "grad_norm": result.grad_norm}
     ft.end(step, {**scalars, "clip_coef": result.clip_coef, "loss_scale": 1.0, "skipped": False}, tokens, gate_probs)
+    job.guard.done(step)
     scalars.update(ft.metrics())
     elapsed = time.perf_counter() - started
     job.accounting.iteration(step, elapsed)
@@ -234,7 +238,24 @@ def iteration(job: Job, step: int, inputs: torch.Tensor, labels: torch.Tensor, s
 
 
 def run(job: Job, step: int, loss: float) -> tuple[int, float]:
-    """Train iterations step+1..last; a baseline's recovery rolls back and the loader restarts there."""
+    """Train iterations step+1..last; a baseline's recovery rolls back and the loader restarts there.
+
+    When another worker dies, this rank keeps its live state and exits (trainer/survival.py)."""
+    job.guard.phase, job.guard.applied = "training", step
+    try:
+        try:
+            return train_loop(job, step, loss)
+        except BaseException:
+            job.guard.stop()  # a SIGTERM from here on only waits (one arriving before this line lands below)
+            raise
+    except BaseException as error:
+        if not peer_failure(error):
+            raise
+        keep_state_and_exit(job.guard, job.ft.keep_live_state, error)
+        raise  # not reached: it exits
+
+
+def train_loop(job: Job, step: int, loss: float) -> tuple[int, float]:
     cfg = job.cfg
     last_step = cfg.training.stop_at or cfg.training.steps
     job.accounting = RunAccounting(step + 1, cfg.training.batch_size)
@@ -251,17 +272,16 @@ def run(job: Job, step: int, loss: float) -> tuple[int, float]:
         next_step = last_step + 1
         started = time.perf_counter()  # an iteration's time includes loading its batch, not a recovery
         for step, inputs, labels in loader:
-            job.progress["step"] = step
+            job.guard.step = step
             if job.faults:
-                resume = inject_failures(
-                    job.faults, step, job.rank, job.ft, job.accounting, time.perf_counter() - job.accounting.started
-                )
+                resume = inject_failures(job, step, time.perf_counter() - job.accounting.started)
                 if resume != step:
                     next_step = resume
                     break
                 started = max(started, job.accounting.last_recovery_end)
             loss = iteration(job, step, inputs, labels, started)
             started = time.perf_counter()
+    job.guard.phase = "setup"  # finishing: SIGTERM exits at once again
     return step, loss
 
 

@@ -53,6 +53,37 @@ def parse_events(spec: str, key: str) -> list[FaultEvent]:
     return events
 
 
+KILL_PHASES = ("forward", "backward", "optimizer")
+
+
+@dataclass(frozen=True)
+class KillEvent:
+    """Rank `rank` SIGKILLs itself in `phase` of iteration `step` (a real death, no clean-up)."""
+
+    step: int
+    rank: int
+    phase: str
+
+
+def parse_kills(spec: str, key: str = "fault.kill") -> list[KillEvent]:
+    """`"12:1,20:3:optimizer"` -> [KillEvent(12, 1, "forward"), KillEvent(20, 3, "optimizer")]."""
+    kills = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        parts = item.split(":")
+        phase = parts[2] if len(parts) == 3 else "forward"
+        try:
+            kill = KillEvent(int(parts[0]), int(parts[1]), phase) if len(parts) in (2, 3) else None
+        except ValueError:
+            kill = None
+        if kill is None or kill.step < 1 or kill.rank < 0 or phase not in KILL_PHASES:
+            raise FaultSpecError(
+                f"config key '{key}' must look like STEP:RANK[:PHASE][,...] with STEP >= 1, RANK >= 0 and "
+                f"PHASE one of {', '.join(KILL_PHASES)}, got {item!r}"
+            )
+        kills.append(kill)
+    return kills
+
+
 def check_last_step(events: list[FaultEvent], key: str, last_step: int) -> None:
     """Refuse a failure after iteration `last_step` (the run's last): it would silently never fire."""
     late = [e.step for e in events if e.step > last_step]
@@ -128,6 +159,7 @@ class FaultPlan:
         at: str = "",
         crash: str = "",
         *,
+        kill: str = "",
         mtbf_iters: float = 0.0,
         seed: int = 0,
         trace: str = "",
@@ -136,9 +168,11 @@ class FaultPlan:
     ):
         self.events = parse_events(at, "fault.at")
         self.crashes = parse_events(crash, "fault.crash")
+        self.kills = parse_kills(kill)
         if last_step >= 1:
             check_last_step(self.events, "fault.at", last_step)
             check_last_step(self.crashes, "fault.crash", last_step)
+            check_last_step([FaultEvent(k.step, (k.rank,)) for k in self.kills], "fault.kill", last_step)
         self.timed: list[tuple[float, int]] = []
         if mtbf_iters > 0:
             self.events += poisson_events(mtbf_iters, seed, world, last_step)
@@ -154,7 +188,8 @@ class FaultPlan:
                 "config key 'fault.at' needs a multi-process run (torchrun): "
                 "a single process has no survivor to recover from"
             )
-        for key, events in (("fault.at", self.events), ("fault.crash", self.crashes)):
+        kills = [FaultEvent(k.step, (k.rank,)) for k in self.kills]
+        for key, events in (("fault.at", self.events), ("fault.crash", self.crashes), ("fault.kill", kills)):
             for event in events:
                 if max(event.ranks) >= world:
                     raise FaultSpecError(
@@ -183,8 +218,15 @@ class FaultPlan:
     def count(self) -> int:
         return len(self.events) + len(self.timed)
 
+    def kill_of(self, rank: int, generation: int) -> KillEvent | None:
+        """The kill of `rank` in torchrun generation `generation`: the n-th distinct kill step fires in
+        generation n (each restart resumes after the previous death)."""
+        steps = sorted({k.step for k in self.kills})
+        due = [k for k in self.kills if k.rank == rank and steps.index(k.step) == generation]
+        return due[0] if due else None
+
     def crashes_at(self, step: int, rank: int) -> bool:
         return any(e.step == step and rank in e.ranks for e in self.crashes)
 
     def __bool__(self) -> bool:
-        return bool(self.events or self.crashes or self.timed)
+        return bool(self.events or self.crashes or self.kills or self.timed)

@@ -2,9 +2,10 @@
 
 Per run, the loop calls `resume` once after building the model, then per iteration t: `recover(t, ...)`
 when failures strike before t, `begin(t)` before the forward pass, `end(t, ...)` after the optimizer
-step, `metrics()` for the step line; at the end `close()`. Every checkpoint strategy (`none`, MoEvement,
-and the baselines in `baselines/`) implements `CheckpointStrategy`; nothing else of a strategy is reached
-from the loop.
+step, `metrics()` for the step line; at the end `close()`. When the rank is stopped because another
+worker died (or the job is stopped), `keep_live_state(t)` saves what a torchrun restart resumes from.
+Every checkpoint strategy (`none`, MoEvement, and the baselines in `baselines/`) implements
+`CheckpointStrategy`; nothing else of a strategy is reached from the loop.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from typing import Protocol
 
 from moevement.checkpoint.checkpointer import SparseCheckpointer
 from moevement.failures import FaultEvent
-from moevement.recovery.localized import Recovery
+from moevement.recovery.live_state import save_live_state
+from moevement.recovery.localized import Recovery, Rejoin
 from moevement.recovery.restart import RestartPoint
 from moevement.recovery.upstream_log import UpstreamLog
 from moevement.storage.host_memory import JobLock
@@ -45,6 +47,11 @@ class CheckpointStrategy(Protocol):
         """Drain background work and release host state; returns the run's totals for the accounting line."""
         ...
 
+    def keep_live_state(self, next_iteration: int, detected: dict) -> int:
+        """This rank stops (another worker died): keep `state_{next_iteration}` for the restarted process,
+        if the strategy can use it; returns the bytes kept."""
+        ...
+
 
 class NoCheckpointing:
     """`checkpoint.strategy = "none"`: the fault-free reference (the config refuses failures with it)."""
@@ -67,6 +74,9 @@ class NoCheckpointing:
     def close(self) -> dict[str, float]:
         return {}
 
+    def keep_live_state(self, next_iteration: int, detected: dict) -> int:
+        return 0
+
 
 class MoEvement:
     """Sparse checkpointing, upstream logs at pipeline boundaries, localized recovery (docs/design.md §4)."""
@@ -78,16 +88,23 @@ class MoEvement:
         recovery: Recovery,
         found: RestartPoint | None,
         lock: JobLock,
+        rejoin: Rejoin | None = None,
     ):
         self.checkpointer, self.log, self.recovery = checkpointer, log, recovery
         self.found = found  # a persisted sparse checkpoint of this job to restart from (a relaunch or a restart)
+        self.rejoin = rejoin  # after a torchrun restart with survivors: who kept what, and this generation's name
+        self.history_from = 1  # first iteration whose boundary and scalar logs this process holds
         self.lock = lock  # held for the process's lifetime: a second live run of the job is refused
 
     def resume(self, step: int) -> int:
-        if self.found is None:
-            return step
         found, self.found = self.found, None
-        return self.recovery.restart(found) - 1  # state_{t0+W} is current: train on from t0+W
+        if self.rejoin is not None and self.rejoin.survivors:  # the dead ranks' stages caught up
+            resumed, self.history_from = self.recovery.rejoin(found, self.rejoin)
+        elif found is not None:  # state_{t0+W} is current: train on from t0+W
+            resumed = self.history_from = self.recovery.restart(found)
+        else:
+            resumed = self.history_from = step + 1
+        return resumed - 1
 
     def begin(self, step: int) -> None:
         if self.log is not None:
@@ -109,3 +126,11 @@ class MoEvement:
         totals = self.metrics()
         self.checkpointer.close()
         return totals
+
+    def keep_live_state(self, next_iteration: int, detected: dict) -> int:
+        ck = self.checkpointer
+        meta = {**ck.job_meta, **(self.rejoin.name if self.rejoin else {}), "rank": ck.topology.rank}
+        log_from = max(ck.persisted.rollback_point(), self.history_from)
+        scalars = ck.persisted.scalars_since(log_from)
+        meta["detected"] = detected
+        return save_live_state(ck.rank_dir, ck.ops, ck.optimizer, self.log, scalars, next_iteration, log_from, meta)

@@ -149,20 +149,6 @@ def test_interleaved_1f1b_failure(tmp_path):
     assert RECOVERY.findall(out) == [("8", "1", "1,3", "3", "5")]  # pipeline rank 1 runs stages 1 and 3
 
 
-def test_whole_job_restart_after_a_real_crash(tmp_path):
-    """`--fault.crash` kills rank 1; torchrun restarts every process; they convert the checkpoint from shared memory."""
-    reference = baseline(PP2_DP2_EP2_BF16, 4)
-    out = fault_run(tmp_path, PP2_DP2_EP2_BF16, 4, "--fault.crash", "8:1", torchrun=("--max-restarts=1",))
-    assert "fault: rank 1 crashes at step 8" in out
-    m = re.search(r"^recovery step=8 ranks=0\+1\+2\+3 scope=0-1 rollback_to=3 replayed=3 .* restart=global", out, re.M)
-    assert m, out
-    after = out[m.end() :]
-    assert final_line(after) == final_line(reference)
-    assert {s: loss for s, loss in step_losses(after).items()} == {
-        s: loss for s, loss in step_losses(reference).items() if s >= 6
-    }
-
-
 def test_frozen_operators_compute_no_weight_gradient():
     """A frozen operator gets no gradient and costs no weight-gradient FLOPs; the input gradient still flows."""
     args = ModelArgs(

@@ -96,6 +96,7 @@ FAULT_SCOPES = ("localized", "global")
 class FaultConfig:
     at: str = ""  # STEP:RANK[+RANK...][,...]: these ranks lose their state at STEP and recover in place
     crash: str = ""  # STEP:RANK[,...]: the process exits at STEP (first attempt), for torchrun restarts
+    kill: str = ""  # STEP:RANK[:PHASE][,...]: the process SIGKILLs itself in PHASE (forward|backward|optimizer)
     scope: str = "localized"  # localized: the failed stages roll back | global: every stage does (for comparison)
     replay_threads: int = 0  # CPU threads of a replaying rank (0: auto, the cores its paused neighbours leave idle)
     mtbf_iters: float = 0.0  # Poisson failures of random ranks, mean time between failures in iterations (0: none)
@@ -296,19 +297,19 @@ def _validate_fault(cfg: Config) -> None:
     _check(f.replay_threads >= 0, "fault.replay_threads", f"must be >= 0 (0: auto), got {f.replay_threads}")
     _check(f.scope in FAULT_SCOPES, "fault.scope", f"must be one of {', '.join(FAULT_SCOPES)}, got {f.scope!r}")
     if plan:
-        key = (
-            "fault.at" if f.at else "fault.crash" if f.crash else "fault.mtbf_iters" if f.mtbf_iters else "fault.trace"
-        )
+        given = {"fault.at": f.at, "fault.crash": f.crash, "fault.kill": f.kill, "fault.mtbf_iters": f.mtbf_iters}
+        key = next((k for k, v in given.items() if v), "fault.trace")
         _check(
             cfg.checkpoint.strategy != "none",
             key,
             "needs a checkpoint.strategy that recovers (moevement, gemini, checkfreq or moc), got 'none'",
         )
-    if f.crash:
+    for key, spec in (("fault.crash", f.crash), ("fault.kill", f.kill)):
         _check(
-            cfg.checkpoint.strategy == "moevement",
-            "fault.crash",
-            f"needs checkpoint.strategy = moevement (whole-job restart), got {cfg.checkpoint.strategy!r}",
+            not spec or cfg.checkpoint.strategy == "moevement",
+            key,
+            f"needs checkpoint.strategy = moevement (recovery after a torchrun restart), "
+            f"got {cfg.checkpoint.strategy!r}",
         )
     if cfg.checkpoint.interval == "oracle":
         _check(f.mtbf_iters > 0, "checkpoint.interval", "oracle needs fault.mtbf_iters > 0 (the MTBF it optimises for)")
@@ -321,6 +322,7 @@ def fault_plan(cfg: Config, world: int) -> FaultPlan:
         return FaultPlan(
             f.at,
             f.crash,
+            kill=f.kill,
             mtbf_iters=f.mtbf_iters,
             seed=f.seed,
             trace=f.trace,

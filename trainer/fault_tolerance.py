@@ -11,10 +11,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from baselines.global_rollback import GlobalRollback, MocState
@@ -24,6 +27,7 @@ from baselines.strategy import IntervalBaseline
 from moevement.checkpoint.checkpointer import SparseCheckpointer
 from moevement.operators import build_registry
 from moevement.recovery.conversion import Conversion, TrainerHooks
+from moevement.recovery.live_state import Rejoin, load_live_state
 from moevement.recovery.localized import Recovery
 from moevement.recovery.replay import PipelineReplay, StageRef
 from moevement.recovery.restart import find_restart_checkpoint, snapshot_identity_check
@@ -38,6 +42,8 @@ from parallelisms.pipeline import lm_loss, local_stage_ids
 from trainer.config import Config
 from trainer.identity import RunIdentity
 from trainer.step import DropoutSeeder, forward_backward, replay_update
+
+PROCESS_START = time.time()  # when this worker's Python started importing the trainer (restart timing)
 
 
 def gather_topology(dims: ParallelDims) -> Topology:
@@ -79,6 +85,29 @@ def _same_node_dirs(cfg: Config):
     return (lambda rank: host_rank_dir(cfg, rank)) if cfg.checkpoint.replication == "auto" else None
 
 
+def torchrun_generation() -> dict:
+    """This worker's run and restart generation under torchrun ({"run_id": "", "generation": 0} without it)."""
+    return {
+        "run_id": os.environ.get("TORCHELASTIC_RUN_ID", ""),
+        "generation": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+    }
+
+
+def _kept_live_state(rank_dir: Path, job_meta: dict, rejoin: Rejoin) -> Rejoin:
+    """After a torchrun restart: the live state this rank kept in the previous generation, and whether any
+    rank kept one (collective). A relaunch (generation 0) uses none."""
+    if rejoin.name["generation"] > 0:
+        expect = {**job_meta, "run_id": rejoin.name["run_id"], "generation": rejoin.name["generation"] - 1}
+        rejoin.live, why = load_live_state(rank_dir, expect)
+        if rejoin.live is None and why != "no live state":
+            print(f"restart: rank {dist.get_rank()} cannot use its live state: {why}", flush=True)
+    kept = torch.tensor([int(rejoin.live is not None)])
+    if dist.is_initialized():
+        dist.all_reduce(kept)
+    rejoin.survivors = bool(kept.item())
+    return rejoin
+
+
 def claim_host_state(cfg: Config, rank: int) -> JobLock:
     """Lock this rank's place in the job's host directory (refused while a live process holds it)."""
     job_dir = host_job_dir(cfg)
@@ -106,11 +135,13 @@ def build_strategy(
         "run": identity.to_json(),
         "rng": "dropout seed = derive_seed(seed, iteration, micro-batch, stage, dp_rank)",
     }
-    found = None
+    found, rejoin = None, Rejoin(torchrun_generation(), started=PROCESS_START)
     disk = persist_root(cfg)
     if strategy == "moevement":
+        rejoin = _kept_live_state(rank_dir, job_meta, rejoin)
         check = snapshot_identity_check({"dp_rank": dims.dp_rank, "pp_rank": dims.pp_rank}, identity.mismatch)
-        found = find_restart_checkpoint(rank_dir.parent, disk, check, line)
+        own = rejoin.live is not None or not rejoin.survivors
+        found = find_restart_checkpoint(rank_dir.parent, disk, check, line, own_copies=own)
         if dist.is_initialized():
             dist.barrier()  # every rank holds its copy before any rank clears its directory
     remove_tree(rank_dir)  # loaded, or of no use to any restart
@@ -140,7 +171,7 @@ def build_strategy(
         line,
         global_rollback=cfg.fault.scope == "global",
     )
-    return MoEvement(checkpointer, log, recovery, found, lock)
+    return MoEvement(checkpointer, log, recovery, found, lock, rejoin)
 
 
 def _interval_baseline(

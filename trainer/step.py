@@ -132,13 +132,16 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     inputs, labels = inputs.to(dims.device, non_blocking=True), labels.to(dims.device, non_blocking=True)
     loss = forward_backward(model, inputs, labels, cfg.micro_batches)
+    # Every collective of the iteration ends with the gradient-norm all-reduce: after it a rank only updates
+    # its own state, so a rank that passed it can finish the iteration alone (trainer/survival.py).
+    mean_loss, aux_loss = _global_mean_loss(loss, dims), _aux_loss(model, dims)
     params = [p for p in model.view.parameters() if p.requires_grad]
     grad_norm, clip_coef = clip_grad_norm(params, cfg.max_grad_norm)
     lr = lr_at(step, cfg)
     set_lr(optimizer, lr)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(_global_mean_loss(loss, dims), _aux_loss(model, dims), grad_norm, clip_coef, lr)
+    return StepResult(mean_loss, aux_loss, grad_norm, clip_coef, lr)
 
 
 def replay_update(model: ModelParts, optimizer: torch.optim.Optimizer, scalars: dict) -> None:

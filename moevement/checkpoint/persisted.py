@@ -59,6 +59,11 @@ class PersistedCheckpoint:
         with self.cond:
             return {t: self.scalar_log[t] for t in range(first, stop)}
 
+    def scalars_since(self, first: int) -> dict[int, dict]:
+        """Every logged scalar set of iterations `first` onwards."""
+        with self.cond:
+            return {t: dict(v) for t, v in self.scalar_log.items() if t >= first}
+
     def log_scalars(self, iteration: int, scalars: dict[str, float]) -> None:
         with self.cond:
             self.scalar_log[iteration] = dict(scalars)

@@ -34,6 +34,7 @@ from moevement.recovery.fetch import (
     fetch_from_replicas,
     fetch_scalars,
 )
+from moevement.recovery.live_state import Rejoin, restore_live_state
 from moevement.recovery.replay import wipe_operators
 from moevement.recovery.restart import RestartPoint
 from moevement.recovery.upstream_log import UpstreamLog
@@ -84,6 +85,10 @@ class Recovery:
             f"rollback_to={t0} replayed={step - t0} seconds={seconds:.3f} "
             f"(fetch={totals[0]:.3f} convert={totals[1]:.3f} catchup={totals[2]:.3f})"
         )
+        self.report_work(failed, set(pps), work_before, stats)
+
+    def report_work(self, failed: set[int], pps: set[int], work_before: tuple[int, int], stats: ReplayStats) -> None:
+        """Rank 0 prints every rank's `recovery work` line: its role and the forwards/backwards it ran."""
         forwards, backwards = (a - b for a, b in zip(self.log.work() if self.log else (0, 0), work_before))
         role = "failed" if self.me in failed else ("rolled-back" if self.layout.pp_of[self.me] in pps else "healthy")
         source = f" snapshots_from={stats.sources[self.me]}" if self.me in stats.sources else ""
@@ -96,6 +101,52 @@ class Recovery:
         )
         for text in work or []:
             self.line(text)
+
+    def rejoin(self, found: RestartPoint | None, rejoin: Rejoin) -> tuple[int, int]:
+        """After a torchrun restart with survivors: the stages of the ranks that kept no live state replay
+        from `found` (or the initial state) to the survivors' iteration; the others restore theirs and
+        serve logs. Returns (the iteration training goes on with, the first one every rank holds logs of)."""
+        started, rejoin_start = time.perf_counter(), time.time()
+        live = rejoin.live
+        kept: list = [None] * self.world
+        dist.all_gather_object(kept, (live.next_iteration, live.log_from, live.detected) if live else None)
+        target = max(k[0] for k in kept if k)
+        failed = {r for r, k in enumerate(kept) if not k or k[0] != target}
+        t0, window = (found.window_start, found.window) if found else (1, 0)
+        if max(k[1] for k in kept if k and k[0] == target) > t0:  # survivors' logs do not reach back to t0
+            self.line(f"restart: the survivors' logs start after iteration {t0}: every stage rolls back")
+            resumed = self.restart(found) if found else 1
+            return resumed, resumed
+        pps = self._rolled_back(failed)
+        scope = self.layout.stages_of(pps)
+        if self.me not in failed:
+            self.ck.persisted.restore_scalars(live.scalars)
+            if self.layout.pp_of[self.me] not in pps:
+                restore_live_state(live, self.ck.ops, self.conversion.optimizer, self.log)
+        stats = ReplayStats()
+        boundary = fetch_boundary_logs(self.log, self.layout, self.micro, scope, t0, target)
+        scalars = fetch_scalars(self.ck, failed, t0, target)
+        stats.fetch = time.perf_counter() - started
+        if self.layout.pp_of[self.me] in pps:
+            if found is None:
+                self.conversion.load_initial_state()
+            snapshots = found.snapshots.__getitem__ if found else None
+            self.conversion.replay(t0, target, window, scope, snapshots, scalars, boundary, stats)
+        dist.barrier()
+        totals = torch.tensor([stats.fetch, stats.convert, stats.catchup], dtype=torch.float64)
+        dist.all_reduce(totals, op=dist.ReduceOp.MAX)
+        told = [k[2] for k in kept if k]
+        detected, kept_at = min(d.get("time", 0.0) for d in told), max(d.get("kept", 0.0) for d in told)
+        self.line(
+            f"recovery step={target} ranks={'+'.join(map(str, sorted(failed)))} scope={_ranges(sorted(scope))} "
+            f"rollback_to={t0} replayed={target - t0} seconds={time.time() - detected:.3f} "
+            f"(keep={kept_at - detected:.3f} restart={rejoin.started - kept_at:.3f} "
+            f"setup={rejoin_start - rejoin.started:.3f} fetch={totals[0]:.3f} convert={totals[1]:.3f} "
+            f"catchup={totals[2]:.3f}) restart=local "
+            f'detected_by="{_how(kept)}"'
+        )
+        self.report_work(failed, pps, (0, 0), stats)
+        return target, t0
 
     def _rolled_back(self, failed: set[int]) -> set[int]:
         """Pipeline ranks that roll back: those of the failed ranks (localized), or all (global)."""
@@ -183,3 +234,9 @@ def _ranges(stages: list[int]) -> str:
         out.append(str(stages[i]) if i == j else f"{stages[i]}-{stages[j]}")
         i = j + 1
     return ",".join(out)
+
+
+def _how(kept: list) -> str:
+    """How the survivors learned of the failure, earliest first: "rank 0: SIGTERM; ..."."""
+    told = sorted((k[2].get("time", 0.0), r, k[2].get("how", "?")) for r, k in enumerate(kept) if k)
+    return "; ".join(f"rank{r}: {how}" for _, r, how in told)

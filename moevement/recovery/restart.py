@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from moevement.storage.host_memory import HostMemoryError, map_bytes, read_header, remove_tree
@@ -97,11 +98,12 @@ def _load_host(paths: list[Path]) -> Loaded:
     out = []
     for path in paths:
         header = SnapshotHeader.from_json(read_header(path))
-        out.append((header, read_entries(map_bytes(path), header, source=str(path.with_suffix(".bin")))))
+        data = map_bytes(path) if header.nbytes else torch.empty(0, dtype=torch.uint8)  # an empty slot: no bytes
+        out.append((header, read_entries(data, header, source=str(path.with_suffix(".bin")))))
     return out
 
 
-def _survey(rank: int, job_dir: Path, persist_root: Path | None) -> _Survey:
+def _survey(rank: int, job_dir: Path, persist_root: Path | None, own_copies: bool) -> _Survey:
     survey = _Survey()
     own = job_dir / f"rank{rank:05d}"
     try:
@@ -110,7 +112,7 @@ def _survey(rank: int, job_dir: Path, persist_root: Path | None) -> _Survey:
             survey.persisted, survey.anything = int(manifest["window_start"]), True
     except (*UNUSABLE, KeyError, TypeError, ValueError) as e:
         _reject(rank, str(own / "persisted.json"), e)
-    holders = [("local shared memory", own / "local")]
+    holders = [("local shared memory", own / "local")] if own_copies else []
     holders += [(f"replica on {d.name}", d / "replicas" / f"from{rank}") for d in sorted(job_dir.glob("rank*[0-9]"))]
     for source, directory in holders:
         for start, paths in _host_windows(rank, directory, survey).items():
@@ -148,13 +150,20 @@ def _load_first_intact(rank: int, copies: list[_Copy], check: CheckHeader) -> tu
 
 
 def find_restart_checkpoint(
-    job_dir: Path, persist_root: Path | None, check: CheckHeader, line: Callable[[str], None]
+    job_dir: Path,
+    persist_root: Path | None,
+    check: CheckHeader,
+    line: Callable[[str], None],
+    own_copies: bool = True,
 ) -> RestartPoint | None:
     """The newest persisted sparse checkpoint of this job that every rank can load, loaded (collective
-    over all ranks); None, with a line saying so when any state of the job was found, otherwise."""
+    over all ranks); None, with a line saying so when any state of the job was found, otherwise.
+
+    `own_copies=False`: a rank whose process died uses its peers' replicas and the disk, not what its
+    dead predecessor left in its own directory."""
     started = time.perf_counter()
     rank, world = dist.get_rank(), dist.get_world_size()
-    survey = _survey(rank, job_dir, persist_root)
+    survey = _survey(rank, job_dir, persist_root, own_copies)
     gathered: list = [None] * world
     dist.all_gather_object(gathered, (survey.persisted, survey.newest_iteration, survey.anything))
     persisted = max(p for p, _, _ in gathered)

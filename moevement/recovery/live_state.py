@@ -1,0 +1,121 @@
+"""A survivor's live training state, kept across a torchrun restart (docs/design.md §4, real deaths).
+
+When a worker really dies, the torchrun agent stops every other worker (SIGTERM) and starts them all
+again. A survivor notices (the signal, or a collective that fails because its peer is gone), stops at a
+consistent point and writes `<rank_dir>/live.{bin,json}` in node-local shared memory: the FP32 state of
+every operator (weights, buffers, optimizer state), the upstream log and the scalar log, all checksummed,
+with `next_iteration` (the first iteration its state has not applied) and the job's identity and restart
+generation in the header. The restarted process reads it back before anything else touches the rank
+directory; a missing, foreign, stale or corrupt file means the rank counts as failed (its stage replays).
+
+Training thread only (the survivor has stopped training when it saves).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moevement.operators import Operator
+from moevement.recovery.replay import load_master
+from moevement.recovery.upstream_log import UpstreamLog
+from moevement.storage.host_memory import HostBuffer, HostMemoryError, map_bytes, read_header
+from moevement.storage.snapshot import SnapshotError, SnapshotHeader, Throttle, copy_entries, layout_of, read_entries
+
+LIVE = "live"
+
+
+@dataclass
+class LiveState:
+    """What a survivor kept: state_{next_iteration}, logs, and how it learned of the failure."""
+
+    next_iteration: int
+    log_from: int  # first iteration whose upstream log and scalars it holds
+    scalars: dict[int, dict]
+    tensors: dict[tuple[str, str], torch.Tensor]
+    detected: dict  # {"how": ..., "time": unix seconds}
+
+
+@dataclass
+class Rejoin:
+    """This process's place in a torchrun run: its generation, and what it kept from the previous one."""
+
+    name: dict  # {"run_id": TORCHELASTIC_RUN_ID, "generation": TORCHELASTIC_RESTART_COUNT}
+    live: LiveState | None = None  # this rank's kept state (None: it died, or kept nothing usable)
+    survivors: bool = False  # some rank of the job kept its state: rejoin instead of a whole-job restart
+    started: float = 0.0  # unix time this process started
+
+
+def save_live_state(
+    rank_dir: Path,
+    ops: list[Operator],
+    optimizer: torch.optim.Optimizer,
+    log: UpstreamLog | None,
+    scalars: dict[int, dict],
+    next_iteration: int,
+    log_from: int,
+    meta: dict,
+) -> int:
+    """Write state_{next_iteration} of this rank with its logs of `log_from..next_iteration-1`; returns bytes."""
+    items = [(op.name, name, "master", t, t.dtype) for op in ops for name, t in op.master_tensors(optimizer)]
+    if log is not None:
+        for (kind, it, stage, micro), t in sorted(log.entries.items()):
+            if log_from <= it < next_iteration:
+                items.append(("", f"{kind}.{it}.{stage}.{micro}", "log", t, t.dtype))
+    entries, sources, nbytes = layout_of(items)
+    buffer = HostBuffer(rank_dir / LIVE)
+    buffer.invalidate()
+    copy_entries(buffer.ensure(max(nbytes, 1)), entries, sources, Throttle())
+    kept = {str(t): s for t, s in scalars.items() if log_from <= t < next_iteration}
+    header = SnapshotHeader(
+        next_iteration,
+        log_from,
+        0,
+        1,
+        meta.get("rank", -1),
+        [op.name for op in ops],
+        [],
+        entries,
+        nbytes,
+        {**meta, "scalars": kept},
+    )
+    header.meta["detected"] = {**header.meta.get("detected", {}), "kept": time.time()}
+    buffer.commit(header.to_json())
+    buffer.release()
+    return nbytes
+
+
+def load_live_state(rank_dir: Path, expect: dict) -> tuple[LiveState | None, str]:
+    """This rank's live state if it is intact and of this job and restart generation (`expect`: header
+    meta keys and their required values); (None, why) otherwise."""
+    path = rank_dir / LIVE
+    try:
+        raw = read_header(path)
+        if raw is None:
+            return None, "no live state"
+        header = SnapshotHeader.from_json(raw)
+        differ = sorted(k for k, v in expect.items() if header.meta.get(k) != v)
+        if differ:
+            return None, f"{path}.json belongs to another run or generation ({', '.join(differ)})"
+        tensors = read_entries(map_bytes(path), header, source=f"{path}.bin")
+    except (HostMemoryError, SnapshotError, OSError, KeyError, TypeError, ValueError) as e:
+        return None, f"{path}: unusable ({e})"
+    scalars = {int(t): s for t, s in header.meta["scalars"].items()}
+    return LiveState(header.iteration, header.window_start, scalars, tensors, header.meta.get("detected", {})), ""
+
+
+def restore_live_state(
+    live: LiveState, ops: list[Operator], optimizer: torch.optim.Optimizer, log: UpstreamLog | None
+) -> None:
+    """Put a survivor's kept state back into its operators, optimizer and upstream log."""
+    for op in ops:
+        load_master(op, live.tensors, optimizer)
+    if log is None:
+        return
+    for (role, name), tensor in live.tensors.items():
+        if role == "log":
+            kind, it, stage, micro = name.split(".")
+            log.put(kind, int(it), int(stage), int(micro), tensor)

@@ -1,0 +1,43 @@
+"""`fault.kill`: a worker SIGKILLs itself at a precise point of an iteration (a real death, no clean-up).
+
+The hooks fire only in normal training (not while a recovery replays), in the torchrun generation the
+kill belongs to (`FaultPlan.kill_of`), so a restarted job does not meet the same death again.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import torch
+
+from moevement.failures import FaultPlan, KillEvent
+from parallelisms.parallelize import ModelParts
+from trainer.survival import StopGuard
+
+
+def arm_kill(plan: FaultPlan, rank: int, model: ModelParts, optimizer: torch.optim.Optimizer, guard: StopGuard) -> None:
+    """Install this rank's kill of this generation, if any."""
+    kill = plan.kill_of(rank, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    if kill is None:
+        return
+
+    def due() -> bool:
+        return guard.step == kill.step and guard.phase in ("training", "applying")
+
+    if kill.phase == "forward":
+        model.parts[0].register_forward_pre_hook(lambda *_: _die(kill, rank) if due() else None)
+    elif kill.phase == "backward":
+
+        def on_output(_module, _args, out):
+            if due() and isinstance(out, torch.Tensor) and out.requires_grad:
+                out.register_hook(lambda _grad: _die(kill, rank))
+
+        model.parts[-1].register_forward_hook(on_output)
+    else:  # optimizer: the gradient-norm all-reduce is done on every rank, the update is not
+        optimizer.register_step_pre_hook(lambda *_: _die(kill, rank) if due() else None)
+
+
+def _die(kill: KillEvent, rank: int) -> None:
+    print(f"fault: rank {rank} killed (SIGKILL) in the {kill.phase} phase of step {kill.step}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,131 @@
+"""What a rank does when another worker really dies (docs/design.md §4, real deaths).
+
+Under torchrun a dead worker makes the agent send SIGTERM to every other worker of the job, then start
+them all again (`--max-restarts`). A survivor learns of the death from that signal, or earlier from a
+collective whose peer is gone (gloo: "Connection closed by peer"; any collective times out after
+`fault.timeout_s`). It stops at a consistent point and keeps its live state for the restarted process:
+
+- while an iteration computes (forward, backward, gradient reduction, the gradient-norm all-reduce) its
+  weights and optimizer state are still `state_T`: SIGTERM stops it at once (`WorkerStopped`);
+- from the optimizer step of T until the iteration is logged (`end(T)`), SIGTERM waits: the rank then
+  holds `state_{T+1}` and the scalar log of T;
+- during a recovery it keeps nothing (its stage may be half-replayed): it counts as failed.
+
+The gradient-norm all-reduce is global, so a survivor that finished it knows every rank entered it; the
+survivors that did not finish it hold `state_T` and the restarted job widens the scope to their stages
+(`Recovery.rejoin`), so no case ends in a wrong state.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from contextlib import contextmanager
+
+import torch.distributed as dist
+
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out", "timed out")
+
+
+class WorkerStopped(BaseException):
+    """SIGTERM while this rank's state is consistent: the torchrun agent is stopping the job's workers.
+
+    A BaseException, so library code that catches `Exception` cannot swallow it."""
+
+
+def peer_failure(error: BaseException) -> bool:
+    """Whether `error` (or an error it wraps, as pipelining's stage errors do) says a peer process is gone
+    or a collective timed out, rather than a bug here."""
+    return _peer_error(error) is not None
+
+
+def _peer_error(error: BaseException | None) -> BaseException | None:
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, WorkerStopped | dist.DistError):
+            return error
+        if isinstance(error, RuntimeError) and any(marker in str(error) for marker in PEER_GONE):
+            return error
+        error = error.__cause__ or error.__context__
+    return None
+
+
+class StopGuard:
+    """Turns SIGTERM into `WorkerStopped` at points where this rank's state is consistent.
+
+    `phase`: "setup" (SIGTERM exits at once, as a preemption), "training", "applying" (optimizer step of
+    `step` to its `end`; SIGTERM waits), "recovering", "stopping" (SIGTERM is ignored; `stopped_in` is the
+    phase it stopped in). `applied`: the last iteration whose update is done."""
+
+    def __init__(self, rank: int, preempted_line):
+        self.rank, self.preempted_line = rank, preempted_line
+        self.phase, self.stopped_in, self.step, self.applied = "setup", "", 0, 0
+        self.sigterm_at: float | None = None
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def stop(self) -> None:
+        """The rank stops training now (an error or SIGTERM); later signals only wait for its exit."""
+        if self.phase != "stopping":
+            self.stopped_in, self.phase = self.phase, "stopping"
+
+    def _on_sigterm(self, signum, _frame) -> None:
+        self.sigterm_at = self.sigterm_at or time.time()
+        if self.phase in ("training", "recovering"):
+            self.stop()
+            raise WorkerStopped("SIGTERM from the torchrun agent")
+        if self.phase == "setup":
+            print(self.preempted_line(self.step, "nothing new to keep"), flush=True)
+            os._exit(128 + signum)
+
+    def optimizer_step_begins(self, *_args) -> None:
+        """Optimizer step pre-hook: from here until `applied`, the update of `step` must complete."""
+        if self.phase == "training":
+            self.phase = "applying"
+
+    def done(self, step: int) -> None:
+        """Iteration `step` is applied and logged; a SIGTERM that arrived meanwhile stops the rank now."""
+        self.phase, self.applied = "training", step
+        if self.sigterm_at is not None:
+            self.stop()
+            raise WorkerStopped("SIGTERM from the torchrun agent")
+
+    @contextmanager
+    def recovering(self):
+        self.phase = "recovering"
+        try:
+            yield
+        finally:
+            self.phase = "training"
+
+
+def keep_state_and_exit(guard: StopGuard, keep_live_state, error: BaseException) -> None:
+    """Another worker died (or the job is stopping): keep this rank's live state if it is consistent, say
+    so in one line, and exit at once (torchrun restarts the job; nothing else here is needed)."""
+    error = _peer_error(error) or error
+    sigterm = isinstance(error, WorkerStopped)
+    how = "SIGTERM from the torchrun agent" if sigterm else _first_line(error)
+    detected = {"how": how, "time": guard.sigterm_at if sigterm else time.time()}
+    guard.stop()
+    if guard.stopped_in == "recovering":
+        kept = "no live state (it was recovering; its stage replays)"
+    else:
+        next_iteration = guard.step + 1 if guard.stopped_in == "applying" else guard.applied + 1
+        nbytes = keep_live_state(next_iteration, detected)
+        kept = f"live state of iteration {next_iteration}, {nbytes / 1e6:.1f} MB" if nbytes else "no live state"
+    if sigterm:
+        print(guard.preempted_line(guard.step, kept), flush=True)
+    else:
+        print(f"failure detected: rank {guard.rank} at step {guard.step} by {how}; kept {kept}", flush=True)
+    os._exit(143 if sigterm else 75)
+
+
+def _first_line(error: BaseException) -> str:
+    """The gist of a collective's error: the peer-gone marker it carries, else its first line."""
+    text = str(error)
+    marker = next((m for m in PEER_GONE if m in text), None)
+    if marker is not None:
+        return f"a collective failed ({marker})"
+    lines = text.strip().splitlines()
+    return (lines[0] if lines else "")[:160]
