@@ -142,7 +142,7 @@ class Recovery:
             f"rollback_to={t0} replayed={target - t0} seconds={time.time() - detected:.3f} "
             f"(keep={kept_at - detected:.3f} restart={rejoin.started - kept_at:.3f} "
             f"setup={rejoin_start - rejoin.started:.3f} fetch={totals[0]:.3f} convert={totals[1]:.3f} "
-            f"catchup={totals[2]:.3f}) restart=local "
+            f"catchup={totals[2]:.3f}) restart={'global-replay' if self.global_rollback else 'local'} "
             f'detected_by="{_how(kept)}"'
         )
         self.report_work(failed, pps, (0, 0), stats)
