@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from moevement.failures import FaultPlan, FaultSpecError, read_trace
+from moevement.failures import FaultPlan, FaultSpecError, KillEvent, read_trace
 from tests.conftest import DEBUG_CONFIG, ROOT, run_cli
 from trainer.config import ConfigError, load_config
 from trainer.corpus import DataConfig, DataError, load_tokens
@@ -209,12 +209,33 @@ def test_cli_fault_after_last_step_is_refused():
     [
         (["--fault.at", "5:1,61:0"], "fault.at", 61, 60),
         (["--fault.crash", "70:1"], "fault.crash", 70, 60),
+        (["--fault.kill", "61:1:optimizer"], "fault.kill", 61, 60),
         (["--training.stop_at", "20", "--fault.at", "21:1"], "fault.at", 21, 20),
     ],
 )
 def test_fault_after_last_step_names_key_step_and_last_step(args, key, step, last):
     with pytest.raises(ConfigError, match=rf"'{key}' has a failure at step {step}, after the run's last step {last}"):
         load_config(str(ROOT / DEBUG_CONFIG), [*MOEVEMENT, *args])
+
+
+@pytest.mark.parametrize("spec", ["5", "5:1:sideways", "0:1", "5:-1", "5:1:forward:again", "x:1"])
+def test_malformed_fault_kill_names_the_key_and_the_phases(spec):
+    with pytest.raises(
+        ConfigError, match=r"'fault.kill' must look like STEP:RANK\[:PHASE\].*forward, backward, optimizer"
+    ):
+        load_config(str(ROOT / DEBUG_CONFIG), [*MOEVEMENT, "--fault.kill", spec])
+
+
+def test_fault_kill_fires_once_per_torchrun_generation():
+    plan = FaultPlan(kill="6:1:backward,9:0,9:2:optimizer", world=4, last_step=10)
+    assert [plan.kill_of(r, 0) for r in range(4)] == [None, KillEvent(6, 1, "backward"), None, None]
+    assert [plan.kill_of(r, 1) for r in range(4)] == [
+        KillEvent(9, 0, "forward"),
+        None,
+        KillEvent(9, 2, "optimizer"),
+        None,
+    ]
+    assert all(plan.kill_of(r, 2) is None for r in range(4))
 
 
 def test_fault_at_last_step_is_accepted():
