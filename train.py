@@ -159,7 +159,7 @@ def setup(cfg: Config) -> tuple[Job, int, float]:
     """Process group, data, model, optimizer, optional resume and fault tolerance; (job, last step done, its loss).
 
     A `checkpoint.save_final` target that saving would have to destroy is refused before anything else."""
-    rank, world = init_distributed()
+    rank, world = init_distributed(cfg.fault.timeout_s)
     guard = stop_guard(cfg, rank)
     check_world_size(cfg, world)
     if cfg.checkpoint.save_final:
@@ -183,7 +183,7 @@ def setup(cfg: Config) -> tuple[Job, int, float]:
     ft = build_strategy(cfg, model, optimizer, dims, seeder, train_batches, logger.line)
     optimizer.register_step_pre_hook(guard.optimizer_step_begins)  # after the checkpointer's copy wait
     faults = fault_plan(cfg, world)
-    arm_kill(faults, rank, model, optimizer, guard)
+    arm_kill(faults, rank, model, optimizer, guard, cfg.fault.kill_signal)
     step = ft.resume(step)
     val_data = (
         []

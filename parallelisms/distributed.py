@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 
 import torch
@@ -12,9 +13,13 @@ def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def init_distributed() -> tuple[int, int]:
-    """Initialise the default process group (gloo on CPU, nccl on GPU); return (rank, world)."""
+def init_distributed(timeout_s: float | None = None) -> tuple[int, int]:
+    """Initialise the default process group (gloo on CPU, nccl on GPU); return (rank, world).
+
+    `timeout_s`: a collective or point-to-point operation that makes no progress for this long fails
+    (a hung or stopped peer is detected, not waited for); None keeps PyTorch's default."""
     if not dist.is_initialized():
+        limit = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
         backend = "nccl" if device_type() == "cuda" else "gloo"
         if "RANK" in os.environ:  # launched by torchrun
             if backend == "nccl":
@@ -25,10 +30,10 @@ def init_distributed() -> tuple[int, int]:
                 # (the old attempt's gloo addresses would otherwise be read and refused).
                 store, rank, world = next(dist.rendezvous("env://"))
                 dist.init_process_group(
-                    backend, store=dist.PrefixStore(f"attempt{attempt}", store), rank=rank, world_size=world
+                    backend, store=dist.PrefixStore(f"attempt{attempt}", store), rank=rank, world_size=world, **limit
                 )
             else:
-                dist.init_process_group(backend)
+                dist.init_process_group(backend, **limit)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return dist.get_rank(), dist.get_world_size()

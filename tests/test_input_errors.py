@@ -277,3 +277,12 @@ def test_bad_trace_names_file_and_cause(tmp_path, content, why):
         read_trace(str(tmp_path / "absent.csv"))
     with pytest.raises(FaultSpecError, match="cannot read it"):
         read_trace(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "args, key",
+    [(["--fault.kill_signal", "SIGTERM"], "fault.kill_signal"), (["--fault.timeout_s", "0"], "fault.timeout_s")],
+)
+def test_bad_fault_detection_settings_name_the_key(args, key):
+    with pytest.raises(ConfigError, match=rf"'{key}'"):
+        load_config(str(ROOT / DEBUG_CONFIG), [*MOEVEMENT, *args])

@@ -107,3 +107,15 @@ def test_interleaved_1f1b_and_two_deaths_in_a_row(tmp_path):
     out = death_run(tmp_path, layout, 2, "--fault.kill", "6:1:backward,15:0:forward", restarts=2)
     recoveries = assert_local_and_exact(out, baseline(layout, 2), "1", "1,3")
     assert [r[1:3] for r in recoveries] == [("1", "1,3"), ("0", "0,2")]
+
+
+@pytest.mark.slow
+def test_a_hung_worker_is_detected_by_the_timeout(tmp_path):
+    """pp=2: rank 1 stops (SIGSTOP) in its backward pass, keeping its connections open; rank 0's receive
+    fails after `fault.timeout_s`, it keeps its state, and the job recovers as from a death."""
+    out = death_run(
+        tmp_path, PP2, 2, "--fault.kill", "9:1:backward", "--fault.kill_signal", "SIGSTOP", "--fault.timeout_s", "5"
+    )
+    assert "fault: rank 1 stopped (SIGSTOP) in the backward phase of step 9" in out
+    assert re.search(r"^failure detected: rank 0 at step 9 by a collective failed \(Timed out\)", out, re.M), out
+    assert_local_and_exact(out, baseline(PP2, 2), "1", "1")

@@ -97,6 +97,8 @@ class FaultConfig:
     at: str = ""  # STEP:RANK[+RANK...][,...]: these ranks lose their state at STEP and recover in place
     crash: str = ""  # STEP:RANK[,...]: the process exits at STEP (first attempt), for torchrun restarts
     kill: str = ""  # STEP:RANK[:PHASE][,...]: the process SIGKILLs itself in PHASE (forward|backward|optimizer)
+    kill_signal: str = "SIGKILL"  # how fault.kill strikes: SIGKILL (a death) or SIGSTOP (a hang)
+    timeout_s: float = 600.0  # a collective without progress for this long fails: a hung peer counts as dead
     scope: str = "localized"  # localized: the failed stages roll back | global: every stage does (for comparison)
     replay_threads: int = 0  # CPU threads of a replaying rank (0: auto, the cores its paused neighbours leave idle)
     mtbf_iters: float = 0.0  # Poisson failures of random ranks, mean time between failures in iterations (0: none)
@@ -294,6 +296,9 @@ def _validate_fault(cfg: Config) -> None:
         f"must be 0 (no failures) or at least 1 iteration between failures, got {f.mtbf_iters}",
     )
     plan = fault_plan(cfg, world=2)
+    signals = ("SIGKILL", "SIGSTOP")
+    _check(f.kill_signal in signals, "fault.kill_signal", f"must be SIGKILL or SIGSTOP, got {f.kill_signal!r}")
+    _check(f.timeout_s > 0, "fault.timeout_s", f"must be > 0 seconds, got {f.timeout_s}")
     _check(f.replay_threads >= 0, "fault.replay_threads", f"must be >= 0 (0: auto), got {f.replay_threads}")
     _check(f.scope in FAULT_SCOPES, "fault.scope", f"must be one of {', '.join(FAULT_SCOPES)}, got {f.scope!r}")
     if plan:

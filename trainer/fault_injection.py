@@ -16,8 +16,16 @@ from parallelisms.parallelize import ModelParts
 from trainer.survival import StopGuard
 
 
-def arm_kill(plan: FaultPlan, rank: int, model: ModelParts, optimizer: torch.optim.Optimizer, guard: StopGuard) -> None:
-    """Install this rank's kill of this generation, if any."""
+def arm_kill(
+    plan: FaultPlan,
+    rank: int,
+    model: ModelParts,
+    optimizer: torch.optim.Optimizer,
+    guard: StopGuard,
+    how: str = "SIGKILL",
+) -> None:
+    """Install this rank's kill of this generation, if any. `how`: SIGKILL (a death) or SIGSTOP (a hang:
+    the process stays, holding its connections, until its peers' collectives time out)."""
     kill = plan.kill_of(rank, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
     if kill is None:
         return
@@ -26,18 +34,19 @@ def arm_kill(plan: FaultPlan, rank: int, model: ModelParts, optimizer: torch.opt
         return guard.step == kill.step and guard.phase in ("training", "applying")
 
     if kill.phase == "forward":
-        model.parts[0].register_forward_pre_hook(lambda *_: _die(kill, rank) if due() else None)
+        model.parts[0].register_forward_pre_hook(lambda *_: _die(kill, rank, how) if due() else None)
     elif kill.phase == "backward":
 
         def on_output(_module, _args, out):
             if due() and isinstance(out, torch.Tensor) and out.requires_grad:
-                out.register_hook(lambda _grad: _die(kill, rank))
+                out.register_hook(lambda _grad: _die(kill, rank, how))
 
         model.parts[-1].register_forward_hook(on_output)
     else:  # optimizer: the gradient-norm all-reduce is done on every rank, the update is not
-        optimizer.register_step_pre_hook(lambda *_: _die(kill, rank) if due() else None)
+        optimizer.register_step_pre_hook(lambda *_: _die(kill, rank, how) if due() else None)
 
 
-def _die(kill: KillEvent, rank: int) -> None:
-    print(f"fault: rank {rank} killed (SIGKILL) in the {kill.phase} phase of step {kill.step}", flush=True)
-    os.kill(os.getpid(), signal.SIGKILL)
+def _die(kill: KillEvent, rank: int, how: str) -> None:
+    verb = "killed" if how == "SIGKILL" else "stopped"
+    print(f"fault: rank {rank} {verb} ({how}) in the {kill.phase} phase of step {kill.step}", flush=True)
+    os.kill(os.getpid(), getattr(signal, how))
