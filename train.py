@@ -13,6 +13,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from trainer.startup import STARTUP  # first: it notes when the interpreter reached this file
+
 # MKL's GEMMs give the same bits at any thread count, so a replaying rank may use its paused
 # neighbours' cores without breaking bit-exactness (moevement/recovery/replay_threads.py). Read at MKL's
 # first call; at one thread it costs no measurable time.
@@ -35,13 +37,15 @@ from trainer.config import Config, ConfigError, check_world_size, fault_plan, lo
 from trainer.data import DataError, TokenBatches, build_data, make_loader
 from trainer.dense_checkpoint import CheckpointError, check_save_target, load_dense, save_dense
 from trainer.fault_injection import arm_kill
-from trainer.fault_tolerance import build_strategy
+from trainer.fault_tolerance import build_strategy, host_job_dir, torchrun_generation
 from trainer.identity import IdentityError
 from trainer.metrics import MetricsLogger
 from trainer.optim import build_optimizer
 from trainer.state import consolidated_training_state, state_digest
 from trainer.step import DropoutSeeder, evaluate, set_aux_grad_scale, take_expert_load, train_step
 from trainer.survival import StopGuard, keep_state_and_exit, peer_failure
+
+STARTUP.mark("imports")
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -132,7 +136,7 @@ class Job:
     ft: CheckpointStrategy
     faults: FaultPlan
     guard: StopGuard  # where SIGTERM may stop this rank, and what state it then holds
-    accounting: RunAccounting | None = None
+    accounting: RunAccounting
 
 
 def resume_dense(cfg: Config, model: ModelParts, optimizer: torch.optim.Optimizer, rank: int) -> tuple[int, float]:
@@ -160,6 +164,7 @@ def setup(cfg: Config) -> tuple[Job, int, float]:
 
     A `checkpoint.save_final` target that saving would have to destroy is refused before anything else."""
     rank, world = init_distributed(cfg.fault.timeout_s)
+    STARTUP.mark("process_group")
     guard = stop_guard(cfg, rank)
     check_world_size(cfg, world)
     if cfg.checkpoint.save_final:
@@ -177,10 +182,12 @@ def setup(cfg: Config) -> tuple[Job, int, float]:
             f"tokenizer's vocabulary ({tokenizer.vocab_size}, data.tokenizer={cfg.data.tokenizer!r})"
         )
     model, optimizer = build_training(cfg, dims)
+    STARTUP.mark("model")
     seeder = DropoutSeeder(model, cfg.job.seed, dims.dp_rank)
     step, loss = resume_dense(cfg, model, optimizer, rank)
     logger = MetricsLogger(cfg, rank, first_step=step + 1)
     ft = build_strategy(cfg, model, optimizer, dims, seeder, train_batches, logger.line)
+    STARTUP.mark("strategy")
     optimizer.register_step_pre_hook(guard.optimizer_step_begins)  # after the checkpointer's copy wait
     faults = fault_plan(cfg, world)
     arm_kill(faults, rank, model, optimizer, guard, cfg.fault.kill_signal)
@@ -205,9 +212,19 @@ def setup(cfg: Config) -> tuple[Job, int, float]:
         logger,
         ft,
         faults,
-        guard=guard,
+        guard,
+        run_accounting(cfg, rank, step),
     )
     return job, step, loss
+
+
+def run_accounting(cfg: Config, rank: int, step: int) -> RunAccounting:
+    """The run's accounting from iteration step+1 on, carried on from an earlier torchrun generation if any
+    (collective; kept in the job's host directory when a fault-tolerance strategy runs)."""
+    kept_at = None if cfg.checkpoint.strategy == "none" else host_job_dir(cfg) / f"accounting-rank{rank:05d}.json"
+    accounting = RunAccounting(step + 1, cfg.training.batch_size, kept_at)
+    accounting.carry_on(torchrun_generation())
+    return accounting
 
 
 def iteration(job: Job, step: int, inputs: torch.Tensor, labels: torch.Tensor, started: float) -> float:
@@ -219,16 +236,16 @@ def iteration(job: Job, step: int, inputs: torch.Tensor, labels: torch.Tensor, s
     tokens, gate_probs = take_expert_load(job.model.view)
     scalars = {"loss": result.loss, "aux_loss": result.aux_loss, "lr": result.lr, "grad_norm": result.grad_norm}
     ft.end(step, {**scalars, "clip_coef": result.clip_coef, "loss_scale": 1.0, "skipped": False}, tokens, gate_probs)
+    elapsed = time.perf_counter() - started
+    job.accounting.iteration(step, elapsed)  # before `done`: a rank stopped there keeps iteration `step` done
     job.guard.done(step)
     scalars.update(ft.metrics())
-    elapsed = time.perf_counter() - started
-    job.accounting.iteration(step, elapsed)
     job.logger.step(
         step,
         {
             **scalars,
             "tok_per_s": cfg.training.batch_size * cfg.training.seq_len / elapsed,
-            "wall_s": time.perf_counter() - job.accounting.started,
+            "wall_s": job.accounting.elapsed(),
         },
         tokens,
     )
@@ -251,6 +268,7 @@ def run(job: Job, step: int, loss: float) -> tuple[int, float]:
     except BaseException as error:
         if not peer_failure(error):
             raise
+        job.accounting.keep(torchrun_generation(), job.guard.sigterm_at or time.time())
         keep_state_and_exit(job.guard, job.ft.keep_live_state, error)
         raise  # not reached: it exits
 
@@ -258,7 +276,6 @@ def run(job: Job, step: int, loss: float) -> tuple[int, float]:
 def train_loop(job: Job, step: int, loss: float) -> tuple[int, float]:
     cfg = job.cfg
     last_step = cfg.training.stop_at or cfg.training.steps
-    job.accounting = RunAccounting(step + 1, cfg.training.batch_size)
     next_step = step + 1
     while next_step <= last_step:
         loader = make_loader(
@@ -274,7 +291,7 @@ def train_loop(job: Job, step: int, loss: float) -> tuple[int, float]:
         for step, inputs, labels in loader:
             job.guard.step = step
             if job.faults:
-                resume = inject_failures(job, step, time.perf_counter() - job.accounting.started)
+                resume = inject_failures(job, step, job.accounting.elapsed())
                 if resume != step:
                     next_step = resume
                     break
@@ -290,6 +307,7 @@ def finish(job: Job, step: int, loss: float) -> None:
     cfg = job.cfg
     totals = job.ft.close()
     job.logger.line(job.accounting.line(totals, totals.get("lost_tokens", 0.0)))
+    job.accounting.drop()
     state = consolidated_training_state(job.model.view, job.optimizer)
     if state is not None:
         job.logger.line(f"final step={step} loss={loss:.6f} state_digest={state_digest(state)}")

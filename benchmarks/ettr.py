@@ -2,13 +2,18 @@
 
     python -m benchmarks.ettr --config train_configs/bench_moe.toml \
         --strategies none,moevement,gemini,checkfreq,moc --mtbf-iters 100 --steps 100 [--seed 1] [--pp 2] \
-        [--dense-snapshot-iters 3] [--none-steps 30] [--threads 1] [--out outputs/ettr] [--section.key value ...]
+        [--fault-mode kill|wipe] [--dense-snapshot-iters 3] [--none-steps 30] [--threads 1] [--out outputs/ettr] \
+        [--section.key value ...]
 
 First a fault-free `none` run (torchrun, `--pp` stages) measures the iteration time T and sets the
 snapshot bandwidth cap so that a dense snapshot of a rank takes `--dense-snapshot-iters`
 iterations (the paper's regime). Then every other strategy trains `--steps` iterations with the
-same Poisson failures (`--fault.mtbf_iters`, `--fault.seed`); a strategy may be a variant with
-settings of its own (`moevement@checkpoint.background_priority=normal`). Per strategy it prints
+same Poisson failures (mean `--mtbf-iters` iterations apart, one random rank each, from `--seed`);
+a strategy may be a variant with settings of its own (`moevement@checkpoint.background_priority=normal`).
+`--fault-mode kill` (the default): the failed rank SIGKILLs itself at a random phase of the iteration
+(`--fault.kill`) and torchrun restarts the job, so recovery includes detection and the restart of every
+process; `wipe`: the rank loses its state in place at the iteration boundary (`--fault.mtbf_iters`).
+Per strategy it prints
 
     strategy=<s> ettr=<x> overhead=<x> recovery_s=<x> failures=<n> lost_tokens=<n>
 
@@ -27,6 +32,7 @@ import argparse
 import csv
 import json
 import os
+import random
 import re
 import statistics
 import subprocess
@@ -36,6 +42,7 @@ from pathlib import Path
 from baselines.intervals import ettr as steady_ettr
 from benchmarks.variants import QUIET, variant_flags
 from models import count_params
+from moevement.failures import KILL_PHASES, poisson_events
 from simulator.ettr import MeasuredProfile, predict_from_profile
 from trainer.config import Config, load_config
 
@@ -87,7 +94,7 @@ def summarize(run: dict, none_iteration_s: float, tokens: int) -> dict:
     }
 
 
-def launch(config: str, spec: str, steps: int, pp: int, flags: list[str], threads: int) -> str:
+def launch(config: str, spec: str, steps: int, pp: int, flags: list[str], threads: int, restarts: int = 0) -> str:
     strategy, own = variant_flags(spec)
     cmd = [
         sys.executable,
@@ -95,6 +102,7 @@ def launch(config: str, spec: str, steps: int, pp: int, flags: list[str], thread
         "torch.distributed.run",
         "--standalone",
         f"--nproc_per_node={pp}",
+        f"--max-restarts={restarts}",
         "train.py",
         "--config",
         config,
@@ -170,6 +178,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--strategies", default="none,moevement,gemini,checkfreq,moc")
     parser.add_argument("--mtbf-iters", type=float, default=100.0)
     parser.add_argument("--seed", type=int, default=1, help="seed of the Poisson failure schedule")
+    parser.add_argument("--fault-mode", choices=("kill", "wipe"), default="kill", help="real deaths or in-place wipes")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--none-steps", type=int, default=30, help="iterations of the fault-free reference")
     parser.add_argument("--pp", type=int, default=2)
@@ -205,24 +214,32 @@ def snapshot_cap(args: argparse.Namespace, cfg: Config, none_iteration_s: float)
     return cap
 
 
-def fault_flags(args: argparse.Namespace, cap: float) -> list[str]:
-    """The flags every strategy's run shares: the failure schedule and the snapshot bandwidth cap."""
-    return [
-        "--fault.mtbf_iters",
-        str(args.mtbf_iters),
-        "--fault.seed",
-        str(args.seed),
-        "--checkpoint.bandwidth_gbps",
-        f"{cap:.6f}",
-    ]
+def fault_flags(args: argparse.Namespace, cap: float) -> tuple[list[str], int]:
+    """The flags every strategy's run shares (the failure schedule and the snapshot bandwidth cap) and the
+    torchrun restarts it needs. In kill mode the Poisson schedule becomes `--fault.kill` deaths, each at a
+    phase drawn from the same seed."""
+    cap_flags = ["--checkpoint.bandwidth_gbps", f"{cap:.6f}"]
+    if args.fault_mode == "wipe":
+        return ["--fault.mtbf_iters", str(args.mtbf_iters), "--fault.seed", str(args.seed), *cap_flags], 0
+    events = poisson_events(args.mtbf_iters, args.seed, args.pp, args.steps)
+    phases = random.Random(args.seed).choices(KILL_PHASES, k=len(events))
+    kills = ",".join(f"{e.step}:{e.ranks[0]}:{phase}" for e, phase in zip(events, phases))
+    print(f"fault-mode=kill deaths={kills or 'none'}", flush=True)
+    return (["--fault.kill", kills] if kills else []) + cap_flags, len(events)
 
 
 def run_under_failures(
-    args: argparse.Namespace, strategy: str, flags: list[str], out: Path, none_iteration_s: float, tokens: int
+    args: argparse.Namespace,
+    strategy: str,
+    flags: list[str],
+    restarts: int,
+    out: Path,
+    none_iteration_s: float,
+    tokens: int,
 ) -> dict:
     """Train `strategy` for `--steps` iterations with `flags`, keep its log in `out` and print its
     recoveries and summary; returns the parsed run (see :func:`parse_run`)."""
-    stdout = launch(args.config, strategy, args.steps, args.pp, flags, args.threads)
+    stdout = launch(args.config, strategy, args.steps, args.pp, flags, args.threads, restarts)
     (out / f"{strategy}.log").write_text(stdout)  # kept so that a stopped invocation loses no finished run
     run = parse_run(stdout)
     for line in run["recoveries"]:
@@ -296,9 +313,9 @@ def main(argv: list[str] | None = None) -> None:
 
     runs = {"none": parse_run(launch(args.config, "none", args.none_steps, args.pp, extra, args.threads))}
     none_iteration_s = statistics.fmean(iteration_times(runs["none"], tokens))
-    faults = fault_flags(args, snapshot_cap(args, cfg, none_iteration_s))
+    faults, restarts = fault_flags(args, snapshot_cap(args, cfg, none_iteration_s))
     for strategy in strategies:
-        runs[strategy] = run_under_failures(args, strategy, [*extra, *faults], out, none_iteration_s, tokens)
+        runs[strategy] = run_under_failures(args, strategy, [*extra, *faults], restarts, out, none_iteration_s, tokens)
 
     results = {"none": {**summarize(runs["none"], none_iteration_s, tokens), "ettr": 1.0}}
     results.update({s: summarize(run, none_iteration_s, tokens) for s, run in runs.items() if s != "none"})

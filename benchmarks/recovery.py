@@ -1,6 +1,6 @@
 """Localized vs global recovery of the same failure, and the replay compute frozen operators save.
 
-    python -m benchmarks.recovery --config train_configs/bench_moe.toml --pp 4 \
+    python -m benchmarks.recovery --config train_configs/bench_moe.toml --pp 4 [--mode wipe|kill] \
         [--micro-batches 4] [--window 2] [--fail-step 8] [--rounds 1] [--key value ...]
 
 Each round runs `train.py` under torchrun twice (real processes, modes alternating) with the same
@@ -20,6 +20,14 @@ forward+backward work of one conversion window (slot i active at iteration t0+i,
 frozen) against an all-active replay:
 
     frozen_saving_flops=<1 - frozen/all-active> frozen_saving_time=<same, measured> (paper: about 0.33)
+
+`--mode kill`: the middle stage dies for real instead (SIGKILL in its backward pass of `--fail-step`;
+torchrun restarts every process), recovered locally (`kill-localized`) and by every stage replaying
+(`kill-global`), beside the same failure wiped in place (`wipe`). Per variant it prints the median
+recovery split into detect (death to the first survivor's detection), keep (survivors save their live
+state), restart (agent restarts the processes), setup (process start to the rejoin), fetch, convert and
+catch-up; the restart itemised stage by stage (interpreter, imports, process group, model, strategy,
+state restored); and the ratio to the global restart of the same death.
 
 Extra `--section.key value` arguments go to every run.
 """
@@ -46,49 +54,93 @@ from moevement.recovery.replay import set_frozen
 from parallelisms.pipeline import lm_loss
 from trainer.config import load_config
 
-RECOVERY_RE = re.compile(r"^recovery step=\d+ .* seconds=(\S+) \(fetch=(\S+) convert=(\S+) catchup=(\S+)\)", re.M)
+RECOVERY_RE = re.compile(r"^recovery step=\d+ .*? seconds=(\S+) \(([^)]*)\)", re.M)
+TIMELINE_RE = re.compile(r"^restart timeline rank=\d+: (.*)$", re.M)
+WORK_RE = re.compile(r"^recovery work rank=\d+ role=healthy forwards=(\d+) backwards=(\d+)", re.M)
+DEATH_RE = re.compile(r"^fault: rank \d+ killed .* at unix=(\S+)", re.M)
+DETECTED_RE = re.compile(r"\(detected at unix=(\S+)\)$", re.M)
+VARIANTS = {"wipe": ("localized", "global"), "kill": ("kill-localized", "kill-global", "wipe")}
 
 
-def run(args, mode: str, extra: list[str]) -> tuple[float, float]:
-    """(recovery seconds, replay seconds) of one run with the failure recovered in `mode`."""
+def command(args, variant: str, host_dir: str, extra: list[str]) -> list[str]:
+    """torchrun + train.py for one variant: the middle stage fails at `--fail-step`, killed for real
+    (`kill-*`: SIGKILL in its backward pass, torchrun restarts the job) or wiped in place."""
+    mid, kill = args.pp // 2, variant.startswith("kill")
+    fault = ["--fault.kill", f"{args.fail_step}:{mid}:backward"] if kill else ["--fault.at", f"{args.fail_step}:{mid}"]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={args.pp}",
+        f"--max-restarts={int(kill)}",
+        "train.py",
+        "--config",
+        args.config,
+        *QUIET,
+        "--training.steps",
+        str(args.fail_step + (2 if kill else 0)),
+        "--parallelism.pp",
+        str(args.pp),
+        "--training.micro_batches",
+        str(args.micro_batches),
+        "--checkpoint.strategy",
+        "moevement",
+        "--checkpoint.window",
+        str(args.window),
+        "--checkpoint.host_dir",
+        host_dir,
+        *fault,
+        "--fault.scope",
+        "global" if variant.endswith("global") else "localized",
+        "--fault.replay_threads",
+        "1",
+        *extra,
+    ]
+
+
+def run(args, variant: str, extra: list[str]) -> dict[str, float]:
+    """One run's recovery in seconds: total, each part of the `recovery` line (and, for a real death,
+    detect and each stage of the restart timeline), replay, and the healthy stages' forwards+backwards."""
     with tempfile.TemporaryDirectory(prefix="moevement-bench-", dir="/dev/shm") as host_dir:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={args.pp}",
-            "train.py",
-            "--config",
-            args.config,
-            *QUIET,
-            "--training.steps",
-            str(args.fail_step),
-            "--parallelism.pp",
-            str(args.pp),
-            "--training.micro_batches",
-            str(args.micro_batches),
-            "--checkpoint.strategy",
-            "moevement",
-            "--checkpoint.window",
-            str(args.window),
-            "--checkpoint.host_dir",
-            host_dir,
-            "--fault.at",
-            f"{args.fail_step}:{args.pp // 2}",
-            "--fault.scope",
-            mode,
-            "--fault.replay_threads",
-            "1",
-            *extra,
-        ]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    m = RECOVERY_RE.search(proc.stdout)
+        proc = subprocess.run(command(args, variant, host_dir, extra), capture_output=True, text=True, env=env)
+    out = proc.stdout
+    m = RECOVERY_RE.search(out)
     if proc.returncode != 0 or m is None:
-        sys.exit(f"run failed ({mode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    seconds, _fetch, convert, catchup = map(float, m.groups())
-    return seconds, convert + catchup
+        sys.exit(f"run failed ({variant}):\n{out[-2000:]}\n{proc.stderr[-4000:]}")
+    parts = {k: float(v) for k, v in (kv.split("=") for kv in m[2].split())}
+    result = {"seconds": float(m[1]), **parts, "replay": parts["convert"] + parts["catchup"]}
+    result["healthy_work"] = sum(int(f) + int(b) for f, b in WORK_RE.findall(out))
+    if variant.startswith("kill"):
+        death, detected = float(DEATH_RE.search(out)[1]), min(map(float, DETECTED_RE.findall(out)))
+        result["detect"] = detected - death
+        result["seconds"] += result["detect"]  # the recovery line counts from the detection
+        stages = TIMELINE_RE.search(out)[1].split()
+        result.update({f"restart.{k}": float(v) for k, v in (kv.split("=") for kv in stages)})
+    return result
+
+
+def _fields(result: dict[str, float], keys: list[str]) -> str:
+    return " ".join(f"{k}={result[k]:.3f}" for k in keys if k in result)
+
+
+def report_kill(results: dict[str, list[dict]]) -> None:
+    """Medians of each variant, the restart itemised, and the ratio to the global restart of the same death."""
+    keys = ["seconds", "detect", "keep", "restart", "setup", "fetch", "convert", "catchup", "replay", "healthy_work"]
+    med = {v: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for v, rs in results.items()}
+    for variant, m in med.items():
+        print(f"variant={variant} {_fields(m, keys)}")
+    stages = [k for k in med["kill-localized"] if k.startswith("restart.")]
+    print("restart itemised (kill-localized, rank 0, median s): " + _fields(med["kill-localized"], stages))
+    local, wipe = med["kill-localized"], med["wipe"]["seconds"]
+    restart = sum(local[k] for k in ("detect", "keep", "restart", "setup"))
+    print(
+        f"localized_over_global={local['seconds'] / med['kill-global']['seconds']:.3f} "
+        f"restart_s={restart:.3f} beyond_restart_s={local['seconds'] - restart:.3f} wipe_s={wipe:.3f} "
+        f"met={local['seconds'] - restart <= wipe and local['healthy_work'] == 0} "
+        f"(target: a real death costs at most the in-place recovery plus the restart; healthy stages run nothing)"
+    )
 
 
 def conversion_work(
@@ -137,18 +189,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--window", type=int, default=2)
     parser.add_argument("--fail-step", type=int, default=8, help="iteration at which the middle stage fails")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--mode", choices=tuple(VARIANTS), default="wipe", help="in-place wipes, or real deaths")
     args, extra = parser.parse_known_args(argv)
 
-    results: dict[str, list[tuple[float, float]]] = {"localized": [], "global": []}
+    results: dict[str, list[dict]] = {v: [] for v in VARIANTS[args.mode]}
     for round_index in range(args.rounds):
-        for mode in results:
-            results[mode].append(run(args, mode, extra))
-            seconds, replay = results[mode][-1]
-            print(f"round={round_index} mode={mode} seconds={seconds:.3f} replay_s={replay:.3f}", flush=True)
+        for variant in results:
+            results[variant].append(run(args, variant, extra))
+            print(f"round={round_index} variant={variant} {_fields(results[variant][-1], ['seconds', 'replay'])}")
+    if args.mode == "kill":
+        report_kill(results)
+        return
     replay = {}
-    for mode, rs in results.items():
-        replay[mode] = statistics.median(r for _, r in rs)
-        print(f"mode={mode} seconds={statistics.median(s for s, _ in rs):.3f} replay_s={replay[mode]:.3f}")
+    for variant, rs in results.items():
+        replay[variant] = statistics.median(r["replay"] for r in rs)
+        print(
+            f"mode={variant} seconds={statistics.median(r['seconds'] for r in rs):.3f} replay_s={replay[variant]:.3f}"
+        )
     m, s = args.micro_batches, args.pp
     theory = m / (m + s - 1)
     ratio = replay["localized"] / replay["global"]

@@ -160,8 +160,8 @@ def test_bad_baseline_config_is_one_clear_error():
 
 def test_ettr_accounting_on_a_scripted_run(monkeypatch):
     """4 iterations of 1 s, a failure costing 0.5 s that rolls back 2 iterations (recomputed at 1 s each)."""
-    clock = iter([100.0, 103.5, 107.5])  # start, end of the recovery, end of the run
-    monkeypatch.setattr("trainer.accounting.time.perf_counter", lambda: next(clock))
+    clock = iter([100.0, 107.5])  # start, end of the run
+    monkeypatch.setattr("trainer.accounting.time.time", lambda: next(clock))
     acct = RunAccounting(first_step=1, samples_per_step=8)
     for step in (1, 2, 3):
         acct.iteration(step, 1.0)
@@ -179,6 +179,42 @@ def test_ettr_accounting_on_a_scripted_run(monkeypatch):
     assert result["ettr"] == pytest.approx(4 / 7.5)  # the fault-free run needs 4 s for these 4 iterations
     assert result["overhead"] == pytest.approx((1 + 2 + 1) / 3 - 1)  # first executions of 4, 5, 6
     assert result["recovery_s"] == pytest.approx(2.5) and result["failures"] == 1
+
+
+def test_accounting_is_carried_across_a_torchrun_restart(tmp_path, monkeypatch, capsys):
+    """A stopping worker keeps its accounting; the next generation of the same run goes on with it and
+    counts the time from the stop as recovery. Another run's record, or a malformed one, is not carried."""
+    path = tmp_path / "accounting-rank00000.json"
+    first = RunAccounting(first_step=1, samples_per_step=8, path=path)
+    first.started_unix = 1000.0
+    for step in (1, 2, 3):
+        first.iteration(step, 1.0)
+    first.keep({"run_id": "r", "generation": 0}, stopped_unix=1004.0)
+    monkeypatch.setattr("trainer.accounting.time.time", lambda: 1010.0)
+    second = RunAccounting(first_step=3, samples_per_step=8, path=path)  # resumed at 3 after a rollback
+    second.carry_on({"run_id": "r", "generation": 1})
+    assert (second.first_step, second.high_water, second.productive_s) == (1, 3, 3.0)
+    assert (second.failures, second.recovery_s, second.elapsed()) == (1, 6.0, 10.0)
+    second.iteration(3, 1.0)
+    assert second.recompute_s == 1.0 and path.exists()  # kept until the run finishes
+    for generation, note in (
+        ({"run_id": "other", "generation": 1}, "of another run"),
+        (
+            {"run_id": "r", "generation": 0},
+            None,
+        ),
+    ):
+        fresh = RunAccounting(first_step=1, samples_per_step=8, path=path)
+        fresh.carry_on(generation)
+        assert fresh.failures == 0 and fresh.high_water == 0
+        if note:
+            assert note in capsys.readouterr().out
+    assert not path.exists()  # a first generation removes an earlier launch's record
+    path.write_text('{"run_id": "r", "generation": 0, "accounting": {"high_water": "3"}}')
+    RunAccounting(1, 8, path).carry_on({"run_id": "r", "generation": 1})
+    assert "malformed" in capsys.readouterr().out
+    second.drop()
+    assert not path.exists()
 
 
 def test_ettr_benchmark_rejects_variants_of_the_fault_free_reference(tmp_path):

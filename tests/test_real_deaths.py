@@ -60,6 +60,16 @@ def test_sigkill_in_backward_recovers_only_its_stage(tmp_path):
     assert re.search(kept + r"live state of iteration 9, ", out, re.M), out
     [(step, *_)] = assert_local_and_exact(out, baseline(PP2, 2), "1", "1")
     assert step == "9"
+    assert re.search(
+        r"^restart timeline rank=0: exec=\S+ python=\S+ imports=\S+ process_group=\S+ model=\S+ "
+        r"strategy=\S+ restored=\S+$",
+        out,
+        re.M,
+    ), out
+    acct = re.search(r"^accounting wall_s=(\S+) iterations=(\d+) .* recovery_s=(\S+) failures=(\d+) ", out, re.M)
+    recovery_s = float(re.search(r"^recovery step=9 .* seconds=(\S+) ", out, re.M)[1])
+    assert acct[2] == str(final_line(out)[0]) and acct[4] == "1", acct[0]  # carried across the restart
+    assert float(acct[3]) >= recovery_s and float(acct[1]) > float(acct[3]), acct[0]
 
 
 def test_real_crash_recovers_locally(tmp_path):

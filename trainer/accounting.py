@@ -5,21 +5,40 @@ is recomputation (lost work). At the end, rank 0 prints one line that `benchmark
 
     accounting wall_s=<x> iterations=<n> productive_s=<x> recompute_s=<x> recovery_s=<x> failures=<n>
                recomputed=<n> goodput=<samples/s> lost_tokens=<n> host_mb=<x> log_mb=<x>
+
+A run survives a torchrun restart: a worker that stops because another died writes its accounting
+(`<host job dir>/accounting-rank<r>.json`) and the restarted job carries it on (`carry_on`), counting the
+time from the detection of the death to training going on again as recovery. Its wall time is then the
+time since the first generation started training.
 """
 
 from __future__ import annotations
 
+import math
 import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from moevement.storage.host_memory import HostMemoryError, read_header, write_json_atomic
+
+COUNTERS = ("first_step", "high_water", "productive_s", "recompute_s", "recovery_s", "failures", "recomputed")
 
 
 class RunAccounting:
-    def __init__(self, first_step: int, samples_per_step: int):
-        self.first_step, self.samples = first_step, samples_per_step
+    """`path`: where a stopping worker keeps this accounting for a torchrun restart (None: nowhere)."""
+
+    def __init__(self, first_step: int, samples_per_step: int, path: Path | None = None):
+        self.first_step, self.samples, self.path = first_step, samples_per_step, path
         self.high_water = first_step - 1  # newest iteration completed so far
         self.productive_s = self.recompute_s = self.recovery_s = 0.0
         self.failures = self.recomputed = 0
-        self.started = time.perf_counter()
+        self.started_unix = time.time()  # when the run (its first generation) started training
         self.last_recovery_end = 0.0  # perf_counter() when the newest recovery finished
+
+    def elapsed(self) -> float:
+        """Wall seconds since the run started training."""
+        return time.time() - self.started_unix
 
     def iteration(self, step: int, seconds: float) -> None:
         if step > self.high_water:
@@ -34,8 +53,36 @@ class RunAccounting:
         self.recovery_s += seconds
         self.last_recovery_end = time.perf_counter()
 
+    def carry_on(self, generation: dict) -> None:
+        """After a torchrun restart: go on with the newest accounting an earlier generation of the run kept
+        (collective over every rank's file); the time from its stop to now counts as recovery. A first
+        generation instead removes this rank's file, an earlier launch's."""
+        if self.path is None:
+            return
+        kept = _newest_kept(self.path, generation)
+        if kept is None:
+            return
+        for key in COUNTERS:
+            setattr(self, key, type(getattr(self, key))(kept[key]))
+        self.started_unix = kept["started_unix"]
+        self.recovered(1, max(0.0, time.time() - kept["stopped_unix"]))
+
+    def keep(self, generation: dict, stopped_unix: float) -> None:
+        """This worker stops (another died): keep the accounting, named by torchrun run and generation,
+        owner-only and atomic. It stays until the run finishes (`drop`), so a generation that dies before
+        keeping its own leaves the older one to the next."""
+        if self.path is None:
+            return
+        kept = {**{key: getattr(self, key) for key in COUNTERS}, "started_unix": self.started_unix}
+        write_json_atomic(self.path, {**generation, "accounting": {**kept, "stopped_unix": stopped_unix}})
+
+    def drop(self) -> None:
+        """The run finished: remove this rank's kept accounting (written by this program)."""
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
+
     def line(self, metrics: dict[str, float], lost_tokens: float) -> str:
-        wall = time.perf_counter() - self.started
+        wall = self.elapsed()
         iterations = self.high_water - self.first_step + 1
         return (
             f"accounting wall_s={wall:.3f} iterations={iterations} productive_s={self.productive_s:.3f} "
@@ -44,3 +91,41 @@ class RunAccounting:
             f"lost_tokens={lost_tokens:.0f} host_mb={metrics.get('host_mb', 0.0):.1f} "
             f"log_mb={metrics.get('log_mb', 0.0):.1f}"
         )
+
+
+def _newest_kept(path: Path, generation: dict) -> dict | None:
+    """The newest accounting kept by an earlier generation of this run, over every rank's file."""
+    mine = None
+    if generation["generation"] > 0:
+        mine = _read_kept(path, generation)
+    else:
+        path.unlink(missing_ok=True)
+    gathered: list = [mine]
+    if dist.is_initialized():
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+    found = [g for g in gathered if g is not None]
+    return max(found, key=lambda g: (g["generation"], g["accounting"]["high_water"]))["accounting"] if found else None
+
+
+def _read_kept(path: Path, generation: dict) -> dict | None:
+    """The record at `path` if it is of this run, of an earlier generation, and well-formed (else None)."""
+    try:
+        record = read_header(path.with_suffix(""))
+    except HostMemoryError as e:
+        print(f"restart: accounting not carried on: {e}", flush=True)
+        return None
+    if record is None:
+        return None
+    kept, era = record.get("accounting"), record.get("generation")
+    fields = (*COUNTERS, "started_unix", "stopped_unix")
+    if (
+        record.get("run_id") != generation["run_id"]
+        or not isinstance(era, int)
+        or not 0 <= era < generation["generation"]
+        or not isinstance(kept, dict)
+        or not all(isinstance(kept.get(k), int | float) and math.isfinite(kept[k]) for k in fields)
+    ):
+        print(f"restart: accounting not carried on: {path} is of another run or malformed", flush=True)
+        return None
+    return {"generation": era, "accounting": kept}

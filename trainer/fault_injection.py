@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import torch
 
@@ -48,5 +49,8 @@ def arm_kill(
 
 def _die(kill: KillEvent, rank: int, how: str) -> None:
     verb = "killed" if how == "SIGKILL" else "stopped"
-    print(f"fault: rank {rank} {verb} ({how}) in the {kill.phase} phase of step {kill.step}", flush=True)
+    print(
+        f"fault: rank {rank} {verb} ({how}) in the {kill.phase} phase of step {kill.step} at unix={time.time():.3f}",
+        flush=True,
+    )
     os.kill(os.getpid(), getattr(signal, how))

@@ -13,7 +13,6 @@ import functools
 import math
 import os
 import socket
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -41,9 +40,8 @@ from parallelisms.parallelize import ModelParts, initial_parameters
 from parallelisms.pipeline import lm_loss, local_stage_ids
 from trainer.config import Config
 from trainer.identity import RunIdentity
+from trainer.startup import STARTUP
 from trainer.step import DropoutSeeder, forward_backward, replay_update
-
-PROCESS_START = time.time()  # when this worker's Python started importing the trainer (restart timing)
 
 
 def gather_topology(dims: ParallelDims) -> Topology:
@@ -135,7 +133,7 @@ def build_strategy(
         "run": identity.to_json(),
         "rng": "dropout seed = derive_seed(seed, iteration, micro-batch, stage, dp_rank)",
     }
-    found, rejoin = None, Rejoin(torchrun_generation(), started=PROCESS_START)
+    found, rejoin = None, Rejoin(torchrun_generation(), timeline=STARTUP.marks)
     disk = persist_root(cfg)
     if strategy == "moevement":
         rejoin = _kept_live_state(rank_dir, job_meta, rejoin)

@@ -114,10 +114,11 @@ def keep_state_and_exit(guard: StopGuard, keep_live_state, error: BaseException)
         next_iteration = guard.step + 1 if guard.stopped_in == "applying" else guard.applied + 1
         nbytes = keep_live_state(next_iteration, detected)
         kept = f"live state of iteration {next_iteration}, {nbytes / 1e6:.1f} MB" if nbytes else "no live state"
+    when = f" (detected at unix={detected['time']:.3f})"
     if sigterm:
-        print(guard.preempted_line(guard.step, kept), flush=True)
+        print(guard.preempted_line(guard.step, kept) + when, flush=True)
     else:
-        print(f"failure detected: rank {guard.rank} at step {guard.step} by {how}; kept {kept}", flush=True)
+        print(f"failure detected: rank {guard.rank} at step {guard.step} by {how}; kept {kept}{when}", flush=True)
     os._exit(143 if sigterm else 75)
 
 

@@ -14,7 +14,7 @@ Training thread only (the survivor has stopped training when it saves).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -46,7 +46,7 @@ class Rejoin:
     name: dict  # {"run_id": TORCHELASTIC_RUN_ID, "generation": TORCHELASTIC_RESTART_COUNT}
     live: LiveState | None = None  # this rank's kept state (None: it died, or kept nothing usable)
     survivors: bool = False  # some rank of the job kept its state: rejoin instead of a whole-job restart
-    started: float = 0.0  # unix time this process started
+    timeline: dict[str, float] = field(default_factory=dict)  # unix time this process reached each set-up stage
 
 
 def save_live_state(

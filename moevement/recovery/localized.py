@@ -123,6 +123,7 @@ class Recovery:
             self.ck.persisted.restore_scalars(live.scalars)
             if self.layout.pp_of[self.me] not in pps:
                 restore_live_state(live, self.ck.ops, self.conversion.optimizer, self.log)
+        restored = time.time()
         stats = ReplayStats()
         boundary = fetch_boundary_logs(self.log, self.layout, self.micro, scope, t0, target)
         scalars = fetch_scalars(self.ck, failed, t0, target)
@@ -137,14 +138,17 @@ class Recovery:
         dist.all_reduce(totals, op=dist.ReduceOp.MAX)
         told = [k[2] for k in kept if k]
         detected, kept_at = min(d.get("time", 0.0) for d in told), max(d.get("kept", 0.0) for d in told)
+        timeline = {"kept": kept_at, **rejoin.timeline, "restored": restored}
+        exec_at = timeline.get("exec", rejoin_start)
         self.line(
             f"recovery step={target} ranks={'+'.join(map(str, sorted(failed)))} scope={_ranges(sorted(scope))} "
             f"rollback_to={t0} replayed={target - t0} seconds={time.time() - detected:.3f} "
-            f"(keep={kept_at - detected:.3f} restart={rejoin.started - kept_at:.3f} "
-            f"setup={rejoin_start - rejoin.started:.3f} fetch={totals[0]:.3f} convert={totals[1]:.3f} "
+            f"(keep={kept_at - detected:.3f} restart={exec_at - kept_at:.3f} "
+            f"setup={rejoin_start - exec_at:.3f} fetch={totals[0]:.3f} convert={totals[1]:.3f} "
             f"catchup={totals[2]:.3f}) restart={'global-replay' if self.global_rollback else 'local'} "
             f'detected_by="{_how(kept)}"'
         )
+        self.line(f"restart timeline rank={self.me}: {_stages(timeline)}")
         self.report_work(failed, pps, (0, 0), stats)
         return target, t0
 
@@ -234,6 +238,12 @@ def _ranges(stages: list[int]) -> str:
         out.append(str(stages[i]) if i == j else f"{stages[i]}-{stages[j]}")
         i = j + 1
     return ",".join(out)
+
+
+def _stages(timeline: dict[str, float]) -> str:
+    """`stage=<seconds from the previous stage to it>` in order, from unix times of each stage reached."""
+    names = list(timeline)
+    return " ".join(f"{b}={timeline[b] - timeline[a]:.3f}" for a, b in zip(names, names[1:]))
 
 
 def _how(kept: list) -> str:
