@@ -1,12 +1,14 @@
 """Model quality under failures: does recovery change what the model learns? (Figure 12 / Table 5.)
 
     python -m eval.accuracy_under_failure --config train_configs/debug_moe.toml --steps N --fail-every K \
-        [--pp 2] [--val-every V] [--strategies none,moevement,gemini,moc] [--limit L] \
-        [--out outputs/accuracy] [--section.key value ...]
+        [--pp 2] [--val-every V] [--strategies none,moevement,gemini,moc] [--fault-mode kill|wipe] \
+        [--limit L] [--out outputs/accuracy] [--section.key value ...]
 
 Trains the fault-free reference (`none`) and each strategy under torchrun with `--pp` pipeline
 stages and the same failures: iterations K, 2K, ... < N, alternating ranks (K fails the last
-rank, 2K the one before, ...). Every run logs the validation loss every V iterations (default
+rank, 2K the one before, ...). `--fault-mode kill` (the default): the rank SIGKILLs itself in the
+backward pass of that iteration and torchrun restarts the job (`--fault.kill`); `wipe`: it loses its
+state in place at the iteration boundary (`--fault.at`). Every run logs the validation loss every V iterations (default
 K // 2) and saves its final dense checkpoint to `<out>/<strategy>/checkpoint`, which is scored on
 PIQA in this process with the `eval` harness (`--limit` items, default all 1,838). It measures
 whether a strategy's recovery leaves the training trajectory intact: MoEvement, Gemini and
@@ -45,6 +47,7 @@ OWNED = {
     "checkpoint.strategy": "--strategies",
     "checkpoint.save_final": "--out",
     "fault.at": "--fail-every",
+    "fault.kill": "--fail-every",
     "checkpoint.host_dir": "(a temporary directory per run)",
     "checkpoint.persist_dir": "(one per run)",
 }
@@ -69,6 +72,13 @@ def fault_flag(schedule: list[tuple[int, int]]) -> str:
     return ",".join(f"{t}:{r}" for t, r in schedule)
 
 
+def fault_flags(schedule: list[tuple[int, int]], mode: str) -> list[str]:
+    """The training flags of a schedule: in-place wipes (``wipe``) or deaths in the backward pass (``kill``)."""
+    if mode == "wipe":
+        return ["--fault.at", fault_flag(schedule)]
+    return ["--fault.kill", ",".join(f"{t}:{r}:backward" for t, r in schedule)]
+
+
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(
         prog="python -m eval.accuracy_under_failure",
@@ -82,6 +92,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--pp", type=int, default=2, help="pipeline stages (default: 2)")
     p.add_argument("--val-every", type=int, default=0, help="validation interval (default: fail-every // 2)")
     p.add_argument("--strategies", default="none,moevement,gemini,moc", help="comma-separated; none always runs")
+    p.add_argument("--fault-mode", choices=("kill", "wipe"), default="kill", help="real deaths (default) or wipes")
     p.add_argument("--limit", type=int, default=None, help="PIQA items (default: all 1,838)")
     p.add_argument("--out", default="outputs/accuracy", help="output directory (default: outputs/accuracy)")
     args, extra = p.parse_known_args(argv)
@@ -117,8 +128,7 @@ def check_args(args: argparse.Namespace, extra: list[str]) -> tuple[list[str], l
                 str(args.steps),
                 "--checkpoint.strategy",
                 "moevement",
-                "--fault.at",
-                fault_flag(schedule),
+                *fault_flags(schedule, args.fault_mode),
             ],
         )
     except ConfigError as e:
@@ -126,7 +136,7 @@ def check_args(args: argparse.Namespace, extra: list[str]) -> tuple[list[str], l
     return strategies, schedule
 
 
-def train(args: argparse.Namespace, strategy: str, extra: list[str], faults: str, run_dir: Path) -> str:
+def train(args: argparse.Namespace, strategy: str, extra: list[str], schedule: list, run_dir: Path) -> str:
     """One torchrun training run; its stdout (the whole log also goes to ``run_dir/train.log``)."""
     run_dir = run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -137,6 +147,7 @@ def train(args: argparse.Namespace, strategy: str, extra: list[str], faults: str
         "torch.distributed.run",
         "--standalone",
         f"--nproc_per_node={args.world}",
+        f"--max-restarts={len(schedule) if args.fault_mode == 'kill' and strategy != 'none' else 0}",
         "train.py",
         "--config",
         str(Path(args.config).resolve()),
@@ -154,7 +165,8 @@ def train(args: argparse.Namespace, strategy: str, extra: list[str], faults: str
         str(run_dir / "checkpoint"),
     ]
     if strategy != "none":
-        cmd += ["--checkpoint.host_dir", f"{shm}/host", "--checkpoint.persist_dir", f"{shm}/disk", "--fault.at", faults]
+        cmd += ["--checkpoint.host_dir", f"{shm}/host", "--checkpoint.persist_dir", f"{shm}/disk"]
+        cmd += fault_flags(schedule, args.fault_mode)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     try:
         proc = subprocess.run(cmd, cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, text=True)
@@ -280,12 +292,12 @@ def run_all(args: argparse.Namespace, extra: list[str], strategies: list[str], s
         tag = f"[{i}/{len(strategies)}] {s}"
         print(
             f"{tag}: training {args.steps} iterations, pp={args.pp}"
-            + ("" if s == "none" else f", failures {faults}")
+            + ("" if s == "none" else f", failures {faults} ({args.fault_mode})")
             + " ...",
             flush=True,
         )
         started = time.perf_counter()
-        r = parse_training(train(args, s, extra, faults, out / s), s)
+        r = parse_training(train(args, s, extra, schedule, out / s), s)
         print(
             f"{tag}: trained in {time.perf_counter() - started:.1f} s (loss={r['train_loss']:.6f}, "
             f"failures={r['failures']}); scoring PIQA ...",
@@ -318,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     val_step = max(rows["none"]["val"])
     table = markdown_table(rows, val_step)
     (out / "accuracy.md").write_text(
-        f"Failures (iteration:rank): {fault_flag(schedule)}; {args.steps} iterations, "
+        f"Failures (iteration:rank, {args.fault_mode}): {fault_flag(schedule)}; {args.steps} iterations, "
         f"pp={args.pp}, config {args.config}, extra {' '.join(extra) or '-'}\n\n{table}"
     )
     summary = {s: {k: v for k, v in r.items() if k != "lls"} for s, r in rows.items()}

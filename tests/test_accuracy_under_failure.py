@@ -33,6 +33,8 @@ def test_fault_schedule_every_k_iterations_alternating_ranks():
     assert acc.fault_schedule(5, 5, 2) == []
     assert [r for _, r in acc.fault_schedule(12, 2, 4)] == [3, 2, 1, 0, 3]  # wraps around
     assert acc.fault_flag(acc.fault_schedule(12, 5, 2)) == "5:1,10:0"
+    assert acc.fault_flags([(5, 1), (10, 0)], "wipe") == ["--fault.at", "5:1,10:0"]
+    assert acc.fault_flags([(5, 1), (10, 0)], "kill") == ["--fault.kill", "5:1:backward,10:0:backward"]
     with pytest.raises(acc.RunError, match="fail-every"):
         acc.fault_schedule(12, 0, 2)
 
@@ -60,6 +62,7 @@ def test_arguments_defaults_and_errors(capsys):
         (["--fail-every", "12"], "leaves no failure"),
         (["--strategies", "none,foo"], "unknown foo"),
         (["--fault.at", "3:1"], "--fault.at is set by this tool: use --fail-every"),
+        (["--fault.kill", "3:1"], "--fault.kill is set by this tool: use --fail-every"),
         (["--checkpoint.interval", "often"], "checkpoint.interval"),
         (["--pp", "4"], "parallelism.pp"),
     ]:
@@ -135,6 +138,8 @@ def test_moevement_checkpoint_scores_like_fault_free_and_moc_does_not(tmp_path):
             "2",
             "--checkpoint.moc_experts",
             "2",
+            "--fault-mode",
+            "wipe",
         ],
         cwd=ROOT,
         capture_output=True,
