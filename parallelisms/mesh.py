@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from parallelisms.distributed import bounded_backend
+
 SCHEDULES = ("1F1B", "Interleaved1F1B", "GPipe")
 
 
@@ -46,8 +48,13 @@ class ParallelDims:
 
 
 def build_mesh(cfg: ParallelismConfig, device_type: str) -> ParallelDims:
-    """A 3-D mesh (pp, edp, ep) with the flattened dp = (edp, ep) dimension."""
-    mesh = init_device_mesh(device_type, (cfg.pp, cfg.dp // cfg.ep, cfg.ep), mesh_dim_names=("pp", "edp", "ep"))
-    mesh["edp", "ep"]._flatten("dp")
+    """A 3-D mesh (pp, edp, ep) with the flattened dp = (edp, ep) dimension; every group it made is bounded
+    by the default group's timeout."""
+    dims = ("pp", "edp", "ep")
+    bounded = {dim: bounded_backend() for dim in dims} if bounded_backend() else None
+    mesh = init_device_mesh(
+        device_type, (cfg.pp, cfg.dp // cfg.ep, cfg.ep), mesh_dim_names=dims, backend_override=bounded
+    )
+    mesh["edp", "ep"]._flatten("dp", backend_override=bounded_backend())
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     return ParallelDims(mesh, cfg, device)

@@ -129,3 +129,20 @@ def test_a_hung_worker_is_detected_by_the_timeout(tmp_path):
     assert "fault: rank 1 stopped (SIGSTOP) in the backward phase of step 9" in out
     assert re.search(r"^failure detected: rank 0 at step 9 by a collective failed \(Timed out\)", out, re.M), out
     assert_local_and_exact(out, baseline(PP2, 2), "1", "1")
+
+
+@pytest.mark.slow
+def test_a_hang_is_detected_in_every_process_group(tmp_path):
+    """pp2/dp2/ep2: rank 2 stops in its backward pass. Its peers wait for it in the pipeline, expert and
+    data-parallel groups of the device mesh (created after the default group, with PyTorch's 30-minute
+    default): every group is bounded by `fault.timeout_s`, so the job recovers in seconds, locally."""
+    reference = baseline(PP2_DP2_EP2_BF16, 4)
+    out = death_run(
+        tmp_path,
+        PP2_DP2_EP2_BF16,
+        4,
+        *("--fault.kill", "9:2:backward", "--fault.kill_signal", "SIGSTOP", "--fault.timeout_s", "5"),
+    )
+    assert "fault: rank 2 stopped (SIGSTOP) in the backward phase of step 9" in out
+    assert re.search(r"^failure detected: rank [013] at step 9 by a collective failed \(Timed out\)", out, re.M), out
+    assert_local_and_exact(out, reference, "2", "1")

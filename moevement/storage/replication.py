@@ -31,6 +31,7 @@ from moevement.storage.background import enter_background
 from moevement.storage.host_memory import HostBuffer, make_private_dir, map_bytes
 from moevement.storage.snapshot_buffers import local_buffer
 from moevement.topology import Topology
+from parallelisms.distributed import new_bounded_group
 
 
 class ReplicaStore:
@@ -200,7 +201,7 @@ def start_replication(
     from its shared memory; None: everything goes over the group."""
     if topology.world == 1 or replicas == 0:
         return None
-    group = dist.new_group(backend="gloo")
+    group = new_bounded_group("gloo")
     node = topology.node_of[topology.rank]
     same_node = frozenset()
     if rank_dirs is not None:
