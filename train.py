@@ -88,11 +88,11 @@ def stop_guard(cfg: Config, rank: int) -> StopGuard:
     atomically (docs/design.md §6), so nothing is left half-written."""
 
     def preempted_line(step: int, kept: str) -> str:
-        resumes = (
-            "a torchrun restart resumes from it, a relaunch from the newest persisted sparse checkpoint"
-            if cfg.checkpoint.strategy == "moevement"
-            else "no sparse checkpoint: a relaunch starts over"
-        )
+        strategy = cfg.checkpoint.strategy
+        resumes = {
+            "moevement": "a torchrun restart resumes from it, a relaunch from the newest persisted sparse checkpoint",
+            "none": "no checkpoint: a restart or relaunch starts over",
+        }.get(strategy, f"a torchrun restart resumes from the newest {strategy} checkpoint, a relaunch starts over")
         return f"preempted: rank {rank} received SIGTERM at step {step}; host state kept ({kept}): {resumes}"
 
     return StopGuard(rank, preempted_line)

@@ -12,6 +12,13 @@ At the start of iteration T (failures detected at iteration boundaries), on ever
      and the tokens routed to them since are lost (PLT). Operators never saved restart from the
      seed's initial state.
   4. `recover` returns t_c and the training loop runs iterations t_c..T-1 again (recomputation).
+
+After a torchrun restart of the same run (a worker really died; every process starts again),
+`restart` does the same at start-up: the ranks whose process died are those that left no survival
+marker (`IntervalBaseline.keep_live_state`); gemini loads the newest replicated checkpoint found in
+host memory (a dead rank from a peer's replica, never from its own directory), checkfreq and moc the
+newest window on disk that every rank holds intact and of this run. MoC's checkpoints carry its
+accounting (`MocState.checkpointed`), so the stale restore loses the same tokens as in place.
 """
 
 from __future__ import annotations
@@ -29,8 +36,12 @@ from baselines.moc import LostTokens, PartialExpertSelector
 from moevement.checkpoint.checkpointer import SparseCheckpointer
 from moevement.failures import FaultEvent
 from moevement.recovery.fetch import fetch_from_replicas
+from moevement.recovery.live_state import LiveState
 from moevement.recovery.replay import load_master, reset_to_initial, wipe_operators
+from moevement.recovery.restart import UNUSABLE, CheckHeader, RestartPoint, drop_newer_disk_windows
+from moevement.storage.host_memory import check_private, remove_tree
 from moevement.storage.persistence import read_window
+from moevement.storage.snapshot import SnapshotError, SnapshotHeader
 
 
 @dataclass
@@ -44,6 +55,58 @@ class MocState:
     experts: set[str]  # this rank's expert operators
     lost_tokens: float = 0.0  # over all failures so far
     plt: float = 0.0
+    last_checkpoint: int = 1  # iteration of the newest checkpoint (1: none yet)
+
+    def checkpointed(self, iteration: int) -> dict:
+        """A checkpoint of `state_iteration` is taken: the record its header carries for a restart (the
+        tokens routed to each expert since the previous checkpoint, the totals so far, the selection)."""
+        record = {
+            "counts_from": self.last_checkpoint,
+            "counts": self.lost.since(self.last_checkpoint),
+            "processed": self.lost.processed,
+            "lost_tokens": self.lost_tokens,
+            "k": self.selector.k,
+            "cursor": self.selector.cursor,
+        }
+        self.last_checkpoint = iteration
+        return record
+
+    def record_of(self, header: SnapshotHeader, source: str) -> dict:
+        """The `checkpointed` record of a header read back, checked (SnapshotError naming `source`)."""
+        try:
+            r = header.meta["moc"]
+            record = {
+                "counts_from": int(r["counts_from"]),
+                "counts": {op: float(r["counts"][op]) for op in r["counts"] if op in self.experts},
+                "processed": float(r["processed"]),
+                "lost_tokens": float(r["lost_tokens"]),
+                "k": int(r["k"]),
+                "cursor": int(r["cursor"]),
+            }
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise SnapshotError(f"{source}: malformed MoC record ({e!r})") from None
+        if not 1 <= record["k"] <= self.selector.n_experts or record["counts_from"] > header.iteration:
+            raise SnapshotError(f"{source}: MoC record out of range (k={record['k']})")
+        return record
+
+    def resumed(self, headers: list[SnapshotHeader]) -> None:
+        """After a restart (`headers`: the checkpoints restored from, newest first, already checked): the
+        newest one's totals and selection, and each interval's routed tokens as the history."""
+        records = [self.record_of(h, f"snapshot of iteration {h.iteration}") for h in headers]
+        if records:
+            newest = records[0]
+            self.lost.history = {r["counts_from"]: r["counts"] for r in records}
+            self.lost.processed, self.lost_tokens = newest["processed"], newest["lost_tokens"]
+            self.selector.k, self.selector.cursor = newest["k"], newest["cursor"]
+
+
+@dataclass
+class RestartState:
+    """What a torchrun restart of this run (generation > 0) starts from."""
+
+    kept: LiveState | None  # this rank's survival marker (None: its process died)
+    host: RestartPoint | None  # gemini: the newest replicated checkpoint in host memory, loaded
+    check: CheckHeader  # refuses a snapshot of another run, rank or layout
 
 
 class GlobalRollback:
@@ -79,16 +142,62 @@ class GlobalRollback:
         saved_at = self._restore(saves)
         lost = self._account_lost_tokens(rollback_to, saved_at) if self.moc else ""
         self.policy.rolled_back(rollback_to)
+        self._report(step, failed, rollback_to, lambda: time.perf_counter() - started, fetched, source, lost)
+        return rollback_to
+
+    def restart(self, state: RestartState) -> int:
+        """After a torchrun restart of this run: every rank rolls back to the newest complete checkpoint
+        as `recover` would (1 when there is none: the initial state); returns its iteration. Collective."""
+        started = time.perf_counter()
+        kept: list = [None] * self.world
+        dist.all_gather_object(kept, (state.kept.next_iteration, state.kept.detected) if state.kept else None)
+        dead = {r for r, k in enumerate(kept) if k is None}
+        if self.from_disk:
+            rollback_to, saves, source = self._disk_restart(state.check)
+        elif state.host is not None:
+            rollback_to, saves, source = state.host.window_start, state.host.snapshots, state.host.sources[self.me]
+        else:
+            rollback_to, saves, source = 1, [], "none (initial state)"
+        fetched = time.perf_counter() - started + (state.host.seconds if state.host else 0.0)
+        if rollback_to == 1:
+            self.line(
+                f"restart: no complete {self.strategy} checkpoint of this run survives on every rank; "
+                "STARTING FROM THE INITIAL STATE"
+            )
+        saved_at = self._restore(saves)
+        lost = ""
+        if self.moc:
+            self.moc.resumed([header for header, _ in saves])
+            lost = self._account_lost_tokens(rollback_to, saved_at)
+        self.policy.rolled_back(rollback_to)
+        survivors = [k for k in kept if k]
+        step = max((k[0] for k in survivors), default=rollback_to)
+        detected = min((k[1].get("time", time.time()) for k in survivors), default=None)
+        seconds = (lambda: time.time() - detected) if detected else (lambda: time.perf_counter() - started)
+        self._report(step, dead, rollback_to, seconds, fetched, source, f"{lost} restart=global")
+        return rollback_to
+
+    def _report(
+        self,
+        step: int,
+        failed: set[int],
+        rollback_to: int,
+        seconds: Callable[[], float],
+        fetched: float,
+        source: str,
+        tail: str,
+    ) -> None:
+        """Rank 0 prints the `recovery` line (`seconds()`: the time it took); `source`: where this rank's
+        checkpoint came from (the failed ranks' sources are named)."""
         sources: list = [None] * self.world
         dist.all_gather_object(sources, source)
         source = "; ".join(f"rank{r}: {sources[r]}" for r in sorted(failed))
         self.line(
-            f"recovery step={step} ranks={'+'.join(map(str, sorted(failed)))} scope=0-{self.n_stages - 1} "
-            f"rollback_to={rollback_to} replayed={step - rollback_to} seconds={time.perf_counter() - started:.3f} "
+            f"recovery step={step} ranks={'+'.join(map(str, sorted(failed))) or 'none'} scope=0-{self.n_stages - 1} "
+            f"rollback_to={rollback_to} replayed={step - rollback_to} seconds={seconds():.3f} "
             f"(fetch={fetched:.3f} convert=0.000 catchup=0.000) strategy={self.strategy} "
-            f'snapshots_from="{source}"{lost}'
+            f'snapshots_from="{source}"{tail}'
         )
-        return rollback_to
 
     # ---- where the checkpoint comes from ------------------------------------------------------------
 
@@ -107,16 +216,52 @@ class GlobalRollback:
         """CheckFreq and MoC: the newest checkpoint on disk that every rank completed, and older ones (newest first)."""
         root = self.persist_dir
         mine = {int(d.parent.name.removeprefix("window-")): d for d in root.glob(f"window-*/rank{self.me:05d}")}
-        gathered: list = [None] * self.world
-        dist.all_gather_object(gathered, sorted(mine))
-        common = set.intersection(*(set(starts) for starts in gathered))
-        if not common:
+        newest = self._newest_common(mine)
+        if newest is None:
             return 1, [], "none (initial state)"
-        newest = max(common)
         saves = [
             snapshot for start in sorted(mine, reverse=True) if start <= newest for snapshot in read_window(mine[start])
         ]
         return newest, saves, f"disk {root}"
+
+    def _disk_restart(self, check: CheckHeader) -> tuple[int, list, str]:
+        """After a restart: as `_disk_saves`, over this rank's windows that are intact and of this run.
+        One that is not is refused (one line) and removed, and so are the windows newer than the one
+        restored (training writes them again): a later `_disk_saves` meets none of them. A window
+        directory that is a symlink or not owner-only stops the run (HostMemoryError): never followed."""
+        root = self.persist_dir
+        loaded = {}
+        for directory in sorted(root.glob(f"window-*/rank{self.me:05d}")):
+            check_private(directory.parent)
+            try:
+                loaded[int(directory.parent.name.removeprefix("window-"))] = self._checked_window(directory, check)
+            except (*UNUSABLE, KeyError, TypeError, ValueError) as e:
+                print(f"restart: rank {self.me} refused {directory}: {e}; removed it", flush=True)
+                remove_tree(directory)
+        newest = self._newest_common(loaded)
+        drop_newer_disk_windows(self.me, root, newest or 0)
+        if newest is None:
+            return 1, [], "none (initial state)"
+        saves = [snapshot for start in sorted(loaded, reverse=True) if start <= newest for snapshot in loaded[start]]
+        return newest, saves, f"disk {root}"
+
+    def _checked_window(self, directory: Path, check: CheckHeader) -> list:
+        """A disk window's snapshots, checksums verified, refused unless they are this run's and this rank's."""
+        snapshots = read_window(directory)
+        for header, _ in snapshots:
+            check(header, str(directory))
+            unknown = sorted(set(header.active) - set(self.ck.ops_by_name))
+            if unknown:
+                raise SnapshotError(f"{directory}: holds operators this rank does not ({', '.join(unknown[:3])})")
+            if self.moc:
+                self.moc.record_of(header, str(directory))
+        return snapshots
+
+    def _newest_common(self, starts) -> int | None:
+        """The newest window start every rank lists (None: there is none). Collective."""
+        gathered: list = [None] * self.world
+        dist.all_gather_object(gathered, sorted(starts))
+        return max(set.intersection(*(set(s) for s in gathered)), default=None)
 
     # ---- restoring operators ------------------------------------------------------------------------
 
@@ -140,6 +285,7 @@ class GlobalRollback:
         counts = torch.tensor([lost, processed] if moc.count_tokens else [0.0, 0.0], dtype=torch.float64)
         dist.all_reduce(counts)
         moc.lost_tokens += float(counts[0])
+        moc.last_checkpoint = rollback_to  # the next checkpoint counts the tokens routed from here
         moc.plt = moc.lost_tokens / float(counts[1]) if counts[1] > 0 else 0.0  # over the run so far
         if moc.plt > moc.plt_threshold:
             moc.selector.double()

@@ -53,7 +53,8 @@ class LostTokens:
     operator; `account(t_c, saved_at)` returns (lost, processed): the tokens routed to each expert
     from its restored save up to the rollback iteration t_c, and every token routed so far
     (recomputed iterations included, so PLT = lost / processed stays a proportion). History at
-    or after t_c is dropped (those iterations run again)."""
+    or after t_c is dropped (those iterations run again). After a restart the history holds one entry per
+    checkpoint interval, keyed by its first iteration (`MocState.resumed`), which `account` reads alike."""
 
     def __init__(self) -> None:
         self.history: dict[int, dict[str, float]] = {}
@@ -73,6 +74,15 @@ class LostTokens:
         )  # never saved: lost since the start
         self.history = {t: c for t, c in self.history.items() if t < rollback_to}
         return lost, self.processed
+
+    def since(self, first: int) -> dict[str, float]:
+        """Tokens routed to each expert from iteration `first` on."""
+        out: dict[str, float] = defaultdict(float)
+        for t, counts in self.history.items():
+            if t >= first:
+                for op, n in counts.items():
+                    out[op] += n
+        return dict(out)
 
 
 def expert_counts(tokens: dict[str, torch.Tensor], local_experts: set[str]) -> dict[str, float]:

@@ -2,30 +2,48 @@
 
 A checkpoint is a window of W = 1 taken every `interval` iterations by the same snapshot machinery
 MoEvement uses (driven by `baselines.intervals.IntervalPolicy`); a failure rolls every rank back to
-it (`baselines.global_rollback`), and MoC accounts the tokens its partial checkpoints lose.
+it (`baselines.global_rollback`), and MoC accounts the tokens its partial checkpoints lose. A real
+death under torchrun does the same once the job has restarted (`GlobalRollback.restart`).
 """
 
 from __future__ import annotations
 
-from baselines.global_rollback import GlobalRollback, MocState
+from baselines.global_rollback import GlobalRollback, MocState, RestartState
 from baselines.moc import expert_counts
 from moevement.checkpoint.checkpointer import SparseCheckpointer
 from moevement.failures import FaultEvent
+from moevement.recovery.live_state import Rejoin, save_live_state
 from moevement.storage.host_memory import JobLock
 
 
 class IntervalBaseline:
-    """`checkpoint.strategy` gemini, checkfreq or moc (see `moevement.strategy.CheckpointStrategy`)."""
+    """`checkpoint.strategy` gemini, checkfreq or moc (see `moevement.strategy.CheckpointStrategy`).
 
-    def __init__(self, checkpointer: SparseCheckpointer, rollback: GlobalRollback, moc: MocState | None, lock: JobLock):
+    `restart`: set after a torchrun restart of this run (generation > 0), None for a new run."""
+
+    def __init__(
+        self,
+        checkpointer: SparseCheckpointer,
+        rollback: GlobalRollback,
+        moc: MocState | None,
+        lock: JobLock,
+        rejoin: Rejoin,
+        restart: RestartState | None = None,
+    ):
         self.checkpointer, self.rollback, self.moc = checkpointer, rollback, moc
         self.lock = lock  # held for the process's lifetime: a second live run of the job is refused
+        self.rejoin, self.restart = rejoin, restart
 
     def resume(self, step: int) -> int:
-        return step  # a baseline's checkpoints belong to the run that took them: a new run starts afresh
+        """A new run starts at `step + 1`; a restarted one at its newest complete checkpoint."""
+        restart, self.restart = self.restart, None
+        return step if restart is None else self.rollback.restart(restart) - 1
 
     def begin(self, step: int) -> None:
         self.checkpointer.begin(step)
+        meta = self.checkpointer.snapshot_meta()
+        if self.moc is not None and meta is not None:
+            meta["moc"] = self.moc.checkpointed(step)
 
     def end(self, step: int, scalars: dict[str, float], tokens: dict, gate_probs: dict) -> None:
         self.checkpointer.end(step, scalars, tokens, gate_probs)
@@ -49,4 +67,10 @@ class IntervalBaseline:
         return totals
 
     def keep_live_state(self, next_iteration: int, detected: dict) -> int:
-        return 0  # an interval baseline restarts from its own checkpoint
+        """Another worker died: let the disk writes in flight land, then leave a survival marker (no
+        tensors) that tells the restarted job this rank's process lived. Keeps no training state (0)."""
+        ck = self.checkpointer
+        ck.flush_disk()
+        meta = {**ck.job_meta, **self.rejoin.name, "rank": ck.topology.rank, "detected": detected}
+        save_live_state(ck.rank_dir, [], ck.optimizer, None, {}, next_iteration, next_iteration, meta)
+        return 0

@@ -138,8 +138,6 @@ def test_moevement_checkpoint_scores_like_fault_free_and_moc_does_not(tmp_path):
             "2",
             "--checkpoint.moc_experts",
             "2",
-            "--fault-mode",
-            "wipe",
         ],
         cwd=ROOT,
         capture_output=True,

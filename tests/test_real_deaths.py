@@ -2,21 +2,32 @@
 the survivors keep their live state, torchrun restarts every process, and only the dead ranks' stages replay.
 
 Every case is compared with the fault-free run of its layout: every later `step=` loss and the final
-`state_digest` are equal, and the healthy stages' `recovery work` lines show no forward or backward."""
+`state_digest` are equal, and the healthy stages' `recovery work` lines show no forward or backward. The
+interval baselines roll every rank back to their own newest checkpoint instead and recompute (gemini and
+checkfreq exactly; MoC, by design, not)."""
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import subprocess
+import sys
 
 import pytest
 
-from tests.conftest import final_line, run_cli, step_losses
+from tests.conftest import ROOT, final_line, run_cli, step_losses
 from tests.test_recovery import BASE, INTERLEAVED, MOEVEMENT, PP2_DP2_EP2_BF16, PP4, WORK, baseline
 
 PP2 = ["--parallelism.pp", "2"]
 REJOIN = re.compile(
     r"^recovery step=(\d+) ranks=(\S+) scope=(\S+) rollback_to=(\d+) replayed=(\d+) seconds=\S+ "
     r"\(keep=\S+ restart=\S+ setup=\S+ fetch=\S+ convert=\S+ catchup=\S+\) restart=local detected_by=",
+    re.M,
+)
+BASELINE_RESTART = re.compile(
+    r"^recovery step=(\d+) ranks=(\S+) scope=0-1 rollback_to=(\d+) replayed=(\d+) seconds=\S+ "
+    r"\(fetch=\S+ convert=0\.000 catchup=0\.000\) strategy=(\w+) snapshots_from=\"([^\"]*)\"(.*) restart=global$",
     re.M,
 )
 
@@ -146,3 +157,112 @@ def test_a_hang_is_detected_in_every_process_group(tmp_path):
     assert "fault: rank 2 stopped (SIGSTOP) in the backward phase of step 9" in out
     assert re.search(r"^failure detected: rank [013] at step 9 by a collective failed \(Timed out\)", out, re.M), out
     assert_local_and_exact(out, reference, "2", "1")
+
+
+def baseline_death_run(tmp_path, strategy: str, *extra: str) -> tuple[str, tuple]:
+    """pp=2 under `checkpoint.strategy`: rank 1 SIGKILLs itself in the backward pass of step 9; returns the
+    output and the fields of the restarted job's recovery line."""
+    out = run_cli(
+        *BASE,
+        *PP2,
+        "--checkpoint.strategy",
+        strategy,
+        "--checkpoint.host_dir",
+        str(tmp_path / "shm"),
+        "--checkpoint.persist_dir",
+        str(tmp_path / "disk"),
+        "--fault.kill",
+        "9:1:backward",
+        *extra,
+        nproc=2,
+        torchrun=("--max-restarts=1",),
+    ).stdout
+    assert "fault: rank 1 killed (SIGKILL) in the backward phase of step 9" in out
+    [recovery] = BASELINE_RESTART.findall(out)
+    return out, recovery
+
+
+@pytest.mark.parametrize(
+    ("strategy", "source"),
+    [
+        pytest.param("gemini", "rank1: replica on rank00000", id="gemini"),
+        pytest.param("checkfreq", "rank1: disk ", id="checkfreq", marks=pytest.mark.slow),
+    ],
+)
+def test_a_baseline_restarts_from_its_newest_checkpoint(tmp_path, strategy, source):
+    """After the torchrun restart every rank rolls back to the baseline's newest complete checkpoint (gemini:
+    the dead rank takes its copy from the replica on its peer, not from its own host memory; checkfreq:
+    from disk) and recomputes from there: the same losses and final state as the fault-free run."""
+    out, (step, ranks, rollback_to, replayed, name, sources, _) = baseline_death_run(
+        tmp_path, strategy, "--checkpoint.interval", "3"
+    )
+    assert (step, ranks, name) == ("9", "1", strategy) and sources.startswith(source), out
+    assert 1 < int(rollback_to) < 9 and int(replayed) == 9 - int(rollback_to)
+    after = out[BASELINE_RESTART.search(out).end() :]
+    reference = baseline(PP2, 2)
+    resumed = step_losses(after)
+    assert min(resumed) == int(rollback_to) and resumed == {
+        s: v for s, v in step_losses(reference).items() if s >= int(rollback_to)
+    }
+    assert final_line(after) == final_line(reference)
+
+
+@pytest.mark.slow
+def test_moc_restarts_from_its_checkpoints_and_loses_tokens(tmp_path):
+    """MoC restores every operator from its newest save on disk (experts stale) and accounts the tokens
+    lost, as its in-place recovery does; not exact by design."""
+    out, (step, ranks, rollback_to, replayed, name, sources, tail) = baseline_death_run(
+        tmp_path, "moc", "--checkpoint.interval", "2", "--checkpoint.moc_experts", "2"
+    )
+    assert (step, ranks, rollback_to, name) == ("9", "1", "7", "moc") and sources.startswith("rank1: disk ")
+    lost = dict(kv.split("=") for kv in tail.split())
+    assert float(lost["lost_tokens"]) > 0 and 0 < float(lost["plt"]) < 1
+    assert re.search(rf"^accounting .* lost_tokens={lost['lost_tokens']} ", out, re.M), out
+    final_line(out)
+
+
+@pytest.mark.slow
+def test_a_restarted_baseline_refuses_a_window_of_another_run(tmp_path):
+    """While the job restarts, a checkpoint of another run (another torchrun run and seed), newer than the
+    job's own, lands in its directory: every rank refuses it in one line and removes it, and the job rolls
+    back to its own checkpoint."""
+    other = tmp_path / "other"
+    shared = ["--checkpoint.strategy", "checkfreq", "--checkpoint.host_dir", str(tmp_path / "shm")]
+    run_cli(
+        *BASE,
+        *PP2,
+        *shared,
+        "--job.seed",
+        "1",
+        "--checkpoint.interval",
+        "4",
+        "--checkpoint.persist_dir",
+        str(other),
+        nproc=2,
+    )
+    foreign, planted = other / "debug_moe" / "window-00000007", tmp_path / "disk" / "debug_moe" / "window-00000007"
+    args = [*BASE, *PP2, *shared, "--checkpoint.interval", "3", "--checkpoint.persist_dir", str(tmp_path / "disk")]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    lines = []
+    with subprocess.Popen(
+        [*cmd, "train.py", *args, "--fault.kill", "9:1:backward"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    ) as proc:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("fault: rank 1 killed"):  # the restarted job starts seconds later
+                shutil.copytree(foreign, planted)
+        assert proc.wait() == 0, "".join(lines)
+    out = "".join(lines)
+    for rank in (0, 1):
+        assert re.search(
+            rf"^restart: rank {rank} refused {planted}/rank0000{rank}: .*(run_id|job\.seed).*; removed it$", out, re.M
+        ), out
+    [(step, ranks, rollback_to, *_)] = BASELINE_RESTART.findall(out)
+    assert (step, ranks, rollback_to) == ("9", "1", "6") and not list(planted.glob("rank*"))
+    assert final_line(out) == final_line(baseline(PP2, 2))

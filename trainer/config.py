@@ -309,13 +309,6 @@ def _validate_fault(cfg: Config) -> None:
             key,
             "needs a checkpoint.strategy that recovers (moevement, gemini, checkfreq or moc), got 'none'",
         )
-    for key, spec in (("fault.crash", f.crash), ("fault.kill", f.kill)):
-        _check(
-            not spec or cfg.checkpoint.strategy == "moevement",
-            key,
-            f"needs checkpoint.strategy = moevement (recovery after a torchrun restart), "
-            f"got {cfg.checkpoint.strategy!r}",
-        )
     if cfg.checkpoint.interval == "oracle":
         _check(f.mtbf_iters > 0, "checkpoint.interval", "oracle needs fault.mtbf_iters > 0 (the MTBF it optimises for)")
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from baselines.global_rollback import GlobalRollback, MocState
+from baselines.global_rollback import GlobalRollback, MocState, RestartState
 from baselines.intervals import IntervalPolicy
 from baselines.moc import LostTokens, PartialExpertSelector
 from baselines.strategy import IntervalBaseline
@@ -29,7 +29,7 @@ from moevement.recovery.conversion import Conversion, TrainerHooks
 from moevement.recovery.live_state import Rejoin, load_live_state
 from moevement.recovery.localized import Recovery
 from moevement.recovery.replay import PipelineReplay, StageRef
-from moevement.recovery.restart import find_restart_checkpoint, snapshot_identity_check
+from moevement.recovery.restart import CheckHeader, RestartPoint, find_restart_checkpoint, snapshot_identity_check
 from moevement.recovery.upstream_log import UpstreamLog
 from moevement.storage.host_memory import JobLock, default_host_dir, make_private_dirs, remove_tree
 from moevement.strategy import CheckpointStrategy, MoEvement, NoCheckpointing
@@ -118,7 +118,8 @@ def build_strategy(
     """`checkpoint.strategy` on this rank (collective over all ranks).
 
     MoEvement first looks for a persisted sparse checkpoint of this job to restart from (a torchrun
-    restart, or a relaunch of the same job); whatever else the rank's host directory holds is removed."""
+    restart, or a relaunch of the same job), gemini after a torchrun restart of this run for its
+    newest checkpoint in host memory; whatever else the rank's host directory holds is removed."""
     strategy = cfg.checkpoint.strategy
     if strategy == "none":
         return NoCheckpointing()
@@ -126,22 +127,21 @@ def build_strategy(
     topo = gather_topology(dims)
     rank_dir = host_rank_dir(cfg, topo.rank)
     identity = RunIdentity.of_sparse(cfg)
+    rejoin = Rejoin(torchrun_generation(), timeline=STARTUP.marks)
     job_meta = {
         "seed": cfg.job.seed,
         "dp_rank": dims.dp_rank,
         "pp_rank": dims.pp_rank,
         "run": identity.to_json(),
+        "run_id": rejoin.name["run_id"],
         "rng": "dropout seed = derive_seed(seed, iteration, micro-batch, stage, dp_rank)",
     }
-    found, rejoin = None, Rejoin(torchrun_generation(), timeline=STARTUP.marks)
     disk = persist_root(cfg)
-    if strategy == "moevement":
-        rejoin = _kept_live_state(rank_dir, job_meta, rejoin)
-        check = snapshot_identity_check({"dp_rank": dims.dp_rank, "pp_rank": dims.pp_rank}, identity.mismatch)
-        own = rejoin.live is not None or not rejoin.survivors
-        found = find_restart_checkpoint(rank_dir.parent, disk, check, line, own_copies=own)
-        if dist.is_initialized():
-            dist.barrier()  # every rank holds its copy before any rank clears its directory
+    rejoin = _kept_live_state(rank_dir, job_meta, rejoin)
+    checks = _identity_checks(dims, identity, rejoin)
+    found = _restart_point(strategy, rank_dir, disk, checks, rejoin, line)
+    if dist.is_initialized():
+        dist.barrier()  # every rank holds its copy before any rank clears its directory
     remove_tree(rank_dir)  # loaded, or of no use to any restart
     new_checkpointer = functools.partial(
         SparseCheckpointer,
@@ -155,7 +155,8 @@ def build_strategy(
         rank_dirs=_same_node_dirs(cfg),
     )
     if strategy != "moevement":
-        return _interval_baseline(cfg, model, optimizer, dims, topo.rank, new_checkpointer, line, lock)
+        restart = RestartState(rejoin.live, found, checks["run"]) if rejoin.name["generation"] > 0 else None
+        return _interval_baseline(cfg, model, optimizer, dims, new_checkpointer, line, lock, rejoin, restart)
     checkpointer = new_checkpointer(dataclasses.replace(cfg.checkpoint, persist_dir=str(disk or "")))
     log = UpstreamLog(model.parts, model.stage_ids, model.n_stages) if cfg.parallelism.pp > 1 else None
     hooks = _trainer_hooks(cfg, model, optimizer, dims, seeder, log, topo, train_batches, line)
@@ -172,17 +173,45 @@ def build_strategy(
     return MoEvement(checkpointer, log, recovery, found, lock, rejoin)
 
 
+def _identity_checks(dims: ParallelDims, identity: RunIdentity, rejoin: Rejoin) -> dict[str, CheckHeader]:
+    """Snapshot checks: "job" refuses another job, rank or config (a relaunch of the job passes), "run"
+    also another torchrun run."""
+    where = {"dp_rank": dims.dp_rank, "pp_rank": dims.pp_rank}
+    return {
+        "job": snapshot_identity_check(where, identity.mismatch),
+        "run": snapshot_identity_check({**where, "run_id": rejoin.name["run_id"]}, identity.mismatch),
+    }
+
+
+def _restart_point(
+    strategy: str, rank_dir: Path, disk: Path | None, checks: dict[str, CheckHeader], rejoin: Rejoin, line
+) -> RestartPoint | None:
+    """MoEvement: the persisted sparse checkpoint a restart or relaunch converts; gemini, after a torchrun
+    restart of this run: its newest replicated checkpoint in host memory (collective). A rank whose
+    process died uses its peers' replicas, not what its predecessor left in its own directory."""
+    own = rejoin.live is not None or not rejoin.survivors
+    if strategy == "moevement":
+        return find_restart_checkpoint(rank_dir.parent, disk, checks["job"], line, own_copies=own)
+    if strategy == "gemini" and rejoin.name["generation"] > 0:
+        return find_restart_checkpoint(rank_dir.parent, None, checks["run"], line, own_copies=own)
+    return None
+
+
 def _interval_baseline(
     cfg: Config,
     model: ModelParts,
     optimizer,
     dims: ParallelDims,
-    rank: int,
     new_checkpointer: Callable[..., SparseCheckpointer],
     line,
     lock: JobLock,
+    rejoin: Rejoin,
+    restart: RestartState | None,
 ) -> IntervalBaseline:
-    """gemini (dense, host memory, replicated), checkfreq (dense, persisted to disk), moc (partial, disk)."""
+    """gemini (dense, host memory, replicated), checkfreq (dense, persisted to disk), moc (partial, disk).
+
+    A new run removes this rank's disk checkpoints; a torchrun restart of the run (`restart`) resumes
+    from them."""
     strategy, ck_cfg = cfg.checkpoint.strategy, cfg.checkpoint
     ops = build_registry(model.view)
     names = [op.name for op in ops]
@@ -197,8 +226,9 @@ def _interval_baseline(
         default = str(Path(cfg.job.output_dir) / f"{strategy}-checkpoints")
         persist = persist_root(cfg, default)
         ck_cfg = dataclasses.replace(ck_cfg, replicas=0, persist_dir=str(persist), persist_every=1)
-        for old in persist.glob(f"window-*/rank{rank:05d}"):
-            remove_tree(old)  # an earlier run's checkpoints must not be restored into this one
+        if restart is None:  # an earlier run's checkpoints must not be restored into this one
+            for old in persist.glob(f"window-*/rank{dist.get_rank():05d}"):
+                remove_tree(old)
     policy = IntervalPolicy(strategy, ck_cfg.interval, cfg.fault.mtbf_iters, select)
     checkpointer = new_checkpointer(ck_cfg, policy=policy, disk_keep=keep)
     rollback = GlobalRollback(
@@ -212,7 +242,7 @@ def _interval_baseline(
         line,
         moc,
     )
-    return IntervalBaseline(checkpointer, rollback, moc, lock)
+    return IntervalBaseline(checkpointer, rollback, moc, lock, rejoin, restart)
 
 
 def _moc_state(cfg: Config, ops: list, dims: ParallelDims) -> MocState:

@@ -171,6 +171,11 @@ class SparseCheckpointer:
         elif last:
             self._on_window_replicated(pending.window_index)
 
+    def snapshot_meta(self) -> dict | None:
+        """The header metadata of the snapshot the current iteration takes (None: it takes none); a
+        strategy may add to it between `begin` and `end`, which commits the header."""
+        return self.pending.header.meta if self.pending is not None else None
+
     def metrics(self) -> dict[str, float]:
         """Per-iteration figures for the log and TensorBoard."""
         policy = self.planner.policy

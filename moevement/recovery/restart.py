@@ -180,7 +180,7 @@ def find_restart_checkpoint(
         loaded = _load_first_intact(rank, usable[start], check)
         dist.all_gather_object(gathered, loaded[1] if loaded else None)
         if all(source is not None for source in gathered):
-            _drop_newer_disk_windows(rank, persist_root, start)
+            drop_newer_disk_windows(rank, persist_root, start)
             snapshots = loaded[0]
             return RestartPoint(
                 start, len(snapshots), snapshots, list(gathered), last_iteration, time.perf_counter() - started
@@ -198,7 +198,7 @@ def find_restart_checkpoint(
     return None
 
 
-def _drop_newer_disk_windows(rank: int, persist_root: Path | None, start: int) -> None:
+def drop_newer_disk_windows(rank: int, persist_root: Path | None, start: int) -> None:
     """This rank's disk windows newer than the one restarted from are unusable: training re-creates them."""
     if persist_root is None:
         return
