@@ -252,6 +252,21 @@ def test_single_file_and_text_grouping(tmp_path, hf_cache):
         build_data(cfg, seq_len=64, global_batch_size=8, micro_batches=1, seed=0)
 
 
+def test_text_files_are_read_as_the_datasets_text_builder_reads_them(tmp_path, hf_cache):
+    """Plain text is read without `datasets` (a restart's start-up cost); the lines are the ones its
+    `text` builder yields: CRLF, a form feed, Unicode line separators, no final newline, several files."""
+    import datasets
+
+    files = [tmp_path / "a.txt", tmp_path / "b.txt"]
+    files[0].write_bytes(" = A = \r\n x\x0cy \u2028z\n\n tail\u0085".encode())
+    files[1].write_bytes(b"first\rsecond\r\n = B = \n last without newline")
+    paths = [str(f) for f in files]
+    ds = datasets.load_dataset(
+        "text", data_files={"split": paths}, split="split", keep_linebreaks=True, cache_dir=hf_cache
+    )
+    assert corpus.read_text_lines(paths) == ds.data.column("text").to_pylist()
+
+
 def test_local_directory_of_json_jsonl_parquet(tmp_path, hf_cache):
     import pyarrow as pa
     import pyarrow.parquet as pq
