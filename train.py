@@ -36,7 +36,7 @@ from trainer.allocator import reuse_freed_host_memory
 from trainer.config import Config, ConfigError, check_world_size, fault_plan, load_config
 from trainer.data import DataError, TokenBatches, build_data, make_loader
 from trainer.dense_checkpoint import CheckpointError, check_save_target, load_dense, save_dense
-from trainer.fault_injection import arm_kill
+from trainer.fault_injection import KillSwitch, arm_kill
 from trainer.fault_tolerance import build_strategy, host_job_dir, torchrun_generation
 from trainer.identity import IdentityError
 from trainer.metrics import MetricsLogger
@@ -135,6 +135,7 @@ class Job:
     logger: MetricsLogger
     ft: CheckpointStrategy
     faults: FaultPlan
+    kill: KillSwitch  # this rank's `fault.kill`, if any: the loop names the points it fires at
     guard: StopGuard  # where SIGTERM may stop this rank, and what state it then holds
     accounting: RunAccounting
 
@@ -190,7 +191,7 @@ def setup(cfg: Config) -> tuple[Job, int, float]:
     STARTUP.mark("strategy")
     optimizer.register_step_pre_hook(guard.optimizer_step_begins)  # after the checkpointer's copy wait
     faults = fault_plan(cfg, world)
-    arm_kill(faults, rank, model, optimizer, guard, cfg.fault.kill_signal)
+    kill = arm_kill(faults, rank, model, optimizer, guard, cfg.fault.kill_signal)
     step = ft.resume(step)
     val_data = (
         []
@@ -212,6 +213,7 @@ def setup(cfg: Config) -> tuple[Job, int, float]:
         logger,
         ft,
         faults,
+        kill,
         guard,
         run_accounting(cfg, rank, step),
     )
@@ -232,13 +234,17 @@ def iteration(job: Job, step: int, inputs: torch.Tensor, labels: torch.Tensor, s
     cfg, ft = job.cfg, job.ft
     job.seeder.begin(step)
     ft.begin(step)
-    result = train_step(job.model, job.optimizer, inputs, labels, step, cfg.training, job.dims)
+    job.kill.at("snapshot")
+    result = train_step(
+        job.model, job.optimizer, inputs, labels, step, cfg.training, job.dims, lambda: job.kill.at("clip")
+    )
     tokens, gate_probs = take_expert_load(job.model.view)
     scalars = {"loss": result.loss, "aux_loss": result.aux_loss, "lr": result.lr, "grad_norm": result.grad_norm}
     ft.end(step, {**scalars, "clip_coef": result.clip_coef, "loss_scale": 1.0, "skipped": False}, tokens, gate_probs)
     elapsed = time.perf_counter() - started
     job.accounting.iteration(step, elapsed)  # before `done`: a rank stopped there keeps iteration `step` done
     job.guard.done(step)
+    job.kill.at("replication")
     scalars.update(ft.metrics())
     job.logger.step(
         step,

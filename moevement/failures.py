@@ -53,7 +53,7 @@ def parse_events(spec: str, key: str) -> list[FaultEvent]:
     return events
 
 
-KILL_PHASES = ("forward", "backward", "optimizer")
+KILL_PHASES = ("forward", "backward", "clip", "optimizer", "snapshot", "replication")
 
 
 @dataclass(frozen=True)

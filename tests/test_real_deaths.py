@@ -16,6 +16,7 @@ import sys
 
 import pytest
 
+from moevement.failures import KILL_PHASES
 from tests.conftest import ROOT, final_line, run_cli, step_losses
 from tests.test_recovery import BASE, INTERLEAVED, MOEVEMENT, PP2_DP2_EP2_BF16, PP4, WORK, baseline
 
@@ -95,13 +96,15 @@ def test_real_crash_recovers_locally(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("phase", ["forward", "backward", "optimizer"])
+@pytest.mark.parametrize("phase", KILL_PHASES)
 def test_pp2_dp2_ep2_bf16_sigkill_in_each_phase(tmp_path, phase):
-    """A death before the gradient-norm all-reduce leaves every survivor at state_T; one in the optimizer
-    step (after it) lets them finish T: either way the stage of rank 2 alone replays, bit-exact."""
+    """A death before the gradient-norm all-reduce (forward, backward, clip, during the snapshot copy) leaves
+    every survivor at state_T; one after it (optimizer step, replication of T's snapshot) lets them finish
+    T: either way the stage of rank 2 alone replays, bit-exact."""
     out = death_run(tmp_path, PP2_DP2_EP2_BF16, 4, "--fault.kill", f"8:2:{phase}")
+    assert f"fault: rank 2 killed (SIGKILL) in the {phase} phase of step 8" in out
     [(step, *_)] = assert_local_and_exact(out, baseline(PP2_DP2_EP2_BF16, 4), "2", "1")
-    assert step == ("9" if phase == "optimizer" else "8")
+    assert step == ("9" if phase in ("optimizer", "replication") else "8")
 
 
 @pytest.mark.slow

@@ -1,7 +1,11 @@
 """`fault.kill`: a worker SIGKILLs itself at a precise point of an iteration (a real death, no clean-up).
 
-The hooks fire only in normal training (not while a recovery replays), in the torchrun generation the
-kill belongs to (`FaultPlan.kill_of`), so a restarted job does not meet the same death again.
+Phases of iteration T: `forward` (the first forward of this rank's stages), `backward` (the first
+backward), `clip` (just before the gradient-norm all-reduce, so no rank gets T's clip coefficient),
+`optimizer` (after that all-reduce, before the update), `snapshot` (while this iteration's snapshot is
+being copied to host memory), `replication` (after T is applied, while its snapshot is being sent to the
+replica peers). The hooks fire only in normal training (not while a recovery replays), in the torchrun
+generation the kill belongs to (`FaultPlan.kill_of`), so a restarted job does not meet the same death again.
 """
 
 from __future__ import annotations
@@ -17,6 +21,33 @@ from parallelisms.parallelize import ModelParts
 from trainer.survival import StopGuard
 
 
+class KillSwitch:
+    """This rank's kill of this generation (if any). Forward, backward and optimizer fire from module and
+    optimizer hooks; the training loop names the other points with `at(phase)`."""
+
+    def __init__(self, kill: KillEvent | None, rank: int, guard: StopGuard, how: str):
+        self.kill, self.rank, self.guard, self.how = kill, rank, guard, how
+
+    def due(self, phase: str) -> bool:
+        kill, guard = self.kill, self.guard
+        return (
+            kill is not None
+            and kill.phase == phase
+            and guard.step == kill.step
+            and guard.phase in ("training", "applying")
+        )
+
+    def at(self, phase: str) -> None:
+        if self.due(phase):
+            verb = "killed" if self.how == "SIGKILL" else "stopped"
+            print(
+                f"fault: rank {self.rank} {verb} ({self.how}) in the {phase} phase of step {self.kill.step} "
+                f"at unix={time.time():.3f}",
+                flush=True,
+            )
+            os.kill(os.getpid(), getattr(signal, self.how))
+
+
 def arm_kill(
     plan: FaultPlan,
     rank: int,
@@ -24,33 +55,18 @@ def arm_kill(
     optimizer: torch.optim.Optimizer,
     guard: StopGuard,
     how: str = "SIGKILL",
-) -> None:
+) -> KillSwitch:
     """Install this rank's kill of this generation, if any. `how`: SIGKILL (a death) or SIGSTOP (a hang:
     the process stays, holding its connections, until its peers' collectives time out)."""
-    kill = plan.kill_of(rank, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
-    if kill is None:
-        return
+    switch = KillSwitch(plan.kill_of(rank, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))), rank, guard, how)
+    if switch.kill is None:
+        return switch
+    model.parts[0].register_forward_pre_hook(lambda *_: switch.at("forward"))
 
-    def due() -> bool:
-        return guard.step == kill.step and guard.phase in ("training", "applying")
+    def on_output(_module, _args, out):
+        if switch.due("backward") and isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(lambda _grad: switch.at("backward"))
 
-    if kill.phase == "forward":
-        model.parts[0].register_forward_pre_hook(lambda *_: _die(kill, rank, how) if due() else None)
-    elif kill.phase == "backward":
-
-        def on_output(_module, _args, out):
-            if due() and isinstance(out, torch.Tensor) and out.requires_grad:
-                out.register_hook(lambda _grad: _die(kill, rank, how))
-
-        model.parts[-1].register_forward_hook(on_output)
-    else:  # optimizer: the gradient-norm all-reduce is done on every rank, the update is not
-        optimizer.register_step_pre_hook(lambda *_: _die(kill, rank, how) if due() else None)
-
-
-def _die(kill: KillEvent, rank: int, how: str) -> None:
-    verb = "killed" if how == "SIGKILL" else "stopped"
-    print(
-        f"fault: rank {rank} {verb} ({how}) in the {kill.phase} phase of step {kill.step} at unix={time.time():.3f}",
-        flush=True,
-    )
-    os.kill(os.getpid(), getattr(signal, how))
+    model.parts[-1].register_forward_hook(on_output)
+    optimizer.register_step_pre_hook(lambda *_: switch.at("optimizer"))
+    return switch

@@ -9,6 +9,7 @@ re-run bit for bit in the same layout.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -125,8 +126,10 @@ def train_step(
     step: int,
     cfg: TrainingConfig,
     dims: ParallelDims,
+    before_clip: Callable[[], None] | None = None,
 ) -> StepResult:
-    """Forward/backward over `cfg.micro_batches` micro-batches, clip, AdamW step."""
+    """Forward/backward over `cfg.micro_batches` micro-batches, clip, AdamW step (`before_clip`: called
+    just before the gradient-norm all-reduce)."""
     for part in model.parts:
         part.train()
     optimizer.zero_grad(set_to_none=True)
@@ -136,6 +139,8 @@ def train_step(
     # its own state, so a rank that passed it can finish the iteration alone (trainer/survival.py).
     mean_loss, aux_loss = _global_mean_loss(loss, dims), _aux_loss(model, dims)
     params = [p for p in model.view.parameters() if p.requires_grad]
+    if before_clip is not None:
+        before_clip()
     grad_norm, clip_coef = clip_grad_norm(params, cfg.max_grad_norm)
     lr = lr_at(step, cfg)
     set_lr(optimizer, lr)
