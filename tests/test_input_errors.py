@@ -220,9 +220,8 @@ def test_fault_after_last_step_names_key_step_and_last_step(args, key, step, las
 
 @pytest.mark.parametrize("spec", ["5", "5:1:sideways", "0:1", "5:-1", "5:1:forward:again", "x:1"])
 def test_malformed_fault_kill_names_the_key_and_the_phases(spec):
-    with pytest.raises(
-        ConfigError, match=r"'fault.kill' must look like STEP:RANK\[:PHASE\].*forward, backward, clip, optimizer, snapshot, replication"
-    ):
+    phases = "forward, backward, clip, optimizer, snapshot, replication"
+    with pytest.raises(ConfigError, match=rf"'fault.kill' must look like STEP:RANK\[:PHASE\].*{phases}"):
         load_config(str(ROOT / DEBUG_CONFIG), [*MOEVEMENT, "--fault.kill", spec])
 
 
