@@ -41,6 +41,7 @@ ARGS = dict(
 def options(**overrides) -> SimpleNamespace:
     base = dict(
         window=3,
+        max_window=16,
         slots="count",
         ordering="count",
         ema_decay=0.9,
@@ -197,6 +198,27 @@ def test_every_window_is_planned_for_the_shortest_overlap_of_the_one_before(tmp_
             assert sorted(op for h in headers for op in h.active) == sorted(engine.ops_by_name)
     persisted = read_header(tmp_path / "rank0" / "persisted")
     assert persisted["window"] == windows[persisted["window_index"]]
+
+
+@pytest.mark.parametrize("slots", ["count", "bytes"])
+def test_algorithm_1_never_plans_more_than_max_window_slots(tmp_path, monkeypatch, slots):
+    """When Algorithm 1 wants a slot per operator (iterations far shorter than a copy), the window stops at
+    `max_window` (host memory grows with W) and its snapshots still cover every operator once."""
+    import moevement.checkpoint.planner as planner
+
+    monkeypatch.setattr(planner, "find_window_size", lambda fp32, *_: (len(fp32), 1))
+    monkeypatch.setattr(planner, "byte_window_size", lambda fp32, *_: len(fp32))
+    seen: dict[int, list] = {}
+
+    def on_snapshot(header, before, engine):
+        check_snapshot(header, before, engine, torch.float32)
+        seen.setdefault(header.window_start, []).append(header)
+
+    engine = train(tmp_path / "rank0", 8, on_snapshot=on_snapshot, window=0, max_window=4, slots=slots)
+    assert len(engine.ops_by_name) > 4
+    headers = seen[min(seen)]
+    assert [h.window for h in headers] == [4] * 4
+    assert sorted(op for h in headers for op in h.active) == sorted(engine.ops_by_name)
 
 
 def test_snapshot_is_not_torn_by_the_optimizer_step(tmp_path):

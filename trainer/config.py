@@ -70,6 +70,9 @@ class CheckpointConfig:
     load_other_config: bool = False
     # MoEvement sparse checkpointing (strategy = "moevement")
     window: int = 0  # sparse window W; 0: chosen by Algorithm 1 from the profile
+    # largest W Algorithm 1 may choose: a window's host memory grows with W (each snapshot carries the later
+    # slots' compute weights) and a recovery replays up to 2W iterations; above it, snapshots stall the step
+    max_window: int = 16
     slots: str = "count"  # cut operators into slots by equal count (the paper) or by bytes: count | bytes
     ordering: str = "count"  # operator popularity: count | soft | ema | capacity
     ema_decay: float = 0.9  # decay of the `ema` ordering policy
@@ -275,7 +278,7 @@ def validate(cfg: Config) -> None:
 def _validate_checkpoint(c: CheckpointConfig) -> None:
     for name in ("window", "replicas", "reprofile_every"):
         _check(getattr(c, name) >= 0, f"checkpoint.{name}", f"must be >= 0, got {getattr(c, name)}")
-    for name in ("persist_every", "profile_iters"):
+    for name in ("persist_every", "profile_iters", "max_window"):
         _check(getattr(c, name) >= 1, f"checkpoint.{name}", f"must be >= 1, got {getattr(c, name)}")
     _check(c.bandwidth_gbps >= 0, "checkpoint.bandwidth_gbps", f"must be >= 0, got {c.bandwidth_gbps}")
     _check(0 < c.ema_decay < 1, "checkpoint.ema_decay", f"must be in (0, 1), got {c.ema_decay}")

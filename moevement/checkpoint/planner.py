@@ -45,8 +45,8 @@ class SnapshotPolicy(Protocol):
 
 
 class WindowPlanner:
-    """Plans windows over this rank's operators; `cfg` provides window, slots, ordering, ema_decay,
-    bandwidth_gbps, reprofile_every."""
+    """Plans windows over this rank's operators; `cfg` provides window, max_window, slots, ordering,
+    ema_decay, bandwidth_gbps, reprofile_every."""
 
     def __init__(
         self,
@@ -106,14 +106,15 @@ class WindowPlanner:
         return entry_layout(active, frozen, self.optimizer, self.compute_dtype)
 
     def _sparse_slots(self) -> tuple[tuple[str, ...], ...]:
-        """Algorithm 1 on this rank's operators in schedule order; W agreed across ranks (or forced)."""
+        """Algorithm 1 on this rank's operators in schedule order, at most `max_window` slots; W agreed across
+        ranks (or forced by `window`)."""
         fp32 = [self.ops_by_name[n].fp32_bytes(self.optimizer) for n in self.order]
         compute = [self.ops_by_name[n].compute_bytes(self.compute_dtype) for n in self.order]
-        t, bandwidth = self.profile.iteration_s, self.profile.bandwidth
+        t, bandwidth, most = self.profile.iteration_s, self.profile.bandwidth, self.cfg.max_window
         if self.cfg.slots == "bytes":
-            window = self.cfg.window or self._agree(byte_window_size(fp32, compute, t, bandwidth))
+            window = self.cfg.window or min(most, self._agree(byte_window_size(fp32, compute, t, bandwidth)))
             return byte_slots(self.order, fp32, compute, window)
-        window = self.cfg.window or self._agree(find_window_size(fp32, compute, t, bandwidth)[0])
+        window = self.cfg.window or min(most, self._agree(find_window_size(fp32, compute, t, bandwidth)[0]))
         return generate_schedule(self.order, slot_size_for(len(self.order), window), window)
 
     def _interval_checkpoint(self, iteration: int) -> tuple[tuple[str, ...]]:
