@@ -183,7 +183,7 @@ def setup(cfg: Config) -> tuple[Job, int, float]:
     ft = build_strategy(cfg, model, optimizer, dims, seeder, train_batches, logger.line)
     optimizer.register_step_pre_hook(guard.optimizer_step_begins)  # after the checkpointer's copy wait
     faults = fault_plan(cfg, world)
-    arm_kill(faults, rank, model, optimizer, guard, cfg.fault.kill_signal)
+    arm_kill(faults, rank, model, optimizer, guard, seeder, cfg.fault.kill_signal)
     step = ft.resume(step)
     val_data = (
         []

@@ -73,6 +73,27 @@ def test_real_crash_recovers_locally(tmp_path):
     assert roles == {0: "rolled-back", 1: "failed", 2: "healthy", 3: "healthy"}
 
 
+def test_second_death_right_after_a_rejoin_recovers_locally(tmp_path):
+    """pp=2: rank 1 dies at 9; the restarted job rejoins at 9 and keeps the window it replayed from as its
+    persisted checkpoint; rank 1 dies again at 10, before the job persisted a window of its own: the second
+    restart still replays only stage 1, from that window."""
+    out = death_run(tmp_path, PP2, 2, "--fault.kill", "9:1:backward,10:1:forward", restarts=2)
+    recoveries = assert_local_and_exact(out, baseline(PP2, 2), "1", "1")
+    assert [r[:3] for r in recoveries] == [("9", "1", "1"), ("10", "1", "1")]
+    assert recoveries[0][3] == recoveries[1][3]  # the same rollback point
+
+
+@pytest.mark.slow
+def test_death_during_a_rejoin_keeps_the_survivors_state(tmp_path):
+    """pp=2: rank 1 dies at 9, then again while the restarted job replays its stage (iteration 7); rank 0,
+    which was only serving logs, exits without writing anything: the next generation uses the live state it
+    kept in the first one and still replays stage 1 alone."""
+    out = death_run(tmp_path, PP2, 2, "--fault.kill", "9:1:backward,7:1:replay", restarts=2)
+    assert "fault: rank 1 killed (SIGKILL) in the replay phase of step 7" in out
+    [(step, *_)] = assert_local_and_exact(out, baseline(PP2, 2), "1", "1")
+    assert step == "9"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("phase", ["forward", "backward", "optimizer"])
 def test_pp2_dp2_ep2_bf16_sigkill_in_each_phase(tmp_path, phase):

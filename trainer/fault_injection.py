@@ -1,7 +1,8 @@
 """`fault.kill`: a worker SIGKILLs itself at a precise point of an iteration (a real death, no clean-up).
 
-The hooks fire only in normal training (not while a recovery replays), in the torchrun generation the
-kill belongs to (`FaultPlan.kill_of`), so a restarted job does not meet the same death again.
+The hooks fire in the torchrun generation the kill belongs to (`FaultPlan.kill_of`), so a restarted job
+does not meet the same death again: in normal training for the phases of an iteration, and only while the
+generation's start-up replays (a rejoin or a whole-job restart) for `replay`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 
 from moevement.failures import FaultPlan, KillEvent
 from parallelisms.parallelize import ModelParts
+from trainer.step import DropoutSeeder
 from trainer.survival import StopGuard
 
 
@@ -22,6 +24,7 @@ def arm_kill(
     model: ModelParts,
     optimizer: torch.optim.Optimizer,
     guard: StopGuard,
+    seeder: DropoutSeeder,
     how: str = "SIGKILL",
 ) -> None:
     """Install this rank's kill of this generation, if any. `how`: SIGKILL (a death) or SIGSTOP (a hang:
@@ -31,9 +34,11 @@ def arm_kill(
         return
 
     def due() -> bool:
+        if kill.phase == "replay":  # the start-up's replay runs before training, in the setup phase
+            return guard.phase == "setup" and seeder.step == kill.step
         return guard.step == kill.step and guard.phase in ("training", "applying")
 
-    if kill.phase == "forward":
+    if kill.phase in ("forward", "replay"):
         model.parts[0].register_forward_pre_hook(lambda *_: _die(kill, rank, how) if due() else None)
     elif kill.phase == "backward":
 

@@ -94,11 +94,11 @@ def torchrun_generation() -> dict:
 
 
 def _kept_live_state(rank_dir: Path, job_meta: dict, rejoin: Rejoin) -> Rejoin:
-    """After a torchrun restart: the live state this rank kept in the previous generation, and whether any
-    rank kept one (collective). A relaunch (generation 0) uses none."""
+    """After a torchrun restart: the live state this rank kept in an earlier generation of this run, and
+    whether any rank kept one (collective). A relaunch (generation 0) uses none."""
     if rejoin.name["generation"] > 0:
-        expect = {**job_meta, "run_id": rejoin.name["run_id"], "generation": rejoin.name["generation"] - 1}
-        rejoin.live, why = load_live_state(rank_dir, expect)
+        expect = {**job_meta, "run_id": rejoin.name["run_id"]}
+        rejoin.live, why = load_live_state(rank_dir, expect, rejoin.name["generation"])
         if rejoin.live is None and why != "no live state":
             print(f"restart: rank {dist.get_rank()} cannot use its live state: {why}", flush=True)
     kept = torch.tensor([int(rejoin.live is not None)])
@@ -120,7 +120,9 @@ def build_strategy(
     """`checkpoint.strategy` on this rank (collective over all ranks).
 
     MoEvement first looks for a persisted sparse checkpoint of this job to restart from (a torchrun
-    restart, or a relaunch of the same job); whatever else the rank's host directory holds is removed."""
+    restart, or a relaunch of the same job) and the live state this rank kept; the rank's host directory
+    stays as it is until training goes on (`MoEvement.begin`), so a death before then loses nothing. The
+    other strategies start with an empty host directory."""
     strategy = cfg.checkpoint.strategy
     if strategy == "none":
         return NoCheckpointing()
@@ -142,9 +144,8 @@ def build_strategy(
         check = snapshot_identity_check({"dp_rank": dims.dp_rank, "pp_rank": dims.pp_rank}, identity.mismatch)
         own = rejoin.live is not None or not rejoin.survivors
         found = find_restart_checkpoint(rank_dir.parent, disk, check, line, own_copies=own)
-        if dist.is_initialized():
-            dist.barrier()  # every rank holds its copy before any rank clears its directory
-    remove_tree(rank_dir)  # loaded, or of no use to any restart
+    else:
+        remove_tree(rank_dir)  # of no use to an interval baseline
     new_checkpointer = functools.partial(
         SparseCheckpointer,
         model=model.view,
