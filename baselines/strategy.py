@@ -21,8 +21,8 @@ class IntervalBaseline:
         self.checkpointer, self.rollback, self.moc = checkpointer, rollback, moc
         self.lock = lock  # held for the process's lifetime: a second live run of the job is refused
 
-    def resume(self, step: int) -> int:
-        return step  # a baseline's checkpoints belong to the run that took them: a new run starts afresh
+    def resume(self, step: int, loss: float) -> tuple[int, float]:
+        return step, loss  # a baseline's checkpoints belong to the run that took them: a new run starts afresh
 
     def begin(self, step: int) -> None:
         self.checkpointer.begin(step)

@@ -22,9 +22,10 @@ from moevement.storage.host_memory import JobLock
 
 
 class CheckpointStrategy(Protocol):
-    def resume(self, step: int) -> int:
-        """`state_{step+1}` is loaded (`step` = 0, or a dense checkpoint's step); returns the last iteration
-        done once any whole-job restart has converted its sparse checkpoint (training goes on after it)."""
+    def resume(self, step: int, loss: float) -> tuple[int, float]:
+        """`state_{step+1}` is loaded (`step` = 0, or a dense checkpoint's step, whose loss was `loss`); returns
+        the last iteration done and its loss once any restart has converted its sparse checkpoint (training
+        goes on after it)."""
         ...
 
     def begin(self, step: int) -> None:
@@ -56,8 +57,8 @@ class CheckpointStrategy(Protocol):
 class NoCheckpointing:
     """`checkpoint.strategy = "none"`: the fault-free reference (the config refuses failures with it)."""
 
-    def resume(self, step: int) -> int:
-        return step
+    def resume(self, step: int, loss: float) -> tuple[int, float]:
+        return step, loss
 
     def begin(self, step: int) -> None:
         pass
@@ -97,7 +98,7 @@ class MoEvement:
         self.lock = lock  # held for the process's lifetime: a second live run of the job is refused
         self.leftovers = True  # the rank directory may hold earlier processes' state until training goes on
 
-    def resume(self, step: int) -> int:
+    def resume(self, step: int, loss: float) -> tuple[int, float]:
         """A restart keeps the window it restarted from as its persisted checkpoint, so that another death
         before the job persists a window of its own recovers from there."""
         found, self.found = self.found, None
@@ -109,7 +110,10 @@ class MoEvement:
             resumed = self.history_from = step + 1
         if found is not None:
             self.checkpointer.adopt(found.window_index, found.snapshots)
-        return resumed - 1
+        if resumed - 1 == step:
+            return step, loss
+        logged = self.checkpointer.persisted.scalars_since(resumed - 1).get(resumed - 1, {})
+        return resumed - 1, logged.get("loss", float("nan"))  # the final line's loss if nothing is left to train
 
     def begin(self, step: int) -> None:
         if self.leftovers:  # from here on a stop keeps this process's own live state

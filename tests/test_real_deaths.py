@@ -95,6 +95,16 @@ def test_death_during_a_rejoin_keeps_the_survivors_state(tmp_path):
 
 
 @pytest.mark.slow
+def test_death_in_the_last_iteration_keeps_the_final_state(tmp_path):
+    """pp=2: rank 1 dies in the optimizer step of the last iteration (12); rank 0 finishes it and keeps its
+    final state while the job gathers it; the restarted job replays stage 1 up to 13, has nothing left to
+    train, and prints the fault-free run's final line (the loss of 12 comes from the scalar log)."""
+    out = death_run(tmp_path, PP2, 2, "--fault.kill", "12:1:optimizer")
+    assert [r[:3] for r in REJOIN.findall(out)] == [("13", "1", "1")], out
+    assert final_line(out) == final_line(baseline(PP2, 2))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("phase", ["forward", "backward", "optimizer"])
 def test_pp2_dp2_ep2_bf16_sigkill_in_each_phase(tmp_path, phase):
     """A death before the gradient-norm all-reduce leaves every survivor at state_T; one in the optimizer
