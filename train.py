@@ -191,8 +191,8 @@ def setup(cfg: Config) -> tuple[Job, int, float]:
     STARTUP.mark("strategy")
     optimizer.register_step_pre_hook(guard.optimizer_step_begins)  # after the checkpointer's copy wait
     faults = fault_plan(cfg, world)
-    kill = arm_kill(faults, rank, model, optimizer, guard, cfg.fault.kill_signal)
-    step = ft.resume(step)
+    kill = arm_kill(faults, rank, model, optimizer, guard, seeder, cfg.fault.kill_signal)
+    step, loss = ft.resume(step, loss)
     val_data = (
         []
         if val_batches is None
@@ -260,14 +260,19 @@ def iteration(job: Job, step: int, inputs: torch.Tensor, labels: torch.Tensor, s
     return result.loss
 
 
-def run(job: Job, step: int, loss: float) -> tuple[int, float]:
-    """Train iterations step+1..last; a baseline's recovery rolls back and the loader restarts there.
+def run(job: Job, step: int, loss: float) -> tuple[int, float, dict | None]:
+    """Train iterations step+1..last (a baseline's recovery rolls back and the loader restarts there), then
+    gather the final training state (collective; rank 0 gets it). Returns (last step, its loss, that state).
 
-    When another worker dies, this rank keeps its live state and exits (trainer/survival.py)."""
+    When another worker dies before every rank has gathered, this rank keeps its live state and exits
+    (trainer/survival.py): a restarted job then has at most the dead ranks' stages to replay."""
     job.guard.phase, job.guard.applied = "training", step
     try:
         try:
-            return train_loop(job, step, loss)
+            step, loss = train_loop(job, step, loss)
+            state = consolidated_training_state(job.model.view, job.optimizer)
+            job.guard.phase = "setup"  # finishing: SIGTERM exits at once again
+            return step, loss, state
         except BaseException:
             job.guard.stop()  # a SIGTERM from here on only waits (one arriving before this line lands below)
             raise
@@ -304,17 +309,15 @@ def train_loop(job: Job, step: int, loss: float) -> tuple[int, float]:
                 started = max(started, job.accounting.last_recovery_end)
             loss = iteration(job, step, inputs, labels, started)
             started = time.perf_counter()
-    job.guard.phase = "setup"  # finishing: SIGTERM exits at once again
     return step, loss
 
 
-def finish(job: Job, step: int, loss: float) -> None:
+def finish(job: Job, step: int, loss: float, state: dict | None) -> None:
     """Close the checkpointer, print the accounting and final lines, save a dense checkpoint if asked."""
     cfg = job.cfg
     totals = job.ft.close()
     job.logger.line(job.accounting.line(totals, totals.get("lost_tokens", 0.0)))
     job.accounting.drop()
-    state = consolidated_training_state(job.model.view, job.optimizer)
     if state is not None:
         job.logger.line(f"final step={step} loss={loss:.6f} state_digest={state_digest(state)}")
     if cfg.checkpoint.save_final:
@@ -325,8 +328,7 @@ def finish(job: Job, step: int, loss: float) -> None:
 
 def train(cfg: Config) -> None:
     job, step, loss = setup(cfg)
-    step, loss = run(job, step, loss)
-    finish(job, step, loss)
+    finish(job, *run(job, step, loss))
 
 
 def main(argv: list[str] | None = None) -> int:

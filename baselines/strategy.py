@@ -34,10 +34,11 @@ class IntervalBaseline:
         self.lock = lock  # held for the process's lifetime: a second live run of the job is refused
         self.rejoin, self.restart = rejoin, restart
 
-    def resume(self, step: int) -> int:
-        """A new run starts at `step + 1`; a restarted one at its newest complete checkpoint."""
+    def resume(self, step: int, loss: float) -> tuple[int, float]:
+        """A new run starts at `step + 1`; a restarted one at its newest complete checkpoint (training goes
+        on from there, so the loss of the iteration before it is not needed)."""
         restart, self.restart = self.restart, None
-        return step if restart is None else self.rollback.restart(restart) - 1
+        return (step, loss) if restart is None else (self.rollback.restart(restart) - 1, float("nan"))
 
     def begin(self, step: int) -> None:
         self.checkpointer.begin(step)

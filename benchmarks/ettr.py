@@ -42,7 +42,7 @@ from pathlib import Path
 from baselines.intervals import ettr as steady_ettr
 from benchmarks.variants import QUIET, variant_flags
 from models import count_params
-from moevement.failures import KILL_PHASES, poisson_events
+from moevement.failures import TRAINING_PHASES, poisson_events
 from simulator.ettr import MeasuredProfile, predict_from_profile
 from trainer.config import Config, load_config
 
@@ -222,7 +222,7 @@ def fault_flags(args: argparse.Namespace, cap: float) -> tuple[list[str], int]:
     if args.fault_mode == "wipe":
         return ["--fault.mtbf_iters", str(args.mtbf_iters), "--fault.seed", str(args.seed), *cap_flags], 0
     events = poisson_events(args.mtbf_iters, args.seed, args.pp, args.steps)
-    phases = random.Random(args.seed).choices(KILL_PHASES, k=len(events))
+    phases = random.Random(args.seed).choices(TRAINING_PHASES, k=len(events))
     kills = ",".join(f"{e.step}:{e.ranks[0]}:{phase}" for e, phase in zip(events, phases))
     print(f"fault-mode=kill deaths={kills or 'none'}", flush=True)
     return (["--fault.kill", kills] if kills else []) + cap_flags, len(events)

@@ -53,12 +53,14 @@ def parse_events(spec: str, key: str) -> list[FaultEvent]:
     return events
 
 
-KILL_PHASES = ("forward", "backward", "clip", "optimizer", "snapshot", "replication")
+KILL_PHASES = ("forward", "backward", "clip", "optimizer", "snapshot", "replication", "replay")
+TRAINING_PHASES = KILL_PHASES[:-1]  # the points of a training iteration (`replay` is of a restart)
 
 
 @dataclass(frozen=True)
 class KillEvent:
-    """Rank `rank` SIGKILLs itself in `phase` of iteration `step` (a real death, no clean-up)."""
+    """Rank `rank` SIGKILLs itself in `phase` of iteration `step` (a real death, no clean-up); phase `replay`:
+    in the forward pass of `step` replayed by a restarted job's start-up (a rejoin or a whole-job restart)."""
 
     step: int
     rank: int
@@ -219,9 +221,9 @@ class FaultPlan:
         return len(self.events) + len(self.timed)
 
     def kill_of(self, rank: int, generation: int) -> KillEvent | None:
-        """The kill of `rank` in torchrun generation `generation`: the n-th distinct kill step fires in
-        generation n (each restart resumes after the previous death)."""
-        steps = sorted({k.step for k in self.kills})
+        """The kill of `rank` in torchrun generation `generation`: the n-th distinct kill step, in the order
+        given, fires in generation n (each restart follows the previous death)."""
+        steps = list(dict.fromkeys(k.step for k in self.kills))
         due = [k for k in self.kills if k.rank == rank and steps.index(k.step) == generation]
         return due[0] if due else None
 

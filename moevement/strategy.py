@@ -22,9 +22,10 @@ from moevement.storage.host_memory import JobLock
 
 
 class CheckpointStrategy(Protocol):
-    def resume(self, step: int) -> int:
-        """`state_{step+1}` is loaded (`step` = 0, or a dense checkpoint's step); returns the last iteration
-        done once any whole-job restart has converted its sparse checkpoint (training goes on after it)."""
+    def resume(self, step: int, loss: float) -> tuple[int, float]:
+        """`state_{step+1}` is loaded (`step` = 0, or a dense checkpoint's step, whose loss was `loss`); returns
+        the last iteration done and its loss once any restart has converted its sparse checkpoint (training
+        goes on after it)."""
         ...
 
     def begin(self, step: int) -> None:
@@ -56,8 +57,8 @@ class CheckpointStrategy(Protocol):
 class NoCheckpointing:
     """`checkpoint.strategy = "none"`: the fault-free reference (the config refuses failures with it)."""
 
-    def resume(self, step: int) -> int:
-        return step
+    def resume(self, step: int, loss: float) -> tuple[int, float]:
+        return step, loss
 
     def begin(self, step: int) -> None:
         pass
@@ -95,18 +96,29 @@ class MoEvement:
         self.rejoin = rejoin  # after a torchrun restart with survivors: who kept what, and this generation's name
         self.history_from = 1  # first iteration whose boundary and scalar logs this process holds
         self.lock = lock  # held for the process's lifetime: a second live run of the job is refused
+        self.leftovers = True  # the rank directory may hold earlier processes' state until training goes on
 
-    def resume(self, step: int) -> int:
+    def resume(self, step: int, loss: float) -> tuple[int, float]:
+        """A restart keeps the window it restarted from as its persisted checkpoint, so that another death
+        before the job persists a window of its own recovers from there."""
         found, self.found = self.found, None
         if self.rejoin is not None and self.rejoin.survivors:  # the dead ranks' stages caught up
             resumed, self.history_from = self.recovery.rejoin(found, self.rejoin)
         elif found is not None:  # state_{t0+W} is current: train on from t0+W
-            resumed = self.history_from = self.recovery.restart(found)
+            resumed, self.history_from = self.recovery.restart(found), found.window_start
         else:
             resumed = self.history_from = step + 1
-        return resumed - 1
+        if found is not None:
+            self.checkpointer.adopt(found.window_index, found.snapshots)
+        if resumed - 1 == step:
+            return step, loss
+        logged = self.checkpointer.persisted.scalars_since(resumed - 1).get(resumed - 1, {})
+        return resumed - 1, logged.get("loss", float("nan"))  # the final line's loss if nothing is left to train
 
     def begin(self, step: int) -> None:
+        if self.leftovers:  # from here on a stop keeps this process's own live state
+            self.checkpointer.drop_leftovers()
+            self.leftovers = False
         if self.log is not None:
             self.log.collect_garbage(self.checkpointer.persisted.rollback_point())
             self.log.begin(step)

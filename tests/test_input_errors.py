@@ -235,6 +235,9 @@ def test_fault_kill_fires_once_per_torchrun_generation():
         None,
     ]
     assert all(plan.kill_of(r, 2) is None for r in range(4))
+    # generations follow the order given: a death while the restarted job replays an earlier iteration
+    plan = FaultPlan(kill="9:1:backward,7:1:replay", world=2, last_step=12)
+    assert [plan.kill_of(1, g) for g in range(3)] == [KillEvent(9, 1, "backward"), KillEvent(7, 1, "replay"), None]
 
 
 def test_fault_at_last_step_is_accepted():

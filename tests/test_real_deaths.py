@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from moevement.failures import KILL_PHASES
+from moevement.failures import TRAINING_PHASES
 from tests.conftest import ROOT, final_line, run_cli, step_losses
 from tests.test_recovery import BASE, INTERLEAVED, MOEVEMENT, PP2_DP2_EP2_BF16, PP4, WORK, baseline
 
@@ -95,8 +95,39 @@ def test_real_crash_recovers_locally(tmp_path):
     assert roles == {0: "rolled-back", 1: "failed", 2: "healthy", 3: "healthy"}
 
 
+def test_second_death_right_after_a_rejoin_recovers_locally(tmp_path):
+    """pp=2: rank 1 dies at 9; the restarted job rejoins at 9 and keeps the window it replayed from as its
+    persisted checkpoint; rank 1 dies again at 10, before the job persisted a window of its own: the second
+    restart still replays only stage 1, from that window."""
+    out = death_run(tmp_path, PP2, 2, "--fault.kill", "9:1:backward,10:1:forward", restarts=2)
+    recoveries = assert_local_and_exact(out, baseline(PP2, 2), "1", "1")
+    assert [r[:3] for r in recoveries] == [("9", "1", "1"), ("10", "1", "1")]
+    assert recoveries[0][3] == recoveries[1][3]  # the same rollback point
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("phase", KILL_PHASES)
+def test_death_during_a_rejoin_keeps_the_survivors_state(tmp_path):
+    """pp=2: rank 1 dies at 9, then again while the restarted job replays its stage (iteration 7); rank 0,
+    which was only serving logs, exits without writing anything: the next generation uses the live state it
+    kept in the first one and still replays stage 1 alone."""
+    out = death_run(tmp_path, PP2, 2, "--fault.kill", "9:1:backward,7:1:replay", restarts=2)
+    assert "fault: rank 1 killed (SIGKILL) in the replay phase of step 7" in out
+    [(step, *_)] = assert_local_and_exact(out, baseline(PP2, 2), "1", "1")
+    assert step == "9"
+
+
+@pytest.mark.slow
+def test_death_in_the_last_iteration_keeps_the_final_state(tmp_path):
+    """pp=2: rank 1 dies in the optimizer step of the last iteration (12); rank 0 finishes it and keeps its
+    final state while the job gathers it; the restarted job replays stage 1 up to 13, has nothing left to
+    train, and prints the fault-free run's final line (the loss of 12 comes from the scalar log)."""
+    out = death_run(tmp_path, PP2, 2, "--fault.kill", "12:1:optimizer")
+    assert [r[:3] for r in REJOIN.findall(out)] == [("13", "1", "1")], out
+    assert final_line(out) == final_line(baseline(PP2, 2))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", TRAINING_PHASES)
 def test_pp2_dp2_ep2_bf16_sigkill_in_each_phase(tmp_path, phase):
     """A death before the gradient-norm all-reduce (forward, backward, clip, during the snapshot copy) leaves
     every survivor at state_T; one after it (optimizer step, replication of T's snapshot) lets them finish

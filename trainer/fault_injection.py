@@ -4,8 +4,9 @@ Phases of iteration T: `forward` (the first forward of this rank's stages), `bac
 backward), `clip` (just before the gradient-norm all-reduce, so no rank gets T's clip coefficient),
 `optimizer` (after that all-reduce, before the update), `snapshot` (while this iteration's snapshot is
 being copied to host memory), `replication` (after T is applied, while its snapshot is being sent to the
-replica peers). The hooks fire only in normal training (not while a recovery replays), in the torchrun
-generation the kill belongs to (`FaultPlan.kill_of`), so a restarted job does not meet the same death again.
+replica peers); these fire only in normal training. `replay` fires while a restarted generation's
+start-up (a rejoin or a whole-job restart) replays T. Each kill fires in the torchrun generation it
+belongs to (`FaultPlan.kill_of`), so a restarted job does not meet the same death again.
 """
 
 from __future__ import annotations
@@ -18,24 +19,24 @@ import torch
 
 from moevement.failures import FaultPlan, KillEvent
 from parallelisms.parallelize import ModelParts
+from trainer.step import DropoutSeeder
 from trainer.survival import StopGuard
 
 
 class KillSwitch:
-    """This rank's kill of this generation (if any). Forward, backward and optimizer fire from module and
-    optimizer hooks; the training loop names the other points with `at(phase)`."""
+    """This rank's kill of this generation (if any). Forward, backward, optimizer and replay fire from
+    module and optimizer hooks; the training loop names the other points with `at(phase)`."""
 
-    def __init__(self, kill: KillEvent | None, rank: int, guard: StopGuard, how: str):
-        self.kill, self.rank, self.guard, self.how = kill, rank, guard, how
+    def __init__(self, kill: KillEvent | None, rank: int, guard: StopGuard, seeder: DropoutSeeder, how: str):
+        self.kill, self.rank, self.guard, self.seeder, self.how = kill, rank, guard, seeder, how
 
     def due(self, phase: str) -> bool:
         kill, guard = self.kill, self.guard
-        return (
-            kill is not None
-            and kill.phase == phase
-            and guard.step == kill.step
-            and guard.phase in ("training", "applying")
-        )
+        if kill is None or kill.phase != phase:
+            return False
+        if phase == "replay":  # the start-up's replay runs before training, in the setup phase
+            return guard.phase == "setup" and self.seeder.step == kill.step
+        return guard.step == kill.step and guard.phase in ("training", "applying")  # not while a recovery replays
 
     def at(self, phase: str) -> None:
         if self.due(phase):
@@ -54,14 +55,21 @@ def arm_kill(
     model: ModelParts,
     optimizer: torch.optim.Optimizer,
     guard: StopGuard,
+    seeder: DropoutSeeder,
     how: str = "SIGKILL",
 ) -> KillSwitch:
     """Install this rank's kill of this generation, if any. `how`: SIGKILL (a death) or SIGSTOP (a hang:
     the process stays, holding its connections, until its peers' collectives time out)."""
-    switch = KillSwitch(plan.kill_of(rank, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))), rank, guard, how)
+    generation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    switch = KillSwitch(plan.kill_of(rank, generation), rank, guard, seeder, how)
     if switch.kill is None:
         return switch
-    model.parts[0].register_forward_pre_hook(lambda *_: switch.at("forward"))
+
+    def before_forward(*_):
+        switch.at("forward")
+        switch.at("replay")
+
+    model.parts[0].register_forward_pre_hook(before_forward)
 
     def on_output(_module, _args, out):
         if switch.due("backward") and isinstance(out, torch.Tensor) and out.requires_grad:

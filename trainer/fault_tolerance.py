@@ -92,11 +92,11 @@ def torchrun_generation() -> dict:
 
 
 def _kept_live_state(rank_dir: Path, job_meta: dict, rejoin: Rejoin) -> Rejoin:
-    """After a torchrun restart: the live state this rank kept in the previous generation, and whether any
-    rank kept one (collective). A relaunch (generation 0) uses none."""
+    """After a torchrun restart: the live state this rank kept in an earlier generation of this run, and
+    whether any rank kept one (collective). A relaunch (generation 0) uses none."""
     if rejoin.name["generation"] > 0:
-        expect = {**job_meta, "run_id": rejoin.name["run_id"], "generation": rejoin.name["generation"] - 1}
-        rejoin.live, why = load_live_state(rank_dir, expect)
+        expect = {**job_meta, "run_id": rejoin.name["run_id"]}
+        rejoin.live, why = load_live_state(rank_dir, expect, rejoin.name["generation"])
         if rejoin.live is None and why != "no live state":
             print(f"restart: rank {dist.get_rank()} cannot use its live state: {why}", flush=True)
     kept = torch.tensor([int(rejoin.live is not None)])
@@ -118,8 +118,10 @@ def build_strategy(
     """`checkpoint.strategy` on this rank (collective over all ranks).
 
     MoEvement first looks for a persisted sparse checkpoint of this job to restart from (a torchrun
-    restart, or a relaunch of the same job), gemini after a torchrun restart of this run for its
-    newest checkpoint in host memory; whatever else the rank's host directory holds is removed."""
+    restart, or a relaunch of the same job) and the live state this rank kept; the rank's host directory
+    stays as it is until training goes on (`MoEvement.begin`), so a death before then loses nothing. An
+    interval baseline, after a torchrun restart of this run, restores its newest checkpoint (gemini's from
+    host memory) and starts with an empty host directory."""
     strategy = cfg.checkpoint.strategy
     if strategy == "none":
         return NoCheckpointing()
@@ -140,9 +142,10 @@ def build_strategy(
     rejoin = _kept_live_state(rank_dir, job_meta, rejoin)
     checks = _identity_checks(dims, identity, rejoin)
     found = _restart_point(strategy, rank_dir, disk, checks, rejoin, line)
-    if dist.is_initialized():
-        dist.barrier()  # every rank holds its copy before any rank clears its directory
-    remove_tree(rank_dir)  # loaded, or of no use to any restart
+    if strategy != "moevement":
+        if dist.is_initialized():
+            dist.barrier()  # every rank holds its copy before any rank clears its directory
+        remove_tree(rank_dir)  # loaded, or of no use to any restart
     new_checkpointer = functools.partial(
         SparseCheckpointer,
         model=model.view,

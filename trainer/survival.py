@@ -9,6 +9,8 @@ collective whose peer is gone (gloo: "Connection closed by peer"; any collective
   weights and optimizer state are still `state_T`: SIGTERM stops it at once (`WorkerStopped`);
 - from the optimizer step of T until the iteration is logged (`end(T)`), SIGTERM waits: the rank then
   holds `state_{T+1}` and the scalar log of T;
+- after the last iteration, until the job has gathered its final state: SIGTERM stops it at once, and it
+  holds `state_{last+1}`;
 - during a recovery it keeps nothing (its stage may be half-replayed): it counts as failed.
 
 The gradient-norm all-reduce is global, so a survivor that finished it knows every rank entered it; the

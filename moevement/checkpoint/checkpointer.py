@@ -20,11 +20,13 @@ Threads: the training thread runs `begin`, `end`, the pre-hook, planning and eve
 the copy thread runs `_copy` (it reads only the persisted index, under `PersistedCheckpoint.cond`);
 the replication thread runs `_on_window_replicated` (buffer invalidation under `SnapshotBuffers.lock`,
 persistence under `PersistedCheckpoint.cond`); the disk thread writes the persisted windows it is
-handed. Recovery calls `abort_window` first, which drains replication, so recovery then runs alone.
+handed. Recovery calls `abort_window` first, which drains replication, so recovery then runs alone;
+`adopt` (training thread, before training) commits and drains like `end` does.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -34,14 +36,14 @@ from pathlib import Path
 
 import torch
 
-from moevement.checkpoint.persisted import PersistedCheckpoint
+from moevement.checkpoint.persisted import MANIFEST, PersistedCheckpoint
 from moevement.checkpoint.planner import SnapshotPolicy, WindowPlanner
 from moevement.checkpoint.schedule import WindowPlan
 from moevement.operators import Operator, build_registry
 from moevement.storage.host_memory import HostBuffer, encode_json, make_private_dirs, read_header, remove_tree
 from moevement.storage.persistence import DiskWriter
 from moevement.storage.replication import Outgoing, ReplicaStore, start_replication
-from moevement.storage.snapshot import SnapshotHeader
+from moevement.storage.snapshot import SnapshotHeader, Throttle, copy_entries
 from moevement.storage.snapshot_buffers import SnapshotBuffers, local_buffer
 from moevement.topology import Topology
 
@@ -64,7 +66,7 @@ class SparseCheckpointer:
     are copied from there). With a `SnapshotPolicy` (the interval baselines) a snapshot is a window of
     W = 1 taken at the policy's iterations: the FP32 state of the operators it selects, no compute weights.
     Recovery reads `persisted` and `replica_holders`, and calls `abort_window`, `wipe`, `paused` and
-    `reset_popularity`.
+    `reset_popularity`; a restarted job calls `adopt` and, once it trains on, `drop_leftovers`.
     """
 
     def __init__(
@@ -99,6 +101,7 @@ class SparseCheckpointer:
         )
         self.plan: WindowPlan | None = None
         self.window_index = -1
+        self.adopted = -1  # index of the window a restarted job kept (`adopt`; -1: none)
         self.pending: _Pending | None = None
         self.latest: tuple[SnapshotHeader, torch.Tensor] | None = None  # newest committed snapshot, its bytes
         self.stats = _LoopState()
@@ -159,17 +162,8 @@ class SparseCheckpointer:
             self.planner.policy.observe_stall(self.stats.last["stall_ms"] / 1e3)
         pending.copy.result()
         pending.header.meta["scalars"] = dict(scalars)
-        header = pending.header.to_json()
-        encoded = encode_json(header)  # once: the local commit record and the replicas' are the same bytes
-        pending.buffer.commit(encoded)
-        self.persisted.committed(pending.window_index, header)
+        self._commit(pending.window_index, pending.header, pending.buffer, pending.slot == self.plan.window - 1)
         self.latest = (pending.header, pending.buffer.data)
-        last = pending.slot == self.plan.window - 1
-        if self.replicator is not None:
-            payload = pending.buffer.data[: header["nbytes"]]
-            self.replicator.submit(Outgoing(pending.window_index, pending.slot, last, encoded, payload))
-        elif last:
-            self._on_window_replicated(pending.window_index)
 
     def snapshot_meta(self) -> dict | None:
         """The header metadata of the snapshot the current iteration takes (None: it takes none); a
@@ -204,7 +198,7 @@ class SparseCheckpointer:
 
     def wipe(self) -> None:
         """This rank failed: overwrite and drop its snapshots, replicas held for peers, and logs."""
-        for buf in [*self.buffers.all(), *self.replicas.buffers.values()]:
+        for buf in self._held():
             buf.invalidate()
             buf.data.zero_()
         self.persisted.forget()
@@ -240,10 +234,35 @@ class SparseCheckpointer:
         if self.replicator is not None:
             self.replicator.close()
         self.flush_disk()
-        for buf in [*self.buffers.all(), *self.replicas.buffers.values()]:
+        for buf in self._held():
             buf.release()
         if not self.cfg.keep_host_state:
             remove_tree(self.rank_dir)
+
+    def adopt(self, window_index: int, snapshots: list[tuple[SnapshotHeader, dict]]) -> None:
+        """A restarted job keeps the window it restarted from as its persisted checkpoint (collective): every
+        rank writes its snapshots into its buffers as window `window_index` and replicates them like a window
+        just taken; on return the window is persisted everywhere (it is not written to disk again)."""
+        self.window_index = self.adopted = window_index
+        for header, tensors in snapshots:
+            buffer = self.buffers.buffer(window_index % 2, header.slot)
+            buffer.invalidate()
+            data = buffer.ensure(max(header.nbytes, 1))
+            copy_entries(data, header.entries, [tensors[(e.role, e.name)] for e in header.entries], Throttle())
+            self._commit(window_index, header, buffer, header.slot == len(snapshots) - 1)
+        if self.replicator is not None:
+            self.replicator.drain()
+
+    def drop_leftovers(self) -> None:
+        """Remove every file of this rank's directory this process does not hold (what earlier processes
+        left: a live state, snapshots, replicas, temporary files). Called once training goes on."""
+        held = {path for buf in self._held() for path in (buf.path.with_suffix(".bin"), buf.header_path)}
+        if self.persisted.index >= 0:
+            held.add(self.rank_dir / MANIFEST)
+        for directory, _, files in os.walk(self.rank_dir):
+            for name in files:
+                if Path(directory, name) not in held:
+                    Path(directory, name).unlink(missing_ok=True)
 
     # ---- windows, copies, persistence -----------------------------------------------------------
 
@@ -264,11 +283,25 @@ class SparseCheckpointer:
             self.disk.wait(window_index % 2)
         self.buffers.copy(buffer, header, sources, self.planner.profile.throttle())
 
+    def _commit(self, window_index: int, header: SnapshotHeader, buffer: HostBuffer, last: bool) -> None:
+        """A snapshot's bytes are complete in `buffer`: record it and hand it to the replicator."""
+        record = header.to_json()
+        encoded = encode_json(record)  # once: the local commit record and the replicas' are the same bytes
+        buffer.commit(encoded)
+        self.persisted.committed(window_index, record)
+        if self.replicator is not None:
+            payload = buffer.data[: record["nbytes"]]
+            self.replicator.submit(Outgoing(window_index, header.slot, last, encoded, payload))
+        elif last:
+            self._on_window_replicated(window_index)
+
     def _on_window_replicated(self, window_index: int) -> None:
         """Window `window_index` is complete on every rank and its replicas: it is persisted."""
-        self.persisted.window_replicated(
-            window_index, self.disk if window_index % self.cfg.persist_every == 0 else None
-        )
+        due = window_index % self.cfg.persist_every == 0 and window_index != self.adopted
+        self.persisted.window_replicated(window_index, self.disk if due else None)
+
+    def _held(self) -> list[HostBuffer]:
+        return [*self.buffers.all(), *self.replicas.buffers.values()]
 
 
 class _LoopState:

@@ -5,8 +5,9 @@ again. A survivor notices (the signal, or a collective that fails because its pe
 consistent point and writes `<rank_dir>/live.{bin,json}` in node-local shared memory: the FP32 state of
 every operator (weights, buffers, optimizer state), the upstream log and the scalar log, all checksummed,
 with `next_iteration` (the first iteration its state has not applied) and the job's identity and restart
-generation in the header. The restarted process reads it back before anything else touches the rank
-directory; a missing, foreign, stale or corrupt file means the rank counts as failed (its stage replays).
+generation in the header. The restarted process reads it back; a missing, foreign or corrupt file means
+the rank counts as failed (its stage replays). The file stays until the rank trains on, so a generation
+that dies while it starts up (setup, rejoin) leaves it to the next one.
 
 Training thread only (the survivor has stopped training when it saves).
 """
@@ -88,9 +89,13 @@ def save_live_state(
     return nbytes
 
 
-def load_live_state(rank_dir: Path, expect: dict) -> tuple[LiveState | None, str]:
-    """This rank's live state if it is intact and of this job and restart generation (`expect`: header
-    meta keys and their required values); (None, why) otherwise."""
+def load_live_state(rank_dir: Path, expect: dict, generation: int) -> tuple[LiveState | None, str]:
+    """This rank's live state if it is intact, of this job (`expect`: header meta keys and their required
+    values) and kept by an earlier generation than `generation`; (None, why) otherwise.
+
+    An older generation's state is as good as the last one's: a process removes what its predecessors
+    left once it trains on (`SparseCheckpointer.drop_leftovers`), so a state still here is the newest
+    this rank holds."""
     path = rank_dir / LIVE
     try:
         raw = read_header(path)
@@ -98,6 +103,9 @@ def load_live_state(rank_dir: Path, expect: dict) -> tuple[LiveState | None, str
             return None, "no live state"
         header = SnapshotHeader.from_json(raw)
         differ = sorted(k for k, v in expect.items() if header.meta.get(k) != v)
+        kept_by = header.meta.get("generation")
+        if not (type(kept_by) is int and 0 <= kept_by < generation):
+            differ.append("generation")
         if differ:
             return None, f"{path}.json belongs to another run or generation ({', '.join(differ)})"
         tensors = read_entries(map_bytes(path), header, source=f"{path}.bin")

@@ -105,7 +105,9 @@ class Recovery:
     def rejoin(self, found: RestartPoint | None, rejoin: Rejoin) -> tuple[int, int]:
         """After a torchrun restart with survivors: the stages of the ranks that kept no live state replay
         from `found` (or the initial state) to the survivors' iteration; the others restore theirs and
-        serve logs. Returns (the iteration training goes on with, the first one every rank holds logs of)."""
+        serve logs. Survivors' logs that do not reach back to `found` (or states older than it) make every
+        stage roll back to it instead. Returns (the iteration training goes on with, the first one every
+        rank holds logs of)."""
         started, rejoin_start = time.perf_counter(), time.time()
         live = rejoin.live
         kept: list = [None] * self.world
@@ -113,10 +115,9 @@ class Recovery:
         target = max(k[0] for k in kept if k)
         failed = {r for r, k in enumerate(kept) if not k or k[0] != target}
         t0, window = (found.window_start, found.window) if found else (1, 0)
-        if max(k[1] for k in kept if k and k[0] == target) > t0:  # survivors' logs do not reach back to t0
-            self.line(f"restart: the survivors' logs start after iteration {t0}: every stage rolls back")
-            resumed = self.restart(found) if found else 1
-            return resumed, resumed
+        if max(k[1] for k in kept if k and k[0] == target) > t0 or target < t0:
+            self.line(f"restart: the survivors' logs do not cover iteration {t0} on: every stage rolls back")
+            return (self.restart(found) if found else 1), t0
         pps = self._rolled_back(failed)
         scope = self.layout.stages_of(pps)
         if self.me not in failed:
@@ -161,11 +162,13 @@ class Recovery:
     def restart(self, found: RestartPoint) -> int:
         """Whole-job restart: every stage converts `found` by a full-pipeline replay (global rollback).
 
-        Returns the first iteration to train next (t0 + W); the logged scalars come from the headers."""
+        Returns the first iteration to train next (t0 + W). The logged scalars come from the headers and are
+        kept, as are the boundary logs the replay writes: every rank holds both from t0 on."""
         started = time.perf_counter()
         t0, window = found.window_start, found.window
         stats = ReplayStats(fetch=found.seconds)
         scalars = {header.iteration: header.meta["scalars"] for header, _ in found.snapshots}
+        self.ck.persisted.restore_scalars(scalars)
         self.conversion.replay(
             t0,
             t0 + window,

@@ -15,7 +15,9 @@ locally but not yet replicated); disk copies are written only once persisted. Th
 windows every rank has a copy of and try them newest first: each rank loads its copies in order,
 verifying every checksum and the run identity (`check`), and names every file it rejects; if some
 rank has no intact copy, every rank falls back to the next older window, then to the initial state,
-loudly. `Recovery.restart` converts the chosen window with a full-pipeline replay (global rollback).
+loudly. `Recovery.restart` converts the chosen window with a full-pipeline replay (global rollback), or
+`Recovery.rejoin` the failed stages' part of it; the restarted job then keeps it as its persisted window
+(`SparseCheckpointer.adopt`).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class RestartPoint:
     sources: list[str]  # which copy every rank used, by rank
     last_iteration: int  # newest iteration any surviving snapshot records (the job died after it)
     seconds: float  # time spent finding and loading
+    window_index: int = 0  # the index the restarted job gives it (`SparseCheckpointer.adopt`)
 
 
 @dataclass
@@ -64,6 +67,7 @@ class _Survey:
 
     copies: dict[int, list[_Copy]] = field(default_factory=lambda: defaultdict(list))
     persisted: int = -1
+    index: int = -1  # the window index its manifest records (-1: none)
     newest_iteration: int = 0
     anything: bool = False  # any state of this job at all (a fresh job finds none and says nothing)
 
@@ -110,6 +114,7 @@ def _survey(rank: int, job_dir: Path, persist_root: Path | None, own_copies: boo
         manifest = read_header(own / "persisted")
         if manifest is not None:
             survey.persisted, survey.anything = int(manifest["window_start"]), True
+            survey.index = int(manifest["window_index"])
     except (*UNUSABLE, KeyError, TypeError, ValueError) as e:
         _reject(rank, str(own / "persisted.json"), e)
     holders = [("local shared memory", own / "local")] if own_copies else []
@@ -165,10 +170,11 @@ def find_restart_checkpoint(
     rank, world = dist.get_rank(), dist.get_world_size()
     survey = _survey(rank, job_dir, persist_root, own_copies)
     gathered: list = [None] * world
-    dist.all_gather_object(gathered, (survey.persisted, survey.newest_iteration, survey.anything))
-    persisted = max(p for p, _, _ in gathered)
-    last_iteration = max(n for _, n, _ in gathered)
-    any_state = any(anything for _, _, anything in gathered)
+    dist.all_gather_object(gathered, (survey.persisted, survey.newest_iteration, survey.anything, survey.index))
+    persisted = max(g[0] for g in gathered)
+    last_iteration = max(g[1] for g in gathered)
+    any_state = any(g[2] for g in gathered)
+    index = max(-1, *(g[3] for g in gathered)) + 1  # not the buffers of the newest manifest's window
     usable = {
         start: [c for c in copies if not c.in_host_memory or start <= persisted]
         for start, copies in survey.copies.items()
@@ -182,9 +188,8 @@ def find_restart_checkpoint(
         if all(source is not None for source in gathered):
             drop_newer_disk_windows(rank, persist_root, start)
             snapshots = loaded[0]
-            return RestartPoint(
-                start, len(snapshots), snapshots, list(gathered), last_iteration, time.perf_counter() - started
-            )
+            seconds = time.perf_counter() - started
+            return RestartPoint(start, len(snapshots), snapshots, list(gathered), last_iteration, seconds, index)
         missing = [r for r, source in enumerate(gathered) if source is None]
         line(
             f"restart: window {start} has no intact copy on rank(s) {'+'.join(map(str, missing))}; "
