@@ -21,7 +21,7 @@ def init_distributed(timeout_s: float | None = None) -> tuple[int, int]:
 
     `timeout_s`: a collective or point-to-point operation that makes no progress for this long fails
     (a hung or stopped peer is detected, not waited for); None keeps PyTorch's default. Groups created
-    later get the same bound (`bounded_backend`, `new_bounded_group`)."""
+    later get the same bound (`bounded_backend`)."""
     global _TIMEOUT
     if not dist.is_initialized():
         _TIMEOUT = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
@@ -55,11 +55,6 @@ def bounded_backend() -> tuple[str, object] | None:
     options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
     options._timeout = _TIMEOUT
     return backend, options
-
-
-def new_bounded_group(backend: str) -> dist.ProcessGroup:
-    """`dist.new_group` over every rank (collective) with the default group's bound."""
-    return dist.new_group(backend=backend, timeout=_TIMEOUT)
 
 
 def shutdown_distributed() -> None:

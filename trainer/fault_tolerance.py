@@ -156,6 +156,7 @@ def build_strategy(
         topology=topo,
         job_meta=job_meta,
         rank_dirs=_same_node_dirs(cfg),
+        group_timeout_s=cfg.fault.timeout_s,
     )
     if strategy != "moevement":
         restart = RestartState(rejoin.live, found, checks["run"]) if rejoin.name["generation"] > 0 else None

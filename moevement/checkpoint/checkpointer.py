@@ -63,8 +63,10 @@ class SparseCheckpointer:
     """Takes, replicates and persists sparse snapshots; see the module docstring for the call order.
 
     `cfg`: a CheckpointConfig. `rank_dirs(r)`: where rank r keeps its host state (same-node replicas
-    are copied from there). With a `SnapshotPolicy` (the interval baselines) a snapshot is a window of
-    W = 1 taken at the policy's iterations: the FP32 state of the operators it selects, no compute weights.
+    are copied from there). `group_timeout_s`: the replication group's bound on an operation without
+    progress (a hung peer fails the replication). With a `SnapshotPolicy` (the interval baselines) a
+    snapshot is a window of W = 1 taken at the policy's iterations: the FP32 state of the operators it
+    selects, no compute weights.
     Recovery reads `persisted` and `replica_holders`, and calls `abort_window`, `wipe`, `paused` and
     `reset_popularity`; a restarted job calls `adopt` and, once it trains on, `drop_leftovers`.
     """
@@ -83,6 +85,7 @@ class SparseCheckpointer:
         policy: SnapshotPolicy | None = None,
         disk_keep: int = 2,
         rank_dirs: Callable[[int], Path] | None = None,
+        group_timeout_s: float | None = None,
     ):
         self.cfg, self.topology, self.job_meta = cfg, topology, dict(job_meta or {})
         self.planner = WindowPlanner(
@@ -97,7 +100,13 @@ class SparseCheckpointer:
         if cfg.persist_dir:
             self.disk = DiskWriter(Path(cfg.persist_dir), topology.rank, disk_keep, cfg.background_priority)
         self.replicator = start_replication(
-            topology, cfg.replicas, self.replicas, self._on_window_replicated, rank_dirs, cfg.background_priority
+            topology,
+            cfg.replicas,
+            self.replicas,
+            self._on_window_replicated,
+            rank_dirs,
+            cfg.background_priority,
+            group_timeout_s,
         )
         self.plan: WindowPlan | None = None
         self.window_index = -1

@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -31,7 +32,6 @@ from moevement.storage.background import enter_background
 from moevement.storage.host_memory import HostBuffer, make_private_dir, map_bytes
 from moevement.storage.snapshot_buffers import local_buffer
 from moevement.topology import Topology
-from parallelisms.distributed import new_bounded_group
 
 
 class ReplicaStore:
@@ -195,13 +195,15 @@ def start_replication(
     on_window_replicated: Callable[[int], None],
     rank_dirs: Callable[[int], Path] | None,
     priority: str,
+    timeout_s: float | None = None,
 ) -> Replicator | None:
     """This rank's replicator over a dedicated gloo group (collective; None on one rank or without
     replicas). `rank_dirs(r)`: where rank r keeps its host state, so that a peer on the same node copies
-    from its shared memory; None: everything goes over the group."""
+    from its shared memory; None: everything goes over the group. `timeout_s`: the group's bound on an
+    operation without progress (None: PyTorch's default, 30 minutes)."""
     if topology.world == 1 or replicas == 0:
         return None
-    group = new_bounded_group("gloo")
+    group = dist.new_group(backend="gloo", timeout=None if timeout_s is None else timedelta(seconds=timeout_s))
     node = topology.node_of[topology.rank]
     same_node = frozenset()
     if rank_dirs is not None:
