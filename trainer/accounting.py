@@ -94,12 +94,12 @@ class RunAccounting:
 
 
 def _newest_kept(path: Path, generation: dict) -> dict | None:
-    """The newest accounting kept by an earlier generation of this run, over every rank's file."""
-    mine = None
-    if generation["generation"] > 0:
-        mine = _read_kept(path, generation)
-    else:
+    """The newest accounting kept by an earlier generation of this run, over every rank's file (collective
+    after a restart; a first generation only removes this rank's file, an earlier launch's)."""
+    if generation["generation"] == 0:  # the same on every rank
         path.unlink(missing_ok=True)
+        return None
+    mine = _read_kept(path, generation)
     gathered: list = [mine]
     if dist.is_initialized():
         gathered = [None] * dist.get_world_size()

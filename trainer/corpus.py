@@ -27,7 +27,6 @@ import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -279,13 +278,13 @@ def _cause(e: BaseException) -> str:
 
 
 def _load_local(src: _Source, cache_dir: str | None, where: str):
+    """A local json, jsonl or parquet split (plain text is read by `read_text_lines`)."""
     import datasets
 
     _check_local_files(src, where)
-    kwargs: dict[str, Any] = {"keep_linebreaks": True} if src.builder == "text" else {}
     try:
         return datasets.load_dataset(
-            src.builder, data_files={"split": list(src.files)}, split="split", cache_dir=cache_dir, **kwargs
+            src.builder, data_files={"split": list(src.files)}, split="split", cache_dir=cache_dir
         )
     except Exception as e:
         why = _cause(e)
