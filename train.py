@@ -25,6 +25,7 @@ import torch
 from models import count_params
 from moevement.failures import FaultPlan
 from moevement.recovery.fetch import RecoveryError
+from moevement.storage.cpu_cost import CpuMark
 from moevement.storage.host_memory import HostMemoryError
 from moevement.storage.snapshot import SnapshotError
 from moevement.strategy import CheckpointStrategy
@@ -269,7 +270,10 @@ def run(job: Job, step: int, loss: float) -> tuple[int, float, dict | None]:
     job.guard.phase, job.guard.applied = "training", step
     try:
         try:
+            first, cpu = step, CpuMark.now()
             step, loss = train_loop(job, step, loss)
+            if job.cfg.metrics.cpu_cost:
+                print(CpuMark.now().line_since(cpu, job.rank, step - first), flush=True)
             state = consolidated_training_state(job.model.view, job.optimizer)
             job.guard.phase = "setup"  # finishing: SIGTERM exits at once again
             return step, loss, state
@@ -332,6 +336,11 @@ def train(cfg: Config) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # The ranks of a job share one stdout; with unbuffered output (PYTHONUNBUFFERED) `print` writes a
+    # line's text and its newline separately and another rank's line could land between them.
+    # Line-buffered text is written whole.
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(line_buffering=True, write_through=False)
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = load_config(args.config, overrides)

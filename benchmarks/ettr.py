@@ -2,12 +2,15 @@
 
     python -m benchmarks.ettr --config train_configs/bench_moe.toml \
         --strategies none,moevement,gemini,checkfreq,moc --mtbf-iters 100 --steps 100 [--seed 1] [--pp 2] \
-        [--fault-mode kill|wipe] [--dense-snapshot-iters 3] [--none-steps 30] [--threads 1] [--out outputs/ettr] \
+        [--fault-mode kill|wipe] [--dense-snapshot-iters 3] [--none-steps 12] [--threads 1] [--out outputs/ettr] \
         [--section.key value ...]
 
-First a fault-free `none` run (torchrun, `--pp` stages) measures the iteration time T and sets the
-snapshot bandwidth cap so that a dense snapshot of a rank takes `--dense-snapshot-iters`
-iterations (the paper's regime). Then every other strategy trains `--steps` iterations with the
+A fault-free `none` run (torchrun, `--pp` stages, `--none-steps` iterations) precedes every strategy
+and one follows the last, so each strategy is bracketed by two references taken minutes apart: its
+reference iteration time T is their mean, which cancels most of the machine's drift over an
+invocation (the spread of all references is printed). The first one also sets the snapshot
+bandwidth cap so that a dense snapshot of a rank takes `--dense-snapshot-iters` iterations (the
+paper's regime). Every other strategy trains `--steps` iterations with the
 same Poisson failures (mean `--mtbf-iters` iterations apart, one random rank each, from `--seed`);
 a strategy may be a variant with settings of its own (`moevement@checkpoint.background_priority=normal`).
 `--fault-mode kill` (the default): the failed rank SIGKILLs itself at a random phase of the iteration
@@ -17,9 +20,9 @@ Per strategy it prints
 
     strategy=<s> ettr=<x> overhead=<x> recovery_s=<x> failures=<n> lost_tokens=<n>
 
-ETTR = useful time / wall time, where useful time is what the fault-free `none` run needs for
-the same iterations (iterations x T) and wall time is the training loop's; overhead compares mean
-first-execution iteration times with `none`'s; recovery_s is the time lost to failures (recovery
+ETTR = useful time / wall time, where useful time is what the fault-free references need for the
+same iterations (iterations x T) and wall time is the training loop's; overhead compares the mean
+first-execution iteration time with T; recovery_s is the time lost to failures (recovery
 plus recomputed iterations). `none` cannot recover, so its line is the fault-free reference.
 It writes `<out>/ettr.csv`, `<out>/profile.json` (the measured profile `simulator.ettr
 --profile` reads; the simulator's prediction is printed beside the measurement) and the plots
@@ -180,7 +183,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--seed", type=int, default=1, help="seed of the Poisson failure schedule")
     parser.add_argument("--fault-mode", choices=("kill", "wipe"), default="kill", help="real deaths or in-place wipes")
     parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--none-steps", type=int, default=30, help="iterations of the fault-free reference")
+    parser.add_argument("--none-steps", type=int, default=12, help="iterations of each fault-free reference")
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--dense-snapshot-iters", type=float, default=3.0)
     parser.add_argument("--bandwidth-gbps", type=float, default=0.0, help="snapshot copy cap (0: calibrate)")
@@ -228,29 +231,38 @@ def fault_flags(args: argparse.Namespace, cap: float) -> tuple[list[str], int]:
     return (["--fault.kill", kills] if kills else []) + cap_flags, len(events)
 
 
-def run_under_failures(
-    args: argparse.Namespace,
-    strategy: str,
-    flags: list[str],
-    restarts: int,
-    out: Path,
-    none_iteration_s: float,
-    tokens: int,
-) -> dict:
-    """Train `strategy` for `--steps` iterations with `flags`, keep its log in `out` and print its
-    recoveries and summary; returns the parsed run (see :func:`parse_run`)."""
-    stdout = launch(args.config, strategy, args.steps, args.pp, flags, args.threads, restarts)
-    (out / f"{strategy}.log").write_text(stdout)  # kept so that a stopped invocation loses no finished run
+def reference_run(args: argparse.Namespace, extra: list[str], out: Path, tokens: int, index: int) -> tuple[dict, float]:
+    """The `index`-th fault-free `none` run (`--none-steps` iterations): its parsed run and mean iteration time."""
+    stdout = launch(args.config, "none", args.none_steps, args.pp, extra, args.threads)
+    (out / f"none-{index}.log").write_text(stdout)
     run = parse_run(stdout)
+    iteration_s = statistics.fmean(iteration_times(run, tokens))
+    print(f"reference={index} none iteration_s={iteration_s:.3f}", flush=True)
+    return run, iteration_s
+
+
+def report_run(strategy: str, run: dict, bracket: tuple[float, float], tokens: int) -> dict:
+    """Print a strategy's recoveries and its summary against the mean of the `none` runs before and after it."""
     for line in run["recoveries"]:
         print(f"  {strategy}: {line}", flush=True)
-    r = summarize(run, none_iteration_s, tokens)
+    r = summarize(run, statistics.fmean(bracket), tokens)
     print(
         f"  {strategy}: ettr={r['ettr']:.4f} overhead={r['overhead']:.4f} recovery_s={r['recovery_s']:.3f} "
-        f"failures={r['failures']} wall_s={r['wall_s']:.1f}",
+        f"failures={r['failures']} wall_s={r['wall_s']:.1f} reference_s={bracket[0]:.3f},{bracket[1]:.3f}",
         flush=True,
     )
     return run
+
+
+def print_references(times: list[float]) -> float:
+    """Print the spread of the `none` reference runs; returns their mean iteration time."""
+    mean = statistics.fmean(times)
+    print(
+        f"references={len(times)} none iteration_s={mean:.3f} min={min(times):.3f} max={max(times):.3f} "
+        f"spread={(max(times) - min(times)) / mean:.4f}",
+        flush=True,
+    )
+    return mean
 
 
 def measured_profile(results: dict, none_iteration_s: float, mtbf_iters: float, steps: int) -> dict:
@@ -311,14 +323,19 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    runs = {"none": parse_run(launch(args.config, "none", args.none_steps, args.pp, extra, args.threads))}
-    none_iteration_s = statistics.fmean(iteration_times(runs["none"], tokens))
-    faults, restarts = fault_flags(args, snapshot_cap(args, cfg, none_iteration_s))
-    for strategy in strategies:
-        runs[strategy] = run_under_failures(args, strategy, [*extra, *faults], restarts, out, none_iteration_s, tokens)
+    references = [reference_run(args, extra, out, tokens, 0)]
+    faults, restarts = fault_flags(args, snapshot_cap(args, cfg, references[0][1]))
+    runs, bracket = {"none": references[0][0]}, {}
+    for i, strategy in enumerate(strategies):
+        runs[strategy] = launch(args.config, strategy, args.steps, args.pp, [*extra, *faults], args.threads, restarts)
+        (out / f"{strategy}.log").write_text(runs[strategy])  # a stopped invocation loses no finished run
+        references.append(reference_run(args, extra, out, tokens, i + 1))
+        bracket[strategy] = (references[i][1], references[i + 1][1])
+        runs[strategy] = report_run(strategy, parse_run(runs[strategy]), bracket[strategy], tokens)
+    none_iteration_s = print_references([t for _, t in references])
 
-    results = {"none": {**summarize(runs["none"], none_iteration_s, tokens), "ettr": 1.0}}
-    results.update({s: summarize(run, none_iteration_s, tokens) for s, run in runs.items() if s != "none"})
+    results = {"none": {**summarize(runs["none"], references[0][1], tokens), "ettr": 1.0}}  # the first reference
+    results.update({s: summarize(runs[s], statistics.fmean(bracket[s]), tokens) for s in strategies})
     report(out, results, measured_profile(results, none_iteration_s, args.mtbf_iters, args.steps))
     plot(out, results, runs, none_iteration_s, args.mtbf_iters, batch)
     print(

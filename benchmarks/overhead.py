@@ -1,10 +1,12 @@
 """Checkpointing overhead of strategies on the same model, interleaved in one invocation.
 
     python -m benchmarks.overhead --config train_configs/bench_moe.toml --strategies none,moevement \
-        --steps 20 [--rounds 2] [--window W] [--dense-snapshot-iters 3.5 | --bandwidth-gbps X] [--threads N]
-        [--logs DIR] [--key value ...]
+        --steps 20 [--rounds 2] [--pp 1] [--window W] [--dense-snapshot-iters 3.5 | --bandwidth-gbps X]
+        [--threads N] [--logs DIR] [--key value ...]
 
-Each round runs `train.py` once per strategy (real subprocesses, strategies alternating). Extra
+Each round runs `train.py` once per strategy (real subprocesses, strategies alternating); with
+`--pp N` > 1 every run is a torchrun job of N pipeline stages, so the snapshot is replicated to the
+peer rank and the boundary tensors are logged, as in the ETTR benchmark. Extra
 `--section.key value` arguments go to every run (e.g. `--training.mixed_precision bf16`); a
 strategy written `moevement@checkpoint.background_priority=normal` is a variant with its own settings
 (`@section.key=value`, repeatable), compared in the same rounds.
@@ -20,7 +22,16 @@ over the steady-state iterations of all rounds: from the second iteration of the
 the second reserves host memory for its size). round_overhead is the
 median over rounds of each run's median against the same round's `none` run (robust to a
 machine that drifts between rounds); snapshot_mb_per_iter averages whole windows only, and
-dense_fraction divides it by the dense size.
+dense_fraction divides it by the dense size (of one stage: 1/pp of the model).
+
+Every run also reports the CPU seconds of its checkpointing activities (`--metrics.cpu_cost`), and
+per strategy a line
+
+    cpu strategy=<s> process_ms=<x> extra_ms=<x> training_thread_ms=<x> copy_ms=<x> checksum_ms=<x> ...
+
+gives them per iteration and rank, averaged over ranks and rounds and over every iteration of the
+training loop (start-up and window boundaries included); extra_ms is the process's CPU time per
+iteration beyond the same round's `none` run.
 """
 
 from __future__ import annotations
@@ -38,6 +49,7 @@ from models import count_params
 from trainer.config import load_config
 
 STEP_RE = re.compile(r"^step=(\d+) (.*)$", re.MULTILINE)
+CPU_RE = re.compile(r"^cpu_cost (.*)$", re.MULTILINE)
 
 
 def parse_steps(stdout: str) -> dict[int, dict[str, float]]:
@@ -46,13 +58,21 @@ def parse_steps(stdout: str) -> dict[int, dict[str, float]]:
     }
 
 
+def parse_cpu(stdout: str) -> list[dict[str, float]]:
+    """Every rank's `cpu_cost` line, as numbers."""
+    return [{k: float(v) for k, v in (kv.split("=") for kv in m[1].split())} for m in CPU_RE.finditer(stdout)]
+
+
 def run(
-    config: str, spec: str, steps: int, extra: list[str], threads: int, log: Path | None = None
-) -> dict[int, dict[str, float]]:
-    """One `train.py` run's step records (its output also written to `log`, if given)."""
+    config: str, spec: str, steps: int, extra: list[str], threads: int, pp: int = 1, log: Path | None = None
+) -> tuple[dict[int, dict[str, float]], list[dict[str, float]]]:
+    """One run's step records and every rank's CPU costs (its output also written to `log`, if given);
+    `pp` > 1: a torchrun job of `pp` pipeline stages."""
     strategy, own = variant_flags(spec)
+    launcher = [] if pp == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={pp}"]
     cmd = [
         sys.executable,
+        *launcher,
         "train.py",
         "--config",
         config,
@@ -61,6 +81,10 @@ def run(
         str(steps),
         "--checkpoint.strategy",
         strategy,
+        "--parallelism.pp",
+        str(pp),
+        "--metrics.cpu_cost",
+        "true",
         *extra,
         *own,
     ]
@@ -70,7 +94,7 @@ def run(
         log.write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         sys.exit(f"run failed ({strategy}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    return parse_steps(proc.stdout)
+    return parse_steps(proc.stdout), parse_cpu(proc.stdout)
 
 
 def window_starts(records: dict[int, dict[str, float]], profile_iters: int) -> list[tuple[int, int]]:
@@ -118,6 +142,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--strategies", default="none,moevement")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (torchrun processes) of every run")
     parser.add_argument("--window", type=int, default=0, help="force W (0: Algorithm 1)")
     parser.add_argument("--bandwidth-gbps", type=float, default=0.0, help="snapshot copy cap (0: calibrate)")
     parser.add_argument("--dense-snapshot-iters", type=float, default=3.5)
@@ -158,24 +183,26 @@ def calibrate(iter_s: float, dense_bytes: int, dense_snapshot_iters: float) -> f
 
 def run_rounds(
     args: argparse.Namespace, extra: list[str], strategies: list[str], dense_bytes: int, tokens: int, profile_iters: int
-) -> tuple[dict[str, list[dict[int, dict[str, float]]]], float]:
-    """Every strategy's step records, one run per round (`none` first in each round), and the bandwidth
-    cap: `--bandwidth-gbps`, else calibrated on the first `none` run. Exits on a run without a
+) -> tuple[dict[str, list[dict[int, dict[str, float]]]], dict[str, list[list[dict[str, float]]]], float]:
+    """Every strategy's step records and CPU costs, one run per round (`none` first in each round), and the
+    bandwidth cap: `--bandwidth-gbps`, else calibrated on the first `none` run. Exits on a run without a
     steady-state iteration."""
     cap = args.bandwidth_gbps
     runs: dict[str, list[dict[int, dict[str, float]]]] = {s: [] for s in strategies}
+    cpu: dict[str, list[list[dict[str, float]]]] = {s: [] for s in strategies}
     order = sorted(strategies, key=lambda s: s != "none")  # calibrate on `none` before anything is capped
     for round_index in range(args.rounds):
         for strategy in order:
             flags = run_flags(strategy, extra, cap, args.window)
             log = args.logs / f"round{round_index}-{strategy}.log" if args.logs else None
-            records = run(args.config, strategy, args.steps, flags, args.threads, log)
+            records, costs = run(args.config, strategy, args.steps, flags, args.threads, args.pp, log)
             if not steady_ms(records, profile_iters, tokens):
                 sys.exit(
                     f"{strategy}: no steady-state iteration in {args.steps} steps (the first one would be "
                     f"{steady_start(records, profile_iters)}): raise --steps"
                 )
             runs[strategy].append(records)
+            cpu[strategy].append(costs)
             if strategy == "none" and cap <= 0:
                 iter_s = statistics.median(steady_ms(records, profile_iters, tokens)) / 1e3
                 cap = calibrate(iter_s, dense_bytes, args.dense_snapshot_iters)
@@ -184,7 +211,7 @@ def run_rounds(
                 f"iter_ms={statistics.median(steady_ms(records, profile_iters, tokens)):.1f}",
                 flush=True,
             )
-    return runs, cap
+    return runs, cpu, cap
 
 
 def snapshot_fields(
@@ -242,17 +269,34 @@ def report(
         print(line, flush=True)
 
 
+def cpu_report(cpu: dict[str, list[list[dict[str, float]]]]) -> None:
+    """Print every strategy's `cpu strategy=<s> ...` line: CPU milliseconds per iteration and rank."""
+
+    def per_iteration(costs: list[dict[str, float]], key: str) -> float:
+        return statistics.fmean(c[key] / c["iterations"] * 1e3 for c in costs)
+
+    keys = [k.removesuffix("_s") for k in cpu[next(iter(cpu))][0][0] if k.endswith("_s")]
+    for strategy, rounds in cpu.items():
+        fields = {k: statistics.fmean(per_iteration(costs, f"{k}_s") for costs in rounds) for k in keys}
+        line = f"cpu strategy={strategy} process_ms={fields.pop('process'):.1f}"
+        if "none" in cpu and strategy != "none":
+            extra = [per_iteration(a, "process_s") - per_iteration(b, "process_s") for a, b in zip(rounds, cpu["none"])]
+            line += f" extra_ms={statistics.fmean(extra):.1f}"
+        print(line + "".join(f" {k}_ms={v:.1f}" for k, v in fields.items()), flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     args, extra = parse_args(argv)
     strategies = args.strategies.split(",")
     cfg = load_config(args.config, extra)
-    dense_bytes = 12 * count_params(cfg.model)[0]  # FP32 master + exp_avg + exp_avg_sq
+    dense_bytes = 12 * count_params(cfg.model)[0] // args.pp  # FP32 master + exp_avg + exp_avg_sq, one stage
     tokens = cfg.training.batch_size * cfg.training.seq_len
     profile_iters = cfg.checkpoint.profile_iters
     if args.logs:
         args.logs.mkdir(parents=True, exist_ok=True)
-    runs, cap = run_rounds(args, extra, strategies, dense_bytes, tokens, profile_iters)
+    runs, cpu, cap = run_rounds(args, extra, strategies, dense_bytes, tokens, profile_iters)
     report(runs, cap, args.steps, dense_bytes, tokens, profile_iters)
+    cpu_report(cpu)
 
 
 if __name__ == "__main__":

@@ -309,3 +309,33 @@ def test_moc_restores_stale_experts_and_loses_tokens(tmp_path):
     assert all(losses[t] == ref[t] for t in range(1, 9))  # identical until the stale restore at 9
     assert losses[9] != ref[9]  # iteration 9 runs again on stale experts
     assert final_line(out)[2] != final_line(reference())[2]
+
+
+def test_ettr_benchmark_brackets_each_strategy_with_fault_free_references(tmp_path, monkeypatch, capsys):
+    """`none` runs before, between and after the strategies; each strategy's overhead and ETTR are taken
+    against the mean of the two references adjacent to it, so a machine that drifts over the invocation
+    does not show as checkpointing cost."""
+    import benchmarks.ettr as ettr
+
+    tokens = 8 * 256  # bench_moe's batch_size x seq_len
+    reference_s = iter([1.0, 1.2, 1.4])
+    launched = []
+
+    def fake_launch(config, spec, steps, pp, flags, threads, restarts=0):
+        launched.append(spec)
+        seconds = next(reference_s) if spec == "none" else 1.21
+        lines = [f"step={s} loss=1 tok_per_s={tokens / seconds} wall_s={s * seconds}" for s in range(1, 7)]
+        lines.append(
+            f"accounting wall_s={6 * seconds} iterations=6 productive_s={6 * seconds} recompute_s=0 recovery_s=0 "
+            "failures=0 recomputed=0 goodput=1 lost_tokens=0 host_mb=0 log_mb=0"
+        )
+        return "\n".join(lines) + "\n"
+
+    monkeypatch.setattr(ettr, "launch", fake_launch)
+    ettr.main(["--strategies", "none,moevement,gemini", "--fault-mode", "wipe", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert launched == ["none", "moevement", "none", "gemini", "none"]
+    overhead = dict(re.findall(r"^strategy=(\w+) ettr=\S+ overhead=(\S+)", out, re.M))
+    assert float(overhead["moevement"]) == pytest.approx(1.21 / 1.1 - 1, abs=1e-4)  # against (1.0 + 1.2) / 2
+    assert float(overhead["gemini"]) == pytest.approx(1.21 / 1.3 - 1, abs=1e-4)  # against (1.2 + 1.4) / 2
+    assert "references=3 none iteration_s=1.200 min=1.000 max=1.400 spread=0.3333" in out

@@ -72,3 +72,37 @@ def test_bf16_mixed_precision_is_deterministic_and_differs_from_fp32():
     assert a == b
     fp32 = final_line(train("--training.steps", "3", "--model.dropout", "0.1").stdout)
     assert fp32[2] != a[2]
+
+
+def test_cpu_cost_line_accounts_for_every_checkpointing_activity(tmp_path):
+    """Each rank of a pipeline run with snapshots, replication, upstream logs and disk persistence reports
+    CPU time for every activity, and the activities fit inside the process's CPU time."""
+    out = train(
+        "--training.steps",
+        "8",
+        "--parallelism.pp",
+        "2",
+        "--checkpoint.strategy",
+        "moevement",
+        "--checkpoint.window",
+        "2",
+        "--checkpoint.host_dir",
+        str(tmp_path / "shm"),
+        "--checkpoint.persist_dir",
+        str(tmp_path / "disk"),
+        "--metrics.cpu_cost",
+        "true",
+        nproc=2,
+    ).stdout
+    lines = re.findall(r"^cpu_cost (.*)$", out, re.M)
+    costs = {
+        int(c["rank"]): c for c in ({k: float(v) for k, v in (f.split("=") for f in line.split())} for line in lines)
+    }
+    assert sorted(costs) == [0, 1], out
+    for c in costs.values():
+        assert c["iterations"] == 8
+        assert all(c[f"{a}_s"] > 0 for a in ("copy", "checksum", "replication", "persistence", "upstream_log"))
+        assert 0 < c["checkpointer_s"] < c["training_thread_s"] < c["process_s"]
+        background = sum(c[f"{a}_s"] for a in ("copy", "checksum", "replication", "persistence"))
+        assert c["training_thread_s"] + background <= c["process_s"] + 0.01  # rusage ticks are coarser
+    assert "cpu_cost" not in train("--training.steps", "2").stdout  # off by default

@@ -114,6 +114,7 @@ class MetricsConfig:
     log_every: int = 1
     tensorboard: bool = True
     progress: bool = True  # progress bar on an interactive console
+    cpu_cost: bool = False  # each rank prints the CPU seconds of its checkpointing activities at the end
 
 
 @dataclass

@@ -40,6 +40,7 @@ from moevement.checkpoint.persisted import MANIFEST, PersistedCheckpoint
 from moevement.checkpoint.planner import SnapshotPolicy, WindowPlanner
 from moevement.checkpoint.schedule import WindowPlan
 from moevement.operators import Operator, build_registry
+from moevement.storage.cpu_cost import measure
 from moevement.storage.host_memory import HostBuffer, encode_json, make_private_dirs, read_header, remove_tree
 from moevement.storage.persistence import DiskWriter
 from moevement.storage.replication import Outgoing, ReplicaStore, start_replication
@@ -135,6 +136,10 @@ class SparseCheckpointer:
         self.stats.begin()
         if self.stats.iterations <= self.cfg.profile_iters or not self.planner.due(iteration):
             return
+        with measure("checkpointer"):
+            self._begin_snapshot(iteration)
+
+    def _begin_snapshot(self, iteration: int) -> None:
         if self.plan is None or iteration >= self.plan.end:
             self._start_window(iteration)
         slot = self.plan.slot_at(iteration)
@@ -162,17 +167,18 @@ class SparseCheckpointer:
         gate_probs: dict[str, torch.Tensor],
     ) -> None:
         """Iteration `iteration` finished with these logged scalars and router statistics."""
-        self.planner.observe(tokens, gate_probs)
-        self.persisted.log_scalars(iteration, scalars)
-        pending, self.pending = self.pending, None
-        if pending is None:
-            return
-        if self.planner.policy is not None:
-            self.planner.policy.observe_stall(self.stats.last["stall_ms"] / 1e3)
-        pending.copy.result()
-        pending.header.meta["scalars"] = dict(scalars)
-        self._commit(pending.window_index, pending.header, pending.buffer, pending.slot == self.plan.window - 1)
-        self.latest = (pending.header, pending.buffer.data)
+        with measure("checkpointer"):
+            self.planner.observe(tokens, gate_probs)
+            self.persisted.log_scalars(iteration, scalars)
+            pending, self.pending = self.pending, None
+            if pending is None:
+                return
+            if self.planner.policy is not None:
+                self.planner.policy.observe_stall(self.stats.last["stall_ms"] / 1e3)
+            pending.copy.result()
+            pending.header.meta["scalars"] = dict(scalars)
+            self._commit(pending.window_index, pending.header, pending.buffer, pending.slot == self.plan.window - 1)
+            self.latest = (pending.header, pending.buffer.data)
 
     def snapshot_meta(self) -> dict | None:
         """The header metadata of the snapshot the current iteration takes (None: it takes none); a

@@ -34,7 +34,8 @@ class TrainerHooks:
 
     batch: Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # this rank's (inputs, labels) of iteration t
     begin_iteration: Callable[[int], None]  # re-seed dropout etc. before iteration t runs
-    forward_backward: Callable[[int, set, torch.Tensor, torch.Tensor, Mapping], None]  # (t, scope, x, y, boundary)
+    # (t, scope, x, y, boundary) -> seconds by phase (forward, backward, ...) or None
+    forward_backward: Callable[[int, set, torch.Tensor, torch.Tensor, Mapping], dict[str, float] | None]
     optimizer_step: Callable[[dict], None]  # clip with the logged coefficient, logged lr, step, zero grads
     initial_parameters: Callable[[], dict[str, torch.Tensor]]  # full initial value of every local parameter
     line: Callable[[str], None]  # rank 0's console line
@@ -48,6 +49,10 @@ class ReplayStats:
     replayed: int = 0
     threads: int = 0  # intra-op threads this rank replayed with (0: it did not replay)
     sources: dict = field(default_factory=dict)
+    phases: dict[str, float] = field(default_factory=dict)  # this rank's replay seconds: load, forward, ...
+
+    def add(self, phase: str, seconds: float) -> None:
+        self.phases[phase] = self.phases.get(phase, 0.0) + seconds
 
 
 class Conversion:
@@ -92,8 +97,14 @@ class Conversion:
                     self.hooks.begin_iteration(t)
                     if self.log is not None:
                         self.log.begin(t)
-                    self.hooks.forward_backward(t, scope, *self.hooks.batch(t), boundary)
+                    computed = time.perf_counter()
+                    stats.add("load", computed - start)
+                    phases = self.hooks.forward_backward(t, scope, *self.hooks.batch(t), boundary)
+                    for phase, seconds in (phases or {"forward_backward": time.perf_counter() - computed}).items():
+                        stats.add(phase, seconds)
+                    stepped = time.perf_counter()
                     self.hooks.optimizer_step(scalars[t])
+                    stats.add("optimizer", time.perf_counter() - stepped)
                     elapsed = time.perf_counter() - start
                     if t < t0 + window:
                         stats.convert += elapsed

@@ -93,6 +93,8 @@ class Recovery:
         role = "failed" if self.me in failed else ("rolled-back" if self.layout.pp_of[self.me] in pps else "healthy")
         source = f" snapshots_from={stats.sources[self.me]}" if self.me in stats.sources else ""
         threads = f" threads={stats.threads}" if stats.threads else ""
+        phases = ",".join(f"{k}:{v:.2f}" for k, v in stats.phases.items())
+        source += f" replay_s={phases}" if phases else ""
         work = [None] * self.world if self.me == 0 else None
         dist.gather_object(
             f"recovery work rank={self.me} role={role} forwards={forwards} backwards={backwards}{threads}{source}",

@@ -19,6 +19,7 @@ own `PipelineStage` methods, so FSDP2 behaves exactly as under the schedule.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -125,12 +126,14 @@ class PipelineReplay:
         inputs: torch.Tensor,
         labels: torch.Tensor,
         boundary: Mapping[tuple[str, int, int, int], torch.Tensor],
-    ) -> None:
-        """Accumulate this rank's gradients of `iteration` for its stages in `scope`, reduced and scaled.
+    ) -> dict[str, float]:
+        """Accumulate this rank's gradients of `iteration` for its stages in `scope`, reduced and scaled;
+        returns the seconds of its forward, backward and gradient-reduction phases.
 
         `boundary[(kind, iteration, stage, micro)]` is the logged "act" of stage-1 or "grad" of
         stage+1 for stages whose neighbour is outside the scope.
         """
+        started = time.perf_counter()
         local = sorted(s for s in self.stages if s in scope)
         xs, ys = inputs.to(self.device).chunk(self.micro), labels.to(self.device).chunk(self.micro)
         pending: list = []
@@ -146,7 +149,9 @@ class PipelineReplay:
                 else:
                     pending += self._outgoing("act", s, s + 1, m, out.detach(), scope, handoff)
                 cache[(s, m)] = (out, x)
+        seconds = {"forward": time.perf_counter() - started, "backward": 0.0, "reduce": 0.0}
         for s in reversed(local):
+            started = time.perf_counter()
             ref = self.stages[s]
             for m in range(self.micro):
                 out, x = cache.pop((s, m))
@@ -171,9 +176,13 @@ class PipelineReplay:
                     if grad_in is None:
                         grad_in = torch.zeros_like(x)
                     pending += self._outgoing("grad", s, s - 1, m, grad_in, scope, handoff)
+            reduced = time.perf_counter()
             ref.stage.perform_reduce_grad(self.micro)
+            seconds["backward"] += reduced - started
+            seconds["reduce"] += time.perf_counter() - reduced
         for work in pending:
             work.wait()
+        return seconds
 
     def _incoming(
         self, kind: str, src_stage: int, stage: int, micro: int, scope: set[int], iteration: int, xs, handoff, boundary

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moevement.storage.cpu_cost import measure
+
 Key = tuple[str, int, int, int]  # (kind, iteration, stage, micro-batch)
 
 
@@ -78,14 +80,16 @@ class UpstreamLog:
         if out.requires_grad:
             out.register_hook(self._count_backward)
         if stage != self.n_stages - 1:
-            self.put("act", iteration, stage, micro, self._to_host(out))
+            with measure("upstream_log"):
+                self.put("act", iteration, stage, micro, self._to_host(out))
         x = args[0]
         if stage != 0 and isinstance(x, torch.Tensor) and x.requires_grad:
             # One-shot: the pipeline reuses its receive buffers across iterations, and a hook left
             # on one would overwrite this iteration's entry at every later backward.
             def log_grad(grad: torch.Tensor) -> None:
                 handle.remove()
-                self.put("grad", iteration, stage, micro, self._to_host(grad))
+                with measure("upstream_log"):
+                    self.put("grad", iteration, stage, micro, self._to_host(grad))
 
             handle = x.register_hook(log_grad)
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from moevement.storage.background import enter_background
+from moevement.storage.cpu_cost import measure
 from moevement.storage.host_memory import (
     HostMemoryError,
     check_private,
@@ -105,13 +106,18 @@ class DiskWriter:
     def _write(self, snapshots: list[tuple[dict, torch.Tensor]]) -> None:
         try:
             enter_background(self.priority)
-            write_window(self.root, self.rank, snapshots)
-            mine = sorted(d for d in self.root.glob("window-*") if (d / f"rank{self.rank:05d}").exists())
-            for old in mine[: -self.keep]:
-                remove_tree(old / f"rank{self.rank:05d}")
-                try:
-                    old.rmdir()
-                except OSError:  # other ranks' directories are still there
-                    pass
+            with measure("persistence"):
+                self._write_and_prune(snapshots)
         except BaseException as e:
             self.error = e
+
+    def _write_and_prune(self, snapshots: list[tuple[dict, torch.Tensor]]) -> None:
+        """Write one window of this rank, then remove its windows beyond the newest `keep`."""
+        write_window(self.root, self.rank, snapshots)
+        mine = sorted(d for d in self.root.glob("window-*") if (d / f"rank{self.rank:05d}").exists())
+        for old in mine[: -self.keep]:
+            remove_tree(old / f"rank{self.rank:05d}")
+            try:
+                old.rmdir()
+            except OSError:  # other ranks' directories are still there
+                pass

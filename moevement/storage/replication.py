@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from moevement.storage.background import enter_background
+from moevement.storage.cpu_cost import measure
 from moevement.storage.host_memory import HostBuffer, make_private_dir, map_bytes
 from moevement.storage.snapshot_buffers import local_buffer
 from moevement.topology import Topology
@@ -119,11 +120,13 @@ class Replicator:
         try:
             enter_background(self.priority)
             while (item := self.queue.get()) is not None:
-                self._round(item)
+                with measure("replication"):
+                    self._round(item)
                 self.backlog -= 1
                 if item.last_in_window:
                     done = torch.tensor([item.window_index], dtype=torch.int64)
-                    dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self.group)
+                    with measure("replication"):
+                        dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self.group)
                     self.on_window_replicated(int(done))
                 self.queue.task_done()
         except BaseException as e:  # surfaced on the training thread at the next submit/close

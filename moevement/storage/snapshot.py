@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moevement.operators import Operator
+from moevement.storage.cpu_cost import measure
 
 BLOCK = 1024  # entries start on block boundaries; the checksum sums 8-byte words per block
 CHUNK_BYTES = 4 << 20  # copy granularity; the bandwidth cap is enforced between chunks
@@ -154,22 +155,25 @@ def copy_entries(
     start = 0
     for stop in _group_ends(entries):
         group = entries[start:stop]
-        targets = [entry_view(buffer, e) for e in group]
-        if stream is None:
-            torch._foreach_copy_(targets, sources[start:stop])
-        else:  # device-to-host: per-tensor copies on the side stream (CPU time is not the constraint)
-            for target, src in zip(targets, sources[start:stop]):
-                target.copy_(src, non_blocking=True)
-            stream.synchronize()
-        pads = [buffer[e.offset + e.nbytes : e.offset + _padded(e.nbytes)] for e in group if e.nbytes % BLOCK]
-        if pads:
-            torch._foreach_zero_(pads)
-        first, last = group[0].offset // BLOCK, _span_end(group) // BLOCK
-        torch.sum(_words(buffer, first, last), dim=1, out=blocks[first:last])
+        with measure("copy"):
+            targets = [entry_view(buffer, e) for e in group]
+            if stream is None:
+                torch._foreach_copy_(targets, sources[start:stop])
+            else:  # device-to-host: per-tensor copies on the side stream (CPU time is not the constraint)
+                for target, src in zip(targets, sources[start:stop]):
+                    target.copy_(src, non_blocking=True)
+                stream.synchronize()
+            pads = [buffer[e.offset + e.nbytes : e.offset + _padded(e.nbytes)] for e in group if e.nbytes % BLOCK]
+            if pads:
+                torch._foreach_zero_(pads)
+        with measure("checksum"):
+            first, last = group[0].offset // BLOCK, _span_end(group) // BLOCK
+            torch.sum(_words(buffer, first, last), dim=1, out=blocks[first:last])
         throttle.consume(sum(e.nbytes for e in group))
         start = stop
-    for entry, value in zip(entries, _checksums_from_blocks(blocks, entries), strict=True):
-        entry.checksum = value
+    with measure("checksum"):
+        for entry, value in zip(entries, _checksums_from_blocks(blocks, entries), strict=True):
+            entry.checksum = value
 
 
 def _group_ends(entries: list[Entry]) -> list[int]:

@@ -1,0 +1,72 @@
+"""CPU seconds of the checkpointing activities, per process, by activity.
+
+On CPU training every second a background thread computes is taken from training (docs/design.md
+§2: on a GPU the copies ride DMA engines). `measure(activity)` adds the calling thread's CPU time
+(`time.thread_time`: running, not waiting or sleeping) spent inside it to the process's total for
+that activity; `CpuMark` reads them, with the whole process's and the training thread's CPU time
+beside them, so that what no activity accounts for (the communication library's own threads, the
+allocator) shows as the remainder.
+"""
+
+from __future__ import annotations
+
+import resource
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+# Background threads: copy, checksum, replication, persistence. On the training thread: upstream_log
+# (the boundary tensors' host copies) and checkpointer (its begin / pre-step / end calls).
+ACTIVITIES = ("copy", "checksum", "replication", "persistence", "upstream_log", "checkpointer")
+BACKGROUND = ("copy", "checksum", "replication", "persistence")
+
+_lock = threading.Lock()
+_seconds = dict.fromkeys(ACTIVITIES, 0.0)
+
+
+@contextmanager
+def measure(activity: str) -> Iterator[None]:
+    """Add the calling thread's CPU time inside the block to `activity`'s total."""
+    start = time.thread_time()
+    try:
+        yield
+    finally:
+        elapsed = time.thread_time() - start
+        with _lock:
+            _seconds[activity] += elapsed
+
+
+def process_cpu_s() -> float:
+    """User plus system CPU seconds of every thread of this process so far."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+@dataclass(frozen=True)
+class CpuMark:
+    """CPU seconds so far: the process's, the calling (training) thread's, and every activity's."""
+
+    process_s: float
+    thread_s: float
+    activities: dict[str, float]
+
+    @classmethod
+    def now(cls) -> CpuMark:
+        with _lock:
+            activities = dict(_seconds)
+        return cls(process_cpu_s(), time.thread_time(), activities)
+
+    def line_since(self, start: CpuMark, rank: int, iterations: int) -> str:
+        """`cpu_cost rank=<r> iterations=<n> process_s=... training_thread_s=... <activity>_s=... other_s=...`:
+        CPU seconds between `start` and this mark; other_s is the process's CPU time outside the training
+        thread and the background activities (communication threads, data loading)."""
+        spent = {a: self.activities[a] - start.activities[a] for a in ACTIVITIES}
+        process, thread = self.process_s - start.process_s, self.thread_s - start.thread_s
+        other = process - thread - sum(spent[a] for a in BACKGROUND)
+        fields = " ".join(f"{a}_s={spent[a]:.6f}" for a in ACTIVITIES)
+        return (
+            f"cpu_cost rank={rank} iterations={iterations} process_s={process:.3f} "
+            f"training_thread_s={thread:.3f} {fields} other_s={other:.3f}"
+        )
