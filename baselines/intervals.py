@@ -6,7 +6,8 @@ that overlap is a stall of the optimizer step: `cost = max(0, bytes / bandwidth 
   fixed    `checkpoint.interval = N`.
   capped   CheckFreq's policy: the smallest k whose overhead `cost / (k * T)` is at most 3%,
            re-derived from the stalls measured at earlier checkpoints.
-  oracle   Gemini with a known MTBF (`fault.mtbf_iters = M`, i.e. M T seconds): the k maximising
+  oracle   Gemini with a known MTBF (`checkpoint.mtbf_iters`, else `fault.mtbf_iters`: M, i.e. M T
+           seconds): the k maximising
            `ETTR(k) = 1 / (1 + cost / (k T)) * max(0, 1 - (k / 2 + 1) T / (M T))`: checkpoint
            overhead against the iterations a failure loses on average (Young/Daly, in integers).
 The ETTR formulas here are shared with `simulator.ettr`.

@@ -224,6 +224,7 @@ def fault_flags(args: argparse.Namespace, cap: float) -> tuple[list[str], int]:
     cap_flags = ["--checkpoint.bandwidth_gbps", f"{cap:.6f}"]
     if args.fault_mode == "wipe":
         return ["--fault.mtbf_iters", str(args.mtbf_iters), "--fault.seed", str(args.seed), *cap_flags], 0
+    cap_flags += ["--checkpoint.mtbf_iters", str(args.mtbf_iters)]  # what Gemini's interval plans for
     events = poisson_events(args.mtbf_iters, args.seed, args.pp, args.steps)
     phases = random.Random(args.seed).choices(TRAINING_PHASES, k=len(events))
     kills = ",".join(f"{e.step}:{e.ranks[0]}:{phase}" for e, phase in zip(events, phases))

@@ -22,6 +22,7 @@ from moevement.failures import FaultPlan, FaultSpecError, poisson_events
 from moevement.operators import Operator
 from tests.conftest import DEBUG_CONFIG, final_line, run_cli, step_losses
 from trainer.accounting import RunAccounting
+from trainer.config import ConfigError, expected_mtbf_iters, load_config
 
 BASE = [
     "--config",
@@ -153,6 +154,18 @@ def test_bad_baseline_config_is_one_clear_error():
     assert proc.returncode == 2 and "checkpoint.interval" in proc.stderr and "oracle" in proc.stderr
     proc = run_cli("--config", DEBUG_CONFIG, "--fault.mtbf_iters", "10", check=False)
     assert proc.returncode == 2 and "fault.mtbf_iters" in proc.stderr and "moevement" in proc.stderr
+
+
+def test_gemini_plans_for_the_expected_mtbf_without_injected_poisson_failures():
+    """Real deaths (`fault.kill`) leave `fault.mtbf_iters` at 0: `checkpoint.mtbf_iters` tells Gemini's
+    oracle the MTBF instead, else it would fall back to CheckFreq's policy."""
+    base = ["--checkpoint.strategy", "gemini", "--checkpoint.interval", "oracle"]
+    cfg = load_config(DEBUG_CONFIG, [*base, "--checkpoint.mtbf_iters", "100", "--fault.kill", "5:1:forward"])
+    assert expected_mtbf_iters(cfg) == 100
+    assert IntervalPolicy("gemini", "auto", expected_mtbf_iters(cfg), lambda: []).mode() == "oracle"
+    assert expected_mtbf_iters(load_config(DEBUG_CONFIG, ["--fault.mtbf_iters", "50", *base])) == 50
+    with pytest.raises(ConfigError, match="checkpoint.interval.*checkpoint.mtbf_iters or fault.mtbf_iters"):
+        load_config(DEBUG_CONFIG, base)
 
 
 # ---- ETTR accounting --------------------------------------------------------------------------------

@@ -87,7 +87,8 @@ class CheckpointConfig:
     profile_iters: int = 2  # iterations measured before the first window
     reprofile_every: int = 0  # re-measure the copy bandwidth every N windows (0: only at start-up)
     # Interval baselines (gemini, checkfreq, moc)
-    interval: str = "auto"  # N | oracle (best ETTR for fault.mtbf_iters) | capped (overhead <= 3%) | auto
+    interval: str = "auto"  # N | oracle (best ETTR for the expected MTBF) | capped (overhead <= 3%) | auto
+    mtbf_iters: float = 0.0  # the MTBF (iterations) the oracle interval optimises for (0: fault.mtbf_iters)
     moc_experts: int = 1  # MoC's K_pec: routed experts saved per MoE layer per checkpoint (initially)
     moc_plt_threshold: float = 0.0375  # MoC doubles K_pec when the proportion of lost tokens exceeds this
 
@@ -313,8 +314,19 @@ def _validate_fault(cfg: Config) -> None:
             key,
             "needs a checkpoint.strategy that recovers (moevement, gemini, checkfreq or moc), got 'none'",
         )
+    _check(cfg.checkpoint.mtbf_iters >= 0, "checkpoint.mtbf_iters", f"must be >= 0, got {cfg.checkpoint.mtbf_iters}")
     if cfg.checkpoint.interval == "oracle":
-        _check(f.mtbf_iters > 0, "checkpoint.interval", "oracle needs fault.mtbf_iters > 0 (the MTBF it optimises for)")
+        _check(
+            expected_mtbf_iters(cfg) > 0,
+            "checkpoint.interval",
+            "oracle needs checkpoint.mtbf_iters or fault.mtbf_iters > 0 (the MTBF it optimises for)",
+        )
+
+
+def expected_mtbf_iters(cfg: Config) -> float:
+    """The MTBF in iterations the interval baselines plan for: `checkpoint.mtbf_iters`, else the injected
+    failures' `fault.mtbf_iters` (0: unknown)."""
+    return cfg.checkpoint.mtbf_iters or cfg.fault.mtbf_iters
 
 
 def fault_plan(cfg: Config, world: int) -> FaultPlan:

@@ -38,7 +38,7 @@ from parallelisms.fsdp import DTYPES
 from parallelisms.mesh import ParallelDims
 from parallelisms.parallelize import ModelParts, initial_parameters
 from parallelisms.pipeline import lm_loss, local_stage_ids
-from trainer.config import Config
+from trainer.config import Config, expected_mtbf_iters
 from trainer.identity import RunIdentity
 from trainer.startup import STARTUP
 from trainer.step import DropoutSeeder, forward_backward, replay_update
@@ -233,7 +233,7 @@ def _interval_baseline(
         if restart is None:  # an earlier run's checkpoints must not be restored into this one
             for old in persist.glob(f"window-*/rank{dist.get_rank():05d}"):
                 remove_tree(old)
-    policy = IntervalPolicy(strategy, ck_cfg.interval, cfg.fault.mtbf_iters, select)
+    policy = IntervalPolicy(strategy, ck_cfg.interval, expected_mtbf_iters(cfg), select)
     checkpointer = new_checkpointer(ck_cfg, policy=policy, disk_keep=keep)
     rollback = GlobalRollback(
         strategy,
