@@ -2,13 +2,16 @@
 
     python -m benchmarks.ettr --config train_configs/bench_moe.toml \
         --strategies none,moevement,gemini,checkfreq,moc --mtbf-iters 100 --steps 100 [--seed 1] [--pp 2] \
-        [--fault-mode kill|wipe] [--dense-snapshot-iters 3] [--none-steps 12] [--threads 1] [--out outputs/ettr] \
+        [--fault-mode kill|wipe] [--dense-snapshot-iters 3] [--none-steps N] [--threads 1] [--out outputs/ettr] \
         [--section.key value ...]
 
-A fault-free `none` run (torchrun, `--pp` stages, `--none-steps` iterations) precedes every strategy
-and one follows the last, so each strategy is bracketed by two references taken minutes apart: its
-reference iteration time T is their mean, which cancels most of the machine's drift over an
-invocation (the spread of all references is printed). The first one also sets the snapshot
+A fault-free `none` run (torchrun, `--pp` stages) precedes every strategy and one follows the last,
+so each strategy is bracketed by two references taken minutes apart: its reference iteration time T
+is their mean, which cancels most of the machine's drift over an invocation (the spread of all
+references is printed). The references train the same `--steps` iterations as the strategies
+unless `--none-steps` says otherwise: an iteration's cost changes over a run (on `bench_moe` the
+mean of iterations 4-12 is about 10% below that of iterations 4-100, as routing changes), so a
+shorter reference counts that change as checkpointing overhead. The first one also sets the snapshot
 bandwidth cap so that a dense snapshot of a rank takes `--dense-snapshot-iters` iterations (the
 paper's regime). Every other strategy trains `--steps` iterations with the
 same Poisson failures (mean `--mtbf-iters` iterations apart, one random rank each, from `--seed`);
@@ -183,7 +186,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--seed", type=int, default=1, help="seed of the Poisson failure schedule")
     parser.add_argument("--fault-mode", choices=("kill", "wipe"), default="kill", help="real deaths or in-place wipes")
     parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--none-steps", type=int, default=12, help="iterations of each fault-free reference")
+    parser.add_argument("--none-steps", type=int, default=0, help="iterations of each reference (0: --steps)")
     parser.add_argument("--pp", type=int, default=2)
     parser.add_argument("--dense-snapshot-iters", type=float, default=3.0)
     parser.add_argument("--bandwidth-gbps", type=float, default=0.0, help="snapshot copy cap (0: calibrate)")
@@ -233,8 +236,8 @@ def fault_flags(args: argparse.Namespace, cap: float) -> tuple[list[str], int]:
 
 
 def reference_run(args: argparse.Namespace, extra: list[str], out: Path, tokens: int, index: int) -> tuple[dict, float]:
-    """The `index`-th fault-free `none` run (`--none-steps` iterations): its parsed run and mean iteration time."""
-    stdout = launch(args.config, "none", args.none_steps, args.pp, extra, args.threads)
+    """The `index`-th fault-free `none` run: its parsed run and mean iteration time."""
+    stdout = launch(args.config, "none", args.none_steps or args.steps, args.pp, extra, args.threads)
     (out / f"none-{index}.log").write_text(stdout)
     run = parse_run(stdout)
     iteration_s = statistics.fmean(iteration_times(run, tokens))
