@@ -245,7 +245,7 @@ def reference_run(args: argparse.Namespace, extra: list[str], out: Path, tokens:
     return run, iteration_s
 
 
-def report_run(strategy: str, run: dict, bracket: tuple[float, float], tokens: int) -> dict:
+def report_run(strategy: str, run: dict, bracket: tuple[float, float], tokens: int) -> None:
     """Print a strategy's recoveries and its summary against the mean of the `none` runs before and after it."""
     for line in run["recoveries"]:
         print(f"  {strategy}: {line}", flush=True)
@@ -255,7 +255,6 @@ def report_run(strategy: str, run: dict, bracket: tuple[float, float], tokens: i
         f"failures={r['failures']} wall_s={r['wall_s']:.1f} reference_s={bracket[0]:.3f},{bracket[1]:.3f}",
         flush=True,
     )
-    return run
 
 
 def print_references(times: list[float]) -> float:
@@ -331,11 +330,12 @@ def main(argv: list[str] | None = None) -> None:
     faults, restarts = fault_flags(args, snapshot_cap(args, cfg, references[0][1]))
     runs, bracket = {"none": references[0][0]}, {}
     for i, strategy in enumerate(strategies):
-        runs[strategy] = launch(args.config, strategy, args.steps, args.pp, [*extra, *faults], args.threads, restarts)
-        (out / f"{strategy}.log").write_text(runs[strategy])  # a stopped invocation loses no finished run
+        stdout = launch(args.config, strategy, args.steps, args.pp, [*extra, *faults], args.threads, restarts)
+        (out / f"{strategy}.log").write_text(stdout)  # a stopped invocation loses no finished run
+        runs[strategy] = parse_run(stdout)
         references.append(reference_run(args, extra, out, tokens, i + 1))
         bracket[strategy] = (references[i][1], references[i + 1][1])
-        runs[strategy] = report_run(strategy, parse_run(runs[strategy]), bracket[strategy], tokens)
+        report_run(strategy, runs[strategy], bracket[strategy], tokens)
     none_iteration_s = print_references([t for _, t in references])
 
     results = {"none": {**summarize(runs["none"], references[0][1], tokens), "ettr": 1.0}}  # the first reference
