@@ -355,3 +355,71 @@ def test_checksum_detects_flips_moved_blocks_and_length():
     moved[:4096], moved[4096:8192] = raw[4096:8192], raw[:4096]
     assert len({base, checksum(flipped), checksum(moved), checksum(raw[:-1])}) == 4
     assert checksum(torch.zeros(8, dtype=torch.uint8)) != checksum(torch.zeros(16, dtype=torch.uint8))
+
+
+def test_a_restarted_process_reuses_the_pages_of_its_predecessors_buffers(tmp_path):
+    """A buffer file an earlier process left (its commit record dropped) backs the new process's buffer
+    of the same name with the same pages: nothing is allocated again, and it never shrinks."""
+    from moevement.storage.host_memory import HostBuffer, make_private_dir
+
+    path = make_private_dir(tmp_path / "rank0") / "w0-s0"
+    earlier = HostBuffer(path)
+    earlier.ensure(1 << 20).copy_(torch.arange(1 << 20, dtype=torch.int64).to(torch.uint8))
+    earlier.commit({"slot": 0})
+    inode = os.stat(path.with_suffix(".bin")).st_ino
+    earlier.release()
+    path.with_suffix(".json").unlink()  # what drop_leftovers does
+    later = HostBuffer(path)
+    assert later.reserved() == 1 << 20 and later.capacity == 0
+    data = later.ensure(4096)
+    assert later.capacity == 1 << 20 and os.stat(path.with_suffix(".bin")).st_ino == inode
+    assert torch.equal(data, torch.arange(1 << 20, dtype=torch.int64).to(torch.uint8))  # the very same pages
+    assert read_header(path) is None  # without its record nothing reads the old bytes as a snapshot
+    later.ensure(2 << 20)
+    assert later.capacity == 2 << 20 and map_bytes(path).numel() == 2 << 20
+
+
+def test_a_rejoin_may_roll_back_to_a_complete_window_not_yet_marked_persisted(tmp_path):
+    """Windows 9-11 and 12-14 are complete in host memory, but the manifest records only 9 as persisted
+    (a death kept the all-reduce of 12 from running). A whole-job restart takes 9; a rejoin whose
+    survivors resume at 15 takes 12 (a window less to replay); one resuming at 14 cannot use 12."""
+    import torch.distributed as dist
+
+    from moevement.recovery.restart import find_restart_checkpoint
+    from moevement.storage.host_memory import write_json_atomic
+
+    rank_dir = tmp_path / "rank00000"
+    kept = {}
+
+    def keep_window_9(header, before, engine):  # persisting 12 retires 9: keep its files as they were
+        if header.iteration == 13:
+            for path in (rank_dir / "local").glob("w*-s*.json"):
+                if read_header(path.with_suffix(""))["window_start"] == 9:
+                    kept.update({p: p.read_bytes() for p in (path, path.with_suffix(".bin"))})
+
+    train(rank_dir, 14, on_snapshot=keep_window_9)
+    assert len(kept) == 6
+    for path, raw in kept.items():
+        path.write_bytes(raw)
+    manifest = read_header(rank_dir / "persisted")
+    assert (manifest["window_start"], manifest["window"]) == (12, 3)
+    write_json_atomic(rank_dir / "persisted.json", {**manifest, "window_start": 9, "window_index": 2})
+    if dist.is_initialized():
+        pytest.skip("needs its own one-rank process group")
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    try:
+        lines = []
+        found = {
+            resume_at: find_restart_checkpoint(
+                tmp_path, None, lambda header, source: None, lines.append, True, resume_at
+            )
+            for resume_at in (0, 14, 15)
+        }
+    finally:
+        dist.destroy_process_group()
+    assert {k: (f.window_start, f.window, f.sources) for k, f in found.items()} == {
+        0: (9, 3, ["local shared memory"]),
+        14: (9, 3, ["local shared memory"]),
+        15: (12, 3, ["local shared memory"]),
+    }
+    assert [h.iteration for h, _ in found[15].snapshots] == [12, 13, 14] and lines == []

@@ -190,12 +190,14 @@ def _identity_checks(dims: ParallelDims, identity: RunIdentity, rejoin: Rejoin) 
 def _restart_point(
     strategy: str, rank_dir: Path, disk: Path | None, checks: dict[str, CheckHeader], rejoin: Rejoin, line
 ) -> RestartPoint | None:
-    """MoEvement: the persisted sparse checkpoint a restart or relaunch converts; gemini, after a torchrun
+    """MoEvement: the persisted sparse checkpoint a restart or relaunch converts (in a rejoin, also a newer
+    complete one that ends by the survivors' iteration); gemini, after a torchrun
     restart of this run: its newest replicated checkpoint in host memory (collective). A rank whose
     process died uses its peers' replicas, not what its predecessor left in its own directory."""
     own = rejoin.live is not None or not rejoin.survivors
     if strategy == "moevement":
-        return find_restart_checkpoint(rank_dir.parent, disk, checks["job"], line, own_copies=own)
+        resume_at = rejoin.live.next_iteration if rejoin.live is not None else 0
+        return find_restart_checkpoint(rank_dir.parent, disk, checks["job"], line, own, resume_at)
     if strategy == "gemini" and rejoin.name["generation"] > 0:
         return find_restart_checkpoint(rank_dir.parent, None, checks["run"], line, own_copies=own)
     return None

@@ -269,15 +269,20 @@ class SparseCheckpointer:
             self.replicator.drain()
 
     def drop_leftovers(self) -> None:
-        """Remove every file of this rank's directory this process does not hold (what earlier processes
-        left: a live state, snapshots, replicas, temporary files). Called once training goes on."""
-        held = {path for buf in self._held() for path in (buf.path.with_suffix(".bin"), buf.header_path)}
+        """Remove what earlier processes of this rank left and this process does not hold: commit
+        records (a live state, snapshots, replicas) and temporary files. Called once training goes on.
+
+        Their buffers' bytes (`.bin`) stay as spare pages: a buffer of the same name reuses them
+        (`HostBuffer.ensure`), which spares a restarted process faulting in gigabytes of fresh memory;
+        without a commit record nothing reads them, and `close` removes them with the directory."""
+        held = {buf.header_path for buf in self._held()}
         if self.persisted.index >= 0:
             held.add(self.rank_dir / MANIFEST)
         for directory, _, files in os.walk(self.rank_dir):
             for name in files:
-                if Path(directory, name) not in held:
-                    Path(directory, name).unlink(missing_ok=True)
+                path = Path(directory, name)
+                if path not in held and path.suffix != ".bin":
+                    path.unlink(missing_ok=True)
 
     # ---- windows, copies, persistence -----------------------------------------------------------
 

@@ -11,7 +11,8 @@ job is launched again (a relaunch after preemption). Each rank lists its copies 
 
 Only persisted windows count: a copy in host memory counts if its window is no newer than the newest
 window any rank's manifest (`persisted.json`) records as persisted (a newer one may be complete
-locally but not yet replicated); disk copies are written only once persisted. The ranks agree on the
+locally but not yet replicated); disk copies are written only once persisted. A rejoin also accepts a
+newer window complete in host memory that ends by the survivors' iteration (`resume_at`). The ranks agree on the
 windows every rank has a copy of and try them newest first: each rank loads its copies in order,
 verifying every checksum and the run identity (`check`), and names every file it rejects; if some
 rank has no intact copy, every rank falls back to the next older window, then to the initial state,
@@ -59,6 +60,7 @@ class _Copy:
     load: Callable[[], Loaded]
     in_host_memory: bool
     file_of: Callable[[SnapshotHeader], str]  # the file a snapshot of this copy was read from
+    window: int = 0  # W of a host copy
 
 
 @dataclass
@@ -123,7 +125,11 @@ def _survey(rank: int, job_dir: Path, persist_root: Path | None, own_copies: boo
         for start, paths in _host_windows(rank, directory, survey).items():
             survey.copies[start].append(
                 _Copy(
-                    source, lambda p=paths: _load_host(p), True, lambda h, p=paths: str(p[h.slot].with_suffix(".bin"))
+                    source,
+                    lambda p=paths: _load_host(p),
+                    True,
+                    lambda h, p=paths: str(p[h.slot].with_suffix(".bin")),
+                    len(paths),
                 )
             )
     if persist_root is not None:
@@ -160,23 +166,31 @@ def find_restart_checkpoint(
     check: CheckHeader,
     line: Callable[[str], None],
     own_copies: bool = True,
+    resume_at: int = 0,
 ) -> RestartPoint | None:
     """The newest persisted sparse checkpoint of this job that every rank can load, loaded (collective
     over all ranks); None, with a line saying so when any state of the job was found, otherwise.
 
     `own_copies=False`: a rank whose process died uses its peers' replicas and the disk, not what its
-    dead predecessor left in its own directory."""
+    dead predecessor left in its own directory. `resume_at` (a rejoin: the iteration a survivor resumes
+    at, 0 elsewhere; the largest over the ranks counts): a host copy of a window newer than the persisted
+    one is usable too if it ends by then. Its snapshots are complete (every slot committed) and their
+    checksums are verified like any other; the death only kept the all-reduce that marks it persisted
+    from running, and rolling back to it replays a window less."""
     started = time.perf_counter()
     rank, world = dist.get_rank(), dist.get_world_size()
     survey = _survey(rank, job_dir, persist_root, own_copies)
     gathered: list = [None] * world
-    dist.all_gather_object(gathered, (survey.persisted, survey.newest_iteration, survey.anything, survey.index))
+    dist.all_gather_object(
+        gathered, (survey.persisted, survey.newest_iteration, survey.anything, survey.index, resume_at)
+    )
     persisted = max(g[0] for g in gathered)
     last_iteration = max(g[1] for g in gathered)
     any_state = any(g[2] for g in gathered)
     index = max(-1, *(g[3] for g in gathered)) + 1  # not the buffers of the newest manifest's window
+    resume_at = max(g[4] for g in gathered)
     usable = {
-        start: [c for c in copies if not c.in_host_memory or start <= persisted]
+        start: [c for c in copies if not c.in_host_memory or start <= persisted or start + c.window <= resume_at]
         for start, copies in survey.copies.items()
     }
     starts = sorted(start for start, copies in usable.items() if copies)

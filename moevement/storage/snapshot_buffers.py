@@ -50,7 +50,9 @@ class SnapshotBuffers:
 
     def reserve(self, sizes: list[int]) -> None:
         """Grow both sets to these per-slot sizes (and fault them in), or refuse if host memory is short."""
-        grow = sum(max(0, n - self.buffer(parity, slot).capacity) for slot, n in enumerate(sizes) for parity in (0, 1))
+        grow = sum(
+            max(0, n - self.buffer(parity, slot).reserved()) for slot, n in enumerate(sizes) for parity in (0, 1)
+        )
         free = shutil.disk_usage(self.local_dir).free
         if grow > free:
             raise HostMemoryError(
