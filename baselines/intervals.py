@@ -10,7 +10,9 @@ that overlap is a stall of the optimizer step: `cost = max(0, bytes / bandwidth 
            seconds): the k maximising
            `ETTR(k) = 1 / (1 + cost / (k T)) * max(0, 1 - (k / 2 + 1) T / (M T))`: checkpoint
            overhead against the iterations a failure loses on average (Young/Daly, in integers).
-The ETTR formulas here are shared with `simulator.ettr`.
+`ettr` gives the steady state of a measured profile (`simulator.calibration`) and `checkfreq_*` is
+CheckFreq's policy in `simulator.strategies`; the scale study's Gemini interval is
+`simulator.formula.best_interval`.
 `auto` is the strategy's own policy: oracle for gemini when the MTBF is known, else capped.
 """
 

@@ -1,1 +1,1 @@
-"""ETTR of checkpointing strategies under failures at cluster scale (`python -m simulator.ettr`)."""
+"""ETTR of checkpointing strategies under failures at cluster scale (`python -m simulator`, docs/simulator.md)."""

@@ -172,8 +172,10 @@ def test_gemini_plans_for_the_expected_mtbf_without_injected_poisson_failures():
 
 
 def test_ettr_accounting_on_a_scripted_run(monkeypatch):
-    """4 iterations of 1 s, a failure costing 0.5 s that rolls back 2 iterations (recomputed at 1 s each)."""
-    clock = iter([100.0, 107.5])  # start, end of the run
+    """4 iterations of 1 s, a failure costing 0.5 s that rolls back 2 iterations (recomputed at 1 s each).
+    The wall time ends with the last iteration: gathering the final state afterwards is not training."""
+    # start; the ends of iterations 1-3, of the recovery, of iterations 2-4; then the final gathering
+    clock = iter([100.0, 101.0, 102.0, 103.0, 104.0, 105.0, 106.0, 107.5, 130.0])
     monkeypatch.setattr("trainer.accounting.time.time", lambda: next(clock))
     acct = RunAccounting(first_step=1, samples_per_step=8)
     for step in (1, 2, 3):
@@ -181,6 +183,7 @@ def test_ettr_accounting_on_a_scripted_run(monkeypatch):
     acct.recovered(1, 0.5)
     for step in (2, 3, 4):
         acct.iteration(step, 1.0)
+    assert acct.elapsed() == 30.0
     line = acct.line({"host_mb": 3.0}, lost_tokens=0)
     assert line.startswith(
         "accounting wall_s=7.500 iterations=4 productive_s=4.000 recompute_s=2.000 "

@@ -9,7 +9,9 @@ is recomputation (lost work). At the end, rank 0 prints one line that `benchmark
 A run survives a torchrun restart: a worker that stops because another died writes its accounting
 (`<host job dir>/accounting-rank<r>.json`) and the restarted job carries it on (`carry_on`), counting the
 time from the detection of the death to training going on again as recovery. Its wall time is then the
-time since the first generation started training.
+time from the start of the first generation's training to the end of the last iteration or recovery:
+gathering the final state for the digest and shutting down are not training (they took 7-14 s at the
+end of a 100-iteration `bench_moe` run, which ETTR would otherwise count as lost).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class RunAccounting:
         self.productive_s = self.recompute_s = self.recovery_s = 0.0
         self.failures = self.recomputed = 0
         self.started_unix = time.time()  # when the run (its first generation) started training
+        self.trained_unix = self.started_unix  # when its newest iteration or recovery ended
         self.last_recovery_end = 0.0  # perf_counter() when the newest recovery finished
 
     def elapsed(self) -> float:
@@ -41,6 +44,7 @@ class RunAccounting:
         return time.time() - self.started_unix
 
     def iteration(self, step: int, seconds: float) -> None:
+        self.trained_unix = time.time()
         if step > self.high_water:
             self.productive_s += seconds
             self.high_water = step
@@ -52,6 +56,7 @@ class RunAccounting:
         self.failures += failures
         self.recovery_s += seconds
         self.last_recovery_end = time.perf_counter()
+        self.trained_unix = time.time()
 
     def carry_on(self, generation: dict) -> None:
         """After a torchrun restart: go on with the newest accounting an earlier generation of the run kept
@@ -82,7 +87,7 @@ class RunAccounting:
             self.path.unlink(missing_ok=True)
 
     def line(self, metrics: dict[str, float], lost_tokens: float) -> str:
-        wall = self.elapsed()
+        wall = self.trained_unix - self.started_unix
         iterations = self.high_water - self.first_step + 1
         return (
             f"accounting wall_s={wall:.3f} iterations={iterations} productive_s={self.productive_s:.3f} "
