@@ -92,7 +92,7 @@ class RunAccounting:
         return (
             f"accounting wall_s={wall:.3f} iterations={iterations} productive_s={self.productive_s:.3f} "
             f"recompute_s={self.recompute_s:.3f} recovery_s={self.recovery_s:.3f} failures={self.failures} "
-            f"recomputed={self.recomputed} goodput={iterations * self.samples / wall:.3f} "
+            f"recomputed={self.recomputed} goodput={iterations * self.samples / wall if wall > 0 else 0.0:.3f} "
             f"lost_tokens={lost_tokens:.0f} host_mb={metrics.get('host_mb', 0.0):.1f} "
             f"log_mb={metrics.get('log_mb', 0.0):.1f}"
         )
