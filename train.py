@@ -3,6 +3,7 @@
 python train.py --config train_configs/debug_moe.toml [--section.key value ...]
 torchrun --nproc_per_node N train.py --config ...
 python train.py --config ... --dry-run      # parameter counts on the meta device
+python train.py --config ... --print-config # the resolved config as TOML; --help lists every key
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from parallelisms.parallelize import ModelParts, parallelize
 from trainer.accounting import RunAccounting
 from trainer.allocator import reuse_freed_host_memory
 from trainer.config import Config, ConfigError, check_world_size, fault_plan, load_config
+from trainer.config_help import help_text, to_toml
 from trainer.data import DataError, TokenBatches, build_data, make_loader
 from trainer.dense_checkpoint import CheckpointError, check_save_target, load_dense, save_dense
 from trainer.fault_injection import KillSwitch, arm_kill
@@ -50,9 +52,12 @@ STARTUP.mark("imports")
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, epilog=help_text(), formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--config", required=True, help="TOML file under train_configs/")
     parser.add_argument("--dry-run", action="store_true", help="print parameter counts and exit")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
     return parser.parse_known_args(argv)
 
 
@@ -344,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = load_config(args.config, overrides)
+        if args.print_config:
+            print(to_toml(cfg), end="")
+            return 0
         if args.dry_run:
             total, active = count_params(cfg.model)
             print(f"params total={total} active={active}")

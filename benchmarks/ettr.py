@@ -135,19 +135,25 @@ def plot(out: Path, results: dict, runs: dict, none_iteration_s: float, mtbf_ite
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from simulator.colours import colour
+
     mtbfs = [10 * 1.1**i for i in range(50)]
     fig, ax = plt.subplots(figsize=(6, 4))
     for s, r in results.items():
         if s == "none":
             continue
-        curve = [steady_ettr(r["overhead"], r["recovery_per_failure_s"], m * none_iteration_s) for m in mtbfs]
-        (line,) = ax.plot(mtbfs, curve, label=s)
-        ax.plot([mtbf_iters], [r["ettr"]], "o", color=line.get_color())
+        # A negative measured overhead is noise against the references, not a gain: the curve uses 0
+        # (the legend says so) and ETTR is never drawn above 1.
+        overhead = max(0.0, r["overhead"])
+        curve = [min(1.0, steady_ettr(overhead, r["recovery_per_failure_s"], m * none_iteration_s)) for m in mtbfs]
+        label = s if r["overhead"] >= 0 else f"{s} (overhead {r['overhead']:+.3f} drawn as 0)"
+        ax.plot(mtbfs, curve, label=label, color=colour(s))
+        ax.plot([mtbf_iters], [min(1.0, r["ettr"])], "o", color=colour(s))
     ax.set(
         xscale="log",
         xlabel="MTBF (iterations)",
         ylabel="ETTR",
-        ylim=(0, 1.02),
+        ylim=(0, 1.0),
         title="ETTR vs MTBF (lines: measured costs; dots: measured runs)",
     )
     ax.legend()
@@ -161,7 +167,7 @@ def plot(out: Path, results: dict, runs: dict, none_iteration_s: float, mtbf_ite
             high = max(high, int(r["step"]))
             xs.append(r["wall_s"])
             ys.append(high * batch)
-        ax.plot(xs, ys, label=s)
+        ax.plot(xs, ys, label=s, color=colour(s))
     ax.set(xlabel="wall time (s)", ylabel="samples trained (excl. recomputed)", title="Goodput over time")
     ax.legend()
     fig.tight_layout()

@@ -258,11 +258,14 @@ def plot(path: Path, rows: dict[str, dict], schedule: list[tuple[int, int]]) -> 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from simulator.colours import colour
+
     fig, (ax, diff) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=[2, 1])
     ref = rows["none"]["val"]
     for i, (s, r) in enumerate(rows.items()):
         steps = sorted(r["val"])
         style = {"lw": 2.5, "alpha": 0.5} if s == "none" else {"ls": "--", "marker": "ox+s^"[i % 5], "ms": 5}
+        style["color"] = colour(s)
         ax.plot(steps, [r["val"][t] for t in steps], label=s, **style)
         diff.plot(steps, [r["val"][t] - ref[t] for t in steps], label=s, **style)
     for n, (t, rank) in enumerate(schedule):

@@ -14,29 +14,29 @@ class ModelArgs:
       - ``gpt``: routed experts only (no shared expert).
     """
 
-    family: str = "deepseek"
-    vocab_size: int = 260
-    dim: int = 64
-    n_layers: int = 2
-    n_heads: int = 4
+    family: str = "deepseek"  # deepseek | qwen | gpt (see the class docstring)
+    vocab_size: int = 260  # tokens in the vocabulary (260: bytes + specials)
+    dim: int = 64  # hidden size
+    n_layers: int = 2  # transformer blocks
+    n_heads: int = 4  # attention heads
     n_kv_heads: int = 0  # 0 means n_heads (plain multi-head attention)
-    qkv_bias: bool = False
-    rope_theta: float = 10000.0
-    norm_eps: float = 1e-6
-    max_seq_len: int = 4096
-    dropout: float = 0.0
-    tie_embeddings: bool = False
+    qkv_bias: bool = False  # bias on the query, key and value projections (Qwen)
+    rope_theta: float = 10000.0  # rotary embedding base
+    norm_eps: float = 1e-6  # RMSNorm epsilon
+    max_seq_len: int = 4096  # longest sequence the rotary tables cover
+    dropout: float = 0.0  # dropout probability (seeded per iteration, micro-batch and rank)
+    tie_embeddings: bool = False  # share the input embedding and output head
     # Dense FFN layers (the first n_dense_layers layers; DeepSeek keeps layer 0 dense).
     n_dense_layers: int = 0
-    dense_hidden_dim: int = 256
+    dense_hidden_dim: int = 256  # hidden size of the dense FFN layers
     # Mixture of experts.
-    n_routed_experts: int = 8
-    n_shared_experts: int = 0
-    expert_hidden_dim: int = 64
-    shared_expert_hidden_dim: int = 64
-    top_k: int = 2
-    norm_topk_prob: bool = False
-    aux_loss_coef: float = 0.01
+    n_routed_experts: int = 8  # routed experts per MoE layer
+    n_shared_experts: int = 0  # always-on shared experts per MoE layer (deepseek)
+    expert_hidden_dim: int = 64  # hidden size of a routed expert
+    shared_expert_hidden_dim: int = 64  # hidden size of a shared expert
+    top_k: int = 2  # routed experts per token
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
+    aux_loss_coef: float = 0.01  # weight of the load-balancing loss
     capacity_factor: float = 0.0  # 0 disables capacity dropping
     moe_every: int = 1  # after the dense layers, every moe_every-th layer is MoE (others dense)
 

@@ -21,7 +21,7 @@ def apply_fsdp(part: torch.nn.Module, dims: ParallelDims, mixed_precision: str) 
     of `mixed_precision` dtype; gradients are reduced and kept in FP32.
     """
     policy = MixedPrecisionPolicy(param_dtype=DTYPES[mixed_precision], reduce_dtype=torch.float32)
-    dp_mesh, dp = dims.mesh["dp"], dims.cfg.dp
+    dp_mesh, dp = dims.dp_mesh, dims.cfg.dp
     for block in part.layers.values():
         if dims.cfg.ep > 1 and getattr(block, "moe", None) is not None:
             for expert in block.moe.experts.values():

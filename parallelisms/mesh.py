@@ -32,6 +32,7 @@ class ParallelDims:
     """This rank's coordinates in the (pp, dp) grid and its sub-meshes."""
 
     mesh: DeviceMesh
+    dp_mesh: DeviceMesh  # the flattened (edp, ep) dimension, kept here: slicing it from `mesh` is deprecated
     cfg: ParallelismConfig
     device: torch.device  # where this rank computes (cpu, or its cuda device)
 
@@ -41,10 +42,10 @@ class ParallelDims:
 
     @property
     def dp_rank(self) -> int:
-        return self.mesh["dp"].get_local_rank()
+        return self.dp_mesh.get_local_rank()
 
     def group(self, dim: str):
-        return self.mesh[dim].get_group()
+        return (self.dp_mesh if dim == "dp" else self.mesh[dim]).get_group()
 
 
 def build_mesh(cfg: ParallelismConfig, device_type: str) -> ParallelDims:
@@ -55,6 +56,7 @@ def build_mesh(cfg: ParallelismConfig, device_type: str) -> ParallelDims:
     mesh = init_device_mesh(
         device_type, (cfg.pp, cfg.dp // cfg.ep, cfg.ep), mesh_dim_names=dims, backend_override=bounded
     )
-    mesh["edp", "ep"]._flatten("dp", backend_override=bounded_backend())
+    # torch 2.13 has no public flatten; TorchTitan uses the same private call.
+    dp_mesh = mesh["edp", "ep"]._flatten("dp", backend_override=bounded_backend())
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
-    return ParallelDims(mesh, cfg, device)
+    return ParallelDims(mesh, dp_mesh, cfg, device)

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from simulator.cluster import GB, Preset
+from simulator.colours import colour
 from simulator.presets import PAPER_PRESETS
 from simulator.strategies import Scenario, simulate
 
@@ -122,7 +123,7 @@ def plot_study(rows: Sequence[StudyRow], path: Path) -> None:
         mine = [r for r in rows if r.preset == name]
         for i, strategy in enumerate(STUDY_STRATEGIES):
             xs = [j + (i - (len(STUDY_STRATEGIES) - 1) / 2) * width for j in range(len(mine))]
-            ax.bar(xs, [r.ettr[strategy] for r in mine], width, label=strategy)
+            ax.bar(xs, [r.ettr[strategy] for r in mine], width, label=strategy, color=colour(strategy))
             for x, r in zip(xs, mine):
                 reported = PAPER_REPORTED.get((name, r.mtbf_min), {}).get(strategy)
                 if reported is not None:

@@ -61,3 +61,41 @@ def test_missing_file_and_bad_toml(tmp_path):
         load_config(str(tmp_path / "absent.toml"))
     with pytest.raises(ConfigError, match="invalid TOML"):
         load_config(write(tmp_path, "[training\n"))
+
+
+def test_help_lists_every_key_with_type_default_and_doc():
+    """`train.py --help` names every key of every config dataclass under its section, with a doc."""
+    import dataclasses
+    import re
+    import subprocess
+    import sys
+
+    from trainer.config import Config
+
+    out = subprocess.run(
+        [sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    sections = dict(re.findall(r"^  \[(\w+)\]\n((?:    .*\n?)+)", out, re.M))
+    cfg = Config()
+    assert list(sections) == [f.name for f in dataclasses.fields(cfg)]
+    for section in dataclasses.fields(cfg):
+        listed = re.findall(r"^    (\w+) \((\w+), default (.*?)\)(?:: (.+))?$", sections[section.name], re.M)
+        fields = dataclasses.fields(getattr(cfg, section.name))
+        assert [name for name, *_ in listed] == [f.name for f in fields], section.name
+        assert all(doc for *_, doc in listed), section.name  # every key has a one-line doc
+
+
+def test_print_config_reloads_into_the_same_config(tmp_path):
+    """`--print-config` prints the resolved config (file + overrides) as TOML that loads back equal."""
+    import subprocess
+    import sys
+
+    overrides = ["--training.lr", "0.01", "--job.name", 'quote" and \\ back', "--fault.timeout_s", "2.5e-3"]
+    out = subprocess.run(
+        [sys.executable, "train.py", "--config", DEBUG_CONFIG, *overrides, "--print-config"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert load_config(write(tmp_path, out)) == load_config(str(ROOT / DEBUG_CONFIG), overrides)

@@ -76,8 +76,9 @@ def test_bf16_mixed_precision_is_deterministic_and_differs_from_fp32():
 
 def test_cpu_cost_line_accounts_for_every_checkpointing_activity(tmp_path):
     """Each rank of a pipeline run with snapshots, replication, upstream logs and disk persistence reports
-    CPU time for every activity, and the activities fit inside the process's CPU time."""
-    out = train(
+    CPU time for every activity, and the activities fit inside the process's CPU time. A normal run warns
+    about nothing (no `UserWarning` from the mesh or elsewhere on either rank)."""
+    proc = train(
         "--training.steps",
         "8",
         "--parallelism.pp",
@@ -93,7 +94,9 @@ def test_cpu_cost_line_accounts_for_every_checkpointing_activity(tmp_path):
         "--metrics.cpu_cost",
         "true",
         nproc=2,
-    ).stdout
+    )
+    out = proc.stdout
+    assert "Warning" not in proc.stderr, proc.stderr
     lines = re.findall(r"^cpu_cost (.*)$", out, re.M)
     costs = {
         int(c["rank"]): c for c in ({k: float(v) for k, v in (f.split("=") for f in line.split())} for line in lines)

@@ -31,8 +31,8 @@ class ConfigError(ValueError):
 
 @dataclass
 class JobConfig:
-    name: str = "moe"
-    seed: int = 0
+    name: str = "moe"  # names the run: its host state, checkpoints and events
+    seed: int = 0  # seeds the initial weights, data order and dropout
     output_dir: str = "outputs"  # TensorBoard events go to <output_dir>/<name>/tb
 
 
@@ -42,23 +42,23 @@ class TrainingConfig:
     stop_at: int = 0  # stop after this iteration, e.g. to save mid-run (0: run all steps)
     batch_size: int = 8  # global batch, in sequences
     micro_batches: int = 1  # gradient accumulation steps per iteration
-    seq_len: int = 128
-    lr: float = 3e-4
-    min_lr: float = 3e-5
-    warmup_steps: int = 10
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
+    seq_len: int = 128  # tokens per sequence
+    lr: float = 3e-4  # peak learning rate (AdamW)
+    min_lr: float = 3e-5  # learning rate at the end of the cosine decay
+    warmup_steps: int = 10  # linear warm-up iterations
+    weight_decay: float = 0.1  # AdamW weight decay
+    beta1: float = 0.9  # AdamW beta1
+    beta2: float = 0.95  # AdamW beta2
+    eps: float = 1e-8  # AdamW epsilon
     max_grad_norm: float = 1.0  # 0 disables clipping
     mixed_precision: str = "fp32"  # fp32 | bf16 (FP32 master weights, bf16 compute weights)
     # CPU bf16 matrix products: native bf16 kernels, or SGEMM on the bf16 operands (fp32 accumulation,
     # 15x faster on CPUs without bf16 instructions); auto: fp32 unless the CPU has AVX512-BF16 / AMX
-    cpu_bf16_gemm: str = "auto"  # auto | native | fp32
+    cpu_bf16_gemm: str = "auto"
     cpu_reuse_memory: bool = True  # CPU: keep freed large blocks in the heap (trainer/allocator.py)
     val_every: int = 0  # 0 disables validation
-    val_batches: int = 4
-    deterministic: bool = True
+    val_batches: int = 4  # batches per validation
+    deterministic: bool = True  # deterministic algorithms (bit-exact recovery needs them)
 
 
 @dataclass
@@ -83,7 +83,7 @@ class CheckpointConfig:
     host_dir: str = ""  # owner-only shared-memory directory for snapshots and replicas ("": /dev/shm/moevement-<uid>)
     keep_host_state: bool = False  # keep snapshots in host memory after a clean finish
     persist_dir: str = ""  # also write every `persist_every`-th persisted checkpoint to <persist_dir>/<job.name>
-    persist_every: int = 1
+    persist_every: int = 1  # write every N-th persisted checkpoint to persist_dir
     profile_iters: int = 2  # iterations measured before the first window
     reprofile_every: int = 0  # re-measure the copy bandwidth every N windows (0: only at start-up)
     # Interval baselines (gemini, checkfreq, moc)
@@ -112,8 +112,8 @@ class FaultConfig:
 
 @dataclass
 class MetricsConfig:
-    log_every: int = 1
-    tensorboard: bool = True
+    log_every: int = 1  # print a step line every N iterations
+    tensorboard: bool = True  # write TensorBoard events
     progress: bool = True  # progress bar on an interactive console
     cpu_cost: bool = False  # each rank prints the CPU seconds of its checkpointing activities at the end
 

@@ -51,9 +51,9 @@ class DataError(ValueError):
 class DataConfig:
     """The ``[data]`` section of the training config."""
 
-    dataset: str = "wikitext-2"
-    hub_config: str = ""
-    train_split: str = "valid"
+    dataset: str = "wikitext-2"  # a name under the data directory, a local file or directory, or a Hub id
+    hub_config: str = ""  # configuration name of a Hub dataset
+    train_split: str = "valid"  # split trained on
     val_split: str = "test"  # "" = no validation data
     text_field: str = "text"  # column of json/jsonl/parquet/hub rows; ignored for .txt files
     tokenizer: str = "byte"  # "byte" or a path to a tokenizer.json
