@@ -44,6 +44,7 @@ from trainer.fault_tolerance import build_strategy, host_job_dir, torchrun_gener
 from trainer.identity import IdentityError
 from trainer.metrics import MetricsLogger
 from trainer.optim import build_optimizer
+from trainer.run_record import open_run_record
 from trainer.state import consolidated_training_state, state_digest
 from trainer.step import DropoutSeeder, evaluate, set_aux_grad_scale, take_expert_load, train_step
 from trainer.survival import StopGuard, keep_state_and_exit, peer_failure
@@ -194,13 +195,16 @@ def setup(cfg: Config) -> tuple[Job, int, float]:
     STARTUP.mark("model")
     seeder = DropoutSeeder(model, cfg.job.seed, dims.dp_rank)
     step, loss = resume_dense(cfg, model, optimizer, rank)
-    logger = MetricsLogger(cfg, rank, first_step=step + 1)
+    run_dir, continued = open_run_record(cfg, world, sys.argv) if rank == 0 else (None, False)
+    logger = MetricsLogger(cfg, rank, dims.pp_rank, run_dir, continued)
+    logger.line(f"run: {run_dir}" + (" (continued by this torchrun restart)" if continued else ""))
     ft = build_strategy(cfg, model, optimizer, dims, seeder, train_batches, logger.line)
     STARTUP.mark("strategy")
     optimizer.register_step_pre_hook(guard.optimizer_step_begins)  # after the checkpointer's copy wait
     faults = fault_plan(cfg, world)
     kill = arm_kill(faults, rank, model, optimizer, guard, seeder, cfg.fault.kill_signal)
     step, loss = ft.resume(step, loss)
+    logger.start(step + 1)
     val_data = (
         []
         if val_batches is None
@@ -253,16 +257,7 @@ def iteration(job: Job, step: int, inputs: torch.Tensor, labels: torch.Tensor, s
     job.accounting.iteration(step, elapsed)  # before `done`: a rank stopped there keeps iteration `step` done
     job.guard.done(step)
     job.kill.at("replication")
-    scalars.update(ft.metrics())
-    job.logger.step(
-        step,
-        {
-            **scalars,
-            "tok_per_s": cfg.training.batch_size * cfg.training.seq_len / elapsed,
-            "wall_s": job.accounting.elapsed(),
-        },
-        tokens,
-    )
+    job.logger.step(step, scalars, ft.metrics(), tokens, elapsed, job.accounting.elapsed())
     if cfg.training.val_every and step % cfg.training.val_every == 0 and job.val_data:
         job.logger.validation(step, evaluate(job.model, job.val_data, job.dims, cfg.training.micro_batches))
     return result.loss

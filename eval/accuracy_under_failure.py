@@ -163,6 +163,8 @@ def train(args: argparse.Namespace, strategy: str, extra: list[str], schedule: l
         strategy,
         "--checkpoint.save_final",
         str(run_dir / "checkpoint"),
+        "--job.output_dir",
+        str(run_dir),  # the run's record: <run_dir>/<job.name>/<timestamp>/
     ]
     if strategy != "none":
         cmd += ["--checkpoint.host_dir", f"{shm}/host", "--checkpoint.persist_dir", f"{shm}/disk"]

@@ -20,8 +20,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from eval.errors import EvalError
-from eval.tasks import DEFAULT_PIQA_DIR, TASKS, parse_task_names
+# Progress bars only on an interactive terminal: lm-eval's own bars (building requests) read this when tqdm
+# is first imported, which is below.
+if not sys.stderr.isatty():
+    os.environ.setdefault("TQDM_DISABLE", "1")
+
+from eval.errors import EvalError  # noqa: E402
+from eval.tasks import DEFAULT_PIQA_DIR, TASKS, parse_task_names  # noqa: E402
 
 RESULTS_FILE = "eval_results.json"
 

@@ -28,6 +28,7 @@ metrics on rank 0 through :meth:`all_gather` / :meth:`gather_object` / :meth:`ba
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -155,7 +156,7 @@ class MoEvementLM(LM):
             if not ctx:  # a context that tokenises to nothing (e.g. all whitespace) -> eos
                 ctx = [self.prefix_token_id]
             seqs.append((ctx + cont, len(cont)))
-        results = self.score_tokens(seqs, desc="loglikelihood", disable_tqdm=disable_tqdm)
+        results = self.score_tokens(seqs, progress=self.progress(requests, disable_tqdm))
         for req, res in zip(requests, results):
             self.cache_hook.add_partial("loglikelihood", req.args, res)
         return results
@@ -165,7 +166,7 @@ class MoEvementLM(LM):
         for (text,) in (req.args for req in requests):
             ids = self.tok_encode(text)
             seqs.append(([self.prefix_token_id] + ids, len(ids)))
-        results = [ll for ll, _ in self.score_tokens(seqs, desc="loglikelihood_rolling", disable_tqdm=disable_tqdm)]
+        results = [ll for ll, _ in self.score_tokens(seqs, progress=self.progress(requests, disable_tqdm))]
         for req, res in zip(requests, results):
             self.cache_hook.add_partial("loglikelihood_rolling", req.args, res)
         return results
@@ -173,13 +174,22 @@ class MoEvementLM(LM):
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         raise NotImplementedError(GENERATE_UNSUPPORTED)
 
+    def progress(self, requests, disable: bool) -> ItemProgress:
+        """A bar over the task items (documents) behind `requests`, on rank 0 of an interactive terminal."""
+        items = [(getattr(r, "task_name", None), getattr(r, "doc_id", n)) for n, r in enumerate(requests)]
+        tasks = sorted({task for task, _ in items if task})
+        label = "eval " + " + ".join(tasks) if tasks else "eval"
+        return ItemProgress(items, label, disable=disable or self.rank != 0 or not sys.stderr.isatty())
+
     # -- scoring -------------------------------------------------------------------
     @torch.inference_mode()
     def score_tokens(
-        self, seqs: Sequence[tuple[Sequence[int], int]], desc: str = "scoring", disable_tqdm: bool = False
+        self, seqs: Sequence[tuple[Sequence[int], int]], progress: ItemProgress | None = None
     ) -> list[tuple[float, bool]]:
         """For each ``(tokens, n_pred)``: (sum of log p(token | tokens before it) over the last
-        ``n_pred`` tokens, whether each of them is the argmax). ``n_pred == 0`` gives ``(0.0, True)``."""
+        ``n_pred`` tokens, whether each of them is the argmax). ``n_pred == 0`` gives ``(0.0, True)``.
+        ``progress`` hears of each sequence scored."""
+        progress = progress or ItemProgress([(None, n) for n in range(len(seqs))], "scoring", disable=True)
         totals = [0.0] * len(seqs)
         greedy = [True] * len(seqs)
         remaining = [0] * len(seqs)
@@ -192,8 +202,8 @@ class MoEvementLM(LM):
                 windows.append((i, tokens[start:end], tokens[end - k + 1 : end + 1]))
                 remaining[i] += 1
         windows.sort(key=lambda w: -len(w[1]))  # longest first: the largest batch runs (or fails) first
-        bar = tqdm(total=len(seqs), desc=desc, unit="req", disable=disable_tqdm or self.rank != 0)
-        bar.update(sum(1 for r in remaining if r == 0))
+        for i in (i for i, r in enumerate(remaining) if r == 0):
+            progress.scored(i)
         for b in range(0, len(windows), self.batch_size):
             batch = windows[b : b + self.batch_size]
             width = len(batch[0][1])
@@ -201,7 +211,6 @@ class MoEvementLM(LM):
             for row, (_, ids, _) in enumerate(batch):
                 inputs[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
             logits = self.model(inputs.to(self._device))
-            done = 0
             for row, (i, ids, targets) in enumerate(batch):
                 n, k = len(ids), len(targets)
                 logprobs = F.log_softmax(logits[row, n - k : n].float(), dim=-1)
@@ -209,9 +218,9 @@ class MoEvementLM(LM):
                 totals[i] += float(logprobs.gather(1, target[:, None]).double().sum())
                 greedy[i] = greedy[i] and bool((logprobs.argmax(dim=-1) == target).all())
                 remaining[i] -= 1
-                done += remaining[i] == 0
-            bar.update(done)
-        bar.close()
+                if remaining[i] == 0:
+                    progress.scored(i)
+        progress.close()
         return list(zip(totals, greedy))
 
     # -- data parallel (lm-eval's evaluator splits documents across ranks) -----------
@@ -262,3 +271,26 @@ def requests_from_pairs(pairs: Iterable[tuple]) -> list:
             self.args = tuple(args)
 
     return [_Request(p) for p in pairs]
+
+
+class ItemProgress:
+    """Counts items, not requests: an item (a task's document) is done when all its requests are scored."""
+
+    def __init__(self, items: Sequence[tuple], label: str, disable: bool):
+        self.item_of = list(items)
+        self.left: dict[tuple, int] = {}
+        for item in self.item_of:
+            self.left[item] = self.left.get(item, 0) + 1
+        self.total, self.done = len(self.left), 0
+        self.bar = tqdm(total=self.total, desc=label, unit="item", disable=disable, dynamic_ncols=True)
+
+    def scored(self, request: int) -> None:
+        """Request number `request` (in the order given) is scored."""
+        item = self.item_of[request]
+        self.left[item] -= 1
+        if self.left[item] == 0:
+            self.done += 1
+            self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()

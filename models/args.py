@@ -14,7 +14,7 @@ class ModelArgs:
       - ``gpt``: routed experts only (no shared expert).
     """
 
-    family: str = "deepseek"  # deepseek | qwen | gpt (see the class docstring)
+    family: str = "deepseek"  # deepseek (routed + shared experts) | qwen (routed + gated shared) | gpt (routed)
     vocab_size: int = 260  # tokens in the vocabulary (260: bytes + specials)
     dim: int = 64  # hidden size
     n_layers: int = 2  # transformer blocks
@@ -26,8 +26,7 @@ class ModelArgs:
     max_seq_len: int = 4096  # longest sequence the rotary tables cover
     dropout: float = 0.0  # dropout probability (seeded per iteration, micro-batch and rank)
     tie_embeddings: bool = False  # share the input embedding and output head
-    # Dense FFN layers (the first n_dense_layers layers; DeepSeek keeps layer 0 dense).
-    n_dense_layers: int = 0
+    n_dense_layers: int = 0  # leading layers with a dense FFN instead of MoE (DeepSeek: 1)
     dense_hidden_dim: int = 256  # hidden size of the dense FFN layers
     # Mixture of experts.
     n_routed_experts: int = 8  # routed experts per MoE layer
@@ -37,7 +36,7 @@ class ModelArgs:
     top_k: int = 2  # routed experts per token
     norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
     aux_loss_coef: float = 0.01  # weight of the load-balancing loss
-    capacity_factor: float = 0.0  # 0 disables capacity dropping
+    capacity_factor: float = 0.0  # > 0: drop assignments beyond ceil(cf*T*K/E) per expert (0: none)
     moe_every: int = 1  # after the dense layers, every moe_every-th layer is MoE (others dense)
 
     def is_moe_layer(self, layer_id: int) -> bool:

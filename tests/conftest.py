@@ -4,18 +4,26 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DEBUG_CONFIG = "train_configs/debug_moe.toml"
+# Run records of the suite's runs (`job.output_dir`, unless a test names its own): outside the checkout.
+RUN_OUTPUTS = Path(tempfile.mkdtemp(prefix="moevement-test-runs-"))
 
 
 def pytest_addoption(parser):
     parser.addoption("--runslow", action="store_true", default=False, help="run slow multi-process tests")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(RUN_OUTPUTS, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -37,7 +45,10 @@ def run_cli(
 ) -> subprocess.CompletedProcess:
     """Run `train.py` (under torchrun, with `torchrun` options, when nproc > 1) and return the finished process.
 
-    `env` adds to (or overrides) the inherited environment."""
+    `env` adds to (or overrides) the inherited environment. Run records go to RUN_OUTPUTS unless `args`
+    name a `job.output_dir`."""
+    if not any(a.startswith("--job.output_dir") for a in args):
+        args = (*args, "--job.output_dir", str(RUN_OUTPUTS))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *torchrun]

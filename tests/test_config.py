@@ -99,3 +99,10 @@ def test_print_config_reloads_into_the_same_config(tmp_path):
         check=True,
     ).stdout
     assert load_config(write(tmp_path, out)) == load_config(str(ROOT / DEBUG_CONFIG), overrides)
+
+
+def test_the_key_reference_in_the_docs_is_generated_from_the_dataclasses():
+    """docs/configuration.md lists every key as `python -m trainer.config_help` generates it."""
+    from trainer.config_help import REFERENCE, generated_block, markdown_tables
+
+    assert generated_block(REFERENCE.read_text()) == markdown_tables(), "run: python -m trainer.config_help"

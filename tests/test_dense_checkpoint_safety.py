@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import DEBUG_CONFIG, ROOT, final_line, run_cli, step_losses
+from tests.conftest import DEBUG_CONFIG, ROOT, RUN_OUTPUTS, final_line, run_cli, step_losses
 from trainer.config import load_config
 
 QUIET = ["--metrics.tensorboard", "false", "--metrics.log_every", "1", "--training.val_every", "0"]
@@ -124,6 +124,7 @@ def test_interrupted_save_looks_incomplete_and_only_it_is_cleaned(tmp_path):
         "sys.argv = sys.argv[1:]; runpy.run_path('train.py', run_name='__main__')"
     )
     args = ["train.py", "--config", DEBUG_CONFIG, *QUIET, "--training.steps", "1", "--checkpoint.save_final", str(ckpt)]
+    args += ["--job.output_dir", str(RUN_OUTPUTS)]
     killed = subprocess.run(
         [sys.executable, "-c", script, *args],
         cwd=ROOT,

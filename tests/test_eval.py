@@ -328,6 +328,7 @@ def test_torchrun_two_ranks_match_single_process(checkpoint, tmp_path):
         )
         assert proc.returncode == 0, proc.stderr
         assert len(LINE.findall(proc.stdout)) == 1, proc.stdout
+        assert "\r" not in proc.stderr and "it/s" not in proc.stderr, proc.stderr  # no bars in a redirected log
         results = json.loads(out.read_text())
         scores[nproc] = (
             results["results"]["piqa"]["acc,none"],
@@ -335,3 +336,18 @@ def test_torchrun_two_ranks_match_single_process(checkpoint, tmp_path):
             results["n-samples"]["piqa"]["effective"],
         )
     assert scores[1] == scores[2]
+
+
+def test_progress_counts_items_not_requests():
+    """A PIQA item is 2 requests, a HellaSwag item 4: the bar advances when an item's last request is scored."""
+    from eval.model import ItemProgress
+
+    requests = [("piqa", 0), ("piqa", 0), ("hellaswag", 0), ("piqa", 1), ("hellaswag", 0), ("piqa", 1)]
+    progress = ItemProgress(requests, "eval hellaswag + piqa", disable=True)
+    assert progress.total == 3
+    for n in (0, 1, 2, 3):
+        progress.scored(n)
+    assert progress.done == 1  # piqa 0 done; hellaswag 0 and piqa 1 have a request left
+    progress.scored(5)
+    progress.scored(4)
+    assert progress.done == 3

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import DEBUG_CONFIG, ROOT, final_line, run_cli, step_losses
+from tests.conftest import DEBUG_CONFIG, ROOT, RUN_OUTPUTS, final_line, run_cli, step_losses
 
 BASE = [
     "--config",
@@ -164,7 +164,7 @@ def test_second_live_job_is_refused_and_clean_keeps_it(tmp_path):
     clean tool keeps a live job's state and removes a dead one's."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     long_run = ["--training.steps", "120", "--metrics.log_every", "1"]
-    cmd = [sys.executable, "train.py", *BASE, *host(tmp_path), *long_run]
+    cmd = [sys.executable, "train.py", *BASE, *host(tmp_path), *long_run, "--job.output_dir", str(RUN_OUTPUTS)]
     first = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _wait_for_line(first, "step=3 ")
@@ -235,6 +235,7 @@ def test_sigterm_to_torchrun_then_relaunch_resumes(tmp_path):
         *BASE,
         *pp2,
         *host(tmp_path),
+        *("--job.output_dir", str(RUN_OUTPUTS)),
     ]
     agent = subprocess.Popen(
         launch, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True

@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from moevement.failures import TRAINING_PHASES
-from tests.conftest import ROOT, final_line, run_cli, step_losses
+from tests.conftest import ROOT, RUN_OUTPUTS, final_line, run_cli, step_losses
 from tests.test_recovery import BASE, INTERLEAVED, MOEVEMENT, PP2_DP2_EP2_BF16, PP4, WORK, baseline
 
 PP2 = ["--parallelism.pp", "2"]
@@ -280,7 +280,7 @@ def test_a_restarted_baseline_refuses_a_window_of_another_run(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     lines = []
     with subprocess.Popen(
-        [*cmd, "train.py", *args, "--fault.kill", "9:1:backward"],
+        [*cmd, "train.py", *args, "--fault.kill", "9:1:backward", "--job.output_dir", str(RUN_OUTPUTS)],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,

@@ -33,7 +33,7 @@ class ConfigError(ValueError):
 class JobConfig:
     name: str = "moe"  # names the run: its host state, checkpoints and events
     seed: int = 0  # seeds the initial weights, data order and dropout
-    output_dir: str = "outputs"  # TensorBoard events go to <output_dir>/<name>/tb
+    output_dir: str = "outputs"  # each run's record and TensorBoard events go to <output_dir>/<name>/<timestamp>/
 
 
 @dataclass
@@ -50,13 +50,13 @@ class TrainingConfig:
     beta1: float = 0.9  # AdamW beta1
     beta2: float = 0.95  # AdamW beta2
     eps: float = 1e-8  # AdamW epsilon
-    max_grad_norm: float = 1.0  # 0 disables clipping
+    max_grad_norm: float = 1.0  # global gradient-norm clipping (0: off)
     mixed_precision: str = "fp32"  # fp32 | bf16 (FP32 master weights, bf16 compute weights)
     # CPU bf16 matrix products: native bf16 kernels, or SGEMM on the bf16 operands (fp32 accumulation,
     # 15x faster on CPUs without bf16 instructions); auto: fp32 unless the CPU has AVX512-BF16 / AMX
     cpu_bf16_gemm: str = "auto"
     cpu_reuse_memory: bool = True  # CPU: keep freed large blocks in the heap (trainer/allocator.py)
-    val_every: int = 0  # 0 disables validation
+    val_every: int = 0  # validation loss every N iterations (0: none)
     val_batches: int = 4  # batches per validation
     deterministic: bool = True  # deterministic algorithms (bit-exact recovery needs them)
 
@@ -113,7 +113,8 @@ class FaultConfig:
 @dataclass
 class MetricsConfig:
     log_every: int = 1  # print a step line every N iterations
-    tensorboard: bool = True  # write TensorBoard events
+    tensorboard: bool = True  # write TensorBoard events into the run folder
+    tensorboard_every: int = 10  # every N iterations, every stage's expert load and snapshot figures
     progress: bool = True  # progress bar on an interactive console
     cpu_cost: bool = False  # each rank prints the CPU seconds of its checkpointing activities at the end
 
@@ -275,6 +276,8 @@ def validate(cfg: Config) -> None:
     _validate_checkpoint(cfg.checkpoint)
     _validate_fault(cfg)
     _check(cfg.metrics.log_every >= 1, "metrics.log_every", f"must be >= 1, got {cfg.metrics.log_every}")
+    every = cfg.metrics.tensorboard_every
+    _check(every >= 1, "metrics.tensorboard_every", f"must be >= 1, got {every}")
 
 
 def _validate_checkpoint(c: CheckpointConfig) -> None:

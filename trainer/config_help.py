@@ -9,10 +9,12 @@ import inspect
 import io
 import json
 import math
+import re
 import textwrap
 import tokenize
 import typing
 from dataclasses import dataclass
+from pathlib import Path
 
 from trainer.config import CHOICES, Config
 
@@ -105,3 +107,32 @@ def toml_value(value: object) -> str:
     if isinstance(value, int | float):
         return repr(value)
     return json.dumps(str(value))
+
+
+def markdown_tables() -> str:
+    """Every section as a Markdown table (key, type, default, doc): the key reference of docs/configuration.md."""
+    out, section = [], None
+    for k in config_keys():
+        name, _, _ = k.key.partition(".")
+        if name != section:
+            out += [*([""] if section else []), f"### `[{name}]`", "", "| key | type | default | meaning |"]
+            out.append("|---|---|---|---|")
+            section = name
+        doc = k.doc.replace("|", "\\|").replace("<", "\\<")
+        out.append(f"| `{k.key}` | {k.type} | `{toml_value(k.default)}` | {doc} |")
+    return "\n".join(out) + "\n"
+
+
+GENERATED = re.compile(r"(<!-- BEGIN GENERATED KEYS -->\n)(.*?)(<!-- END GENERATED KEYS -->)", re.S)
+REFERENCE = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
+
+
+def generated_block(text: str) -> str:
+    """The generated key tables inside a document's markers ("" without markers)."""
+    m = GENERATED.search(text)
+    return m[2] if m else ""
+
+
+if __name__ == "__main__":  # rewrite the key tables of docs/configuration.md
+    REFERENCE.write_text(GENERATED.sub(lambda m: m[1] + markdown_tables() + m[3], REFERENCE.read_text()))
+    print(f"updated {REFERENCE}")

@@ -53,8 +53,8 @@ class DataConfig:
 
     dataset: str = "wikitext-2"  # a name under the data directory, a local file or directory, or a Hub id
     hub_config: str = ""  # configuration name of a Hub dataset
-    train_split: str = "valid"  # split trained on
-    val_split: str = "test"  # "" = no validation data
+    train_split: str = "valid"  # split trained on (a file stem in a local directory)
+    val_split: str = "test"  # split validated on ("": no validation data)
     text_field: str = "text"  # column of json/jsonl/parquet/hub rows; ignored for .txt files
     tokenizer: str = "byte"  # "byte" or a path to a tokenizer.json
     num_workers: int = 0  # StatefulDataLoader worker processes (0 = main process)

@@ -1,4 +1,4 @@
-"""Console lines, progress bar and TensorBoard scalars (rank 0 only)."""
+"""Console lines and progress bar (rank 0), TensorBoard events (rank 0 writes, every rank contributes)."""
 
 from __future__ import annotations
 
@@ -9,24 +9,45 @@ import torch
 from tqdm import tqdm
 
 from trainer.config import Config
+from trainer.tensorboard import StageGather, TensorBoardEvents
 
 
 class MetricsLogger:
-    """Prints the `step=` lines checks parse and mirrors them to TensorBoard."""
+    """Prints the `step=` lines checks parse and mirrors them to TensorBoard.
 
-    def __init__(self, cfg: Config, rank: int, first_step: int):
+    `run_dir` (rank 0's run folder, None elsewhere) receives the events; `continued` when it continues an
+    earlier torchrun generation's folder, whose events from the first iteration this process runs on are
+    then dropped (TensorBoard's purge)."""
+
+    def __init__(self, cfg: Config, rank: int, stage: int, run_dir: Path | None, continued: bool = False):
+        self.cfg, self.rank, self.stage = cfg, rank, stage
+        self.run_dir, self.continued = run_dir, continued
         self.enabled = rank == 0
         self.log_every = cfg.metrics.log_every
+        self.bar = tqdm(disable=True)  # until `start`: lines printed before go straight to stdout
+        self.events = None
+
+    def start(self, first_step: int) -> None:
+        """Training starts (or resumes) at iteration `first_step`: the progress bar and TensorBoard begin."""
+        cfg = self.cfg
         show_bar = self.enabled and cfg.metrics.progress and sys.stderr.isatty()
         self.bar = tqdm(
-            total=cfg.training.steps, initial=first_step - 1, disable=not show_bar, dynamic_ncols=True, unit="step"
+            total=cfg.training.steps,
+            initial=first_step - 1,
+            disable=not show_bar,
+            dynamic_ncols=True,
+            desc="train",
+            unit="step",
         )
-        self.writer = None
-        if self.enabled and cfg.metrics.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            log_dir = Path(cfg.job.output_dir) / cfg.job.name / "tb"
-            self.writer = SummaryWriter(log_dir=str(log_dir))
+        if cfg.metrics.tensorboard:
+            gather = StageGather(cfg.model.n_layers, cfg.model.n_routed_experts, cfg.parallelism.pp, self.stage)
+            self.events = TensorBoardEvents(
+                self.run_dir if self.enabled else None,
+                first_step if self.continued else None,
+                cfg.metrics.tensorboard_every,
+                gather,
+                snapshots=cfg.checkpoint.strategy != "none",
+            )
 
     def line(self, text: str) -> None:
         if self.enabled:
@@ -35,31 +56,40 @@ class MetricsLogger:
             else:
                 self.bar.write(text)
 
-    def step(self, step: int, scalars: dict[str, float], expert_load: dict[str, torch.Tensor]) -> None:
-        """Log iteration `step` (1-based): `step=<n> loss=<float> key=value ...`."""
+    def step(
+        self,
+        step: int,
+        scalars: dict[str, float],
+        snapshot: dict[str, float],
+        tokens: dict[str, torch.Tensor],
+        elapsed_s: float,
+        wall_s: float,
+    ) -> None:
+        """Log iteration `step` (1-based), which took `elapsed_s`, `wall_s` into the run:
+        `step=<n> loss=<float> ...` with the training scalars, this rank's snapshot figures, `tok_per_s` and
+        `wall_s`. Every rank calls it (the TensorBoard gather is collective)."""
+        t = self.cfg.training
+        rates = {"tok_per_s": t.batch_size * t.seq_len / elapsed_s, "wall_s": wall_s}
+        if self.events is not None:
+            self.events.step(step, {**scalars, **rates}, tokens, snapshot)
         if not self.enabled:
             return
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{scalars['loss']:.4f}")
         if step % self.log_every == 0:
-            fields = " ".join(f"{k}={_fmt(v)}" for k, v in scalars.items())
+            fields = " ".join(f"{k}={_fmt(v)}" for k, v in {**scalars, **snapshot, **rates}.items())
             self.line(f"step={step} {fields}")
-        if self.writer is not None:
-            for key, value in scalars.items():
-                self.writer.add_scalar(f"train/{key}", value, step)
-            for layer, counts in expert_load.items():
-                self.writer.add_histogram(f"expert_load/{layer}", counts.float(), step)
 
     def validation(self, step: int, loss: float) -> None:
         if self.enabled:
             self.line(f"validation step={step} val_loss={loss:.6f}")
-            if self.writer is not None:
-                self.writer.add_scalar("val/loss", loss, step)
+        if self.events is not None:
+            self.events.validation(step, loss)
 
     def close(self) -> None:
         self.bar.close()
-        if self.writer is not None:
-            self.writer.close()
+        if self.events is not None:
+            self.events.close()
 
 
 def _fmt(value: float) -> str:

@@ -1,0 +1,61 @@
+"""A run's record and TensorBoard events, from real train.py processes: one folder per run, a config that
+loads back, every pipeline stage's expert load and snapshot figures, no warnings."""
+
+import json
+import re
+
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from tests.conftest import DEBUG_CONFIG, ROOT, run_cli
+from trainer.config import load_config
+
+QUIET = ["--metrics.log_every", "1", "--training.val_every", "0"]
+
+
+def events(folder):
+    accumulator = EventAccumulator(str(folder), size_guidance={"scalars": 0, "images": 0})
+    accumulator.Reload()
+    return accumulator
+
+
+def test_two_runs_of_one_job_write_two_folders_with_a_config_that_loads_back(tmp_path):
+    overrides = ["--training.steps", "2", "--training.lr", "0.002", "--job.output_dir", str(tmp_path)]
+    outs = [run_cli("--config", DEBUG_CONFIG, *QUIET, *overrides).stdout for _ in range(2)]
+    folders = sorted((tmp_path / "debug_moe").iterdir())
+    assert len(folders) == 2, folders
+    for folder, out in zip(folders, outs):
+        assert f"run: {folder}" in out
+        assert load_config(str(folder / "config.toml")) == load_config(str(ROOT / DEBUG_CONFIG), [*QUIET, *overrides])
+        record = json.loads((folder / "run.json").read_text())
+        assert "--training.lr 0.002" in record["command"] and record["torch"] == torch.__version__
+        assert record["layout"] == {"pp": 1, "dp": 1, "ep": 1} and record["world_size"] == 1
+        if (ROOT / ".git").exists():
+            assert re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", record["git_commit"] or ""), record
+        assert [e.step for e in events(folder).Scalars("train/loss")] == [1, 2]  # each run its own steps
+
+
+def test_tensorboard_shows_every_stage_and_a_normal_run_warns_about_nothing(tmp_path):
+    """pp=2: rank 0's events hold the expert load of both stages' MoE layers (layers 1 and 2 of the debug
+    model, one per stage) as per-layer scalars and a heatmap, and each stage's snapshot figures."""
+    proc = run_cli(
+        "--config",
+        DEBUG_CONFIG,
+        *QUIET,
+        *("--training.steps", "4", "--parallelism.pp", "2", "--metrics.tensorboard_every", "2"),
+        *("--checkpoint.strategy", "moevement", "--checkpoint.window", "2"),
+        *("--checkpoint.host_dir", str(tmp_path / "shm"), "--job.output_dir", str(tmp_path)),
+        nproc=2,
+        env={"PYTHONWARNINGS": "error::UserWarning"},
+    )
+    assert "Warning" not in proc.stderr, proc.stderr
+    (folder,) = (tmp_path / "debug_moe").iterdir()
+    tb = events(folder)
+    for layer in (1, 2):
+        loads = tb.Scalars(f"expert_load/layer_{layer}_max_over_mean")
+        assert [e.step for e in loads] == [2, 4] and all(e.value >= 1 for e in loads)
+    assert [e.step for e in tb.Images("expert_load/heatmap")] == [2, 4]
+    for stage in (0, 1):
+        assert tb.Scalars(f"snapshot/pp{stage}/window")[-1].value == 2
+        assert tb.Scalars(f"snapshot/pp{stage}/host_mb")[-1].value > 0
+    assert json.loads((folder / "run.json").read_text())["layout"]["pp"] == 2

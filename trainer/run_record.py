@@ -1,0 +1,128 @@
+"""A run's record: `<output_dir>/<job.name>/<timestamp>/` with its resolved config, how it was launched and
+its TensorBoard events. Rank 0 writes it; a torchrun restart of the same launch continues its folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from trainer.config import Config
+from trainer.config_help import to_toml
+from trainer.fault_tolerance import torchrun_generation
+
+RECORD = "run.json"
+CONFIG = "config.toml"
+REPO = Path(__file__).resolve().parent.parent
+
+
+def launch_identity() -> dict:
+    """What a torchrun restart of this launch shares with its first generation: the agent (this worker's
+    parent process on this host) and torchrun's run id."""
+    return {"host": socket.gethostname(), "agent_pid": os.getppid(), "run_id": torchrun_generation()["run_id"]}
+
+
+def launch_command(argv: list[str]) -> str:
+    """The command line as typed: torchrun's (this worker's parent) under torchrun, else this process's."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        try:
+            parent = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0")
+            return shlex.join(arg.decode(errors="replace") for arg in parent if arg)
+        except OSError:
+            pass
+    return shlex.join([sys.executable, *argv])
+
+
+def git_commit() -> str | None:
+    """HEAD of the checkout this trainer runs from, with `+dirty` if it has local changes; None outside git."""
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+dirty" if dirty else "")
+
+
+def _record_of(folder: Path) -> dict | None:
+    path = folder / RECORD
+    if folder.is_symlink() or path.is_symlink() or not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _continued_folder(job_dir: Path, identity: dict) -> Path | None:
+    """The newest run folder of this torchrun launch (a restarted generation continues it), if any."""
+    if not job_dir.is_dir():
+        return None
+    for folder in sorted(job_dir.iterdir(), reverse=True):
+        record = _record_of(folder)
+        if record is not None and record.get("launch") == identity:
+            return folder
+    return None
+
+
+def _new_folder(job_dir: Path) -> Path:
+    """`job_dir/<UTC timestamp>`, suffixed `-1`, `-2`, ... when another run took that second."""
+    job_dir.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y-%m-%d_%H-%M-%S", time.gmtime())
+    for n in range(1000):
+        folder = job_dir / (stamp if n == 0 else f"{stamp}-{n}")
+        try:
+            folder.mkdir()
+            return folder
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"{job_dir}: no free run folder for {stamp}")
+
+
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def open_run_record(cfg: Config, world: int, argv: list[str]) -> tuple[Path, bool]:
+    """(this run's folder, whether it continues a folder of an earlier torchrun generation). A new folder
+    gets `config.toml` (loads back into the same Config with `--config`) and `run.json` (command line, commit,
+    versions, layout); a continued one keeps them. Rank 0 only."""
+    job_dir = Path(cfg.job.output_dir) / cfg.job.name
+    identity = launch_identity()
+    generation = torchrun_generation()["generation"]
+    folder = _continued_folder(job_dir, identity) if generation > 0 else None
+    if folder is not None:
+        return folder, True
+    folder = _new_folder(job_dir)
+    _write(folder / CONFIG, to_toml(cfg))
+    record = {
+        "command": launch_command(argv),
+        "cwd": os.getcwd(),
+        "git_commit": git_commit(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "world_size": world,
+        "layout": {"pp": cfg.parallelism.pp, "dp": cfg.parallelism.dp, "ep": cfg.parallelism.ep},
+        "launch": identity,
+    }
+    _write(folder / RECORD, json.dumps(record, indent=2) + "\n")
+    return folder, False

@@ -1,0 +1,130 @@
+"""TensorBoard events of a run, written by rank 0 into the run folder, with every pipeline stage's figures.
+
+Every iteration: rank 0's `train/` scalars (loss, lr, ...: the same on every rank). Every
+`metrics.tensorboard_every` iterations, one small all-reduce over all ranks brings rank 0 each stage's
+expert load since the last gather (written as a layers x experts heatmap and one max/mean scalar per MoE
+layer) and each stage's snapshot figures (`snapshot/pp<r>/<figure>` at that iteration, the largest over
+the ranks of pipeline rank r).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+SNAPSHOT_FIGURES = ("ckpt_mb", "stall_ms", "window", "repl_lag", "host_mb", "log_mb")
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def layer_index(module_name: str) -> int | None:
+    """The global decoder-layer index in a module name (`layers.3.moe` -> 3)."""
+    m = _LAYER.search(module_name + ".")
+    return int(m[1]) if m else None
+
+
+class StageGather:
+    """Every rank's contribution to one gather: its MoE layers' token counts (dp-global already, so every
+    rank of a stage holds the same rows) and its stage's snapshot figures; an all-reduce (max) joins them."""
+
+    def __init__(self, n_layers: int, n_experts: int, n_stages: int, stage: int):
+        self.n_layers, self.n_experts, self.n_stages, self.stage = n_layers, n_experts, n_stages, stage
+        self.tokens = torch.zeros(n_layers, n_experts, dtype=torch.float64)
+        self.first_step: int | None = None
+
+    def add(self, step: int, tokens: dict[str, torch.Tensor]) -> None:
+        """Count iteration `step`'s routed tokens (by MoE module name)."""
+        if self.first_step is None:
+            self.first_step = step
+        for name, counts in tokens.items():
+            index = layer_index(name)
+            if index is not None:
+                self.tokens[index] += counts.to(torch.float64)
+
+    def gather(self, owned: set[int], figures: dict[str, float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(token counts [layers, experts], whether each layer is a MoE layer of some stage [layers],
+        snapshot figures [stages, SNAPSHOT_FIGURES]) over all ranks (collective); resets the counts."""
+        moe = torch.zeros(self.n_layers, dtype=torch.float64)
+        moe[sorted(owned)] = 1.0
+        snapshot = torch.zeros(self.n_stages, len(SNAPSHOT_FIGURES), dtype=torch.float64)
+        snapshot[self.stage] = torch.tensor([float(figures.get(k, 0.0)) for k in SNAPSHOT_FIGURES])
+        flat = torch.cat([self.tokens.flatten(), moe, snapshot.flatten()])
+        dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+        n = self.n_layers * self.n_experts
+        self.tokens.zero_()
+        self.first_step = None
+        return flat[:n].view(self.n_layers, self.n_experts), flat[n : n + self.n_layers] > 0, flat[n + self.n_layers :]
+
+
+def heatmap_image(tokens: torch.Tensor, layers: list[int], title: str) -> np.ndarray:
+    """RGB [H, W, 3] uint8: each MoE layer's share of routed tokens per expert (1/E is a perfect balance)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    share = tokens / tokens.sum(dim=1, keepdim=True).clamp(min=1)
+    n_experts = tokens.shape[1]
+    fig = Figure(figsize=(min(4 + 0.2 * n_experts, 16), min(2 + 0.25 * len(layers), 12)), dpi=100)
+    ax = fig.add_subplot()
+    image = ax.imshow(share.numpy(), aspect="auto", cmap="viridis", interpolation="nearest")
+    ax.set_yticks(range(len(layers)), [str(i) for i in layers])
+    ax.set_xlabel("routed expert")
+    ax.set_ylabel("layer")
+    ax.set_title(title, fontsize=9)
+    fig.colorbar(image, ax=ax, label=f"share of tokens (even: 1/{n_experts})")
+    fig.tight_layout()
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    return np.asarray(canvas.buffer_rgba())[..., :3].copy()
+
+
+class TensorBoardEvents:
+    """Rank 0's writer (None elsewhere) plus every rank's part of the periodic gather."""
+
+    def __init__(self, log_dir: Path | None, purge_step: int | None, every: int, gather: StageGather, snapshots: bool):
+        self.writer = None
+        if log_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
+        self.every, self.stage_gather, self.snapshots = every, gather, snapshots
+
+    def step(self, step: int, scalars: dict[str, float], tokens: dict, snapshot: dict[str, float]) -> None:
+        """Iteration `step` is done on every rank: rank 0 writes its scalars; every `every` iterations every
+        rank takes part in the gather (collective)."""
+        if self.writer is not None:
+            for key, value in scalars.items():
+                self.writer.add_scalar(f"train/{key}", value, step)
+        self.stage_gather.add(step, tokens)
+        if step % self.every == 0:
+            first = self.stage_gather.first_step
+            owned = {i for i in map(layer_index, tokens) if i is not None}
+            counts, moe, figures = self.stage_gather.gather(owned, snapshot)
+            if self.writer is not None:
+                self._write_gathered(first, step, counts, moe, figures)
+        if self.writer is not None:
+            self.writer.flush()  # a process that dies (or keeps its state and exits) loses no logged iteration
+
+    def _write_gathered(self, first: int, step: int, counts: torch.Tensor, moe, figures: torch.Tensor) -> None:
+        layers = [i for i in range(len(moe)) if moe[i]]
+        if layers:
+            rows = counts[layers]
+            for i, row in zip(layers, rows):
+                mean = float(row.mean())
+                imbalance = float(row.max()) / mean if mean else 0.0
+                self.writer.add_scalar(f"expert_load/layer_{i}_max_over_mean", imbalance, step)
+            title = f"tokens per expert, iterations {first}-{step}"
+            self.writer.add_image("expert_load/heatmap", heatmap_image(rows, layers, title), step, dataformats="HWC")
+        for stage, row in enumerate(figures.view(-1, len(SNAPSHOT_FIGURES)) if self.snapshots else ()):
+            for key, value in zip(SNAPSHOT_FIGURES, row.tolist()):
+                self.writer.add_scalar(f"snapshot/pp{stage}/{key}", value, step)
+
+    def validation(self, step: int, loss: float) -> None:
+        if self.writer is not None:
+            self.writer.add_scalar("val/loss", loss, step)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
