@@ -36,6 +36,8 @@ class ModelArgs:
     top_k: int = 2  # routed experts per token
     norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
     aux_loss_coef: float = 0.01  # weight of the load-balancing loss
+    aux_loss_type: str = "batch"  # batch: over the micro-batch's tokens | seq: per sequence, averaged (DeepSeek)
+    router_z_loss_coef: float = 0.0  # weight of the router z-loss, mean logsumexp(logits)^2 (ST-MoE; 0: off)
     capacity_factor: float = 0.0  # > 0: drop assignments beyond ceil(cf*T*K/E) per expert (0: none)
     moe_every: int = 1  # after the dense layers, every moe_every-th layer is MoE (others dense)
 
@@ -95,6 +97,8 @@ class ModelArgs:
         else:
             req("n_shared_experts", self.n_shared_experts == fixed, f"must be {fixed} for family {self.family}")
         req("aux_loss_coef", self.aux_loss_coef >= 0, "must be >= 0")
+        req("aux_loss_type", self.aux_loss_type in AUX_LOSS_TYPES, f"must be one of {', '.join(AUX_LOSS_TYPES)}")
+        req("router_z_loss_coef", self.router_z_loss_coef >= 0, "must be >= 0")
         req("capacity_factor", self.capacity_factor >= 0, "must be >= 0 (0 disables capacity dropping)")
 
     def _require(self, key: str, ok: bool, rule: str) -> None:
@@ -103,5 +107,6 @@ class ModelArgs:
 
 
 FAMILIES = ("deepseek", "qwen", "gpt")
+AUX_LOSS_TYPES = ("batch", "seq")
 _FIXED_SHARED = {"qwen": 1, "gpt": 0}  # families with a fixed number of shared experts
 _ACCEPTED = {str: str, int: int, bool: bool, float: (int, float)}  # TOML may write 1 for 1.0

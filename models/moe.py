@@ -25,19 +25,37 @@ class Router(nn.Module):
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, dim] -> (scores [T, E] float32 softmax, expert_ids [T, K] int64, weights [T, K] float32)."""
-        scores = F.linear(x.float(), self.gate.weight.float()).softmax(dim=-1)
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, dim] -> (logits [T, E] float32, scores [T, E] their softmax, expert_ids [T, K] int64,
+        weights [T, K] float32). Renormalising one weight would make it 1: at top_k=1 the score is kept."""
+        logits = F.linear(x.float(), self.gate.weight.float())
+        scores = logits.softmax(dim=-1)
         weights, expert_ids = scores.topk(self.top_k, dim=-1)
-        if self.norm_topk_prob:
+        if self.norm_topk_prob and self.top_k > 1:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return scores, expert_ids, weights
+        return logits, scores, expert_ids, weights
 
 
 def load_balancing_loss(scores: torch.Tensor, counts: torch.Tensor, top_k: int) -> torch.Tensor:
     """Expert-level balance loss ``E / (K T) * sum_i count_i * mean_t scores[t, i]`` (1 when perfectly balanced)."""
     n_tokens, n_experts = scores.shape
     return (counts.to(scores.dtype) * scores.mean(dim=0)).sum() * (n_experts / (top_k * n_tokens))
+
+
+def sequence_balancing_loss(scores: torch.Tensor, expert_ids: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """DeepSeek-MoE's sequence-level balance loss: the expert-level loss of each sequence of ``seq_len``
+    consecutive tokens (its own counts and mean scores), averaged over the sequences (1 when balanced)."""
+    n_experts, top_k = scores.shape[1], expert_ids.shape[1]
+    per_seq = scores.view(-1, seq_len, n_experts)
+    ids = expert_ids.reshape(per_seq.shape[0], seq_len * top_k)
+    counts = torch.zeros(per_seq.shape[0], n_experts, dtype=scores.dtype, device=scores.device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=scores.dtype))
+    return ((counts * per_seq.mean(dim=1)).sum(dim=1) * (n_experts / (top_k * seq_len))).mean()
+
+
+def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE's router z-loss: the mean over tokens of logsumexp(logits)^2 (keeps router logits small)."""
+    return logits.logsumexp(dim=-1).square().mean()
 
 
 class AttachAuxLoss(torch.autograd.Function):
@@ -73,7 +91,8 @@ class MoE(nn.Module):
         super().__init__()
         self.n_experts = args.n_routed_experts
         self.top_k = args.top_k
-        self.aux_loss_coef = args.aux_loss_coef
+        self.aux_loss_coef, self.aux_loss_type = args.aux_loss_coef, args.aux_loss_type
+        self.router_z_loss_coef = args.router_z_loss_coef
         self.capacity_factor = args.capacity_factor
         self.router = Router(args.dim, args.n_routed_experts, args.top_k, args.norm_topk_prob)
         self.experts = nn.ModuleDict({str(e): SwiGLU(args.dim, args.expert_hidden_dim) for e in range(self.n_experts)})
@@ -94,7 +113,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., dim] -> [..., dim]."""
         tokens = x.reshape(-1, x.shape[-1])
-        scores, expert_ids, weights = self.router(tokens)
+        logits, scores, expert_ids, weights = self.router(tokens)
         counts = torch.bincount(expert_ids.flatten(), minlength=self.n_experts)
         order, kept_counts = self.permute(expert_ids, counts)
         token_ids = order // self.top_k
@@ -103,18 +122,20 @@ class MoE(nn.Module):
         if len(self.shared_experts) > 0:
             out = out + self.shared_forward(tokens)
         if self.training:
-            out = self.training_side_effects(out, scores, counts, kept_counts)
+            seq_len = x.shape[-2] if x.dim() >= 3 else tokens.shape[0]
+            out = self.training_side_effects(out, logits, scores, expert_ids, counts, kept_counts, seq_len)
         return out.view(x.shape)
 
     def permute(self, expert_ids: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Order the T*K assignments (flat index t*K + k) by expert, token order within an expert.
 
         Returns (order, kept_counts): the flat indices of the kept assignments and the kept count per
-        expert. With ``capacity_factor > 0`` an expert keeps its first ceil(cf * T * K / E) assignments.
+        expert. With ``capacity_factor > 0`` an expert keeps its first ceil(cf * T * K / E) assignments
+        in training; evaluation keeps every assignment, so a sequence's output never depends on the others.
         """
         flat = expert_ids.flatten()
         order = flat.argsort(stable=True)
-        if self.capacity_factor <= 0:
+        if self.capacity_factor <= 0 or not self.training:
             return order, counts
         capacity = math.ceil(self.capacity_factor * flat.numel() / self.n_experts)
         group_start = counts.cumsum(0) - counts
@@ -153,22 +174,29 @@ class MoE(nn.Module):
             out = torch.sigmoid(self.shared_expert_gate(x)) * out
         return out
 
-    def training_side_effects(self, out, scores, counts, kept_counts) -> torch.Tensor:
-        """Accumulate load statistics and attach the auxiliary loss to ``out``'s backward.
+    def training_side_effects(self, out, logits, scores, expert_ids, counts, kept_counts, seq_len) -> torch.Tensor:
+        """Accumulate load statistics and attach the auxiliary losses to ``out``'s backward.
 
         ``tokens_per_expert`` accumulates the data-parallel-global counts; ``gate_prob_sum`` and
-        ``dropped_tokens`` stay local. With ``dp`` replicas the local aux term uses the global counts and
-        is divided by ``dp``: its mean over the replicas is the loss over all their tokens, and averaging
-        the replicas' gradients (as FSDP does) gives that global loss's gradient.
+        ``dropped_tokens`` stay local. The batch-level balance loss (``aux_loss_type = "batch"``) uses the
+        global counts and is divided by ``dp``: its mean over the replicas is the loss over all their
+        tokens, and averaging the replicas' gradients (as FSDP does) gives that global loss's gradient. The
+        sequence-level one and the z-loss are means over local sequences and tokens, whose replica average is
+        already the global mean.
         """
         g_counts, replicas = self.global_token_counts(counts)
         with torch.no_grad():
             self.tokens_per_expert += g_counts
             self.gate_prob_sum += scores.sum(dim=0)
             self.dropped_tokens += counts.sum() - kept_counts.sum()
-        if self.aux_loss_coef == 0:
-            self.last_aux_loss = scores.new_zeros(())
-            return out
-        aux_loss = self.aux_loss_coef * load_balancing_loss(scores, g_counts, self.top_k) / replicas
+        aux_loss = scores.new_zeros(())
+        if self.aux_loss_coef > 0 and self.aux_loss_type == "seq":
+            aux_loss = aux_loss + self.aux_loss_coef * sequence_balancing_loss(scores, expert_ids, seq_len)
+        elif self.aux_loss_coef > 0:
+            aux_loss = aux_loss + self.aux_loss_coef * load_balancing_loss(scores, g_counts, self.top_k) / replicas
+        if self.router_z_loss_coef > 0:
+            aux_loss = aux_loss + self.router_z_loss_coef * router_z_loss(logits)
         self.last_aux_loss = aux_loss.detach()
+        if not aux_loss.requires_grad:
+            return out
         return AttachAuxLoss.apply(out, aux_loss, self.aux_grad_scale)

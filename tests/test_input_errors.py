@@ -288,3 +288,10 @@ def test_bad_trace_names_file_and_cause(tmp_path, content, why):
 def test_bad_fault_detection_settings_name_the_key(args, key):
     with pytest.raises(ConfigError, match=rf"'{key}'"):
         load_config(str(ROOT / DEBUG_CONFIG), [*MOEVEMENT, *args])
+
+
+def test_cli_unwritable_output_dir_is_one_line(tmp_path):
+    """The run record cannot be written (output_dir is a file): one line naming job.output_dir."""
+    blocker = write(tmp_path / "a-file", "not a directory")
+    line = train_error("--job.output_dir", str(blocker))
+    assert "job.output_dir" in line and str(blocker) in line

@@ -105,12 +105,13 @@ def test_router_and_aux_loss_hand_computed():
     expected_aux = 0.1 * 3 / (2 * 4) * sum(c * m for c, m in zip(counts, mean_prob))
 
     moe = small_moe(gate, top_k=2, aux_loss_coef=0.1)
-    scores, ids, weights = moe.router(x)
+    logits_out, scores, ids, weights = moe.router(x)
+    torch.testing.assert_close(logits_out, torch.tensor(logits))
     assert ids.tolist() == expected_ids
     expected_w = torch.tensor([[probs[t][e] for e in expected_ids[t]] for t in range(4)])
     torch.testing.assert_close(weights, expected_w)
     moe.router.norm_topk_prob = True
-    torch.testing.assert_close(moe.router(x)[2], expected_w / expected_w.sum(1, keepdim=True))
+    torch.testing.assert_close(moe.router(x)[3], expected_w / expected_w.sum(1, keepdim=True))
     moe.router.norm_topk_prob = False
 
     moe(x)
@@ -126,7 +127,7 @@ def test_moe_matches_per_token_reference(family):
     torch.manual_seed(1)
     moe = MoE(tiny(family, norm_topk_prob=True)).eval()
     x = torch.randn(10, 32)
-    _, ids, weights = moe.router(x)
+    _, _, ids, weights = moe.router(x)
     expected = []
     for t in range(10):
         row = sum(w * moe.experts[str(e)](x[t]) for w, e in zip(weights[t], ids[t].tolist()))
@@ -271,3 +272,41 @@ def test_training_is_bitwise_deterministic():
 def test_validate_names_the_bad_key(overrides, key):
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         tiny(**overrides).validate()
+
+
+def test_sequence_level_aux_loss_and_z_loss_hand_computed():
+    """DeepSeek's seq_aux: each sequence's own counts and mean scores, averaged over sequences; the z-loss
+    is the mean squared logsumexp of the router logits; both train the router."""
+    gate = [[2.0, 0.0], [0.0, 1.0], [-1.0, -1.0]]
+    x = torch.tensor([[[1.0, 0.0], [0.0, 1.0]], [[1.0, 1.0], [-1.0, 0.0]]])  # 2 sequences of 2 tokens
+    logits = [[sum(w * xi for w, xi in zip(row, xt)) for row in gate] for xt in x.reshape(4, 2).tolist()]
+    probs = [[math.exp(v) / sum(math.exp(u) for u in row) for v in row] for row in logits]
+    ids = [[0, 1], [1, 0], [0, 1], [2, 1]]  # top-2 of each token (as in the batch-level test)
+    per_seq = []
+    for seq in (0, 1):
+        tokens = range(2 * seq, 2 * seq + 2)
+        counts = [sum(ids[t].count(e) for t in tokens) for e in range(3)]
+        mean = [sum(probs[t][e] for t in tokens) / 2 for e in range(3)]
+        per_seq.append(3 / (2 * 2) * sum(c * m for c, m in zip(counts, mean)))
+    z = sum(math.log(sum(math.exp(v) for v in row)) ** 2 for row in logits) / 4
+    moe = small_moe(gate, top_k=2, aux_loss_coef=0.1, aux_loss_type="seq", router_z_loss_coef=0.01)
+    moe(x).sum().backward()
+    assert moe.last_aux_loss.item() == pytest.approx(0.1 * sum(per_seq) / 2 + 0.01 * z, rel=1e-6)
+    assert moe.router.gate.weight.grad.abs().sum() > 0
+    batch = small_moe(gate, top_k=2, aux_loss_coef=0.1)  # the batch-level loss of the same tokens differs
+    batch(x)
+    assert batch.last_aux_loss.item() != pytest.approx(moe.last_aux_loss.item(), rel=1e-3)
+
+
+def test_top_1_routing_keeps_the_score_and_evaluation_drops_nothing():
+    """At top_k=1 renormalising would make every weight 1: the router score is kept. With a capacity
+    factor, evaluation keeps every assignment, so a sequence's output does not depend on the batch."""
+    gate = [[1.0, 0.0], [-1.0, 0.0]]
+    moe = small_moe(gate, top_k=1, norm_topk_prob=True, capacity_factor=1.0).eval()
+    x = torch.tensor([[1.0, 0.5], [2.0, -1.0], [0.5, 1.0], [1.0, 1.0]])
+    _, scores, _, weights = moe.router(x)
+    torch.testing.assert_close(weights[:, 0], scores.max(dim=-1).values)
+    together = moe(x)
+    alone = torch.cat([moe(x[t : t + 1]) for t in range(4)])
+    torch.testing.assert_close(together, alone)
+    assert together[2:].abs().sum() > 0  # training would have dropped these two (capacity 2)

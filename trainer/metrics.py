@@ -20,7 +20,7 @@ class MetricsLogger:
     then dropped (TensorBoard's purge)."""
 
     def __init__(self, cfg: Config, rank: int, stage: int, run_dir: Path | None, continued: bool = False):
-        self.cfg, self.rank, self.stage = cfg, rank, stage
+        self.cfg, self.stage = cfg, stage
         self.run_dir, self.continued = run_dir, continued
         self.enabled = rank == 0
         self.log_every = cfg.metrics.log_every

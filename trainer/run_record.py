@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.config import Config
+from trainer.config import Config, ConfigError
 from trainer.config_help import to_toml
 from trainer.fault_tolerance import torchrun_generation
 
@@ -104,7 +104,15 @@ def _write(path: Path, text: str) -> None:
 def open_run_record(cfg: Config, world: int, argv: list[str]) -> tuple[Path, bool]:
     """(this run's folder, whether it continues a folder of an earlier torchrun generation). A new folder
     gets `config.toml` (loads back into the same Config with `--config`) and `run.json` (command line, commit,
-    versions, layout); a continued one keeps them. Rank 0 only."""
+    versions, layout); a continued one keeps them. Rank 0 only; ConfigError if the folder cannot be written."""
+    try:
+        return _open(cfg, world, argv)
+    except OSError as e:
+        msg = f"config key 'job.output_dir' ({cfg.job.output_dir!r}): cannot write the run record: {e}"
+        raise ConfigError(msg) from None
+
+
+def _open(cfg: Config, world: int, argv: list[str]) -> tuple[Path, bool]:
     job_dir = Path(cfg.job.output_dir) / cfg.job.name
     identity = launch_identity()
     generation = torchrun_generation()["generation"]
