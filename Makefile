@@ -5,11 +5,12 @@ CONFIG ?= train_configs/debug_moe.toml
 
 .PHONY: train test test-all lint format venv clean
 
-$(VENV)/.installed: requirements.txt
+$(VENV)/.installed: requirements.txt pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found (set PYTHON=...)"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -r requirements.txt
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .  # the moevement-lm-eval command
 	touch $@
 
 venv: $(VENV)/.installed

@@ -38,7 +38,7 @@ from trainer.allocator import reuse_freed_host_memory
 from trainer.config import Config, ConfigError, check_world_size, fault_plan, load_config
 from trainer.config_help import help_text, to_toml
 from trainer.data import DataError, TokenBatches, build_data, make_loader
-from trainer.dense_checkpoint import CheckpointError, check_save_target, load_dense, save_dense
+from trainer.dense_checkpoint import CheckpointError, check_save_target, is_imported, load_dense, save_dense
 from trainer.fault_injection import KillSwitch, arm_kill
 from trainer.fault_tolerance import build_strategy, host_job_dir, torchrun_generation
 from trainer.identity import IdentityError
@@ -155,6 +155,12 @@ def resume_dense(cfg: Config, model: ModelParts, optimizer: torch.optim.Optimize
         return 0, float("nan")
     meta, differ = load_dense(cfg.checkpoint.load, model.view, optimizer, cfg)
     step, loss = meta["step"], meta.get("loss", float("nan"))
+    if is_imported(meta) and rank == 0:
+        print(
+            f"checkpoint: {cfg.checkpoint.load} holds imported weights ({meta['imported'].get('source')}): "
+            "model initialised from them, fresh optimizer, starting at step 1",
+            flush=True,
+        )
     if differ and rank == 0:
         print(
             f"checkpoint: {cfg.checkpoint.load} was saved under another config (checkpoint.load_other_config): "

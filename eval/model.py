@@ -17,9 +17,13 @@ Every request becomes one or more *windows*: at most ``max_length`` input tokens
 ones are dropped) predicting at most ``max_length`` targets at the end. A continuation longer
 than the window is scored in consecutive windows as well (lm-eval's HF model asserts instead).
 Windows are sorted by length, batched, right-padded (causal attention: padding never reaches a
-scored position) and run in fp32 under ``torch.inference_mode``. MoE capacity dropping is
-switched off by default (``drop_tokens=False``), so each token's routing and therefore each
-score is independent of batch composition and padding.
+scored position) and run in fp32 under ``torch.inference_mode``. The model drops no token by
+capacity in evaluation, so each token's routing and therefore each score is independent of batch
+composition and padding.
+
+From lm-eval's command line (``moevement-lm-eval``, :mod:`eval.lm_eval_cli`): ``--batch_size`` and
+``--device`` apply as for lm-eval's own models (``auto`` batch sizes become 16; a CUDA device on a
+machine without one falls back to the CPU, with a warning).
 
 Data parallel: under ``torch.distributed`` the adapter reports its rank and world size, and
 lm-eval's evaluator gives each rank every ``world_size``-th document and gathers the per-document
@@ -32,6 +36,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import lm_eval.models  # noqa: F401  (lm-eval's own models first: a non-empty registry is not filled later)
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -47,6 +52,16 @@ GENERATE_UNSUPPORTED = (
     "generate_until is not supported by the 'moevement' model adapter: it only scores "
     "log-likelihoods (multiple-choice tasks such as piqa and hellaswag, and perplexity tasks)"
 )
+
+
+def _usable_device(device: str | None) -> str:
+    """``device``, or the CPU when none is given or it names CUDA on a machine without it (lm-eval's default)."""
+    if not device:
+        return "cpu"
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        print(f"warning: device {device!r} requested but CUDA is not available; scoring on the CPU", file=sys.stderr)
+        return "cpu"
+    return str(device)
 
 
 def score_windows(n_tokens: int, n_pred: int, max_length: int) -> list[tuple[int, int, int]]:
@@ -89,11 +104,10 @@ class MoEvementLM(LM):
         batch_size: int | str = 16,
         device: str | None = None,
         max_length: int | None = None,
-        drop_tokens: bool = False,
         **_unused: Any,
     ) -> None:
         super().__init__()
-        device = device or "cpu"
+        device = _usable_device(device)
         self.checkpoint: LoadedCheckpoint | None = None
         if (checkpoint is None) == (model is None):
             raise EvalError("MoEvementLM: give exactly one of checkpoint=DIR or model=<module>")
@@ -107,6 +121,8 @@ class MoEvementLM(LM):
         self.model = model.to(device).float().eval()
         self.tokenizer: Tokenizer = tokenizer
         self._device = torch.device(device)
+        if isinstance(batch_size, str) and batch_size.startswith("auto"):
+            batch_size = 16  # no memory probing: a fixed size that suits CPU and GPU scoring
         try:
             self.batch_size = int(batch_size)
         except (TypeError, ValueError):
@@ -117,12 +133,21 @@ class MoEvementLM(LM):
         self.max_length = model_max if max_length is None else int(max_length)
         if not 1 <= self.max_length <= model_max:
             raise EvalError(f"MoEvementLM: max_length must be in [1, model.max_seq_len={model_max}], got {max_length}")
-        self.drop_tokens = bool(drop_tokens) if not isinstance(drop_tokens, str) else drop_tokens.lower() == "true"
-        if not self.drop_tokens:
-            for moe in self.model.moe_layers().values():
-                moe.capacity_factor = 0.0
         if dist.is_available() and dist.is_initialized():
             self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> MoEvementLM:
+        """lm-eval's constructor from ``--model_args`` plus its ``--batch_size`` / ``--device``; a key given in
+        both is taken from ``--model_args`` (lm-eval's default would pass it twice and fail)."""
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in arg_dict}
+        return cls(**arg_dict, **extra)
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> MoEvementLM:
+        from lm_eval.utils import simple_parse_args_string
+
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
 
     # -- tokenisation --------------------------------------------------------------
     @property
@@ -248,7 +273,6 @@ class MoEvementLM(LM):
         info: dict[str, Any] = {
             "max_length": self.max_length,
             "tokenizer": self.tokenizer_name,
-            "drop_tokens": self.drop_tokens,
             "world_size": self.world_size,
         }
         if self.checkpoint is not None:

@@ -36,7 +36,9 @@ class ModelArgs:
     top_k: int = 2  # routed experts per token
     norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to 1
     aux_loss_coef: float = 0.01  # weight of the load-balancing loss
-    aux_loss_type: str = "batch"  # batch: over the micro-batch's tokens | seq: per sequence, averaged (DeepSeek)
+    # balance loss per MoE layer over the micro-batch's tokens (batch) or per sequence, averaged (seq: DeepSeek),
+    # or one loss over every MoE layer's tokens together (global: the Qwen-MoE reference; needs parallelism.pp = 1)
+    aux_loss_type: str = "batch"
     router_z_loss_coef: float = 0.0  # weight of the router z-loss, mean logsumexp(logits)^2 (ST-MoE; 0: off)
     capacity_factor: float = 0.0  # > 0: drop assignments beyond ceil(cf*T*K/E) per expert (0: none)
     moe_every: int = 1  # after the dense layers, every moe_every-th layer is MoE (others dense)
@@ -107,6 +109,6 @@ class ModelArgs:
 
 
 FAMILIES = ("deepseek", "qwen", "gpt")
-AUX_LOSS_TYPES = ("batch", "seq")
+AUX_LOSS_TYPES = ("batch", "seq", "global")
 _FIXED_SHARED = {"qwen": 1, "gpt": 0}  # families with a fixed number of shared experts
 _ACCEPTED = {str: str, int: int, bool: bool, float: (int, float)}  # TOML may write 1 for 1.0

@@ -53,6 +53,50 @@ def sequence_balancing_loss(scores: torch.Tensor, expert_ids: torch.Tensor, seq_
     return ((counts * per_seq.mean(dim=1)).sum(dim=1) * (n_experts / (top_k * seq_len))).mean()
 
 
+class ModelBalanceLoss:
+    """Qwen-MoE reference's balance loss over one forward of the whole model (``aux_loss_type = "global"``).
+
+    ``E * sum_e f_e * P_e``, where f_e is expert e's share of the top-k assignments and P_e its mean
+    score over the tokens of every MoE layer together (``top_k`` when balanced): one loss for the model,
+    not one per layer. Each layer :meth:`add`\ s its counts and scores as the forward goes; the gradient
+    of its scores, ``coef * E * C_e / N^2`` (C: every layer's counts, N: every layer's tokens), is formed
+    in backward, when all layers have added theirs.
+    """
+
+    def __init__(self, n_experts: int, coef: float):
+        self.n_experts, self.coef = n_experts, coef
+        self.counts: torch.Tensor | None = None
+        self.rows = 0
+        self.score_sums: list[torch.Tensor] = []
+
+    def add(self, scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Register one layer's scores [T, E] and counts [E]; a 0-dim tensor whose backward sends
+        d(loss)/d(scores) times its incoming gradient into ``scores``."""
+        counts = counts.to(torch.float32)
+        self.counts = counts if self.counts is None else self.counts + counts
+        self.rows += scores.shape[0]
+        self.score_sums.append(scores.detach().sum(dim=0))
+        return _ModelBalanceGrad.apply(scores, self)
+
+    def value(self) -> torch.Tensor:
+        """The loss (coefficient included) of the layers added so far."""
+        total = torch.stack(self.score_sums).sum(dim=0)
+        return self.coef * self.n_experts * (self.counts * total).sum() / self.rows**2
+
+
+class _ModelBalanceGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, scores: torch.Tensor, balance: ModelBalanceLoss) -> torch.Tensor:
+        ctx.balance, ctx.shape = balance, scores.shape
+        return scores.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        b = ctx.balance
+        per_score = grad * (b.coef * b.n_experts / b.rows**2) * b.counts
+        return per_score.expand(ctx.shape), None
+
+
 def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
     """ST-MoE's router z-loss: the mean over tokens of logsumexp(logits)^2 (keeps router logits small)."""
     return logits.logsumexp(dim=-1).square().mean()
@@ -100,10 +144,22 @@ class MoE(nn.Module):
         self.shared_experts = nn.ModuleList(SwiGLU(args.dim, args.shared_expert_hidden_dim) for _ in range(n_shared))
         self.shared_expert_gate = nn.Linear(args.dim, 1, bias=False) if args.family == "qwen" else None
         self.aux_grad_scale = 1.0
-        self.last_aux_loss = torch.zeros(())
+        self.model_balance: ModelBalanceLoss | None = None  # set by the model for each forward (``global``)
+        self._last_aux_loss = torch.zeros(())
+        self._balance_index: int | None = None
         self.register_buffer("tokens_per_expert", torch.zeros(self.n_experts, dtype=torch.int64), persistent=False)
         self.register_buffer("gate_prob_sum", torch.zeros(self.n_experts, dtype=torch.float32), persistent=False)
         self.register_buffer("dropped_tokens", torch.zeros((), dtype=torch.int64), persistent=False)
+
+    @property
+    def last_aux_loss(self) -> torch.Tensor:
+        """Detached auxiliary loss of the last training forward; with ``global`` the model's one loss, each
+        MoE layer reporting its share (the loss of its scores against every layer's counts)."""
+        if self.aux_loss_type == "global" and self.model_balance is not None and self._balance_index is not None:
+            b = self.model_balance
+            share = b.coef * b.n_experts * (b.counts * b.score_sums[self._balance_index]).sum() / b.rows**2
+            return self._last_aux_loss + share
+        return self._last_aux_loss
 
     def reset_load_stats(self) -> None:
         """Zero ``tokens_per_expert``, ``gate_prob_sum`` and ``dropped_tokens``."""
@@ -190,13 +246,21 @@ class MoE(nn.Module):
             self.gate_prob_sum += scores.sum(dim=0)
             self.dropped_tokens += counts.sum() - kept_counts.sum()
         aux_loss = scores.new_zeros(())
-        if self.aux_loss_coef > 0 and self.aux_loss_type == "seq":
+        self._balance_index = None
+        if self.aux_loss_coef > 0 and self.aux_loss_type == "global":
+            if self.model_balance is None:
+                raise RuntimeError("aux_loss_type='global' needs the model to set MoE.model_balance before forward")
+            self._balance_index = len(self.model_balance.score_sums)
+            balance_part = self.model_balance.add(scores, counts)
+        elif self.aux_loss_coef > 0 and self.aux_loss_type == "seq":
             aux_loss = aux_loss + self.aux_loss_coef * sequence_balancing_loss(scores, expert_ids, seq_len)
         elif self.aux_loss_coef > 0:
             aux_loss = aux_loss + self.aux_loss_coef * load_balancing_loss(scores, g_counts, self.top_k) / replicas
         if self.router_z_loss_coef > 0:
             aux_loss = aux_loss + self.router_z_loss_coef * router_z_loss(logits)
-        self.last_aux_loss = aux_loss.detach()
+        self._last_aux_loss = aux_loss.detach()
+        if self._balance_index is not None:
+            aux_loss = aux_loss + balance_part
         if not aux_loss.requires_grad:
             return out
         return AttachAuxLoss.apply(out, aux_loss, self.aux_grad_scale)

@@ -14,7 +14,7 @@ from torch import nn
 from models.args import ModelArgs
 from models.attention import Attention, rope_tables
 from models.ffn import SwiGLU
-from models.moe import MoE
+from models.moe import ModelBalanceLoss, MoE
 
 
 class Block(nn.Module):
@@ -67,11 +67,28 @@ class Transformer(nn.Module):
         h = x if self.tok_embeddings is None else self.dropout(self.tok_embeddings(x))
         seqlen = h.shape[1]
         cos, sin = self.rope_cos[:seqlen], self.rope_sin[:seqlen]
+        self.start_model_balance()
         for layer in self.layers.values():
             h = layer(h, cos, sin)
         if self.norm is None or self.output is None:
             return h
         return self.output(self.norm(h)).float()
+
+    def start_model_balance(self) -> None:
+        """With ``aux_loss_type = "global"``, give every MoE layer one fresh :class:`ModelBalanceLoss` for
+        this training forward (the reference's one loss over all layers needs every MoE layer here)."""
+        moe_layers = self.moe_layers()
+        if not (self.training and self.args.aux_loss_type == "global" and self.args.aux_loss_coef > 0 and moe_layers):
+            return
+        n_moe = sum(self.args.is_moe_layer(i) for i in range(self.args.n_layers))
+        if len(moe_layers) != n_moe:
+            raise ValueError(
+                "model.aux_loss_type='global' is one loss over every MoE layer, but this model part holds "
+                f"{len(moe_layers)} of {n_moe}: use 'batch' or 'seq' with pipeline parallelism"
+            )
+        balance = ModelBalanceLoss(self.args.n_routed_experts, self.args.aux_loss_coef)
+        for moe in moe_layers.values():
+            moe.model_balance = balance
 
     def moe_layers(self) -> dict[str, MoE]:
         """The MoE modules of the layers present, keyed by global layer id."""

@@ -49,6 +49,7 @@ def test_bad_file_values_name_the_key(tmp_path, text, key):
         (["--training.nope", "1"], "training.nope"),
         (["--metrics.tensorboard", "maybe"], "metrics.tensorboard"),
         (["--training.steps"], "training.steps"),
+        (["--model.aux_loss_type", "global", "--parallelism.pp", "2"], "model.aux_loss_type"),
     ],
 )
 def test_bad_overrides_name_the_key(args, key):

@@ -2,7 +2,7 @@
 
 Layers, bottom to top (a layer may always import itself):
 
-    models                      nothing of the project but models
+    models                      nothing of the project but models (models.hf, a CLI, is at the top)
     parallelisms                models
     moevement.base              operators.py, failures.py, topology.py: nothing of the project
     moevement.storage           base
@@ -44,7 +44,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "baselines": ("baselines",),
     "simulator": ("simulator",),
     "trainer": ("trainer",),
-    "top": ("eval", "benchmarks", "train", "tests"),
+    # models.hf is a converter CLI writing the trainer's checkpoint format; models.hf_mapping is its pure part
+    "top": ("eval", "benchmarks", "train", "tests", "models.hf"),
 }
 
 MOEVEMENT = frozenset(layer for layer in LAYERS if layer.startswith("moevement"))

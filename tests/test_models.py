@@ -310,3 +310,32 @@ def test_top_1_routing_keeps_the_score_and_evaluation_drops_nothing():
     alone = torch.cat([moe(x[t : t + 1]) for t in range(4)])
     torch.testing.assert_close(together, alone)
     assert together[2:].abs().sum() > 0  # training would have dropped these two (capacity 2)
+
+
+def test_global_balance_loss_gradient_equals_the_explicit_loss():
+    """aux_loss_type = "global": one loss E * sum_e f_e P_e over every MoE layer's tokens together; the
+    router gradients equal those of that loss written out and differentiated by autograd."""
+    args = ModelArgs(family="qwen", n_shared_experts=1, n_layers=3, vocab_size=50, top_k=2)
+    args.aux_loss_type, args.aux_loss_coef = "global", 0.5
+    torch.manual_seed(0)
+    model = build_model(args).train()
+    tokens = torch.randint(0, 50, (2, 8))
+    model(tokens).sum().backward()
+    ours = {n: p.grad.clone() for n, p in model.named_parameters() if "router" in n}
+    value = sum(float(m.last_aux_loss) for m in model.moe_layers().values())
+
+    model.zero_grad()
+    scores = []
+    for moe in model.moe_layers().values():
+        moe.aux_loss_coef = 0.0  # the model's own loss off; the explicit one below instead
+        moe.router.register_forward_hook(lambda _m, _i, out: scores.append(out[1]))
+    out = model(tokens)
+    counts = sum(torch.bincount(s.topk(2, dim=-1).indices.flatten(), minlength=8).float() for s in scores)
+    prob_sums = sum(s.sum(dim=0) for s in scores)
+    rows = sum(s.shape[0] for s in scores)
+    explicit = 0.5 * 8 * (counts * prob_sums).sum() / rows**2
+    (out.sum() + explicit).backward()
+    assert value == pytest.approx(float(explicit), rel=1e-6)
+    assert 0.5 * 2 * 0.9 < value < 0.5 * 2 * 1.5  # coef * top_k near balance, not a per-layer sum
+    for name, grad in ours.items():
+        torch.testing.assert_close(grad, model.get_parameter(name).grad, rtol=1e-6, atol=1e-9)

@@ -356,6 +356,12 @@ def _validate_parallelism(cfg: Config) -> None:
         _check(getattr(p, name) >= 1, f"parallelism.{name}", f"must be >= 1, got {getattr(p, name)}")
     _check(p.dp % p.ep == 0, "parallelism.ep", f"({p.ep}) must divide parallelism.dp ({p.dp})")
     _check(
+        p.pp * p.stages_per_rank == 1 or m.aux_loss_type != "global" or m.aux_loss_coef == 0,
+        "model.aux_loss_type",
+        "'global' is one loss over every MoE layer, which pipeline parallelism splits across stages: "
+        "use 'batch' or 'seq' with parallelism.pp > 1",
+    )
+    _check(
         m.n_routed_experts % p.ep == 0,
         "parallelism.ep",
         f"({p.ep}) must divide model.n_routed_experts ({m.n_routed_experts})",

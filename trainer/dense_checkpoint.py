@@ -93,14 +93,14 @@ def _own_file(path: Path) -> bool:
 # ---------------------------------------------------------------- the save target
 
 
-def _old_checkpoint_files(path: Path) -> list[str]:
+def _old_checkpoint_files(path: Path, key: str = KEY) -> list[str]:
     """Entries of the existing directory `path` that replacing it deletes ([] if empty).
 
     Refuses anything but a checkpoint of this project that holds only its own files."""
     try:
         entries = sorted(os.listdir(path))
     except OSError as e:
-        raise CheckpointError(f"{KEY}: cannot read {path} ({e.strerror})") from None
+        raise CheckpointError(f"{key}: cannot read {path} ({e.strerror})") from None
     if not entries:
         return []
     try:
@@ -110,35 +110,35 @@ def _old_checkpoint_files(path: Path) -> list[str]:
         files, fmt = {}, None
     if fmt not in (FORMAT, OLD_FORMAT) or not isinstance(files, dict):
         raise CheckpointError(
-            f"{KEY}: {path} is a non-empty directory that is not a MoEvement checkpoint; "
+            f"{key}: {path} is a non-empty directory that is not a MoEvement checkpoint; "
             f"not replaced (choose a new or empty directory)"
         )
     own = {META, PARTIAL, *files}
     foreign = [e for e in entries if e not in own or not _own_file(path / e)]
     if foreign:
         raise CheckpointError(
-            f"{KEY}: checkpoint {path} also holds {', '.join(foreign)}, not written by "
+            f"{key}: checkpoint {path} also holds {', '.join(foreign)}, not written by "
             f"train.py; not replaced (move them or choose another directory)"
         )
     return entries
 
 
-def _check_target(path: Path) -> list[str]:
+def _check_target(path: Path, key: str = KEY) -> list[str]:
     """Refuse a target saving would destroy or cannot write; the old checkpoint's files to delete."""
     if path.name in ("", ".", ".."):
-        raise CheckpointError(f"{KEY}: {str(path)!r} does not name a new directory")
+        raise CheckpointError(f"{key}: {str(path)!r} does not name a new directory")
     if path.is_symlink():
-        raise CheckpointError(f"{KEY}: {path} is a symlink; refused, never followed")
+        raise CheckpointError(f"{key}: {path} is a symlink; refused, never followed")
     if path.exists() and not path.is_dir():
-        raise CheckpointError(f"{KEY}: {path} exists and is not a directory; not replaced")
-    old_files = _old_checkpoint_files(path) if path.exists() else []
+        raise CheckpointError(f"{key}: {path} exists and is not a directory; not replaced")
+    old_files = _old_checkpoint_files(path, key) if path.exists() else []
     ancestor = path.parent
     while not ancestor.exists() and ancestor != ancestor.parent:
         ancestor = ancestor.parent
     try:  # the only reliable test (root passes os.access): create and remove a temporary of our own
         os.rmdir(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=ancestor))
     except OSError as e:
-        raise CheckpointError(f"{KEY}: cannot write a checkpoint at {path} ({e.strerror}: {ancestor})") from None
+        raise CheckpointError(f"{key}: cannot write a checkpoint at {path} ({e.strerror}: {ancestor})") from None
     return old_files
 
 
@@ -237,8 +237,8 @@ def _swap_in(tmp: Path, path: Path, old_files: list[str]) -> None:
         os.close(fd)
 
 
-def _write_checkpoint(path: Path, state: dict[str, torch.Tensor], meta: dict) -> None:
-    old_files = _check_target(path)  # again: the target may have changed during training
+def _write_checkpoint(path: Path, state: dict[str, torch.Tensor], meta: dict, key: str = KEY) -> None:
+    old_files = _check_target(path, key)  # again: the target may have changed during training
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -249,7 +249,7 @@ def _write_checkpoint(path: Path, state: dict[str, torch.Tensor], meta: dict) ->
     except OSError as e:
         if tmp is not None and tmp.exists():
             _remove_temporary(tmp)
-        raise CheckpointError(f"{KEY}: cannot save to {path} ({e})") from None
+        raise CheckpointError(f"{key}: cannot save to {path} ({e})") from None
 
 
 def save_dense(directory: str, state: dict[str, torch.Tensor] | None, step: int, loss: float, cfg) -> None:
@@ -264,6 +264,23 @@ def save_dense(directory: str, state: dict[str, torch.Tensor] | None, step: int,
         **({"tokenizer": cfg.data.tokenizer} if cfg.data.tokenizer else {}),
     }
     _on_rank0(lambda: _write_checkpoint(Path(directory), state, meta))
+
+
+def save_imported(
+    directory: str, state: dict[str, torch.Tensor], model_args: ModelArgs, origin: dict, key: str
+) -> None:
+    """Save the model tensors `state` taken from elsewhere (`origin`: where from) as a step-0 checkpoint with
+    no optimizer state and no run identity: `checkpoint.load` starts a run from its weights with a fresh
+    optimizer. `key` names the argument in error messages. Single process."""
+    meta = {"format": FORMAT, "step": 0, "model": dataclasses.asdict(model_args), "run": None, "imported": origin}
+    if origin.get("tokenizer"):
+        meta["tokenizer"] = origin["tokenizer"]
+    _write_checkpoint(Path(directory), state, meta, key)
+
+
+def is_imported(meta: dict) -> bool:
+    """A checkpoint written by `save_imported` (weights only, from outside any run)."""
+    return isinstance(meta.get("imported"), dict) and meta.get("run") is None
 
 
 # ---------------------------------------------------------------- reading
@@ -398,12 +415,15 @@ def load_dense(directory: str, model: torch.nn.Module, optimizer: torch.optim.Op
     """Validate `directory` against the run `cfg` and load it into this rank's `model` parts and `optimizer`.
 
     Returns its metadata (step, loss) and the config keys that differ from the saved run's, which is
-    empty unless `checkpoint.load_other_config` let them pass (IdentityError otherwise)."""
+    empty unless `checkpoint.load_other_config` let them pass (IdentityError otherwise). An imported
+    checkpoint (`save_imported`) has no run to compare and no optimizer state: the optimizer stays fresh."""
     meta = open_meta(directory)
     meta_path = Path(directory) / META
     check_model(meta, meta_path, cfg.model)
     identity = RunIdentity.of_dense(cfg)
-    if cfg.checkpoint.load_other_config:
+    if is_imported(meta):  # weights from outside any run: no identity to compare, no optimizer state
+        differ = []
+    elif cfg.checkpoint.load_other_config:
         differ = identity.mismatch(meta.get("run"), check_job=False)
     else:
         identity.check(meta.get("run"), str(meta_path), check_job=False)

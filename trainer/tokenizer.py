@@ -22,7 +22,7 @@ import numpy as np
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # Looked up in this order in a tokenizer.json's vocabulary / added tokens.
-EOS_CANDIDATES: tuple[str, ...] = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>")
+EOS_CANDIDATES: tuple[str, ...] = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<｜end▁of▁sentence｜>")
 
 
 class TokenizerError(ValueError):

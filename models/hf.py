@@ -1,0 +1,309 @@
+"""Hugging Face weights in and out: ``python -m models.hf import HF_DIR CKPT_DIR`` and ``export CKPT_DIR HF_DIR``.
+
+``import`` reads a local Hugging Face model directory (``config.json`` and ``model.safetensors`` or a
+sharded ``model.safetensors.index.json``; a pickled ``pytorch_model.bin`` is refused unread) of
+Qwen1.5-MoE (``qwen2_moe``) or DeepSeek-MoE v1 (``deepseek``) and writes a dense checkpoint at step 0
+with no optimizer state: ``train.py --checkpoint.load CKPT_DIR`` starts from its weights with a fresh
+optimizer, and ``eval.harness --checkpoint CKPT_DIR`` scores it. Weights are stored in float32. A
+``tokenizer.json`` beside the weights is recorded (by absolute path) as the checkpoint's tokenizer.
+``--config-out FILE`` also writes a training config whose ``[model]`` is the imported one.
+
+``export`` writes what the original's class loads (see :mod:`models.hf_mapping`): ``config.json``,
+``model.safetensors`` (``--dtype``, float32 by default), and the tokenizer: the run's ``tokenizer.json``
+or, for the byte tokenizer, an equivalent byte-level ``tokenizer.json``, with a ``tokenizer_config.json``.
+Nothing is downloaded; the target must be new or empty, and is written under a temporary name, then renamed.
+
+This module sits at the top of the package layers (it writes the trainer's checkpoint format);
+:mod:`models.hf_mapping` holds the pure name and config correspondence.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from contextlib import suppress
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from models.args import ModelArgs
+from models.hf_mapping import UnsupportedModel, args_from_hf_config, from_hf, hf_config, to_hf
+from models.transformer import Transformer
+from trainer.dense_checkpoint import MODEL_FILE, CheckpointError, open_meta, save_imported, verify_files
+from trainer.tokenizer import ByteTokenizer, HFTokenizer, TokenizerError, build_tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+INDEX = "model.safetensors.index.json"
+
+
+class HFError(RuntimeError):
+    """A bad Hugging Face directory, checkpoint or target; one line naming the file."""
+
+
+# ---------------------------------------------------------------- import
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise HFError(f"{path}: missing") from None
+    except (OSError, ValueError, RecursionError) as e:
+        raise HFError(f"{path}: unreadable ({e})") from None
+    if not isinstance(data, dict):
+        raise HFError(f"{path}: not a JSON object")
+    return data
+
+
+def _weight_files(hf_dir: Path) -> list[Path]:
+    """The safetensors files holding the model: one, or the shards an index names."""
+    if (hf_dir / MODEL_FILE).is_file():
+        return [hf_dir / MODEL_FILE]
+    if (hf_dir / INDEX).is_file():
+        weight_map = _read_json(hf_dir / INDEX).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise HFError(f"{hf_dir / INDEX}: has no 'weight_map'")
+        names = sorted(set(weight_map.values()))
+        if any(Path(n).name != n for n in names):
+            raise HFError(f"{hf_dir / INDEX}: shard names must be plain file names")
+        return [hf_dir / n for n in names]
+    if any(hf_dir.glob("*.bin")) or any(hf_dir.glob("*.pt")):
+        raise HFError(
+            f"{hf_dir}: only pickled weights (*.bin / *.pt), which could run code; not read: save as safetensors"
+        )
+    raise HFError(f"{hf_dir}: no {MODEL_FILE} or {INDEX}")
+
+
+def read_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the model's safetensors files, as float32 (nothing unpickled)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for file in _weight_files(hf_dir):
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    tensors[name] = f.get_tensor(name).to(torch.float32)
+        except (SafetensorError, OSError) as e:
+            raise HFError(f"{file}: unreadable ({str(e).strip().splitlines()[0] if str(e).strip() else e})") from None
+    return tensors
+
+
+def _check_shapes(state: dict[str, torch.Tensor], args: ModelArgs, source: str) -> None:
+    with torch.device("meta"):
+        model = Transformer(args)
+    for name, param in model.named_parameters():
+        if tuple(state[name].shape) != tuple(param.shape):
+            raise HFError(f"{source}: {name} has shape {tuple(state[name].shape)}, the model {tuple(param.shape)}")
+
+
+def _tokenizer_of(hf_dir: Path) -> str | None:
+    """Absolute path of ``hf_dir/tokenizer.json`` when the trainer can use it (a note otherwise), else None."""
+    path = hf_dir / "tokenizer.json"
+    if not path.is_file():
+        return None
+    try:
+        build_tokenizer(str(path.resolve()))
+    except TokenizerError as e:
+        print(f"note: {path} not recorded as the tokenizer ({e})", file=sys.stderr)
+        return None
+    return str(path.resolve())
+
+
+def import_hf(hf_dir: str, ckpt_dir: str, config_out: str | None = None, base_config: str | None = None) -> ModelArgs:
+    """Convert the Hugging Face model in ``hf_dir`` into a step-0 checkpoint at ``ckpt_dir``; its ModelArgs."""
+    source = Path(hf_dir)
+    if not source.is_dir():
+        raise HFError(f"{hf_dir}: not a directory")
+    args = args_from_hf_config(_read_json(source / "config.json"))
+    state = from_hf(read_hf_weights(source), args)
+    _check_shapes(state, args, str(source))
+    tokenizer = _tokenizer_of(source)
+    origin = {"source": str(source.resolve()), "format": "huggingface", "tokenizer": tokenizer}
+    try:
+        save_imported(ckpt_dir, state, args, origin, key="CKPT_DIR")
+    except CheckpointError as e:
+        raise HFError(str(e)) from None
+    if config_out:
+        _write_config(config_out, args, ckpt_dir, tokenizer, base_config)
+    return args
+
+
+def _write_config(path: str, args: ModelArgs, ckpt_dir: str, tokenizer: str | None, base: str | None) -> None:
+    """A training config (``base``'s, or the defaults) with the imported ``[model]``, loading ``ckpt_dir``."""
+    from trainer.config import ConfigError, load_config, validate
+    from trainer.config_help import to_toml
+
+    try:
+        cfg = load_config(base)
+        cfg.model = args
+        cfg.job.name = Path(ckpt_dir).resolve().name
+        cfg.checkpoint.load = str(Path(ckpt_dir).resolve())
+        cfg.data.tokenizer = tokenizer or cfg.data.tokenizer
+        cfg.training.seq_len = min(cfg.training.seq_len, args.max_seq_len)
+        validate(cfg)
+    except ConfigError as e:
+        raise HFError(f"--config-out: {e}") from None
+    target = Path(path)
+    if target.exists() or target.is_symlink():
+        raise HFError(f"--config-out: {path} exists; not replaced")
+    _write_new_file(target, to_toml(cfg).encode())
+
+
+def _write_new_file(target: Path, data: bytes) -> None:
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.rename(tmp, target)
+
+
+# ---------------------------------------------------------------- export
+
+
+def read_checkpoint(ckpt_dir: str) -> tuple[ModelArgs, dict[str, torch.Tensor], dict]:
+    """(model shape, every model tensor by project name, meta.json) of a dense checkpoint, checksum verified."""
+    try:
+        meta = open_meta(ckpt_dir)
+        args = ModelArgs(**meta["model"])
+        args.validate()
+        verify_files(ckpt_dir, meta, (MODEL_FILE,))
+    except (CheckpointError, TypeError, ValueError) as e:
+        raise HFError(f"{ckpt_dir}: {e}") from None
+    with torch.device("meta"):
+        names = [n for n, _ in Transformer(args).named_parameters()]
+    file = Path(ckpt_dir) / MODEL_FILE
+    with safe_open(str(file), framework="pt", device="cpu") as f:
+        missing = sorted(set(names) - set(f.keys()))
+        if missing:
+            raise HFError(f"{file}: has no tensor {missing[0]!r}")
+        return args, {n: f.get_tensor(n) for n in names}, meta
+
+
+def export_hf(ckpt_dir: str, hf_dir: str, dtype: str = "float32") -> Path:
+    """Write the checkpoint ``ckpt_dir`` as a Hugging Face model directory ``hf_dir`` (new or empty)."""
+    args, state, meta = read_checkpoint(ckpt_dir)
+    config = hf_config(args, dtype)
+    if args.family == "deepseek":  # the original's code files (copied beside the weights) load this layout
+        config["auto_map"] = {
+            "AutoConfig": "configuration_deepseek.DeepseekConfig",
+            "AutoModel": "modeling_deepseek.DeepseekModel",
+            "AutoModelForCausalLM": "modeling_deepseek.DeepseekForCausalLM",
+        }
+    tensors = {k: v.to(DTYPES[dtype]).contiguous() for k, v in to_hf(state, args).items()}
+    target = Path(hf_dir)
+    _check_export_target(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        save_file(tensors, str(tmp / MODEL_FILE), metadata={"format": "pt"})
+        tokenizer = meta.get("tokenizer") or "byte"
+        eos = _write_tokenizer(tmp, tokenizer, args)
+        config["eos_token_id"] = eos
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if target.exists():
+            target.rmdir()  # empty, checked above
+        os.rename(tmp, target)
+    except BaseException:
+        with suppress(OSError):
+            shutil.rmtree(tmp)
+        raise
+    return target
+
+
+def _check_export_target(target: Path) -> None:
+    if target.is_symlink():
+        raise HFError(f"{target}: is a symlink; refused, never followed")
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise HFError(f"{target}: exists and is not an empty directory; not replaced (choose a new directory)")
+
+
+def _write_tokenizer(directory: Path, spec: str, args: ModelArgs) -> int:
+    """``tokenizer.json`` and ``tokenizer_config.json`` of the run's tokenizer in ``directory``; its eos id."""
+    try:
+        tok = build_tokenizer(spec)
+    except TokenizerError as e:
+        raise HFError(f"checkpoint tokenizer: {e}") from None
+    if isinstance(tok, ByteTokenizer):
+        byte_level_tokenizer().save(str(directory / "tokenizer.json"))
+        eos_token = BYTE_EOS
+    else:
+        assert isinstance(tok, HFTokenizer)
+        shutil.copyfile(tok.path, directory / "tokenizer.json")
+        eos_token = tok.eos_token
+    tok_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": eos_token,
+        "model_max_length": args.max_seq_len,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
+    return int(tok.eos_id)
+
+
+BYTE_EOS = "</s>"
+
+
+def byte_level_tokenizer():
+    """A ``tokenizers`` Tokenizer equal to :class:`trainer.tokenizer.ByteTokenizer`: byte b is id b, ``</s>`` is 256."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    chars = _bytes_to_unicode()
+    tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([BYTE_EOS])
+    return tok
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """The byte-level BPE alphabet: printable bytes stand for themselves, the others for code points 256+."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+# ---------------------------------------------------------------- command line
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m models.hf", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    imp = sub.add_parser("import", help="Hugging Face model directory -> step-0 checkpoint")
+    imp.add_argument("hf_dir", metavar="HF_DIR")
+    imp.add_argument("ckpt_dir", metavar="CKPT_DIR")
+    imp.add_argument("--config-out", metavar="FILE", help="also write a training config for this model")
+    imp.add_argument("--base-config", metavar="TOML", help="the config --config-out starts from (default: defaults)")
+    exp = sub.add_parser("export", help="checkpoint -> Hugging Face model directory")
+    exp.add_argument("ckpt_dir", metavar="CKPT_DIR")
+    exp.add_argument("hf_dir", metavar="HF_DIR")
+    exp.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="dtype of the written weights")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "import":
+            model = import_hf(args.hf_dir, args.ckpt_dir, args.config_out, args.base_config)
+            print(
+                f"imported {args.hf_dir} -> {args.ckpt_dir}: family {model.family}, {model.n_layers} layers, "
+                f"{model.n_routed_experts} experts top-{model.top_k}; step 0, no optimizer state"
+                + (f"; config {args.config_out}" if args.config_out else "")
+            )
+        else:
+            target = export_hf(args.ckpt_dir, args.hf_dir, args.dtype)
+            print(f"exported {args.ckpt_dir} -> {target} ({args.dtype})")
+    except (HFError, UnsupportedModel) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

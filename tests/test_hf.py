@@ -1,0 +1,384 @@
+"""Hugging Face interop: the originals' models (built here with ``transformers`` from tiny configs, nothing
+downloaded) give the project's logits after ``python -m models.hf import``, ``export`` gives back their
+tensors, and an exported run scores the same through ``eval.harness``, ``moevement-lm-eval --model
+moevement`` and lm-eval's own ``hf`` model."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
+from transformers.models.llama.modeling_llama import LlamaMLP
+
+from eval.checkpoint import load_checkpoint
+from models.hf import byte_level_tokenizer, main
+from tests.conftest import DEBUG_CONFIG, ROOT, final_line, run_cli
+from trainer.tokenizer import ByteTokenizer
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+
+def _randomise(model: nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+
+
+def _qwen(tmp_path: Path, vocab: int = 300, **overrides) -> tuple[Qwen2MoeForCausalLM, Path]:
+    cfg = dict(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=24,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mlp_only_layers=[0],
+        max_position_embeddings=256,
+    )
+    model = Qwen2MoeForCausalLM(Qwen2MoeConfig(**(cfg | overrides))).eval()
+    _randomise(model, 0)
+    model.save_pretrained(tmp_path / "qwen")
+    return model, tmp_path / "qwen"
+
+
+class DeepseekV1MoE(nn.Module):
+    """DeepSeek-MoE v1's MoE block as deepseek-moe-16b-base's modeling code computes it: softmax gate over
+    ``n_routed_experts``, top-k weights (renormalised only with ``norm_topk_prob``), plus the shared experts
+    fused into one MLP of ``n_shared_experts * moe_intermediate_size`` units. Its parameter names are the
+    checkpoint's (``gate.weight``, ``experts.<e>.*``, ``shared_experts.*``)."""
+
+    def __init__(self, cfg: LlamaConfig, n_experts: int, top_k: int, moe_dim: int, n_shared: int):
+        super().__init__()
+        self.top_k = top_k
+        self.gate = nn.Linear(cfg.hidden_size, n_experts, bias=False)
+        expert_cfg = LlamaConfig(**(cfg.to_dict() | {"intermediate_size": moe_dim}))
+        shared_cfg = LlamaConfig(**(cfg.to_dict() | {"intermediate_size": moe_dim * n_shared}))
+        self.experts = nn.ModuleList(LlamaMLP(expert_cfg) for _ in range(n_experts))
+        self.shared_experts = LlamaMLP(shared_cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, ids = F.linear(flat, self.gate.weight).softmax(dim=-1).topk(self.top_k, dim=-1)
+        out = torch.zeros_like(flat)
+        for t in range(flat.shape[0]):
+            for k in range(self.top_k):
+                out[t] += weights[t, k] * self.experts[int(ids[t, k])](flat[t])
+        return out.view_as(x) + self.shared_experts(x)
+
+
+DEEPSEEK_CONFIG = {
+    "architectures": ["DeepseekForCausalLM"],
+    "model_type": "deepseek",
+    "vocab_size": 300,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "moe_intermediate_size": 16,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "n_routed_experts": 6,
+    "n_shared_experts": 2,
+    "num_experts_per_tok": 2,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "norm_topk_prob": False,
+    "scoring_func": "softmax",
+    "aux_loss_alpha": 0.001,
+    "seq_aux": True,
+    "hidden_act": "silu",
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "rope_scaling": None,
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+}
+
+
+def _deepseek_reference(cfg: dict) -> LlamaForCausalLM:
+    """A DeepSeek-MoE v1 model from transformers' Llama (the same attention, norms and dense MLP) with
+    DeepSeek's MoE block in the layers after ``first_k_dense_replace``."""
+    llama_cfg = LlamaConfig(
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_hidden_layers=cfg["num_hidden_layers"],
+        num_attention_heads=cfg["num_attention_heads"],
+        num_key_value_heads=cfg["num_key_value_heads"],
+        max_position_embeddings=cfg["max_position_embeddings"],
+        rms_norm_eps=cfg["rms_norm_eps"],
+        rope_theta=cfg["rope_theta"],
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(llama_cfg)
+    for i in range(cfg["first_k_dense_replace"], cfg["num_hidden_layers"]):
+        model.model.layers[i].mlp = DeepseekV1MoE(
+            llama_cfg,
+            cfg["n_routed_experts"],
+            cfg["num_experts_per_tok"],
+            cfg["moe_intermediate_size"],
+            cfg["n_shared_experts"],
+        )
+    return model.eval()
+
+
+def _import(src: Path, dst: Path, *extra: str) -> None:
+    assert main(["import", str(src), str(dst), *extra]) == 0
+
+
+def test_qwen2_moe_import_gives_its_logits_and_export_gives_back_its_tensors(tmp_path):
+    ref, src = _qwen(tmp_path)
+    _import(src, tmp_path / "ckpt")
+    ours = load_checkpoint(tmp_path / "ckpt")
+    assert ours.model_args.family == "qwen" and ours.model_args.aux_loss_type == "global"
+    tokens = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = ref(tokens).logits
+        torch.testing.assert_close(ours.model(tokens), expected, rtol=0, atol=1e-5)
+
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 0
+    original, exported = load_file(src / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+    assert sorted(original) == sorted(exported)
+    for name, tensor in original.items():
+        assert torch.equal(tensor, exported[name]), name
+    reloaded = Qwen2MoeForCausalLM.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(tokens).logits, expected, rtol=0, atol=0)
+
+
+def test_qwen_global_balance_loss_is_the_reference_s(tmp_path):
+    """aux_loss_type = "global": one loss over every MoE layer's tokens, as transformers computes it."""
+    ref, src = _qwen(tmp_path, mlp_only_layers=[])
+    _import(src, tmp_path / "ckpt")
+    model = load_checkpoint(tmp_path / "ckpt").model.train()
+    tokens = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(2))
+    model(tokens)
+    ours = sum(float(m.last_aux_loss) for m in model.moe_layers().values()) / model.args.aux_loss_coef
+    with torch.no_grad():
+        expected = float(ref(tokens, output_router_logits=True).aux_loss)
+    assert ours == pytest.approx(expected, rel=1e-6)
+    assert 1.5 < ours < 3.0  # top_k (2) when balanced: not a per-layer sum
+
+
+def test_deepseek_v1_import_gives_its_logits_and_export_gives_back_its_tensors(tmp_path):
+    ref = _deepseek_reference(DEEPSEEK_CONFIG)
+    _randomise(ref, 3)
+    src = tmp_path / "deepseek"
+    src.mkdir()
+    save_file({k: v.contiguous() for k, v in ref.state_dict().items()}, str(src / "model.safetensors"))
+    (src / "config.json").write_text(json.dumps(DEEPSEEK_CONFIG))
+    _import(src, tmp_path / "ckpt")
+    ours = load_checkpoint(tmp_path / "ckpt")
+    args = ours.model_args
+    assert (args.family, args.n_shared_experts, args.n_dense_layers, args.aux_loss_type) == ("deepseek", 2, 1, "seq")
+    tokens = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = ref(tokens).logits
+        torch.testing.assert_close(ours.model(tokens), expected, rtol=0, atol=1e-5)
+
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 0
+    exported = load_file(tmp_path / "out" / "model.safetensors")
+    original = load_file(src / "model.safetensors")
+    assert sorted(original) == sorted(exported)
+    assert all(torch.equal(original[k], exported[k]) for k in original)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert {k: config[k] for k in DEEPSEEK_CONFIG if k != "architectures"} == {
+        k: v for k, v in DEEPSEEK_CONFIG.items() if k != "architectures"
+    }
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_deepseek.DeepseekForCausalLM"
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        ({"model_type": "deepseek_v2", "kv_lora_rank": 512}, "model_type 'deepseek_v2' (MLA attention"),
+        ({"scoring_func": "sigmoid"}, "scoring_func='sigmoid'"),
+        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope scaling"),
+        ({"moe_layer_freq": 2}, "moe_layer_freq=2"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ],
+)
+def test_unsupported_features_are_one_line(tmp_path, capsys, change, named):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps(DEEPSEEK_CONFIG | change))
+    assert main(["import", str(src), str(tmp_path / "ckpt")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: config.json: ") and named in err and "\n" not in err
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_pickled_weights_are_refused_unread(tmp_path, capsys):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps(DEEPSEEK_CONFIG))
+    (src / "pytorch_model.bin").write_bytes(b"not read")
+    assert main(["import", str(src), str(tmp_path / "ckpt")]) == 2
+    assert "pickled weights" in capsys.readouterr().err
+
+
+def test_exported_byte_tokenizer_is_the_trainer_s(tmp_path):
+    text = "Question: héllo wörld\n\tdone 🙂"
+    assert byte_level_tokenizer().encode(text).ids == ByteTokenizer().encode(text)
+    from transformers import AutoTokenizer
+
+    _, src = _qwen(tmp_path)
+    _import(src, tmp_path / "ckpt")
+    main(["export", str(tmp_path / "ckpt"), str(tmp_path / "out")])
+    hf_tok = AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert hf_tok(text, add_special_tokens=False)["input_ids"] == ByteTokenizer().encode(text)
+    assert hf_tok.eos_token_id == ByteTokenizer.eos_id
+
+
+# ---------------------------------------------------------------- the user's path, end to end
+
+PIQA_TASK_YAML = """task: piqa_local
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    validation: {data}
+output_type: multiple_choice
+validation_split: validation
+doc_to_text: "Question: {{{{goal}}}}\\nAnswer:"
+doc_to_target: label
+doc_to_choice: "{{{{[sol1, sol2]}}}}"
+metric_list:
+  - metric: acc
+  - metric: acc_norm
+"""
+
+
+def _local_piqa(tmp_path: Path, n: int) -> Path:
+    """lm-eval's piqa prompt over the first ``n`` items of ../shared/data/piqa, as an --include_path task."""
+    piqa = ROOT.parent / "shared" / "data" / "piqa"
+    rows = (piqa / "valid.jsonl").read_text().splitlines()[:n]
+    labels = (piqa / "valid-labels.lst").read_text().split()[:n]
+    data = tmp_path / "piqa.jsonl"
+    data.write_text("".join(json.dumps(json.loads(r) | {"label": int(lab)}) + "\n" for r, lab in zip(rows, labels)))
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "piqa_local.yaml").write_text(PIQA_TASK_YAML.format(data=data))
+    return tasks
+
+
+def _lm_eval(tasks: Path, out: Path, *model: str) -> dict:
+    script = Path(sys.executable).parent / "moevement-lm-eval"  # installed by `make` (pip install -e .)
+    cmd = [str(script), *model, "--tasks", "piqa_local", "--include_path", str(tasks), "--output_path", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (results,) = out.rglob("results_*.json")
+    scores = json.loads(results.read_text())["results"]["piqa_local"]
+    return {"acc": scores["acc,none"], "acc_norm": scores["acc_norm,none"]}
+
+
+def test_import_train_with_a_failure_export_and_score_with_lm_eval(tmp_path):
+    """README's path: import a Qwen-MoE, train it under a failure (bit-exact against a fault-free run),
+    export it; lm-eval's ``hf`` model, ``moevement-lm-eval --model moevement`` and ``eval.harness`` agree."""
+    _, src = _qwen(tmp_path, vocab=260, mlp_only_layers=[], num_key_value_heads=4, max_position_embeddings=1024)
+    config = tmp_path / "qwen.toml"
+    _import(src, tmp_path / "imported", "--config-out", str(config), "--base-config", DEBUG_CONFIG)
+    common = ("--config", str(config), "--parallelism.dp", "2", "--training.steps", "6", "--training.val_every", "0")
+    ft = ("--checkpoint.strategy", "moevement", "--checkpoint.window", "2")
+    clean = run_cli(*common, *ft, nproc=2)
+    failed = run_cli(*common, *ft, "--fault.at", "5:1", "--checkpoint.save_final", str(tmp_path / "trained"), nproc=2)
+    assert "holds imported weights" in failed.stdout and "recovery step=5" in failed.stdout
+    assert final_line(failed.stdout) == final_line(clean.stdout)
+    assert main(["export", str(tmp_path / "trained"), str(tmp_path / "hf")]) == 0
+
+    n = 40
+    tasks = _local_piqa(tmp_path, n)
+    harness = subprocess.run(
+        [sys.executable, "-m", "eval.harness", "--checkpoint", str(tmp_path / "trained"), "--limit", str(n)],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert harness.returncode == 0, harness.stderr
+    acc, acc_norm = map(float, re.search(r"task=piqa acc=(\S+) acc_norm=(\S+) n=40", harness.stdout).groups())
+    # lm-eval's default device and --batch_size from its command line (no CUDA here: the CPU, with a warning)
+    model_args = f"checkpoint={tmp_path / 'trained'},batch_size=16"  # also given below: no "multiple values"
+    ours = _lm_eval(tasks, tmp_path / "lm1", "--model", "moevement", "--model_args", model_args, "--batch_size", "4")
+    hf = _lm_eval(
+        tasks,
+        tmp_path / "lm2",
+        "--model",
+        "hf",
+        "--model_args",
+        f"pretrained={tmp_path / 'hf'},dtype=float32",
+        "--device",
+        "cpu",
+        "--batch_size",
+        "8",
+    )
+    assert ours == hf == {"acc": pytest.approx(acc, abs=1e-4), "acc_norm": pytest.approx(acc_norm, abs=1e-4)}
+
+
+# config.json of the released models (deepseek-ai/deepseek-moe-16b-base, Qwen/Qwen1.5-MoE-A2.7B), keys that
+# decide the model
+RELEASED = {
+    "deepseek_moe_16b_hf": DEEPSEEK_CONFIG
+    | {
+        "vocab_size": 102400,
+        "hidden_size": 2048,
+        "intermediate_size": 10944,
+        "moe_intermediate_size": 1408,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "n_routed_experts": 64,
+        "n_shared_experts": 2,
+        "num_experts_per_tok": 6,
+        "max_position_embeddings": 4096,
+    },
+    "qwen_moe_14b_hf": {
+        "model_type": "qwen2_moe",
+        "vocab_size": 151936,
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "moe_intermediate_size": 1408,
+        "shared_expert_intermediate_size": 5632,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "num_experts": 60,
+        "num_experts_per_tok": 4,
+        "decoder_sparse_step": 1,
+        "norm_topk_prob": False,
+        "router_aux_loss_coef": 0.001,
+        "hidden_act": "silu",
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "sliding_window": 32768,
+        "use_sliding_window": False,
+        "tie_word_embeddings": False,
+    },
+}
+
+
+@pytest.mark.parametrize("name", sorted(RELEASED))
+def test_continued_pretraining_configs_match_the_released_models(name):
+    """The `_hf` configs' [model] is what importing the released model gives (a checkpoint of another shape
+    would be refused by --checkpoint.load)."""
+    from models.hf_mapping import args_from_hf_config
+    from trainer.config import load_config
+
+    cfg = load_config(str(ROOT / "train_configs" / f"{name}.toml"))
+    assert cfg.model == args_from_hf_config(RELEASED[name])
