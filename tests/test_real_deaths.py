@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -82,6 +83,35 @@ def test_sigkill_in_backward_recovers_only_its_stage(tmp_path):
     recovery_s = float(re.search(r"^recovery step=9 .* seconds=(\S+) ", out, re.M)[1])
     assert acct[2] == str(final_line(out)[0]) and acct[4] == "1", acct[0]  # carried across the restart
     assert float(acct[3]) >= recovery_s and float(acct[1]) > float(acct[3]), acct[0]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_a_replacement_on_another_node_fetches_its_snapshots_over_the_network(tmp_path):
+    """Two nodes (two torchrun agents, each with its own shared-memory directory): the replacement of the dead
+    rank finds no copy of its snapshots on its node and receives them from its replica holder on the other
+    node, verified; only its stage replays and the result is the fault-free run's."""
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+
+    def agent(node: int) -> subprocess.Popen:
+        rdzv = ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "two-nodes"]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1", *rdzv]
+        cmd += ["--max-restarts", "1", "train.py", *BASE, *PP2, *MOEVEMENT, "--fault.kill", "9:1:backward"]
+        cmd += ["--checkpoint.host_dir", str(tmp_path / f"node{node}"), "--job.output_dir", str(RUN_OUTPUTS)]
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    agents = [agent(0), agent(1)]
+    outs = [a.communicate(timeout=600)[0] for a in agents]
+    assert all(a.returncode == 0 for a in agents), "\n".join(outs)
+    (out,) = [o for o in outs if REJOIN.search(o)]  # rank 0's agent prints the recovery and the steps
+    [(step, *_)] = assert_local_and_exact(out, baseline(PP2, 2), "1", "1")
+    assert step == "9"
+    assert re.search(r"^recovery work rank=1 role=failed .* snapshots_from=rank0:network ", out, re.M), out
 
 
 def test_real_crash_recovers_locally(tmp_path):

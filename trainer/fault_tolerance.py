@@ -44,12 +44,16 @@ from trainer.startup import STARTUP
 from trainer.step import DropoutSeeder, forward_backward, replay_update
 
 
-def gather_topology(dims: ParallelDims) -> Topology:
-    """Every rank's pipeline rank, data-parallel rank and node (collective over all ranks)."""
+def gather_topology(dims: ParallelDims, host_dir: Path) -> Topology:
+    """Every rank's pipeline rank, data-parallel rank and node (collective over all ranks).
+
+    A node is a host and its shared-memory directory `host_dir`: ranks of one node reach each other's
+    snapshot buffers by path (two launches on one host with different directories are two nodes)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return Topology.single(local_stage_ids(dims.cfg, 0))
     gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (dims.pp_rank, dims.dp_rank, socket.gethostname()))
+    node = f"{socket.gethostname()}:{host_dir.resolve()}"
+    dist.all_gather_object(gathered, (dims.pp_rank, dims.dp_rank, node))
     hosts = list(dict.fromkeys(host for _, _, host in gathered))
     return Topology(
         dist.get_rank(),
@@ -126,7 +130,7 @@ def build_strategy(
     if strategy == "none":
         return NoCheckpointing()
     lock = claim_host_state(cfg, dist.get_rank() if dist.is_initialized() else 0)
-    topo = gather_topology(dims)
+    topo = gather_topology(dims, host_job_dir(cfg))
     rank_dir = host_rank_dir(cfg, topo.rank)
     identity = RunIdentity.of_sparse(cfg)
     rejoin = Rejoin(torchrun_generation(), timeline=STARTUP.marks)

@@ -128,6 +128,8 @@ class Recovery:
                 restore_live_state(live, self.ck.ops, self.conversion.optimizer, self.log)
         restored = time.time()
         stats = ReplayStats()
+        if found is not None and self.me in failed:
+            stats.sources[self.me] = found.sources[self.me].replace(" ", "_")
         boundary = fetch_boundary_logs(self.log, self.layout, self.micro, scope, t0, target)
         scalars = fetch_scalars(self.ck, failed, t0, target)
         stats.fetch = time.perf_counter() - started

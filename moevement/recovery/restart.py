@@ -7,7 +7,9 @@ job is launched again (a relaunch after preemption). Each rank lists its copies 
   1. its own shared-memory buffers (`<host_dir>/<job>/rank<r>/local`), which outlive the process;
   2. the replicas its peers hold in their shared-memory directories on this node
      (`<host_dir>/<job>/rank<q>/replicas/from<r>`);
-  3. the disk copies under `<persist_dir>/<job>/window-*/rank<r>`.
+  3. the disk copies under `<persist_dir>/<job>/window-*/rank<r>`;
+  4. the replicas peers on other nodes hold, sent over the process group when none of the above is
+     intact (every rank also lists the replicas it holds for the others).
 
 Only persisted windows count: a copy in host memory counts if its window is no newer than the newest
 window any rank's manifest (`persisted.json`) records as persisted (a newer one may be complete
@@ -23,6 +25,7 @@ loudly. `Recovery.restart` converts the chosen window with a full-pipeline repla
 
 from __future__ import annotations
 
+import json
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -72,6 +75,7 @@ class _Survey:
     index: int = -1  # the window index its manifest records (-1: none)
     newest_iteration: int = 0
     anything: bool = False  # any state of this job at all (a fresh job finds none and says nothing)
+    held: dict[int, dict[int, list[Path]]] = field(default_factory=dict)  # {rank: {start: paths}} held for others
 
 
 def _reject(rank: int, source: str, error: Exception) -> None:
@@ -132,6 +136,10 @@ def _survey(rank: int, job_dir: Path, persist_root: Path | None, own_copies: boo
                     len(paths),
                 )
             )
+    for directory in sorted((own / "replicas").glob("from*[0-9]")):
+        source = int(directory.name.removeprefix("from"))
+        if source != rank:
+            survey.held[source] = _host_windows(rank, directory, survey)
     if persist_root is not None:
         for directory in sorted(persist_root.glob(f"window-*/rank{rank:05d}")):
             survey.anything = True
@@ -181,24 +189,33 @@ def find_restart_checkpoint(
     rank, world = dist.get_rank(), dist.get_world_size()
     survey = _survey(rank, job_dir, persist_root, own_copies)
     gathered: list = [None] * world
+    held = {r: {start: len(paths) for start, paths in windows.items()} for r, windows in survey.held.items()}
     dist.all_gather_object(
-        gathered, (survey.persisted, survey.newest_iteration, survey.anything, survey.index, resume_at)
+        gathered, (survey.persisted, survey.newest_iteration, survey.anything, survey.index, resume_at, held)
     )
     persisted = max(g[0] for g in gathered)
     last_iteration = max(g[1] for g in gathered)
     any_state = any(g[2] for g in gathered)
     index = max(-1, *(g[3] for g in gathered)) + 1  # not the buffers of the newest manifest's window
     resume_at = max(g[4] for g in gathered)
+
+    def host_copy_usable(start: int, window: int) -> bool:
+        return start <= persisted or start + window <= resume_at
+
+    remote = _remote_holders([g[5] for g in gathered], host_copy_usable)
     usable = {
-        start: [c for c in copies if not c.in_host_memory or start <= persisted or start + c.window <= resume_at]
+        start: [c for c in copies if not c.in_host_memory or host_copy_usable(start, c.window)]
         for start, copies in survey.copies.items()
     }
     starts = sorted(start for start, copies in usable.items() if copies)
     dist.all_gather_object(gathered, starts)
-    common = set.intersection(*(set(s) for s in gathered))
+    common = set.intersection(*(set(s) | set(remote[r]) for r, s in enumerate(gathered)))
     for start in sorted(common, reverse=True):
-        loaded = _load_first_intact(rank, usable[start], check)
+        loaded = _load_first_intact(rank, usable.get(start, []), check)
         dist.all_gather_object(gathered, loaded[1] if loaded else None)
+        if not all(gathered):
+            loaded = _fetch_over_network(rank, start, gathered, remote, survey.held, check) or loaded
+            dist.all_gather_object(gathered, loaded[1] if loaded else None)
         if all(source is not None for source in gathered):
             drop_newer_disk_windows(rank, persist_root, start)
             snapshots = loaded[0]
@@ -214,6 +231,96 @@ def find_restart_checkpoint(
             "restart: no intact persisted sparse checkpoint of this job survives on every rank; "
             "STARTING FROM THE INITIAL STATE"
         )
+    return None
+
+
+def _remote_holders(held_by: list[dict], usable: Callable[[int, int], bool]) -> dict[int, dict[int, list[int]]]:
+    """{rank r: {window start: the ranks holding a usable replica of r's window}} from every rank's list."""
+    remote: dict[int, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
+    for holder, held in enumerate(held_by):
+        for source, windows in held.items():
+            for start, window in windows.items():
+                if source != holder and usable(start, window):
+                    remote[source][start].append(holder)
+    return remote
+
+
+def _fetch_over_network(
+    rank: int,
+    start: int,
+    sources: list,
+    remote: dict[int, dict[int, list[int]]],
+    held: dict[int, dict[int, list[Path]]],
+    check: CheckHeader,
+) -> tuple[Loaded, str] | None:
+    """Ranks without an intact copy of window `start` receive it from the peers holding its replica (another
+    node's shared memory), trying the next holder when one's copy is rejected. Collective: every exchange
+    runs in one global order (receiving rank, then holder), so the blocking sends cannot deadlock."""
+    got: tuple[Loaded, str] | None = None
+    needing = [r for r, source in enumerate(sources) if source is None]
+    for attempt in range(max((len(remote[r][start]) for r in needing), default=0)):
+        for r in needing:
+            holders = remote[r][start]
+            if attempt >= len(holders):
+                continue
+            if rank == holders[attempt]:
+                _send_window(r, held[r][start])
+            elif rank == r and got is None:
+                got = _receive_window(holders[attempt], check)
+        flags: list = [None] * len(sources)
+        dist.all_gather_object(flags, rank not in needing or got is not None)
+        needing = [r for r in needing if not flags[r]]
+    return got
+
+
+def _send_window(dst: int, paths: list[Path]) -> None:
+    """Each slot's header (JSON) and bytes; sizes (0, 0) for a slot that can no longer be read."""
+    dist.send(torch.tensor([len(paths)]), dst)
+    for path in paths:
+        try:
+            header = read_header(path)
+            data = map_bytes(path)[: header["nbytes"]] if header["nbytes"] else torch.empty(0, dtype=torch.uint8)
+        except (*UNUSABLE, KeyError, TypeError):
+            dist.send(torch.tensor([0, 0]), dst)
+            continue
+        raw = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
+        dist.send(torch.tensor([raw.numel(), data.numel()]), dst)
+        dist.send(raw, dst)
+        if data.numel():
+            dist.send(data.contiguous(), dst)
+
+
+def _receive_window(src: int, check: CheckHeader) -> tuple[Loaded, str] | None:
+    """The window `_send_window` sends, every checksum and the run identity verified, and where it came
+    from (`rank<src>:network`); None if rejected."""
+    source = f"replica on rank {src}, over the network"
+    n_slots = torch.zeros(1, dtype=torch.int64)
+    dist.recv(n_slots, src)
+    received, error = [], None
+    for slot in range(int(n_slots)):
+        sizes = torch.zeros(2, dtype=torch.int64)
+        dist.recv(sizes, src)
+        header_len, nbytes = sizes.tolist()
+        if header_len == 0:
+            error = error or SnapshotError(f"{source}: slot {slot} unreadable on the holder")
+            continue
+        raw = torch.empty(header_len, dtype=torch.uint8)
+        dist.recv(raw, src)
+        data = torch.empty(nbytes, dtype=torch.uint8)
+        if nbytes:
+            dist.recv(data, src)
+        received.append((raw, data))
+    if error is None:
+        try:
+            loaded = []
+            for raw, data in received:
+                header = SnapshotHeader.from_json(json.loads(raw.numpy().tobytes()))
+                check(header, source)
+                loaded.append((header, read_entries(data, header, source=source)))
+            return loaded, f"rank{src}:network"
+        except (*UNUSABLE, RuntimeError, ValueError, KeyError, TypeError) as e:
+            error = e
+    _reject(rank=dist.get_rank(), source=source, error=error)
     return None
 
 
