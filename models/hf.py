@@ -4,7 +4,8 @@
 sharded ``model.safetensors.index.json``; a pickled ``pytorch_model.bin`` is refused unread) of
 Qwen1.5-MoE (``qwen2_moe``) or DeepSeek-MoE v1 (``deepseek``) and writes a dense checkpoint at step 0
 with no optimizer state: ``train.py --checkpoint.load CKPT_DIR`` starts from its weights with a fresh
-optimizer, and ``eval.harness --checkpoint CKPT_DIR`` scores it. Weights are stored in float32. A
+optimizer, and ``eval.harness --checkpoint CKPT_DIR`` scores it. Weights are stored in float32, read
+and written one tensor at a time (host memory: the largest tensor, not the model). A
 ``tokenizer.json`` beside the weights is recorded (by absolute path) as the checkpoint's tokenizer.
 ``--config-out FILE`` also writes a training config whose ``[model]`` is the imported one.
 
@@ -30,12 +31,12 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from models.args import ModelArgs
-from models.hf_mapping import UnsupportedModel, args_from_hf_config, from_hf, hf_config, to_hf
+from models.hf_mapping import UnsupportedModel, args_from_hf_config, check_names, hf_config, join, sources, targets
 from models.transformer import Transformer
-from trainer.dense_checkpoint import MODEL_FILE, CheckpointError, open_meta, save_imported, verify_files
+from trainer.dense_checkpoint import MODEL_FILE, CheckpointError, Tensors, open_meta, save_imported, verify_files
+from trainer.safetensors_stream import write_safetensors
 from trainer.tokenizer import ByteTokenizer, HFTokenizer, TokenizerError, build_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -80,25 +81,47 @@ def _weight_files(hf_dir: Path) -> list[Path]:
     raise HFError(f"{hf_dir}: no {MODEL_FILE} or {INDEX}")
 
 
-def read_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the model's safetensors files, as float32 (nothing unpickled)."""
-    tensors: dict[str, torch.Tensor] = {}
-    for file in _weight_files(hf_dir):
+class HFWeights:
+    """The tensors of a Hugging Face model's safetensors files, read one at a time (nothing unpickled)."""
+
+    def __init__(self, hf_dir: Path):
+        self.where: dict[str, tuple[Path, object]] = {}
+        for file in _weight_files(hf_dir):
+            handle = self._call(file, lambda f=file: safe_open(str(f), framework="pt", device="cpu"))
+            for name in self._call(file, handle.keys):
+                self.where[name] = (file, handle)
+
+    @staticmethod
+    def _call(file: Path, fn):
         try:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    tensors[name] = f.get_tensor(name).to(torch.float32)
+            return fn()
         except (SafetensorError, OSError) as e:
-            raise HFError(f"{file}: unreadable ({str(e).strip().splitlines()[0] if str(e).strip() else e})") from None
-    return tensors
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise HFError(f"{file}: unreadable ({reason})") from None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        file, handle = self.where[name]
+        return tuple(self._call(file, lambda: handle.get_slice(name).get_shape()))
+
+    def get(self, name: str) -> torch.Tensor:
+        file, handle = self.where[name]
+        return self._call(file, lambda: handle.get_tensor(name))
 
 
-def _check_shapes(state: dict[str, torch.Tensor], args: ModelArgs, source: str) -> None:
+def _import_plan(weights: HFWeights, args: ModelArgs, source: str) -> Tensors:
+    """The checkpoint's model tensors (float32, project names), each read when it is written."""
+    check_names(weights.where, args)
+    plan = sources(args)
     with torch.device("meta"):
-        model = Transformer(args)
-    for name, param in model.named_parameters():
-        if tuple(state[name].shape) != tuple(param.shape):
-            raise HFError(f"{source}: {name} has shape {tuple(state[name].shape)}, the model {tuple(param.shape)}")
+        expected = {name: tuple(p.shape) for name, p in Transformer(args).named_parameters()}
+    specs = {}
+    for ours, src in plan.items():
+        shape = list(weights.shape(src.hf_name))
+        shape[src.dim] //= src.parts
+        if tuple(shape) != expected[ours]:
+            raise HFError(f"{source}: {src.hf_name} gives {ours} the shape {tuple(shape)}, the model {expected[ours]}")
+        specs[ours] = (torch.float32, expected[ours])
+    return Tensors(specs, lambda ours: plan[ours].take(weights.get(plan[ours].hf_name).to(torch.float32)))
 
 
 def _tokenizer_of(hf_dir: Path) -> str | None:
@@ -120,12 +143,11 @@ def import_hf(hf_dir: str, ckpt_dir: str, config_out: str | None = None, base_co
     if not source.is_dir():
         raise HFError(f"{hf_dir}: not a directory")
     args = args_from_hf_config(_read_json(source / "config.json"))
-    state = from_hf(read_hf_weights(source), args)
-    _check_shapes(state, args, str(source))
+    model = _import_plan(HFWeights(source), args, str(source))
     tokenizer = _tokenizer_of(source)
     origin = {"source": str(source.resolve()), "format": "huggingface", "tokenizer": tokenizer}
     try:
-        save_imported(ckpt_dir, state, args, origin, key="CKPT_DIR")
+        save_imported(ckpt_dir, model, args, origin, key="CKPT_DIR")
     except CheckpointError as e:
         raise HFError(str(e)) from None
     if config_out:
@@ -165,8 +187,8 @@ def _write_new_file(target: Path, data: bytes) -> None:
 # ---------------------------------------------------------------- export
 
 
-def read_checkpoint(ckpt_dir: str) -> tuple[ModelArgs, dict[str, torch.Tensor], dict]:
-    """(model shape, every model tensor by project name, meta.json) of a dense checkpoint, checksum verified."""
+def open_checkpoint(ckpt_dir: str) -> tuple[ModelArgs, object, dict]:
+    """(model shape, an open handle on its model tensors, meta.json) of a dense checkpoint, checksum verified."""
     try:
         meta = open_meta(ckpt_dir)
         args = ModelArgs(**meta["model"])
@@ -174,19 +196,20 @@ def read_checkpoint(ckpt_dir: str) -> tuple[ModelArgs, dict[str, torch.Tensor], 
         verify_files(ckpt_dir, meta, (MODEL_FILE,))
     except (CheckpointError, TypeError, ValueError) as e:
         raise HFError(f"{ckpt_dir}: {e}") from None
+    file = Path(ckpt_dir) / MODEL_FILE
+    handle = HFWeights._call(file, lambda: safe_open(str(file), framework="pt", device="cpu"))
     with torch.device("meta"):
         names = [n for n, _ in Transformer(args).named_parameters()]
-    file = Path(ckpt_dir) / MODEL_FILE
-    with safe_open(str(file), framework="pt", device="cpu") as f:
-        missing = sorted(set(names) - set(f.keys()))
-        if missing:
-            raise HFError(f"{file}: has no tensor {missing[0]!r}")
-        return args, {n: f.get_tensor(n) for n in names}, meta
+    missing = sorted(set(names) - set(handle.keys()))
+    if missing:
+        raise HFError(f"{file}: has no tensor {missing[0]!r}")
+    return args, handle, meta
 
 
 def export_hf(ckpt_dir: str, hf_dir: str, dtype: str = "float32") -> Path:
-    """Write the checkpoint ``ckpt_dir`` as a Hugging Face model directory ``hf_dir`` (new or empty)."""
-    args, state, meta = read_checkpoint(ckpt_dir)
+    """Write the checkpoint ``ckpt_dir`` as a Hugging Face model directory ``hf_dir`` (new or empty), one
+    tensor at a time."""
+    args, handle, meta = open_checkpoint(ckpt_dir)
     config = hf_config(args, dtype)
     if args.family == "deepseek":  # the original's code files (copied beside the weights) load this layout
         config["auto_map"] = {
@@ -194,15 +217,24 @@ def export_hf(ckpt_dir: str, hf_dir: str, dtype: str = "float32") -> Path:
             "AutoModel": "modeling_deepseek.DeepseekModel",
             "AutoModelForCausalLM": "modeling_deepseek.DeepseekForCausalLM",
         }
-    tensors = {k: v.to(DTYPES[dtype]).contiguous() for k, v in to_hf(state, args).items()}
+    plan = targets(args)
+    specs = {}
+    for name, (ours, dim) in plan.items():
+        shapes = [list(handle.get_slice(o).get_shape()) for o in ours]
+        shapes[0][dim] = sum(shape[dim] for shape in shapes)
+        specs[name] = (DTYPES[dtype], tuple(shapes[0]))
+
+    def tensor_of(name: str) -> torch.Tensor:
+        ours, dim = plan[name]
+        return join([handle.get_tensor(o) for o in ours], dim).to(DTYPES[dtype])
+
     target = Path(hf_dir)
     _check_export_target(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        save_file(tensors, str(tmp / MODEL_FILE), metadata={"format": "pt"})
-        tokenizer = meta.get("tokenizer") or "byte"
-        eos = _write_tokenizer(tmp, tokenizer, args)
+        write_safetensors(tmp / MODEL_FILE, specs, tensor_of, metadata={"format": "pt"})
+        eos = _write_tokenizer(tmp, meta.get("tokenizer") or "byte", args)
         config["eos_token_id"] = eos
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if target.exists():

@@ -18,6 +18,10 @@ not a prefix) is refused with :class:`UnsupportedModel`, one line naming the con
 
 from __future__ import annotations
 
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
 import torch
 
 from models.args import ModelArgs
@@ -215,69 +219,69 @@ def _deepseek_config(args: ModelArgs) -> dict:
 # ---------------------------------------------------------------- tensors
 
 
-def _layer_names(args: ModelArgs, i: int) -> list[tuple[str, str]]:
-    """(project name, HF name) of layer ``i``'s tensors, shared experts aside."""
+@dataclass(frozen=True)
+class Source:
+    """Where one of the project's tensors is in the original's checkpoint: tensor ``hf_name``, or its
+    ``part``-th of ``parts`` equal chunks along ``dim`` (DeepSeek's fused shared experts)."""
+
+    hf_name: str
+    part: int = 0
+    parts: int = 1
+    dim: int = 0
+
+    def take(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if self.parts == 1 else tensor.chunk(self.parts, dim=self.dim)[self.part]
+
+
+_MLP = (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))
+_DOWN = "w2"  # the projection whose input dimension is the hidden one (fused shared experts chunk along dim 1)
+
+
+def _layer_sources(args: ModelArgs, i: int) -> dict[str, Source]:
     ours, theirs = f"layers.{i}", f"model.layers.{i}"
-    pairs = [
-        (f"{ours}.attention_norm.weight", f"{theirs}.input_layernorm.weight"),
-        (f"{ours}.ffn_norm.weight", f"{theirs}.post_attention_layernorm.weight"),
-    ]
+    out = {
+        f"{ours}.attention_norm.weight": Source(f"{theirs}.input_layernorm.weight"),
+        f"{ours}.ffn_norm.weight": Source(f"{theirs}.post_attention_layernorm.weight"),
+    }
     for proj, hf in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
-        pairs.append((f"{ours}.attention.{proj}.weight", f"{theirs}.self_attn.{hf}.weight"))
+        out[f"{ours}.attention.{proj}.weight"] = Source(f"{theirs}.self_attn.{hf}.weight")
         if args.qkv_bias and proj != "wo":
-            pairs.append((f"{ours}.attention.{proj}.bias", f"{theirs}.self_attn.{hf}.bias"))
-    mlp = (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))
+            out[f"{ours}.attention.{proj}.bias"] = Source(f"{theirs}.self_attn.{hf}.bias")
     if not args.is_moe_layer(i):
-        pairs += [(f"{ours}.feed_forward.{w}.weight", f"{theirs}.mlp.{hf}.weight") for w, hf in mlp]
-        return pairs
-    pairs.append((f"{ours}.moe.router.gate.weight", f"{theirs}.mlp.gate.weight"))
+        out.update({f"{ours}.feed_forward.{w}.weight": Source(f"{theirs}.mlp.{hf}.weight") for w, hf in _MLP})
+        return out
+    out[f"{ours}.moe.router.gate.weight"] = Source(f"{theirs}.mlp.gate.weight")
     for e in range(args.n_routed_experts):
-        pairs += [(f"{ours}.moe.experts.{e}.{w}.weight", f"{theirs}.mlp.experts.{e}.{hf}.weight") for w, hf in mlp]
+        out.update(
+            {f"{ours}.moe.experts.{e}.{w}.weight": Source(f"{theirs}.mlp.experts.{e}.{hf}.weight") for w, hf in _MLP}
+        )
     if args.family == "qwen":
-        pairs += [
-            (f"{ours}.moe.shared_experts.0.{w}.weight", f"{theirs}.mlp.shared_expert.{hf}.weight") for w, hf in mlp
-        ]
-        pairs.append((f"{ours}.moe.shared_expert_gate.weight", f"{theirs}.mlp.shared_expert_gate.weight"))
-    return pairs
-
-
-def _name_pairs(args: ModelArgs) -> list[tuple[str, str]]:
-    pairs = [("tok_embeddings.weight", "model.embed_tokens.weight"), ("norm.weight", "model.norm.weight")]
-    if not args.tie_embeddings:
-        pairs.append(("output.weight", "lm_head.weight"))
-    for i in range(args.n_layers):
-        pairs += _layer_names(args, i)
-    return pairs
-
-
-def _fused_shared(args: ModelArgs) -> list[tuple[int, str, int]]:
-    """DeepSeek's fused shared experts: (layer, HF projection, concatenation dim) of each fused tensor."""
-    if args.family != "deepseek" or args.n_shared_experts == 0:
-        return []
-    layers = [i for i in range(args.n_layers) if args.is_moe_layer(i)]
-    return [(i, hf, dim) for i in layers for hf, dim in (("gate_proj", 0), ("up_proj", 0), ("down_proj", 1))]
-
-
-_OURS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
-
-
-def to_hf(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """The whole model's ``state`` (project names) under the original's names (DeepSeek's shared experts fused)."""
-    out = {hf: state[ours] for ours, hf in _name_pairs(args)}
-    for i, proj, dim in _fused_shared(args):
-        parts = [state[f"layers.{i}.moe.shared_experts.{j}.{_OURS[proj]}.weight"] for j in range(args.n_shared_experts)]
-        out[f"model.layers.{i}.mlp.shared_experts.{proj}.weight"] = torch.cat(parts, dim=dim)
+        shared = f"{theirs}.mlp.shared_expert"
+        out.update({f"{ours}.moe.shared_experts.0.{w}.weight": Source(f"{shared}.{hf}.weight") for w, hf in _MLP})
+        out[f"{ours}.moe.shared_expert_gate.weight"] = Source(f"{theirs}.mlp.shared_expert_gate.weight")
+    else:  # deepseek: the shared experts are one fused MLP, expert j its j-th chunk of hidden units
+        n = args.n_shared_experts
+        for j in range(n):
+            for w, hf in _MLP:
+                fused = f"{theirs}.mlp.shared_experts.{hf}.weight"
+                out[f"{ours}.moe.shared_experts.{j}.{w}.weight"] = Source(fused, j, n, 1 if w == _DOWN else 0)
     return out
 
 
-def from_hf(hf_state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """The project's state dict of a Hugging Face state dict; a missing or unexpected tensor is refused by name."""
-    pairs = _name_pairs(args)
-    fused = {
-        f"model.layers.{i}.mlp.shared_experts.{proj}.weight": (i, proj, dim) for i, proj, dim in _fused_shared(args)
-    }
-    expected = {hf for _, hf in pairs} | set(fused)
-    present = {k for k in hf_state if not k.endswith(_IGNORED_SUFFIXES)}
+def sources(args: ModelArgs) -> dict[str, Source]:
+    """Every tensor of the whole model (project name) and where it is in the original's checkpoint."""
+    out = {"tok_embeddings.weight": Source("model.embed_tokens.weight"), "norm.weight": Source("model.norm.weight")}
+    if not args.tie_embeddings:
+        out["output.weight"] = Source("lm_head.weight")
+    for i in range(args.n_layers):
+        out.update(_layer_sources(args, i))
+    return out
+
+
+def check_names(hf_names: Iterable[str], args: ModelArgs) -> None:
+    """Refuse a checkpoint missing a tensor the model needs, or holding one it does not compute."""
+    expected = {src.hf_name for src in sources(args).values()}
+    present = {k for k in hf_names if not k.endswith(_IGNORED_SUFFIXES)}
     if args.tie_embeddings:
         present.discard("lm_head.weight")  # some tied checkpoints also store the head
     missing, unexpected = sorted(expected - present), sorted(present - expected)
@@ -285,8 +289,27 @@ def from_hf(hf_state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, tor
         raise UnsupportedModel(f"weights: missing {missing[0]!r} ({len(missing)} missing in all)")
     if unexpected:
         raise UnsupportedModel(f"weights: unexpected {unexpected[0]!r} ({len(unexpected)} unexpected in all)")
-    out = {ours: hf_state[hf] for ours, hf in pairs}
-    for name, (i, proj, dim) in fused.items():
-        for j, part in enumerate(hf_state[name].chunk(args.n_shared_experts, dim=dim)):
-            out[f"layers.{i}.moe.shared_experts.{j}.{_OURS[proj]}.weight"] = part
-    return out
+
+
+def from_hf(hf_state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """The project's state dict of a Hugging Face state dict; a missing or unexpected tensor is refused by name."""
+    check_names(hf_state, args)
+    return {ours: src.take(hf_state[src.hf_name]) for ours, src in sources(args).items()}
+
+
+def targets(args: ModelArgs) -> dict[str, tuple[list[str], int]]:
+    """Every tensor of the original's checkpoint: (the project's tensors it joins, in order; the dimension
+    they are concatenated along). One project tensor each, but DeepSeek's fused shared experts."""
+    parts: dict[str, list[tuple[int, int, str]]] = defaultdict(list)
+    for ours, src in sources(args).items():
+        parts[src.hf_name].append((src.part, src.dim, ours))
+    return {name: ([ours for _, _, ours in sorted(pieces)], pieces[0][1]) for name, pieces in parts.items()}
+
+
+def join(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=dim)
+
+
+def to_hf(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """The whole model's ``state`` (project names) under the original's names (DeepSeek's shared experts fused)."""
+    return {name: join([state[o] for o in ours], dim) for name, (ours, dim) in targets(args).items()}

@@ -33,11 +33,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from models.args import ModelArgs
 from trainer.identity import RunIdentity
+from trainer.safetensors_stream import Spec, write_safetensors
 
 FORMAT = "moevement-dense-v2"
 OLD_FORMAT = "moevement-dense-v1"
@@ -193,21 +193,26 @@ def _write_owner_only(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> str:
-    """Write `tensors` as safetensors to the new file `path` (owner-only, synced); its sha256.
+@dataclasses.dataclass
+class Tensors:
+    """What a checkpoint file will hold: each tensor's dtype and shape, and the tensor itself on demand (so
+    that a file is written one tensor at a time)."""
 
-    Serialised in memory and written by us (`save_file` would leave its own temporary behind)."""
-    data = save({k: v.contiguous() for k, v in tensors.items()})
-    _write_owner_only(path, data)
-    return hashlib.sha256(data).hexdigest()
+    specs: dict[str, Spec]
+    tensor_of: Callable[[str], torch.Tensor]
+
+    @classmethod
+    def of(cls, tensors: dict[str, torch.Tensor]) -> Tensors:
+        return cls({k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()}, tensors.__getitem__)
 
 
-def _write_new(tmp: Path, state: dict[str, torch.Tensor], meta: dict) -> None:
-    """Fill the fresh directory `tmp`: marker first, tensors, `meta.json` last."""
+def _write_new(tmp: Path, model: Tensors, optim: Tensors, meta: dict) -> None:
+    """Fill the fresh directory `tmp`: marker first, tensors (owner-only, synced), `meta.json` last."""
     _write_owner_only(tmp / PARTIAL, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode())
-    model = {k: v for k, v in state.items() if not k.startswith(OPTIM_PREFIX)}
-    optim = {k: v for k, v in state.items() if k.startswith(OPTIM_PREFIX)}
-    files = {MODEL_FILE: _write_tensors(tmp / MODEL_FILE, model), OPTIM_FILE: _write_tensors(tmp / OPTIM_FILE, optim)}
+    files = {
+        MODEL_FILE: write_safetensors(tmp / MODEL_FILE, model.specs, model.tensor_of),
+        OPTIM_FILE: write_safetensors(tmp / OPTIM_FILE, optim.specs, optim.tensor_of),
+    }
     _write_owner_only(tmp / f"{META}.tmp", json.dumps({**meta, "files": files}, indent=1).encode())
     os.replace(tmp / f"{META}.tmp", tmp / META)
 
@@ -237,19 +242,21 @@ def _swap_in(tmp: Path, path: Path, old_files: list[str]) -> None:
         os.close(fd)
 
 
-def _write_checkpoint(path: Path, state: dict[str, torch.Tensor], meta: dict, key: str = KEY) -> None:
+def _write_checkpoint(path: Path, model: Tensors, optim: Tensors, meta: dict, key: str = KEY) -> None:
     old_files = _check_target(path, key)  # again: the target may have changed during training
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         _remove_stale_temporaries(path)
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-        _write_new(tmp, state, meta)
+        _write_new(tmp, model, optim, meta)
         _swap_in(tmp, path, old_files)
-    except OSError as e:
+    except BaseException as e:  # nothing half-written stays behind, whatever stopped the writing
         if tmp is not None and tmp.exists():
             _remove_temporary(tmp)
-        raise CheckpointError(f"{key}: cannot save to {path} ({e})") from None
+        if isinstance(e, OSError):
+            raise CheckpointError(f"{key}: cannot save to {path} ({e})") from None
+        raise
 
 
 def save_dense(directory: str, state: dict[str, torch.Tensor] | None, step: int, loss: float, cfg) -> None:
@@ -263,19 +270,19 @@ def save_dense(directory: str, state: dict[str, torch.Tensor] | None, step: int,
         "run": RunIdentity.of_dense(cfg).to_json(),
         **({"tokenizer": cfg.data.tokenizer} if cfg.data.tokenizer else {}),
     }
-    _on_rank0(lambda: _write_checkpoint(Path(directory), state, meta))
+    model = {k: v for k, v in (state or {}).items() if not k.startswith(OPTIM_PREFIX)}
+    optim = {k: v for k, v in (state or {}).items() if k.startswith(OPTIM_PREFIX)}
+    _on_rank0(lambda: _write_checkpoint(Path(directory), Tensors.of(model), Tensors.of(optim), meta))
 
 
-def save_imported(
-    directory: str, state: dict[str, torch.Tensor], model_args: ModelArgs, origin: dict, key: str
-) -> None:
-    """Save the model tensors `state` taken from elsewhere (`origin`: where from) as a step-0 checkpoint with
+def save_imported(directory: str, model: Tensors, model_args: ModelArgs, origin: dict, key: str) -> None:
+    """Save the model tensors `model` taken from elsewhere (`origin`: where from) as a step-0 checkpoint with
     no optimizer state and no run identity: `checkpoint.load` starts a run from its weights with a fresh
     optimizer. `key` names the argument in error messages. Single process."""
     meta = {"format": FORMAT, "step": 0, "model": dataclasses.asdict(model_args), "run": None, "imported": origin}
     if origin.get("tokenizer"):
         meta["tokenizer"] = origin["tokenizer"]
-    _write_checkpoint(Path(directory), state, meta, key)
+    _write_checkpoint(Path(directory), model, Tensors.of({}), meta, key)
 
 
 def is_imported(meta: dict) -> bool:
