@@ -233,7 +233,7 @@ def export_hf(ckpt_dir: str, hf_dir: str, dtype: str = "float32") -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        write_safetensors(tmp / MODEL_FILE, specs, tensor_of, metadata={"format": "pt"})
+        write_safetensors(tmp / MODEL_FILE, specs, tensor_of, metadata={"format": "pt"}, sha256=False)
         eos = _write_tokenizer(tmp, meta.get("tokenizer") or "byte", args)
         config["eos_token_id"] = eos
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")

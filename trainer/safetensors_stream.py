@@ -55,13 +55,14 @@ def write_safetensors(
     specs: Mapping[str, Spec],
     tensor_of: Callable[[str], torch.Tensor],
     metadata: dict[str, str] | None = None,
-    mode: int = 0o600,
+    sha256: bool = True,
 ) -> str:
-    """Create the new file `path` (never an existing one, never through a symlink), synced, holding
-    `tensor_of(name)` for every name of `specs` (its dtype and shape checked); the file's sha256."""
+    """Create the new file `path` (owner-only; never an existing one, never through a symlink), synced,
+    holding `tensor_of(name)` for every name of `specs` (its dtype and shape checked); the file's sha256
+    ("" with `sha256=False`). On an error the partial file stays: write into a temporary directory."""
     head, order = layout(specs, metadata)
-    digest = hashlib.sha256(head)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+    digest = hashlib.sha256(head) if sha256 else None
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(head)
         for name in order:
@@ -69,8 +70,9 @@ def write_safetensors(
             if (tensor.dtype, tuple(tensor.shape)) != (specs[name][0], tuple(specs[name][1])):
                 raise ValueError(f"{name}: got {tensor.dtype} {tuple(tensor.shape)}, the header says {specs[name]}")
             data = tensor.reshape(-1).view(torch.uint8).numpy().data if tensor.numel() else b""
-            digest.update(data)
+            if digest is not None:
+                digest.update(data)
             f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    return digest.hexdigest()
+    return digest.hexdigest() if digest is not None else ""
