@@ -78,19 +78,40 @@ def _local_copy_intact(ck: SparseCheckpointer, window: int) -> bool:
     return True
 
 
+def send_slot(dst: int, header: dict | None, data: torch.Tensor | None) -> None:
+    """One snapshot slot to `dst`: sizes, JSON header, bytes; sizes (0, 0) when the sender has none."""
+    if header is None:
+        dist.send(torch.tensor([0, 0]), dst)
+        return
+    raw = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
+    dist.send(torch.tensor([raw.numel(), header["nbytes"]]), dst)
+    dist.send(raw, dst)
+    if header["nbytes"]:
+        dist.send(data[: header["nbytes"]].contiguous(), dst)
+
+
+def recv_slot(src: int, buffer_for: Callable[[int], torch.Tensor]) -> tuple[dict | None, torch.Tensor | None]:
+    """The slot `send_slot` sends: (header, `buffer_for(nbytes)` holding its bytes), or (None, None)."""
+    sizes = torch.zeros(2, dtype=torch.int64)
+    dist.recv(sizes, src)
+    header_len, nbytes = sizes.tolist()
+    if header_len == 0:
+        return None, None
+    raw = torch.empty(header_len, dtype=torch.uint8)
+    dist.recv(raw, src)
+    data = buffer_for(nbytes)
+    if nbytes:
+        dist.recv(data[:nbytes], src)
+    return json.loads(raw.numpy().tobytes()), data
+
+
 def _send(ck: SparseCheckpointer, dst: int, window: int, buffer_of: Callable[[int], HostBuffer]) -> None:
-    """Send the persisted checkpoint's slots held in `buffer_of(slot)` (sizes 0, 0 for a missing one)."""
+    """Send the persisted checkpoint's slots held in `buffer_of(slot)` (none for a missing one)."""
     start = ck.persisted.rollback_point()
     for slot in range(window):
         buf = buffer_of(slot)
         header = read_header(buf.path)
-        if header is None or header["window_start"] != start:
-            dist.send(torch.tensor([0, 0]), dst)
-            continue
-        raw = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
-        dist.send(torch.tensor([raw.numel(), header["nbytes"]]), dst)
-        dist.send(raw, dst)
-        dist.send(buf.data[: header["nbytes"]].contiguous(), dst)
+        send_slot(dst, header if header is not None and header["window_start"] == start else None, buf.data)
 
 
 def _receive(
@@ -99,19 +120,16 @@ def _receive(
     """Receive all slots from `src` into `buffer_of(slot)`, verified; False if any is missing or corrupt."""
     ok = True
     for slot in range(window):
-        sizes = torch.zeros(2, dtype=torch.int64)
-        dist.recv(sizes, src)
-        header_len, nbytes = sizes.tolist()
-        if header_len == 0:
+        buf = buffer_of(slot)
+
+        def into(nbytes: int, buf: HostBuffer = buf) -> torch.Tensor:
+            buf.invalidate()
+            return buf.ensure(max(nbytes, 1))
+
+        header, data = recv_slot(src, into)
+        if header is None:
             ok = False
             continue
-        raw = torch.empty(header_len, dtype=torch.uint8)
-        dist.recv(raw, src)
-        buf = buffer_of(slot)
-        buf.invalidate()
-        data = buf.ensure(max(nbytes, 1))
-        dist.recv(data[:nbytes], src)
-        header = json.loads(raw.numpy().tobytes())
         try:
             verify_entries(data, SnapshotHeader.from_json(header), source=source)
         except SnapshotError as e:

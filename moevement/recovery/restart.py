@@ -25,7 +25,6 @@ loudly. `Recovery.restart` converts the chosen window with a full-pipeline repla
 
 from __future__ import annotations
 
-import json
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -35,6 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from moevement.recovery.fetch import recv_slot, send_slot
 from moevement.storage.host_memory import HostMemoryError, map_bytes, read_header, remove_tree
 from moevement.storage.persistence import read_window
 from moevement.storage.snapshot import SnapshotError, SnapshotHeader, read_entries
@@ -274,20 +274,15 @@ def _fetch_over_network(
 
 
 def _send_window(dst: int, paths: list[Path]) -> None:
-    """Each slot's header (JSON) and bytes; sizes (0, 0) for a slot that can no longer be read."""
+    """The number of slots, then each slot (`send_slot`; none for a slot that can no longer be read)."""
     dist.send(torch.tensor([len(paths)]), dst)
     for path in paths:
         try:
             header = read_header(path)
-            data = map_bytes(path)[: header["nbytes"]] if header["nbytes"] else torch.empty(0, dtype=torch.uint8)
+            data = map_bytes(path) if header["nbytes"] else None
         except (*UNUSABLE, KeyError, TypeError):
-            dist.send(torch.tensor([0, 0]), dst)
-            continue
-        raw = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
-        dist.send(torch.tensor([raw.numel(), data.numel()]), dst)
-        dist.send(raw, dst)
-        if data.numel():
-            dist.send(data.contiguous(), dst)
+            header, data = None, None
+        send_slot(dst, header, data)
 
 
 def _receive_window(src: int, check: CheckHeader) -> tuple[Loaded, str] | None:
@@ -296,32 +291,19 @@ def _receive_window(src: int, check: CheckHeader) -> tuple[Loaded, str] | None:
     source = f"replica on rank {src}, over the network"
     n_slots = torch.zeros(1, dtype=torch.int64)
     dist.recv(n_slots, src)
-    received, error = [], None
-    for slot in range(int(n_slots)):
-        sizes = torch.zeros(2, dtype=torch.int64)
-        dist.recv(sizes, src)
-        header_len, nbytes = sizes.tolist()
-        if header_len == 0:
-            error = error or SnapshotError(f"{source}: slot {slot} unreadable on the holder")
-            continue
-        raw = torch.empty(header_len, dtype=torch.uint8)
-        dist.recv(raw, src)
-        data = torch.empty(nbytes, dtype=torch.uint8)
-        if nbytes:
-            dist.recv(data, src)
-        received.append((raw, data))
-    if error is None:
-        try:
-            loaded = []
-            for raw, data in received:
-                header = SnapshotHeader.from_json(json.loads(raw.numpy().tobytes()))
-                check(header, source)
-                loaded.append((header, read_entries(data, header, source=source)))
-            return loaded, f"rank{src}:network"
-        except (*UNUSABLE, RuntimeError, ValueError, KeyError, TypeError) as e:
-            error = e
-    _reject(rank=dist.get_rank(), source=source, error=error)
-    return None
+    received = [recv_slot(src, lambda n: torch.empty(n, dtype=torch.uint8)) for _ in range(int(n_slots))]
+    try:
+        loaded = []
+        for slot, (header, data) in enumerate(received):
+            if header is None:
+                raise SnapshotError(f"{source}: slot {slot} unreadable on the holder")
+            parsed = SnapshotHeader.from_json(header)
+            check(parsed, source)
+            loaded.append((parsed, read_entries(data, parsed, source=source)))
+        return loaded, f"rank{src}:network"
+    except (*UNUSABLE, RuntimeError, ValueError, KeyError, TypeError) as e:
+        _reject(dist.get_rank(), source, e)
+        return None
 
 
 def drop_newer_disk_windows(rank: int, persist_root: Path | None, start: int) -> None:
