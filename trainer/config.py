@@ -65,7 +65,7 @@ class TrainingConfig:
 class CheckpointConfig:
     strategy: str = "none"  # none | moevement | gemini | checkfreq | moc
     save_final: str = ""  # directory for a dense checkpoint (safetensors + meta.json) at the end of training
-    load: str = ""  # directory of a dense checkpoint to resume from
+    load: str = ""  # directory of a dense checkpoint to resume from (an imported one: its weights, a fresh optimizer)
     # load a dense checkpoint saved under another training config (fine-tuning); the differences are printed
     load_other_config: bool = False
     # MoEvement sparse checkpointing (strategy = "moevement")
