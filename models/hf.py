@@ -211,12 +211,6 @@ def export_hf(ckpt_dir: str, hf_dir: str, dtype: str = "float32") -> Path:
     tensor at a time."""
     args, handle, meta = open_checkpoint(ckpt_dir)
     config = hf_config(args, dtype)
-    if args.family == "deepseek":  # the original's code files (copied beside the weights) load this layout
-        config["auto_map"] = {
-            "AutoConfig": "configuration_deepseek.DeepseekConfig",
-            "AutoModel": "modeling_deepseek.DeepseekModel",
-            "AutoModelForCausalLM": "modeling_deepseek.DeepseekForCausalLM",
-        }
     plan = targets(args)
     specs = {}
     for name, (ours, dim) in plan.items():

@@ -204,6 +204,12 @@ def _deepseek_config(args: ModelArgs) -> dict:
         )
     return {
         "model_type": "deepseek",
+        # the original's code files, copied beside the weights, load this layout (trust_remote_code=True)
+        "auto_map": {
+            "AutoConfig": "configuration_deepseek.DeepseekConfig",
+            "AutoModel": "modeling_deepseek.DeepseekModel",
+            "AutoModelForCausalLM": "modeling_deepseek.DeepseekForCausalLM",
+        },
         "n_routed_experts": args.n_routed_experts,
         "n_shared_experts": args.n_shared_experts or None,
         "first_k_dense_replace": args.n_dense_layers,
