@@ -6,14 +6,17 @@ parameter by global name), `optim.safetensors` (the AdamW tensors, named `optim.
 (`RunIdentity.of_dense`) and a sha256 per file. Nothing is unpickled on load: each file is checked
 against its sha256, then read with safetensors, and every rank takes the tensors it holds (its slice
 of FSDP-sharded ones), so a checkpoint saved in any parallel layout loads into any other. The old DCP
-format (`moevement-dense-v1`, whose `.metadata` is a pickle) is refused without being read.
+format (`moevement-dense-v1`, whose `.metadata` is a pickle) is refused without being read. An
+imported checkpoint (`python -m models.hf import`) has `"run": null`, an `imported` record, step 0 and
+an empty optimizer file: loading it sets the weights and leaves the optimizer fresh.
 
 Saving never deletes or renames anything it did not write. The target must be new, an empty directory
 or a checkpoint of this project holding only its own files (`check_save_target`, before training).
-Rank 0 writes the consolidated state into a fresh owner-only sibling `.<name>.tmp-XXXX` marked by
-`.moevement-partial` (written first), `meta.json` last, then renames it into place; a replaced
-checkpoint is first renamed to a fresh `.<name>.old-XXXX`, and only its own files are deleted. Marked
-temporaries of the same target whose writer process is gone are removed; nothing else is.
+Rank 0 writes the consolidated state, one tensor at a time, into a fresh owner-only sibling
+`.<name>.tmp-XXXX` marked by `.moevement-partial` (written first), `meta.json` last, then renames it
+into place; a replaced checkpoint is first renamed to a fresh `.<name>.old-XXXX`, and only its own files
+are deleted. Marked temporaries of the same target whose writer process is gone are removed; nothing
+else is.
 """
 
 from __future__ import annotations
