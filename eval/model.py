@@ -91,7 +91,7 @@ class MoEvementLM(LM):
     ``MoEvementLM(checkpoint=DIR)`` loads ``DIR`` (see :func:`eval.checkpoint.load_checkpoint`;
     ``config`` / ``tokenizer`` choose the tokenizer); ``MoEvementLM(model=..., tokenizer=...)``
     wraps a model already in memory (``tokenizer``: a :class:`trainer.tokenizer.Tokenizer` or a
-    spec string). Through lm-eval: ``--model moevement --model_args checkpoint=DIR,batch_size=32``.
+    spec string). Through lm-eval: ``moevement-lm-eval --model moevement --model_args checkpoint=DIR --batch_size 32``.
     """
 
     def __init__(
