@@ -81,31 +81,36 @@ def _weight_files(hf_dir: Path) -> list[Path]:
     raise HFError(f"{hf_dir}: no {MODEL_FILE} or {INDEX}")
 
 
+def _reading(file: Path, fn):
+    """`fn()`, a safetensors read of `file`; any failure is one HFError line naming the file."""
+    try:
+        return fn()
+    except (SafetensorError, OSError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise HFError(f"{file}: unreadable ({reason})") from None
+
+
+def _open(file: Path):
+    return _reading(file, lambda: safe_open(str(file), framework="pt", device="cpu"))
+
+
 class HFWeights:
     """The tensors of a Hugging Face model's safetensors files, read one at a time (nothing unpickled)."""
 
     def __init__(self, hf_dir: Path):
         self.where: dict[str, tuple[Path, object]] = {}
         for file in _weight_files(hf_dir):
-            handle = self._call(file, lambda f=file: safe_open(str(f), framework="pt", device="cpu"))
-            for name in self._call(file, handle.keys):
+            handle = _open(file)
+            for name in _reading(file, handle.keys):
                 self.where[name] = (file, handle)
-
-    @staticmethod
-    def _call(file: Path, fn):
-        try:
-            return fn()
-        except (SafetensorError, OSError) as e:
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise HFError(f"{file}: unreadable ({reason})") from None
 
     def shape(self, name: str) -> tuple[int, ...]:
         file, handle = self.where[name]
-        return tuple(self._call(file, lambda: handle.get_slice(name).get_shape()))
+        return tuple(_reading(file, lambda: handle.get_slice(name).get_shape()))
 
     def get(self, name: str) -> torch.Tensor:
         file, handle = self.where[name]
-        return self._call(file, lambda: handle.get_tensor(name))
+        return _reading(file, lambda: handle.get_tensor(name))
 
 
 def _import_plan(weights: HFWeights, args: ModelArgs, source: str) -> Tensors:
@@ -197,7 +202,7 @@ def open_checkpoint(ckpt_dir: str) -> tuple[ModelArgs, object, dict]:
     except (CheckpointError, TypeError, ValueError) as e:
         raise HFError(f"{ckpt_dir}: {e}") from None
     file = Path(ckpt_dir) / MODEL_FILE
-    handle = HFWeights._call(file, lambda: safe_open(str(file), framework="pt", device="cpu"))
+    handle = _open(file)
     with torch.device("meta"):
         names = [n for n, _ in Transformer(args).named_parameters()]
     missing = sorted(set(names) - set(handle.keys()))

@@ -78,10 +78,10 @@ class ModelBalanceLoss:
         self.score_sums.append(scores.detach().sum(dim=0))
         return _ModelBalanceGrad.apply(scores, self)
 
-    def value(self) -> torch.Tensor:
-        """The loss (coefficient included) of the layers added so far."""
-        total = torch.stack(self.score_sums).sum(dim=0)
-        return self.coef * self.n_experts * (self.counts * total).sum() / self.rows**2
+    def share(self, layer: int) -> torch.Tensor:
+        """The `layer`-th added layer's part of the loss (coefficient included): its scores against every
+        layer's counts. The parts of all layers sum to the loss."""
+        return self.coef * self.n_experts * (self.counts * self.score_sums[layer]).sum() / self.rows**2
 
 
 class _ModelBalanceGrad(torch.autograd.Function):
@@ -155,11 +155,9 @@ class MoE(nn.Module):
     def last_aux_loss(self) -> torch.Tensor:
         """Detached auxiliary loss of the last training forward; with ``global`` the model's one loss, each
         MoE layer reporting its share (the loss of its scores against every layer's counts)."""
-        if self.aux_loss_type == "global" and self.model_balance is not None and self._balance_index is not None:
-            b = self.model_balance
-            share = b.coef * b.n_experts * (b.counts * b.score_sums[self._balance_index]).sum() / b.rows**2
-            return self._last_aux_loss + share
-        return self._last_aux_loss
+        if self._balance_index is None:
+            return self._last_aux_loss
+        return self._last_aux_loss + self.model_balance.share(self._balance_index)
 
     def reset_load_stats(self) -> None:
         """Zero ``tokens_per_expert``, ``gate_prob_sum`` and ``dropped_tokens``."""

@@ -77,9 +77,9 @@ class Transformer(nn.Module):
     def start_model_balance(self) -> None:
         """With ``aux_loss_type = "global"``, give every MoE layer one fresh :class:`ModelBalanceLoss` for
         this training forward (the reference's one loss over all layers needs every MoE layer here)."""
-        moe_layers = self.moe_layers()
-        if not (self.training and self.args.aux_loss_type == "global" and self.args.aux_loss_coef > 0 and moe_layers):
+        if not (self.training and self.args.aux_loss_type == "global" and self.args.aux_loss_coef > 0):
             return
+        moe_layers = self.moe_layers()
         n_moe = sum(self.args.is_moe_layer(i) for i in range(self.args.n_layers))
         if len(moe_layers) != n_moe:
             raise ValueError(

@@ -15,6 +15,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 DEBUG_CONFIG = "train_configs/debug_moe.toml"
 # Run records of the suite's runs (`job.output_dir`, unless a test names its own): outside the checkout.
+# what every child process of the tests runs with: nothing downloaded, one intra-op thread per process
+CHILD_ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 RUN_OUTPUTS = Path(tempfile.mkdtemp(prefix="moevement-test-runs-"))
 
 
@@ -49,7 +51,7 @@ def run_cli(
     name a `job.output_dir`."""
     if not any(a.startswith("--job.output_dir") for a in args):
         args = (*args, "--job.output_dir", str(RUN_OUTPUTS))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    env = {**CHILD_ENV, **(env or {})}
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *torchrun]
     else:

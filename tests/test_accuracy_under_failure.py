@@ -9,7 +9,6 @@ exactly; MoC's validation loss and digest differ (Gemini's exactness is tested i
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import sys
 import pytest
 
 from eval import accuracy_under_failure as acc
-from tests.conftest import DEBUG_CONFIG, ROOT
+from tests.conftest import CHILD_ENV, DEBUG_CONFIG, ROOT
 
 STRATEGY_LINE = re.compile(
     r"^strategy=(\w+) val_loss=(\S+) piqa_acc=(\S+) piqa_acc_norm=(\S+) "
@@ -143,7 +142,7 @@ def test_moevement_checkpoint_scores_like_fault_free_and_moc_does_not(tmp_path):
         capture_output=True,
         text=True,
         timeout=900,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
+        env=CHILD_ENV,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     lines = {m[1]: m for m in STRATEGY_LINE.finditer(proc.stdout)}

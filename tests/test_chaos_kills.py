@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, RUN_OUTPUTS, final_line
+from tests.conftest import CHILD_ENV, ROOT, RUN_OUTPUTS, final_line
 from tests.test_recovery import BASE, MOEVEMENT, PP4, baseline
 
 PP2 = ["--parallelism.pp", "2"]
@@ -109,10 +109,9 @@ def chaos_run(tmp_path: Path, layout: list[str], nproc: int, seed: int, kills: i
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     cmd += [f"--max-restarts={kills + 1}", "train.py", *BASE, *STEPS, *layout, *MOEVEMENT]
     cmd += ["--checkpoint.host_dir", str(tmp_path / "shm"), "--job.output_dir", str(RUN_OUTPUTS)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     out, err = tmp_path / "stdout", tmp_path / "stderr"
     with out.open("w") as stdout, err.open("w") as stderr:
-        agent = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=stdout, stderr=stderr)
+        agent = subprocess.Popen(cmd, cwd=ROOT, env=CHILD_ENV, stdout=stdout, stderr=stderr)
         chaos = Chaos(agent, out, nproc, seed)
         try:
             for _ in range(kills):

@@ -18,11 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import DEBUG_CONFIG, ROOT, RUN_OUTPUTS, final_line, run_cli, step_losses
+from tests.conftest import CHILD_ENV, DEBUG_CONFIG, ROOT, RUN_OUTPUTS, final_line, run_cli, step_losses
 from trainer.config import load_config
 
 QUIET = ["--metrics.tensorboard", "false", "--metrics.log_every", "1", "--training.val_every", "0"]
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
 
 def train(*args, **kw):
@@ -33,7 +32,7 @@ def harness(checkpoint: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "eval.harness", "--checkpoint", str(checkpoint), "--tasks", "piqa", "--limit", "1"],
         cwd=ROOT,
-        env=ENV,
+        env=CHILD_ENV,
         capture_output=True,
         text=True,
         timeout=300,
@@ -128,7 +127,7 @@ def test_interrupted_save_looks_incomplete_and_only_it_is_cleaned(tmp_path):
     killed = subprocess.run(
         [sys.executable, "-c", script, *args],
         cwd=ROOT,
-        env=ENV,
+        env=CHILD_ENV,
         capture_output=True,
         text=True,
         timeout=600,

@@ -6,7 +6,6 @@ moevement`` and lm-eval's own ``hf`` model."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -22,10 +21,8 @@ from transformers.models.llama.modeling_llama import LlamaMLP
 
 from eval.checkpoint import load_checkpoint
 from models.hf import byte_level_tokenizer, main
-from tests.conftest import DEBUG_CONFIG, ROOT, final_line, run_cli
+from tests.conftest import CHILD_ENV, DEBUG_CONFIG, ROOT, final_line, run_cli
 from trainer.tokenizer import ByteTokenizer
-
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
 
 def _randomise(model: nn.Module, seed: int) -> None:
@@ -279,7 +276,7 @@ def _local_piqa(tmp_path: Path, n: int) -> Path:
 def _lm_eval(tasks: Path, out: Path, *model: str) -> dict:
     script = Path(sys.executable).parent / "moevement-lm-eval"  # installed by `make` (pip install -e .)
     cmd = [str(script), *model, "--tasks", "piqa_local", "--include_path", str(tasks), "--output_path", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=ROOT, env=CHILD_ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (results,) = out.rglob("results_*.json")
     scores = json.loads(results.read_text())["results"]["piqa_local"]
@@ -305,7 +302,7 @@ def test_import_train_with_a_failure_export_and_score_with_lm_eval(tmp_path):
     harness = subprocess.run(
         [sys.executable, "-m", "eval.harness", "--checkpoint", str(tmp_path / "trained"), "--limit", str(n)],
         cwd=ROOT,
-        env=ENV,
+        env=CHILD_ENV,
         capture_output=True,
         text=True,
         timeout=600,

@@ -18,7 +18,7 @@ import sys
 import pytest
 
 from moevement.failures import TRAINING_PHASES
-from tests.conftest import ROOT, RUN_OUTPUTS, final_line, run_cli, step_losses
+from tests.conftest import CHILD_ENV, ROOT, RUN_OUTPUTS, final_line, run_cli, step_losses
 from tests.test_recovery import BASE, INTERLEAVED, MOEVEMENT, PP2_DP2_EP2_BF16, PP4, WORK, baseline
 
 PP2 = ["--parallelism.pp", "2"]
@@ -96,14 +96,14 @@ def test_a_replacement_on_another_node_fetches_its_snapshots_over_the_network(tm
     rank finds no copy of its snapshots on its node and receives them from its replica holder on the other
     node, verified; only its stage replays and the result is the fault-free run's."""
     port = _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
 
     def agent(node: int) -> subprocess.Popen:
         rdzv = ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "two-nodes"]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1", *rdzv]
         cmd += ["--max-restarts", "1", "train.py", *BASE, *PP2, *MOEVEMENT, "--fault.kill", "9:1:backward"]
         cmd += ["--checkpoint.host_dir", str(tmp_path / f"node{node}"), "--job.output_dir", str(RUN_OUTPUTS)]
-        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        out = subprocess.PIPE
+        return subprocess.Popen(cmd, cwd=ROOT, env=CHILD_ENV, stdout=out, stderr=subprocess.STDOUT, text=True)
 
     agents = [agent(0), agent(1)]
     outs = [a.communicate(timeout=600)[0] for a in agents]
