@@ -33,7 +33,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from models.args import ModelArgs
-from models.hf_mapping import UnsupportedModel, args_from_hf_config, check_names, hf_config, join, sources, targets
+from models.hf_mapping import UnsupportedModel, args_from_hf_config, check_names, hf_config, sources
 from models.transformer import Transformer
 from trainer.dense_checkpoint import MODEL_FILE, CheckpointError, Tensors, open_meta, save_imported, verify_files
 from trainer.safetensors_stream import write_safetensors
@@ -120,13 +120,12 @@ def _import_plan(weights: HFWeights, args: ModelArgs, source: str) -> Tensors:
     with torch.device("meta"):
         expected = {name: tuple(p.shape) for name, p in Transformer(args).named_parameters()}
     specs = {}
-    for ours, src in plan.items():
-        shape = list(weights.shape(src.hf_name))
-        shape[src.dim] //= src.parts
-        if tuple(shape) != expected[ours]:
-            raise HFError(f"{source}: {src.hf_name} gives {ours} the shape {tuple(shape)}, the model {expected[ours]}")
+    for ours, theirs in plan.items():
+        shape = weights.shape(theirs)
+        if shape != expected[ours]:
+            raise HFError(f"{source}: {theirs} gives {ours} the shape {shape}, the model {expected[ours]}")
         specs[ours] = (torch.float32, expected[ours])
-    return Tensors(specs, lambda ours: plan[ours].take(weights.get(plan[ours].hf_name).to(torch.float32)))
+    return Tensors(specs, lambda ours: weights.get(plan[ours]).to(torch.float32))
 
 
 def _tokenizer_of(hf_dir: Path) -> str | None:
@@ -216,16 +215,11 @@ def export_hf(ckpt_dir: str, hf_dir: str, dtype: str = "float32") -> Path:
     tensor at a time."""
     args, handle, meta = open_checkpoint(ckpt_dir)
     config = hf_config(args, dtype)
-    plan = targets(args)
-    specs = {}
-    for name, (ours, dim) in plan.items():
-        shapes = [list(handle.get_slice(o).get_shape()) for o in ours]
-        shapes[0][dim] = sum(shape[dim] for shape in shapes)
-        specs[name] = (DTYPES[dtype], tuple(shapes[0]))
+    ours_of = {theirs: ours for ours, theirs in sources(args).items()}
+    specs = {theirs: (DTYPES[dtype], tuple(handle.get_slice(ours).get_shape())) for theirs, ours in ours_of.items()}
 
     def tensor_of(name: str) -> torch.Tensor:
-        ours, dim = plan[name]
-        return join([handle.get_tensor(o) for o in ours], dim).to(DTYPES[dtype])
+        return handle.get_tensor(ours_of[name]).to(DTYPES[dtype])
 
     target = Path(hf_dir)
     _check_export_target(target)

@@ -6,21 +6,20 @@ Two layouts are understood, each the one its public checkpoint uses:
   expert ``mlp.shared_expert`` scaled by ``sigmoid(mlp.shared_expert_gate)``, bias on q/k/v.
 * ``deepseek`` (deepseek-moe-16b-base; loads with the ``DeepseekForCausalLM`` code shipped in that
   repository, ``trust_remote_code=True``): the ``n_shared_experts`` shared experts fused into one MLP
-  ``mlp.shared_experts`` of ``n_shared_experts * moe_intermediate_size`` hidden units, which is exactly
-  the sum of ``n_shared_experts`` separate experts (the project keeps them apart, one operator each).
+  ``mlp.shared_experts`` of ``n_shared_experts * moe_intermediate_size`` hidden units, as this project's
+  ``moe.shared_experts`` is.
 
 Both store routed experts one by one (``mlp.experts.<e>.{gate,up,down}_proj``); this project's
-``w1``/``w3``/``w2`` are ``gate_proj``/``up_proj``/``down_proj``. Everything here is pure: dicts of
-tensors and JSON-like config dicts in and out, no files. A feature the project's model does not
-compute (MLA, sigmoid or group-limited routing, rope scaling, sliding windows, dense layers that are
-not a prefix) is refused with :class:`UnsupportedModel`, one line naming the config key.
+``w1``/``w3``/``w2`` are ``gate_proj``/``up_proj``/``down_proj``; each tensor is one tensor of the
+other. Everything here is pure: dicts of tensors and JSON-like config dicts in and out, no files. A
+feature the project's model does not compute (MLA, sigmoid or group-limited routing, rope scaling,
+sliding windows, dense layers that are not a prefix) is refused with :class:`UnsupportedModel`, one
+line naming the config key.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 
@@ -225,60 +224,38 @@ def _deepseek_config(args: ModelArgs) -> dict:
 # ---------------------------------------------------------------- tensors
 
 
-@dataclass(frozen=True)
-class Source:
-    """Where one of the project's tensors is in the original's checkpoint: tensor ``hf_name``, or its
-    ``part``-th of ``parts`` equal chunks along ``dim`` (DeepSeek's fused shared experts)."""
-
-    hf_name: str
-    part: int = 0
-    parts: int = 1
-    dim: int = 0
-
-    def take(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor if self.parts == 1 else tensor.chunk(self.parts, dim=self.dim)[self.part]
-
-
 _MLP = (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))
-_DOWN = "w2"  # the projection whose input dimension is the hidden one (fused shared experts chunk along dim 1)
 
 
-def _layer_sources(args: ModelArgs, i: int) -> dict[str, Source]:
+def _layer_sources(args: ModelArgs, i: int) -> dict[str, str]:
     ours, theirs = f"layers.{i}", f"model.layers.{i}"
     out = {
-        f"{ours}.attention_norm.weight": Source(f"{theirs}.input_layernorm.weight"),
-        f"{ours}.ffn_norm.weight": Source(f"{theirs}.post_attention_layernorm.weight"),
+        f"{ours}.attention_norm.weight": f"{theirs}.input_layernorm.weight",
+        f"{ours}.ffn_norm.weight": f"{theirs}.post_attention_layernorm.weight",
     }
     for proj, hf in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj")):
-        out[f"{ours}.attention.{proj}.weight"] = Source(f"{theirs}.self_attn.{hf}.weight")
+        out[f"{ours}.attention.{proj}.weight"] = f"{theirs}.self_attn.{hf}.weight"
         if args.qkv_bias and proj != "wo":
-            out[f"{ours}.attention.{proj}.bias"] = Source(f"{theirs}.self_attn.{hf}.bias")
+            out[f"{ours}.attention.{proj}.bias"] = f"{theirs}.self_attn.{hf}.bias"
     if not args.is_moe_layer(i):
-        out.update({f"{ours}.feed_forward.{w}.weight": Source(f"{theirs}.mlp.{hf}.weight") for w, hf in _MLP})
+        out.update({f"{ours}.feed_forward.{w}.weight": f"{theirs}.mlp.{hf}.weight" for w, hf in _MLP})
         return out
-    out[f"{ours}.moe.router.gate.weight"] = Source(f"{theirs}.mlp.gate.weight")
+    out[f"{ours}.moe.router.gate.weight"] = f"{theirs}.mlp.gate.weight"
     for e in range(args.n_routed_experts):
-        out.update(
-            {f"{ours}.moe.experts.{e}.{w}.weight": Source(f"{theirs}.mlp.experts.{e}.{hf}.weight") for w, hf in _MLP}
-        )
+        out.update({f"{ours}.moe.experts.{e}.{w}.weight": f"{theirs}.mlp.experts.{e}.{hf}.weight" for w, hf in _MLP})
+    shared = {"qwen": "shared_expert", "deepseek": "shared_experts"}.get(args.family)
+    if shared and args.n_shared_experts:  # deepseek's n shared experts are one fused MLP, as here
+        out.update({f"{ours}.moe.shared_experts.{w}.weight": f"{theirs}.mlp.{shared}.{hf}.weight" for w, hf in _MLP})
     if args.family == "qwen":
-        shared = f"{theirs}.mlp.shared_expert"
-        out.update({f"{ours}.moe.shared_experts.0.{w}.weight": Source(f"{shared}.{hf}.weight") for w, hf in _MLP})
-        out[f"{ours}.moe.shared_expert_gate.weight"] = Source(f"{theirs}.mlp.shared_expert_gate.weight")
-    else:  # deepseek: the shared experts are one fused MLP, expert j its j-th chunk of hidden units
-        n = args.n_shared_experts
-        for j in range(n):
-            for w, hf in _MLP:
-                fused = f"{theirs}.mlp.shared_experts.{hf}.weight"
-                out[f"{ours}.moe.shared_experts.{j}.{w}.weight"] = Source(fused, j, n, 1 if w == _DOWN else 0)
+        out[f"{ours}.moe.shared_expert_gate.weight"] = f"{theirs}.mlp.shared_expert_gate.weight"
     return out
 
 
-def sources(args: ModelArgs) -> dict[str, Source]:
-    """Every tensor of the whole model (project name) and where it is in the original's checkpoint."""
-    out = {"tok_embeddings.weight": Source("model.embed_tokens.weight"), "norm.weight": Source("model.norm.weight")}
+def sources(args: ModelArgs) -> dict[str, str]:
+    """Every tensor of the whole model (project name) and its name in the original's checkpoint."""
+    out = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
     if not args.tie_embeddings:
-        out["output.weight"] = Source("lm_head.weight")
+        out["output.weight"] = "lm_head.weight"
     for i in range(args.n_layers):
         out.update(_layer_sources(args, i))
     return out
@@ -286,7 +263,7 @@ def sources(args: ModelArgs) -> dict[str, Source]:
 
 def check_names(hf_names: Iterable[str], args: ModelArgs) -> None:
     """Refuse a checkpoint missing a tensor the model needs, or holding one it does not compute."""
-    expected = {src.hf_name for src in sources(args).values()}
+    expected = set(sources(args).values())
     present = {k for k in hf_names if not k.endswith(_IGNORED_SUFFIXES)}
     if args.tie_embeddings:
         present.discard("lm_head.weight")  # some tied checkpoints also store the head
@@ -300,22 +277,9 @@ def check_names(hf_names: Iterable[str], args: ModelArgs) -> None:
 def from_hf(hf_state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
     """The project's state dict of a Hugging Face state dict; a missing or unexpected tensor is refused by name."""
     check_names(hf_state, args)
-    return {ours: src.take(hf_state[src.hf_name]) for ours, src in sources(args).items()}
-
-
-def targets(args: ModelArgs) -> dict[str, tuple[list[str], int]]:
-    """Every tensor of the original's checkpoint: (the project's tensors it joins, in order; the dimension
-    they are concatenated along). One project tensor each, but DeepSeek's fused shared experts."""
-    parts: dict[str, list[tuple[int, int, str]]] = defaultdict(list)
-    for ours, src in sources(args).items():
-        parts[src.hf_name].append((src.part, src.dim, ours))
-    return {name: ([ours for _, _, ours in sorted(pieces)], pieces[0][1]) for name, pieces in parts.items()}
-
-
-def join(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
-    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=dim)
+    return {ours: hf_state[theirs] for ours, theirs in sources(args).items()}
 
 
 def to_hf(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """The whole model's ``state`` (project names) under the original's names (DeepSeek's shared experts fused)."""
-    return {name: join([state[o] for o in ours], dim) for name, (ours, dim) in targets(args).items()}
+    """The whole model's ``state`` (project names) under the original's names."""
+    return {theirs: state[ours] for ours, theirs in sources(args).items()}

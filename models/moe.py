@@ -122,7 +122,8 @@ class AttachAuxLoss(torch.autograd.Function):
 
 
 class MoE(nn.Module):
-    """Routed experts (``experts``: ModuleDict keyed by global expert id) plus the family's shared experts.
+    """Routed experts (``experts``: ModuleDict keyed by global expert id) plus the family's shared experts
+    (``shared_experts``: the ``n_shared_experts`` of DeepSeek-MoE fused into one SwiGLU, as its checkpoints store them).
 
     Attributes the trainer uses: ``aux_grad_scale`` (set to 1/num_microbatches), ``last_aux_loss``
     (detached 0-dim tensor of the last training forward, coefficient included), and the non-persistent buffers
@@ -141,7 +142,8 @@ class MoE(nn.Module):
         self.router = Router(args.dim, args.n_routed_experts, args.top_k, args.norm_topk_prob)
         self.experts = nn.ModuleDict({str(e): SwiGLU(args.dim, args.expert_hidden_dim) for e in range(self.n_experts)})
         n_shared = 0 if args.family == "gpt" else args.n_shared_experts
-        self.shared_experts = nn.ModuleList(SwiGLU(args.dim, args.shared_expert_hidden_dim) for _ in range(n_shared))
+        # n shared experts are one SwiGLU of n times the hidden units: the sum of n experts is that MLP's output
+        self.shared_experts = SwiGLU(args.dim, n_shared * args.shared_expert_hidden_dim) if n_shared else None
         self.shared_expert_gate = nn.Linear(args.dim, 1, bias=False) if args.family == "qwen" else None
         self.aux_grad_scale = 1.0
         self.model_balance: ModelBalanceLoss | None = None  # set by the model for each forward (``global``)
@@ -173,7 +175,7 @@ class MoE(nn.Module):
         token_ids = order // self.top_k
         expert_out = self.experts_forward(tokens.index_select(0, token_ids), kept_counts)
         out = self.combine(expert_out, weights.flatten().index_select(0, order), token_ids, tokens.shape[0])
-        if len(self.shared_experts) > 0:
+        if self.shared_experts is not None:
             out = out + self.shared_forward(tokens)
         if self.training:
             seq_len = x.shape[-2] if x.dim() >= 3 else tokens.shape[0]
@@ -222,8 +224,8 @@ class MoE(nn.Module):
         return expert_out.new_zeros(n_tokens, expert_out.shape[1]).index_add_(0, token_ids, weighted)
 
     def shared_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum of the shared experts; qwen scales it by ``sigmoid(shared_expert_gate(x))``."""
-        out = sum(expert(x) for expert in self.shared_experts)
+        """The shared experts (one fused MLP); qwen scales it by ``sigmoid(shared_expert_gate(x))``."""
+        out = self.shared_experts(x)
         if self.shared_expert_gate is not None:
             out = torch.sigmoid(self.shared_expert_gate(x)) * out
         return out

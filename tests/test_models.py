@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from models import ModelArgs, MoE, Transformer, build_model, count_params
+from models.ffn import SwiGLU
 from models.moe import load_balancing_loss
 
 SHARED = {"deepseek": 2, "qwen": 1, "gpt": 0}
@@ -81,9 +82,25 @@ def test_forward_backward_each_family(family, extra):
     lm_loss(logits, toks).backward()
     assert all(p.grad is not None for p in model.parameters())
     moe = next(iter(model.moe_layers().values()))
-    assert len(moe.shared_experts) == SHARED[family]
+    shared_hidden = 0 if moe.shared_experts is None else moe.shared_experts.w1.out_features
+    assert shared_hidden == SHARED[family] * model.args.shared_expert_hidden_dim
     assert (moe.shared_expert_gate is not None) == (family == "qwen")
     assert moe.last_aux_loss is not None and moe.tokens_per_expert.sum() == 2 * 16 * 2
+
+
+def test_fused_shared_experts_are_the_sum_of_separate_experts():
+    """DeepSeek-MoE's n shared experts, stored as one SwiGLU of n times the hidden units, compute the sum
+    of n experts each holding its chunk of hidden units (equal up to the order of the summation)."""
+    torch.manual_seed(0)
+    fused = SwiGLU(16, 2 * 24)
+    separate = [SwiGLU(16, 24) for _ in range(2)]
+    with torch.no_grad():
+        for j, expert in enumerate(separate):
+            for w in ("w1", "w3"):
+                getattr(expert, w).weight.copy_(getattr(fused, w).weight.chunk(2, dim=0)[j])
+            expert.w2.weight.copy_(fused.w2.weight.chunk(2, dim=1)[j])
+    x = torch.randn(10, 16)
+    torch.testing.assert_close(fused(x), separate[0](x) + separate[1](x), rtol=0, atol=1e-6)
 
 
 def test_layer_layout_and_global_names():
@@ -131,7 +148,7 @@ def test_moe_matches_per_token_reference(family):
     expected = []
     for t in range(10):
         row = sum(w * moe.experts[str(e)](x[t]) for w, e in zip(weights[t], ids[t].tolist()))
-        shared = sum(expert(x[t]) for expert in moe.shared_experts)
+        shared = moe.shared_experts(x[t])
         if family == "qwen":
             shared = torch.sigmoid(moe.shared_expert_gate(x[t])) * shared
         expected.append(row + shared)

@@ -297,7 +297,7 @@ def test_registry_partitions_parameters(family):
     assert set(by_name["layers.1.moe.experts.0"].params) == {f"layers.1.moe.experts.0.w{i}.weight" for i in (1, 2, 3)}
     shared = set(by_name["layers.1.moe"].params)
     assert ("layers.1.moe.shared_expert_gate.weight" in shared) == (family == "qwen")
-    assert "layers.1.moe.shared_experts.0.w1.weight" in shared
+    assert "layers.1.moe.shared_experts.w1.weight" in shared
     assert "layers.1.moe.router.gate.weight" in by_name["layers.1.moe.router"].params
 
 
