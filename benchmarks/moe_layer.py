@@ -1,13 +1,19 @@
-"""Forward+backward time of one MoE layer vs a dense SwiGLU FFN with the same active parameters.
+"""Forward+backward time of one MoE layer (grouped GEMM experts) vs the per-expert loop and a dense SwiGLU.
 
     python -m benchmarks.moe_layer [--config train_configs/bench_moe.toml] [--tokens N]
 
-The dense FFN's hidden size is ``top_k * expert_hidden_dim + n_shared * shared_expert_hidden_dim``
-(the router's dim x E weights are left out). Both variants run on the same tokens, interleaved
-over the repeats; the script prints medians, minima and ``ratio=<median moe / median dense>``.
+Variants, on the same tokens, interleaved over the repeats:
+  moe     the MoE layer as the model runs it: stacked experts, one grouped GEMM per projection
+  loop    the same layer and weights with its experts run one by one (``F.linear`` on each slice)
+  frozen  the MoE layer with half its experts frozen, as in a MoEvement replay: their rows take no part
+          in the weight-gradient GEMMs (the share of weight-gradient rows left is printed)
+  dense   a SwiGLU of hidden ``top_k * expert_hidden_dim + n_shared * shared_expert_hidden_dim`` (the
+          router's dim x E weights are left out)
+Prints medians, minima and ``ratio=<median moe / median dense>``.
 """
 
 import argparse
+import copy
 import dataclasses
 import statistics
 import time
@@ -53,6 +59,27 @@ def load_shape(config: Path | None) -> tuple[ModelArgs, int]:
     return args, n_tokens
 
 
+def looped(moe: MoE) -> MoE:
+    """The same layer (shared weights) running its experts one at a time: the computation before grouping."""
+    loop = copy.copy(moe)
+
+    def run_experts(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        chunks = x.split(counts.tolist())
+        return torch.cat([moe.experts.expert(e, chunk) for e, chunk in enumerate(chunks)])
+
+    loop.run_experts = run_experts
+    return loop
+
+
+def frozen_half(moe: MoE) -> MoE:
+    """The same layer with every other expert frozen (a shallow copy: the weights are shared)."""
+    frozen = copy.copy(moe)
+    frozen._modules = dict(moe._modules)
+    frozen.experts = copy.copy(moe.experts)
+    frozen.experts.frozen = [e % 2 == 1 for e in range(moe.experts.n)]
+    return frozen
+
+
 def fwd_bwd_seconds(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor) -> float:
     module.zero_grad(set_to_none=True)
     x.grad = None
@@ -74,18 +101,22 @@ def main() -> None:
 
     torch.manual_seed(0)
     moe = MoE(args).train()
-    n_shared = len(moe.shared_experts)
+    n_shared = args.n_shared_experts if moe.shared_experts is not None else 0
     dense_hidden = args.top_k * args.expert_hidden_dim + n_shared * args.shared_expert_hidden_dim
     dense = SwiGLU(args.dim, dense_hidden)
     x = torch.randn(n_tokens, args.dim, requires_grad=True)
     grad = torch.randn(n_tokens, args.dim)
-    variants = {"moe": moe, "dense": dense}
+    variants = {"moe": moe, "loop": looped(moe), "frozen": frozen_half(moe), "dense": dense}
     times = {name: [] for name in variants}
+    order = list(variants)
     for i in range(opts.warmup + opts.repeats):
-        for name in ("moe", "dense") if i % 2 == 0 else ("dense", "moe"):
+        for name in order if i % 2 == 0 else reversed(order):
             elapsed = fwd_bwd_seconds(variants[name], x, grad)
             if i >= opts.warmup:
                 times[name].append(elapsed)
+    with torch.no_grad():
+        counts = torch.bincount(moe.router(x)[2].flatten(), minlength=args.n_routed_experts)
+    active_rows = float(counts[0::2].sum() / counts.sum())
 
     med = {name: statistics.median(t) for name, t in times.items()}
     best = {name: min(t) for name, t in times.items()}
@@ -95,7 +126,9 @@ def main() -> None:
         f"threads={torch.get_num_threads()} repeats={opts.repeats}"
     )
     for name in variants:
-        print(f"{name:5s} fwd+bwd median {med[name] * 1e3:8.2f} ms  min {best[name] * 1e3:8.2f} ms")
+        print(f"{name:6s} fwd+bwd median {med[name] * 1e3:9.2f} ms  min {best[name] * 1e3:9.2f} ms")
+    print(f"frozen: the weight-gradient GEMMs run over {active_rows:.3f} of the expert rows")
+    print(f"grouped/loop median ratio {med['moe'] / med['loop']:.3f}; frozen/moe {med['frozen'] / med['moe']:.3f}")
     print(
         f"dense hidden={dense_hidden}; min ratio {best['moe'] / best['dense']:.3f} (less sensitive to CPU contention)"
     )

@@ -3,10 +3,11 @@
 import torch
 
 from models.args import ModelArgs
+from models.experts import named_tensors
 from models.moe import MoE
 from models.transformer import Transformer
 
-__all__ = ["ModelArgs", "MoE", "Transformer", "build_model", "count_params"]
+__all__ = ["ModelArgs", "MoE", "Transformer", "build_model", "count_params", "stored_shapes"]
 
 
 def build_model(args: ModelArgs, device: torch.device | str = "cpu") -> Transformer:
@@ -29,7 +30,12 @@ def count_params(args: ModelArgs) -> tuple[int, int]:
         model = Transformer(args)
     total = sum(p.numel() for p in model.parameters())
     idle_experts = args.n_routed_experts - args.top_k
-    inactive = sum(
-        idle_experts * sum(p.numel() for p in moe.experts["0"].parameters()) for moe in model.moe_layers().values()
-    )
+    inactive = sum(idle_experts * moe.experts.params_per_expert() for moe in model.moe_layers().values())
     return total, total - inactive
+
+
+def stored_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the whole model as checkpoints store it (each routed expert's own: the slices of
+    the stacked expert weights) and its shape, computed on the meta device."""
+    with torch.device("meta"):
+        return {name: tuple(t.shape) for name, t in named_tensors(Transformer(args))}

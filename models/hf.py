@@ -32,9 +32,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from models import stored_shapes
 from models.args import ModelArgs
 from models.hf_mapping import UnsupportedModel, args_from_hf_config, check_names, hf_config, sources
-from models.transformer import Transformer
 from trainer.dense_checkpoint import MODEL_FILE, CheckpointError, Tensors, open_meta, save_imported, verify_files
 from trainer.safetensors_stream import write_safetensors
 from trainer.tokenizer import ByteTokenizer, HFTokenizer, TokenizerError, build_tokenizer
@@ -117,8 +117,7 @@ def _import_plan(weights: HFWeights, args: ModelArgs, source: str) -> Tensors:
     """The checkpoint's model tensors (float32, project names), each read when it is written."""
     check_names(weights.where, args)
     plan = sources(args)
-    with torch.device("meta"):
-        expected = {name: tuple(p.shape) for name, p in Transformer(args).named_parameters()}
+    expected = stored_shapes(args)
     specs = {}
     for ours, theirs in plan.items():
         shape = weights.shape(theirs)
@@ -202,9 +201,7 @@ def open_checkpoint(ckpt_dir: str) -> tuple[ModelArgs, object, dict]:
         raise HFError(f"{ckpt_dir}: {e}") from None
     file = Path(ckpt_dir) / MODEL_FILE
     handle = _open(file)
-    with torch.device("meta"):
-        names = [n for n, _ in Transformer(args).named_parameters()]
-    missing = sorted(set(names) - set(handle.keys()))
+    missing = sorted(set(stored_shapes(args)) - set(handle.keys()))
     if missing:
         raise HFError(f"{file}: has no tensor {missing[0]!r}")
     return args, handle, meta

@@ -1,9 +1,10 @@
 """Mixture-of-experts FFN: top-k softmax router, routed SwiGLU experts, optional shared experts.
 
 The forward reads as the algorithm: route -> permute (group the token copies by expert) ->
-experts_forward (run each expert on its contiguous chunk) -> combine (weight and scatter back).
-An expert-parallel wrapper replaces only ``experts_forward`` (all-to-all, ``run_experts`` on the
-local experts, all-to-all back); routing and combining stay in the global expert index space.
+experts_forward (each expert on its contiguous group, one grouped GEMM per projection: models/experts.py)
+-> combine (weight and scatter back). An expert-parallel wrapper replaces only ``experts_forward``
+(all-to-all, ``run_experts`` on the local experts, all-to-all back); routing and combining stay in the
+global expert index space.
 """
 
 import math
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.args import ModelArgs
+from models.experts import GroupedExperts
 from models.ffn import SwiGLU
 
 
@@ -122,7 +124,7 @@ class AttachAuxLoss(torch.autograd.Function):
 
 
 class MoE(nn.Module):
-    """Routed experts (``experts``: ModuleDict keyed by global expert id) plus the family's shared experts
+    """Routed experts (``experts``: stacked, models/experts.py) plus the family's shared experts
     (``shared_experts``: the ``n_shared_experts`` of DeepSeek-MoE fused into one SwiGLU, as its checkpoints store them).
 
     Attributes the trainer uses: ``aux_grad_scale`` (set to 1/num_microbatches), ``last_aux_loss``
@@ -140,7 +142,7 @@ class MoE(nn.Module):
         self.router_z_loss_coef = args.router_z_loss_coef
         self.capacity_factor = args.capacity_factor
         self.router = Router(args.dim, args.n_routed_experts, args.top_k, args.norm_topk_prob)
-        self.experts = nn.ModuleDict({str(e): SwiGLU(args.dim, args.expert_hidden_dim) for e in range(self.n_experts)})
+        self.experts = GroupedExperts(self.n_experts, args.dim, args.expert_hidden_dim)
         n_shared = 0 if args.family == "gpt" else args.n_shared_experts
         # n shared experts are one SwiGLU of n times the hidden units: the sum of n experts is that MLP's output
         self.shared_experts = SwiGLU(args.dim, n_shared * args.shared_expert_hidden_dim) if n_shared else None
@@ -205,15 +207,13 @@ class MoE(nn.Module):
 
     def experts_forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: token copies grouped by global expert id (ascending), ``counts`` [E] rows each -> outputs, same order."""
-        return self.run_experts(x, counts.tolist())
+        return self.run_experts(x, counts)
 
-    def run_experts(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Run the experts present in ``self.experts`` (dict order) on consecutive chunks of ``counts`` rows.
+    def run_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The experts present in ``self.experts`` (ascending id) on consecutive groups of ``counts`` [n] rows.
 
-        Every expert runs, even on 0 rows, so each expert parameter gets a (zero) gradient.
-        """
-        chunks = x.split(counts)
-        return torch.cat([expert(chunk) for expert, chunk in zip(self.experts.values(), chunks, strict=True)])
+        Every expert's weights get a gradient (zero for an expert without rows), as one stacked tensor."""
+        return self.experts(x, counts)
 
     @staticmethod
     def combine(

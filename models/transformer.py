@@ -13,6 +13,7 @@ from torch import nn
 
 from models.args import ModelArgs
 from models.attention import Attention, rope_tables
+from models.experts import stacked_experts, unstack
 from models.ffn import SwiGLU
 from models.moe import ModelBalanceLoss, MoE
 
@@ -100,8 +101,9 @@ class Transformer(nn.Module):
 
         Linear/embedding weights ~ N(0, 0.02) (residual output projections ``wo``/``w2``:
         0.02 / sqrt(2 n_layers)), biases 0, norms 1. Draws one seed from torch's global RNG and
-        derives each parameter's generator from it and the parameter's global name, so a pipeline
-        stage or an expert-parallel shard gets exactly the values of the whole model.
+        derives each parameter's generator from it and the parameter's global name (each routed expert's
+        own, ``layers.3.moe.experts.17.w1.weight``), so a pipeline stage or an expert-parallel shard gets
+        exactly the values of the whole model.
         """
         if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight  # to_empty() from meta unties them
@@ -114,15 +116,17 @@ class Transformer(nn.Module):
             moe.reset_load_stats()
         base_seed = int(torch.randint(2**62, ()))
         residual_std = 0.02 / math.sqrt(2 * self.args.n_layers)
+        stacked = stacked_experts(self)
         for name, param in self.named_parameters():
             owner = self.get_submodule(name.rpartition(".")[0])
             if isinstance(owner, nn.RMSNorm):
                 param.fill_(1.0)
             elif name.endswith(".bias"):
                 param.zero_()
-            else:
-                std = residual_std if name.endswith(("attention.wo.weight", ".w2.weight")) else 0.02
-                param.normal_(0.0, std, generator=_generator(base_seed, name, param.device))
+            else:  # a stacked expert weight: each expert's slice as if it were a tensor of its own
+                for each, tensor in unstack(name, param, stacked):
+                    std = residual_std if each.endswith(("attention.wo.weight", ".w2.weight")) else 0.02
+                    tensor.normal_(0.0, std, generator=_generator(base_seed, each, param.device))
 
 
 def _generator(base_seed: int, name: str, device: torch.device) -> torch.Generator:

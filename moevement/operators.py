@@ -5,11 +5,14 @@ each MoE layer's shared experts, the non-expert part of each block, the embeddin
 head (final norm + output projection). Operators are recognised by the global parameter names
 alone, so any model that follows the naming of `models/` works, in any parallel layout: under
 FSDP2 the tensors are this rank's shards, under expert parallelism only the local experts exist.
+A parameter that stacks several operators' tensors (a layer's routed experts, one grouped-GEMM
+operand) is described by a :class:`Stacked`: each slice is named and handled as a tensor of its own.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -38,42 +41,84 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach()
 
 
+@dataclass(frozen=True)
+class Stacked:
+    """A parameter whose dim 0 enumerates tensors of different operators (a layer's stacked routed experts).
+
+    Slice ``i`` is the tensor named ``names[i]`` (``layers.3.moe.experts.17.w1.weight``); ``freeze(i, frozen)``
+    stops or resumes its weight gradient (the parameter as a whole keeps ``requires_grad``).
+    """
+
+    names: Sequence[str]
+    freeze: Callable[[int, bool], None]
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """One named tensor of an operator: a parameter, or slice ``index`` of a stacked one."""
+
+    param: nn.Parameter
+    index: int | None = None
+    freeze: Callable[[int, bool], None] | None = None
+
+    def local(self) -> torch.Tensor:
+        """This rank's part of the tensor (its FSDP shard), a view the caller may read or write."""
+        return self.part_of(self.param)
+
+    def part_of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The same part of a tensor shaped like the parameter (its optimizer state); a 0-dim one whole."""
+        tensor = local_tensor(tensor)
+        return tensor if self.index is None or tensor.dim() == 0 else tensor[self.index]
+
+    def state(self, optimizer: torch.optim.Optimizer, key: str) -> torch.Tensor | None:
+        value = optimizer.state.get(self.param, {}).get(key)
+        return None if value is None else self.part_of(value)
+
+    def set_frozen(self, frozen: bool) -> None:
+        if self.index is None:
+            self.param.requires_grad_(not frozen)
+        else:
+            self.freeze(self.index, frozen)
+
+
 @dataclass
 class Operator:
     name: str  # e.g. `layers.3.moe.experts.17`, `layers.3.moe.router`, `layers.3`, `head`
     kind: str  # expert | router | shared_expert | block | embedding | head
     layer: int | None = None
     expert: int | None = None
-    params: dict[str, nn.Parameter] = field(default_factory=dict)  # global name -> parameter
+    params: dict[str, TensorRef] = field(default_factory=dict)  # global name -> its tensor
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # persistent non-gradient state
+    frozen: bool = False  # during a replay: forward and input gradient only (moevement.recovery.replay)
 
     def numel(self) -> int:
-        return sum(local_tensor(p).numel() for p in self.params.values())
+        return sum(ref.local().numel() for ref in self.params.values())
 
     def master_tensors(self, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
         """(name, tensor) of the full FP32 training state: master weights, buffers, optimizer state."""
-        out = [(name, local_tensor(p)) for name, p in self.params.items()]
+        out = [(name, ref.local()) for name, ref in self.params.items()]
         out += [(name, b.detach()) for name, b in self.buffers.items()]
-        for name, p in self.params.items():
-            state = optimizer.state.get(p, {})
-            out += [(f"optim.{name}.{key}", local_tensor(state[key])) for key in OPTIMIZER_KEYS if key in state]
+        for name, ref in self.params.items():
+            out += [
+                (f"optim.{name}.{key}", value)
+                for key in OPTIMIZER_KEYS
+                if (value := ref.state(optimizer, key)) is not None
+            ]
         return out
 
     def compute_tensors(self) -> list[tuple[str, torch.Tensor]]:
         """(name, tensor) of what a frozen operator needs to run: its weights (cast on copy) and buffers."""
-        return [(name, local_tensor(p)) for name, p in self.params.items()] + [
+        return [(name, ref.local()) for name, ref in self.params.items()] + [
             (name, b.detach()) for name, b in self.buffers.items()
         ]
 
     def fp32_bytes(self, optimizer: torch.optim.Optimizer) -> int:
         """Bytes of the full FP32 state; a parameter without optimizer state yet counts AdamW's two moments."""
         total = self._buffer_bytes()
-        for p in self.params.values():
-            nbytes = _nbytes(local_tensor(p))
-            state = optimizer.state.get(p)
-            total += nbytes + (
-                sum(_nbytes(local_tensor(state[k])) for k in OPTIMIZER_KEYS if k in state) if state else 2 * nbytes
-            )
+        for ref in self.params.values():
+            nbytes = _nbytes(ref.local())
+            states = [v for k in OPTIMIZER_KEYS if (v := ref.state(optimizer, k)) is not None]
+            total += nbytes + (sum(_nbytes(v) for v in states) if states else 2 * nbytes)
         return total
 
     def compute_bytes(self, compute_dtype: torch.dtype) -> int:
@@ -87,19 +132,31 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def build_registry(model: nn.Module) -> list[Operator]:
-    """The operators of the local model shard, in parameter order; every parameter in exactly one."""
+def build_registry(model: nn.Module, stacked: Mapping[str, Stacked] | None = None) -> list[Operator]:
+    """The operators of the local model shard, in parameter order; every parameter (every slice of a
+    ``stacked`` one, by parameter name) in exactly one."""
+    stacked = stacked or {}
     ops: dict[str, Operator] = {}
     persistent = set(model.state_dict().keys())
-    tensors = [(name, p, True) for name, p in model.named_parameters()]
-    tensors += [(name, b, False) for name, b in model.named_buffers() if name in persistent]
-    for name, tensor, is_param in tensors:
-        op = _classify(name, ops)
-        (op.params if is_param else op.buffers)[name] = tensor
+    for name, p in model.named_parameters():
+        if name in stacked:
+            refs = [(each, TensorRef(p, i, stacked[name].freeze)) for i, each in enumerate(stacked[name].names)]
+        else:
+            refs = [(name, TensorRef(p))]
+        for each, ref in refs:
+            _classify(each, ops).params[each] = ref
+    for name, b in model.named_buffers():
+        if name in persistent:
+            _classify(name, ops).buffers[name] = b
     return list(ops.values())
 
 
+STACKED_EXPERTS = re.compile(r"^layers\.\d+\.moe\.experts\.[^.]+$")  # `layers.3.moe.experts.w1`: every expert's
+
+
 def _classify(name: str, ops: dict[str, Operator]) -> Operator:
+    if STACKED_EXPERTS.match(name):
+        raise ValueError(f"tensor {name!r} stacks several experts: build_registry needs its Stacked description")
     for pattern, kind in RULES:
         m = pattern.match(name)
         if m is None:

@@ -16,6 +16,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from models.experts import WEIGHTS, GroupedExperts
 from models.moe import MoE
 
 
@@ -29,8 +30,9 @@ def apply_expert_parallel(model: nn.Module, ep_group: ProcessGroup | None, dp_gr
     - dp_group of size dp > 1: ``global_token_counts`` returns the counts summed over dp_group and dp, so
       ``tokens_per_expert`` is dp-global and the aux loss is the dp-global one (see ``MoE.training_side_effects``).
       Every dp rank must feed the same number of tokens per micro-batch.
-    - ep_group of size ep > 1: ep rank r keeps the experts with global ids [r*E/ep, (r+1)*E/ep) (the others
-      are deleted, parameter names keep global ids) and ``experts_forward`` becomes an all-to-all dispatch.
+    - ep_group of size ep > 1: ep rank r keeps the experts with global ids [r*E/ep, (r+1)*E/ep) (stacked
+      weights of E/ep experts; each keeps its global id in checkpoints) and ``experts_forward`` becomes an
+      all-to-all dispatch.
       Every ep rank must call the MoE forward/backward the same number of times (collectives inside).
 
     Gradient contract (ep ranks each hold their own experts): an expert's gradient sums the contributions of
@@ -56,11 +58,17 @@ def local_expert_ids(n_experts: int, ep_rank: int, ep_size: int) -> range:
 
 
 def _shard_experts(moe: MoE, ep_rank: int, ep_size: int) -> None:
-    if list(moe.experts.keys()) != [str(e) for e in range(moe.n_experts)]:
+    """Keep the stacked weights of this rank's experts only."""
+    if moe.experts.n != moe.n_experts:
         raise RuntimeError("apply_expert_parallel: the MoE experts are already sharded")
-    keep = {str(e) for e in local_expert_ids(moe.n_experts, ep_rank, ep_size)}
-    for key in [k for k in moe.experts.keys() if k not in keep]:
-        del moe.experts[key]
+    local, every = local_expert_ids(moe.n_experts, ep_rank, ep_size), moe.experts
+    _, hidden, dim = every.w1.shape
+    with torch.device(every.w1.device):
+        moe.experts = GroupedExperts(len(local), dim, hidden, first_id=local.start)
+    if every.w1.device.type != "meta":  # a materialised model keeps its weights
+        with torch.no_grad():
+            for w in WEIGHTS:
+                getattr(moe.experts, w).copy_(getattr(every, w)[local.start : local.stop])
 
 
 def _dp_global_token_counts(dp_group: ProcessGroup, dp: int):
@@ -101,15 +109,15 @@ def _ep_experts_forward(ep_group: ProcessGroup, ep: int):
         send = counts.to(torch.int64).reshape(ep, n_local)
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=ep_group)
-        sizes = torch.cat([send.sum(1), recv.sum(1), recv.sum(0)]).tolist()  # one device -> host sync
-        input_splits, output_splits, expert_counts = sizes[:ep], sizes[ep : 2 * ep], sizes[2 * ep :]
+        sizes = torch.cat([send.sum(1), recv.sum(1)]).tolist()  # the splits: one device -> host sync
+        input_splits, output_splits = sizes[:ep], sizes[ep:]
         received = _all_to_all(x, output_splits, input_splits, ep_group)
         # Row i of ``received`` belongs to chunk (src, e) = divmod(chunk_id, n_local); stable sort by e.
         chunk_id = torch.repeat_interleave(
             torch.arange(ep * n_local, device=x.device), recv.flatten(), output_size=received.shape[0]
         )
         order = (chunk_id % n_local).argsort(stable=True)
-        expert_out = self.run_experts(received.index_select(0, order), expert_counts)
+        expert_out = self.run_experts(received.index_select(0, order), recv.sum(0))
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
         return _all_to_all(expert_out.index_select(0, inverse), input_splits, output_splits, ep_group)

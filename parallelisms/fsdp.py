@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 from parallelisms.mesh import ParallelDims
 
@@ -16,7 +17,8 @@ def apply_fsdp(part: torch.nn.Module, dims: ParallelDims, mixed_precision: str) 
     Routed experts are sharded over the expert-data-parallel ranks (`edp = dp / ep`, the
     ranks holding the same experts) with gradients divided by `dp`, since each expert's
     gradient already sums the contributions of all `dp` ranks' tokens (all-to-all).
-    Everything else is sharded per block, then the root (embedding, norm, head).
+    Everything else is sharded per block, then the root (embedding, norm, head). Stacked expert weights
+    are sharded within each expert (dimension 1), never across experts.
     Parameters stay FP32 (master weights); forward and backward run on compute weights
     of `mixed_precision` dtype; gradients are reduced and kept in FP32.
     """
@@ -24,10 +26,16 @@ def apply_fsdp(part: torch.nn.Module, dims: ParallelDims, mixed_precision: str) 
     dp_mesh, dp = dims.dp_mesh, dims.cfg.dp
     for block in part.layers.values():
         if dims.cfg.ep > 1 and getattr(block, "moe", None) is not None:
-            for expert in block.moe.experts.values():
-                fully_shard(expert, mesh=dims.mesh["edp"], mp_policy=policy)
-                expert.set_gradient_divide_factor(float(dp))
-                if dims.mesh["edp"].size() > 1:  # sum, then divide: gloo has no PREMUL_SUM
-                    expert.set_force_sum_reduction_for_comms(True)
-        fully_shard(block, mesh=dp_mesh, mp_policy=policy)
+            experts = block.moe.experts
+            fully_shard(experts, mesh=dims.mesh["edp"], mp_policy=policy, shard_placement_fn=_within_each_expert)
+            experts.set_gradient_divide_factor(float(dp))
+            if dims.mesh["edp"].size() > 1:  # sum, then divide: gloo has no PREMUL_SUM
+                experts.set_force_sum_reduction_for_comms(True)
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy, shard_placement_fn=_within_each_expert)
     fully_shard(part, mesh=dp_mesh, mp_policy=policy)
+
+
+def _within_each_expert(param: torch.nn.Parameter) -> Shard | None:
+    """Stacked expert weights [experts, out, in] are sharded along `out`, as each expert's own weight would
+    be: every rank holds a part of every expert (an expert is a unit of snapshot and freezing). Others: Shard(0)."""
+    return Shard(1) if param.dim() == 3 else None

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from models import ModelArgs, Transformer
+from models.experts import named_tensors
 from parallelisms.expert_parallel import apply_expert_parallel
 from parallelisms.fsdp import DTYPES, apply_fsdp
 from parallelisms.mesh import ParallelDims
@@ -95,7 +96,8 @@ def parallelize(
 
 
 def initial_parameters(args: ModelArgs, dims: ParallelDims, seed: int) -> dict[str, torch.Tensor]:
-    """The initial (full, unsharded) value of every parameter of this rank's stages, by global name.
+    """The initial (full, unsharded) value of every parameter of this rank's stages, by global name
+    (each expert's slice of a stacked expert weight under its own name).
 
     Rebuilt from the seed exactly as `parallelize` initialises them: what a replacement rank
     rolls back to when no checkpoint is persisted yet."""
@@ -107,7 +109,7 @@ def initial_parameters(args: ModelArgs, dims: ParallelDims, seed: int) -> dict[s
         part.to_empty(device=torch.device("cpu"))
         torch.manual_seed(seed)
         part.init_weights()
-        out.update({name: p.detach() for name, p in part.named_parameters()})
+        out.update((name, t.detach()) for name, t in named_tensors(part))
     return out
 
 

@@ -2,11 +2,12 @@
 
 On an AVX2-only CPU, PyTorch's bf16 `mm` falls back to a generic kernel that is about 7x (forward)
 to 20x (backward, transposed operands) slower than fp32 SGEMM, so bf16 mixed precision trains
-15x slower than fp32. `use_fp32_gemm` swaps every `nn.Linear` of a module for the same product
-done by SGEMM on the upcast bf16 operands, rounded back to bf16: bf16 weights, activations and
-gradients with fp32 accumulation, the numerics of a bf16 GEMM with an fp32 accumulator. Results
-are deterministic (the same SGEMM every time), so replays stay bit-exact; they are not guaranteed
-to match the native bf16 kernel's last bit, so a run uses one or the other throughout.
+15x slower than fp32. `use_fp32_gemm` swaps every `nn.Linear` of a module (and the grouped GEMMs of
+stacked experts) for the same product done by SGEMM on the upcast bf16 operands, rounded back to
+bf16: bf16 weights, activations and gradients with fp32 accumulation, the numerics of a bf16 GEMM
+with an fp32 accumulator. Results are deterministic (the same SGEMM every time), so replays stay
+bit-exact; they are not guaranteed to match the native bf16 kernel's last bit, so a run uses one or
+the other throughout.
 
 A frozen weight (`requires_grad=False`) gets no weight-gradient product, as with `F.linear`.
 """
@@ -19,6 +20,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from models.experts import GroupedExperts
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -63,8 +66,12 @@ def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def use_fp32_gemm(module: nn.Module) -> int:
-    """Route the CPU bf16 products of every `nn.Linear` in `module` through SGEMM; returns how many."""
+    """Route the CPU bf16 products of every `nn.Linear` and every grouped expert GEMM in `module` through
+    SGEMM; returns how many modules."""
     linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
     for linear in linears:
         linear.forward = _linear_forward.__get__(linear)
-    return len(linears)
+    grouped = [m for m in module.modules() if isinstance(m, GroupedExperts)]
+    for experts in grouped:
+        experts.fp32_gemm = True
+    return len(linears) + len(grouped)

@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models import ModelArgs, MoE, Transformer, build_model, count_params
+from models import ModelArgs, MoE, Transformer, build_model, count_params, stored_shapes
+from models.experts import GroupedExperts
 from models.ffn import SwiGLU
 from models.moe import load_balancing_loss
 
@@ -108,7 +109,9 @@ def test_layer_layout_and_global_names():
     assert list(model.moe_layers()) == ["2", "4"]
     assert model.layers["1"].moe is None and model.layers["1"].feed_forward is not None
     names = dict(model.named_parameters())
-    assert "layers.4.moe.experts.7.w2.weight" in names and "layers.0.feed_forward.w1.weight" in names
+    assert names["layers.4.moe.experts.w2"].shape == (8, 32, 16) and "layers.0.feed_forward.w1.weight" in names
+    stored = stored_shapes(model.args)  # each routed expert under its own name, as checkpoints hold it
+    assert stored["layers.4.moe.experts.7.w2.weight"] == (32, 16) and "layers.4.moe.experts.w2" not in stored
 
 
 def test_router_and_aux_loss_hand_computed():
@@ -147,7 +150,7 @@ def test_moe_matches_per_token_reference(family):
     _, _, ids, weights = moe.router(x)
     expected = []
     for t in range(10):
-        row = sum(w * moe.experts[str(e)](x[t]) for w, e in zip(weights[t], ids[t].tolist()))
+        row = sum(w * moe.experts.expert(e, x[t]) for w, e in zip(weights[t], ids[t].tolist()))
         shared = moe.shared_experts(x[t])
         if family == "qwen":
             shared = torch.sigmoid(moe.shared_expert_gate(x[t])) * shared
@@ -177,21 +180,24 @@ def test_capacity_drops_late_tokens_and_idle_experts_get_zero_grads():
     out = moe(x)
     assert moe.tokens_per_expert.tolist() == [4, 0] and moe.dropped_tokens.item() == 2
     weight = torch.sigmoid(2 * x[:2, :1].detach())  # softmax over 2 experts with logits +-x0
-    torch.testing.assert_close(out[:2], weight * moe.experts["0"](x[:2]))
+    torch.testing.assert_close(out[:2], weight * moe.experts.expert(0, x[:2]))
     assert torch.equal(out[2:], torch.zeros(2, 2))
     out.sum().backward()
-    for name, p in moe.experts["1"].named_parameters():
-        assert p.grad is not None and torch.equal(p.grad, torch.zeros_like(p)), name
-    assert all(p.grad.abs().sum() > 0 for p in moe.experts["0"].parameters())
+    for name, p in moe.experts.named_parameters():
+        assert torch.equal(p.grad[1], torch.zeros_like(p[1])), name
+        assert p.grad[0].abs().sum() > 0, name
 
 
 def test_run_experts_uses_only_the_experts_present():
     torch.manual_seed(3)
     moe = MoE(tiny())
-    x, counts = torch.randn(9, 32), [2, 0, 3, 1, 0, 1, 2, 0]
+    x, counts = torch.randn(9, 32), torch.tensor([2, 0, 3, 1, 0, 1, 2, 0])
     full = moe.run_experts(x, counts)
-    for key in ["0", "1", "2", "3"]:  # as an expert-parallel rank holding experts 4..7 would
-        del moe.experts[key]
+    local = GroupedExperts(4, 32, 16, first_id=4)  # as an expert-parallel rank holding experts 4..7 would
+    with torch.no_grad():
+        for w in ("w1", "w2", "w3"):
+            getattr(local, w).copy_(getattr(moe.experts, w)[4:])
+    moe.experts = local
     torch.testing.assert_close(moe.run_experts(x[6:], counts[4:]), full[6:], rtol=0, atol=0)
 
 
@@ -247,11 +253,8 @@ def test_count_params_on_meta_matches_real_model(tie):
     model = build_model(args)
     total = sum(p.numel() for p in model.parameters())
     idle = sum(
-        p.numel()
+        (args.n_routed_experts - args.top_k) * sum(p[0].numel() for p in moe.experts.parameters())
         for moe in model.moe_layers().values()
-        for key, expert in moe.experts.items()
-        if int(key) >= args.top_k
-        for p in expert.parameters()
     )
     assert count_params(args) == (total, total - idle)
 

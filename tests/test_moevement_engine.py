@@ -18,6 +18,8 @@ from moevement.storage.host_memory import map_bytes, read_header
 from moevement.storage.persistence import read_window, window_dir
 from moevement.storage.snapshot import SnapshotError, SnapshotHeader, read_entries
 from parallelisms.pipeline import lm_loss
+from trainer.fault_tolerance import stacked_operators
+from trainer.state import named_training_state
 from trainer.step import take_expert_load
 
 ARGS = dict(
@@ -59,11 +61,7 @@ def options(**overrides) -> SimpleNamespace:
 
 def full_state(model, optimizer) -> dict[str, torch.Tensor]:
     """A synchronous copy of every parameter and optimizer tensor, named as snapshot entries are."""
-    state = {name: p.detach().clone() for name, p in model.named_parameters()}
-    for name, p in model.named_parameters():
-        for key, value in optimizer.state.get(p, {}).items():
-            state[f"optim.{name}.{key}"] = value.detach().clone()
-    return state
+    return {name: t.clone() for name, t in named_training_state(model, optimizer).items()}
 
 
 def train(rank_dir: Path, steps: int, compute_dtype=torch.float32, on_snapshot=None, prepare=None, **opts):
@@ -77,6 +75,7 @@ def train(rank_dir: Path, steps: int, compute_dtype=torch.float32, on_snapshot=N
         options(**opts),
         model,
         optimizer,
+        stacked=stacked_operators(model),
         compute_dtype=compute_dtype,
         device=torch.device("cpu"),
         rank_dir=rank_dir,
@@ -121,6 +120,7 @@ def test_copy_thread_gives_way_to_compute(tmp_path, priority, policy):
         options(background_priority=priority),
         model,
         optimizer,
+        stacked=stacked_operators(model),
         compute_dtype=torch.float32,
         device=torch.device("cpu"),
         rank_dir=tmp_path,

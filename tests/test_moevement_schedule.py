@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from models import ModelArgs, build_model
+from models.experts import named_tensors
 from moevement.checkpoint.popularity import PopularityTracker, changed_fraction
 from moevement.checkpoint.schedule import (
     WindowPlan,
@@ -19,7 +20,8 @@ from moevement.checkpoint.schedule import (
     slot_size_for,
     snapshot_sizes,
 )
-from moevement.operators import build_registry
+from moevement.operators import OPTIMIZER_KEYS, build_registry
+from trainer.fault_tolerance import stacked_operators
 
 L1, L2 = "layers.1.moe", "layers.2.moe"
 
@@ -276,7 +278,7 @@ def tiny(family):
 @pytest.mark.parametrize("family", ["deepseek", "qwen"])
 def test_registry_partitions_parameters(family):
     model = tiny(family)
-    ops = build_registry(model)
+    ops = build_registry(model, stacked_operators(model))
 
     def moe(layer):
         return (
@@ -288,9 +290,9 @@ def test_registry_partitions_parameters(family):
     expected = [("tok_embeddings", "embedding"), ("layers.0", "block"), *moe(1), *moe(2), ("head", "head")]
     assert [(op.name, op.kind) for op in ops] == expected
     owned = [name for op in ops for name in op.params]
-    params = dict(model.named_parameters())
-    assert sorted(owned) == sorted(params)  # every parameter in exactly one operator
-    assert all(p is params[name] for op in ops for name, p in op.params.items())
+    tensors = dict(named_tensors(model))  # each routed expert's slice of the stacked weights under its own name
+    assert sorted(owned) == sorted(tensors)  # every tensor in exactly one operator
+    assert all(ref.local().data_ptr() == tensors[name].data_ptr() for op in ops for name, ref in op.params.items())
     by_name = {op.name: op for op in ops}
     assert set(by_name["head"].params) == {"norm.weight", "output.weight"}
     assert (by_name["layers.2.moe.experts.3"].layer, by_name["layers.2.moe.experts.3"].expert) == (2, 3)
@@ -301,18 +303,20 @@ def test_registry_partitions_parameters(family):
     assert "layers.1.moe.router.gate.weight" in by_name["layers.1.moe.router"].params
 
 
-def test_registry_rejects_unknown_tensor():
+def test_registry_rejects_unknown_tensor_and_undescribed_stacked_experts():
     model = nn.Module()
     model.foo = nn.Linear(2, 2)
     with pytest.raises(ValueError, match="foo"):
         build_registry(model)
+    with pytest.raises(ValueError, match="stacks several experts"):
+        build_registry(tiny("deepseek"))
 
 
 def test_operator_bytes_and_master_tensors():
     model = tiny("deepseek")
-    ops = build_registry(model)
+    ops = build_registry(model, stacked_operators(model))
     optimizer = torch.optim.AdamW(model.parameters())
-    param_bytes = {op.name: sum(p.numel() * 4 for p in op.params.values()) for op in ops}
+    param_bytes = {op.name: sum(ref.local().numel() * 4 for ref in op.params.values()) for op in ops}
     for op in ops:
         assert op.fp32_bytes(optimizer) == 3 * param_bytes[op.name]  # AdamW moments assumed
         assert op.compute_bytes(torch.bfloat16) == 2 * op.numel() == param_bytes[op.name] // 2
@@ -321,7 +325,12 @@ def test_operator_bytes_and_master_tensors():
     sum(p.square().sum() for p in model.parameters()).backward()
     optimizer.step()
     for op in ops:
-        state = sum(t.numel() * t.element_size() for p in op.params.values() for t in optimizer.state[p].values())
+        state = sum(
+            t.numel() * t.element_size()
+            for ref in op.params.values()
+            for k in OPTIMIZER_KEYS
+            if (t := ref.state(optimizer, k)) is not None
+        )
         assert op.fp32_bytes(optimizer) == param_bytes[op.name] + state
         assert op.fp32_bytes(optimizer) == 3 * param_bytes[op.name] + 4 * len(op.params)  # fp32 step scalars
     expert = next(op for op in ops if op.name == "layers.1.moe.experts.0")
@@ -332,5 +341,7 @@ def test_operator_bytes_and_master_tensors():
     assert names == expected
     tensors = dict(expert.master_tensors(optimizer))
     w1 = "layers.1.moe.experts.0.w1.weight"
-    assert torch.equal(tensors[f"optim.{w1}.exp_avg_sq"], optimizer.state[expert.params[w1]]["exp_avg_sq"])
-    assert torch.equal(tensors[w1], expert.params[w1].detach())
+    stacked = model.layers["1"].moe.experts.w1  # expert 0 is its slice 0
+    assert torch.equal(tensors[f"optim.{w1}.exp_avg_sq"], optimizer.state[stacked]["exp_avg_sq"][0])
+    assert torch.equal(tensors[f"optim.{w1}.step"], optimizer.state[stacked]["step"])
+    assert torch.equal(tensors[w1], stacked[0].detach())

@@ -21,6 +21,7 @@ from moevement.recovery.replay import set_frozen
 from moevement.recovery.replay_threads import intra_op_threads, replay_threads
 from parallelisms.pipeline import lm_loss
 from tests.conftest import DEBUG_CONFIG, final_line, run_cli, step_losses
+from trainer.fault_tolerance import stacked_operators
 
 BASE = [
     "--config",
@@ -169,7 +170,7 @@ def test_frozen_operators_compute_no_weight_gradient():
     )
     torch.manual_seed(0)
     model = build_model(args)
-    ops = {op.name: op for op in build_registry(model)}
+    ops = {op.name: op for op in build_registry(model, stacked_operators(model))}
     x = torch.randint(0, 64, (2, 16))
 
     def backward_flops() -> int:
@@ -184,8 +185,11 @@ def test_frozen_operators_compute_no_weight_gradient():
     set_frozen(frozen, True)
     partly_frozen = backward_flops()
     for op in ops.values():
-        for p in op.params.values():
-            assert (p.grad is None) == (op in frozen), p
+        for name, ref in op.params.items():
+            if ref.index is None:
+                assert (ref.param.grad is None) == (op in frozen), name
+            else:  # a slice of the stacked experts: no weight-gradient product for it, its gradient slice is zero
+                assert (ref.part_of(ref.param.grad).abs().sum() == 0) == (op in frozen), name
     assert partly_frozen < all_active
     set_frozen(list(ops.values()), False)
     assert backward_flops() == all_active

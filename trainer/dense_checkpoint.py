@@ -39,6 +39,7 @@ from safetensors import SafetensorError, safe_open
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from models.args import ModelArgs
+from models.experts import stacked_experts
 from trainer.identity import RunIdentity
 from trainer.safetensors_stream import Spec, write_safetensors
 
@@ -371,33 +372,44 @@ class _Reader:
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise CheckpointError(f"{file}: unreadable ({reason})") from None
 
-    def take(self, name: str, like: torch.Tensor) -> torch.Tensor:
-        """Tensor `name`, shaped like `like`; only this rank's part when `like` is a DTensor."""
-        if name not in self.names:
-            raise CheckpointError(f"{self.file}: has no tensor {name!r}")
-        try:
-            full = self.handle.get_tensor(name)
-        except SafetensorError as e:
-            raise CheckpointError(f"{self.file}: tensor {name!r} unreadable ({e})") from None
+    def take(self, names: list[str], like: torch.Tensor) -> torch.Tensor:
+        """Tensor `names[0]`, or the stack of `names` (a stacked expert weight: one name per expert), shaped
+        like `like`; only this rank's part when `like` is a DTensor."""
+        full = self._get(names[0]) if len(names) == 1 else torch.stack([self._get(name) for name in names])
         if full.shape != like.shape:
             raise CheckpointError(
-                f"{self.file}: tensor {name!r} has shape {tuple(full.shape)}, the model {tuple(like.shape)}"
+                f"{self.file}: tensor {names[0]!r} has shape {tuple(full.shape)[len(names) > 1 :]}, "
+                f"the model {tuple(like.shape)[len(names) > 1 :]}"
             )
         if isinstance(like, DTensor):
             return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
         return full
+
+    def _get(self, name: str) -> torch.Tensor:
+        if name not in self.names:
+            raise CheckpointError(f"{self.file}: has no tensor {name!r}")
+        try:
+            return self.handle.get_tensor(name)
+        except SafetensorError as e:
+            raise CheckpointError(f"{self.file}: tensor {name!r} unreadable ({e})") from None
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
+def _stored_names(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter, list[str]]]:
+    """(name, parameter, the names it is stored under) of every parameter: one per expert of a stacked one."""
+    stacked = stacked_experts(model)
+    return [(name, p, stacked[name][1] if name in stacked else [name]) for name, p in model.named_parameters()]
+
+
 @torch.no_grad()
 def load_model(directory: str, model: torch.nn.Module) -> None:
     """Copy every parameter of `model` (plain or DTensor) from the checkpoint's model file, by global name."""
     reader = _Reader(Path(directory) / MODEL_FILE)
-    for name, param in model.named_parameters():
-        _local(param).copy_(reader.take(name, param))
+    for _, param, stored in _stored_names(model):
+        _local(param).copy_(reader.take(stored, param))
 
 
 @torch.no_grad()
@@ -408,12 +420,12 @@ def _load_optimizer(directory: str, model: torch.nn.Module, optimizer: torch.opt
     for stored in reader.names:
         param_name, _, key = stored[len(OPTIM_PREFIX) :].rpartition(".")
         keys[param_name].append(key)
-    for name, param in model.named_parameters():
+    for _, param, names in _stored_names(model):
         state = {}
-        for key in sorted(keys.get(name, ())):
-            stored = f"{OPTIM_PREFIX}{name}.{key}"
-            if key == "step":  # AdamW keeps its step count as a CPU scalar
-                state[key] = reader.take(stored, torch.empty(()))
+        for key in sorted(keys.get(names[0], ())):
+            stored = [f"{OPTIM_PREFIX}{name}.{key}" for name in names]
+            if key == "step":  # AdamW keeps its step count as a CPU scalar (every expert's is the same)
+                state[key] = reader.take(stored[:1], torch.empty(()))
             else:
                 state[key] = torch.zeros_like(param)
                 _local(state[key]).copy_(reader.take(stored, param))

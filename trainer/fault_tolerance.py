@@ -23,8 +23,9 @@ from baselines.global_rollback import GlobalRollback, MocState, RestartState
 from baselines.intervals import IntervalPolicy
 from baselines.moc import LostTokens, PartialExpertSelector
 from baselines.strategy import IntervalBaseline
+from models.experts import stacked_experts
 from moevement.checkpoint.checkpointer import SparseCheckpointer
-from moevement.operators import build_registry
+from moevement.operators import Stacked, build_registry
 from moevement.recovery.conversion import Conversion, TrainerHooks
 from moevement.recovery.live_state import Rejoin, load_live_state
 from moevement.recovery.localized import Recovery
@@ -154,6 +155,7 @@ def build_strategy(
         SparseCheckpointer,
         model=model.view,
         optimizer=optimizer,
+        stacked=stacked_operators(model.view),
         compute_dtype=DTYPES[cfg.training.mixed_precision],
         device=dims.device,
         rank_dir=rank_dir,
@@ -223,7 +225,7 @@ def _interval_baseline(
     A new run removes this rank's disk checkpoints; a torchrun restart of the run (`restart`) resumes
     from them."""
     strategy, ck_cfg = cfg.checkpoint.strategy, cfg.checkpoint
-    ops = build_registry(model.view)
+    ops = build_registry(model.view, stacked_operators(model.view))
     names = [op.name for op in ops]
     moc, keep = None, 2
     if strategy == "moc":
@@ -310,3 +312,8 @@ def _trainer_hooks(
         initial_parameters=functools.partial(initial_parameters, cfg.model, dims, cfg.job.seed),
         line=line,
     )
+
+
+def stacked_operators(model: torch.nn.Module) -> dict[str, Stacked]:
+    """The model's stacked expert parameters as the operator registry sees them: each slice one expert's tensor."""
+    return {name: Stacked(names, module.set_frozen) for name, (module, names) in stacked_experts(model).items()}

@@ -1,7 +1,7 @@
 """The training state as named tensors, and its layout-independent digest.
 
-Names are global (`layers.3.moe.experts.17.w1.weight`); optimizer tensors are named
-`optim.<param name>.<key>` (`exp_avg`, `exp_avg_sq`, `step`). The same state gives the
+Names are global (`layers.3.moe.experts.17.w1.weight`: one expert's slice of a stacked weight);
+optimizer tensors are named `optim.<param name>.<key>` (`exp_avg`, `exp_avg_sq`, `step`). The same state gives the
 same names and bytes in any parallel layout once consolidated.
 """
 
@@ -12,6 +12,8 @@ import hashlib
 import torch
 import torch.distributed as dist
 
+from models.experts import stacked_experts, unstack
+
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """The full value of a (possibly FSDP-sharded DTensor) tensor, on CPU."""
@@ -21,13 +23,15 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def named_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Every parameter and optimizer tensor this rank holds, by global name (CPU copies)."""
+    """Every parameter and optimizer tensor this rank holds, by global name (CPU copies); a stacked expert
+    parameter as one tensor per expert (``layers.3.moe.experts.17.w1.weight``, AdamW's step for each)."""
     state: dict[str, torch.Tensor] = {}
+    stacked = stacked_experts(model)
     for name, param in model.named_parameters():
-        state[name] = _local(param)
+        state.update(unstack(name, _local(param), stacked))
         for key, value in sorted(optimizer.state.get(param, {}).items()):
             if isinstance(value, torch.Tensor):
-                state[f"optim.{name}.{key}"] = _local(value)
+                state.update((f"optim.{each}.{key}", t) for each, t in unstack(name, _local(value), stacked))
     return state
 
 

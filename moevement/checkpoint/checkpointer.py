@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -39,7 +39,7 @@ import torch
 from moevement.checkpoint.persisted import MANIFEST, PersistedCheckpoint
 from moevement.checkpoint.planner import SnapshotPolicy, WindowPlanner
 from moevement.checkpoint.schedule import WindowPlan
-from moevement.operators import Operator, build_registry
+from moevement.operators import Operator, Stacked, build_registry
 from moevement.storage.cpu_cost import measure
 from moevement.storage.host_memory import HostBuffer, encode_json, make_private_dirs, read_header, remove_tree
 from moevement.storage.persistence import DiskWriter
@@ -63,11 +63,12 @@ class _Pending:
 class SparseCheckpointer:
     """Takes, replicates and persists sparse snapshots; see the module docstring for the call order.
 
-    `cfg`: a CheckpointConfig. `rank_dirs(r)`: where rank r keeps its host state (same-node replicas
-    are copied from there). `group_timeout_s`: the replication group's bound on an operation without
-    progress (a hung peer fails the replication). With a `SnapshotPolicy` (the interval baselines) a
-    snapshot is a window of W = 1 taken at the policy's iterations: the FP32 state of the operators it
-    selects, no compute weights.
+    `cfg`: a CheckpointConfig. `stacked`: the model's parameters that stack several operators' tensors
+    (`moevement.operators.Stacked`, by parameter name). `rank_dirs(r)`: where rank r keeps its host
+    state (same-node replicas are copied from there). `group_timeout_s`: the replication group's bound
+    on an operation without progress (a hung peer fails the replication). With a `SnapshotPolicy` (the
+    interval baselines) a snapshot is a window of W = 1 taken at the policy's iterations: the FP32 state
+    of the operators it selects, no compute weights.
     Recovery reads `persisted` and `replica_holders`, and calls `abort_window`, `wipe`, `paused` and
     `reset_popularity`; a restarted job calls `adopt` and, once it trains on, `drop_leftovers`.
     """
@@ -78,6 +79,7 @@ class SparseCheckpointer:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         *,
+        stacked: Mapping[str, Stacked] | None = None,
         compute_dtype: torch.dtype,
         device: torch.device,
         rank_dir: Path,
@@ -90,7 +92,7 @@ class SparseCheckpointer:
     ):
         self.cfg, self.topology, self.job_meta = cfg, topology, dict(job_meta or {})
         self.planner = WindowPlanner(
-            cfg, build_registry(model), optimizer, compute_dtype, device, topology.world, policy
+            cfg, build_registry(model, stacked), optimizer, compute_dtype, device, topology.world, policy
         )
         self.rank_dir = make_private_dirs(rank_dir.parent, rank_dir.name)
         self.buffers = SnapshotBuffers(self.rank_dir, device, cfg.background_priority)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from moevement.checkpoint.checkpointer import SparseCheckpointer
 from moevement.recovery.fetch import RecoveryError
-from moevement.recovery.replay import load_compute, load_master, reset_to_initial, set_frozen
+from moevement.recovery.replay import frozen_slices_kept, load_compute, load_master, reset_to_initial, set_frozen
 from moevement.recovery.replay_threads import intra_op_threads, replay_threads
 from moevement.recovery.upstream_log import UpstreamLog
 from moevement.storage.snapshot import SnapshotHeader
@@ -103,7 +103,8 @@ class Conversion:
                     for phase, seconds in (phases or {"forward_backward": time.perf_counter() - computed}).items():
                         stats.add(phase, seconds)
                     stepped = time.perf_counter()
-                    self.hooks.optimizer_step(scalars[t])
+                    with frozen_slices_kept(self.ck.ops, self.optimizer):
+                        self.hooks.optimizer_step(scalars[t])
                     stats.add("optimizer", time.perf_counter() - stepped)
                     elapsed = time.perf_counter() - start
                     if t < t0 + window:

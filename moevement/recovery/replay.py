@@ -4,9 +4,10 @@ Loading `SS_{t0+i}` makes slot i *active*: its FP32 master weights, buffers and 
 are restored and it trains normally. Operators of later slots are *frozen*: they hold the compute
 weights of the snapshot (upcast into the FP32 parameter, which the mixed-precision cast maps back
 to the identical compute weights), run forward and input-gradient computation only
-(`requires_grad=False`: autograd never computes their weight gradients) and get no optimizer
-update (no gradient, so AdamW skips them). Each replayed iteration applies the *logged* clip
-coefficient and learning rate, so active operators get exactly the original update.
+(`requires_grad=False`, or a frozen slice of a stacked parameter: no weight-gradient product) and
+get no optimizer update (no gradient, so AdamW skips them; a frozen slice is kept as it was). Each
+replayed iteration applies the *logged* clip coefficient and learning rate, so active operators get
+exactly the original update.
 
 `PipelineReplay` re-runs one iteration on a set of pipeline stages (the recovery scope): every
 micro-batch forward through the scope's stages in order (GPipe), then every backward in
@@ -21,38 +22,64 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from moevement.operators import Operator, local_tensor
+from moevement.operators import Operator
 from moevement.recovery.fetch import RecoveryError
 from moevement.recovery.upstream_log import UpstreamLog
 
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
 
 def set_frozen(ops: list[Operator], frozen: bool) -> None:
-    """Frozen: no weight gradient is computed or applied for these operators' parameters."""
+    """Frozen: no weight gradient is computed or applied for these operators' tensors."""
     for op in ops:
-        for p in op.params.values():
-            p.requires_grad_(not frozen)
+        op.frozen = frozen
+        for ref in op.params.values():
+            ref.set_frozen(frozen)
+
+
+@contextmanager
+def frozen_slices_kept(ops: list[Operator], optimizer):
+    """Around an optimizer step: frozen slices of stacked parameters end it as they began it.
+
+    AdamW updates a parameter whole; a frozen slice has a zero gradient, but momentum and weight decay
+    would still move its weights and moments. (A frozen plain parameter has no gradient: AdamW skips it.)
+    """
+    kept = []
+    for op in ops:
+        if not op.frozen:
+            continue
+        for ref in op.params.values():
+            if ref.index is not None:
+                state = optimizer.state.get(ref.param, {})
+                tensors = [ref.local()] + [ref.part_of(v) for k, v in state.items() if k in MOMENTS]
+                kept += [(t, t.clone()) for t in tensors]
+    yield
+    with torch.no_grad():
+        for tensor, value in kept:
+            tensor.copy_(value)
 
 
 @torch.no_grad()
 def load_master(op: Operator, tensors: dict[tuple[str, str], torch.Tensor], optimizer) -> None:
     """Restore an operator's FP32 weights, buffers and optimizer state from snapshot entries."""
-    for name, p in op.params.items():
-        local_tensor(p).copy_(tensors[("master", name)])
-        state = optimizer.state[p]
+    for name, ref in op.params.items():
+        ref.local().copy_(tensors[("master", name)])
+        state = optimizer.state[ref.param]
         for key in ("exp_avg", "exp_avg_sq", "step"):
             value = tensors.get(("master", f"optim.{name}.{key}"))
-            if value is None:
+            if value is None:  # taken before the first step: no operator had optimizer state then
                 state.pop(key, None)
                 continue
             if key not in state:
-                state[key] = torch.zeros((), dtype=value.dtype) if key == "step" else torch.zeros_like(p)
-            local_tensor(state[key]).copy_(value)
+                state[key] = torch.zeros((), dtype=value.dtype) if key == "step" else torch.zeros_like(ref.param)
+            ref.part_of(state[key]).copy_(value)
     for name, b in op.buffers.items():
         b.copy_(tensors[("master", name)])
 
@@ -60,8 +87,8 @@ def load_master(op: Operator, tensors: dict[tuple[str, str], torch.Tensor], opti
 @torch.no_grad()
 def load_compute(op: Operator, tensors: dict[tuple[str, str], torch.Tensor]) -> None:
     """Give a frozen operator the snapshot's compute weights (and buffers)."""
-    for name, p in op.params.items():
-        local_tensor(p).copy_(tensors[("compute", name)])
+    for name, ref in op.params.items():
+        ref.local().copy_(tensors[("compute", name)])
     for name, b in op.buffers.items():
         b.copy_(tensors[("compute", name)])
 
@@ -70,25 +97,34 @@ def load_compute(op: Operator, tensors: dict[tuple[str, str], torch.Tensor]) -> 
 def wipe_operators(ops: list[Operator], optimizer) -> None:
     """A failed rank's memory is gone: overwrite its weights and optimizer state with NaN."""
     for op in ops:
-        for p in op.params.values():
-            local_tensor(p).fill_(float("nan"))
-            for value in optimizer.state.get(p, {}).values():
+        for ref in op.params.values():
+            ref.local().fill_(float("nan"))
+            for value in optimizer.state.get(ref.param, {}).values():
                 if isinstance(value, torch.Tensor):
-                    local_tensor(value).fill_(float("nan"))
+                    ref.part_of(value).fill_(float("nan"))
         for b in op.buffers.values():
             b.fill_(float("nan")) if b.is_floating_point() else b.zero_()
 
 
 @torch.no_grad()
 def reset_to_initial(ops: list[Operator], optimizer, initial: dict[str, torch.Tensor]) -> None:
-    """Return operators to the seed's initial state (`initial`: full tensor by global name), optimizer state cleared."""
+    """Return operators to the seed's initial state (`initial`: full tensor by global name), optimizer state
+    cleared. `ops` holds every slice of any stacked parameter it touches (a rank's operators do)."""
     for op in ops:
-        for name, p in op.params.items():
-            full = initial[name]
+        for name, ref in op.params.items():
+            full, p = initial[name], ref.param
             if isinstance(p, DTensor):
-                full = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
-            local_tensor(p).copy_(full)
+                placements = p.placements if ref.index is None else _slice_placements(p.placements)
+                full = distribute_tensor(full, p.device_mesh, placements, src_data_rank=None).to_local()
+            ref.local().copy_(full)
             optimizer.state.pop(p, None)
+
+
+def _slice_placements(placements):
+    """The placements of one dim-0 slice of a DTensor sharded along a later dimension."""
+    if any(isinstance(pl, Shard) and pl.dim == 0 for pl in placements):
+        raise ValueError("a stacked parameter must not be sharded along its stacking dimension")
+    return tuple(Shard(pl.dim - 1) if isinstance(pl, Shard) else pl for pl in placements)
 
 
 @dataclass
