@@ -17,7 +17,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from models import ModelArgs, build_model
 from moevement.operators import build_registry
-from moevement.recovery.replay import set_frozen
+from moevement.recovery.replay import frozen_slices_kept, set_frozen
 from moevement.recovery.replay_threads import intra_op_threads, replay_threads
 from parallelisms.pipeline import lm_loss
 from tests.conftest import DEBUG_CONFIG, final_line, run_cli, step_losses
@@ -193,6 +193,40 @@ def test_frozen_operators_compute_no_weight_gradient():
     assert partly_frozen < all_active
     set_frozen(list(ops.values()), False)
     assert backward_flops() == all_active
+
+
+def test_an_optimizer_step_leaves_frozen_experts_slices_untouched():
+    """AdamW updates the stacked expert weights whole: around a replayed step, the frozen experts' slices of the
+    weights and of both moments end as they began, and the active experts move as in training."""
+    args = ModelArgs(family="gpt", vocab_size=64, dim=32, n_layers=2, n_heads=4, n_routed_experts=4,
+                     expert_hidden_dim=16, top_k=2, max_seq_len=32, n_dense_layers=0)  # fmt: skip
+    torch.manual_seed(0)
+    model = build_model(args)
+    ops = {op.name: op for op in build_registry(model, stacked_operators(model))}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    x = torch.randint(0, 64, (2, 16))
+
+    def step(frozen: list) -> None:
+        set_frozen(frozen, True)
+        lm_loss(model(x), x).backward()
+        with frozen_slices_kept(list(ops.values()), optimizer):
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        set_frozen(frozen, False)
+
+    step([])  # the stacked tensors now have AdamW state
+    frozen = [ops["layers.0.moe.experts.1"], ops["layers.1.moe.experts.3"]]
+    expert_ops = [op for op in ops.values() if op.kind == "expert"]
+
+    def weights_and_moments(op) -> dict[str, torch.Tensor]:  # the step counter is the stacked tensor's, shared
+        return {name: t.clone() for name, t in op.master_tensors(optimizer) if not name.endswith(".step")}
+
+    before = {op.name: weights_and_moments(op) for op in expert_ops}
+    step(frozen)
+    for op in expert_ops:
+        after = weights_and_moments(op)
+        moved = [not torch.equal(before[op.name][name], after[name]) for name in after]
+        assert len(moved) == 9 and (not any(moved) if op in frozen else all(moved)), op.name
 
 
 def test_replay_threads_share_the_node_among_its_replaying_ranks(monkeypatch):
