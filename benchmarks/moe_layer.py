@@ -4,7 +4,7 @@
 
 Variants, on the same tokens, interleaved over the repeats:
   moe     the MoE layer as the model runs it: stacked experts, one grouped GEMM per projection
-  loop    the same layer and weights with its experts run one by one (``F.linear`` on each slice)
+  loop    the same layer with its experts as separate SwiGLU modules run one by one (the code before grouping)
   frozen  the MoE layer with half its experts frozen, as in a MoEvement replay: their rows take no part
           in the weight-gradient GEMMs (the share of weight-gradient rows left is printed)
   dense   a SwiGLU of hidden ``top_k * expert_hidden_dim + n_shared * shared_expert_hidden_dim`` (the
@@ -60,12 +60,19 @@ def load_shape(config: Path | None) -> tuple[ModelArgs, int]:
 
 
 def looped(moe: MoE) -> MoE:
-    """The same layer (shared weights) running its experts one at a time: the computation before grouping."""
+    """The same layer with its experts as separate ``SwiGLU`` modules (copies of the stacked weights) run one
+    at a time: the computation before grouping."""
     loop = copy.copy(moe)
+    experts = torch.nn.ModuleList(SwiGLU(moe.experts.w1.shape[2], moe.experts.w1.shape[1]) for _ in moe.experts.ids)
+    with torch.no_grad():
+        for e, expert in enumerate(experts):
+            for w in ("w1", "w2", "w3"):
+                getattr(expert, w).weight.copy_(getattr(moe.experts, w)[e])
+    loop.looped_experts = experts  # registered: zero_grad reaches them
 
     def run_experts(x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         chunks = x.split(counts.tolist())
-        return torch.cat([moe.experts.expert(e, chunk) for e, chunk in enumerate(chunks)])
+        return torch.cat([expert(chunk) for expert, chunk in zip(experts, chunks, strict=True)])
 
     loop.run_experts = run_experts
     return loop
