@@ -83,6 +83,7 @@ def build_training(cfg: Config, dims: ParallelDims):
         t.micro_batches,
         dims.device,
         t.cpu_bf16_gemm,
+        t.loss_chunk_tokens,
     )
     # A pipeline schedule divides all gradients by the micro-batch count itself.
     set_aux_grad_scale(model.view, 1.0 if model.schedule is not None else 1.0 / t.micro_batches)

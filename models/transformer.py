@@ -9,7 +9,9 @@ import hashlib
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from models.args import ModelArgs
 from models.attention import Attention, rope_tables
@@ -61,10 +63,12 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(args.dim // args.n_heads, args.max_seq_len, args.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.loss_chunk_tokens = 0  # > 0: the head runs in `loss`, this many tokens at a time (see `loss`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Tokens [B, S] int64 (or hidden states [B, S, dim] when ``tok_embeddings`` is None) ->
-        logits [B, S, vocab] float32 (or hidden states when ``norm``/``output`` is None)."""
+        logits [B, S, vocab] float32 (hidden states when ``norm``/``output`` is None; the normalised
+        hidden states when ``loss_chunk_tokens`` > 0, for :meth:`loss`)."""
         h = x if self.tok_embeddings is None else self.dropout(self.tok_embeddings(x))
         seqlen = h.shape[1]
         cos, sin = self.rope_cos[:seqlen], self.rope_sin[:seqlen]
@@ -73,7 +77,27 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin)
         if self.norm is None or self.output is None:
             return h
-        return self.output(self.norm(h)).float()
+        h = self.norm(h)
+        return h if self.loss_chunk_tokens > 0 else self.output(h).float()
+
+    def loss(self, out: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy of ``forward``'s output against ``labels`` [B, S].
+
+        With ``loss_chunk_tokens`` > 0, ``out`` holds the normalised hidden states and the head forms the
+        float32 logits of ``loss_chunk_tokens`` tokens at a time, forming them again in backward
+        (activation checkpointing per chunk): the [tokens, vocab] logits never exist at once, for one
+        more head GEMM in backward."""
+        if self.loss_chunk_tokens <= 0:
+            return F.cross_entropy(out.flatten(0, 1).float(), labels.flatten())
+        h, y, n = out.flatten(0, 1), labels.flatten(), self.loss_chunk_tokens
+        chunks = [
+            checkpoint(self._summed_loss, hc, yc, use_reentrant=False, preserve_rng_state=False)
+            for hc, yc in zip(h.split(n), y.split(n), strict=True)
+        ]
+        return torch.stack(chunks).sum() / y.numel()
+
+    def _summed_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.output(hidden).float(), labels, reduction="sum")
 
     def start_model_balance(self) -> None:
         """With ``aux_loss_type = "global"``, give every MoE layer one fresh :class:`ModelBalanceLoss` for

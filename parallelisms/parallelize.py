@@ -34,6 +34,11 @@ class ModelParts:
     stage_shapes: object = None  # stage id -> example (input, output) tensors on meta
 
     @property
+    def loss_fn(self):
+        """(last stage's output, labels) -> mean cross-entropy: the last stage's ``Transformer.loss``."""
+        return self.parts[self.stage_ids.index(self.n_stages - 1)].loss if self.has_last_stage else None
+
+    @property
     def has_first_stage(self) -> bool:
         return 0 in self.stage_ids
 
@@ -64,16 +69,20 @@ def parallelize(
     micro_batches: int,
     device: torch.device,
     cpu_bf16_gemm: str = "auto",
+    loss_chunk_tokens: int = 0,
 ) -> ModelParts:
     """Build this rank's parts of the model described by `args` in the layout `dims`.
 
-    `cpu_bf16_gemm` (auto | native | fp32): how bf16 products run on CPU (`parallelisms.precision`)."""
+    `cpu_bf16_gemm` (auto | native | fp32): how bf16 products run on CPU (`parallelisms.precision`).
+    `loss_chunk_tokens` > 0: the last stage returns normalised hidden states and its loss forms the logits
+    that many tokens at a time (`Transformer.loss`)."""
     args.validate()
     cfg = dims.cfg
     with torch.device("meta"):
         whole = Transformer(args)
     stage_ids, parts = split_model(whole, cfg, dims.pp_rank)
     for part in parts:
+        part.loss_chunk_tokens = loss_chunk_tokens
         apply_expert_parallel(part, dims.group("ep") if cfg.ep > 1 else None, dims.group("dp") if cfg.dp > 1 else None)
         part.to_empty(device=device)
         torch.manual_seed(seed)
@@ -87,12 +96,14 @@ def parallelize(
         ):
             use_fp32_gemm(part)
     n_stages = cfg.pp * cfg.stages_per_rank
-    schedule, stages = None, []
-    shapes = _stage_shapes(args, micro_batch_shape, DTYPES[mixed_precision], n_stages)
-    if cfg.pp > 1:
-        schedule, stages = build_schedule(parts, stage_ids, dims, micro_batches, device, shapes)
+    shapes = _stage_shapes(args, micro_batch_shape, DTYPES[mixed_precision], n_stages, loss_chunk_tokens > 0)
     view = parts[0] if len(parts) == 1 else ModelView(parts)
-    return ModelParts(parts, stage_ids, view, schedule, n_stages, stages, shapes)
+    model = ModelParts(parts, stage_ids, view, None, n_stages, [], shapes)
+    if cfg.pp > 1:
+        model.schedule, model.pipeline_stages = build_schedule(
+            parts, stage_ids, dims, micro_batches, device, shapes, model.loss_fn
+        )
+    return model
 
 
 def initial_parameters(args: ModelArgs, dims: ParallelDims, seed: int) -> dict[str, torch.Tensor]:
@@ -113,8 +124,11 @@ def initial_parameters(args: ModelArgs, dims: ParallelDims, seed: int) -> dict[s
     return out
 
 
-def _stage_shapes(args: ModelArgs, micro_batch_shape: tuple[int, int], compute_dtype: torch.dtype, n_stages: int):
-    """(inputs, outputs) example tensors on meta for stage s: tokens or hidden states in, hidden or logits out."""
+def _stage_shapes(
+    args: ModelArgs, micro_batch_shape: tuple[int, int], compute_dtype: torch.dtype, n_stages: int, hidden_out: bool
+):
+    """(inputs, outputs) example tensors on meta for stage s: tokens or hidden states in, hidden states or
+    logits out (the last stage's normalised hidden states when its loss forms the logits: `hidden_out`)."""
     b, s = micro_batch_shape
 
     def shapes(stage: int):
@@ -127,7 +141,7 @@ def _stage_shapes(args: ModelArgs, micro_batch_shape: tuple[int, int], compute_d
         )
         outputs = (
             torch.empty(b, s, args.vocab_size, dtype=torch.float32, device=meta, requires_grad=True)
-            if last
+            if last and not hidden_out
             else torch.empty(b, s, args.dim, dtype=compute_dtype, device=meta, requires_grad=True)
         )
         return inputs, outputs

@@ -64,8 +64,9 @@ def build_schedule(
     micro_batches: int,
     device: torch.device,
     stage_shapes,
+    loss_fn,
 ):
-    """(schedule, PipelineStages) over this rank's stages; the loss is the per-micro-batch mean CE.
+    """(schedule, PipelineStages) over this rank's stages; `loss_fn`: the per-micro-batch mean CE.
 
     `stage_shapes(s)` gives example (input, output) tensors of stage `s` (static shapes: no
     shape-inference forward, so every forward is a real micro-batch).
@@ -82,7 +83,7 @@ def build_schedule(
         stages.append(PipelineStage(part, s, n_stages, device, input_args=(inputs,), output_args=outputs, group=group))
     cls = SCHEDULE_CLASSES[cfg.schedule]
     stage_arg = stages if cfg.schedule == "Interleaved1F1B" else stages[0]
-    return cls(stage_arg, n_microbatches=micro_batches, loss_fn=lm_loss, scale_grads=True), stages
+    return cls(stage_arg, n_microbatches=micro_batches, loss_fn=loss_fn or lm_loss, scale_grads=True), stages
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

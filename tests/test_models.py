@@ -104,6 +104,30 @@ def test_fused_shared_experts_are_the_sum_of_separate_experts():
     torch.testing.assert_close(fused(x), separate[0](x) + separate[1](x), rtol=0, atol=1e-6)
 
 
+def test_chunked_loss_equals_the_whole_loss_and_never_keeps_every_logit():
+    """``loss_chunk_tokens``: the head forms the logits a few tokens at a time, and again in backward; the loss
+    and gradients equal the whole-logits ones up to the order of the summation (1e-6)."""
+    torch.manual_seed(0)
+    model = build_model(tiny()).train()
+    toks = tokens()  # 32 tokens, vocabulary 260
+
+    def loss_and_largest_saved(chunk: int) -> tuple[torch.Tensor, dict, int]:
+        model.zero_grad(set_to_none=True)
+        model.loss_chunk_tokens = chunk
+        out, saved = model(toks), []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            loss = model.loss(out, toks)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, max(saved)
+
+    whole, whole_grads, whole_saved = loss_and_largest_saved(0)
+    chunked, chunked_grads, chunked_saved = loss_and_largest_saved(5)  # 7 chunks, the last of 2 tokens
+    assert whole_saved >= 32 * 260 and chunked_saved < 5 * 260  # kept for backward: every logit, or a chunk's input
+    torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-6)
+    for name, grad in whole_grads.items():
+        torch.testing.assert_close(chunked_grads[name], grad, rtol=0, atol=1e-6, msg=name)
+
+
 def test_layer_layout_and_global_names():
     model = Transformer(tiny(n_layers=6, n_dense_layers=1, moe_every=2))
     assert list(model.moe_layers()) == ["2", "4"]

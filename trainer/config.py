@@ -51,6 +51,8 @@ class TrainingConfig:
     beta2: float = 0.95  # AdamW beta2
     eps: float = 1e-8  # AdamW epsilon
     max_grad_norm: float = 1.0  # global gradient-norm clipping (0: off)
+    # tokens whose vocabulary logits the loss forms at once, again in backward (0: all of a micro-batch's)
+    loss_chunk_tokens: int = 1024
     mixed_precision: str = "fp32"  # fp32 | bf16 (FP32 master weights, bf16 compute weights)
     # CPU bf16 matrix products: native bf16 kernels, or SGEMM on the bf16 operands (fp32 accumulation,
     # 15x faster on CPUs without bf16 instructions); auto: fp32 unless the CPU has AVX512-BF16 / AMX
@@ -271,6 +273,7 @@ def validate(cfg: Config) -> None:
     _check(0 <= t.min_lr <= t.lr, "training.min_lr", f"must be in [0, training.lr], got {t.min_lr}")
     _check(t.warmup_steps >= 0, "training.warmup_steps", f"must be >= 0, got {t.warmup_steps}")
     _check(t.max_grad_norm >= 0, "training.max_grad_norm", f"must be >= 0, got {t.max_grad_norm}")
+    _check(t.loss_chunk_tokens >= 0, "training.loss_chunk_tokens", f"must be >= 0, got {t.loss_chunk_tokens}")
     _check(t.val_every >= 0, "training.val_every", f"must be >= 0, got {t.val_every}")
     _validate_parallelism(cfg)
     _validate_checkpoint(cfg.checkpoint)

@@ -38,7 +38,7 @@ from moevement.topology import Topology
 from parallelisms.fsdp import DTYPES
 from parallelisms.mesh import ParallelDims
 from parallelisms.parallelize import ModelParts, initial_parameters
-from parallelisms.pipeline import lm_loss, local_stage_ids
+from parallelisms.pipeline import local_stage_ids
 from trainer.config import Config, expected_mtbf_iters
 from trainer.identity import RunIdentity
 from trainer.startup import STARTUP
@@ -295,7 +295,7 @@ def _trainer_hooks(
             micro,
             lambda s: topo.rank_of(topo.owner_pp(s), dims.dp_rank),
             log,
-            lm_loss,
+            model.loss_fn,
             dims.device,
         )
         run = replay.forward_backward

@@ -17,7 +17,6 @@ import torch.distributed as dist
 
 from parallelisms.mesh import ParallelDims
 from parallelisms.parallelize import ModelParts
-from parallelisms.pipeline import lm_loss
 from trainer.config import TrainingConfig
 from trainer.optim import apply_clip, clip_grad_norm, lr_at, set_lr
 
@@ -88,7 +87,7 @@ def forward_backward(model: ModelParts, inputs: torch.Tensor, labels: torch.Tens
     for m, (x, y) in enumerate(zip(inputs.chunk(micro), labels.chunk(micro))):
         if hasattr(part, "set_requires_gradient_sync"):  # FSDP: reduce once, after the last micro-batch
             part.set_requires_gradient_sync(m == micro - 1)
-        loss = lm_loss(part(x), y)
+        loss = part.loss(part(x), y)
         (loss / micro).backward()
         loss_sum += loss.detach().double()
     return loss_sum / micro
@@ -177,7 +176,7 @@ def evaluate(
             loss = torch.stack(losses).double().mean() if losses else _zero(x.device)
         else:
             loss = torch.stack(
-                [lm_loss(model.parts[0](xm), ym).double() for xm, ym in zip(x.chunk(micro), y.chunk(micro))]
+                [model.loss_fn(model.parts[0](xm), ym).double() for xm, ym in zip(x.chunk(micro), y.chunk(micro))]
             ).mean()
         total += _global_mean_loss(loss, dims)
     for part in model.parts:
