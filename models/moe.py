@@ -5,6 +5,10 @@ experts_forward (each expert on its contiguous group, one grouped GEMM per proje
 -> combine (weight and scatter back). An expert-parallel wrapper replaces only ``experts_forward``
 (all-to-all, ``run_experts`` on the local experts, all-to-all back); routing and combining stay in the
 global expert index space.
+
+On one device nothing reads a value back to the host, except capacity dropping (``capacity_factor`` > 0:
+the number of kept assignments sizes a tensor) and a replay with frozen experts (the active experts' rows
+are gathered); expert parallelism reads its all-to-all split sizes.
 """
 
 import math
@@ -36,6 +40,13 @@ class Router(nn.Module):
         if self.norm_topk_prob and self.top_k > 1:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return logits, scores, expert_ids, weights
+
+
+def expert_counts(expert_ids: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Assignments per expert, int64 [E]. A comparison against every expert id, not ``bincount``, which on a
+    GPU reads the largest id back to the host to size its output."""
+    ids = expert_ids.flatten()
+    return (ids.unsqueeze(1) == torch.arange(n_experts, device=ids.device)).sum(dim=0)
 
 
 def load_balancing_loss(scores: torch.Tensor, counts: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -172,7 +183,7 @@ class MoE(nn.Module):
         """x [..., dim] -> [..., dim]."""
         tokens = x.reshape(-1, x.shape[-1])
         logits, scores, expert_ids, weights = self.router(tokens)
-        counts = torch.bincount(expert_ids.flatten(), minlength=self.n_experts)
+        counts = expert_counts(expert_ids, self.n_experts)
         order, kept_counts = self.permute(expert_ids, counts)
         token_ids = order // self.top_k
         expert_out = self.experts_forward(tokens.index_select(0, token_ids), kept_counts)
