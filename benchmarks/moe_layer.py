@@ -63,6 +63,7 @@ def looped(moe: MoE) -> MoE:
     """The same layer with its experts as separate ``SwiGLU`` modules (copies of the stacked weights) run one
     at a time: the computation before grouping."""
     loop = copy.copy(moe)
+    loop._modules = dict(moe._modules)  # the copy's own submodule table: the original stays as it was
     experts = torch.nn.ModuleList(SwiGLU(moe.experts.w1.shape[2], moe.experts.w1.shape[1]) for _ in moe.experts.ids)
     with torch.no_grad():
         for e, expert in enumerate(experts):

@@ -48,11 +48,13 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from benchmarks.variants import QUIET
 from models import build_model
+from models.experts import GROUPED_MM_FLOPS
 from moevement.checkpoint.schedule import generate_schedule, order_operators, slot_size_for
 from moevement.operators import build_registry
 from moevement.recovery.replay import set_frozen
 from parallelisms.pipeline import lm_loss
 from trainer.config import load_config
+from trainer.fault_tolerance import stacked_operators
 
 RECOVERY_RE = re.compile(r"^recovery step=\d+ .*? seconds=(\S+) \(([^)]*)\)", re.M)
 TIMELINE_RE = re.compile(r"^restart timeline rank=\d+: (.*)$", re.M)
@@ -150,7 +152,7 @@ def conversion_work(
     cfg = load_config(config, extra)
     torch.manual_seed(0)
     model = build_model(cfg.model)
-    ops = build_registry(model)
+    ops = build_registry(model, stacked_operators(model))
     order = order_operators([op.name for op in ops], [op.kind == "expert" for op in ops], {})
     slots = generate_schedule(order, slot_size_for(len(order), window), window)
     by_name = {op.name: op for op in ops}
@@ -161,7 +163,7 @@ def conversion_work(
         set_frozen(ops, False)
         set_frozen([by_name[n] for slot in frozen_slots for n in slot], True)
         model.zero_grad(set_to_none=True)
-        with FlopCounterMode(display=False) as counter:
+        with FlopCounterMode(display=False, custom_mapping=GROUPED_MM_FLOPS) as counter:
             lm_loss(model(x), x).backward()
         times = []
         for _ in range(repeats):

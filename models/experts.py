@@ -3,7 +3,7 @@
 ``w1``, ``w3`` [n, hidden, dim] and ``w2`` [n, dim, hidden]: slice ``i`` is the ``nn.Linear`` weight of
 the SwiGLU expert with global id ``first_id + i``, so an expert computes ``w2[i] (silu(w1[i] x) * w3[i] x)``.
 The tokens arrive grouped by expert; one grouped GEMM per projection runs every group, with no Python
-loop over experts and no host synchronisation.
+loop over experts and, unless some experts are frozen, no host synchronisation.
 
 Each expert stays a unit of its own outside this module: :func:`expert_tensor_names` names slice ``i`` of
 ``layers.3.moe.experts.w1`` ``layers.3.moe.experts.<first_id + i>.w1.weight``, the name checkpoints,
@@ -96,6 +96,15 @@ def named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """Every parameter of ``model`` as checkpoints name it: each expert's slice of a stacked weight apart."""
     stacked = stacked_experts(model)
     return [pair for name, p in model.named_parameters() for pair in unstack(name, p, stacked)]
+
+
+def grouped_mm_flops(a_shape, b_shape, *args, **kwargs) -> int:
+    """FLOPs of one ``torch._grouped_mm`` (either form: every row or column of ``a`` meets one group's ``b``),
+    for ``FlopCounterMode(custom_mapping=GROUPED_MM_FLOPS)``, which does not count it by itself."""
+    return 2 * math.prod(a_shape) * b_shape[-1]
+
+
+GROUPED_MM_FLOPS = {torch.ops.aten._grouped_mm: grouped_mm_flops}
 
 
 def _aligned(*tensors: torch.Tensor) -> bool:

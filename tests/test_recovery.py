@@ -16,6 +16,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from models import ModelArgs, build_model
+from models.experts import GROUPED_MM_FLOPS
 from moevement.operators import build_registry
 from moevement.recovery.replay import frozen_slices_kept, set_frozen
 from moevement.recovery.replay_threads import intra_op_threads, replay_threads
@@ -176,7 +177,7 @@ def test_frozen_operators_compute_no_weight_gradient():
     def backward_flops() -> int:
         model.zero_grad(set_to_none=True)
         loss = lm_loss(model(x), x)
-        with FlopCounterMode(display=False) as counter:
+        with FlopCounterMode(display=False, custom_mapping=GROUPED_MM_FLOPS) as counter:
             loss.backward()
         return counter.get_total_flops()
 

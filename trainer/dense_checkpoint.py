@@ -375,12 +375,12 @@ class _Reader:
     def take(self, names: list[str], like: torch.Tensor) -> torch.Tensor:
         """Tensor `names[0]`, or the stack of `names` (a stacked expert weight: one name per expert), shaped
         like `like`; only this rank's part when `like` is a DTensor."""
-        full = self._get(names[0]) if len(names) == 1 else torch.stack([self._get(name) for name in names])
-        if full.shape != like.shape:
-            raise CheckpointError(
-                f"{self.file}: tensor {names[0]!r} has shape {tuple(full.shape)[len(names) > 1 :]}, "
-                f"the model {tuple(like.shape)[len(names) > 1 :]}"
-            )
+        shape = tuple(like.shape) if len(names) == 1 else tuple(like.shape[1:])
+        parts = [self._get(name) for name in names]
+        for name, part in zip(names, parts, strict=True):
+            if tuple(part.shape) != shape:
+                raise CheckpointError(f"{self.file}: tensor {name!r} has shape {tuple(part.shape)}, the model {shape}")
+        full = parts[0] if len(names) == 1 else torch.stack(parts)
         if isinstance(like, DTensor):
             return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
         return full
@@ -398,17 +398,17 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
-def _stored_names(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter, list[str]]]:
-    """(name, parameter, the names it is stored under) of every parameter: one per expert of a stacked one."""
+def _stored_names(model: torch.nn.Module) -> list[tuple[torch.nn.Parameter, list[str]]]:
+    """(parameter, the names it is stored under) of every parameter: one name per expert of a stacked one."""
     stacked = stacked_experts(model)
-    return [(name, p, stacked[name][1] if name in stacked else [name]) for name, p in model.named_parameters()]
+    return [(p, stacked[name][1] if name in stacked else [name]) for name, p in model.named_parameters()]
 
 
 @torch.no_grad()
 def load_model(directory: str, model: torch.nn.Module) -> None:
     """Copy every parameter of `model` (plain or DTensor) from the checkpoint's model file, by global name."""
     reader = _Reader(Path(directory) / MODEL_FILE)
-    for _, param, stored in _stored_names(model):
+    for param, stored in _stored_names(model):
         _local(param).copy_(reader.take(stored, param))
 
 
@@ -420,7 +420,7 @@ def _load_optimizer(directory: str, model: torch.nn.Module, optimizer: torch.opt
     for stored in reader.names:
         param_name, _, key = stored[len(OPTIM_PREFIX) :].rpartition(".")
         keys[param_name].append(key)
-    for _, param, names in _stored_names(model):
+    for param, names in _stored_names(model):
         state = {}
         for key in sorted(keys.get(names[0], ())):
             stored = [f"{OPTIM_PREFIX}{name}.{key}" for name in names]

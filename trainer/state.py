@@ -1,8 +1,8 @@
 """The training state as named tensors, and its layout-independent digest.
 
 Names are global (`layers.3.moe.experts.17.w1.weight`: one expert's slice of a stacked weight);
-optimizer tensors are named `optim.<param name>.<key>` (`exp_avg`, `exp_avg_sq`, `step`). The same state gives the
-same names and bytes in any parallel layout once consolidated.
+optimizer tensors are named `optim.<param name>.<key>` (`exp_avg`, `exp_avg_sq`, `step`). The same
+state gives the same names and bytes in any parallel layout once consolidated.
 """
 
 from __future__ import annotations
