@@ -27,11 +27,19 @@ def named_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
     parameter as one tensor per expert (``layers.3.moe.experts.17.w1.weight``, AdamW's step for each)."""
     state: dict[str, torch.Tensor] = {}
     stacked = stacked_experts(model)
+
+    def per_expert(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        if name not in stacked:
+            return [(name, tensor)]
+        # each expert's own copy: a slice shares the whole stack's storage, which pickling (gather_object) would
+        # then send once per expert
+        return [(each, t.clone()) for each, t in unstack(name, tensor, stacked)]
+
     for name, param in model.named_parameters():
-        state.update(unstack(name, _local(param), stacked))
+        state.update(per_expert(name, _local(param)))
         for key, value in sorted(optimizer.state.get(param, {}).items()):
             if isinstance(value, torch.Tensor):
-                state.update((f"optim.{each}.{key}", t) for each, t in unstack(name, _local(value), stacked))
+                state.update((f"optim.{each}.{key}", t) for each, t in per_expert(name, _local(value)))
     return state
 
 
