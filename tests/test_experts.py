@@ -9,12 +9,16 @@ ragged tail (computed by its scalar path) differently in the last bit: equal wit
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import models.experts
+from models import ModelArgs, build_model
 from models.experts import GroupedExperts, grouped_mm, stacked_experts, unstack
+from trainer.state import named_training_state
 
 COUNTS = [5, 0, 3, 8, 1, 0, 4, 2]  # empty groups included
 
@@ -115,3 +119,19 @@ def test_each_expert_is_named_and_initialised_as_a_tensor_of_its_own():
     pieces = unstack("experts.w2", experts.w2, stacked)
     assert [name for name, _ in pieces][0] == "experts.4.w2.weight" and torch.equal(pieces[2][1], experts.w2[2])
     assert unstack("other", experts.w1, stacked) == [("other", experts.w1)]
+
+
+def test_the_gathered_training_state_holds_each_expert_in_storage_of_its_own():
+    """The state gathered for the digest and the dense checkpoint is pickled; a slice of the stacked weights
+    would carry the whole stack's storage, once per expert."""
+    torch.manual_seed(0)
+    model = build_model(ModelArgs(family="gpt", vocab_size=64, dim=16, n_layers=1, n_heads=2, n_routed_experts=8,
+                                  expert_hidden_dim=8, top_k=2, max_seq_len=16, n_dense_layers=0))  # fmt: skip
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randint(0, 64, (1, 16))).sum().backward()
+    optimizer.step()
+    state = named_training_state(model, optimizer)
+    expert = state["layers.0.moe.experts.5.w1.weight"]
+    assert torch.equal(expert, model.layers["0"].moe.experts.w1[5])
+    assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in state.values())
+    assert len(pickle.dumps(expert)) < 2 * expert.numel() * expert.element_size() + 1000
