@@ -83,6 +83,7 @@ def build_schedule(
         stages.append(PipelineStage(part, s, n_stages, device, input_args=(inputs,), output_args=outputs, group=group))
     cls = SCHEDULE_CLASSES[cfg.schedule]
     stage_arg = stages if cfg.schedule == "Interleaved1F1B" else stages[0]
+    # a schedule runs backward only when it has a loss function, so a rank without the last stage needs one too
     return cls(stage_arg, n_microbatches=micro_batches, loss_fn=loss_fn or lm_loss, scale_grads=True), stages
 
 

@@ -21,9 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.experts import GroupedExperts
-
-LOW_PRECISION = (torch.bfloat16, torch.float16)
+from models.experts import LOW_PRECISION, GroupedExperts
 
 
 @functools.cache
