@@ -27,6 +27,13 @@ ETTR = useful time / wall time, where useful time is what the fault-free referen
 same iterations (iterations x T) and wall time is the training loop's; overhead compares the mean
 first-execution iteration time with T; recovery_s is the time lost to failures (recovery
 plus recomputed iterations). `none` cannot recover, so its line is the fault-free reference.
+As each strategy finishes it also prints where its wall time beyond the references' went:
+
+    <s>: lost_s=<x> (restart= fetch= convert= catchup= resume= recompute= warmup= slower= other=)
+         short_of_ettr_<target>_s=<x>
+
+(seconds; `lost_time` says what each part is; `--target-ettr`, 0.9 by default, names the wall time a
+target ETTR needs.)
 It writes `<out>/ettr.csv`, `<out>/profile.json` (the measured profile `simulator.ettr
 --profile` reads; the simulator's prediction is printed beside the measurement) and the plots
 `ettr_vs_mtbf.png`, `goodput.png` and `moc_k_pec.png`.
@@ -71,11 +78,18 @@ def parse_run(stdout: str) -> dict:
 
 def iteration_times(run: dict, tokens: int, first_only: bool = True) -> list[float]:
     """Seconds of each iteration after the warm-up (first executions only, unless asked)."""
+    if first_only:
+        return [seconds for step, seconds in first_executions(run, tokens) if step > WARMUP]
+    return [tokens / r["tok_per_s"] for r in run["steps"] if r["step"] > WARMUP]
+
+
+def first_executions(run: dict, tokens: int) -> list[tuple[int, float]]:
+    """(iteration, seconds) of each iteration's first execution."""
     out, high = [], 0
     for r in run["steps"]:
-        if (r["step"] > high or not first_only) and r["step"] > WARMUP:
-            out.append(tokens / r["tok_per_s"])
-        high = max(high, r["step"])
+        if r["step"] > high:
+            out.append((int(r["step"]), tokens / r["tok_per_s"]))
+            high = r["step"]
     return out
 
 
@@ -97,6 +111,43 @@ def summarize(run: dict, none_iteration_s: float, tokens: int) -> dict:
         "iterations": int(acct["iterations"]),
         "host_mb": acct["host_mb"],
         "log_mb": acct["log_mb"],
+    }
+
+
+RECOVERY_PARTS = re.compile(r"seconds=(\S+) \(([^)]*)\)")
+REPLAY_PARTS = ("fetch", "convert", "catchup")  # the rest of a recovery line's seconds: detection and restart
+
+
+def lost_time(run: dict, reference_s: float, tokens: int, target_ettr: float) -> dict:
+    """Where a run's wall time beyond the references' (iterations x `reference_s`) went, in seconds.
+
+    fetch/convert/catchup: the recovery lines' parts, restart: the rest of their seconds (detection, keeping
+    live state, the processes' restart and set-up); resume: the rest of the accounting's recovery
+    time (from a recovery line to training going on); recompute: rolled-back iterations run again;
+    warmup: the first `WARMUP` iterations beyond the reference's time; slower: the later first executions
+    beyond it (checkpointing overhead and the first iterations of restarted processes); other: wall time
+    in no iteration or recovery. `short`: how much shorter the wall must be for `target_ettr`."""
+    acct = run["accounting"]
+    parts = dict.fromkeys(("restart", "fetch", "convert", "catchup"), 0.0)
+    in_lines = 0.0
+    for line in run["recoveries"]:
+        seconds, inside = RECOVERY_PARTS.search(line).groups()
+        replay = {k: float(v) for k, v in FIELDS.findall(inside) if k in REPLAY_PARTS}
+        for key, value in replay.items():
+            parts[key] += value
+        parts["restart"] += float(seconds) - sum(replay.values())
+        in_lines += float(seconds)
+    useful = acct["iterations"] * reference_s
+    warmup = sum(s - reference_s for step, s in first_executions(run, tokens) if step <= WARMUP)
+    return {
+        "lost": acct["wall_s"] - useful,
+        **parts,
+        "resume": acct["recovery_s"] - in_lines,
+        "recompute": acct["recompute_s"],
+        "warmup": warmup,
+        "slower": acct["productive_s"] - useful - warmup,
+        "other": acct["wall_s"] - acct["productive_s"] - acct["recompute_s"] - acct["recovery_s"],
+        "short": max(0.0, acct["wall_s"] - useful / target_ettr),
     }
 
 
@@ -198,6 +249,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--bandwidth-gbps", type=float, default=0.0, help="snapshot copy cap (0: calibrate)")
     parser.add_argument("--out", default="outputs/ettr")
     parser.add_argument("--threads", type=int, default=1, help="compute threads per process (OMP_NUM_THREADS)")
+    parser.add_argument("--target-ettr", type=float, default=0.9, help="report how much wall time it needs")
     return parser.parse_known_args(argv)
 
 
@@ -251,14 +303,21 @@ def reference_run(args: argparse.Namespace, extra: list[str], out: Path, tokens:
     return run, iteration_s
 
 
-def report_run(strategy: str, run: dict, bracket: tuple[float, float], tokens: int) -> None:
-    """Print a strategy's recoveries and its summary against the mean of the `none` runs before and after it."""
+def report_run(strategy: str, run: dict, bracket: tuple[float, float], tokens: int, target_ettr: float) -> None:
+    """Print a strategy's recoveries, its summary against the mean of the `none` runs before and after it,
+    and where its lost time went (`lost_time`)."""
     for line in run["recoveries"]:
         print(f"  {strategy}: {line}", flush=True)
     r = summarize(run, statistics.fmean(bracket), tokens)
     print(
         f"  {strategy}: ettr={r['ettr']:.4f} overhead={r['overhead']:.4f} recovery_s={r['recovery_s']:.3f} "
         f"failures={r['failures']} wall_s={r['wall_s']:.1f} reference_s={bracket[0]:.3f},{bracket[1]:.3f}",
+        flush=True,
+    )
+    lost = lost_time(run, statistics.fmean(bracket), tokens, target_ettr)
+    parts = " ".join(f"{k}={v:.1f}" for k, v in lost.items() if k not in ("lost", "short"))
+    print(
+        f"  {strategy}: lost_s={lost['lost']:.1f} ({parts}) short_of_ettr_{target_ettr:g}_s={lost['short']:.1f}",
         flush=True,
     )
 
@@ -341,7 +400,7 @@ def main(argv: list[str] | None = None) -> None:
         runs[strategy] = parse_run(stdout)
         references.append(reference_run(args, extra, out, tokens, i + 1))
         bracket[strategy] = (references[i][1], references[i + 1][1])
-        report_run(strategy, runs[strategy], bracket[strategy], tokens)
+        report_run(strategy, runs[strategy], bracket[strategy], tokens, args.target_ettr)
     none_iteration_s = print_references([t for _, t in references])
 
     results = {"none": {**summarize(runs["none"], references[0][1], tokens), "ettr": 1.0}}  # the first reference

@@ -16,8 +16,8 @@ import pytest
 
 from baselines.intervals import IntervalPolicy, checkfreq_interval, oracle_interval, periodic_ettr
 from baselines.moc import LostTokens, PartialExpertSelector, moc_selection
+from benchmarks.ettr import lost_time, parse_run, summarize
 from benchmarks.ettr import main as ettr_main
-from benchmarks.ettr import parse_run, summarize
 from moevement.failures import FaultPlan, FaultSpecError, poisson_events
 from moevement.operators import Operator
 from tests.conftest import DEBUG_CONFIG, final_line, run_cli, step_losses
@@ -195,6 +195,40 @@ def test_ettr_accounting_on_a_scripted_run(monkeypatch):
     assert result["ettr"] == pytest.approx(4 / 7.5)  # the fault-free run needs 4 s for these 4 iterations
     assert result["overhead"] == pytest.approx((1 + 2 + 1) / 3 - 1)  # first executions of 4, 5, 6
     assert result["recovery_s"] == pytest.approx(2.5) and result["failures"] == 1
+
+
+def test_lost_time_splits_the_wall_beyond_the_references_into_its_causes():
+    """Iterations 1-5 first executed in 3, 1, 1.5, 1.5, 1.5 s against a 1 s reference; a real death's recovery
+    line of 6 s (4.5 of it fetch, convert and catch-up), 0.5 s more before training went on, 2 s of
+    recomputation; 0.25 s of wall time in none of these."""
+    steps = "".join(
+        f"step={s} loss=1 tok_per_s={100 / t} wall_s=0\n" for s, t in [(1, 3), (2, 1), (3, 1.5), (4, 1.5), (5, 1.5)]
+    )
+    recovery = (
+        "recovery step=4 ranks=0 scope=0 rollback_to=2 replayed=2 seconds=6.000 (keep=0.25 restart=0.5 "
+        'setup=0.75 fetch=0.5 convert=3.0 catchup=1.0) restart=local detected_by="rank1: ..."\n'
+    )
+    line = (
+        "accounting wall_s=17.25 iterations=5 productive_s=8.5 recompute_s=2.0 recovery_s=6.5 failures=1 "
+        "recomputed=2 goodput=1 lost_tokens=0 host_mb=0 log_mb=0\n"
+    )
+    lost = lost_time(parse_run(steps + recovery + line), reference_s=1.0, tokens=100, target_ettr=0.5)
+    assert lost == pytest.approx(
+        {
+            "lost": 12.25,
+            "restart": 1.5,  # the line's seconds that are not fetch, convert or catch-up
+            "fetch": 0.5,
+            "convert": 3.0,
+            "catchup": 1.0,
+            "resume": 0.5,
+            "recompute": 2.0,
+            "warmup": 2.5,  # iterations 1-3: 2 + 0 + 0.5 s beyond the reference
+            "slower": 1.0,  # 8.5 s of first executions, 5 of them useful, 2.5 warm-up
+            "other": 0.25,
+            "short": 7.25,  # ETTR 0.5 needs a wall of 10 s
+        }
+    )
+    assert sum(v for k, v in lost.items() if k not in ("lost", "short")) == pytest.approx(lost["lost"])
 
 
 def test_accounting_is_carried_across_a_torchrun_restart(tmp_path, monkeypatch, capsys):
