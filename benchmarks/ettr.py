@@ -53,7 +53,7 @@ import sys
 from pathlib import Path
 
 from baselines.intervals import ettr as steady_ettr
-from benchmarks.variants import QUIET, variant_flags
+from benchmarks.variants import QUIET, recovery_parts, variant_flags
 from models import count_params
 from moevement.failures import TRAINING_PHASES, poisson_events
 from simulator.ettr import MeasuredProfile, predict_from_profile
@@ -114,7 +114,6 @@ def summarize(run: dict, none_iteration_s: float, tokens: int) -> dict:
     }
 
 
-RECOVERY_PARTS = re.compile(r"seconds=(\S+) \(([^)]*)\)")
 REPLAY_PARTS = ("fetch", "convert", "catchup")  # the rest of a recovery line's seconds: detection and restart
 
 
@@ -131,12 +130,12 @@ def lost_time(run: dict, reference_s: float, tokens: int, target_ettr: float) ->
     parts = dict.fromkeys(("restart", "fetch", "convert", "catchup"), 0.0)
     in_lines = 0.0
     for line in run["recoveries"]:
-        seconds, inside = RECOVERY_PARTS.search(line).groups()
-        replay = {k: float(v) for k, v in FIELDS.findall(inside) if k in REPLAY_PARTS}
+        seconds, line_parts = recovery_parts(line)
+        replay = {k: v for k, v in line_parts.items() if k in REPLAY_PARTS}
         for key, value in replay.items():
             parts[key] += value
-        parts["restart"] += float(seconds) - sum(replay.values())
-        in_lines += float(seconds)
+        parts["restart"] += seconds - sum(replay.values())
+        in_lines += seconds
     useful = acct["iterations"] * reference_s
     warmup = sum(s - reference_s for step, s in first_executions(run, tokens) if step <= WARMUP)
     return {

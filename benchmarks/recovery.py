@@ -46,7 +46,7 @@ import time
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from benchmarks.variants import QUIET
+from benchmarks.variants import QUIET, recovery_parts
 from models import build_model
 from models.experts import GROUPED_MM_FLOPS
 from moevement.checkpoint.schedule import generate_schedule, order_operators, slot_size_for
@@ -56,7 +56,6 @@ from parallelisms.pipeline import lm_loss
 from trainer.config import load_config
 from trainer.fault_tolerance import stacked_operators
 
-RECOVERY_RE = re.compile(r"^recovery step=\d+ .*? seconds=(\S+) \(([^)]*)\)", re.M)
 TIMELINE_RE = re.compile(r"^restart timeline rank=\d+: (.*)$", re.M)
 WORK_RE = re.compile(r"^recovery work rank=\d+ role=healthy forwards=(\d+) backwards=(\d+)", re.M)
 DEATH_RE = re.compile(r"^fault: rank \d+ killed .* at unix=(\S+)", re.M)
@@ -108,11 +107,11 @@ def run(args, variant: str, extra: list[str]) -> dict[str, float]:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
         proc = subprocess.run(command(args, variant, host_dir, extra), capture_output=True, text=True, env=env)
     out = proc.stdout
-    m = RECOVERY_RE.search(out)
-    if proc.returncode != 0 or m is None:
+    recovery = recovery_parts(out)
+    if proc.returncode != 0 or recovery is None:
         sys.exit(f"run failed ({variant}):\n{out[-2000:]}\n{proc.stderr[-4000:]}")
-    parts = {k: float(v) for k, v in (kv.split("=") for kv in m[2].split())}
-    result = {"seconds": float(m[1]), **parts, "replay": parts["convert"] + parts["catchup"]}
+    seconds, parts = recovery
+    result = {"seconds": seconds, **parts, "replay": parts["convert"] + parts["catchup"]}
     result["healthy_work"] = sum(int(f) + int(b) for f, b in WORK_RE.findall(out))
     if variant.startswith("kill"):
         death, detected = float(DEATH_RE.search(out)[1]), min(map(float, DETECTED_RE.findall(out)))

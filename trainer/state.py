@@ -29,11 +29,9 @@ def named_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
     stacked = stacked_experts(model)
 
     def per_expert(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        if name not in stacked:
-            return [(name, tensor)]
         # each expert's own copy: a slice shares the whole stack's storage, which pickling (gather_object) would
         # then send once per expert
-        return [(each, t.clone()) for each, t in unstack(name, tensor, stacked)]
+        return [(each, t.clone() if name in stacked else t) for each, t in unstack(name, tensor, stacked)]
 
     for name, param in model.named_parameters():
         state.update(per_expert(name, _local(param)))
