@@ -163,7 +163,7 @@ def _load_first_intact(rank: int, copies: list[_Copy], check: CheckHeader) -> tu
             for header, _ in snapshots:
                 check(header, copy.file_of(header))
             return snapshots, copy.source
-        except (*UNUSABLE, RuntimeError) as e:
+        except (*UNUSABLE, RuntimeError, ValueError, KeyError, TypeError) as e:  # any fault of one copy rejects it
             _reject(rank, copy.source, e)
     return None
 

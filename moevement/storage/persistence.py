@@ -73,7 +73,9 @@ def read_window(rank_dir: Path) -> list[tuple[SnapshotHeader, dict[tuple[str, st
         except HostMemoryError as e:
             raise SnapshotError(str(e)) from None
         with os.fdopen(fd, "rb") as f:
-            raw = torch.frombuffer(bytearray(f.read()), dtype=torch.uint8)
+            data = f.read()
+        # an empty slot (a stage with fewer operators than slots) is a 0-byte file; frombuffer refuses b""
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
         out.append((header, read_entries(raw, header, source=str(path.with_suffix(".bin")))))
     return out
 
