@@ -39,7 +39,7 @@ from moevement.recovery.fetch import fetch_from_replicas
 from moevement.recovery.live_state import LiveState
 from moevement.recovery.replay import load_master, reset_to_initial, wipe_operators
 from moevement.recovery.restart import UNUSABLE, CheckHeader, RestartPoint, drop_newer_disk_windows
-from moevement.storage.host_memory import check_private, remove_tree
+from moevement.storage.host_memory import check_private, private_subdirs, remove_tree
 from moevement.storage.persistence import read_window
 from moevement.storage.snapshot import SnapshotError, SnapshotHeader
 
@@ -215,7 +215,10 @@ class GlobalRollback:
     def _disk_saves(self) -> tuple[int, list, str]:
         """CheckFreq and MoC: the newest checkpoint on disk that every rank completed, and older ones (newest first)."""
         root = self.persist_dir
-        mine = {int(d.parent.name.removeprefix("window-")): d for d in root.glob(f"window-*/rank{self.me:05d}")}
+        mine = {
+            int(d.parent.name.removeprefix("window-")): d
+            for d in private_subdirs(root, "window-", f"rank{self.me:05d}")
+        }
         newest = self._newest_common(mine)
         if newest is None:
             return 1, [], "none (initial state)"
@@ -231,13 +234,13 @@ class GlobalRollback:
         directory that is a symlink or not owner-only stops the run (HostMemoryError): never followed."""
         root = self.persist_dir
         loaded = {}
-        for directory in sorted(root.glob(f"window-*/rank{self.me:05d}")):
+        for directory in private_subdirs(root, "window-", f"rank{self.me:05d}"):
             check_private(directory.parent)
             try:
                 loaded[int(directory.parent.name.removeprefix("window-"))] = self._checked_window(directory, check)
             except (*UNUSABLE, KeyError, TypeError, ValueError) as e:
                 print(f"restart: rank {self.me} refused {directory}: {e}; removed it", flush=True)
-                remove_tree(directory)
+                remove_tree(directory, root)
         newest = self._newest_common(loaded)
         drop_newer_disk_windows(self.me, root, newest or 0)
         if newest is None:

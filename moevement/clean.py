@@ -35,7 +35,7 @@ def clean(host_dir: Path, job: str | None, dry_run: bool, out=print) -> int:
             continue
         size = tree_bytes(job_dir)
         if not dry_run:
-            remove_tree(job_dir)
+            remove_tree(job_dir, host_dir)
         freed += size
         out(f"{'would remove' if dry_run else 'removed'} {job_dir} ({size / 1e6:.1f} MB)")
     return freed

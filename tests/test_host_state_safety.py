@@ -253,3 +253,48 @@ def test_sigterm_to_torchrun_then_relaunch_resumes(tmp_path):
     assert m, relaunched
     assert int(m[2]) >= 5  # a persisted window after the profile, not the initial state
     assert final_line(relaunched) == final_line(reference(*pp2, nproc=2))
+
+
+def _victim(tmp_path: Path) -> Path:
+    """A directory not written by this program that looks like a window of rank 0."""
+    victim = tmp_path / "victim"
+    (victim / "rank00000").mkdir(parents=True, mode=0o700)
+    (victim / "rank00000" / "keep.txt").write_text("not ours")
+    victim.chmod(0o700)
+    return victim
+
+
+def test_removal_never_follows_a_symlinked_parent(tmp_path):
+    """`remove_tree` walks down from its anchor by directory descriptors: a `window-*` that is a symlink is
+    refused (HostMemoryError), and nothing behind it is deleted; a real owner-only tree is removed."""
+    from moevement.storage.host_memory import HostMemoryError, make_private_dirs, private_subdirs, remove_tree
+
+    root = make_private_dirs(tmp_path / "disk", "job")
+    victim = _victim(tmp_path)
+    (root / "window-00000001").symlink_to(victim)
+    own = make_private_dirs(root, "window-00000002", "rank00000")
+    (own / "s0.bin").write_bytes(b"ours")
+    assert private_subdirs(root, "window-", "rank00000") == [own]  # the link is not listed
+    with pytest.raises(HostMemoryError, match="window-00000001"):
+        remove_tree(root / "window-00000001" / "rank00000", root)
+    assert (victim / "rank00000" / "keep.txt").read_text() == "not ours"
+    remove_tree(own, root)
+    assert not own.exists() and (root / "window-00000002").is_dir()
+    remove_tree(own, root)  # already gone: fine
+
+
+def test_a_fresh_checkfreq_run_leaves_a_symlinked_window_alone(tmp_path):
+    """A fresh CheckFreq run removes its rank's old disk windows; a `window-*` link planted in its persist
+    directory is neither followed nor deleted, and the directory it points to keeps its files."""
+    from moevement.storage.host_memory import make_private_dirs
+
+    disk = tmp_path / "disk"
+    job = make_private_dirs(disk, "safety")
+    victim = _victim(tmp_path)
+    (job / "window-00000001").symlink_to(victim)
+    args = host(tmp_path, "--checkpoint.persist_dir", str(disk))
+    args = [a if a != "moevement" else "checkfreq" for a in args]
+    out = run_cli(*BASE, *args, "--checkpoint.strategy", "checkfreq", "--checkpoint.interval", "3").stdout
+    assert final_line(out) == final_line(reference())
+    assert (victim / "rank00000" / "keep.txt").read_text() == "not ours"
+    assert (job / "window-00000001").is_symlink()

@@ -32,7 +32,7 @@ from moevement.recovery.localized import Recovery
 from moevement.recovery.replay import PipelineReplay, StageRef
 from moevement.recovery.restart import CheckHeader, RestartPoint, find_restart_checkpoint, snapshot_identity_check
 from moevement.recovery.upstream_log import UpstreamLog
-from moevement.storage.host_memory import JobLock, default_host_dir, make_private_dirs, remove_tree
+from moevement.storage.host_memory import JobLock, default_host_dir, make_private_dirs, private_subdirs, remove_tree
 from moevement.strategy import CheckpointStrategy, MoEvement, NoCheckpointing
 from moevement.topology import Topology
 from parallelisms.fsdp import DTYPES
@@ -150,7 +150,7 @@ def build_strategy(
     if strategy != "moevement":
         if dist.is_initialized():
             dist.barrier()  # every rank holds its copy before any rank clears its directory
-        remove_tree(rank_dir)  # loaded, or of no use to any restart
+        remove_tree(rank_dir, rank_dir.parent)  # loaded, or of no use to any restart
     new_checkpointer = functools.partial(
         SparseCheckpointer,
         model=model.view,
@@ -239,8 +239,8 @@ def _interval_baseline(
         persist = persist_root(cfg, default)
         ck_cfg = dataclasses.replace(ck_cfg, replicas=0, persist_dir=str(persist), persist_every=1)
         if restart is None:  # an earlier run's checkpoints must not be restored into this one
-            for old in persist.glob(f"window-*/rank{dist.get_rank():05d}"):
-                remove_tree(old)
+            for old in private_subdirs(persist, "window-", f"rank{dist.get_rank():05d}"):
+                remove_tree(old, persist)
     policy = IntervalPolicy(strategy, ck_cfg.interval, expected_mtbf_iters(cfg), select)
     checkpointer = new_checkpointer(ck_cfg, policy=policy, disk_keep=keep)
     rollback = GlobalRollback(

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from moevement.recovery.fetch import recv_slot, send_slot
-from moevement.storage.host_memory import HostMemoryError, map_bytes, read_header, remove_tree
+from moevement.storage.host_memory import HostMemoryError, map_bytes, private_subdirs, read_header, remove_tree
 from moevement.storage.persistence import read_window
 from moevement.storage.snapshot import SnapshotError, SnapshotHeader, read_entries
 
@@ -141,7 +141,7 @@ def _survey(rank: int, job_dir: Path, persist_root: Path | None, own_copies: boo
         if source != rank:
             survey.held[source] = _host_windows(rank, directory, survey)
     if persist_root is not None:
-        for directory in sorted(persist_root.glob(f"window-*/rank{rank:05d}")):
+        for directory in private_subdirs(persist_root, "window-", f"rank{rank:05d}"):
             survey.anything = True
             start = int(directory.parent.name.removeprefix("window-"))
             survey.copies[start].append(
@@ -310,9 +310,9 @@ def drop_newer_disk_windows(rank: int, persist_root: Path | None, start: int) ->
     """This rank's disk windows newer than the one restarted from are unusable: training re-creates them."""
     if persist_root is None:
         return
-    for directory in persist_root.glob(f"window-*/rank{rank:05d}"):
+    for directory in private_subdirs(persist_root, "window-", f"rank{rank:05d}"):
         if int(directory.parent.name.removeprefix("window-")) > start:
-            remove_tree(directory)
+            remove_tree(directory, persist_root)
 
 
 def snapshot_identity_check(expect: dict, identity_mismatch: Callable[[object], list[str]]) -> CheckHeader:

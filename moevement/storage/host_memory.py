@@ -270,11 +270,75 @@ def _map(fd: int, size: int) -> torch.Tensor:
     return torch.frombuffer(mmap.mmap(fd, size, flags=flags), dtype=torch.uint8)  # the tensor keeps the mapping
 
 
-def remove_tree(path: Path) -> None:
-    """Remove a host-state directory this program wrote (checked owner-only first; symlinks inside are
-    unlinked, never followed)."""
+def _open_dir_at(dir_fd: int, name: str, where: Path) -> int:
+    """The directory `name` in the open directory `dir_fd`, never through a symlink, checked owner-only."""
     try:
-        check_private(path)
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError as e:
+        raise HostMemoryError(
+            f"{where}: cannot open as a host-state directory ({e.strerror}; a symlink is never followed)"
+        ) from None
+    try:
+        check_private(where, os.fstat(fd))
+    except HostMemoryError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_anchor(anchor: Path) -> int:
+    """`anchor`, a host-state directory this program created or checked, opened and checked again (its own
+    name is never a symlink; the path above it is the user's configuration)."""
+    parent = os.open(anchor.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        return _open_dir_at(parent, anchor.name, anchor)
+    finally:
+        os.close(parent)
+
+
+def remove_tree(path: Path, anchor: Path) -> None:
+    """Remove the host-state directory `path` inside `anchor`, walking down from `anchor` one directory
+    descriptor at a time: no component is followed if it is a symlink (a planted `window-*` link makes the
+    removal fail with HostMemoryError, nothing behind it is touched), every level is checked owner-only, and
+    the tree is removed relative to its parent's descriptor (symlinks inside are unlinked, never followed).
+    A `path` that does not exist is fine."""
+    parts = path.relative_to(anchor).parts
+    if not parts or ".." in parts:
+        raise ValueError(f"{path} is not inside {anchor}")
+    try:
+        fd = _open_anchor(anchor)
+    except HostMemoryError:
+        if not os.path.lexists(anchor):
+            return
+        raise
+    try:
+        where = anchor
+        for part in parts[:-1]:
+            where = where / part
+            try:
+                child = _open_dir_at(fd, part, where)
+            except HostMemoryError:
+                if not os.path.lexists(where):
+                    return
+                raise
+            os.close(fd)
+            fd = child
+        try:
+            check_private(path, os.stat(parts[-1], dir_fd=fd, follow_symlinks=False))
+        except FileNotFoundError:
+            return
+        shutil.rmtree(parts[-1], dir_fd=fd, ignore_errors=True)
+    finally:
+        os.close(fd)
+
+
+def private_subdirs(root: Path, prefix: str, leaf: str) -> list[Path]:
+    """`root/<prefix>*/<leaf>` for every entry of `root` starting with `prefix` that is a real directory (a
+    symlink is never listed, so never followed) holding `leaf`; sorted by name."""
+    try:
+        entries = sorted(
+            e.name for e in os.scandir(root) if e.name.startswith(prefix) and e.is_dir(follow_symlinks=False)
+        )
     except FileNotFoundError:
-        return
-    shutil.rmtree(path, ignore_errors=True)
+        return []
+    return [root / name / leaf for name in entries if os.path.lexists(root / name / leaf)]

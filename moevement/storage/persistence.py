@@ -25,6 +25,7 @@ from moevement.storage.host_memory import (
     check_private,
     make_private_dir,
     open_private,
+    private_subdirs,
     read_header,
     remove_tree,
     write_json_atomic,
@@ -51,7 +52,7 @@ def write_window(root: Path, rank: int, snapshots: list[tuple[dict, torch.Tensor
             f.flush()
             os.fsync(f.fileno())
         write_json_atomic(path.with_suffix(".json"), header)
-    remove_tree(final)
+    remove_tree(final, root)
     os.replace(tmp, final)
     return final
 
@@ -116,10 +117,10 @@ class DiskWriter:
     def _write_and_prune(self, snapshots: list[tuple[dict, torch.Tensor]]) -> None:
         """Write one window of this rank, then remove its windows beyond the newest `keep`."""
         write_window(self.root, self.rank, snapshots)
-        mine = sorted(d for d in self.root.glob("window-*") if (d / f"rank{self.rank:05d}").exists())
+        mine = private_subdirs(self.root, "window-", f"rank{self.rank:05d}")
         for old in mine[: -self.keep]:
-            remove_tree(old / f"rank{self.rank:05d}")
+            remove_tree(old, self.root)
             try:
-                old.rmdir()
+                old.parent.rmdir()
             except OSError:  # other ranks' directories are still there
                 pass
