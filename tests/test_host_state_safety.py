@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import suppress
 from pathlib import Path
 
 import pytest
@@ -298,3 +299,48 @@ def test_a_fresh_checkfreq_run_leaves_a_symlinked_window_alone(tmp_path):
     assert final_line(out) == final_line(reference())
     assert (victim / "rank00000" / "keep.txt").read_text() == "not ours"
     assert (job / "window-00000001").is_symlink()
+
+
+def test_clean_keeps_a_job_whose_torchrun_agent_lives(tmp_path):
+    """Between a worker's death and torchrun's next generation no worker holds a lock, but the agent lives
+    and will restart it: `moevement.clean` keeps the job's state then (naming the agent), and the restarted
+    generation resumes from it instead of retraining from step 1."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "--max-restarts=1"]
+    long_run = ["--training.steps", "40", "--metrics.log_every", "1", "--job.output_dir", str(RUN_OUTPUTS)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    agent = subprocess.Popen(
+        [*torchrun, "train.py", *BASE, *host(tmp_path), *long_run],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        _wait_for_line(agent, "step=8 ")
+        [worker] = Path(f"/proc/{agent.pid}/task/{agent.pid}/children").read_text().split()
+        os.kill(agent.pid, signal.SIGSTOP)  # hold the agent between the death and its next generation
+        os.kill(int(worker), signal.SIGKILL)
+        while _lock_held(tmp_path):  # the worker is gone once the kernel dropped its lock
+            time.sleep(0.05)
+        clean = _clean(tmp_path)
+        assert f"its torchrun agent (pid {agent.pid}) lives" in clean, clean
+        os.kill(agent.pid, signal.SIGCONT)
+        out, _ = agent.communicate(timeout=300)
+    finally:
+        with suppress(ProcessLookupError):
+            os.kill(agent.pid, signal.SIGCONT)
+        if agent.poll() is None:
+            agent.kill()
+    assert agent.returncode == 0
+    [rollback_to] = [int(m[2]) for m in RESTART.finditer(out)]
+    assert rollback_to > 1, out  # resumed from the kept state, not retrained from step 1
+    (tmp_path / "reference").mkdir()
+    fault_free = reference("--training.steps", "40", *host(tmp_path / "reference"))
+    assert final_line(out) == final_line(fault_free)
+
+
+def _lock_held(tmp_path: Path) -> bool:
+    from moevement.storage.host_memory import JobLock
+
+    return JobLock.held(tmp_path / "shm" / "safety" / "rank00000.lock")

@@ -114,7 +114,8 @@ def _kept_live_state(rank_dir: Path, job_meta: dict, rejoin: Rejoin) -> Rejoin:
 def claim_host_state(cfg: Config, rank: int) -> JobLock:
     """Lock this rank's place in the job's host directory (refused while a live process holds it)."""
     job_dir = host_job_dir(cfg)
-    return JobLock(make_private_dirs(job_dir.parent, job_dir.name) / f"rank{rank:05d}.lock")
+    agent = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None  # torchrun's agent starts its workers
+    return JobLock(make_private_dirs(job_dir.parent, job_dir.name) / f"rank{rank:05d}.lock", agent)
 
 
 def build_strategy(

@@ -120,11 +120,25 @@ def write_json_atomic(path: Path, payload: dict | bytes) -> None:
         raise
 
 
+def process_start(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot: with the pid, names one process even after the
+    pid is reused); None if no such process runs (a zombie counts as gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] == "Z" else int(fields[19])
+
+
 class JobLock:
     """An exclusive lock held for a process's lifetime (`flock`: the kernel drops it when the process
-    dies, however it dies), so a live job is detectable and a dead one provably dead."""
+    dies, however it dies), so a live job is detectable and a dead one provably dead.
 
-    def __init__(self, path: Path):
+    The lock file holds the holder's pid and, under torchrun, its agent (`agent=<pid>:<start>`): after a
+    worker died the lock is free, but the agent lives on and may start the next generation, which needs
+    the job's host state (`agent_alive`)."""
+
+    def __init__(self, path: Path, agent: int | None = None):
         self.path = path
         self.fd = open_private(path, os.O_RDWR | os.O_CREAT)
         try:
@@ -137,7 +151,8 @@ class JobLock:
                 f"or choose another job.name or checkpoint.host_dir"
             ) from None
         os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
+        start = process_start(agent) if agent else None
+        os.pwrite(self.fd, f"{os.getpid()}{f' agent={agent}:{start}' if start else ''}\n".encode(), 0)
 
     @staticmethod
     def held(path: Path) -> bool:
@@ -153,6 +168,24 @@ class JobLock:
             return True
         finally:
             os.close(fd)
+
+    @staticmethod
+    def agent_alive(path: Path) -> int | None:
+        """The pid of the torchrun agent recorded in the lock file at `path` if that very process still
+        runs on this node; None otherwise (no file, no agent recorded, or it is gone)."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return None
+        try:
+            text = os.pread(fd, 128, 0).decode(errors="replace")
+        finally:
+            os.close(fd)
+        for token in text.split()[1:]:
+            pid, _, start = token.removeprefix("agent=").partition(":")
+            if token.startswith("agent=") and pid.isdigit() and start.isdigit():
+                return int(pid) if process_start(int(pid)) == int(start) else None
+        return None
 
     def release(self) -> None:
         if self.fd >= 0:
