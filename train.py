@@ -265,9 +265,16 @@ def iteration(job: Job, step: int, inputs: torch.Tensor, labels: torch.Tensor, s
     job.guard.done(step)
     job.kill.at("replication")
     job.logger.step(step, scalars, ft.metrics(), tokens, elapsed, job.accounting.elapsed())
-    if cfg.training.val_every and step % cfg.training.val_every == 0 and job.val_data:
-        job.logger.validation(step, evaluate(job.model, job.val_data, job.dims, cfg.training.micro_batches))
+    validate_if_due(job, step)
     return result.loss
+
+
+def validate_if_due(job: Job, step: int) -> None:
+    """The validation loss after iteration `step` when `training.val_every` asks for one (collective)."""
+    cfg = job.cfg
+    if cfg.training.val_every and step % cfg.training.val_every == 0 and job.val_data:
+        job.kill.at("validation")
+        job.logger.validation(step, evaluate(job.model, job.val_data, job.dims, cfg.training.micro_batches))
 
 
 def run(job: Job, step: int, loss: float) -> tuple[int, float, dict | None]:
@@ -280,6 +287,8 @@ def run(job: Job, step: int, loss: float) -> tuple[int, float, dict | None]:
     try:
         try:
             first, cpu = step, CpuMark.now()
+            if step > 0:  # resumed after `step`: a death may have cut its validation short, so it runs again
+                validate_if_due(job, step)
             step, loss = train_loop(job, step, loss)
             if job.cfg.metrics.cpu_cost:
                 print(CpuMark.now().line_since(cpu, job.rank, step - first), flush=True)

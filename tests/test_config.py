@@ -69,6 +69,10 @@ def test_bad_overrides_name_the_key(args, key):
         (["--training.steps", str(2**63)], "training.steps"),
         (["--training.eps", "0"], "training.eps"),
         (["--training.beta2", "1"], "training.beta2"),
+        (
+            ["--checkpoint.strategy", "moevement", "--fault.kill", "4:0:validation", "--training.val_every", "3"],
+            "fault.kill",
+        ),
     ],
 )
 def test_unsafe_or_meaningless_values_name_the_key(args, key):

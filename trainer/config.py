@@ -341,6 +341,13 @@ def _validate_fault(cfg: Config) -> None:
     _check(f.timeout_s > 0, "fault.timeout_s", f"must be > 0 seconds, got {f.timeout_s}")
     _check(f.replay_threads >= 0, "fault.replay_threads", f"must be >= 0 (0: auto), got {f.replay_threads}")
     _check(f.scope in FAULT_SCOPES, "fault.scope", f"must be one of {', '.join(FAULT_SCOPES)}, got {f.scope!r}")
+    for kill in plan.kills if plan else ():
+        every = cfg.training.val_every
+        _check(
+            kill.phase != "validation" or (every and kill.step % every == 0),
+            "fault.kill",
+            f"kills in the validation of step {kill.step}, which runs none (training.val_every={every})",
+        )
     if plan:
         given = {"fault.at": f.at, "fault.crash": f.crash, "fault.kill": f.kill, "fault.mtbf_iters": f.mtbf_iters}
         key = next((k for k, v in given.items() if v), "fault.trace")
