@@ -344,3 +344,48 @@ def _lock_held(tmp_path: Path) -> bool:
     from moevement.storage.host_memory import JobLock
 
     return JobLock.held(tmp_path / "shm" / "safety" / "rank00000.lock")
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 512 KiB file system (tmpfs; needs the right to mount, as root here and in CI), owner-only."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=512k,mode=0700", "tmpfs", str(mount)], capture_output=True
+    )
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {proc.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_persist_dir_is_one_line_and_leaves_no_temporary(tmp_path, small_disk):
+    """persist_dir on a file system too small for one window: the run stops with one `error:` line naming
+    the directory and the bytes needed (no traceback), and no temporary directory stays behind."""
+    proc = run_cli(*BASE, *host(tmp_path, "--checkpoint.persist_dir", str(small_disk)), check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    assert re.match(
+        rf"^error: {small_disk}/safety/window-\d+: cannot write the sparse checkpoint of window \d+ "
+        r"\(\d+\.\d MB needed, \d+\.\d MB free: No space left on device\)$",
+        line,
+    ), line
+    assert not [p for p in small_disk.rglob("*") if p.name.endswith(".tmp")]
+
+
+def test_a_full_host_dir_commit_is_one_error_naming_the_directory(small_disk):
+    """A commit record that does not fit is a HostMemoryError naming the directory and the bytes needed,
+    and leaves no temporary file."""
+    from moevement.storage.host_memory import HostMemoryError, make_private_dirs, write_json_atomic
+
+    job = make_private_dirs(small_disk, "job")
+    filler = job / "filler"
+    with pytest.raises(OSError):
+        filler.write_bytes(bytes(1 << 20))  # fills the file system
+    with pytest.raises(HostMemoryError, match=rf"^{job}: cannot write w0-s0\.json \(0\.\d MB needed, 0\.0 MB free"):
+        write_json_atomic(job / "w0-s0.json", {"entries": ["x" * 8192]})
+    assert sorted(p.name for p in job.iterdir()) == ["filler"]

@@ -104,19 +104,33 @@ def encode_json(payload: dict) -> bytes:
     return json.dumps(payload).encode()
 
 
+def no_space(directory: Path, what: str, needed: int, error: OSError) -> HostMemoryError:
+    """The one-line error for `what` (`needed` bytes) that could not be written under `directory`."""
+    try:
+        free = f"{shutil.disk_usage(directory).free / 1e6:.1f} MB free"
+    except OSError:
+        free = "free space unknown"
+    return HostMemoryError(f"{directory}: cannot write {what} ({needed / 1e6:.1f} MB needed, {free}: {error.strerror})")
+
+
 def write_json_atomic(path: Path, payload: dict | bytes) -> None:
     """Write `payload` (a dict, or its `encode_json` bytes) to `path` via a fresh temporary file
-    (created exclusively, owner-only) and a rename."""
+    (created exclusively, owner-only) and a rename. A full or unwritable directory is a HostMemoryError
+    naming it and the bytes needed; the temporary is removed."""
     data = payload if isinstance(payload, bytes) else encode_json(payload)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+    except BaseException as e:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise no_space(path.parent, path.name, len(data), e) from None
         raise
 
 
