@@ -1,10 +1,11 @@
 """The trainer's one door to `torch.distributed`'s collectives and point-to-point operations.
 
 Every group the trainer creates serves CPU tensors and the model's device (`parallelisms.distributed`,
-docs/design.md §10 "Process groups"). Each wrapper below takes the arguments of its `torch.distributed`
-namesake, checks that `group` (None: the default group) serves the device of every tensor it is handed and
-raises `DeviceNotServed` otherwise, naming the operation, the device and the group's backend (nccl, for one,
-serves CUDA tensors only, and torch's own error names neither the call nor the group). Object collectives
+docs/design.md §10, "Process groups and collectives"). Each wrapper below takes the arguments of its
+`torch.distributed` namesake, checks that `group` (None: the default group) serves the device of every
+tensor it is handed and raises `DeviceNotServed` otherwise, naming the operation, the device and the
+group's backend (nccl, for one, serves CUDA tensors only, and torch's own error names neither the call
+nor the group). Object collectives
 and barriers move CPU tensors when their group serves CPU (`_get_object_coll_device` in torch 2.13), so
 their group must serve CPU. `wait` waits for the handle of an `isend`/`irecv`: a failed wait, like a failed
 call here, is a communication failure (`trainer/survival.py` tells those from bugs by where they were raised).
@@ -28,7 +29,7 @@ class DeviceNotServed(ValueError):
         super().__init__(
             f"{op}: a tensor on {device} was handed to a process group whose backend {dist.get_backend(group)!r} "
             f"serves {', '.join(sorted(served_devices(group)))} only (every group of the trainer must serve cpu "
-            "and the model's device: docs/design.md §10, Process groups)"
+            "and the model's device: docs/design.md §10, Process groups and collectives)"
         )
         self.op, self.device = op, device
 

@@ -1,6 +1,6 @@
 """Every collective of the trainer goes through `parallelisms.collectives`, on groups serving the tensors it
-is handed (docs/design.md §10, Process groups); a failed communication is told from a bug by its type or
-origin, not its wording (`trainer/survival.py`). Real processes over real gloo."""
+is handed (docs/design.md §10, Process groups and collectives); a failed communication is told from a bug
+by its type or origin, not its wording (`trainer/survival.py`). Real processes over real gloo."""
 
 from __future__ import annotations
 
