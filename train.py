@@ -30,6 +30,7 @@ from moevement.storage.cpu_cost import CpuMark
 from moevement.storage.host_memory import HostMemoryError
 from moevement.storage.snapshot import SnapshotError
 from moevement.strategy import CheckpointStrategy
+from parallelisms import collectives
 from parallelisms.distributed import device_type, init_distributed, shutdown_distributed
 from parallelisms.mesh import ParallelDims, build_mesh
 from parallelisms.parallelize import ModelParts, parallelize
@@ -118,7 +119,7 @@ def inject_failures(job: Job, step: int, elapsed_s: float) -> int:
         os._exit(13)
     if faults.timed:  # rank 0's clock decides when a timed failure strikes
         clock = torch.tensor([elapsed_s], dtype=torch.float64)
-        torch.distributed.broadcast(clock, src=0)
+        collectives.broadcast(clock, src=0)
         elapsed_s = float(clock)
     events = faults.at(step, elapsed_s)
     if not events:

@@ -42,6 +42,7 @@ from moevement.recovery.restart import UNUSABLE, CheckHeader, RestartPoint, drop
 from moevement.storage.host_memory import check_private, private_subdirs, remove_tree
 from moevement.storage.persistence import read_window
 from moevement.storage.snapshot import SnapshotError, SnapshotHeader
+from parallelisms import collectives
 
 
 @dataclass
@@ -150,7 +151,7 @@ class GlobalRollback:
         as `recover` would (1 when there is none: the initial state); returns its iteration. Collective."""
         started = time.perf_counter()
         kept: list = [None] * self.world
-        dist.all_gather_object(kept, (state.kept.next_iteration, state.kept.detected) if state.kept else None)
+        collectives.all_gather_object(kept, (state.kept.next_iteration, state.kept.detected) if state.kept else None)
         dead = {r for r, k in enumerate(kept) if k is None}
         if self.from_disk:
             rollback_to, saves, source = self._disk_restart(state.check)
@@ -190,7 +191,7 @@ class GlobalRollback:
         """Rank 0 prints the `recovery` line (`seconds()`: the time it took); `source`: where this rank's
         checkpoint came from (the failed ranks' sources are named)."""
         sources: list = [None] * self.world
-        dist.all_gather_object(sources, source)
+        collectives.all_gather_object(sources, source)
         source = "; ".join(f"rank{r}: {sources[r]}" for r in sorted(failed))
         self.line(
             f"recovery step={step} ranks={'+'.join(map(str, sorted(failed))) or 'none'} scope=0-{self.n_stages - 1} "
@@ -263,7 +264,7 @@ class GlobalRollback:
     def _newest_common(self, starts) -> int | None:
         """The newest window start every rank lists (None: there is none). Collective."""
         gathered: list = [None] * self.world
-        dist.all_gather_object(gathered, sorted(starts))
+        collectives.all_gather_object(gathered, sorted(starts))
         return max(set.intersection(*(set(s) for s in gathered)), default=None)
 
     # ---- restoring operators ------------------------------------------------------------------------
@@ -286,7 +287,7 @@ class GlobalRollback:
         moc = self.moc
         lost, processed = moc.lost.account(rollback_to, saved_at)
         counts = torch.tensor([lost, processed] if moc.count_tokens else [0.0, 0.0], dtype=torch.float64)
-        dist.all_reduce(counts)
+        collectives.all_reduce(counts)
         moc.lost_tokens += float(counts[0])
         moc.last_checkpoint = rollback_to  # the next checkpoint counts the tokens routed from here
         moc.plt = moc.lost_tokens / float(counts[1]) if counts[1] > 0 else 0.0  # over the run so far

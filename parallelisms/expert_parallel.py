@@ -12,12 +12,12 @@ import types
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed import ProcessGroup
 
 from models.experts import WEIGHTS, GroupedExperts
 from models.moe import MoE
+from parallelisms import collectives
 
 
 def _size(group: ProcessGroup | None) -> int:
@@ -76,7 +76,7 @@ def _dp_global_token_counts(dp_group: ProcessGroup, dp: int):
         """(counts [E] summed over the data-parallel group, dp). Not differentiable (counts are integers)."""
         with torch.no_grad():
             total = counts.detach().clone()
-            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=dp_group)
+            collectives.all_reduce(total, op=dist.ReduceOp.SUM, group=dp_group)
         return total, dp
 
     return global_token_counts
@@ -92,8 +92,7 @@ def _all_to_all(
     """
     if torch.is_grad_enabled() and not x.requires_grad:
         x = x.detach().requires_grad_()
-    out = funcol.all_to_all_single_autograd(x.contiguous(), output_splits, input_splits, group)
-    return funcol.wait_tensor(out)
+    return collectives.all_to_all_single_autograd(x.contiguous(), output_splits, input_splits, group)
 
 
 def _ep_experts_forward(ep_group: ProcessGroup, ep: int):
@@ -108,7 +107,7 @@ def _ep_experts_forward(ep_group: ProcessGroup, ep: int):
         n_local = self.n_experts // ep
         send = counts.to(torch.int64).reshape(ep, n_local)
         recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=ep_group)
+        collectives.all_to_all_single(recv, send, group=ep_group)
         sizes = torch.cat([send.sum(1), recv.sum(1)]).tolist()  # the splits: one device -> host sync
         input_splits, output_splits = sizes[:ep], sizes[ep:]
         received = _all_to_all(x, output_splits, input_splits, ep_group)

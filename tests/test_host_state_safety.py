@@ -160,6 +160,19 @@ def test_default_host_dir_is_per_user_and_owner_only():
     assert default_host_dir().endswith(f"moevement-{os.geteuid()}")
 
 
+def test_a_refused_pin_finds_the_loaded_runtime_library_to_clear_its_error():
+    """`pin_or_warn` clears the CUDA runtime's error through the libcudart this process loaded (no CUDA here:
+    the same lookup, for the C library every process maps)."""
+    import ctypes
+
+    from moevement.storage.host_memory import loaded_library
+
+    libc = loaded_library("libc")
+    assert libc is not None and Path(libc).is_file()
+    assert ctypes.CDLL(libc).getpid() == os.getpid()  # the process's own instance, as for cudaGetLastError
+    assert loaded_library("libmoevement-no-such-library") is None
+
+
 def test_second_live_job_is_refused_and_clean_keeps_it(tmp_path):
     """While a job runs, a second run of the same job exits with one line and leaves the first intact; the
     clean tool keeps a live job's state and removes a dead one's."""

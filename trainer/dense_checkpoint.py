@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from models.args import ModelArgs
 from models.experts import stacked_experts
+from parallelisms import collectives
 from trainer.identity import RunIdentity
 from trainer.safetensors_stream import Spec, write_safetensors
 
@@ -71,7 +72,7 @@ def _on_rank0(fn: Callable[[], None]) -> None:
             error = str(e)
     if dist.is_initialized() and dist.get_world_size() > 1:
         box = [error]
-        dist.broadcast_object_list(box, src=0)
+        collectives.broadcast_object_list(box, src=0)
         error = box[0]
     if error is not None:
         raise CheckpointError(error)

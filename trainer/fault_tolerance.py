@@ -35,6 +35,7 @@ from moevement.recovery.upstream_log import UpstreamLog
 from moevement.storage.host_memory import JobLock, default_host_dir, make_private_dirs, private_subdirs, remove_tree
 from moevement.strategy import CheckpointStrategy, MoEvement, NoCheckpointing
 from moevement.topology import Topology
+from parallelisms import collectives
 from parallelisms.fsdp import DTYPES
 from parallelisms.mesh import ParallelDims
 from parallelisms.parallelize import ModelParts, initial_parameters
@@ -54,7 +55,7 @@ def gather_topology(dims: ParallelDims, host_dir: Path) -> Topology:
         return Topology.single(local_stage_ids(dims.cfg, 0))
     gathered: list = [None] * dist.get_world_size()
     node = f"{socket.gethostname()}:{host_dir.resolve()}"
-    dist.all_gather_object(gathered, (dims.pp_rank, dims.dp_rank, node))
+    collectives.all_gather_object(gathered, (dims.pp_rank, dims.dp_rank, node))
     hosts = list(dict.fromkeys(host for _, _, host in gathered))
     return Topology(
         dist.get_rank(),
@@ -106,7 +107,7 @@ def _kept_live_state(rank_dir: Path, job_meta: dict, rejoin: Rejoin) -> Rejoin:
             print(f"restart: rank {dist.get_rank()} cannot use its live state: {why}", flush=True)
     kept = torch.tensor([int(rejoin.live is not None)])
     if dist.is_initialized():
-        dist.all_reduce(kept)
+        collectives.all_reduce(kept)
     rejoin.survivors = bool(kept.item())
     return rejoin
 
@@ -150,7 +151,7 @@ def build_strategy(
     found = _restart_point(strategy, rank_dir, disk, checks, rejoin, line)
     if strategy != "moevement":
         if dist.is_initialized():
-            dist.barrier()  # every rank holds its copy before any rank clears its directory
+            collectives.barrier()  # every rank holds its copy before any rank clears its directory
         remove_tree(rank_dir, rank_dir.parent)  # loaded, or of no use to any restart
     new_checkpointer = functools.partial(
         SparseCheckpointer,

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from models.experts import stacked_experts, unstack
+from parallelisms import collectives
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -63,7 +64,7 @@ def consolidated_training_state(
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return local
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(local, gathered, dst=0)
+    collectives.gather_object(local, gathered, dst=0)
     if gathered is None:
         return None
     merged: dict[str, torch.Tensor] = {}

@@ -3,7 +3,9 @@ the directories that hold them (docs/design.md §6).
 
 On CPU a buffer is a file in a shared-memory directory (`/dev/shm/moevement-<uid>` by default),
 mapped into the process: it outlives a crashed training process, so a restarted job (or a test) can
-read it. On GPU the same mapping is page-locked (pinned) for asynchronous device-to-host copies.
+read it. On GPU the same mapping is page-locked (pinned) for asynchronous device-to-host copies; where
+the CUDA runtime refuses, the buffer stays unpinned, its copies are synchronous, and the process says so
+once on stderr (`pin_or_warn`).
 
 A buffer's bytes become meaningful only through its header, a JSON commit record written to a
 temporary name and renamed once the bytes are complete (and removed before they are overwritten),
@@ -17,12 +19,14 @@ Anything else is refused with one `HostMemoryError` naming the path.
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import json
 import mmap
 import os
 import shutil
 import stat
+import sys
 import tempfile
 from pathlib import Path
 
@@ -253,9 +257,8 @@ class HostBuffer:
                 ) from None
             finally:
                 os.close(fd)
-            if self.pin:
+            if self.pin and pin_or_warn(self.data.data_ptr(), size, bin_path):
                 self._pinned_ptr = self.data.data_ptr()
-                torch.cuda.cudart().cudaHostRegister(self._pinned_ptr, size, 0)
         return self.data
 
     def release(self) -> None:
@@ -275,6 +278,51 @@ class HostBuffer:
         if self._pinned_ptr is not None:
             torch.cuda.cudart().cudaHostUnregister(self._pinned_ptr)
             self._pinned_ptr = None
+
+
+_pin_refused = False  # this process has said that a buffer stayed unpinned
+
+
+def pin_or_warn(ptr: int, size: int, path: Path) -> bool:
+    """Page-lock the mapping [ptr, ptr + size) of `path` for asynchronous device-to-host copies. When the
+    CUDA runtime refuses, the mapping stays usable but unpinned: copies into it are synchronous. That is
+    said once per process on stderr, with what to check, and the runtime's error is cleared (it would
+    otherwise be raised by the next kernel launch of this thread). Returns whether it is pinned."""
+    global _pin_refused
+    code = int(torch.cuda.cudart().cudaHostRegister(ptr, size, 0))
+    if code == 0:
+        return True
+    _clear_cuda_error()
+    if not _pin_refused:
+        _pin_refused = True
+        print(
+            f"warning: {path}: cannot pin {size / 1e9:.2f} GB of snapshot memory ({torch.cuda.CudaError(code)}): "
+            "this process copies its snapshots synchronously (stall_ms grows by the whole copy). Check that the "
+            "host has that much memory to lock (`ulimit -l`; containers: --ulimit memlock=-1), that the host "
+            "directory has room (containers: --shm-size) and that this platform supports cudaHostRegister "
+            "(some virtualised GPUs do not).",
+            file=sys.stderr,
+            flush=True,
+        )
+    return False
+
+
+def _clear_cuda_error() -> None:
+    """Reset the CUDA runtime's last error of this thread (`cudaGetLastError`; torch exposes no binding)."""
+    path = loaded_library("libcudart")
+    if path is None:
+        raise HostMemoryError("cudaHostRegister failed and the CUDA runtime library in use cannot be found")
+    ctypes.CDLL(path).cudaGetLastError()  # dlopen of a loaded library: the same runtime instance
+
+
+def loaded_library(stem: str) -> str | None:
+    """The path of the shared library `<stem>.so...` this process has mapped, or None."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.split(maxsplit=5)[-1].strip()
+            if Path(path).name.startswith(f"{stem}.so"):
+                return path
+    return None
 
 
 def read_header(path: Path) -> dict | None:
