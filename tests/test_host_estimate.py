@@ -33,12 +33,10 @@ def allocated(directory: Path) -> int:
     return sum(os.lstat(Path(d, f)).st_blocks * 512 for d, _, files in os.walk(directory) for f in files)
 
 
-def estimated_buffers(args: list[str]) -> dict[int, int]:
-    """rank -> estimated snapshot + replica bytes, from the dry run's lines (printed in GB, 3 decimals)."""
+def printed_buffers(args: list[str]) -> dict[int, float]:
+    """rank -> snapshot + replica GB, as `train.py --dry-run` prints them."""
     out = run_cli(*args, "--dry-run").stdout
-    lines = HOST_LINE.findall(out)
-    assert lines, out
-    return {int(rank): round((float(snaps) + float(replicas)) * 1e9) for rank, snaps, replicas in lines}
+    return {int(rank): float(snaps) + float(replicas) for rank, snaps, replicas in HOST_LINE.findall(out)}
 
 
 @pytest.mark.parametrize(
@@ -51,29 +49,18 @@ def estimated_buffers(args: list[str]) -> dict[int, int]:
 )
 def test_dry_run_bounds_the_host_directory_of_a_real_run(tmp_path, layout, nproc):
     host_dir = tmp_path / "shm"
-    args = [
-        "--config",
-        DEBUG_CONFIG,
-        *layout,
-        "--checkpoint.strategy",
-        "moevement",
-        "--checkpoint.window",
-        "3",
-        "--checkpoint.host_dir",
-        str(host_dir),
-        "--model.n_layers",
-        "4",
-    ]
+    moevement = "--checkpoint.strategy moevement --checkpoint.window 3 --model.n_layers 4".split()
+    args = ["--config", DEBUG_CONFIG, *layout, *moevement, "--checkpoint.host_dir", str(host_dir)]
     run = ["--checkpoint.keep_host_state", "true", "--training.steps", "12", "--metrics.tensorboard", "false"]
     run_cli(*args, *run, "--training.val_every", "0", nproc=nproc)
-    estimate = estimated_buffers(args)
-    assert sorted(estimate) == list(range(nproc))
-    for rank, bound in estimate.items():
-        actual = allocated(host_dir / "debug_moe" / f"rank{rank:05d}")
-        assert actual > 0
-        # the printed GB have 3 decimals: the bound is exact to 0.5 MB
-        assert actual <= bound + 5e5, (rank, actual, bound)
-        assert bound <= LOOSEST * actual + 5e5, (rank, actual, bound)
+    ranks = host_estimate.estimate(load_config(DEBUG_CONFIG, args[2:]))
+    printed = printed_buffers(args)
+    assert sorted(printed) == [r.rank for r in ranks] == list(range(nproc))
+    for r in ranks:
+        bound = r.snapshots + r.replicas
+        assert abs(printed[r.rank] - bound / 1e9) <= 0.0011  # two GB figures of 3 decimals
+        actual = allocated(host_dir / "debug_moe" / f"rank{r.rank:05d}")
+        assert 0 < actual <= bound <= LOOSEST * actual, (r.rank, actual, bound)
 
 
 def test_live_state_estimate_bounds_a_saved_live_state(tmp_path):

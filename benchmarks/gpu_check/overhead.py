@@ -22,7 +22,8 @@ from moevement.storage.snapshot import SnapshotHeader, Throttle, layout_of, read
 from moevement.storage.snapshot_buffers import SnapshotBuffers
 
 CONFIG = "train_configs/bench_moe.toml"
-SHAPE = ["--training.batch_size", "16", "--training.seq_len", "512", "--training.mixed_precision", "bf16"]
+BATCH, SEQ_LEN = 16, 512
+SHAPE = ["--training.batch_size", str(BATCH), "--training.seq_len", str(SEQ_LEN), "--training.mixed_precision", "bf16"]
 STEPS, ROUNDS, PROFILE_ITERS = 30, 2, 2
 RUN_TIMEOUT_S = 60
 
@@ -69,7 +70,7 @@ def interleaved_runs(workspace: Workspace) -> dict[str, list[dict[int, dict[str,
 
 def overhead_checks(workspace: Workspace, section: Section) -> list[Check]:
     runs = interleaved_runs(workspace)
-    tokens = 16 * 512
+    tokens = BATCH * SEQ_LEN
     per_round = {s: [statistics.median(steady_ms(r, PROFILE_ITERS, tokens)) for r in rs] for s, rs in runs.items()}
     ratios = [m / n for m, n in zip(per_round["moevement"], per_round["none"])]
     steady = [rec for r in runs["moevement"] for rec in steady_records(r, PROFILE_ITERS)]

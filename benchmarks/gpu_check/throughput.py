@@ -10,6 +10,7 @@ counter does); the timed steps run without the counter.
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 
@@ -55,7 +56,7 @@ def fwd_bwd(stage: torch.nn.Module, x: torch.Tensor) -> None:
 
 def layer_peak_bytes(device: torch.device) -> int:
     """Peak memory of a one-layer stage's forward+backward (weights, gradients, activations)."""
-    torch.cuda.empty_cache()
+    torch.cuda.empty_cache()  # what earlier sections left cached
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
     stage, dim = moe_stage(1, device)
@@ -80,18 +81,32 @@ def timed(stage: torch.nn.Module, x: torch.Tensor, device: torch.device) -> floa
     return statistics.median(times)
 
 
-def run(section: Section) -> None:
-    device = torch.device("cuda", torch.cuda.current_device())
-    n_moe = load_config(CONFIG).model.n_layers - load_config(CONFIG).model.n_dense_layers
-    per_layer = layer_peak_bytes(device)
-    free, _ = torch.cuda.mem_get_info(device)
-    n_layers = max(1, min(n_moe, int(MEMORY_SHARE * free // per_layer)))
+def measure(n_layers: int, device: torch.device) -> tuple[float, float]:
+    """(FLOPs, median seconds) of a forward+backward of an `n_layers` stage."""
     stage, dim = moe_stage(n_layers, device)
     x = stage_input(dim, device)
     with FlopCounterMode(display=False, custom_mapping=GROUPED_MM_FLOPS) as counter:
         fwd_bwd(stage, x)
-    flops = counter.get_total_flops()
-    seconds = timed(stage, x, device)
+    return counter.get_total_flops(), timed(stage, x, device)
+
+
+def run(section: Section) -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    model = load_config(CONFIG).model
+    n_moe = model.n_layers - model.n_dense_layers
+    per_layer = layer_peak_bytes(device)
+    free, _ = torch.cuda.mem_get_info(device)
+    n_layers = max(1, min(n_moe, int(MEMORY_SHARE * free // per_layer)))
+    try:
+        result = measure(n_layers, device)
+    except torch.OutOfMemoryError:  # the one-layer peak did not scale: half as many layers, once
+        result = None
+    if result is None:  # outside the handler: the failed stage's frames (and memory) are gone
+        gc.collect()
+        torch.cuda.empty_cache()
+        n_layers = max(1, n_layers // 2)
+        result = measure(n_layers, device)
+    flops, seconds = result
     name = torch.cuda.get_device_name(device)
     section.notes.append(
         f"device={name!r} layers={n_layers} of {n_moe} (one layer's peak {per_layer / 2**30:.1f} GiB, "
