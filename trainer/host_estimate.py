@@ -86,6 +86,8 @@ def _file(nbytes: int, entries: int) -> int:
 
 @dataclass
 class RankEstimate:
+    """One rank's bytes (upper bounds), by what holds them; see the module docstring."""
+
     rank: int
     pp_rank: int
     snapshots: int
@@ -225,7 +227,14 @@ def report(cfg: Config) -> list[str]:
     if ck.strategy == "none":
         return ["host memory: none (checkpoint.strategy none keeps no host state)"]
     ranks = estimate(cfg)
-    window = f"W={ck.window}" if ck.window else f"W<={ck.max_window} (Algorithm 1, checkpoint.max_window)"
+    window = (
+        f"W={ck.window}"
+        if ck.window
+        else (
+            f"W<={ck.max_window}: Algorithm 1 may choose any, a slot's buffer keeps its largest size; "
+            "checkpoint.window fixes W and lowers this"
+        )
+    )
     host_dir = ck.host_dir or default_host_dir()
     lines = [
         f"host memory per rank, GB (upper bounds; strategy={ck.strategy} pp={p.pp} dp={p.dp} ep={p.ep} "

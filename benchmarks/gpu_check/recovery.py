@@ -5,7 +5,8 @@ One GPU hosts one rank under nccl (nccl refuses two ranks on one device), and an
 with a restart: the restarted process converts the persisted sparse checkpoint it finds in host memory
 (whole-job restart, docs/design.md §4) and trains on. Deterministic algorithms (`training.deterministic`,
 `CUBLAS_WORKSPACE_CONFIG` set by train.py) make the two runs' `step=` losses and `final ... state_digest=`
-lines equal bit for bit, or the check fails.
+lines equal bit for bit, or the check fails. The restart's own collectives run on the default group of a
+one-process torchrun job: the start-up `kept` all-reduce and the recovery totals.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from benchmarks.overhead import parse_steps
 CONFIG = "train_configs/debug_moe.toml"
 STEPS, CRASH_AT = "14", "8:0"
 RUN_TIMEOUT_S = 120
-FINAL = re.compile(r"^final step=\d+ loss=\S+ state_digest=[0-9a-f]+$", re.M)
+FINAL = re.compile(r"^final step=.* state_digest=[0-9a-f]+.*$", re.M)  # the whole line is compared
 LAYOUT = ["--training.mixed_precision", "bf16", "--checkpoint.strategy", "moevement", "--checkpoint.window", "3"]
 
 

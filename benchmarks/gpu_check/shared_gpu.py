@@ -11,6 +11,8 @@ pipeline and FSDP move CUDA tensors. The two workers (torchrun, both on GPU 0, p
   stream, `fetch_boundary_logs` sends them to the recovering neighbour stage, which checks them bit for bit;
 - scalars: `fetch_scalars`, the survivor's scalar log to the recovering rank (`PersistedCheckpoint`).
 
+(The recovery totals' all-reduce runs in section 3, inside a real restart.)
+
 Every worker prints `shared_gpu rank=<r> check=<name> ok=<0|1> <detail>`; the parent collects the lines.
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 -m benchmarks.gpu_check.shared_gpu [cuda|cpu]
