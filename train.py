@@ -2,7 +2,7 @@
 
 python train.py --config train_configs/debug_moe.toml [--section.key value ...]
 torchrun --nproc_per_node N train.py --config ...
-python train.py --config ... --dry-run      # parameter counts on the meta device
+python train.py --config ... --dry-run      # parameter counts and per-rank host memory, on the meta device
 python train.py --config ... --print-config # the resolved config as TOML; --help lists every key
 """
 
@@ -34,6 +34,7 @@ from parallelisms import collectives
 from parallelisms.distributed import device_type, init_distributed, shutdown_distributed
 from parallelisms.mesh import ParallelDims, build_mesh
 from parallelisms.parallelize import ModelParts, parallelize
+from trainer import host_estimate
 from trainer.accounting import RunAccounting
 from trainer.allocator import reuse_freed_host_memory
 from trainer.config import Config, ConfigError, check_world_size, fault_plan, load_config
@@ -60,7 +61,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         description=__doc__, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--config", required=True, help="TOML file under train_configs/")
-    parser.add_argument("--dry-run", action="store_true", help="print parameter counts and exit")
+    parser.add_argument("--dry-run", action="store_true", help="print parameter counts and per-rank host memory; exit")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
     return parser.parse_known_args(argv)
 
@@ -369,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             total, active = count_params(cfg.model)
             print(f"params total={total} active={active}")
+            print("\n".join(host_estimate.report(cfg)))
             return 0
         train(cfg)
     except (ConfigError, CheckpointError, DataError, HostMemoryError, IdentityError, SnapshotError, RecoveryError) as e:

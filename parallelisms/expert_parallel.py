@@ -45,7 +45,7 @@ def apply_expert_parallel(model: nn.Module, ep_group: ProcessGroup | None, dp_gr
         if dp > 1:
             moe.global_token_counts = types.MethodType(_dp_global_token_counts(dp_group, dp), moe)
         if ep > 1:
-            _shard_experts(moe, dist.get_rank(ep_group), ep)
+            shard_experts(moe, dist.get_rank(ep_group), ep)
             moe.experts_forward = types.MethodType(_ep_experts_forward(ep_group, ep), moe)
 
 
@@ -57,8 +57,8 @@ def local_expert_ids(n_experts: int, ep_rank: int, ep_size: int) -> range:
     return range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
 
 
-def _shard_experts(moe: MoE, ep_rank: int, ep_size: int) -> None:
-    """Keep the stacked weights of this rank's experts only."""
+def shard_experts(moe: MoE, ep_rank: int, ep_size: int) -> None:
+    """Keep the stacked weights of ep rank `ep_rank`'s experts only (on meta: their shapes)."""
     if moe.experts.n != moe.n_experts:
         raise RuntimeError("apply_expert_parallel: the MoE experts are already sharded")
     local, every = local_expert_ids(moe.n_experts, ep_rank, ep_size), moe.experts
