@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import sys
 from collections.abc import Iterator
 from itertools import islice
@@ -34,6 +33,7 @@ from tqdm import tqdm
 
 from trainer.config import ConfigError, load_config
 from trainer.corpus import DataConfig, DataError, iter_documents, resolve_source
+from trainer.prepare_progress import append_progress, read_progress, write_atomically, write_progress
 from trainer.token_shards import (
     DOCUMENTS,
     DTYPES,
@@ -42,6 +42,7 @@ from trainer.token_shards import (
     PROGRESS_NAME,
     VERSION,
     file_sha256,
+    read_json,
     shard_dtype,
     tokenizer_identity,
     verify_prepared,
@@ -54,21 +55,6 @@ CHUNK_CHARS = 1 << 24  # documents tokenized together: bounds the text and token
 
 class ShardLimit(Exception):
     """``--max-shards`` new shards are written: the preparation stops here, resumable."""
-
-
-def write_atomically(path: Path, data) -> None:
-    """``data`` (bytes or a buffer) to ``path`` via ``.<name>.partial`` (never through a symlink), fsynced, renamed."""
-    tmp = path.with_name(f".{path.name}.partial")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def write_json(path: Path, value: dict) -> None:
-    write_atomically(path, (json.dumps(value, separators=(",", ":")) + "\n").encode())
 
 
 def header(cfg: DataConfig, tok: Tokenizer, shard_tokens: int, splits: list[tuple[str, str]]) -> dict:
@@ -96,10 +82,7 @@ def open_out(out: Path, head: dict) -> dict | None:
         raise DataError(f"--out {str(out)!r} is not a directory (a symlink or a file)")
     for name in (INDEX_NAME, PROGRESS_NAME):
         if (out / name).exists():
-            try:
-                record = json.loads((out / name).read_text(encoding="utf-8"))
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise DataError(f"--out: {str(out / name)!r} is not readable ({type(e).__name__})") from None
+            record = read_json(out / name) if name == INDEX_NAME else read_progress(out)
             if {k: record.get(k) for k in head} != head:
                 differ = sorted(k for k in head if record.get(k) != head[k])
                 raise DataError(f"--out {str(out)!r} holds a preparation with other settings ({', '.join(differ)})")
@@ -107,7 +90,9 @@ def open_out(out: Path, head: dict) -> dict | None:
     if out.exists() and any(out.iterdir()):
         raise DataError(f"--out {str(out)!r} is neither empty nor a preparation directory; choose a new one")
     out.mkdir(parents=True, exist_ok=True)
-    return {**head, "splits": {}}
+    record = {**head, "splits": {}}
+    write_progress(out, record)
+    return record
 
 
 def kept_shards(out: Path, entry: dict) -> list[dict]:
@@ -173,8 +158,7 @@ class ShardWriter:
         data = memoryview(self.buf[: self.fill]).cast("B")
         write_atomically(self.out / name, data)
         shard = {"file": name, "tokens": self.fill, "sha256": hashlib.sha256(data).hexdigest(), "resume": resume}
-        self.entry["shards"].append(shard)
-        write_json(self.out / PROGRESS_NAME, self.record)
+        append_progress(self.out, self.record, self.split, shard=shard)
         self.fill = 0
         if self.budget is not None:
             self.budget -= 1
@@ -185,7 +169,10 @@ def prepare_split(
 ) -> int:
     """Write (the rest of) ``split``'s shards; returns how many new shards the budget has left."""
     entry = record["splits"].setdefault(split, {"shards": [], "done": False})
-    entry["shards"] = kept_shards(out, entry)
+    kept = kept_shards(out, entry)
+    if len(kept) < len(entry["shards"]):
+        entry["shards"] = kept
+        write_progress(out, record)
     first_doc, offset = entry["shards"][-1]["resume"] if entry["shards"] else (0, 0)
     written = sum(s["tokens"] for s in entry["shards"])
     src = resolve_source(cfg, split, key)
@@ -203,10 +190,10 @@ def prepare_split(
             end_doc = chunk_doc + n_docs
     if writer.fill:
         writer.publish((end_doc, 0))  # the end: a resume skips every document
-    entry.update(done=True, num_tokens=sum(s["tokens"] for s in entry["shards"]), num_documents=end_doc)
-    if not entry["num_tokens"]:
+    num_tokens = sum(s["tokens"] for s in entry["shards"])
+    if not num_tokens:
         raise DataError(f"data.dataset: {src.describe()!r} ({key}={split!r}) contains no text")
-    write_json(out / PROGRESS_NAME, record)
+    append_progress(out, record, split, done={"done": True, "num_tokens": num_tokens, "num_documents": end_doc})
     return writer.budget
 
 
@@ -227,7 +214,7 @@ def prepare(cfg: DataConfig, out: Path, shard_tokens: int, max_shards: int | Non
     for split, key in splits:
         if not record["splits"].get(split, {}).get("done"):
             budget = prepare_split(cfg, tok, out, record, split, key, budget)
-    write_json(out / INDEX_NAME, record)
+    write_atomically(out / INDEX_NAME, (json.dumps(record, indent=1) + "\n").encode())
     (out / PROGRESS_NAME).unlink()
     return [
         f"{split}: {e['num_tokens']} tokens, {e['num_documents']} documents, {len(e['shards'])} shards "

@@ -73,23 +73,34 @@ def tokenizer_identity(tok: Tokenizer) -> dict:
 
 def is_prepared(path: Path) -> bool:
     """Whether ``path`` is a directory written by ``trainer.prepare_data`` (finished or not)."""
-    return path.is_dir() and ((path / INDEX_NAME).exists() or (path / PROGRESS_NAME).exists())
+    return path.is_dir() and any(os.path.lexists(path / name) for name in (INDEX_NAME, PROGRESS_NAME))
+
+
+def read_json(path: Path) -> dict:
+    """The JSON object in ``path``, read without following a symlink; DataError naming it otherwise."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            value = json.loads(f.read().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        why = "is a symlink (refused)" if path.is_symlink() else f"is not readable JSON ({type(e).__name__})"
+        raise DataError(f"data.dataset: {str(path)!r} {why}") from None
+    if not isinstance(value, dict):
+        raise DataError(f"data.dataset: {str(path)!r} is not a JSON object")
+    return value
 
 
 def read_index(directory: Path) -> dict:
     """The checked index of a prepared ``directory``; DataError naming the file otherwise."""
     index_path = directory / INDEX_NAME
     where = f"data.dataset: prepared corpus {str(directory)!r}"
-    if not index_path.exists():
+    if not os.path.lexists(index_path):
         raise DataError(
             f"{where} is an unfinished preparation (no {INDEX_NAME}); run python -m trainer.prepare_data "
             "with the same settings and --out again to finish it"
         )
-    try:
-        index = json.loads(index_path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DataError(f"{where}: {str(index_path)!r} is not a readable index ({type(e).__name__})") from None
-    if not isinstance(index, dict) or index.get("format") != FORMAT or index.get("version") != VERSION:
+    index = read_json(index_path)
+    if index.get("format") != FORMAT or index.get("version") != VERSION:
         raise DataError(f"{where}: {str(index_path)!r} is not a {FORMAT} version {VERSION} index")
     if index.get("dtype") not in DTYPES or not isinstance(index.get("splits"), dict):
         raise DataError(f"{where}: {str(index_path)!r} has no valid dtype or splits")
