@@ -152,12 +152,6 @@ class ShardedTokens:
             self.read(seq * row, out[i])
         return torch.from_numpy(out)
 
-    def tokens(self) -> torch.Tensor:
-        """Every token as one int32 tensor in memory (tests and small corpora only)."""
-        out = np.empty(self.num_tokens, dtype=np.int64)
-        self.read(0, out)
-        return torch.from_numpy(out.astype(np.int32))
-
 
 def _map_shard(path: Path, count: int, dtype: np.dtype) -> np.ndarray:
     """``path`` memory-mapped read-only after checking it is a regular file (never through a symlink) of
