@@ -95,11 +95,16 @@ def child(dataset: str) -> None:
     )
 
 
-def run_child(dataset: Path) -> dict:
+def run_child(dataset: Path) -> dict | None:
+    """One start-up's figures; None when the kernel killed it (out of memory on a shared machine)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "benchmarks.corpus_startup", "--child", str(dataset)]
-    out = subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode == -signal.SIGKILL:
+        return None
+    if proc.returncode:
+        raise RuntimeError(f"start-up on {dataset} failed ({proc.returncode}):\n{proc.stderr}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def prepare(text_dir: Path, out: Path) -> float:
@@ -110,10 +115,41 @@ def prepare(text_dir: Path, out: Path) -> float:
     return time.perf_counter() - started
 
 
+def interleaved(variants: dict[str, Path], rounds: int) -> dict[str, list[dict]]:
+    """Each variant's start-ups, alternating which goes first."""
+    runs: dict[str, list[dict]] = {name: [] for name in variants}
+    for r in range(rounds):
+        for name in list(variants) if r % 2 == 0 else list(reversed(variants)):
+            result = run_child(variants[name])
+            if result is None:
+                print(f"round={r} variant={name} killed by SIGKILL (out of memory?)", flush=True)
+                continue
+            runs[name].append(result)
+            print(f"round={r} variant={name} seconds={result['seconds']:.4f}", flush=True)
+    return runs
+
+
+def report(runs: dict[str, list[dict]]) -> None:
+    medians, tokens = {}, {}
+    for name, rs in runs.items():
+        secs = [x["seconds"] for x in rs]
+        medians[name], tokens[name] = statistics.median(secs), rs[0]["tokens"]
+        print(
+            f"variant={name} tokens={tokens[name]} startup_s={medians[name]:.4f} min={min(secs):.4f} runs={len(rs)} "
+            f"peak_rss_mb={max(x['peak_rss_mb'] for x in rs):.0f} added_rss_mb={max(x['added_rss_mb'] for x in rs):.0f}"
+        )
+    line = f"ratio in_memory/prepared={medians['in_memory'] / medians['prepared']:.1f}"
+    if tokens["in_memory"] != tokens["prepared"]:
+        scaled = medians["in_memory"] * tokens["prepared"] / tokens["in_memory"]
+        line += f" (in_memory on {tokens['in_memory']} tokens; scaled linearly to {tokens['prepared']}: "
+        line += f"{scaled / medians['prepared']:.1f})"
+    print(line)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gb", type=float, default=1.0, help="GB of text (= tokens) prepared")
-    parser.add_argument("--memory-gb", type=float, help="GB of the same text the in-memory path reads (default --gb)")
+    parser.add_argument("--memory-gb", type=float, help="GB of the same text the in-memory path reads")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dir", default=tempfile.gettempdir())
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -124,44 +160,22 @@ def main() -> None:
     nbytes = int(args.gb * 1e9)
     memory_bytes = int(args.memory_gb * 1e9) if args.memory_gb else min(nbytes, affordable_bytes())
     if memory_bytes < nbytes:
-        print(f"in_memory reads the first {memory_bytes / 1e9:.2f} GB: more does not fit this machine's memory now")
+        print(f"in_memory reads the first {memory_bytes / 1e9:.2f} GB of the text")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the temporary directory goes on a kill too
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="corpus-startup-") as tmp:
         full, part = Path(tmp) / "full", Path(tmp) / "part"
         full.mkdir()
         write_text(full / "train.txt", nbytes)
-        in_memory_text = full
         if memory_bytes < nbytes:  # the first memory_bytes of the same text, cut at a line
             part.mkdir()
             copy_prefix(full / "train.txt", part / "train.txt", memory_bytes // LINE * LINE)
-            in_memory_text = part
         prep_s = prepare(full, Path(tmp) / "prepared")
         print(f"prepare gb={nbytes / 1e9:.2f} seconds={prep_s:.1f} mb_per_s={nbytes / 1e6 / prep_s:.1f}", flush=True)
-        variants = {"prepared": Path(tmp) / "prepared", "in_memory": in_memory_text}
-        runs: dict[str, list[dict]] = {name: [] for name in variants}
-        for r in range(args.rounds):
-            order = list(variants) if r % 2 == 0 else list(reversed(variants))
-            for name in order:
-                runs[name].append(run_child(variants[name]))
-                print(f"round={r} variant={name} seconds={runs[name][-1]['seconds']:.4f}", flush=True)
-    medians = {}
-    for name, rs in runs.items():
-        secs = [x["seconds"] for x in rs]
-        medians[name] = statistics.median(secs)
-        print(
-            f"variant={name} tokens={rs[0]['tokens']} startup_s={medians[name]:.4f} min={min(secs):.4f} "
-            f"peak_rss_mb={max(x['peak_rss_mb'] for x in rs):.0f} added_rss_mb={max(x['added_rss_mb'] for x in rs):.0f}"
-        )
-    tokens = {name: rs[0]["tokens"] for name, rs in runs.items()}
-    print(f"ratio in_memory/prepared={medians['in_memory'] / medians['prepared']:.1f}", end="")
-    if tokens["in_memory"] != tokens["prepared"]:
-        scaled = medians["in_memory"] * tokens["prepared"] / tokens["in_memory"]
-        print(
-            f" (in_memory on {tokens['in_memory']} tokens; linearly scaled to {tokens['prepared']}: "
-            f"{scaled / medians['prepared']:.1f})",
-            end="",
-        )
-    print()
+        variants = {"prepared": Path(tmp) / "prepared", "in_memory": part if memory_bytes < nbytes else full}
+        runs = interleaved(variants, args.rounds)
+    if not all(runs.values()):
+        sys.exit("no start-up of some variant completed")
+    report(runs)
 
 
 if __name__ == "__main__":
