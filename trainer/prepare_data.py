@@ -11,7 +11,7 @@ document at a time, tokenized in chunks. Train on the result with ``--data.datas
 tokenizer and split names.
 
 Resumable: every shard is written under a temporary name, fsynced and renamed, then recorded with the
-source position after it in ``prepare_progress.json``; run the same command again after an interruption
+source position after it in ``prepare_progress.jsonl``; run the same command again after an interruption
 and it checks the finished shards' sha256, skips their documents without tokenizing them and goes on.
 The index ``token_index.json`` is written last; until it exists training refuses the directory.
 ``--max-shards N`` stops after N new shards (an interruption on purpose). ``--verify DIR`` reads every

@@ -39,7 +39,7 @@ from trainer.corpus import DataError
 from trainer.tokenizer import Tokenizer
 
 INDEX_NAME = "token_index.json"
-PROGRESS_NAME = "prepare_progress.json"  # an unfinished preparation's record (trainer.prepare_data)
+PROGRESS_NAME = "prepare_progress.jsonl"  # an unfinished preparation's record (trainer.prepare_data)
 FORMAT = "moevement-token-shards"
 VERSION = 1
 DOCUMENTS = "one eos_id between consecutive documents, none after the last (as trainer.corpus packs them)"
