@@ -159,13 +159,21 @@ def test_killed_preparation_resumes_to_identical_shards(tmp_path):
     subprocess.run([sys.executable, *args, "--out", str(whole)], cwd=ROOT, env=CHILD_ENV, check=True)
     proc = subprocess.Popen([sys.executable, *args, "--out", str(killed)], cwd=ROOT, env=CHILD_ENV)
     deadline = time.monotonic() + 120
-    while not (killed / PROGRESS_NAME).exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)
+    while _recorded_shards(killed) < 2 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL and not (killed / INDEX_NAME).exists(), "finished before the kill"
+    assert 2 <= _recorded_shards(killed) < 225
     subprocess.run([sys.executable, *args, "--out", str(killed)], cwd=ROOT, env=CHILD_ENV, check=True)
     assert shard_files(killed) == shard_files(whole)
+
+
+def _recorded_shards(out: Path) -> int:
+    try:
+        return (out / PROGRESS_NAME).read_bytes().count(b'"shard"')
+    except FileNotFoundError:
+        return 0
 
 
 # ----------------------------------------------------------------------------- bad input
