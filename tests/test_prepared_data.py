@@ -282,3 +282,24 @@ def test_training_from_a_prepared_corpus_ends_with_the_in_memory_digest(prepared
     in_memory = final_line(run_cli(*args).stdout)
     prepared = final_line(run_cli(*args, "--data.dataset", str(prepared_wiki)).stdout)
     assert prepared == in_memory
+
+
+@needs_wiki
+def test_two_ranks_recover_in_place_from_a_prepared_corpus(prepared_wiki, tmp_path):
+    """dp=2 from memory-mapped shards with a failure of rank 1 recovered by MoEvement ends with the digest of
+    the fault-free dp=2 run on the in-memory path: every rank reads batch t again after recovery."""
+    args = ("--config", DEBUG_CONFIG, "--training.steps", "6", "--parallelism.dp", "2")
+    args += ("--metrics.tensorboard", "false", "--checkpoint.strategy", "moevement", "--checkpoint.window", "2")
+    fault_free = run_cli(*args, "--checkpoint.host_dir", str(tmp_path / "a"), nproc=2)
+    recovered = run_cli(
+        *args,
+        "--checkpoint.host_dir",
+        str(tmp_path / "b"),
+        "--fault.at",
+        "4:1",
+        "--data.dataset",
+        str(prepared_wiki),
+        nproc=2,
+    )
+    assert "recovery step=" in recovered.stdout
+    assert final_line(recovered.stdout) == final_line(fault_free.stdout)

@@ -178,6 +178,8 @@ def prepare_split(
     src = resolve_source(cfg, split, key)
     docs = iter_documents(src, cfg, f"({key}={split!r})")
     skipped = sum(1 for _ in islice(docs, first_doc))  # read, not tokenized
+    if skipped < first_doc:
+        raise DataError(f"data.dataset: {src.describe()!r} has {skipped} documents, fewer than its record in {out}")
     writer = ShardWriter(out, split, record, writer_budget)
     bar = tqdm(initial=written, unit="tok", unit_scale=True, desc=split, disable=not sys.stderr.isatty())
     end_doc = skipped
