@@ -101,7 +101,7 @@ def test_replacing_a_checkpoint_touches_nothing_else(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "ckpt.old", "ckpt.tmp"]
     for name in ("ckpt.tmp", "ckpt.old"):
         assert os.listdir(tmp_path / name) == ["mine.txt"] and (tmp_path / name / "mine.txt").read_text() == name
-    assert sorted(os.listdir(ckpt)) == ["meta.json", "model.safetensors", "optim.safetensors"]
+    assert sorted(os.listdir(ckpt)) == ["meta.json", "model-00000.safetensors", "optim-00000.safetensors"]
     assert ckpt.stat().st_mode & 0o777 == 0o700 and all(p.stat().st_mode & 0o777 == 0o600 for p in ckpt.iterdir())
     loaded = train("--training.steps", "2", "--checkpoint.load", str(ckpt)).stdout
     assert json.loads((ckpt / "meta.json").read_text())["step"] == 2 and final_line(loaded) == final_line(second)
@@ -207,14 +207,14 @@ def test_damaged_checkpoint_is_one_line_naming_the_file(saved, tmp_path):
 
     cases = {
         "meta": ("meta.json", "unreadable"),
-        "optim": ("optim.safetensors", "checksum"),
-        "model": ("model.safetensors", "unreadable"),
+        "optim": ("optim-00000.safetensors", "checksum"),
+        "model": ("model-00000.safetensors", "unreadable"),
     }
     for case, (name, what) in cases.items():
         ckpt = tmp_path / case
         shutil.copytree(saved[0], ckpt)
         if case == "meta":
-            (ckpt / name).write_text('{"format": "moevement-dense-v2", "step": ')
+            (ckpt / name).write_text('{"format": "moevement-dense-v3", "step": ')
         elif case == "optim":
             (ckpt / name).write_bytes((ckpt / name).read_bytes()[:-100])
         else:

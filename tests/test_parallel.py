@@ -48,7 +48,13 @@ SLOW = {"dp4_ep2"}
 
 
 def checkpoint_tensors(directory) -> dict[str, dict[str, torch.Tensor]]:
-    return {"model": load_file(directory / "model.safetensors")}
+    """The model tensors of every rank's model file, each name in one file only."""
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(directory.glob("model-*.safetensors")):
+        part = load_file(file)
+        assert not set(part) & set(tensors), file
+        tensors.update(part)
+    return {"model": tensors}
 
 
 @pytest.fixture(scope="module")
