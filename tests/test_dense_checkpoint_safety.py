@@ -228,6 +228,31 @@ def test_damaged_checkpoint_is_one_line_naming_the_file(saved, tmp_path):
                 load_checkpoint(ckpt)
 
 
+def test_v2_single_file_checkpoint_loads_and_file_names_are_checked(saved, tmp_path):
+    """A `moevement-dense-v2` checkpoint (one model.safetensors, one optim.safetensors) is one writer's files:
+    train.py resumes it with the saved digest and evaluation loads it. A meta.json listing a file by any other
+    name (here one outside the directory) is refused naming meta.json."""
+    from eval.checkpoint import load_checkpoint
+
+    ckpt, stdout = saved
+    meta = json.loads((ckpt / "meta.json").read_text())
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    for kind in ("model", "optim"):
+        shutil.copy(ckpt / f"{kind}-00000.safetensors", v2 / f"{kind}.safetensors")
+    files = {f"{kind}.safetensors": meta["files"][f"{kind}-00000.safetensors"] for kind in ("model", "optim")}
+    (v2 / "meta.json").write_text(json.dumps({**meta, "format": "moevement-dense-v2", "files": files}))
+    loaded = train("--training.steps", "1", "--checkpoint.load", str(v2)).stdout
+    assert step_losses(loaded) == {} and final_line(loaded) == final_line(stdout)
+    assert load_checkpoint(v2).step == 1
+    outside = tmp_path / "outside"
+    shutil.copytree(ckpt, outside)
+    shutil.copy(ckpt / "model-00000.safetensors", tmp_path / "model-00001.safetensors")
+    files = {**meta["files"], "../model-00001.safetensors": meta["files"]["model-00000.safetensors"]}
+    (outside / "meta.json").write_text(json.dumps({**meta, "files": files}))
+    one_error(train("--training.steps", "1", "--checkpoint.load", str(outside), check=False), "meta.json", "files")
+
+
 @pytest.mark.slow
 def test_single_process_checkpoint_loads_into_sharded_layouts(tmp_path):
     """Each rank takes its own pipeline stages, experts and FSDP shards (parameters and AdamW state)
