@@ -307,3 +307,24 @@ def test_streamed_safetensors_equal_the_library_s_and_name_their_sha256(tmp_path
     assert all(v["data_offsets"][0] % sizes[v["dtype"]] == 0 for v in header.values())
     with pytest.raises(FileExistsError):  # never over an existing file
         write_safetensors(path, {}, tensors.__getitem__)
+
+
+def test_a_failed_write_publishes_nothing_and_leaves_no_temporary(tmp_path):
+    """A file that cannot be written (here: the disk fills up after the first tensor) is one CheckpointError
+    naming the target; the marked temporary directory is removed and nothing appears at the target."""
+    import errno
+
+    import torch
+
+    from models.args import ModelArgs
+    from trainer.dense_checkpoint import CheckpointError, Tensors, save_imported
+
+    def tensor_of(name: str) -> torch.Tensor:
+        if name == "b":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return torch.zeros(4)
+
+    model = Tensors({"a": (torch.float32, (4,)), "b": (torch.float32, (4,))}, tensor_of)
+    with pytest.raises(CheckpointError, match=f"CKPT: cannot save to {re.escape(str(tmp_path / 'ckpt'))}.*space"):
+        save_imported(str(tmp_path / "ckpt"), model, ModelArgs(), {"source": "test"}, key="CKPT")
+    assert os.listdir(tmp_path) == []

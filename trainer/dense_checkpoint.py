@@ -97,11 +97,17 @@ def _kind(name: str) -> str:
     return "optim" if name.startswith(OPTIM_PREFIX) else "model"
 
 
-def _write_owned(tmp: Path, rank: int, tensors: Iterator[tuple[str, torch.Tensor]], specs: dict) -> dict[str, str]:
+def _write_owned(
+    tmp: Path | None, rank: int, tensors: Iterator[tuple[str, torch.Tensor]], specs: dict
+) -> dict[str, str]:
     """Write this rank's files into `tmp` from `tensors` (in `specs`' order); {file: sha256}.
 
-    `tensors` is a collective walk: on an error it is drained before the error is raised, so that no
-    other rank waits for this one."""
+    `tensors` is a collective walk: without a directory to write to (None), or on an error, it is drained
+    (before the error is raised), so that no other rank waits for this one."""
+    if tmp is None:
+        for _ in tensors:
+            pass
+        return {}
     try:
         with ExitStack() as stack:
             writers = {
@@ -118,9 +124,10 @@ def _write_owned(tmp: Path, rank: int, tensors: Iterator[tuple[str, torch.Tensor
         raise
 
 
-def _save(path: Path, key: str, meta: dict, write: Callable[[Path], dict[str, str]]) -> None:
-    """Rank 0 makes the temporary, every rank `write`s its files into it, rank 0 writes `meta.json` with
-    every file's sha256 and renames it into place; every rank raises the same CheckpointError, if any.
+def _save(path: Path, key: str, meta: dict, write: Callable[[Path | None], dict[str, str]]) -> None:
+    """Rank 0 makes the temporary, every rank `write`s its files into it (None: a rank that cannot trust
+    it writes nothing, but still takes part in `write`'s collectives), rank 0 writes `meta.json` with every
+    file's sha256 and renames it into place; every rank raises the same CheckpointError, if any.
     Collective."""
     tmp, old_files, error = None, [], None
     if is_rank0():
@@ -134,9 +141,10 @@ def _save(path: Path, key: str, meta: dict, write: Callable[[Path], dict[str, st
     files, error = {}, None
     try:
         trusted_temporary(Path(where), key)
-        files = write(Path(where))
     except CheckpointError as e:
         error = str(e)
+    try:
+        files = write(None if error else Path(where))
     except (OSError, ValueError) as e:
         error = f"{key}: cannot save to {path} ({e})"
     except BaseException:  # nothing half-written stays behind, whatever stopped the writing
@@ -194,7 +202,11 @@ def save_imported(directory: str, model: Tensors, model_args: ModelArgs, origin:
     if origin.get("tokenizer"):
         meta["tokenizer"] = origin["tokenizer"]
     name = shard_file("model", 0)
-    _save(Path(directory), key, meta, lambda tmp: {name: write_safetensors(tmp / name, model.specs, model.tensor_of)})
+
+    def write(tmp: Path | None) -> dict[str, str]:
+        return {} if tmp is None else {name: write_safetensors(tmp / name, model.specs, model.tensor_of)}
+
+    _save(Path(directory), key, meta, write)
 
 
 def is_imported(meta: dict) -> bool:

@@ -4,7 +4,8 @@ caller's, where `safetensors.torch.save` builds the whole file in memory first.
 The format (https://github.com/huggingface/safetensors): an 8-byte little-endian header length, a JSON
 header naming each tensor's dtype, shape and byte range, padded with spaces to a multiple of 8, then the
 tensors' bytes back to back. Tensors are laid out by element size, largest first, then by name, as the
-library does, so every tensor starts at a multiple of its element size. `safe_open` reads the result.
+library does (or in an order the writer is given, of element sizes that never grow), so every tensor
+starts at a multiple of its element size. `safe_open` reads the result.
 """
 
 from __future__ import annotations
