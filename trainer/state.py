@@ -6,12 +6,13 @@ state gives the same names and bytes in any parallel layout.
 
 Nothing proportional to the model is gathered on one rank. `training_plan` lists this rank's tensors
 (parameters and their AdamW state) in one order that every rank of a data-parallel group shares, and
-gives each tensor one owner: an FSDP-sharded tensor number `i` is owned by rank `i % size` of its mesh,
-which also owns the replicated AdamW `step` beside it; a plain tensor is its rank's alone (pipeline
-stages and expert ranks hold disjoint names). `owned_tensors` walks the plan, assembling each sharded
-tensor within its group one at a time (`full_tensor`: every rank of the group takes part), and yields
-the owner's full copies: host memory is bounded by the largest tensor. The digest and the dense
-checkpoint (`trainer.dense_checkpoint`) are both written from that walk.
+gives each tensor one owner: each tensor of an FSDP-sharded parameter (its replicated AdamW `step`
+too) goes, in that order, to the rank of the parameter's mesh that owns the fewest bytes so far; a
+plain tensor is its rank's alone (pipeline stages and expert ranks hold disjoint names).
+`owned_tensors` walks the plan, assembling each sharded tensor within its group one at a time
+(`full_tensor`: every rank of the group takes part), and yields the owner's full copies: host memory is
+bounded by the largest tensor. The digest and the dense checkpoint (`trainer.dense_checkpoint`) are
+both written from that walk.
 
 The `state_digest` is sha256 over the lines `<name> <tensor digest>\\n` in sorted name order, where a
 tensor's digest is sha256 over `<name>|<dtype>|<shape>|` and its bytes (C order). Only those per-tensor
@@ -25,6 +26,7 @@ import hashlib
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from models.experts import stacked_experts, unstack
@@ -50,15 +52,20 @@ class Unit:
         return [(name, self.tensor.dtype, shape) for name in self.names]
 
 
-def _owns(param: torch.Tensor, index: int) -> bool:
-    """Whether this rank owns tensor `index` of the plan, which belongs to `param`."""
-    if not isinstance(param, DTensor):
-        return True
-    mesh = param.device_mesh
-    flat = 0
-    for coordinate, size in zip(mesh.get_coordinate(), mesh.shape, strict=True):
-        flat = flat * size + coordinate
-    return index % mesh.size() == flat
+def _assign_owners(units: list[tuple[torch.Tensor, Unit]]) -> None:
+    """Give each unit of a sharded parameter to the least loaded rank (in bytes; ties: the lowest) of the
+    parameter's mesh, in plan order: every rank of the mesh sees the same units, so all agree. A plain
+    parameter's units are its rank's own."""
+    loads: dict[tuple[int, ...], list[int]] = {}
+    for param, unit in units:
+        if not isinstance(param, DTensor):
+            unit.owner = True
+            continue
+        ranks = tuple(param.device_mesh.mesh.flatten().tolist())
+        load = loads.setdefault(ranks, [0] * len(ranks))
+        owner = min(range(len(ranks)), key=load.__getitem__)
+        load[owner] += unit.tensor.numel() * unit.tensor.dtype.itemsize
+        unit.owner = ranks[owner] == dist.get_rank()
 
 
 def training_plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[Unit]:
@@ -73,8 +80,7 @@ def training_plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> l
             if isinstance(value, torch.Tensor):
                 units.append((param, Unit(name, key, value, [f"{OPTIM_PREFIX}{n}.{key}" for n in names], False)))
     units.sort(key=lambda pair: -pair[1].tensor.dtype.itemsize)  # stable: keeps the model's order
-    for index, (param, unit) in enumerate(units):
-        unit.owner = _owns(param, index)
+    _assign_owners(units)
     return [unit for _, unit in units]
 
 
