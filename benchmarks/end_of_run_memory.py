@@ -116,6 +116,7 @@ def worker(variant: str, config: str, target: Path, overrides: list[str]) -> Non
     from trainer.dense_checkpoint import save_dense
     from trainer.state import state_digest, training_state_digest
 
+    sys.stdout.reconfigure(line_buffering=True)  # the ranks share one stdout: whole lines only
     cfg = load_config(config, overrides)
     job, step, loss = train.setup(cfg)
     step, loss = train.train_loop(job, step, loss)
