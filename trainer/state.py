@@ -11,7 +11,8 @@ too) goes, in that order, to the rank of the parameter's mesh that owns the fewe
 plain tensor is its rank's alone (pipeline stages and expert ranks hold disjoint names).
 `owned_tensors` walks the plan, assembling each sharded tensor within its group one at a time
 (`full_tensor`: every rank of the group takes part), and yields the owner's full copies: host memory is
-bounded by the largest tensor. The digest and the dense checkpoint (`trainer.dense_checkpoint`) are
+bounded by the largest tensor (twice, for a moment, while `full_tensor` re-lays out one sharded along its
+second dimension). The digest and the dense checkpoint (`trainer.dense_checkpoint`) are
 both written from that walk.
 
 The `state_digest` is sha256 over the lines `<name> <tensor digest>\\n` in sorted name order, where a
