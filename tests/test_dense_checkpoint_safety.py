@@ -328,3 +328,35 @@ def test_a_failed_write_publishes_nothing_and_leaves_no_temporary(tmp_path):
     with pytest.raises(CheckpointError, match=f"CKPT: cannot save to {re.escape(str(tmp_path / 'ckpt'))}.*space"):
         save_imported(str(tmp_path / "ckpt"), model, ModelArgs(), {"source": "test"}, key="CKPT")
     assert os.listdir(tmp_path) == []
+
+
+def test_one_rank_failing_to_write_fails_the_save_on_every_rank_and_leaves_nothing(tmp_path):
+    """dp=2 (FSDP: the save walk assembles tensors across both ranks): rank 1 cannot write past 64 KiB
+    (RLIMIT_FSIZE, SIGXFSZ ignored: the write fails with EFBIG). Rank 1 still takes part in the rest of the
+    walk, both ranks fail with the same one-line error, and neither the checkpoint nor a temporary stays."""
+    wrapper = tmp_path / "rank1_small_files.py"
+    wrapper.write_text(
+        "import os, resource, runpy, signal, sys\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16))\n"
+        f"sys.argv[0] = {str(ROOT / 'train.py')!r}\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        f"runpy.run_path({str(ROOT / 'train.py')!r}, run_name='__main__')\n"
+    )
+    ckpt = tmp_path / "out" / "ckpt"
+    args = ["--config", DEBUG_CONFIG, *QUIET, "--training.steps", "1", "--parallelism.dp", "2"]
+    args += ["--checkpoint.save_final", str(ckpt), "--job.output_dir", str(RUN_OUTPUTS), "--fault.timeout_s", "120"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(wrapper), *args],
+        cwd=ROOT,
+        env=CHILD_ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode != 0 and len(errors) == 2 and len(set(errors)) == 1, proc.stderr
+    assert f"cannot save to {ckpt}" in errors[0] and "File too large" in errors[0], errors[0]
+    assert final_line(proc.stdout)[0] == 1 and str(ROOT / "trainer") not in proc.stderr  # no trace through ours
+    assert os.listdir(tmp_path / "out") == []
