@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 CONFIG ?= train_configs/debug_moe.toml
 
-.PHONY: train test test-all lint format venv clean
+.PHONY: train test test-all lint format venv clean gpu-check
 
 $(VENV)/.installed: requirements.txt pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found (set PYTHON=...)"; exit 1; }
@@ -20,6 +20,11 @@ venv: $(VENV)/.installed
 train: $(VENV)/.installed
 	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node 2 --max-restarts 1 \
 		train.py --config $(CONFIG) --parallelism.pp 2 --checkpoint.strategy moevement --fault.kill 30:1:backward
+
+# One machine with one NVIDIA GPU, under 8 minutes: CUDA numerics, MoEvement snapshots and recovery on CUDA,
+# a 16B-shaped stage's MFU, collectives of two processes sharing the GPU (benchmarks/gpu_check/).
+gpu-check: $(VENV)/.installed
+	$(PY) -m benchmarks.gpu_check
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

@@ -2,7 +2,7 @@
 
 python train.py --config train_configs/debug_moe.toml [--section.key value ...]
 torchrun --nproc_per_node N train.py --config ...
-python train.py --config ... --dry-run      # parameter counts on the meta device
+python train.py --config ... --dry-run      # parameter counts and per-rank host memory, on the meta device
 python train.py --config ... --print-config # the resolved config as TOML; --help lists every key
 """
 
@@ -30,9 +30,11 @@ from moevement.storage.cpu_cost import CpuMark
 from moevement.storage.host_memory import HostMemoryError
 from moevement.storage.snapshot import SnapshotError
 from moevement.strategy import CheckpointStrategy
+from parallelisms import collectives
 from parallelisms.distributed import device_type, init_distributed, shutdown_distributed
 from parallelisms.mesh import ParallelDims, build_mesh
 from parallelisms.parallelize import ModelParts, parallelize
+from trainer import host_estimate
 from trainer.accounting import RunAccounting
 from trainer.allocator import reuse_freed_host_memory
 from trainer.config import Config, ConfigError, check_world_size, fault_plan, load_config
@@ -59,7 +61,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         description=__doc__, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--config", required=True, help="TOML file under train_configs/")
-    parser.add_argument("--dry-run", action="store_true", help="print parameter counts and exit")
+    parser.add_argument("--dry-run", action="store_true", help="print parameter counts and per-rank host memory; exit")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config as TOML and exit")
     return parser.parse_known_args(argv)
 
@@ -118,7 +120,7 @@ def inject_failures(job: Job, step: int, elapsed_s: float) -> int:
         os._exit(13)
     if faults.timed:  # rank 0's clock decides when a timed failure strikes
         clock = torch.tensor([elapsed_s], dtype=torch.float64)
-        torch.distributed.broadcast(clock, src=0)
+        collectives.broadcast(clock, src=0)
         elapsed_s = float(clock)
     events = faults.at(step, elapsed_s)
     if not events:
@@ -265,9 +267,16 @@ def iteration(job: Job, step: int, inputs: torch.Tensor, labels: torch.Tensor, s
     job.guard.done(step)
     job.kill.at("replication")
     job.logger.step(step, scalars, ft.metrics(), tokens, elapsed, job.accounting.elapsed())
-    if cfg.training.val_every and step % cfg.training.val_every == 0 and job.val_data:
-        job.logger.validation(step, evaluate(job.model, job.val_data, job.dims, cfg.training.micro_batches))
+    validate_if_due(job, step)
     return result.loss
+
+
+def validate_if_due(job: Job, step: int) -> None:
+    """The validation loss after iteration `step` when `training.val_every` asks for one (collective)."""
+    cfg = job.cfg
+    if cfg.training.val_every and step % cfg.training.val_every == 0 and job.val_data:
+        job.kill.at("validation")
+        job.logger.validation(step, evaluate(job.model, job.val_data, job.dims, cfg.training.micro_batches))
 
 
 def run(job: Job, step: int, loss: float) -> tuple[int, float, str | None]:
@@ -281,6 +290,8 @@ def run(job: Job, step: int, loss: float) -> tuple[int, float, str | None]:
     try:
         try:
             first, cpu = step, CpuMark.now()
+            if step > 0:  # resumed after `step`: a death may have cut its validation short, so it runs again
+                validate_if_due(job, step)
             step, loss = train_loop(job, step, loss)
             if job.cfg.metrics.cpu_cost:
                 print(CpuMark.now().line_since(cpu, job.rank, step - first), flush=True)
@@ -361,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             total, active = count_params(cfg.model)
             print(f"params total={total} active={active}")
+            print("\n".join(host_estimate.report(cfg)))
             return 0
         train(cfg)
     except (ConfigError, CheckpointError, DataError, HostMemoryError, IdentityError, SnapshotError, RecoveryError) as e:

@@ -39,9 +39,10 @@ from moevement.recovery.fetch import fetch_from_replicas
 from moevement.recovery.live_state import LiveState
 from moevement.recovery.replay import load_master, reset_to_initial, wipe_operators
 from moevement.recovery.restart import UNUSABLE, CheckHeader, RestartPoint, drop_newer_disk_windows
-from moevement.storage.host_memory import check_private, remove_tree
+from moevement.storage.host_memory import check_private, private_subdirs, remove_tree
 from moevement.storage.persistence import read_window
 from moevement.storage.snapshot import SnapshotError, SnapshotHeader
+from parallelisms import collectives
 
 
 @dataclass
@@ -150,7 +151,7 @@ class GlobalRollback:
         as `recover` would (1 when there is none: the initial state); returns its iteration. Collective."""
         started = time.perf_counter()
         kept: list = [None] * self.world
-        dist.all_gather_object(kept, (state.kept.next_iteration, state.kept.detected) if state.kept else None)
+        collectives.all_gather_object(kept, (state.kept.next_iteration, state.kept.detected) if state.kept else None)
         dead = {r for r, k in enumerate(kept) if k is None}
         if self.from_disk:
             rollback_to, saves, source = self._disk_restart(state.check)
@@ -190,7 +191,7 @@ class GlobalRollback:
         """Rank 0 prints the `recovery` line (`seconds()`: the time it took); `source`: where this rank's
         checkpoint came from (the failed ranks' sources are named)."""
         sources: list = [None] * self.world
-        dist.all_gather_object(sources, source)
+        collectives.all_gather_object(sources, source)
         source = "; ".join(f"rank{r}: {sources[r]}" for r in sorted(failed))
         self.line(
             f"recovery step={step} ranks={'+'.join(map(str, sorted(failed))) or 'none'} scope=0-{self.n_stages - 1} "
@@ -215,7 +216,10 @@ class GlobalRollback:
     def _disk_saves(self) -> tuple[int, list, str]:
         """CheckFreq and MoC: the newest checkpoint on disk that every rank completed, and older ones (newest first)."""
         root = self.persist_dir
-        mine = {int(d.parent.name.removeprefix("window-")): d for d in root.glob(f"window-*/rank{self.me:05d}")}
+        mine = {
+            int(d.parent.name.removeprefix("window-")): d
+            for d in private_subdirs(root, "window-", f"rank{self.me:05d}")
+        }
         newest = self._newest_common(mine)
         if newest is None:
             return 1, [], "none (initial state)"
@@ -231,13 +235,13 @@ class GlobalRollback:
         directory that is a symlink or not owner-only stops the run (HostMemoryError): never followed."""
         root = self.persist_dir
         loaded = {}
-        for directory in sorted(root.glob(f"window-*/rank{self.me:05d}")):
+        for directory in private_subdirs(root, "window-", f"rank{self.me:05d}"):
             check_private(directory.parent)
             try:
                 loaded[int(directory.parent.name.removeprefix("window-"))] = self._checked_window(directory, check)
             except (*UNUSABLE, KeyError, TypeError, ValueError) as e:
                 print(f"restart: rank {self.me} refused {directory}: {e}; removed it", flush=True)
-                remove_tree(directory)
+                remove_tree(directory, root)
         newest = self._newest_common(loaded)
         drop_newer_disk_windows(self.me, root, newest or 0)
         if newest is None:
@@ -260,7 +264,7 @@ class GlobalRollback:
     def _newest_common(self, starts) -> int | None:
         """The newest window start every rank lists (None: there is none). Collective."""
         gathered: list = [None] * self.world
-        dist.all_gather_object(gathered, sorted(starts))
+        collectives.all_gather_object(gathered, sorted(starts))
         return max(set.intersection(*(set(s) for s in gathered)), default=None)
 
     # ---- restoring operators ------------------------------------------------------------------------
@@ -283,7 +287,7 @@ class GlobalRollback:
         moc = self.moc
         lost, processed = moc.lost.account(rollback_to, saved_at)
         counts = torch.tensor([lost, processed] if moc.count_tokens else [0.0, 0.0], dtype=torch.float64)
-        dist.all_reduce(counts)
+        collectives.all_reduce(counts)
         moc.lost_tokens += float(counts[0])
         moc.last_checkpoint = rollback_to  # the next checkpoint counts the tokens routed from here
         moc.plt = moc.lost_tokens / float(counts[1]) if counts[1] > 0 else 0.0  # over the run so far

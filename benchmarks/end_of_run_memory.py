@@ -67,11 +67,12 @@ def consolidated_state(model, optimizer) -> dict | None:
     """The old end of run: the whole job's state gathered (pickled) to rank 0; None elsewhere."""
     import torch.distributed as dist
 
+    from parallelisms import collectives
     from trainer.state import named_training_state
 
     local = named_training_state(model, optimizer)
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(local, gathered, dst=0)
+    collectives.gather_object(local, gathered, dst=0)
     del local
     if gathered is None:
         return None
@@ -84,8 +85,7 @@ def consolidated_state(model, optimizer) -> dict | None:
 
 def save_consolidated(directory: Path, state: dict | None) -> None:
     """The old save: rank 0 writes the consolidated state as one model and one optimizer file."""
-    import torch.distributed as dist
-
+    from parallelisms import collectives
     from trainer.safetensors_stream import write_safetensors
     from trainer.state import OPTIM_PREFIX
 
@@ -94,7 +94,7 @@ def save_consolidated(directory: Path, state: dict | None) -> None:
         for file, optim in (("model.safetensors", False), ("optim.safetensors", True)):
             part = {k: v for k, v in state.items() if k.startswith(OPTIM_PREFIX) == optim}
             write_safetensors(directory / file, {k: (v.dtype, tuple(v.shape)) for k, v in part.items()}, part.get)
-    dist.barrier()
+    collectives.barrier()
 
 
 def _sizes(job) -> tuple[float, float]:

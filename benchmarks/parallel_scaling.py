@@ -26,6 +26,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from parallelisms import collectives
 from parallelisms.distributed import device_type, init_distributed, shutdown_distributed
 from parallelisms.mesh import ParallelismConfig, build_mesh
 from parallelisms.pipeline import lm_loss
@@ -117,12 +118,12 @@ def time_schedule(model, inputs, targets) -> float:
             part.zero_grad(set_to_none=True)
         args = (inputs,) if model.has_first_stage else ()
         losses = [] if model.has_last_stage else None
-        dist.barrier()
+        collectives.barrier()
         start = time.perf_counter()
         model.schedule.step(
             *args, target=targets if model.has_last_stage else None, losses=losses, return_outputs=False
         )
-        dist.barrier()
+        collectives.barrier()
         times.append(time.perf_counter() - start)
     return statistics.median(times[BUBBLE_WARMUP:])
 
@@ -168,7 +169,7 @@ def bubble_point(dims, pp: int, micro: int) -> tuple[float, float]:
     for turn in range(dist.get_world_size()):  # one rank at a time: the others wait in the barrier
         if turn == dist.get_rank():
             t_stage = time_stage(model, tokens[:BUBBLE_MB], targets[:BUBBLE_MB], cfg.model.dim)
-        dist.barrier()
+        collectives.barrier()
     return t_step, t_stage
 
 
@@ -178,7 +179,7 @@ def worker(pp: int) -> None:
     for micro in BUBBLE_M:
         t_step, t_stage = bubble_point(dims, pp, micro)
         stage_times = [0.0] * world
-        dist.all_gather_object(stage_times, t_stage)
+        collectives.all_gather_object(stage_times, t_stage)
         if rank == 0:
             slow = max(range(world), key=stage_times.__getitem__)
             measured = 1 - micro * stage_times[slow] / t_step

@@ -85,9 +85,11 @@ def _shutdown_distributed(finished: bool) -> None:
     (a rank that destroys its gloo group while a peer still talks to it can abort)."""
     import torch.distributed as dist
 
+    from parallelisms import collectives
+
     if dist.is_initialized():
         if finished:
-            dist.barrier()
+            collectives.barrier()
         dist.destroy_process_group()
 
 

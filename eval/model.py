@@ -46,6 +46,7 @@ from tqdm import tqdm
 
 from eval.checkpoint import LoadedCheckpoint, load_checkpoint
 from eval.errors import EvalError
+from parallelisms import collectives
 from trainer.tokenizer import Tokenizer, build_tokenizer
 
 GENERATE_UNSUPPORTED = (
@@ -254,19 +255,19 @@ class MoEvementLM(LM):
             return tensor
         tensor = tensor.cpu()  # the group is gloo
         parts = [torch.zeros_like(tensor) for _ in range(self.world_size)]
-        dist.all_gather(parts, tensor)
+        collectives.all_gather(parts, tensor)
         return torch.stack(parts) if tensor.dim() == 0 else torch.cat(parts)
 
     def gather_object(self, obj: Any, dst: int = 0) -> list | None:
         if self.world_size == 1:
             return [obj]
         out = [None] * self.world_size if self.rank == dst else None
-        dist.gather_object(obj, out, dst=dst)
+        collectives.gather_object(obj, out, dst=dst)
         return out
 
     def barrier(self) -> None:
         if self.world_size > 1:
-            dist.barrier()
+            collectives.barrier()
 
     def get_model_info(self) -> dict[str, Any]:
         """Recorded in the results' ``config`` by ``lm_eval.simple_evaluate``."""

@@ -169,13 +169,13 @@ def import_hf(hf_dir: str, ckpt_dir: str, config_out: str | None = None, base_co
 
 def _write_config(path: str, args: ModelArgs, ckpt_dir: str, tokenizer: str | None, base: str | None) -> None:
     """A training config (``base``'s, or the defaults) with the imported ``[model]``, loading ``ckpt_dir``."""
-    from trainer.config import ConfigError, load_config, validate
+    from trainer.config import ConfigError, load_config, safe_job_name, validate
     from trainer.config_help import to_toml
 
     try:
         cfg = load_config(base)
         cfg.model = args
-        cfg.job.name = Path(ckpt_dir).resolve().name
+        cfg.job.name = safe_job_name(Path(ckpt_dir).resolve().name)
         cfg.checkpoint.load = str(Path(ckpt_dir).resolve())
         cfg.data.tokenizer = tokenizer or cfg.data.tokenizer
         cfg.training.seq_len = min(cfg.training.seq_len, args.max_seq_len)

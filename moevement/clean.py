@@ -3,7 +3,9 @@
 A job's host state (`<host_dir>/<job>/`: snapshots, replicas, manifests; see the README's "Where state
 lives") is kept after a crash or a preemption so that a relaunch of the same job resumes from it. This
 removes the state of every job (or of `--job`) under the host directory whose processes are provably
-dead: no rank lock of the job on this node is held. A live job's state is never touched. Only
+dead: no rank lock of the job on this node is held and no torchrun agent that ran it on this node still
+lives (between a worker's death and the next generation no worker holds a lock, but the agent does restart
+them, and they need this state). A live job's state is never touched. Only
 directories that pass the owner-only check are removed (never through a symlink).
 """
 
@@ -30,12 +32,17 @@ def clean(host_dir: Path, job: str | None, dry_run: bool, out=print) -> int:
         except HostMemoryError as e:
             out(f"skipped {job_dir}: {e}")
             continue
-        if any(JobLock.held(lock) for lock in job_dir.glob("rank*.lock")):
+        locks = sorted(job_dir.glob("rank*.lock"))
+        if any(JobLock.held(lock) for lock in locks):
             out(f"kept {job_dir}: the job is running")
+            continue
+        agents = sorted({pid for pid in map(JobLock.agent_alive, locks) if pid is not None})
+        if agents:
+            out(f"kept {job_dir}: its torchrun agent (pid {agents[0]}) lives and may start the next generation")
             continue
         size = tree_bytes(job_dir)
         if not dry_run:
-            remove_tree(job_dir)
+            remove_tree(job_dir, host_dir)
         freed += size
         out(f"{'would remove' if dry_run else 'removed'} {job_dir} ({size / 1e6:.1f} MB)")
     return freed

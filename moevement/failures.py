@@ -53,14 +53,16 @@ def parse_events(spec: str, key: str) -> list[FaultEvent]:
     return events
 
 
-KILL_PHASES = ("forward", "backward", "clip", "optimizer", "snapshot", "replication", "replay")
-TRAINING_PHASES = KILL_PHASES[:-1]  # the points of a training iteration (`replay` is of a restart)
+TRAINING_PHASES = ("forward", "backward", "clip", "optimizer", "snapshot", "replication")  # of every iteration
+# `validation`: during the validation of an iteration that runs one; `replay`: of a restart
+KILL_PHASES = (*TRAINING_PHASES, "validation", "replay")
 
 
 @dataclass(frozen=True)
 class KillEvent:
     """Rank `rank` SIGKILLs itself in `phase` of iteration `step` (a real death, no clean-up); phase `replay`:
-    in the forward pass of `step` replayed by a restarted job's start-up (a rejoin or a whole-job restart)."""
+    in the forward pass of `step` replayed by a restarted job's start-up (a rejoin or a whole-job restart);
+    phase `validation`: in the validation that follows iteration `step`."""
 
     step: int
     rank: int

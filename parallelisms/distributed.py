@@ -1,4 +1,10 @@
-"""Process-group set-up: torchrun's environment, or a one-process group otherwise."""
+"""Process-group set-up: torchrun's environment, or a one-process group otherwise.
+
+The rule every group of the trainer follows (docs/design.md §10, Process groups and collectives): it serves CPU tensors
+(control tensors, object collectives, host-memory snapshots) and the model's device. The default group is
+`cpu:gloo,cuda:nccl` on GPU and gloo (which serves both) on CPU; the device mesh's groups take the default
+group's backend, the replication group is gloo. Every collective goes through `parallelisms.collectives`,
+which checks it."""
 
 from __future__ import annotations
 
@@ -13,22 +19,60 @@ def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def default_backend(device: str) -> str:
+    """The default group's backend when the model lives on `device` ("cpu" or "cuda"): it serves both."""
+    return "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
+
+
 _TIMEOUT: datetime.timedelta | None = None  # the bound `init_distributed` was given
 
+NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+# ProcessGroupNCCL's ErrorHandlingMode: 0 NoHandling, 1 TearDown, 2 CleanUpOnly, 3 SkipCleanUp
+_NCCL_MODES = {"0": "NoHandling", "1": "TearDown", "2": "CleanUpOnly", "3": "SkipCleanUp"}
 
-def init_distributed(timeout_s: float | None = None) -> tuple[int, int]:
-    """Initialise the default process group (gloo on CPU, nccl on GPU); return (rank, world).
+
+def configure_nccl_error_handling() -> str | None:
+    """Before the first nccl group, under torchrun: how nccl's watchdog handles a failed or timed-out
+    operation. 2 (CleanUpOnly) aborts the communicators and leaves the process alive, so the error reaches
+    the training thread as `DistBackendError` and a survivor of a peer's death keeps its state
+    (trainer/survival.py). torchrun's agent sets 1 (TearDown: the watchdog kills the process, state and all)
+    whenever its own environment names no value, and a worker cannot tell that default from a user's 1: 1 is
+    replaced by 2, and so is no value (nccl's own default is 3). A user's 0 or 3 is kept (3 tears the process
+    down without cleaning up: use it only when `ncclCommAbort` itself hangs). Returns the line saying what
+    was set or kept (printed by rank 0)."""
+    value = os.environ.get(NCCL_ERROR_HANDLING)
+    if value in (None, "1"):
+        os.environ[NCCL_ERROR_HANDLING] = "2"
+        was = "unset (nccl's default: 3, SkipCleanUp)" if value is None else "1 (TearDown, torchrun's default)"
+        line = f"nccl: {NCCL_ERROR_HANDLING}=2 (CleanUpOnly) instead of {was}"
+        line += ", so a rank that outlives a failed peer keeps its state"
+    else:
+        mode = _NCCL_MODES.get(value, "unknown")
+        line = f"nccl: {NCCL_ERROR_HANDLING}={value} ({mode}) kept as set"
+        if value != "2":
+            line += "; a rank that outlives a failed peer may not keep its state (2, CleanUpOnly, lets it)"
+    if os.environ.get("RANK") == "0":
+        print(line, flush=True)
+    return line
+
+
+def init_distributed(timeout_s: float | None = None, backend: str | None = None) -> tuple[int, int]:
+    """Initialise the default process group; return (rank, world).
 
     `timeout_s`: a collective or point-to-point operation that makes no progress for this long fails
     (a hung or stopped peer is detected, not waited for); None keeps PyTorch's default. Groups created
-    later get the same bound (`bounded_backend`)."""
+    later get the same bound and backend (`bounded_backend`). `backend`: None for `default_backend` of
+    this machine; another string serving both devices (`cpu:gloo,cuda:gloo`: two processes sharing one
+    GPU, which nccl refuses) only for checks."""
     global _TIMEOUT
     if not dist.is_initialized():
         _TIMEOUT = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         limit = {} if _TIMEOUT is None else {"timeout": _TIMEOUT}
-        backend = "nccl" if device_type() == "cuda" else "gloo"
+        backend = backend or default_backend(device_type())
         if "RANK" in os.environ:  # launched by torchrun
-            if backend == "nccl":
+            if "nccl" in backend:
+                configure_nccl_error_handling()
+            if device_type() == "cuda":
                 torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
             attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
             if attempt:
@@ -46,13 +90,17 @@ def init_distributed(timeout_s: float | None = None) -> tuple[int, int]:
 
 
 def bounded_backend() -> tuple[str, object] | None:
-    """(backend, options) under which a new group gets the default group's bound (a device mesh's groups are
-    otherwise created with PyTorch's 30-minute default, and gloo reads its receive timeout at creation);
-    None without a bound or in a one-process run."""
+    """(backend, options) under which a device mesh's new group gets the default group's backend and bound
+    (its groups are otherwise created with PyTorch's 30-minute default, and gloo reads its receive timeout at
+    creation); None without a bound or in a one-process run.
+
+    torch 2.13's `init_device_mesh` takes the timeout only from the options (`_timeout`) and passes it to
+    `new_group(timeout=)`, which gives it to every backend of a `cpu:gloo,cuda:nccl` group; the options
+    themselves reach the nccl backend only (which requires its own class), gloo's is built from the timeout."""
     if _TIMEOUT is None or dist.get_world_size() == 1:
         return None
     backend = dist.get_backend()
-    options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
+    options = dist.ProcessGroupNCCL.Options() if "nccl" in backend else dist.ProcessGroupGloo._Options()
     options._timeout = _TIMEOUT
     return backend, options
 

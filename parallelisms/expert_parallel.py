@@ -12,12 +12,12 @@ import types
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed import ProcessGroup
 
 from models.experts import WEIGHTS, GroupedExperts
 from models.moe import MoE
+from parallelisms import collectives
 
 
 def _size(group: ProcessGroup | None) -> int:
@@ -45,7 +45,7 @@ def apply_expert_parallel(model: nn.Module, ep_group: ProcessGroup | None, dp_gr
         if dp > 1:
             moe.global_token_counts = types.MethodType(_dp_global_token_counts(dp_group, dp), moe)
         if ep > 1:
-            _shard_experts(moe, dist.get_rank(ep_group), ep)
+            shard_experts(moe, dist.get_rank(ep_group), ep)
             moe.experts_forward = types.MethodType(_ep_experts_forward(ep_group, ep), moe)
 
 
@@ -57,8 +57,8 @@ def local_expert_ids(n_experts: int, ep_rank: int, ep_size: int) -> range:
     return range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
 
 
-def _shard_experts(moe: MoE, ep_rank: int, ep_size: int) -> None:
-    """Keep the stacked weights of this rank's experts only."""
+def shard_experts(moe: MoE, ep_rank: int, ep_size: int) -> None:
+    """Keep the stacked weights of ep rank `ep_rank`'s experts only (on meta: their shapes)."""
     if moe.experts.n != moe.n_experts:
         raise RuntimeError("apply_expert_parallel: the MoE experts are already sharded")
     local, every = local_expert_ids(moe.n_experts, ep_rank, ep_size), moe.experts
@@ -76,7 +76,7 @@ def _dp_global_token_counts(dp_group: ProcessGroup, dp: int):
         """(counts [E] summed over the data-parallel group, dp). Not differentiable (counts are integers)."""
         with torch.no_grad():
             total = counts.detach().clone()
-            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=dp_group)
+            collectives.all_reduce(total, op=dist.ReduceOp.SUM, group=dp_group)
         return total, dp
 
     return global_token_counts
@@ -92,8 +92,7 @@ def _all_to_all(
     """
     if torch.is_grad_enabled() and not x.requires_grad:
         x = x.detach().requires_grad_()
-    out = funcol.all_to_all_single_autograd(x.contiguous(), output_splits, input_splits, group)
-    return funcol.wait_tensor(out)
+    return collectives.all_to_all_single_autograd(x.contiguous(), output_splits, input_splits, group)
 
 
 def _ep_experts_forward(ep_group: ProcessGroup, ep: int):
@@ -108,7 +107,7 @@ def _ep_experts_forward(ep_group: ProcessGroup, ep: int):
         n_local = self.n_experts // ep
         send = counts.to(torch.int64).reshape(ep, n_local)
         recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=ep_group)
+        collectives.all_to_all_single(recv, send, group=ep_group)
         sizes = torch.cat([send.sum(1), recv.sum(1)]).tolist()  # the splits: one device -> host sync
         input_splits, output_splits = sizes[:ep], sizes[ep:]
         received = _all_to_all(x, output_splits, input_splits, ep_group)

@@ -6,7 +6,8 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
-from parallelisms.mesh import ParallelDims
+from models.experts import GroupedExperts
+from parallelisms.mesh import ParallelDims, ParallelismConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -33,6 +34,22 @@ def apply_fsdp(part: torch.nn.Module, dims: ParallelDims, mixed_precision: str) 
                 experts.set_force_sum_reduction_for_comms(True)
         fully_shard(block, mesh=dp_mesh, mp_policy=policy, shard_placement_fn=_within_each_expert)
     fully_shard(part, mesh=dp_mesh, mp_policy=policy)
+
+
+def largest_shard_on_meta(part: torch.nn.Module, cfg: ParallelismConfig) -> None:
+    """Replace every parameter of `part` (on meta) by the largest local shard `apply_fsdp` gives a rank:
+    data-parallel rank 0's (torch chunks a dimension of n rows into pieces of ceil(n / shards) first).
+
+    Routed experts are sharded over `dp / ep` ranks when `ep` > 1, every other parameter over `dp`, along
+    the dimension `_within_each_expert` names. For host-memory estimates (`trainer.host_estimate`)."""
+    for module in part.modules():
+        expert_group = cfg.ep > 1 and isinstance(module, GroupedExperts)
+        shards = cfg.dp // cfg.ep if expert_group else cfg.dp
+        for name, param in list(module.named_parameters(recurse=False)):
+            shape = list(param.shape)
+            dim = (_within_each_expert(param) or Shard(0)).dim
+            shape[dim] = -(-shape[dim] // shards)
+            setattr(module, name, torch.nn.Parameter(torch.empty(shape, dtype=param.dtype, device="meta")))
 
 
 def _within_each_expert(param: torch.nn.Parameter) -> Shard | None:

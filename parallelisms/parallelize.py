@@ -96,7 +96,7 @@ def parallelize(
         ):
             use_fp32_gemm(part)
     n_stages = cfg.pp * cfg.stages_per_rank
-    shapes = _stage_shapes(args, micro_batch_shape, DTYPES[mixed_precision], n_stages, loss_chunk_tokens > 0)
+    shapes = stage_shapes(args, micro_batch_shape, DTYPES[mixed_precision], n_stages, loss_chunk_tokens > 0)
     view = parts[0] if len(parts) == 1 else ModelView(parts)
     model = ModelParts(parts, stage_ids, view, None, n_stages, [], shapes)
     if cfg.pp > 1:
@@ -124,7 +124,7 @@ def initial_parameters(args: ModelArgs, dims: ParallelDims, seed: int) -> dict[s
     return out
 
 
-def _stage_shapes(
+def stage_shapes(
     args: ModelArgs, micro_batch_shape: tuple[int, int], compute_dtype: torch.dtype, n_stages: int, hidden_out: bool
 ):
     """(inputs, outputs) example tensors on meta for stage s: tokens or hidden states in, hidden states or

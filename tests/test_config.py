@@ -57,6 +57,46 @@ def test_bad_overrides_name_the_key(args, key):
         load_config(str(ROOT / DEBUG_CONFIG), args)
 
 
+@pytest.mark.parametrize(
+    "args, key",
+    [
+        (["--job.name", "../escape"], "job.name"),
+        (["--job.name", "a/b"], "job.name"),
+        (["--job.name", ".hidden"], "job.name"),
+        (["--job.name", ""], "job.name"),
+        (["--job.seed", "-1"], "job.seed"),
+        (["--job.seed", "100000000000000000000000"], "job.seed"),
+        (["--training.steps", str(2**63)], "training.steps"),
+        (["--training.eps", "0"], "training.eps"),
+        (["--training.beta2", "1"], "training.beta2"),
+        (
+            ["--checkpoint.strategy", "moevement", "--fault.kill", "4:0:validation", "--training.val_every", "3"],
+            "fault.kill",
+        ),
+    ],
+)
+def test_unsafe_or_meaningless_values_name_the_key(args, key):
+    with pytest.raises(ConfigError, match=key):
+        load_config(str(ROOT / DEBUG_CONFIG), args)
+
+
+def test_largest_seed_and_a_directory_name_as_job_name_are_accepted():
+    from trainer.config import safe_job_name
+
+    cfg = load_config(str(ROOT / DEBUG_CONFIG), ["--job.seed", str(2**63 - 1), "--job.name", "run-1.v2_a"])
+    assert cfg.job.seed == 2**63 - 1 and cfg.job.name == "run-1.v2_a"
+    assert safe_job_name("../my ckpt") == "my_ckpt" and safe_job_name("...") == "moe"
+
+
+def test_empty_and_binary_config_files(tmp_path):
+    with pytest.raises(ConfigError, match="sets nothing"):
+        load_config(write(tmp_path, "# only a comment\n"))
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_config(str(binary))
+
+
 def test_missing_file_and_bad_toml(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_config(str(tmp_path / "absent.toml"))
@@ -91,7 +131,7 @@ def test_print_config_reloads_into_the_same_config(tmp_path):
     import subprocess
     import sys
 
-    overrides = ["--training.lr", "0.01", "--job.name", 'quote" and \\ back', "--fault.timeout_s", "2.5e-3"]
+    overrides = ["--training.lr", "0.01", "--data.text_field", 'quote" and \\ back', "--fault.timeout_s", "2.5e-3"]
     out = subprocess.run(
         [sys.executable, "train.py", "--config", DEBUG_CONFIG, *overrides, "--print-config"],
         cwd=ROOT,

@@ -151,7 +151,7 @@ def test_steps_epochs_and_seeds_differ(wiki):
     # within an epoch no sequence repeats
     seen = torch.cat([train.global_indices(s) for s in range(bpe)])
     assert seen.unique().numel() == seen.numel() == bpe * 8
-    other = TokenBatches(train.sequences.reshape(-1), 64, 8, 2, seed=1235)
+    other = TokenBatches(train.tokens, 64, 8, 2, seed=1235)
     assert not torch.equal(other.global_indices(0), train.global_indices(0))
 
 
@@ -175,7 +175,7 @@ def test_dp_layout_matches_single_process_micro_batches(wiki):
 def test_divisibility_errors(wiki):
     _, train, _ = wiki
     with pytest.raises(DataError, match=r"training\.batch_size \(8\).*training\.micro_batches \(3\)"):
-        TokenBatches(train.sequences.reshape(-1), 64, 8, 3, 0)
+        TokenBatches(train.tokens, 64, 8, 3, 0)
     assert train.local_batch(0, 3, 4)[0].shape == (2, 64)  # 8 = 2 micro x 4 ranks x 1
     with pytest.raises(DataError, match=r"training\.batch_size.*training\.micro_batches.*data-parallel size \(3\)"):
         train.local_batch(0, 0, 3)
@@ -222,20 +222,20 @@ def test_missing_path_split_and_too_small(tmp_path, hf_cache):
 def test_source_resolution_without_network(tmp_path, monkeypatch):
     # wikitext-2 without ../shared/data falls back to the hub, with hub split names
     monkeypatch.setattr(corpus, "SHARED_WIKITEXT2", tmp_path / "absent")
-    src = corpus._resolve_source(DataConfig(), "valid", "data.train_split")
+    src = corpus.resolve_source(DataConfig(), "valid", "data.train_split")
     assert (src.kind, src.hub_id, src.hub_config, src.hub_split) == (
         "hub",
         "Salesforce/wikitext",
         "wikitext-2-raw-v1",
         "validation",
     )
-    assert corpus._resolve_source(DataConfig(), "test", "data.val_split").hub_split == "test"
+    assert corpus.resolve_source(DataConfig(), "test", "data.val_split").hub_split == "test"
     # other names: owner/name is a hub id, path-like strings are missing local paths
-    src = corpus._resolve_source(DataConfig(dataset="owner/corpus", hub_config="en"), "train", "data.train_split")
+    src = corpus.resolve_source(DataConfig(dataset="owner/corpus", hub_config="en"), "train", "data.train_split")
     assert (src.kind, src.hub_id, src.hub_config, src.hub_split) == ("hub", "owner/corpus", "en", "train")
     for bad in ("./nope", "a/b/c", "nope.jsonl", str(tmp_path / "x")):
         with pytest.raises(DataError, match=r"^data\.dataset: path .* does not exist"):
-            corpus._resolve_source(DataConfig(dataset=bad), "train", "data.train_split")
+            corpus.resolve_source(DataConfig(dataset=bad), "train", "data.train_split")
 
 
 def test_single_file_and_text_grouping(tmp_path, hf_cache):
@@ -264,7 +264,7 @@ def test_text_files_are_read_as_the_datasets_text_builder_reads_them(tmp_path, h
     ds = datasets.load_dataset(
         "text", data_files={"split": paths}, split="split", keep_linebreaks=True, cache_dir=hf_cache
     )
-    assert corpus.read_text_lines(paths) == ds.data.column("text").to_pylist()
+    assert list(corpus.read_text_lines(paths)) == ds.data.column("text").to_pylist()
 
 
 def test_local_directory_of_json_jsonl_parquet(tmp_path, hf_cache):

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import suppress
 from pathlib import Path
 
 import pytest
@@ -159,6 +160,19 @@ def test_default_host_dir_is_per_user_and_owner_only():
     assert default_host_dir().endswith(f"moevement-{os.geteuid()}")
 
 
+def test_a_refused_pin_finds_the_loaded_runtime_library_to_clear_its_error():
+    """`pin_or_warn` clears the CUDA runtime's error through the libcudart this process loaded (no CUDA here:
+    the same lookup, for the C library every process maps)."""
+    import ctypes
+
+    from moevement.storage.host_memory import loaded_library
+
+    libc = loaded_library("libc")
+    assert libc is not None and Path(libc).is_file()
+    assert ctypes.CDLL(libc).getpid() == os.getpid()  # the process's own instance, as for cudaGetLastError
+    assert loaded_library("libmoevement-no-such-library") is None
+
+
 def test_second_live_job_is_refused_and_clean_keeps_it(tmp_path):
     """While a job runs, a second run of the same job exits with one line and leaves the first intact; the
     clean tool keeps a live job's state and removes a dead one's."""
@@ -253,3 +267,138 @@ def test_sigterm_to_torchrun_then_relaunch_resumes(tmp_path):
     assert m, relaunched
     assert int(m[2]) >= 5  # a persisted window after the profile, not the initial state
     assert final_line(relaunched) == final_line(reference(*pp2, nproc=2))
+
+
+def _victim(tmp_path: Path) -> Path:
+    """A directory not written by this program that looks like a window of rank 0."""
+    victim = tmp_path / "victim"
+    (victim / "rank00000").mkdir(parents=True, mode=0o700)
+    (victim / "rank00000" / "keep.txt").write_text("not ours")
+    victim.chmod(0o700)
+    return victim
+
+
+def test_removal_never_follows_a_symlinked_parent(tmp_path):
+    """`remove_tree` walks down from its anchor by directory descriptors: a `window-*` that is a symlink is
+    refused (HostMemoryError), and nothing behind it is deleted; a real owner-only tree is removed."""
+    from moevement.storage.host_memory import HostMemoryError, make_private_dirs, private_subdirs, remove_tree
+
+    root = make_private_dirs(tmp_path / "disk", "job")
+    victim = _victim(tmp_path)
+    (root / "window-00000001").symlink_to(victim)
+    own = make_private_dirs(root, "window-00000002", "rank00000")
+    (own / "s0.bin").write_bytes(b"ours")
+    assert private_subdirs(root, "window-", "rank00000") == [own]  # the link is not listed
+    with pytest.raises(HostMemoryError, match="window-00000001"):
+        remove_tree(root / "window-00000001" / "rank00000", root)
+    assert (victim / "rank00000" / "keep.txt").read_text() == "not ours"
+    remove_tree(own, root)
+    assert not own.exists() and (root / "window-00000002").is_dir()
+    remove_tree(own, root)  # already gone: fine
+
+
+def test_a_fresh_checkfreq_run_leaves_a_symlinked_window_alone(tmp_path):
+    """A fresh CheckFreq run removes its rank's old disk windows; a `window-*` link planted in its persist
+    directory is neither followed nor deleted, and the directory it points to keeps its files."""
+    from moevement.storage.host_memory import make_private_dirs
+
+    disk = tmp_path / "disk"
+    job = make_private_dirs(disk, "safety")
+    victim = _victim(tmp_path)
+    (job / "window-00000001").symlink_to(victim)
+    args = host(tmp_path, "--checkpoint.persist_dir", str(disk))
+    args = [a if a != "moevement" else "checkfreq" for a in args]
+    out = run_cli(*BASE, *args, "--checkpoint.strategy", "checkfreq", "--checkpoint.interval", "3").stdout
+    assert final_line(out) == final_line(reference())
+    assert (victim / "rank00000" / "keep.txt").read_text() == "not ours"
+    assert (job / "window-00000001").is_symlink()
+
+
+def test_clean_keeps_a_job_whose_torchrun_agent_lives(tmp_path):
+    """Between a worker's death and torchrun's next generation no worker holds a lock, but the agent lives
+    and will restart it: `moevement.clean` keeps the job's state then (naming the agent), and the restarted
+    generation resumes from it instead of retraining from step 1."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "--max-restarts=1"]
+    long_run = ["--training.steps", "40", "--metrics.log_every", "1", "--job.output_dir", str(RUN_OUTPUTS)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    agent = subprocess.Popen(
+        [*torchrun, "train.py", *BASE, *host(tmp_path), *long_run],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        _wait_for_line(agent, "step=8 ")
+        [worker] = Path(f"/proc/{agent.pid}/task/{agent.pid}/children").read_text().split()
+        os.kill(agent.pid, signal.SIGSTOP)  # hold the agent between the death and its next generation
+        os.kill(int(worker), signal.SIGKILL)
+        while _lock_held(tmp_path):  # the worker is gone once the kernel dropped its lock
+            time.sleep(0.05)
+        clean = _clean(tmp_path)
+        assert f"its torchrun agent (pid {agent.pid}) lives" in clean, clean
+        os.kill(agent.pid, signal.SIGCONT)
+        out, _ = agent.communicate(timeout=300)
+    finally:
+        with suppress(ProcessLookupError):
+            os.kill(agent.pid, signal.SIGCONT)
+        if agent.poll() is None:
+            agent.kill()
+    assert agent.returncode == 0
+    [rollback_to] = [int(m[2]) for m in RESTART.finditer(out)]
+    assert rollback_to > 1, out  # resumed from the kept state, not retrained from step 1
+    (tmp_path / "reference").mkdir()
+    fault_free = reference("--training.steps", "40", *host(tmp_path / "reference"))
+    assert final_line(out) == final_line(fault_free)
+
+
+def _lock_held(tmp_path: Path) -> bool:
+    from moevement.storage.host_memory import JobLock
+
+    return JobLock.held(tmp_path / "shm" / "safety" / "rank00000.lock")
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 512 KiB file system (tmpfs; needs the right to mount, as root here and in CI), owner-only."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=512k,mode=0700", "tmpfs", str(mount)], capture_output=True
+    )
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {proc.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_persist_dir_is_one_line_and_leaves_no_temporary(tmp_path, small_disk):
+    """persist_dir on a file system too small for one window: the run stops with one `error:` line naming
+    the directory and the bytes needed (no traceback), and no temporary directory stays behind."""
+    proc = run_cli(*BASE, *host(tmp_path, "--checkpoint.persist_dir", str(small_disk)), check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    assert re.match(
+        rf"^error: {small_disk}/safety/window-\d+: cannot write the sparse checkpoint of window \d+ "
+        r"\(\d+\.\d MB needed, \d+\.\d MB free: No space left on device\)$",
+        line,
+    ), line
+    assert not [p for p in small_disk.rglob("*") if p.name.endswith(".tmp")]
+
+
+def test_a_full_host_dir_commit_is_one_error_naming_the_directory(small_disk):
+    """A commit record that does not fit is a HostMemoryError naming the directory and the bytes needed,
+    and leaves no temporary file."""
+    from moevement.storage.host_memory import HostMemoryError, make_private_dirs, write_json_atomic
+
+    job = make_private_dirs(small_disk, "job")
+    filler = job / "filler"
+    with pytest.raises(OSError):
+        filler.write_bytes(bytes(1 << 20))  # fills the file system
+    with pytest.raises(HostMemoryError, match=rf"^{job}: cannot write w0-s0\.json \(0\.\d MB needed, 0\.0 MB free"):
+        write_json_atomic(job / "w0-s0.json", {"entries": ["x" * 8192]})
+    assert sorted(p.name for p in job.iterdir()) == ["filler"]

@@ -2,6 +2,8 @@
 
 Layers, bottom to top (a layer may always import itself):
 
+    collectives                 parallelisms/collectives.py, the one door to torch.distributed's
+                                collectives: nothing of the project; every layer but models may import it
     models                      nothing of the project but models (models.hf, a CLI, is at the top)
     parallelisms                models
     moevement.base              operators.py, failures.py, topology.py: nothing of the project
@@ -17,7 +19,8 @@ Layers, bottom to top (a layer may always import itself):
                                 anything
 
 moevement, baselines and simulator know operators and tensors, never model classes: none of them
-imports ``models``, ``parallelisms`` or ``trainer``. Module-level and function-level imports count alike.
+imports ``models``, ``parallelisms`` (but its collectives) or ``trainer``. Module-level and function-level
+imports count alike.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # layer -> the modules it holds (a module and everything under it; the longest prefix wins)
 LAYERS: dict[str, tuple[str, ...]] = {
+    "collectives": ("parallelisms.collectives",),
     "models": ("models",),
     "parallelisms": ("parallelisms",),
     "moevement.base": ("moevement.operators", "moevement.failures", "moevement.topology"),
@@ -49,12 +53,14 @@ LAYERS: dict[str, tuple[str, ...]] = {
 }
 
 MOEVEMENT = frozenset(layer for layer in LAYERS if layer.startswith("moevement"))
-BELOW_MOEVEMENT: frozenset[str] = frozenset()  # moevement knows operators and tensors: no model class, no parallelism
+# moevement knows operators and tensors: no model class, no parallelism; its collectives go through the one door
+BELOW_MOEVEMENT: frozenset[str] = frozenset({"collectives"})
 
 # layer -> the other layers it may import
 MAY_IMPORT: dict[str, frozenset[str]] = {
+    "collectives": frozenset(),
     "models": frozenset(),
-    "parallelisms": frozenset({"models"}),
+    "parallelisms": frozenset({"models", "collectives"}),
     "moevement.base": BELOW_MOEVEMENT,
     "moevement.storage": BELOW_MOEVEMENT | {"moevement.base"},
     "moevement.checkpoint": BELOW_MOEVEMENT | {"moevement.storage", "moevement.base"},
@@ -62,7 +68,7 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "moevement": BELOW_MOEVEMENT | MOEVEMENT,
     "baselines": BELOW_MOEVEMENT | MOEVEMENT,
     "simulator": BELOW_MOEVEMENT | MOEVEMENT | {"baselines"},
-    "trainer": frozenset({"models", "parallelisms", "baselines", "simulator"}) | MOEVEMENT,
+    "trainer": frozenset({"collectives", "models", "parallelisms", "baselines", "simulator"}) | MOEVEMENT,
     "top": frozenset(LAYERS),
 }
 

@@ -330,3 +330,15 @@ def test_a_restarted_baseline_refuses_a_window_of_another_run(tmp_path):
     [(step, ranks, rollback_to, *_)] = BASELINE_RESTART.findall(out)
     assert (step, ranks, rollback_to) == ("9", "1", "6") and not list(planted.glob("rank*"))
     assert final_line(out) == final_line(baseline(PP2, 2))
+
+
+def test_a_death_during_validation_loses_no_validation_line(tmp_path):
+    """Rank 1 dies in the validation after iteration 6: the restarted job resumes after 6 and runs that
+    validation again, so the run's validation lines equal the fault-free run's, every one of them."""
+    validation = ["--training.val_every", "3", "--training.val_batches", "2"]
+    out = death_run(tmp_path, [*PP2, *validation], 2, "--fault.kill", "6:1:validation")
+    assert "fault: rank 1 killed (SIGKILL) in the validation phase of step 6" in out
+    reference = baseline([*PP2, *validation], 2)
+    lines = re.compile(r"^validation step=(\d+) val_loss=(\S+)$", re.M)
+    assert dict(lines.findall(out)) == dict(lines.findall(reference)) and "6" in dict(lines.findall(out))
+    assert final_line(out) == final_line(reference)

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from moevement.storage.host_memory import HostMemoryError, read_header, write_json_atomic
+from parallelisms import collectives
 
 COUNTERS = ("first_step", "high_water", "productive_s", "recompute_s", "recovery_s", "failures", "recomputed")
 
@@ -108,7 +109,7 @@ def _newest_kept(path: Path, generation: dict) -> dict | None:
     gathered: list = [mine]
     if dist.is_initialized():
         gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
+        collectives.all_gather_object(gathered, mine)
     found = [g for g in gathered if g is not None]
     return max(found, key=lambda g: (g["generation"], g["accounting"]["high_water"]))["accounting"] if found else None
 

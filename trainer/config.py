@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,9 @@ from parallelisms.mesh import SCHEDULES, ParallelismConfig
 from trainer.data import DataConfig
 
 STRATEGIES = ("none", "moevement", "gemini", "checkfreq", "moc")
+INT64 = (-(2**63), 2**63 - 1)  # every integer key fits a signed 64-bit value (torch, numpy, file headers)
+# job.name becomes a directory name under output_dir, host_dir and persist_dir: never a path, never hidden
+JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 INTERVAL_POLICIES = ("auto", "oracle", "capped")
 
 
@@ -155,8 +159,12 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
         try:
             with file.open("rb") as f:
                 table = tomli.load(f)
-        except tomli.TOMLDecodeError as e:
+        except (tomli.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path}: invalid TOML: {e}") from None
+        except OSError as e:
+            raise ConfigError(f"{path}: unreadable ({e.strerror})") from None
+        if not table:
+            raise ConfigError(f"{path}: the config file sets nothing (empty or only comments)")
         _apply_table(cfg, table)
     for key, raw in _parse_overrides(overrides):
         section, name = _lookup(cfg, key)
@@ -223,6 +231,8 @@ def _coerce(key: str, value, kind: type, from_cli: bool):
         raise ConfigError(f"config key '{key}' must be {kind.__name__}, got {type(value).__name__} {value!r}")
     if kind is float and not math.isfinite(value):
         raise ConfigError(f"config key '{key}' must be a finite number, got {value!r}")
+    if kind is int and not INT64[0] <= value <= INT64[1]:
+        raise ConfigError(f"config key '{key}' must fit a signed 64-bit integer, got {value}")
     return value
 
 
@@ -255,6 +265,7 @@ def validate(cfg: Config) -> None:
         cfg.model.validate()
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    _validate_job(cfg.job)
     t = cfg.training
     for name in ("steps", "batch_size", "micro_batches", "seq_len", "val_batches"):
         _check(getattr(t, name) >= 1, f"training.{name}", f"must be positive, got {getattr(t, name)}")
@@ -272,6 +283,9 @@ def validate(cfg: Config) -> None:
     _check(t.lr > 0, "training.lr", f"must be positive, got {t.lr}")
     _check(0 <= t.min_lr <= t.lr, "training.min_lr", f"must be in [0, training.lr], got {t.min_lr}")
     _check(t.warmup_steps >= 0, "training.warmup_steps", f"must be >= 0, got {t.warmup_steps}")
+    _check(t.eps > 0, "training.eps", f"must be positive (AdamW divides by it), got {t.eps}")
+    for name in ("beta1", "beta2"):
+        _check(0 <= getattr(t, name) < 1, f"training.{name}", f"must be in [0, 1), got {getattr(t, name)}")
     _check(t.max_grad_norm >= 0, "training.max_grad_norm", f"must be >= 0, got {t.max_grad_norm}")
     _check(t.loss_chunk_tokens >= 0, "training.loss_chunk_tokens", f"must be >= 0, got {t.loss_chunk_tokens}")
     _check(t.val_every >= 0, "training.val_every", f"must be >= 0, got {t.val_every}")
@@ -281,6 +295,21 @@ def validate(cfg: Config) -> None:
     _check(cfg.metrics.log_every >= 1, "metrics.log_every", f"must be >= 1, got {cfg.metrics.log_every}")
     every = cfg.metrics.tensorboard_every
     _check(every >= 1, "metrics.tensorboard_every", f"must be >= 1, got {every}")
+
+
+def safe_job_name(text: str) -> str:
+    """`text` made a valid job.name: other characters become '_' (a directory's name, for example)."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", text).lstrip("._-")[:100]
+    return name or JobConfig.name
+
+
+def _validate_job(job: JobConfig) -> None:
+    _check(
+        JOB_NAME.fullmatch(job.name) is not None,
+        "job.name",
+        f"must be 1-100 letters, digits, '.', '_' or '-', not starting with '.', '_' or '-'; got {job.name!r}",
+    )
+    _check(job.seed >= 0, "job.seed", f"must be >= 0, got {job.seed}")
 
 
 def _validate_checkpoint(c: CheckpointConfig) -> None:
@@ -312,6 +341,13 @@ def _validate_fault(cfg: Config) -> None:
     _check(f.timeout_s > 0, "fault.timeout_s", f"must be > 0 seconds, got {f.timeout_s}")
     _check(f.replay_threads >= 0, "fault.replay_threads", f"must be >= 0 (0: auto), got {f.replay_threads}")
     _check(f.scope in FAULT_SCOPES, "fault.scope", f"must be one of {', '.join(FAULT_SCOPES)}, got {f.scope!r}")
+    for kill in plan.kills if plan else ():
+        every = cfg.training.val_every
+        _check(
+            kill.phase != "validation" or (every and kill.step % every == 0),
+            "fault.kill",
+            f"kills in the validation of step {kill.step}, which runs none (training.val_every={every})",
+        )
     if plan:
         given = {"fault.at": f.at, "fault.crash": f.crash, "fault.kill": f.kill, "fault.mtbf_iters": f.mtbf_iters}
         key = next((k for k, v in given.items() if v), "fault.trace")

@@ -25,7 +25,7 @@ import contextlib
 import dataclasses
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -67,7 +67,7 @@ class DataConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Source:
+class Source:
     kind: str  # "local" | "hub"
     # local
     builder: str = ""  # "text" | "json" | "parquet"
@@ -132,7 +132,7 @@ def _find_split_files(directory: Path, split: str, key: str) -> list[Path]:
     return cands
 
 
-def _resolve_source(cfg: DataConfig, split: str, key: str) -> _Source:
+def resolve_source(cfg: DataConfig, split: str, key: str) -> Source:
     """Where split ``split`` of ``cfg.dataset`` lives. ``key`` names the config key of the split."""
     ds = cfg.dataset.strip()
     if not ds:
@@ -143,8 +143,8 @@ def _resolve_source(cfg: DataConfig, split: str, key: str) -> _Source:
     if ds == "wikitext-2":
         if SHARED_WIKITEXT2.is_dir():
             files = _split_files(SHARED_WIKITEXT2, split, key)
-            return _Source("local", builder=_format_of(files, str(SHARED_WIKITEXT2)), files=tuple(map(str, files)))
-        return _Source(
+            return Source("local", builder=_format_of(files, str(SHARED_WIKITEXT2)), files=tuple(map(str, files)))
+        return Source(
             "hub",
             hub_id=WIKITEXT_HUB_ID,
             hub_config=cfg.hub_config or WIKITEXT_HUB_CONFIG,
@@ -155,19 +155,19 @@ def _resolve_source(cfg: DataConfig, split: str, key: str) -> _Source:
     path = resolve_path(ds)
     if path.is_dir():
         files = _split_files(path, split, key)
-        return _Source("local", builder=_format_of(files, str(path)), files=tuple(map(str, files)))
+        return Source("local", builder=_format_of(files, str(path)), files=tuple(map(str, files)))
     if path.is_file():
         if path.suffix.lower() not in _FORMATS:
             raise DataError(
                 f"data.dataset: {str(path)!r} has unsupported extension {path.suffix!r} "
                 f"(expected one of {sorted(_FORMATS)})"
             )
-        return _Source("local", builder=_FORMATS[path.suffix.lower()], files=(str(path),))
+        return Source("local", builder=_FORMATS[path.suffix.lower()], files=(str(path),))
     # hub ids are "name" or "owner/name"; anything else path-like is a missing local path
     looks_local = ds.startswith((".", "/", "~")) or Path(ds).suffix.lower() in _FORMATS or not _HUB_ID_RE.match(ds)
     if looks_local:
         raise DataError(f"data.dataset: path {ds!r} does not exist (resolved to {str(path)!r})")
-    return _Source("hub", hub_id=ds, hub_config=cfg.hub_config, hub_split=split)
+    return Source("hub", hub_id=ds, hub_config=cfg.hub_config, hub_split=split)
 
 
 # --------------------------------------------------------------------------------------
@@ -197,22 +197,20 @@ def _is_article_heading(line: str) -> bool:
     return len(s) > 4 and s.startswith("= ") and s.endswith(" =") and not s.startswith("= =") and not s.endswith("= =")
 
 
-def _group_lines(lines: Sequence[str | None]) -> list[str]:
-    """Lines (line breaks kept) -> documents; a WikiText article heading starts a new one."""
-    docs: list[str] = []
+def group_lines(lines: Iterable[str | None]) -> Iterator[str]:
+    """Lines (line breaks kept) -> documents, lazily; a WikiText article heading starts a new one."""
     cur: list[str] = []
     has_text = False
     for line in lines:
         if line is None:
             continue
         if has_text and _is_article_heading(line):
-            docs.append("".join(cur))
+            yield "".join(cur)
             cur, has_text = [], False
         cur.append(line)
         has_text = has_text or bool(line.strip())
     if has_text:
-        docs.append("".join(cur))
-    return docs
+        yield "".join(cur)
 
 
 _CHECK_CHUNK = 1 << 20
@@ -237,7 +235,7 @@ def _text_problem(path: str) -> str | None:
             offset += len(chunk)
 
 
-def _check_local_files(src: _Source, where: str) -> None:
+def _check_local_files(src: Source, where: str) -> None:
     """Refuse, naming the file, local files that cannot be read, are all empty, or are not UTF-8 text.
 
     ``where`` names the split's config key, e.g. ``(data.train_split='valid')``.
@@ -277,7 +275,7 @@ def _cause(e: BaseException) -> str:
     return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
 
 
-def _load_local(src: _Source, cache_dir: str | None, where: str):
+def _load_local(src: Source, cache_dir: str | None, where: str):
     """A local json, jsonl or parquet split (plain text is read by `read_text_lines`)."""
     import datasets
 
@@ -291,57 +289,71 @@ def _load_local(src: _Source, cache_dir: str | None, where: str):
         raise DataError(f"data.dataset: could not read {src.describe()!r} {where} as {src.builder}: {why}") from e
 
 
-def read_text_lines(files: Sequence[str]) -> list[str]:
-    """The lines of plain-text files, line breaks kept: what `datasets`' ``text`` builder yields with
-    ``keep_linebreaks`` (universal newlines, split on "\\n" only), without importing `datasets`, which
-    costs every restarted worker about a second."""
-    lines: list[str] = []
+def read_text_lines(files: Sequence[str]) -> Iterator[str]:
+    """The lines of plain-text files, line breaks kept, lazily: what `datasets`' ``text`` builder yields
+    with ``keep_linebreaks`` (universal newlines, split on "\\n" only), without importing `datasets`,
+    which costs every restarted worker about a second."""
     for path in files:
         with open(path, encoding="utf-8") as f:
-            lines += f.readlines()
-    return lines
+            yield from f
 
 
-def _load_documents(src: _Source, cfg: DataConfig, where: str) -> list[str]:
-    """The documents of ``src``; ``where`` (e.g. ``(data.train_split='valid')``) is named in errors."""
-    if src.kind == "local" and src.builder == "text":
-        _check_local_files(src, where)
-        return _group_lines(read_text_lines(src.files))
+def _open_dataset(src: Source, cfg: DataConfig, where: str):
+    """The Arrow-backed (memory-mapped, not loaded) `datasets.Dataset` of a json/jsonl/parquet or hub ``src``."""
     import datasets
 
     cache_dir = cfg.cache_dir or None
     with _quiet_datasets():
         if src.kind == "local":
-            ds = _load_local(src, cache_dir, where)
-        else:
-            try:
-                ds = datasets.load_dataset(src.hub_id, src.hub_config or None, split=src.hub_split, cache_dir=cache_dir)
-            except Exception as e:
-                msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-                why = (
-                    f"{str(SHARED_WIKITEXT2)!r} does not exist"
-                    if cfg.dataset.strip() == "wikitext-2"
-                    else f"{cfg.dataset!r} is not a local path"
-                )
-                raise DataError(
-                    f"data.dataset: {why} and loading {src.describe()} "
-                    f"from the Hugging Face hub failed ({type(e).__name__}: {msg})"
-                ) from e
+            return _load_local(src, cache_dir, where)
+        try:
+            return datasets.load_dataset(src.hub_id, src.hub_config or None, split=src.hub_split, cache_dir=cache_dir)
+        except Exception as e:
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            why = (
+                f"{str(SHARED_WIKITEXT2)!r} does not exist"
+                if cfg.dataset.strip() == "wikitext-2"
+                else f"{cfg.dataset!r} is not a local path"
+            )
+            raise DataError(
+                f"data.dataset: {why} and loading {src.describe()} "
+                f"from the Hugging Face hub failed ({type(e).__name__}: {msg})"
+            ) from e
 
-    field = "text" if (src.kind == "local" and src.builder == "text") else cfg.text_field
+
+def _column_rows(ds, field: str) -> Iterator[str | None]:
+    """Column ``field`` of ``ds``, one Arrow record batch at a time (straight from Arrow: much faster than
+    row access, and never the whole column in Python objects)."""
+    for chunk in ds.data.column(field).chunks:
+        yield from chunk.to_pylist()
+
+
+def iter_documents(src: Source, cfg: DataConfig, where: str) -> Iterator[str]:
+    """The documents of ``src`` in order, streamed; ``where`` (e.g. ``(data.train_split='valid')``) is named
+    in errors. Checks that read the files (readable, not all empty, UTF-8) run before the first document."""
+    if src.kind == "local" and src.builder == "text":
+        _check_local_files(src, where)
+        yield from group_lines(read_text_lines(src.files))
+        return
+    ds = _open_dataset(src, cfg, where)
+    field = cfg.text_field
     if field not in ds.column_names:
         raise DataError(
             f"data.text_field: column {field!r} not found in {src.describe()!r} {where} (columns: {ds.column_names})"
         )
-    texts = ds.data.column(field).to_pylist()  # straight from Arrow: much faster than row access
-    if src.builder == "text" or src.lines_are_rows:
-        return _group_lines(texts)
-    first = next((t for t in texts if t is not None), None)
-    if first is not None and not isinstance(first, str):
-        raise DataError(
-            f"data.text_field: column {field!r} of {src.describe()!r} {where} holds {type(first).__name__}, not text"
-        )
-    return [t for t in texts if t is not None and t.strip()]
+    rows = _column_rows(ds, field)
+    if src.lines_are_rows:
+        yield from group_lines(rows)
+        return
+    for text in rows:
+        if text is None:
+            continue
+        if not isinstance(text, str):
+            raise DataError(
+                f"data.text_field: column {field!r} of {src.describe()!r} {where} holds {type(text).__name__}, not text"
+            )
+        if text.strip():
+            yield text
 
 
 _TOKEN_CACHE: dict[tuple, torch.Tensor] = {}
@@ -357,7 +369,7 @@ def _tokenizer_key(tok: Tokenizer) -> tuple:
 
 def describe_split(cfg: DataConfig, split: str, split_key: str = "data.train_split") -> str:
     """Human-readable name of a split's source, e.g. ``'/.../valid.txt' (data.train_split='valid')``."""
-    return f"{_resolve_source(cfg, split, split_key).describe()!r} ({split_key}={split!r})"
+    return f"{resolve_source(cfg, split, split_key).describe()!r} ({split_key}={split!r})"
 
 
 def load_tokens(
@@ -368,14 +380,14 @@ def load_tokens(
     Returns a 1-D int32 tensor (shared with an in-process cache -- do not modify it).
     ``split_key`` is the config key named in errors about the split.
     """
-    src = _resolve_source(cfg, split, split_key)
+    src = resolve_source(cfg, split, split_key)
     field = "text" if (src.kind == "local" and src.builder == "text") else cfg.text_field
     key = (src.cache_key(), field, _tokenizer_key(tokenizer))
     hit = _TOKEN_CACHE.get(key)
     if hit is not None:
         return hit
     where = f"({split_key}={split!r})"
-    docs = _load_documents(src, cfg, where)
+    docs = list(iter_documents(src, cfg, where))
     if not docs:
         raise DataError(f"data.dataset: {src.describe()!r} {where} contains no text")
     arr = encode_documents(tokenizer, docs)

@@ -8,7 +8,10 @@
 * :func:`make_loader` wraps a :class:`TokenBatches` in a ``torchdata``
   ``StatefulDataLoader`` yielding ``(step, inputs, labels)`` from a start step; its
   ``state_dict()``/``load_state_dict()`` round-trip the position.
-* :func:`build_data` is what the trainer calls; text loading lives in :mod:`trainer.corpus`.
+* :func:`build_data` is what the trainer calls. Its tokens come from one of two sources behind the
+  same interface: a split packed in memory (:mod:`trainer.corpus`, for small files) or a split of a
+  prepared corpus memory-mapped from its shards (:mod:`trainer.token_shards`, when ``data.dataset`` is
+  a directory written by ``python -m trainer.prepare_data``).
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from typing import Any
 import torch
 
 from trainer.corpus import DataConfig, DataError, describe_split, load_tokens
-from trainer.tokenizer import Tokenizer, TokenizerError, build_tokenizer
+from trainer.token_shards import ShardedTokens, is_prepared, open_split
+from trainer.tokenizer import Tokenizer, TokenizerError, build_tokenizer, resolve_path
 
 __all__ = ["DataConfig", "DataError", "TokenBatches", "build_data", "make_loader"]
 
@@ -33,6 +37,22 @@ __all__ = ["DataConfig", "DataError", "TokenBatches", "build_data", "make_loader
 def _mix_seed(seed: int, epoch: int) -> int:
     h = hashlib.blake2b(f"trainer.data:{int(seed)}:{int(epoch)}".encode(), digest_size=8).digest()
     return int.from_bytes(h, "little") & ((1 << 63) - 1)
+
+
+class InMemoryTokens:
+    """A packed 1-D token tensor in memory: the token source of small corpora."""
+
+    def __init__(self, tokens: torch.Tensor):
+        self.data = torch.as_tensor(tokens).reshape(-1)
+        self.num_tokens = int(self.data.numel())
+
+    def sequences(self, indices: torch.Tensor, row: int) -> torch.Tensor:
+        """``LongTensor[len(indices), row]``: row ``i`` is tokens ``indices[i] * row`` onwards."""
+        rows = self.data[: self.num_tokens // row * row].view(-1, row)
+        return rows.index_select(0, indices).long()
+
+
+TokenSource = InMemoryTokens | ShardedTokens
 
 
 class TokenBatches:
@@ -54,7 +74,7 @@ class TokenBatches:
 
     def __init__(
         self,
-        tokens: torch.Tensor,
+        tokens: torch.Tensor | TokenSource,
         seq_len: int,
         global_batch_size: int,
         micro_batches: int = 1,
@@ -74,7 +94,7 @@ class TokenBatches:
                 f"training.batch_size ({global_batch_size}) must be divisible by "
                 f"training.micro_batches ({micro_batches})"
             )
-        tokens = torch.as_tensor(tokens).reshape(-1)
+        self.tokens = tokens if isinstance(tokens, TokenSource) else InMemoryTokens(tokens)
         self.seq_len = int(seq_len)
         self.global_batch_size = int(global_batch_size)
         self.micro_batches = int(micro_batches)
@@ -82,7 +102,7 @@ class TokenBatches:
         self.shuffle = bool(shuffle)
         self.name = name
         row = self.seq_len + 1
-        self.num_tokens = int(tokens.numel())
+        self.num_tokens = self.tokens.num_tokens
         self.num_sequences = self.num_tokens // row
         if self.num_sequences < self.global_batch_size:
             raise DataError(
@@ -90,7 +110,6 @@ class TokenBatches:
                 f"seq_len+1={row} tokens, fewer than one global batch needs "
                 f"(training.batch_size={self.global_batch_size} sequences = {self.global_batch_size * row} tokens)"
             )
-        self.sequences = tokens[: self.num_sequences * row].view(self.num_sequences, row)
         self.batches_per_epoch = self.num_sequences // self.global_batch_size
         self._perm_cache: dict[int, torch.Tensor] = {}
 
@@ -128,7 +147,8 @@ class TokenBatches:
         return perm
 
     def global_indices(self, step: int) -> torch.Tensor:
-        """Sequence indices (into :attr:`sequences`) of the global batch of ``step``, in order."""
+        """Sequence indices of the global batch of ``step``, in order (sequence ``i`` is the ``seq_len + 1``
+        tokens from ``i * (seq_len + 1)`` on)."""
         step = int(step)
         if step < 0:
             raise IndexError(f"step must be >= 0, got {step}")
@@ -146,7 +166,7 @@ class TokenBatches:
         return g[:, dp_rank, :].reshape(-1)
 
     def _rows(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = self.sequences.index_select(0, idx).long()
+        rows = self.tokens.sequences(idx, self.seq_len + 1)
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
     def global_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -256,6 +276,16 @@ def make_loader(
 # --------------------------------------------------------------------------------------
 
 
+def split_tokens(cfg: DataConfig, split: str, tok: Tokenizer, key: str) -> tuple[TokenSource, str]:
+    """``(tokens, name)`` of split ``split`` (config key ``key``): memory-mapped from a prepared corpus
+    when ``data.dataset`` is one, else read, tokenized and packed in memory."""
+    path = resolve_path(cfg.dataset.strip()) if cfg.dataset.strip() else None
+    if path is not None and is_prepared(path):
+        tokens = open_split(path, split, tok, key)
+        return tokens, tokens.name
+    return InMemoryTokens(load_tokens(cfg, split, tok, split_key=key)), describe_split(cfg, split, key)
+
+
 def build_data(
     cfg: DataConfig, seq_len: int, global_batch_size: int, micro_batches: int, seed: int
 ) -> tuple[Tokenizer, TokenBatches, TokenBatches | None]:
@@ -272,24 +302,10 @@ def build_data(
         tok = build_tokenizer(cfg.tokenizer)
     except TokenizerError as e:  # the trainer reports DataError as one line
         raise DataError(str(e)) from None
-    train = TokenBatches(
-        load_tokens(cfg, cfg.train_split, tok, split_key="data.train_split"),
-        seq_len,
-        global_batch_size,
-        micro_batches,
-        seed,
-        shuffle=True,
-        name=describe_split(cfg, cfg.train_split, "data.train_split"),
-    )
+    tokens, name = split_tokens(cfg, cfg.train_split, tok, "data.train_split")
+    train = TokenBatches(tokens, seq_len, global_batch_size, micro_batches, seed, shuffle=True, name=name)
     val = None
     if cfg.val_split:
-        val = TokenBatches(
-            load_tokens(cfg, cfg.val_split, tok, split_key="data.val_split"),
-            seq_len,
-            global_batch_size,
-            micro_batches,
-            seed,
-            shuffle=False,
-            name=describe_split(cfg, cfg.val_split, "data.val_split"),
-        )
+        tokens, name = split_tokens(cfg, cfg.val_split, tok, "data.val_split")
+        val = TokenBatches(tokens, seq_len, global_batch_size, micro_batches, seed, shuffle=False, name=name)
     return tok, train, val

@@ -4,7 +4,8 @@ Phases of iteration T: `forward` (the first forward of this rank's stages), `bac
 backward), `clip` (just before the gradient-norm all-reduce, so no rank gets T's clip coefficient),
 `optimizer` (after that all-reduce, before the update), `snapshot` (while this iteration's snapshot is
 being copied to host memory), `replication` (after T is applied, while its snapshot is being sent to the
-replica peers); these fire only in normal training. `replay` fires while a restarted generation's
+replica peers), `validation` (in the validation after T, where one runs); these fire only in normal
+training. `replay` fires while a restarted generation's
 start-up (a rejoin or a whole-job restart) replays T. Each kill fires in the torchrun generation it
 belongs to (`FaultPlan.kill_of`), so a restarted job does not meet the same death again.
 """

@@ -32,9 +32,10 @@ from moevement.recovery.localized import Recovery
 from moevement.recovery.replay import PipelineReplay, StageRef
 from moevement.recovery.restart import CheckHeader, RestartPoint, find_restart_checkpoint, snapshot_identity_check
 from moevement.recovery.upstream_log import UpstreamLog
-from moevement.storage.host_memory import JobLock, default_host_dir, make_private_dirs, remove_tree
+from moevement.storage.host_memory import JobLock, default_host_dir, make_private_dirs, private_subdirs, remove_tree
 from moevement.strategy import CheckpointStrategy, MoEvement, NoCheckpointing
 from moevement.topology import Topology
+from parallelisms import collectives
 from parallelisms.fsdp import DTYPES
 from parallelisms.mesh import ParallelDims
 from parallelisms.parallelize import ModelParts, initial_parameters
@@ -54,7 +55,7 @@ def gather_topology(dims: ParallelDims, host_dir: Path) -> Topology:
         return Topology.single(local_stage_ids(dims.cfg, 0))
     gathered: list = [None] * dist.get_world_size()
     node = f"{socket.gethostname()}:{host_dir.resolve()}"
-    dist.all_gather_object(gathered, (dims.pp_rank, dims.dp_rank, node))
+    collectives.all_gather_object(gathered, (dims.pp_rank, dims.dp_rank, node))
     hosts = list(dict.fromkeys(host for _, _, host in gathered))
     return Topology(
         dist.get_rank(),
@@ -106,7 +107,7 @@ def _kept_live_state(rank_dir: Path, job_meta: dict, rejoin: Rejoin) -> Rejoin:
             print(f"restart: rank {dist.get_rank()} cannot use its live state: {why}", flush=True)
     kept = torch.tensor([int(rejoin.live is not None)])
     if dist.is_initialized():
-        dist.all_reduce(kept)
+        collectives.all_reduce(kept)
     rejoin.survivors = bool(kept.item())
     return rejoin
 
@@ -114,7 +115,8 @@ def _kept_live_state(rank_dir: Path, job_meta: dict, rejoin: Rejoin) -> Rejoin:
 def claim_host_state(cfg: Config, rank: int) -> JobLock:
     """Lock this rank's place in the job's host directory (refused while a live process holds it)."""
     job_dir = host_job_dir(cfg)
-    return JobLock(make_private_dirs(job_dir.parent, job_dir.name) / f"rank{rank:05d}.lock")
+    agent = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None  # torchrun's agent starts its workers
+    return JobLock(make_private_dirs(job_dir.parent, job_dir.name) / f"rank{rank:05d}.lock", agent)
 
 
 def build_strategy(
@@ -149,8 +151,8 @@ def build_strategy(
     found = _restart_point(strategy, rank_dir, disk, checks, rejoin, line)
     if strategy != "moevement":
         if dist.is_initialized():
-            dist.barrier()  # every rank holds its copy before any rank clears its directory
-        remove_tree(rank_dir)  # loaded, or of no use to any restart
+            collectives.barrier()  # every rank holds its copy before any rank clears its directory
+        remove_tree(rank_dir, rank_dir.parent)  # loaded, or of no use to any restart
     new_checkpointer = functools.partial(
         SparseCheckpointer,
         model=model.view,
@@ -239,8 +241,8 @@ def _interval_baseline(
         persist = persist_root(cfg, default)
         ck_cfg = dataclasses.replace(ck_cfg, replicas=0, persist_dir=str(persist), persist_every=1)
         if restart is None:  # an earlier run's checkpoints must not be restored into this one
-            for old in persist.glob(f"window-*/rank{dist.get_rank():05d}"):
-                remove_tree(old)
+            for old in private_subdirs(persist, "window-", f"rank{dist.get_rank():05d}"):
+                remove_tree(old, persist)
     policy = IntervalPolicy(strategy, ck_cfg.interval, expected_mtbf_iters(cfg), select)
     checkpointer = new_checkpointer(ck_cfg, policy=policy, disk_keep=keep)
     rollback = GlobalRollback(

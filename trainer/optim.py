@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from parallelisms import collectives
 from trainer.config import TrainingConfig
 
 
@@ -70,7 +71,7 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> tuple[f
     local = [_local(g) for g in grads]
     squared = torch.stack(torch._foreach_norm(local, 2.0)).square().sum() if local else torch.zeros(())
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(squared)
+        collectives.all_reduce(squared)
     total_norm = squared.sqrt()
     clip_coef = 1.0
     if max_norm > 0:

@@ -1,4 +1,5 @@
-"""The small object collectives of the end of a run and of dense checkpoints, on the default group.
+"""The small object collectives of the end of a run and of dense checkpoints, on the default group
+(through `parallelisms.collectives`, like every collective of the trainer).
 
 Only records travel here (names, digests, file checksums, error lines), never tensors: the state itself
 stays where it lives (`trainer.state`). One process without `torch.distributed` is a group of one.
@@ -9,6 +10,8 @@ from __future__ import annotations
 from typing import TypeVar
 
 import torch.distributed as dist
+
+from parallelisms import collectives
 
 T = TypeVar("T")
 
@@ -26,7 +29,7 @@ def gather_to_rank0(record: T) -> list[T] | None:
     if _alone():
         return [record]
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(record, gathered, dst=0)
+    collectives.gather_object(record, gathered, dst=0)
     return gathered
 
 
@@ -35,7 +38,7 @@ def from_rank0(record: T) -> T:
     if _alone():
         return record
     box = [record]
-    dist.broadcast_object_list(box, src=0)
+    collectives.broadcast_object_list(box, src=0)
     return box[0]
 
 
@@ -44,5 +47,5 @@ def all_records(record: T) -> list[T]:
     if _alone():
         return [record]
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, record)
+    collectives.all_gather_object(gathered, record)
     return gathered

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from parallelisms import collectives
 from parallelisms.mesh import ParallelDims
 from parallelisms.parallelize import ModelParts
 from trainer.config import TrainingConfig
@@ -100,9 +101,9 @@ def _zero(device: torch.device) -> torch.Tensor:
 def _global_mean_loss(loss: torch.Tensor, dims: ParallelDims) -> float:
     """The loss from the last pipeline stage, averaged over data-parallel ranks, on every rank."""
     if dims.cfg.pp > 1:
-        dist.broadcast(loss, group=dims.group("pp"), group_src=dims.cfg.pp - 1)
+        collectives.broadcast(loss, group=dims.group("pp"), group_src=dims.cfg.pp - 1)
     if dims.cfg.dp > 1:
-        dist.all_reduce(loss, group=dims.group("dp"))
+        collectives.all_reduce(loss, group=dims.group("dp"))
         loss /= dims.cfg.dp
     return float(loss)
 
@@ -112,7 +113,7 @@ def _aux_loss(model: ModelParts, dims: ParallelDims) -> float:
         sum(float(m.last_aux_loss) for m in moe_modules(model.view).values()), dtype=torch.float64, device=dims.device
     )
     if dist.get_world_size() > 1:
-        dist.all_reduce(aux)
+        collectives.all_reduce(aux)
         aux /= dims.cfg.dp
     return float(aux)
 

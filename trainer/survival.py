@@ -2,8 +2,9 @@
 
 Under torchrun a dead worker makes the agent send SIGTERM to every other worker of the job, then start
 them all again (`--max-restarts`). A survivor learns of the death from that signal, or earlier from a
-collective whose peer is gone (gloo: "Connection closed by peer"; any collective times out after
-`fault.timeout_s`). It stops at a consistent point and keeps its live state for the restarted process:
+communication call that fails because its peer is gone or made no progress for `fault.timeout_s`. Such a
+failure is recognised by its type or by where it was raised, never by its wording (`communication_failure`).
+It stops at a consistent point and keeps its live state for the restarted process:
 
 - while an iteration computes (forward, backward, gradient reduction, the gradient-norm all-reduce) its
   weights and optimizer state are still `state_T`: SIGTERM stops it at once (`WorkerStopped`);
@@ -22,12 +23,22 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
+import traceback
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch.distributed as dist
 
-PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out", "timed out")
+from parallelisms import collectives
+
+# Where communication code runs: torch.distributed (its collectives, functional collectives, FSDP's and
+# pipelining's waits) and the trainer's one door to it.
+_TORCH_DISTRIBUTED = Path(dist.__file__).resolve().parent
+_COLLECTIVES = Path(collectives.__file__).resolve()
+# What the one-line summary quotes of a gloo error when it carries one of these (display only).
+GLOO_GISTS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out", "timed out")
 
 
 class WorkerStopped(BaseException):
@@ -37,18 +48,38 @@ class WorkerStopped(BaseException):
 
 
 def peer_failure(error: BaseException) -> bool:
-    """Whether `error` (or an error it wraps, as pipelining's stage errors do) says a peer process is gone
-    or a collective timed out, rather than a bug here."""
+    """Whether `error` (or an error it wraps, as pipelining's stage errors and the replication thread's
+    do) is the job stopping or a failed communication (a peer gone, an operation without progress for
+    `fault.timeout_s`), rather than a bug here."""
     return _peer_error(error) is not None
+
+
+def communication_failure(error: BaseException) -> bool:
+    """Whether `error` is a failed communication, by type or origin, whatever its message says:
+
+    - a `torch.distributed.DistError`: nccl's watchdog aborting a timed-out or failed operation
+      (`DistBackendError`, the process kept alive by `TORCH_NCCL_ASYNC_ERROR_HANDLING=2`, see
+      `parallelisms.distributed.configure_nccl_error_handling`), the store, the network;
+    - a plain `RuntimeError` raised inside communication code (its innermost frame is in `torch.distributed`
+      or `parallelisms/collectives.py`): gloo reports a closed connection or a timeout untyped, from the
+      wait of the operation. A wrong argument is caught before the call (`collectives.DeviceNotServed`, a
+      `ValueError`)."""
+    if isinstance(error, dist.DistError):
+        return True
+    if type(error) is not RuntimeError or error.__traceback__ is None:
+        return False
+    tb = error.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    where = Path(tb.tb_frame.f_code.co_filename).resolve()
+    return where == _COLLECTIVES or _TORCH_DISTRIBUTED in where.parents
 
 
 def _peer_error(error: BaseException | None) -> BaseException | None:
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        if isinstance(error, WorkerStopped | dist.DistError):
-            return error
-        if isinstance(error, RuntimeError) and any(marker in str(error) for marker in PEER_GONE):
+        if isinstance(error, WorkerStopped) or communication_failure(error):
             return error
         error = error.__cause__ or error.__context__
     return None
@@ -121,13 +152,16 @@ def keep_state_and_exit(guard: StopGuard, keep_live_state, error: BaseException)
         print(guard.preempted_line(guard.step, kept) + when, flush=True)
     else:
         print(f"failure detected: rank {guard.rank} at step {guard.step} by {how}; kept {kept}{when}", flush=True)
+        if not isinstance(error, dist.DistError):  # told by where it was raised: the whole record, to stderr
+            traceback.print_exception(error, file=sys.stderr)
+            sys.stderr.flush()
     os._exit(143 if sigterm else 75)
 
 
 def _first_line(error: BaseException) -> str:
-    """The gist of a collective's error: the peer-gone marker it carries, else its first line."""
+    """The gist of a collective's error: the gloo gist it carries, else its first line."""
     text = str(error)
-    marker = next((m for m in PEER_GONE if m in text), None)
+    marker = next((m for m in GLOO_GISTS if m in text), None)
     if marker is not None:
         return f"a collective failed ({marker})"
     lines = text.strip().splitlines()

@@ -16,6 +16,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from parallelisms import collectives
+
 SNAPSHOT_FIGURES = ("ckpt_mb", "stall_ms", "window", "repl_lag", "host_mb", "log_mb")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -28,11 +30,14 @@ def layer_index(module_name: str) -> int | None:
 
 class StageGather:
     """Every rank's contribution to one gather: its MoE layers' token counts (dp-global already, so every
-    rank of a stage holds the same rows) and its stage's snapshot figures; an all-reduce (max) joins them."""
+    rank of a stage holds the same rows) and its stage's snapshot figures; an all-reduce (max) joins them.
+
+    The counts are summed where the model puts them (its device: no copy to the host per iteration) and
+    reach the host once per gather, where the all-reduce of this small CPU tensor runs."""
 
     def __init__(self, n_layers: int, n_experts: int, n_stages: int, stage: int):
         self.n_layers, self.n_experts, self.n_stages, self.stage = n_layers, n_experts, n_stages, stage
-        self.tokens = torch.zeros(n_layers, n_experts, dtype=torch.float64)
+        self.tokens: torch.Tensor | None = None  # [layers, experts] float64 on the counts' device, from the first add
         self.first_step: int | None = None
 
     def add(self, step: int, tokens: dict[str, torch.Tensor]) -> None:
@@ -42,6 +47,8 @@ class StageGather:
         for name, counts in tokens.items():
             index = layer_index(name)
             if index is not None:
+                if self.tokens is None:
+                    self.tokens = torch.zeros(self.n_layers, self.n_experts, dtype=torch.float64, device=counts.device)
                 self.tokens[index] += counts.to(torch.float64)
 
     def gather(self, owned: set[int], figures: dict[str, float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -51,10 +58,13 @@ class StageGather:
         moe[sorted(owned)] = 1.0
         snapshot = torch.zeros(self.n_stages, len(SNAPSHOT_FIGURES), dtype=torch.float64)
         snapshot[self.stage] = torch.tensor([float(figures.get(k, 0.0)) for k in SNAPSHOT_FIGURES])
-        flat = torch.cat([self.tokens.flatten(), moe, snapshot.flatten()])
-        dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+        tokens = torch.zeros(self.n_layers, self.n_experts, dtype=torch.float64)
+        if self.tokens is not None:
+            tokens.copy_(self.tokens)  # the one device-to-host copy of the gather
+            self.tokens.zero_()
+        flat = torch.cat([tokens.flatten(), moe, snapshot.flatten()])
+        collectives.all_reduce(flat, op=dist.ReduceOp.MAX)
         n = self.n_layers * self.n_experts
-        self.tokens.zero_()
         self.first_step = None
         return flat[:n].view(self.n_layers, self.n_experts), flat[n : n + self.n_layers] > 0, flat[n + self.n_layers :]
 

@@ -254,7 +254,7 @@ class SparseCheckpointer:
         for buf in self._held():
             buf.release()
         if not self.cfg.keep_host_state:
-            remove_tree(self.rank_dir)
+            remove_tree(self.rank_dir, self.rank_dir.parent)
 
     def adopt(self, window_index: int, snapshots: list[tuple[SnapshotHeader, dict]]) -> None:
         """A restarted job keeps the window it restarted from as its persisted checkpoint (collective): every

@@ -30,6 +30,7 @@ from moevement.checkpoint.schedule import (
 )
 from moevement.operators import Operator
 from moevement.storage.snapshot import entry_layout
+from parallelisms import collectives
 
 
 class SnapshotPolicy(Protocol):
@@ -130,5 +131,5 @@ class WindowPlanner:
         if self.world == 1:
             return window
         agreed = torch.tensor([window], dtype=torch.int64, device=self.device)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        collectives.all_reduce(agreed, op=dist.ReduceOp.MAX)
         return int(agreed)

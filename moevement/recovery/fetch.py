@@ -20,6 +20,7 @@ from moevement.recovery.upstream_log import UpstreamLog
 from moevement.storage.host_memory import HostBuffer, read_header
 from moevement.storage.snapshot import SnapshotError, SnapshotHeader, verify_entries
 from moevement.topology import Topology
+from parallelisms import collectives
 
 
 class RecoveryError(RuntimeError):
@@ -35,7 +36,7 @@ def fetch_from_replicas(ck: SparseCheckpointer, failed: set[int], window: int) -
     sources = {}
     intact = torch.tensor([int(me in failed and _local_copy_intact(ck, window))])
     flags = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(flags, intact)
+    collectives.all_gather(flags, intact)
     for f in sorted(failed):
         holders = ck.replica_holders(f)
         done = bool(flags[f])
@@ -43,12 +44,12 @@ def fetch_from_replicas(ck: SparseCheckpointer, failed: set[int], window: int) -
             sources[f] = "local (restored earlier in this recovery)"
         for h in holders:
             if me == f:
-                dist.send(torch.tensor([0 if done else 1]), h)
+                collectives.send(torch.tensor([0 if done else 1]), h)
                 if not done and _receive(ck, h, window, ck.persisted.snapshot_buffer, f"replica on rank {h}"):
                     done, sources[f] = True, f"rank{h}"
             elif me == h:
                 request = torch.zeros(1, dtype=torch.int64)
-                dist.recv(request, f)
+                collectives.recv(request, f)
                 if int(request):
                     _send(ck, f, window, lambda slot, f=f: ck.persisted.replica_buffer(f, slot))
         if me == f and not done:
@@ -81,27 +82,27 @@ def _local_copy_intact(ck: SparseCheckpointer, window: int) -> bool:
 def send_slot(dst: int, header: dict | None, data: torch.Tensor | None) -> None:
     """One snapshot slot to `dst`: sizes, JSON header, bytes; sizes (0, 0) when the sender has none."""
     if header is None:
-        dist.send(torch.tensor([0, 0]), dst)
+        collectives.send(torch.tensor([0, 0]), dst)
         return
     raw = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
-    dist.send(torch.tensor([raw.numel(), header["nbytes"]]), dst)
-    dist.send(raw, dst)
+    collectives.send(torch.tensor([raw.numel(), header["nbytes"]]), dst)
+    collectives.send(raw, dst)
     if header["nbytes"]:
-        dist.send(data[: header["nbytes"]].contiguous(), dst)
+        collectives.send(data[: header["nbytes"]].contiguous(), dst)
 
 
 def recv_slot(src: int, buffer_for: Callable[[int], torch.Tensor]) -> tuple[dict | None, torch.Tensor | None]:
     """The slot `send_slot` sends: (header, `buffer_for(nbytes)` holding its bytes), or (None, None)."""
     sizes = torch.zeros(2, dtype=torch.int64)
-    dist.recv(sizes, src)
+    collectives.recv(sizes, src)
     header_len, nbytes = sizes.tolist()
     if header_len == 0:
         return None, None
     raw = torch.empty(header_len, dtype=torch.uint8)
-    dist.recv(raw, src)
+    collectives.recv(raw, src)
     data = buffer_for(nbytes)
     if nbytes:
-        dist.recv(data[:nbytes], src)
+        collectives.recv(data[:nbytes], src)
     return json.loads(raw.numpy().tobytes()), data
 
 
@@ -162,13 +163,13 @@ def fetch_boundary_logs(
                 wanted = [(kind, t, nb, m) for t in range(t0, step) for m in range(micro_batches)]
                 if me == sender:
                     stacked = torch.stack([log.get(*key) for key in wanted])
-                    dist.send(torch.tensor([*stacked.shape, DTYPE_CODES.index(stacked.dtype)]), receiver)
-                    dist.send(stacked, receiver)
+                    collectives.send(torch.tensor([*stacked.shape, DTYPE_CODES.index(stacked.dtype)]), receiver)
+                    collectives.send(stacked, receiver)
                 elif me == receiver:
                     meta = torch.zeros(5, dtype=torch.int64)
-                    dist.recv(meta, sender)
+                    collectives.recv(meta, sender)
                     stacked = torch.empty(meta[:4].tolist(), dtype=DTYPE_CODES[int(meta[4])])
-                    dist.recv(stacked, sender)
+                    collectives.recv(stacked, sender)
                     boundary.update(zip(wanted, stacked.unbind(0)))
     return boundary
 
@@ -177,6 +178,6 @@ def fetch_scalars(ck: SparseCheckpointer, failed: set[int], t0: int, step: int) 
     """The scalar log of t0..step-1, from the lowest-numbered surviving rank (kept again by every rank)."""
     source = min(r for r in range(dist.get_world_size()) if r not in failed)
     payload = [ck.persisted.scalars(t0, step) if dist.get_rank() == source else None]
-    dist.broadcast_object_list(payload, src=source)
+    collectives.broadcast_object_list(payload, src=source)
     ck.persisted.restore_scalars(payload[0])  # a failed rank's log is back: it may serve the next recovery
     return payload[0]

@@ -39,6 +39,7 @@ from moevement.recovery.replay import wipe_operators
 from moevement.recovery.restart import RestartPoint
 from moevement.recovery.upstream_log import UpstreamLog
 from moevement.topology import Topology
+from parallelisms import collectives
 
 
 class Recovery:
@@ -73,9 +74,9 @@ class Recovery:
             if self.me in event.ranks:
                 self._wipe()
             stats = self._run(step, failed, stop_after=1 if queue else None)  # a later event cuts it short
-        dist.barrier()
+        collectives.barrier()
         totals = torch.tensor([stats.fetch, stats.convert, stats.catchup], dtype=torch.float64)
-        dist.all_reduce(totals, op=dist.ReduceOp.MAX)
+        collectives.all_reduce(totals, op=dist.ReduceOp.MAX)
         seconds = time.perf_counter() - started
         pps = sorted(self._rolled_back(failed))
         scope = sorted(self.layout.stages_of(set(pps)))
@@ -96,7 +97,7 @@ class Recovery:
         phases = ",".join(f"{k}:{v:.2f}" for k, v in stats.phases.items())
         source += f" replay_s={phases}" if phases else ""
         work = [None] * self.world if self.me == 0 else None
-        dist.gather_object(
+        collectives.gather_object(
             f"recovery work rank={self.me} role={role} forwards={forwards} backwards={backwards}{threads}{source}",
             work,
             dst=0,
@@ -113,7 +114,7 @@ class Recovery:
         started, rejoin_start = time.perf_counter(), time.time()
         live = rejoin.live
         kept: list = [None] * self.world
-        dist.all_gather_object(kept, (live.next_iteration, live.log_from, live.detected) if live else None)
+        collectives.all_gather_object(kept, (live.next_iteration, live.log_from, live.detected) if live else None)
         target = max(k[0] for k in kept if k)
         failed = {r for r, k in enumerate(kept) if not k or k[0] != target}
         t0, window = (found.window_start, found.window) if found else (1, 0)
@@ -138,9 +139,9 @@ class Recovery:
                 self.conversion.load_initial_state()
             snapshots = found.snapshots.__getitem__ if found else None
             self.conversion.replay(t0, target, window, scope, snapshots, scalars, boundary, stats)
-        dist.barrier()
+        collectives.barrier()
         totals = torch.tensor([stats.fetch, stats.convert, stats.catchup], dtype=torch.float64)
-        dist.all_reduce(totals, op=dist.ReduceOp.MAX)
+        collectives.all_reduce(totals, op=dist.ReduceOp.MAX)
         told = [k[2] for k in kept if k]
         detected, kept_at = min(d.get("time", 0.0) for d in told), max(d.get("kept", 0.0) for d in told)
         timeline = {"kept": kept_at, **rejoin.timeline, "restored": restored}
@@ -183,9 +184,9 @@ class Recovery:
             {},
             stats,
         )
-        dist.barrier()
+        collectives.barrier()
         totals = torch.tensor([stats.fetch, stats.convert], dtype=torch.float64)
-        dist.all_reduce(totals, op=dist.ReduceOp.MAX)
+        collectives.all_reduce(totals, op=dist.ReduceOp.MAX)
         self.line(
             f"recovery step={found.last_iteration + 1} ranks={'+'.join(map(str, range(self.world)))} "
             f"scope={_ranges(list(range(self.layout.n_stages)))} rollback_to={t0} replayed={window} "

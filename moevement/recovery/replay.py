@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from moevement.operators import Operator
 from moevement.recovery.fetch import RecoveryError
 from moevement.recovery.upstream_log import UpstreamLog
+from parallelisms import collectives
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -217,7 +218,7 @@ class PipelineReplay:
             seconds["backward"] += reduced - started
             seconds["reduce"] += time.perf_counter() - reduced
         for work in pending:
-            work.wait()
+            collectives.wait(work)
         return seconds
 
     def _incoming(
@@ -237,7 +238,7 @@ class PipelineReplay:
             ref = self.stages[stage]
             meta = ref.input_meta if kind == "act" else ref.output_meta
             tensor = torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
-            dist.recv(tensor, self.owner_rank(src_stage), tag=_tag(kind, src_stage))
+            collectives.recv(tensor, self.owner_rank(src_stage), tag=_tag(kind, src_stage))
         return tensor.detach().requires_grad_(kind == "act")
 
     def _outgoing(
@@ -248,7 +249,7 @@ class PipelineReplay:
         if dst_stage in self.stages:
             handoff[(kind, stage, micro)] = tensor
             return []
-        return [dist.isend(tensor.detach().contiguous(), self.owner_rank(dst_stage), tag=_tag(kind, stage))]
+        return [collectives.isend(tensor.detach().contiguous(), self.owner_rank(dst_stage), tag=_tag(kind, stage))]
 
 
 def _tag(kind: str, stage: int) -> int:

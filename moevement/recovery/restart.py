@@ -35,9 +35,10 @@ import torch
 import torch.distributed as dist
 
 from moevement.recovery.fetch import recv_slot, send_slot
-from moevement.storage.host_memory import HostMemoryError, map_bytes, read_header, remove_tree
+from moevement.storage.host_memory import HostMemoryError, map_bytes, private_subdirs, read_header, remove_tree
 from moevement.storage.persistence import read_window
 from moevement.storage.snapshot import SnapshotError, SnapshotHeader, read_entries
+from parallelisms import collectives
 
 Loaded = list[tuple[SnapshotHeader, dict]]  # (header, {(role, name): tensor}) per slot, in slot order
 CheckHeader = Callable[[SnapshotHeader, str], None]  # raises when a snapshot belongs to another run
@@ -141,7 +142,7 @@ def _survey(rank: int, job_dir: Path, persist_root: Path | None, own_copies: boo
         if source != rank:
             survey.held[source] = _host_windows(rank, directory, survey)
     if persist_root is not None:
-        for directory in sorted(persist_root.glob(f"window-*/rank{rank:05d}")):
+        for directory in private_subdirs(persist_root, "window-", f"rank{rank:05d}"):
             survey.anything = True
             start = int(directory.parent.name.removeprefix("window-"))
             survey.copies[start].append(
@@ -163,7 +164,7 @@ def _load_first_intact(rank: int, copies: list[_Copy], check: CheckHeader) -> tu
             for header, _ in snapshots:
                 check(header, copy.file_of(header))
             return snapshots, copy.source
-        except (*UNUSABLE, RuntimeError) as e:
+        except (*UNUSABLE, RuntimeError, ValueError, KeyError, TypeError) as e:  # any fault of one copy rejects it
             _reject(rank, copy.source, e)
     return None
 
@@ -190,7 +191,7 @@ def find_restart_checkpoint(
     survey = _survey(rank, job_dir, persist_root, own_copies)
     gathered: list = [None] * world
     held = {r: {start: len(paths) for start, paths in windows.items()} for r, windows in survey.held.items()}
-    dist.all_gather_object(
+    collectives.all_gather_object(
         gathered, (survey.persisted, survey.newest_iteration, survey.anything, survey.index, resume_at, held)
     )
     persisted = max(g[0] for g in gathered)
@@ -208,14 +209,14 @@ def find_restart_checkpoint(
         for start, copies in survey.copies.items()
     }
     starts = sorted(start for start, copies in usable.items() if copies)
-    dist.all_gather_object(gathered, starts)
+    collectives.all_gather_object(gathered, starts)
     common = set.intersection(*(set(s) | set(remote[r]) for r, s in enumerate(gathered)))
     for start in sorted(common, reverse=True):
         loaded = _load_first_intact(rank, usable.get(start, []), check)
-        dist.all_gather_object(gathered, loaded[1] if loaded else None)
+        collectives.all_gather_object(gathered, loaded[1] if loaded else None)
         if not all(gathered):
             loaded = _fetch_over_network(rank, start, gathered, remote, survey.held, check) or loaded
-            dist.all_gather_object(gathered, loaded[1] if loaded else None)
+            collectives.all_gather_object(gathered, loaded[1] if loaded else None)
         if all(source is not None for source in gathered):
             drop_newer_disk_windows(rank, persist_root, start)
             snapshots = loaded[0]
@@ -268,14 +269,14 @@ def _fetch_over_network(
             elif rank == r and got is None:
                 got = _receive_window(holders[attempt], check)
         flags: list = [None] * len(sources)
-        dist.all_gather_object(flags, rank not in needing or got is not None)
+        collectives.all_gather_object(flags, rank not in needing or got is not None)
         needing = [r for r in needing if not flags[r]]
     return got
 
 
 def _send_window(dst: int, paths: list[Path]) -> None:
     """The number of slots, then each slot (`send_slot`; none for a slot that can no longer be read)."""
-    dist.send(torch.tensor([len(paths)]), dst)
+    collectives.send(torch.tensor([len(paths)]), dst)
     for path in paths:
         try:
             header = read_header(path)
@@ -290,7 +291,7 @@ def _receive_window(src: int, check: CheckHeader) -> tuple[Loaded, str] | None:
     from (`rank<src>:network`); None if rejected."""
     source = f"replica on rank {src}, over the network"
     n_slots = torch.zeros(1, dtype=torch.int64)
-    dist.recv(n_slots, src)
+    collectives.recv(n_slots, src)
     received = [recv_slot(src, lambda n: torch.empty(n, dtype=torch.uint8)) for _ in range(int(n_slots))]
     try:
         loaded = []
@@ -310,9 +311,9 @@ def drop_newer_disk_windows(rank: int, persist_root: Path | None, start: int) ->
     """This rank's disk windows newer than the one restarted from are unusable: training re-creates them."""
     if persist_root is None:
         return
-    for directory in persist_root.glob(f"window-*/rank{rank:05d}"):
+    for directory in private_subdirs(persist_root, "window-", f"rank{rank:05d}"):
         if int(directory.parent.name.removeprefix("window-")) > start:
-            remove_tree(directory)
+            remove_tree(directory, persist_root)
 
 
 def snapshot_identity_check(expect: dict, identity_mismatch: Callable[[object], list[str]]) -> CheckHeader:

@@ -3,7 +3,9 @@ the directories that hold them (docs/design.md §6).
 
 On CPU a buffer is a file in a shared-memory directory (`/dev/shm/moevement-<uid>` by default),
 mapped into the process: it outlives a crashed training process, so a restarted job (or a test) can
-read it. On GPU the same mapping is page-locked (pinned) for asynchronous device-to-host copies.
+read it. On GPU the same mapping is page-locked (pinned) for asynchronous device-to-host copies; where
+the CUDA runtime refuses, the buffer stays unpinned, its copies are synchronous, and the process says so
+once on stderr (`pin_or_warn`).
 
 A buffer's bytes become meaningful only through its header, a JSON commit record written to a
 temporary name and renamed once the bytes are complete (and removed before they are overwritten),
@@ -17,12 +19,14 @@ Anything else is refused with one `HostMemoryError` naming the path.
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import json
 import mmap
 import os
 import shutil
 import stat
+import sys
 import tempfile
 from pathlib import Path
 
@@ -104,27 +108,55 @@ def encode_json(payload: dict) -> bytes:
     return json.dumps(payload).encode()
 
 
+def no_space(directory: Path, what: str, needed: int, error: OSError) -> HostMemoryError:
+    """The one-line error for `what` (`needed` bytes) that could not be written under `directory`."""
+    try:
+        free = f"{shutil.disk_usage(directory).free / 1e6:.1f} MB free"
+    except OSError:
+        free = "free space unknown"
+    return HostMemoryError(f"{directory}: cannot write {what} ({needed / 1e6:.1f} MB needed, {free}: {error.strerror})")
+
+
 def write_json_atomic(path: Path, payload: dict | bytes) -> None:
     """Write `payload` (a dict, or its `encode_json` bytes) to `path` via a fresh temporary file
-    (created exclusively, owner-only) and a rename."""
+    (created exclusively, owner-only) and a rename. A full or unwritable directory is a HostMemoryError
+    naming it and the bytes needed; the temporary is removed."""
     data = payload if isinstance(payload, bytes) else encode_json(payload)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+    except BaseException as e:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise no_space(path.parent, path.name, len(data), e) from None
         raise
+
+
+def process_start(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot: with the pid, names one process even after the
+    pid is reused); None if no such process runs (a zombie counts as gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] == "Z" else int(fields[19])
 
 
 class JobLock:
     """An exclusive lock held for a process's lifetime (`flock`: the kernel drops it when the process
-    dies, however it dies), so a live job is detectable and a dead one provably dead."""
+    dies, however it dies), so a live job is detectable and a dead one provably dead.
 
-    def __init__(self, path: Path):
+    The lock file holds the holder's pid and, under torchrun, its agent (`agent=<pid>:<start>`): after a
+    worker died the lock is free, but the agent lives on and may start the next generation, which needs
+    the job's host state (`agent_alive`)."""
+
+    def __init__(self, path: Path, agent: int | None = None):
         self.path = path
         self.fd = open_private(path, os.O_RDWR | os.O_CREAT)
         try:
@@ -137,7 +169,8 @@ class JobLock:
                 f"or choose another job.name or checkpoint.host_dir"
             ) from None
         os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
+        start = process_start(agent) if agent else None
+        os.pwrite(self.fd, f"{os.getpid()}{f' agent={agent}:{start}' if start else ''}\n".encode(), 0)
 
     @staticmethod
     def held(path: Path) -> bool:
@@ -153,6 +186,24 @@ class JobLock:
             return True
         finally:
             os.close(fd)
+
+    @staticmethod
+    def agent_alive(path: Path) -> int | None:
+        """The pid of the torchrun agent recorded in the lock file at `path` if that very process still
+        runs on this node; None otherwise (no file, no agent recorded, or it is gone)."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return None
+        try:
+            text = os.pread(fd, 128, 0).decode(errors="replace")
+        finally:
+            os.close(fd)
+        for token in text.split()[1:]:
+            pid, _, start = token.removeprefix("agent=").partition(":")
+            if token.startswith("agent=") and pid.isdigit() and start.isdigit():
+                return int(pid) if process_start(int(pid)) == int(start) else None
+        return None
 
     def release(self) -> None:
         if self.fd >= 0:
@@ -206,9 +257,8 @@ class HostBuffer:
                 ) from None
             finally:
                 os.close(fd)
-            if self.pin:
+            if self.pin and pin_or_warn(self.data.data_ptr(), size, bin_path):
                 self._pinned_ptr = self.data.data_ptr()
-                torch.cuda.cudart().cudaHostRegister(self._pinned_ptr, size, 0)
         return self.data
 
     def release(self) -> None:
@@ -228,6 +278,51 @@ class HostBuffer:
         if self._pinned_ptr is not None:
             torch.cuda.cudart().cudaHostUnregister(self._pinned_ptr)
             self._pinned_ptr = None
+
+
+_pin_refused = False  # this process has said that a buffer stayed unpinned
+
+
+def pin_or_warn(ptr: int, size: int, path: Path) -> bool:
+    """Page-lock the mapping [ptr, ptr + size) of `path` for asynchronous device-to-host copies. When the
+    CUDA runtime refuses, the mapping stays usable but unpinned: copies into it are synchronous. That is
+    said once per process on stderr, with what to check, and the runtime's error is cleared (it would
+    otherwise be raised by the next kernel launch of this thread). Returns whether it is pinned."""
+    global _pin_refused
+    code = int(torch.cuda.cudart().cudaHostRegister(ptr, size, 0))
+    if code == 0:
+        return True
+    _clear_cuda_error()
+    if not _pin_refused:
+        _pin_refused = True
+        print(
+            f"warning: {path}: cannot pin {size / 1e9:.2f} GB of snapshot memory ({torch.cuda.CudaError(code)}): "
+            "this process copies its snapshots synchronously (stall_ms grows by the whole copy). Check that the "
+            "host has that much memory to lock (`ulimit -l`; containers: --ulimit memlock=-1), that the host "
+            "directory has room (containers: --shm-size) and that this platform supports cudaHostRegister "
+            "(some virtualised GPUs do not).",
+            file=sys.stderr,
+            flush=True,
+        )
+    return False
+
+
+def _clear_cuda_error() -> None:
+    """Reset the CUDA runtime's last error of this thread (`cudaGetLastError`; torch exposes no binding)."""
+    path = loaded_library("libcudart")
+    if path is None:
+        raise HostMemoryError("cudaHostRegister failed and the CUDA runtime library in use cannot be found")
+    ctypes.CDLL(path).cudaGetLastError()  # dlopen of a loaded library: the same runtime instance
+
+
+def loaded_library(stem: str) -> str | None:
+    """The path of the shared library `<stem>.so...` this process has mapped, or None."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.split(maxsplit=5)[-1].strip()
+            if Path(path).name.startswith(f"{stem}.so"):
+                return path
+    return None
 
 
 def read_header(path: Path) -> dict | None:
@@ -270,11 +365,75 @@ def _map(fd: int, size: int) -> torch.Tensor:
     return torch.frombuffer(mmap.mmap(fd, size, flags=flags), dtype=torch.uint8)  # the tensor keeps the mapping
 
 
-def remove_tree(path: Path) -> None:
-    """Remove a host-state directory this program wrote (checked owner-only first; symlinks inside are
-    unlinked, never followed)."""
+def _open_dir_at(dir_fd: int, name: str, where: Path) -> int:
+    """The directory `name` in the open directory `dir_fd`, never through a symlink, checked owner-only."""
     try:
-        check_private(path)
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError as e:
+        raise HostMemoryError(
+            f"{where}: cannot open as a host-state directory ({e.strerror}; a symlink is never followed)"
+        ) from None
+    try:
+        check_private(where, os.fstat(fd))
+    except HostMemoryError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _open_anchor(anchor: Path) -> int:
+    """`anchor`, a host-state directory this program created or checked, opened and checked again (its own
+    name is never a symlink; the path above it is the user's configuration)."""
+    parent = os.open(anchor.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        return _open_dir_at(parent, anchor.name, anchor)
+    finally:
+        os.close(parent)
+
+
+def remove_tree(path: Path, anchor: Path) -> None:
+    """Remove the host-state directory `path` inside `anchor`, walking down from `anchor` one directory
+    descriptor at a time: no component is followed if it is a symlink (a planted `window-*` link makes the
+    removal fail with HostMemoryError, nothing behind it is touched), every level is checked owner-only, and
+    the tree is removed relative to its parent's descriptor (symlinks inside are unlinked, never followed).
+    A `path` that does not exist is fine."""
+    parts = path.relative_to(anchor).parts
+    if not parts or ".." in parts:
+        raise ValueError(f"{path} is not inside {anchor}")
+    try:
+        fd = _open_anchor(anchor)
+    except HostMemoryError:
+        if not os.path.lexists(anchor):
+            return
+        raise
+    try:
+        where = anchor
+        for part in parts[:-1]:
+            where = where / part
+            try:
+                child = _open_dir_at(fd, part, where)
+            except HostMemoryError:
+                if not os.path.lexists(where):
+                    return
+                raise
+            os.close(fd)
+            fd = child
+        try:
+            check_private(path, os.stat(parts[-1], dir_fd=fd, follow_symlinks=False))
+        except FileNotFoundError:
+            return
+        shutil.rmtree(parts[-1], dir_fd=fd, ignore_errors=True)
+    finally:
+        os.close(fd)
+
+
+def private_subdirs(root: Path, prefix: str, leaf: str) -> list[Path]:
+    """`root/<prefix>*/<leaf>` for every entry of `root` starting with `prefix` that is a real directory (a
+    symlink is never listed, so never followed) holding `leaf`; sorted by name."""
+    try:
+        entries = sorted(
+            e.name for e in os.scandir(root) if e.name.startswith(prefix) and e.is_dir(follow_symlinks=False)
+        )
     except FileNotFoundError:
-        return
-    shutil.rmtree(path, ignore_errors=True)
+        return []
+    return [root / name / leaf for name in entries if os.path.lexists(root / name / leaf)]

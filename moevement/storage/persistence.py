@@ -24,7 +24,9 @@ from moevement.storage.host_memory import (
     HostMemoryError,
     check_private,
     make_private_dir,
+    no_space,
     open_private,
+    private_subdirs,
     read_header,
     remove_tree,
     write_json_atomic,
@@ -39,21 +41,36 @@ def window_dir(root: Path, window_start: int) -> Path:
 
 
 def write_window(root: Path, rank: int, snapshots: list[tuple[dict, torch.Tensor]]) -> Path:
-    """Write one rank's snapshots of a window (headers + bytes); returns the rank directory."""
+    """Write one rank's snapshots of a window (headers + bytes); returns the rank directory. A full or
+    unwritable disk is a HostMemoryError naming the directory and the bytes needed, and nothing of the
+    window stays behind."""
     start = snapshots[0][0]["window_start"]
     final = make_private_dir(window_dir(root, start)) / f"rank{rank:05d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+    tmp = None
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+        _write_snapshots(tmp, snapshots)
+        remove_tree(final, root)
+        os.replace(tmp, final)
+    except BaseException as e:
+        if tmp is not None:
+            remove_tree(tmp, root)
+        if isinstance(e, OSError):
+            needed = sum(header["nbytes"] for header, _ in snapshots)
+            raise no_space(final.parent, f"the sparse checkpoint of window {start}", needed, e) from None
+        raise
+    return final
+
+
+def _write_snapshots(directory: Path, snapshots: list[tuple[dict, torch.Tensor]]) -> None:
     for header, payload in snapshots:
-        path = tmp / f"s{header['slot']}.bin"
+        path = directory / f"s{header['slot']}.bin"
         fd = open_private(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         with os.fdopen(fd, "wb") as f:
             f.write(payload[: header["nbytes"]].numpy().tobytes())
             f.flush()
             os.fsync(f.fileno())
         write_json_atomic(path.with_suffix(".json"), header)
-    remove_tree(final)
-    os.replace(tmp, final)
-    return final
 
 
 def read_window(rank_dir: Path) -> list[tuple[SnapshotHeader, dict[tuple[str, str], torch.Tensor]]]:
@@ -73,7 +90,9 @@ def read_window(rank_dir: Path) -> list[tuple[SnapshotHeader, dict[tuple[str, st
         except HostMemoryError as e:
             raise SnapshotError(str(e)) from None
         with os.fdopen(fd, "rb") as f:
-            raw = torch.frombuffer(bytearray(f.read()), dtype=torch.uint8)
+            data = f.read()
+        # an empty slot (a stage with fewer operators than slots) is a 0-byte file; frombuffer refuses b""
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
         out.append((header, read_entries(raw, header, source=str(path.with_suffix(".bin")))))
     return out
 
@@ -96,6 +115,8 @@ class DiskWriter:
         thread = self.threads.pop(parity, None)
         if thread is not None:
             thread.join()
+        if isinstance(self.error, HostMemoryError):
+            raise self.error  # one line: the directory and the bytes it needed
         if self.error is not None:
             raise RuntimeError(f"writing a sparse checkpoint under {self.root} failed") from self.error
 
@@ -114,10 +135,10 @@ class DiskWriter:
     def _write_and_prune(self, snapshots: list[tuple[dict, torch.Tensor]]) -> None:
         """Write one window of this rank, then remove its windows beyond the newest `keep`."""
         write_window(self.root, self.rank, snapshots)
-        mine = sorted(d for d in self.root.glob("window-*") if (d / f"rank{self.rank:05d}").exists())
+        mine = private_subdirs(self.root, "window-", f"rank{self.rank:05d}")
         for old in mine[: -self.keep]:
-            remove_tree(old / f"rank{self.rank:05d}")
+            remove_tree(old, self.root)
             try:
-                old.rmdir()
+                old.parent.rmdir()
             except OSError:  # other ranks' directories are still there
                 pass

@@ -33,6 +33,7 @@ from moevement.storage.cpu_cost import measure
 from moevement.storage.host_memory import HostBuffer, make_private_dir, map_bytes
 from moevement.storage.snapshot_buffers import local_buffer
 from moevement.topology import Topology
+from parallelisms import collectives
 
 
 class ReplicaStore:
@@ -126,7 +127,7 @@ class Replicator:
                 if item.last_in_window:
                     done = torch.tensor([item.window_index], dtype=torch.int64)
                     with measure("replication"):
-                        dist.all_reduce(done, op=dist.ReduceOp.MIN, group=self.group)
+                        collectives.all_reduce(done, op=dist.ReduceOp.MIN, group=self.group)
                     self.on_window_replicated(int(done))
                 self.queue.task_done()
         except BaseException as e:  # surfaced on the training thread at the next submit/close
@@ -136,18 +137,18 @@ class Replicator:
         header = torch.frombuffer(bytearray(item.header), dtype=torch.uint8)
         sizes = torch.tensor([header.numel(), item.payload.numel(), item.window_index, item.slot], dtype=torch.int64)
         incoming = {src: torch.empty(4, dtype=torch.int64) for src in self.sources}
-        works = [dist.isend(sizes, peer, group=self.group, tag=0) for peer in self.peers]
-        works += [dist.irecv(buf, src, group=self.group, tag=0) for src, buf in incoming.items()]
+        works = [collectives.isend(sizes, peer, group=self.group, tag=0) for peer in self.peers]
+        works += [collectives.irecv(buf, src, group=self.group, tag=0) for src, buf in incoming.items()]
         _wait(works)
         works, acks = [], []
         for peer in self.peers:
-            works.append(dist.isend(header, peer, group=self.group, tag=1))
+            works.append(collectives.isend(header, peer, group=self.group, tag=1))
             if item.payload.numel():
                 if peer in self.same_node:  # the peer copies from this rank's buffer: wait for its acknowledgement
                     acks.append(torch.empty(1, dtype=torch.int64))
-                    works.append(dist.irecv(acks[-1], peer, group=self.group, tag=3))
+                    works.append(collectives.irecv(acks[-1], peer, group=self.group, tag=3))
                 else:
-                    works.append(dist.isend(item.payload, peer, group=self.group, tag=2))
+                    works.append(collectives.isend(item.payload, peer, group=self.group, tag=2))
         received = {}
         parity = item.window_index % 2
         for src, (header_len, payload_len, window_index, slot) in ((s, b.tolist()) for s, b in incoming.items()):
@@ -159,14 +160,14 @@ class Replicator:
             replica = self.store.buffer(src, parity, item.slot)
             replica.invalidate()
             header_buf = torch.empty(header_len, dtype=torch.uint8)
-            works.append(dist.irecv(header_buf, src, group=self.group, tag=1))
+            works.append(collectives.irecv(header_buf, src, group=self.group, tag=1))
             if payload_len:
                 data = replica.ensure(payload_len)[:payload_len]
                 if src in self.same_node:
                     data.copy_(self._shared_bytes(src, parity, item.slot, payload_len))
-                    works.append(dist.isend(_ACK, src, group=self.group, tag=3))  # its buffer is free again
+                    works.append(collectives.isend(_ACK, src, group=self.group, tag=3))  # its buffer is free again
                 else:
-                    works.append(dist.irecv(data, src, group=self.group, tag=2))
+                    works.append(collectives.irecv(data, src, group=self.group, tag=2))
             received[src] = (replica, header_buf)
         _wait(works)
         for replica, header_buf in received.values():
@@ -188,7 +189,7 @@ _ACK = torch.ones(1, dtype=torch.int64)  # a same-node peer has copied the snaps
 
 def _wait(works: list) -> None:
     for work in works:
-        work.wait()
+        collectives.wait(work)
 
 
 def start_replication(

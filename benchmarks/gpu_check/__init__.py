@@ -1,0 +1,17 @@
+"""The prepared GPU check: one command that one machine with one NVIDIA GPU runs in under 8 minutes.
+
+    make gpu-check        # or: python -m benchmarks.gpu_check [--only 1,4] [--verbose]
+
+Sections (each independent, with a time budget; a failing one prints FAIL with the first line of its error
+and the others still run), then one summary line:
+
+  1. numerics      the debug model's loss and gradients on CUDA (fp32, bf16) against CPU fp32; grouped-GEMM
+                   experts (`torch._grouped_mm`) against the per-expert loop            (numerics.py)
+  2. overhead      MoEvement's pinned side-stream snapshot copies, stall per iteration, overhead against
+                   `none`, runs interleaved                                              (overhead.py)
+  3. recovery      a crash and torchrun restart on CUDA ending with the fault-free digest (recovery.py)
+  4. throughput    forward+backward of a DeepSeek-MoE-16B-shaped stage in bf16: tokens/s, MFU (throughput.py)
+  5. shared GPU    two processes on the GPU run the trainer's control-tensor collectives (shared_gpu.py)
+
+Without CUDA it says so in one line and exits 0.
+"""

@@ -1,0 +1,98 @@
+"""Section 2: MoEvement on one GPU: snapshot copies into pinned host memory on the side stream, the stall
+per iteration, and the overhead against `checkpoint.strategy none`, runs interleaved.
+
+In process: a snapshot buffer is page-locked (pinned) on CUDA, a snapshot of CUDA tensors copied into it by
+the checkpointer's own copy path (`SnapshotBuffers.copy`: side stream, checksums) reads back bit for bit, and
+the copy bandwidth the profiler measures. Then `train.py` runs on the GPU, `none` and `moevement` alternating
+for `ROUNDS` rounds; figures over the steady-state iterations (`benchmarks.overhead`'s definition).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from benchmarks.gpu_check.report import Check, Section, guarded
+from benchmarks.gpu_check.runs import Workspace, train
+from benchmarks.overhead import parse_steps, steady_ms, steady_records
+from moevement.checkpoint.profiler import measure_copy_bandwidth
+from moevement.storage.host_memory import make_private_dirs
+from moevement.storage.snapshot import SnapshotHeader, Throttle, layout_of, read_entries
+from moevement.storage.snapshot_buffers import SnapshotBuffers
+
+CONFIG = "train_configs/bench_moe.toml"
+BATCH, SEQ_LEN = 16, 512
+SHAPE = ["--training.batch_size", str(BATCH), "--training.seq_len", str(SEQ_LEN), "--training.mixed_precision", "bf16"]
+STEPS, ROUNDS, PROFILE_ITERS = 30, 2, 2
+RUN_TIMEOUT_S = 60
+
+
+def pinned_copy(workspace: Workspace, device: torch.device) -> list[Check]:
+    """A snapshot of CUDA tensors through `SnapshotBuffers.copy` into a pinned buffer, read back."""
+    rank_dir = make_private_dirs(workspace.host_root, "pinned-copy")
+    buffers = SnapshotBuffers(rank_dir, device, "normal")
+    try:
+        sources = [torch.randn(1 << 20, device=device), torch.randn(333, 77, device=device).to(torch.bfloat16)]
+        items = [("op", f"t{i}", "master", t, t.dtype) for i, t in enumerate(sources)]
+        entries, _, nbytes = layout_of(items)
+        header = SnapshotHeader(1, 1, 0, 1, 0, ["op"], [], entries, nbytes)
+        buffer = buffers.buffer(0, 0)
+        buffers.submit(buffers.copy, buffer, header, sources, Throttle()).result()
+        back = read_entries(buffer.data, header, source="pinned copy")
+        same = all(torch.equal(back[("master", f"t{i}")], t.cpu()) for i, t in enumerate(sources))
+        return [
+            Check("snapshot buffer pinned", buffer.data.is_pinned(), f"{buffer.capacity} bytes, cudaHostRegister"),
+            Check("side-stream copy reads back", same, f"{len(sources)} tensors, checksums verified"),
+        ]
+    finally:
+        for buf in buffers.all():
+            buf.release()
+        buffers.close()
+
+
+def bandwidth(workspace: Workspace, device: torch.device, section: Section) -> list[Check]:
+    gbps = measure_copy_bandwidth(make_private_dirs(workspace.host_root, "probe"), device) * 8 / 1e9
+    section.notes.append(f"device-to-host copy bandwidth into snapshot memory: {gbps:.1f} Gbit/s")
+    return []
+
+
+def interleaved_runs(workspace: Workspace) -> dict[str, list[dict[int, dict[str, float]]]]:
+    """Every round: `none`, then `moevement` (same config, same GPU)."""
+    runs: dict[str, list] = {"none": [], "moevement": []}
+    for _ in range(ROUNDS):
+        for strategy in runs:
+            args = ["--config", CONFIG, *workspace.common(f"gpu_check_{strategy}"), *SHAPE]
+            args += ["--training.steps", str(STEPS), "--checkpoint.strategy", strategy]
+            runs[strategy].append(parse_steps(train(args, RUN_TIMEOUT_S)))
+    return runs
+
+
+def overhead_checks(workspace: Workspace, section: Section) -> list[Check]:
+    runs = interleaved_runs(workspace)
+    tokens = BATCH * SEQ_LEN
+    per_round = {s: [statistics.median(steady_ms(r, PROFILE_ITERS, tokens)) for r in rs] for s, rs in runs.items()}
+    ratios = [m / n for m, n in zip(per_round["moevement"], per_round["none"])]
+    steady = [rec for r in runs["moevement"] for rec in steady_records(r, PROFILE_ITERS)]
+    stalls = [rec["stall_ms"] for rec in steady]
+    snapshot_mb = statistics.mean(rec["ckpt_mb"] for rec in steady)
+    none_ms, moevement_ms = statistics.median(per_round["none"]), statistics.median(per_round["moevement"])
+    windows = ",".join(sorted({str(int(rec["window"])) for rec in steady}))
+    section.notes.append(
+        f"iter_ms none={none_ms:.1f} moevement={moevement_ms:.1f} overhead={statistics.median(ratios) - 1:+.4f} "
+        f"(median of {ROUNDS} interleaved rounds) stall_ms median={statistics.median(stalls):.2f} "
+        f"max={max(stalls):.2f} snapshot_mb_per_iter={snapshot_mb:.1f} window={windows}"
+    )
+    every = all(rec["ckpt_mb"] > 0 for rec in steady)
+    return [Check("moevement snapshots every steady iteration", every, f"{len(steady)} iterations")]
+
+
+def run(section: Section) -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    workspace = Workspace()
+    try:
+        guarded(section, "pinned snapshot copy", lambda: pinned_copy(workspace, device))
+        guarded(section, "copy bandwidth", lambda: bandwidth(workspace, device, section))
+        guarded(section, "interleaved none/moevement runs", lambda: overhead_checks(workspace, section))
+    finally:
+        workspace.close()

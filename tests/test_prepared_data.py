@@ -1,0 +1,305 @@
+"""Prepared corpora (trainer/prepare_data.py, trainer/token_shards.py): the same batches as the in-memory
+path, resumable preparation, one-line errors on damaged shards, and a training run's digest."""
+
+import os
+
+# Never touch the network: must be set before `datasets` is first imported.
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import json
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import CHILD_ENV, DEBUG_CONFIG, ROOT, final_line, run_cli
+from trainer import corpus, prepare_data
+from trainer.corpus import DataConfig, DataError, load_tokens
+from trainer.data import build_data, make_loader
+from trainer.token_shards import INDEX_NAME, PROGRESS_NAME, verify_prepared
+
+WIKI = corpus.SHARED_WIKITEXT2
+needs_wiki = pytest.mark.skipif(not (WIKI / "valid.txt").is_file(), reason=f"{WIKI} not present")
+SHARD = 10007  # tokens per shard in these tests: prime, so 65- and 129-token rows cross shard boundaries
+
+
+def prepare(out: Path, *args: str) -> int:
+    return prepare_data.main(["--out", str(out), "--shard-tokens", str(SHARD), *args])
+
+
+def shard_files(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(out.iterdir())}
+
+
+@pytest.fixture(scope="module")
+def hf_cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("hf_datasets_cache"))
+
+
+@pytest.fixture(scope="module")
+def prepared_wiki(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("prepared") / "wikitext-2"
+    assert prepare(out, "--data.dataset", "wikitext-2") == 0
+    return out
+
+
+def assert_same_batches(a, b, steps, dp=2) -> None:
+    assert (a.num_tokens, a.num_sequences, a.batches_per_epoch) == (b.num_tokens, b.num_sequences, b.batches_per_epoch)
+    for step in steps:
+        for rank in range(dp):
+            xa, ya = a.local_batch(step, rank, dp)
+            xb, yb = b.local_batch(step, rank, dp)
+            assert torch.equal(xa, xb) and torch.equal(ya, yb), (step, rank)
+
+
+# ----------------------------------------------------------------------------- same batches
+
+
+@needs_wiki
+def test_prepared_wikitext_serves_the_in_memory_batches(prepared_wiki, hf_cache):
+    tok, mem_train, mem_val = build_data(DataConfig(cache_dir=hf_cache), 64, 8, 2, seed=1234)
+    _, train, val = build_data(DataConfig(dataset=str(prepared_wiki)), 64, 8, 2, seed=1234)
+    assert len(train.tokens.files) == -(-train.num_tokens // SHARD) > 100  # many shards, rows across them
+    every = np.empty(train.num_tokens, dtype=np.int64)
+    train.tokens.read(0, every)
+    assert every.tolist() == load_tokens(DataConfig(), "valid", tok).tolist()
+    bpe = train.batches_per_epoch
+    assert_same_batches(train, mem_train, [0, 1, bpe - 1, bpe, 3 * bpe + 2])
+    assert_same_batches(val, mem_val, range(val.num_batches))
+    # a spawned loader worker gets the shards by path and maps them again
+    again = pickle.loads(pickle.dumps(train.tokens))
+    idx = train.global_indices(5)
+    assert torch.equal(again.sequences(idx, 65), mem_train.tokens.sequences(idx, 65))
+    loader = make_loader(train, start_step=7, dp_rank=1, dp_size=2, num_workers=2, end_step=9)
+    for step, x, y in loader:
+        ex, ey = mem_train.local_batch(step, 1, 2)
+        assert torch.equal(x, ex) and torch.equal(y, ey)
+
+
+def _wordlevel_tokenizer(path: Path, size: int) -> Path:
+    """A word-level tokenizer.json with ``size`` words (``w0`` ..), eos ``</s>`` last."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(size - 2)} | {"[UNK]": size - 2, "</s>": size - 1}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path))
+    return path
+
+
+def test_jsonl_with_a_32_bit_vocabulary_resumes_inside_chunks(tmp_path, hf_cache, monkeypatch):
+    rng = np.random.default_rng(0)
+    docs = {
+        split: [" ".join(f"w{w}" for w in rng.integers(0, 70_000, size=rng.integers(1, 60))) for _ in range(n)]
+        for split, n in (("train", 300), ("valid", 40))
+    }
+    for split, texts in docs.items():
+        (tmp_path / "src").mkdir(exist_ok=True)
+        rows = [{"text": t} for t in texts] + [{"text": "  "}, {"text": None}]  # skipped as in memory
+        (tmp_path / "src" / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tokenizer = _wordlevel_tokenizer(tmp_path / "tokenizer.json", 70_003)
+    keys = ["--data.dataset", str(tmp_path / "src"), "--data.tokenizer", str(tokenizer)]
+    keys += ["--data.train_split", "train", "--data.val_split", "valid", "--data.cache_dir", hf_cache]
+    monkeypatch.setattr(prepare_data, "CHUNK_CHARS", 2000)  # many chunks; shards end inside them
+    assert prepare(tmp_path / "whole", *keys) == 0
+    assert prepare(tmp_path / "parts", *keys, "--max-shards", "1") == 0
+    assert prepare(tmp_path / "parts", *keys, "--max-shards", "0") == 0  # resumes, writes nothing
+    assert prepare(tmp_path / "parts", *keys) == 0
+    assert shard_files(tmp_path / "parts") == shard_files(tmp_path / "whole")
+    index = json.loads((tmp_path / "whole" / INDEX_NAME).read_text())
+    assert index["dtype"] == "uint32" and index["splits"]["train"]["num_documents"] == 300
+
+    cfg = DataConfig(dataset=str(tmp_path / "src"), tokenizer=str(tokenizer), train_split="train", val_split="valid")
+    tok, mem_train, mem_val = build_data(DataConfig(**{**cfg.__dict__, "cache_dir": hf_cache}), 15, 4, 2, seed=3)
+    assert max(load_tokens(cfg, "train", tok).tolist()) > 1 << 16
+    _, train, val = build_data(DataConfig(**{**cfg.__dict__, "dataset": str(tmp_path / "whole")}), 15, 4, 2, seed=3)
+    assert_same_batches(train, mem_train, range(train.batches_per_epoch + 2))
+    assert_same_batches(val, mem_val, range(val.num_batches))
+
+
+# ----------------------------------------------------------------------------- resumable
+
+
+@needs_wiki
+def test_interrupted_preparation_resumes_to_identical_shards(tmp_path, prepared_wiki):
+    out = tmp_path / "parts"
+    assert prepare(out, "--max-shards", "3") == 0
+    assert not (out / INDEX_NAME).exists() and (out / PROGRESS_NAME).exists()
+    with pytest.raises(DataError, match=r"^data\.dataset: prepared corpus .* is an unfinished preparation"):
+        build_data(DataConfig(dataset=str(out)), 64, 8, 2, 0)
+    # what a kill leaves: a half-written shard under its temporary name, a renamed one not yet recorded
+    (out / ".valid-00003.bin.partial").write_bytes(b"\x07" * 100)
+    (out / "valid-00003.bin").write_bytes(b"\x01" * 64)
+    assert prepare(out, "--max-shards", "150") == 0  # across the split boundary
+    assert prepare(out) == 0
+    assert shard_files(out) == shard_files(prepared_wiki)
+    assert verify_prepared(out) == verify_prepared(prepared_wiki)
+    # a finished directory: a second run changes nothing, other settings are refused
+    assert prepare(out) == 0 and shard_files(out) == shard_files(prepared_wiki)
+    with pytest.raises(DataError, match=r"holds a preparation with other settings \(shard_tokens\)"):
+        prepare_data.prepare(DataConfig(), out, SHARD + 1, None)
+
+
+@needs_wiki
+def test_killed_preparation_resumes_to_identical_shards(tmp_path):
+    """A real SIGKILL wherever it lands, then the same command again."""
+    text = (WIKI / "valid.txt").read_text() * 8
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "train.txt").write_text(text)
+    args = ["-m", "trainer.prepare_data", "--data.dataset", str(tmp_path / "src"), "--data.train_split", "train"]
+    args += ["--data.val_split", "", "--shard-tokens", "40009"]
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    subprocess.run([sys.executable, *args, "--out", str(whole)], cwd=ROOT, env=CHILD_ENV, check=True)
+    proc = subprocess.Popen([sys.executable, *args, "--out", str(killed)], cwd=ROOT, env=CHILD_ENV)
+    deadline = time.monotonic() + 120
+    while _recorded_shards(killed) < 2 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL and not (killed / INDEX_NAME).exists(), "finished before the kill"
+    assert 2 <= _recorded_shards(killed) < 225
+    subprocess.run([sys.executable, *args, "--out", str(killed)], cwd=ROOT, env=CHILD_ENV, check=True)
+    assert shard_files(killed) == shard_files(whole)
+
+
+def _recorded_shards(out: Path) -> int:
+    try:
+        return (out / PROGRESS_NAME).read_bytes().count(b'"shard"')
+    except FileNotFoundError:
+        return 0
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    dst.mkdir()
+    for p in src.iterdir():
+        (dst / p.name).write_bytes(p.read_bytes())
+    return dst
+
+
+@needs_wiki
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (
+            lambda d: (d / "valid-00002.bin").unlink(),
+            r"shard '.*valid-00002\.bin' listed in token_index\.json is missing",
+        ),
+        (lambda d: _truncate(d / "test-00004.bin"), r"shard '.*test-00004\.bin' is 20012 bytes, its index says 10007"),
+        (lambda d: _symlink(d / "valid-00001.bin", d / "valid-00000.bin"), r"shard '.*valid-00001\.bin' is a symlink"),
+        (
+            lambda d: _edit_index(d, tokenizer={"kind": "HFTokenizer"}),
+            r"^data\.tokenizer: .*token_index\.json.*HFTokenizer",
+        ),
+        (lambda d: _edit_index(d, version=2), r"token_index\.json' is not a moevement-token-shards version 1 index"),
+        (lambda d: (d / INDEX_NAME).write_text("{"), r"token_index\.json' is not readable JSON"),
+        (lambda d: _rename_shard(d, "../valid-00000.bin"), r"shard name '\.\./valid-00000\.bin' .* not a plain"),
+    ],
+)
+def test_damaged_prepared_corpus_is_one_clear_error(tmp_path, prepared_wiki, damage, message):
+    d = _copy(prepared_wiki, tmp_path / "damaged")
+    damage(d)
+    with pytest.raises(DataError, match=message) as err:
+        build_data(DataConfig(dataset=str(d)), 64, 8, 2, 0)
+    assert "\n" not in str(err.value)
+
+
+def _truncate(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(20012)
+
+
+def _symlink(path: Path, target: Path) -> None:
+    path.unlink()
+    path.symlink_to(target)
+
+
+def _edit_index(d: Path, **changes) -> None:
+    index = json.loads((d / INDEX_NAME).read_text())
+    for key, value in changes.items():
+        index[key] = {**index[key], **value} if isinstance(value, dict) else value
+    (d / INDEX_NAME).write_text(json.dumps(index))
+
+
+def _rename_shard(d: Path, name: str) -> None:
+    index = json.loads((d / INDEX_NAME).read_text())
+    index["splits"]["valid"]["shards"][0]["file"] = name
+    (d / INDEX_NAME).write_text(json.dumps(index))
+
+
+@needs_wiki
+def test_content_damage_is_found_by_verify(tmp_path, prepared_wiki):
+    """Opening checks sizes only (milliseconds at any size); --verify reads every byte."""
+    d = _copy(prepared_wiki, tmp_path / "flipped")
+    with open(d / "test-00003.bin", "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff\xff")
+    build_data(DataConfig(dataset=str(d)), 64, 8, 2, 0)  # same size: opens
+    with pytest.raises(DataError, match=r"shard '.*test-00003\.bin' does not match its sha256"):
+        verify_prepared(d)
+    with pytest.raises(DataError, match=r"^data\.val_split: split 'nope' is not in .*prepared: \['test', 'valid'\]"):
+        build_data(DataConfig(dataset=str(d), val_split="nope"), 64, 8, 2, 0)
+
+
+def test_prepare_refuses_a_foreign_directory_and_other_keys(tmp_path, capsys):
+    (tmp_path / "mine.txt").write_text("not a preparation")
+    assert prepare(tmp_path, "--data.dataset", str(tmp_path / "mine.txt")) == 2
+    assert "is neither empty nor a preparation directory" in capsys.readouterr().err
+    assert (tmp_path / "mine.txt").read_text() == "not a preparation"
+    with pytest.raises(SystemExit):
+        prepare(tmp_path / "new", "--training.steps", "3")
+    assert "only --data.KEY VALUE overrides" in capsys.readouterr().err
+
+
+@needs_wiki
+def test_cli_damaged_shard_is_one_line(tmp_path, prepared_wiki):
+    d = _copy(prepared_wiki, tmp_path / "damaged")
+    _truncate(d / "valid-00000.bin")
+    proc = run_cli("--config", DEBUG_CONFIG, "--training.steps", "2", "--data.dataset", str(d), check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"error: data.dataset: shard '{d}/valid-00000.bin' is 20012 bytes, its index says 10007 tokens = "
+        "20014 bytes (truncated or replaced)"
+    ]
+
+
+# ----------------------------------------------------------------------------- training
+
+
+@needs_wiki
+def test_training_from_a_prepared_corpus_ends_with_the_in_memory_digest(prepared_wiki):
+    args = ("--config", DEBUG_CONFIG, "--training.steps", "3", "--training.val_every", "3")
+    args += ("--metrics.tensorboard", "false")
+    in_memory = final_line(run_cli(*args).stdout)
+    prepared = final_line(run_cli(*args, "--data.dataset", str(prepared_wiki)).stdout)
+    assert prepared == in_memory
+
+
+@needs_wiki
+def test_two_ranks_recover_in_place_from_a_prepared_corpus(prepared_wiki, tmp_path):
+    """dp=2 from memory-mapped shards with a failure of rank 1 recovered by MoEvement ends with the digest of
+    the fault-free dp=2 run on the in-memory path: every rank reads batch t again after recovery."""
+    args = ("--config", DEBUG_CONFIG, "--training.steps", "6", "--parallelism.dp", "2")
+    args += ("--metrics.tensorboard", "false", "--checkpoint.strategy", "moevement", "--checkpoint.window", "2")
+    fault_free = run_cli(*args, "--checkpoint.host_dir", str(tmp_path / "a"), nproc=2)
+    recovered = run_cli(
+        *args,
+        "--checkpoint.host_dir",
+        str(tmp_path / "b"),
+        "--fault.at",
+        "4:1",
+        "--data.dataset",
+        str(prepared_wiki),
+        nproc=2,
+    )
+    assert "recovery step=" in recovered.stdout
+    assert final_line(recovered.stdout) == final_line(fault_free.stdout)

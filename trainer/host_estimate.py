@@ -1,0 +1,255 @@
+"""Per-rank host-memory estimate of a config and layout, for `train.py --dry-run` (no process group).
+
+What a rank keeps in its host directory (`checkpoint.host_dir`, by default in /dev/shm, so a container's
+`--shm-size` must hold it) and, apart, in its own process memory:
+
+- snapshots: its snapshot buffers, two sets (window parity) of one buffer per slot. A buffer only grows, so
+  slot i's buffer is the largest snapshot slot i ever takes: over every window size Algorithm 1 may choose
+  (`checkpoint.window`, else 1..`checkpoint.max_window`) and both operator orders (the registry order of
+  the first window, popularity order after: routed experts first; experts are all of one size, so which
+  expert goes where does not change a size). An interval baseline's snapshot is one slot of every
+  operator's FP32 state (dense; MoC's partial ones are smaller).
+- replicas: the same buffers of the ranks whose snapshots it holds (`checkpoint.replicas` peers each,
+  chosen as `moevement.topology` chooses them, all ranks taken to share one node).
+- live state: what a survivor of a peer's death keeps for a torchrun restart (MoEvement): its FP32 state
+  and its upstream log.
+- bandwidth probe: the scratch buffer of the copy-bandwidth measurement (start-up, reprofiling).
+- upstream log (process memory, pinned on GPU): the activations and gradients a pipeline stage sends,
+  kept from the persisted window's first iteration: up to 2W + 1 iterations.
+
+Every size comes from the functions the trainer sizes things with: the model built on meta and cut as
+`parallelisms` cuts it (data-parallel rank 0's shards, the largest), the registry of operators, the
+snapshot layout (entries padded to blocks), the window schedule and the pipeline's boundary shapes. Files
+are counted in whole pages, and each buffer's JSON commit record at most `HEADER_ENTRY_BYTES` per entry.
+Upper bounds: the test holds them against a real run's host directory.
+"""
+
+from __future__ import annotations
+
+import mmap
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from models import Transformer
+from models.moe import MoE
+from moevement.checkpoint.profiler import PROBE_BYTES
+from moevement.checkpoint.schedule import (
+    byte_slots,
+    generate_schedule,
+    order_operators,
+    slot_size_for,
+    snapshot_sizes,
+)
+from moevement.operators import Operator, build_registry
+from moevement.storage.host_memory import default_host_dir
+from moevement.storage.snapshot import entry_layout, layout_of
+from moevement.topology import Topology
+from parallelisms.expert_parallel import shard_experts
+from parallelisms.fsdp import DTYPES, largest_shard_on_meta
+from parallelisms.parallelize import ModelView, stage_shapes
+from parallelisms.pipeline import local_stage_ids, split_model
+from trainer.config import Config
+from trainer.fault_tolerance import stacked_operators
+
+HEADER_ENTRY_BYTES = 320  # a commit record's JSON per entry: operator, name, dtype, shape, offsets, checksum
+HEADER_BASE_BYTES = 16 << 10  # and its fixed part: the job's identity, the iteration's scalars
+
+
+def pages(nbytes: int) -> int:
+    """Bytes a file of `nbytes` occupies in a memory file system (whole pages)."""
+    return -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+@dataclass
+class Stage:
+    """What one pipeline rank's operators need (its data-parallel rank 0, which holds the largest shards)."""
+
+    slot_bytes: list[int]  # per slot: its largest buffer, in pages, commit record included (one parity)
+    fp32: tuple[int, int]  # (bytes, entries) of every operator's FP32 state laid out as one snapshot
+    log: tuple[int, int, int]  # one iteration's upstream log: (bytes, bytes laid out as a snapshot, entries)
+
+    def dense_slot(self) -> int:
+        """A dense snapshot (an interval baseline's slot), in pages, commit record included."""
+        return _file(self.fp32[0], self.fp32[1])
+
+    def live_state(self, log_iterations: int) -> int:
+        """A survivor's live state: its FP32 state and `log_iterations` iterations of upstream log."""
+        return _file(self.fp32[0] + self.log[1] * log_iterations, self.fp32[1] + self.log[2] * log_iterations)
+
+
+def _file(nbytes: int, entries: int) -> int:
+    """Pages of a buffer of `nbytes` (at least 1) and of its commit record of `entries` entries."""
+    return pages(max(nbytes, 1)) + pages(HEADER_BASE_BYTES + HEADER_ENTRY_BYTES * entries)
+
+
+@dataclass
+class RankEstimate:
+    """One rank's bytes (upper bounds), by what holds them; see the module docstring."""
+
+    rank: int
+    pp_rank: int
+    snapshots: int
+    replicas: int
+    live_state: int
+    probe: int
+    upstream_log: int  # process memory, not in the host directory
+
+    @property
+    def host_dir(self) -> int:
+        """Bytes this rank may hold in its host directory at once."""
+        return self.snapshots + self.replicas + self.live_state + self.probe
+
+
+def rank_model(cfg: Config, pp_rank: int) -> tuple[nn.Module, list[int]]:
+    """(this pipeline rank's model on meta, under global names, as data-parallel rank 0 holds it; its stage ids)."""
+    p = cfg.parallelism
+    with torch.device("meta"):
+        whole = Transformer(cfg.model)
+    stage_ids, parts = split_model(whole, p, pp_rank)
+    for part in parts:
+        if p.ep > 1:
+            for moe in [m for m in part.modules() if isinstance(m, MoE)]:
+                shard_experts(moe, 0, p.ep)
+        largest_shard_on_meta(part, p)
+    return (parts[0] if len(parts) == 1 else ModelView(parts)), stage_ids
+
+
+def adamw_state_on_meta(model: nn.Module) -> torch.optim.Optimizer:
+    """An AdamW over `model`'s parameters with the state one step gives them (step, both moments), on meta."""
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(params)
+    for p in params:
+        optimizer.state[p] = {
+            "step": torch.zeros((), dtype=torch.float32, device="meta"),
+            "exp_avg": torch.empty_like(p),
+            "exp_avg_sq": torch.empty_like(p),
+        }
+    return optimizer
+
+
+def operator_sizes(ops: list[Operator], optimizer, compute_dtype: torch.dtype) -> dict[str, list[int]]:
+    """Per operator, as a snapshot lays it out: "fp32" and "compute" bytes (padded entries) and entry counts."""
+    out: dict[str, list[int]] = {"fp32": [], "compute": [], "fp32_entries": [], "compute_entries": []}
+    for op in ops:
+        for role, layout in (
+            ("fp32", entry_layout([op], [], optimizer, compute_dtype)),
+            ("compute", entry_layout([], [op], optimizer, compute_dtype)),
+        ):
+            out[role].append(layout[2])
+            out[f"{role}_entries"].append(len(layout[0]))
+    return out
+
+
+def window_slot_bytes(ops: list[Operator], sizes: dict[str, list[int]], ck) -> list[int]:
+    """Per slot index: the largest snapshot buffer (pages, commit record included) any planned window gives it."""
+    names = [op.name for op in ops]
+    orders = [names, order_operators(names, [op.kind == "expert" for op in ops], {})]
+    index = {name: i for i, name in enumerate(names)}
+    largest: list[int] = []
+    for window in [ck.window] if ck.window else range(1, ck.max_window + 1):
+        for order in orders:
+            fp32, compute = [sizes["fp32"][index[n]] for n in order], [sizes["compute"][index[n]] for n in order]
+            if ck.slots == "bytes":
+                slots = byte_slots(order, fp32, compute, window)
+            else:
+                slots = generate_schedule(order, slot_size_for(len(order), window), window)
+            members = [[index[n] for n in slot] for slot in slots]
+            nbytes = snapshot_sizes(members, sizes["fp32"], sizes["compute"])
+            entries = snapshot_sizes(members, sizes["fp32_entries"], sizes["compute_entries"])
+            for slot, (n, e) in enumerate(zip(nbytes, entries)):
+                need = _file(n, e)
+                largest.extend([0] * (slot + 1 - len(largest)))
+                largest[slot] = max(largest[slot], need)
+    return largest
+
+
+def boundary_log(cfg: Config, stage_ids: list[int]) -> tuple[int, int, int]:
+    """One iteration of the upstream log on a rank running `stage_ids` (none without pipelining): every
+    micro-batch's activations sent downstream and gradients sent upstream, as `UpstreamLog` keeps them.
+    (bytes, bytes laid out as a live state lays them out, entries)."""
+    p, t = cfg.parallelism, cfg.training
+    n_stages = p.pp * p.stages_per_rank
+    if n_stages == 1:
+        return 0, 0, 0
+    micro_batch = (t.batch_size // (t.micro_batches * p.dp), t.seq_len)
+    shapes = stage_shapes(cfg.model, micro_batch, DTYPES[t.mixed_precision], n_stages, t.loss_chunk_tokens > 0)
+    sent = []
+    for stage in stage_ids:
+        inputs, outputs = shapes(stage)
+        sent += ([outputs] if stage != n_stages - 1 else []) + ([inputs] if stage != 0 else [])
+    tensors = sent * t.micro_batches
+    laid_out = layout_of([("", str(i), "log", x, x.dtype) for i, x in enumerate(tensors)])[2]
+    return sum(x.numel() * x.element_size() for x in tensors), laid_out, len(tensors)
+
+
+def stage_footprint(cfg: Config, pp_rank: int) -> Stage:
+    model, stage_ids = rank_model(cfg, pp_rank)
+    optimizer = adamw_state_on_meta(model)
+    ops = build_registry(model, stacked_operators(model))
+    sizes = operator_sizes(ops, optimizer, DTYPES[cfg.training.mixed_precision])
+    stage = Stage([], (sum(sizes["fp32"]), sum(sizes["fp32_entries"])), boundary_log(cfg, stage_ids))
+    moevement = cfg.checkpoint.strategy == "moevement"
+    stage.slot_bytes = window_slot_bytes(ops, sizes, cfg.checkpoint) if moevement else [stage.dense_slot()]
+    return stage
+
+
+def estimate(cfg: Config) -> list[RankEstimate]:
+    """Every rank's host memory under `cfg` (ranks laid out as `parallelisms.mesh` lays them out)."""
+    p, ck = cfg.parallelism, cfg.checkpoint
+    stages = [stage_footprint(cfg, pp) for pp in range(p.pp)]
+    world = p.pp * p.dp
+    pp_of = [r // p.dp for r in range(world)]
+    stages_of_pp = [local_stage_ids(p, q) for q in range(p.pp)]
+    topo = Topology(0, pp_of, [r % p.dp for r in range(world)], [0] * world, stages_of_pp)
+    peers = topo.replica_peers(0 if ck.strategy in ("checkfreq", "moc") else ck.replicas)
+    own = [2 * sum(stage.slot_bytes) for stage in stages]  # both window parities
+    moevement = ck.strategy == "moevement"
+    log_iters = 2 * (ck.window or ck.max_window) + 1
+    out = []
+    for rank in range(world):
+        stage = stages[pp_of[rank]]
+        held = sum(own[pp_of[src]] for src in range(world) if rank in peers[src])
+        log = stage.log[0] * log_iters if moevement else 0
+        live = stage.live_state(log_iters) if moevement else 0
+        out.append(RankEstimate(rank, pp_of[rank], own[pp_of[rank]], held, live, pages(PROBE_BYTES), log))
+    return out
+
+
+def gb(nbytes: int) -> str:
+    return f"{nbytes / 1e9:.3f}"
+
+
+def report(cfg: Config) -> list[str]:
+    """The dry run's host-memory lines."""
+    p, ck = cfg.parallelism, cfg.checkpoint
+    if ck.strategy == "none":
+        return ["host memory: none (checkpoint.strategy none keeps no host state)"]
+    ranks = estimate(cfg)
+    window = (
+        f"W={ck.window}"
+        if ck.window
+        else (
+            f"W<={ck.max_window}: Algorithm 1 may choose any, a slot's buffer keeps its largest size; "
+            "checkpoint.window fixes W and lowers this"
+        )
+    )
+    host_dir = ck.host_dir or default_host_dir()
+    lines = [
+        f"host memory per rank, GB (upper bounds; strategy={ck.strategy} pp={p.pp} dp={p.dp} ep={p.ep} "
+        f"{window if ck.strategy == 'moevement' else 'dense W=1'} replicas={ck.replicas}; host_dir {host_dir}):"
+    ]
+    for r in ranks:
+        lines.append(
+            f"host_memory rank={r.rank} pp={r.pp_rank} snapshots={gb(r.snapshots)} replicas={gb(r.replicas)} "
+            f"live_state={gb(r.live_state)} probe={gb(r.probe)} host_dir={gb(r.host_dir)} "
+            f"upstream_log={gb(r.upstream_log)}"
+        )
+    most, total = max(r.host_dir for r in ranks), sum(r.host_dir for r in ranks)
+    lines.append(
+        f"host_memory per_rank_max={gb(most)} all_{len(ranks)}_ranks={gb(total)}: a node's {host_dir} must hold "
+        f"the sum over the ranks it runs (container: --shm-size of at least that, e.g. {-(-total // 2**30) + 1}g "
+        f"for all {len(ranks)} ranks on one node); upstream_log is process memory (pinned on GPU), not in it"
+    )
+    return lines
