@@ -47,7 +47,7 @@ from trainer.identity import IdentityError
 from trainer.metrics import MetricsLogger
 from trainer.optim import build_optimizer
 from trainer.run_record import open_run_record
-from trainer.state import consolidated_training_state, state_digest
+from trainer.state import training_state_digest
 from trainer.step import DropoutSeeder, evaluate, set_aux_grad_scale, take_expert_load, train_step
 from trainer.survival import StopGuard, keep_state_and_exit, peer_failure
 
@@ -279,11 +279,12 @@ def validate_if_due(job: Job, step: int) -> None:
         job.logger.validation(step, evaluate(job.model, job.val_data, job.dims, cfg.training.micro_batches))
 
 
-def run(job: Job, step: int, loss: float) -> tuple[int, float, dict | None]:
+def run(job: Job, step: int, loss: float) -> tuple[int, float, str | None]:
     """Train iterations step+1..last (a baseline's recovery rolls back and the loader restarts there), then
-    gather the final training state (collective; rank 0 gets it). Returns (last step, its loss, that state).
+    digest the final training state where it lives (collective; rank 0 gets the digest). Returns (last step,
+    its loss, the state digest).
 
-    When another worker dies before every rank has gathered, this rank keeps its live state and exits
+    When another worker dies before every rank has taken part in the digest, this rank keeps its live state and exits
     (trainer/survival.py): a restarted job then has at most the dead ranks' stages to replay."""
     job.guard.phase, job.guard.applied = "training", step
     try:
@@ -294,9 +295,9 @@ def run(job: Job, step: int, loss: float) -> tuple[int, float, dict | None]:
             step, loss = train_loop(job, step, loss)
             if job.cfg.metrics.cpu_cost:
                 print(CpuMark.now().line_since(cpu, job.rank, step - first), flush=True)
-            state = consolidated_training_state(job.model.view, job.optimizer)
+            digest = training_state_digest(job.model.view, job.optimizer)
             job.guard.phase = "setup"  # finishing: SIGTERM exits at once again
-            return step, loss, state
+            return step, loss, digest
         except BaseException:
             job.guard.stop()  # a SIGTERM from here on only waits (one arriving before this line lands below)
             raise
@@ -336,16 +337,17 @@ def train_loop(job: Job, step: int, loss: float) -> tuple[int, float]:
     return step, loss
 
 
-def finish(job: Job, step: int, loss: float, state: dict | None) -> None:
-    """Close the checkpointer, print the accounting and final lines, save a dense checkpoint if asked."""
+def finish(job: Job, step: int, loss: float, digest: str | None) -> None:
+    """Close the checkpointer, print the accounting and final lines, save a dense checkpoint if asked (every
+    rank writes its part)."""
     cfg = job.cfg
     totals = job.ft.close()
     job.logger.line(job.accounting.line(totals, totals.get("lost_tokens", 0.0)))
     job.accounting.drop()
-    if state is not None:
-        job.logger.line(f"final step={step} loss={loss:.6f} state_digest={state_digest(state)}")
+    if digest is not None:
+        job.logger.line(f"final step={step} loss={loss:.6f} state_digest={digest}")
     if cfg.checkpoint.save_final:
-        save_dense(cfg.checkpoint.save_final, state, step, loss, cfg)
+        save_dense(cfg.checkpoint.save_final, job.model.view, job.optimizer, step, loss, cfg)
         job.logger.line(f"saved checkpoint step={step} dir={cfg.checkpoint.save_final}")
     job.logger.close()
 

@@ -1,9 +1,11 @@
 """Load a dense checkpoint written by ``train.py --checkpoint.save_final DIR`` for evaluation.
 
-The directory holds ``model.safetensors`` (every parameter by global name), ``optim.safetensors``
-and ``meta.json`` (format, model shape, step, sha256 of every file; see :mod:`trainer.dense_checkpoint`).
+The directory holds the model files ``model-NNNNN.safetensors`` (every parameter by global name, each in
+one file), the optimizer files ``optim-NNNNN.safetensors`` and ``meta.json`` (format, model shape, step,
+sha256 of every file; see :mod:`trainer.dense_checkpoint`; a ``moevement-dense-v2`` checkpoint's single
+``model.safetensors`` is read the same way).
 :func:`load_checkpoint` checks the format (the old pickled DCP format is refused unread), the model
-shape and the sha256 of ``model.safetensors`` before parsing it, builds the whole model on one device
+shape and the sha256 of every model file before parsing it, builds the whole model on one device
 with :func:`models.build_model` and reads only the model tensors (not the AdamW state) with
 safetensors, by global name: nothing is unpickled, and a checkpoint saved from any parallel layout
 (pipeline stages, FSDP shards, expert shards) loads into the single-device model, with or without
@@ -28,7 +30,7 @@ from eval.errors import EvalError
 from models import build_model
 from models.args import ModelArgs
 from models.transformer import Transformer
-from trainer.dense_checkpoint import META, MODEL_FILE, CheckpointError, check_model, load_model, open_meta, verify_files
+from trainer.dense_checkpoint import META, CheckpointError, check_model, files_of, load_model, open_meta, verify_files
 from trainer.tokenizer import Tokenizer, build_tokenizer
 
 
@@ -105,11 +107,11 @@ def _model_args(path: Path, meta: dict, config: str | None) -> tuple[ModelArgs, 
 
 
 def _verify(path: Path, meta: dict, model_args: ModelArgs) -> None:
-    """Check that the checkpoint's model is ``model_args`` and that ``model.safetensors`` matches its
+    """Check that the checkpoint's model is ``model_args`` and that each model file matches its
     sha256 in ``meta`` (before safetensors parses it). Raises :class:`EvalError`."""
     try:
         check_model(meta, path / META, model_args)
-        verify_files(str(path), meta, (MODEL_FILE,))
+        verify_files(str(path), meta, files_of(meta, "model"))
     except CheckpointError as e:
         raise EvalError(str(e)) from None
 
@@ -132,13 +134,13 @@ def _tokenizer(
     return tok, spec, source
 
 
-def _load_model(path: Path, model_args: ModelArgs, device: str | torch.device) -> Transformer:
+def _load_model(path: Path, meta: dict, model_args: ModelArgs, device: str | torch.device) -> Transformer:
     """The whole model built on ``device`` (leaving the global RNG untouched) with the checkpoint's
     weights read by global name, in eval mode and fp32. Raises :class:`EvalError`."""
     with torch.random.fork_rng(devices=[]):  # build_model's init draws from the global RNG
         model = build_model(model_args, device=device)
     try:
-        load_model(str(path), model)
+        load_model(str(path), meta, model)
     except CheckpointError as e:
         raise EvalError(str(e)) from None
     model.float().eval()
@@ -162,7 +164,7 @@ def load_checkpoint(
     model_args, config_tokenizer = _model_args(path, meta, config)
     _verify(path, meta, model_args)
     tok, spec, source = _tokenizer(meta, model_args, tokenizer, config_tokenizer)
-    model = _load_model(path, model_args, device)
+    model = _load_model(path, meta, model_args, device)
     return LoadedCheckpoint(
         model=model,
         tokenizer=tok,

@@ -35,11 +35,20 @@ from safetensors import SafetensorError, safe_open
 from models import stored_shapes
 from models.args import ModelArgs
 from models.hf_mapping import UnsupportedModel, args_from_hf_config, check_names, hf_config, sources
-from trainer.dense_checkpoint import MODEL_FILE, CheckpointError, Tensors, open_meta, save_imported, verify_files
+from trainer.dense_checkpoint import (
+    CheckpointError,
+    StoredTensors,
+    Tensors,
+    files_of,
+    open_meta,
+    save_imported,
+    verify_files,
+)
 from trainer.safetensors_stream import write_safetensors
 from trainer.tokenizer import ByteTokenizer, HFTokenizer, TokenizerError, build_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MODEL_FILE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
 
@@ -190,33 +199,35 @@ def _write_new_file(target: Path, data: bytes) -> None:
 # ---------------------------------------------------------------- export
 
 
-def open_checkpoint(ckpt_dir: str) -> tuple[ModelArgs, object, dict]:
-    """(model shape, an open handle on its model tensors, meta.json) of a dense checkpoint, checksum verified."""
+def open_checkpoint(ckpt_dir: str) -> tuple[ModelArgs, StoredTensors, dict]:
+    """(model shape, its model tensors, meta.json) of a dense checkpoint, every model file's checksum verified."""
     try:
         meta = open_meta(ckpt_dir)
         args = ModelArgs(**meta["model"])
         args.validate()
-        verify_files(ckpt_dir, meta, (MODEL_FILE,))
+        verify_files(ckpt_dir, meta, files_of(meta, "model"))
+        tensors = StoredTensors(ckpt_dir, meta, "model")
     except (CheckpointError, TypeError, ValueError) as e:
         raise HFError(f"{ckpt_dir}: {e}") from None
-    file = Path(ckpt_dir) / MODEL_FILE
-    handle = _open(file)
-    missing = sorted(set(stored_shapes(args)) - set(handle.keys()))
+    missing = sorted(set(stored_shapes(args)) - set(tensors.where))
     if missing:
-        raise HFError(f"{file}: has no tensor {missing[0]!r}")
-    return args, handle, meta
+        raise HFError(f"{ckpt_dir}: the checkpoint's model files have no tensor {missing[0]!r}")
+    return args, tensors, meta
 
 
 def export_hf(ckpt_dir: str, hf_dir: str, dtype: str = "float32") -> Path:
     """Write the checkpoint ``ckpt_dir`` as a Hugging Face model directory ``hf_dir`` (new or empty), one
     tensor at a time."""
-    args, handle, meta = open_checkpoint(ckpt_dir)
+    args, tensors, meta = open_checkpoint(ckpt_dir)
     config = hf_config(args, dtype)
     ours_of = {theirs: ours for ours, theirs in sources(args).items()}
-    specs = {theirs: (DTYPES[dtype], tuple(handle.get_slice(ours).get_shape())) for theirs, ours in ours_of.items()}
+    try:
+        specs = {theirs: (DTYPES[dtype], tensors.shape(ours)) for theirs, ours in ours_of.items()}
+    except CheckpointError as e:
+        raise HFError(str(e)) from None
 
     def tensor_of(name: str) -> torch.Tensor:
-        return handle.get_tensor(ours_of[name]).to(DTYPES[dtype])
+        return tensors.get(ours_of[name]).to(DTYPES[dtype])
 
     target = Path(hf_dir)
     _check_export_target(target)
@@ -230,9 +241,11 @@ def export_hf(ckpt_dir: str, hf_dir: str, dtype: str = "float32") -> Path:
         if target.exists():
             target.rmdir()  # empty, checked above
         os.rename(tmp, target)
-    except BaseException:
+    except BaseException as e:
         with suppress(OSError):
             shutil.rmtree(tmp)
+        if isinstance(e, CheckpointError):
+            raise HFError(str(e)) from None
         raise
     return target
 

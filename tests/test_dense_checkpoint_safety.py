@@ -101,7 +101,7 @@ def test_replacing_a_checkpoint_touches_nothing_else(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "ckpt.old", "ckpt.tmp"]
     for name in ("ckpt.tmp", "ckpt.old"):
         assert os.listdir(tmp_path / name) == ["mine.txt"] and (tmp_path / name / "mine.txt").read_text() == name
-    assert sorted(os.listdir(ckpt)) == ["meta.json", "model.safetensors", "optim.safetensors"]
+    assert sorted(os.listdir(ckpt)) == ["meta.json", "model-00000.safetensors", "optim-00000.safetensors"]
     assert ckpt.stat().st_mode & 0o777 == 0o700 and all(p.stat().st_mode & 0o777 == 0o600 for p in ckpt.iterdir())
     loaded = train("--training.steps", "2", "--checkpoint.load", str(ckpt)).stdout
     assert json.loads((ckpt / "meta.json").read_text())["step"] == 2 and final_line(loaded) == final_line(second)
@@ -207,14 +207,14 @@ def test_damaged_checkpoint_is_one_line_naming_the_file(saved, tmp_path):
 
     cases = {
         "meta": ("meta.json", "unreadable"),
-        "optim": ("optim.safetensors", "checksum"),
-        "model": ("model.safetensors", "unreadable"),
+        "optim": ("optim-00000.safetensors", "checksum"),
+        "model": ("model-00000.safetensors", "unreadable"),
     }
     for case, (name, what) in cases.items():
         ckpt = tmp_path / case
         shutil.copytree(saved[0], ckpt)
         if case == "meta":
-            (ckpt / name).write_text('{"format": "moevement-dense-v2", "step": ')
+            (ckpt / name).write_text('{"format": "moevement-dense-v3", "step": ')
         elif case == "optim":
             (ckpt / name).write_bytes((ckpt / name).read_bytes()[:-100])
         else:
@@ -226,6 +226,31 @@ def test_damaged_checkpoint_is_one_line_naming_the_file(saved, tmp_path):
         if case != "optim":  # evaluation reads only the model tensors
             with pytest.raises(EvalError, match=f"{re.escape(str(ckpt / name))}.*{what}"):
                 load_checkpoint(ckpt)
+
+
+def test_v2_single_file_checkpoint_loads_and_file_names_are_checked(saved, tmp_path):
+    """A `moevement-dense-v2` checkpoint (one model.safetensors, one optim.safetensors) is one writer's files:
+    train.py resumes it with the saved digest and evaluation loads it. A meta.json listing a file by any other
+    name (here one outside the directory) is refused naming meta.json."""
+    from eval.checkpoint import load_checkpoint
+
+    ckpt, stdout = saved
+    meta = json.loads((ckpt / "meta.json").read_text())
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    for kind in ("model", "optim"):
+        shutil.copy(ckpt / f"{kind}-00000.safetensors", v2 / f"{kind}.safetensors")
+    files = {f"{kind}.safetensors": meta["files"][f"{kind}-00000.safetensors"] for kind in ("model", "optim")}
+    (v2 / "meta.json").write_text(json.dumps({**meta, "format": "moevement-dense-v2", "files": files}))
+    loaded = train("--training.steps", "1", "--checkpoint.load", str(v2)).stdout
+    assert step_losses(loaded) == {} and final_line(loaded) == final_line(stdout)
+    assert load_checkpoint(v2).step == 1
+    outside = tmp_path / "outside"
+    shutil.copytree(ckpt, outside)
+    shutil.copy(ckpt / "model-00000.safetensors", tmp_path / "model-00001.safetensors")
+    files = {**meta["files"], "../model-00001.safetensors": meta["files"]["model-00000.safetensors"]}
+    (outside / "meta.json").write_text(json.dumps({**meta, "files": files}))
+    one_error(train("--training.steps", "1", "--checkpoint.load", str(outside), check=False), "meta.json", "files")
 
 
 @pytest.mark.slow
@@ -282,3 +307,56 @@ def test_streamed_safetensors_equal_the_library_s_and_name_their_sha256(tmp_path
     assert all(v["data_offsets"][0] % sizes[v["dtype"]] == 0 for v in header.values())
     with pytest.raises(FileExistsError):  # never over an existing file
         write_safetensors(path, {}, tensors.__getitem__)
+
+
+def test_a_failed_write_publishes_nothing_and_leaves_no_temporary(tmp_path):
+    """A file that cannot be written (here: the disk fills up after the first tensor) is one CheckpointError
+    naming the target; the marked temporary directory is removed and nothing appears at the target."""
+    import errno
+
+    import torch
+
+    from models.args import ModelArgs
+    from trainer.dense_checkpoint import CheckpointError, Tensors, save_imported
+
+    def tensor_of(name: str) -> torch.Tensor:
+        if name == "b":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return torch.zeros(4)
+
+    model = Tensors({"a": (torch.float32, (4,)), "b": (torch.float32, (4,))}, tensor_of)
+    with pytest.raises(CheckpointError, match=f"CKPT: cannot save to {re.escape(str(tmp_path / 'ckpt'))}.*space"):
+        save_imported(str(tmp_path / "ckpt"), model, ModelArgs(), {"source": "test"}, key="CKPT")
+    assert os.listdir(tmp_path) == []
+
+
+def test_one_rank_failing_to_write_fails_the_save_on_every_rank_and_leaves_nothing(tmp_path):
+    """dp=2 (FSDP: the save walk assembles tensors across both ranks): rank 1 cannot write past 64 KiB
+    (RLIMIT_FSIZE, SIGXFSZ ignored: the write fails with EFBIG). Rank 1 still takes part in the rest of the
+    walk, both ranks fail with the same one-line error, and neither the checkpoint nor a temporary stays."""
+    wrapper = tmp_path / "rank1_small_files.py"
+    wrapper.write_text(
+        "import os, resource, runpy, signal, sys\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16))\n"
+        f"sys.argv[0] = {str(ROOT / 'train.py')!r}\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        f"runpy.run_path({str(ROOT / 'train.py')!r}, run_name='__main__')\n"
+    )
+    ckpt = tmp_path / "out" / "ckpt"
+    args = ["--config", DEBUG_CONFIG, *QUIET, "--training.steps", "1", "--parallelism.dp", "2"]
+    args += ["--checkpoint.save_final", str(ckpt), "--job.output_dir", str(RUN_OUTPUTS), "--fault.timeout_s", "120"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(wrapper), *args],
+        cwd=ROOT,
+        env=CHILD_ENV,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode != 0 and len(errors) == 2 and len(set(errors)) == 1, proc.stderr
+    assert f"cannot save to {ckpt}" in errors[0] and "File too large" in errors[0], errors[0]
+    assert final_line(proc.stdout)[0] == 1 and str(ROOT / "trainer") not in proc.stderr  # no trace through ours
+    assert os.listdir(tmp_path / "out") == []

@@ -271,7 +271,7 @@ def test_truncated_checkpoint_is_one_line_error(checkpoint, tmp_path, capsys):
 
     copy = tmp_path / "ckpt"
     shutil.copytree(checkpoint, copy)
-    shard = copy / "model.safetensors"
+    shard = copy / "model-00000.safetensors"
     shard.write_bytes(shard.read_bytes()[:1000])
     assert "checksum mismatch" in _error(capsys, "--checkpoint", str(copy))
 

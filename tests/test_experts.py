@@ -122,7 +122,7 @@ def test_each_expert_is_named_and_initialised_as_a_tensor_of_its_own():
 
 
 def test_the_gathered_training_state_holds_each_expert_in_storage_of_its_own():
-    """The state gathered for the digest and the dense checkpoint is pickled; a slice of the stacked weights
+    """A rank's whole state by name (for comparisons; pickled when gathered); a slice of the stacked weights
     would carry the whole stack's storage, once per expert."""
     torch.manual_seed(0)
     model = build_model(ModelArgs(family="gpt", vocab_size=64, dim=16, n_layers=1, n_heads=2, n_routed_experts=8,

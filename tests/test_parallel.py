@@ -48,7 +48,13 @@ SLOW = {"dp4_ep2"}
 
 
 def checkpoint_tensors(directory) -> dict[str, dict[str, torch.Tensor]]:
-    return {"model": load_file(directory / "model.safetensors")}
+    """The model tensors of every rank's model file, each name in one file only."""
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(directory.glob("model-*.safetensors")):
+        part = load_file(file)
+        assert not set(part) & set(tensors), file
+        tensors.update(part)
+    return {"model": tensors}
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +74,8 @@ def test_layout_matches_single_process(layout, reference, tmp_path):
     assert sorted(losses) == list(range(1, STEPS + 1))
     for step, loss in losses.items():
         assert loss == pytest.approx(ref_losses[step], rel=1e-5), step
+    # every rank wrote the model tensors it owns, each once (`checkpoint_tensors`)
+    assert sorted(p.name for p in ckpt.glob("model-*")) == [f"model-{r:05d}.safetensors" for r in range(nproc)]
     ours, ref = checkpoint_tensors(ckpt), checkpoint_tensors(ref_ckpt)
     params = sorted(k for k in ref["model"])
     assert sorted(ours["model"]) == params  # global names: every expert of every layer, once

@@ -52,7 +52,7 @@ def test_bad_checkpoints_fail_with_one_clear_line(tmp_path):
     other_model = train("--training.steps", "1", "--model.dim", "32", "--checkpoint.load", str(ckpt), check=False)
     assert other_model.returncode == 2
     assert "model.dim" in other_model.stderr and "meta.json" in other_model.stderr
-    shard = ckpt / "model.safetensors"
+    shard = ckpt / "model-00000.safetensors"
     shard.write_bytes(shard.read_bytes()[:-10])
     truncated = train("--training.steps", "1", "--checkpoint.load", str(ckpt), check=False)
     assert truncated.returncode == 2 and shard.name in truncated.stderr and "checksum" in truncated.stderr

@@ -1,22 +1,20 @@
-"""Dense save/resume of the whole training state: safetensors tensors plus JSON metadata.
+"""Dense save/resume of the whole training state, written and read by every rank in parallel.
 
-A checkpoint (format `moevement-dense-v2`) is a directory holding `model.safetensors` (every
-parameter by global name), `optim.safetensors` (the AdamW tensors, named `optim.<param>.<key>` as in
-`trainer.state`) and `meta.json`: format, step, loss, model shape, tokenizer, the run identity
-(`RunIdentity.of_dense`) and a sha256 per file. Nothing is unpickled on load: each file is checked
-against its sha256, then read with safetensors, and every rank takes the tensors it holds (its slice
-of FSDP-sharded ones), so a checkpoint saved in any parallel layout loads into any other. The old DCP
-format (`moevement-dense-v1`, whose `.metadata` is a pickle) is refused without being read. An
-imported checkpoint (`python -m models.hf import`) has `"run": null`, an `imported` record, step 0 and
-an empty optimizer file: loading it sets the weights and leaves the optimizer fresh.
+A checkpoint (format `moevement-dense-v3`) is a directory holding, for each rank `r` that owns tensors,
+`model-<r:05d>.safetensors` (parameters by global name) and `optim-<r:05d>.safetensors` (the AdamW
+tensors, named `optim.<param>.<key>`), each tensor whole and in exactly one file, and `meta.json`:
+format, step, loss, model shape, tokenizer, the run identity (`RunIdentity.of_dense`) and a sha256 per
+file. Each rank writes the tensors it owns (`trainer.state`: FSDP shards assembled within their group one
+tensor at a time), so no rank holds more than the largest tensor beyond its own state; rank 0 gathers
+only the file names and checksums, and publishes the directory atomically (`trainer.checkpoint_publish`).
 
-Saving never deletes or renames anything it did not write. The target must be new, an empty directory
-or a checkpoint of this project holding only its own files (`check_save_target`, before training).
-Rank 0 writes the consolidated state, one tensor at a time, into a fresh owner-only sibling
-`.<name>.tmp-XXXX` marked by `.moevement-partial` (written first), `meta.json` last, then renames it
-into place; a replaced checkpoint is first renamed to a fresh `.<name>.old-XXXX`, and only its own files
-are deleted. Marked temporaries of the same target whose writer process is gone are removed; nothing
-else is.
+Nothing is unpickled on load: each file is checked against its sha256 (the files spread over the ranks)
+before anything parses it, then read with safetensors, and every rank takes the tensors it holds (its
+slice of FSDP-sharded ones), so a checkpoint saved in any parallel layout loads into any other. A
+`moevement-dense-v2` checkpoint (`model.safetensors` and `optim.safetensors`, one writer's files) loads
+the same way; the old DCP format (`moevement-dense-v1`, whose `.metadata` is a pickle) is refused
+without being read. An imported checkpoint (`python -m models.hf import`) has `"run": null`, an
+`imported` record, step 0 and no optimizer file: loading it sets the weights and leaves the optimizer fresh.
 """
 
 from __future__ import annotations
@@ -25,12 +23,9 @@ import dataclasses
 import hashlib
 import json
 import os
-import socket
-import stat
-import tempfile
 from collections import defaultdict
-from collections.abc import Callable
-from contextlib import suppress
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -40,42 +35,28 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from models.args import ModelArgs
 from models.experts import stacked_experts
-from parallelisms import collectives
+from trainer.checkpoint_publish import (
+    FORMAT,
+    META,
+    OLD_FORMAT,
+    SHARD_FILE,
+    V2_FILES,
+    V2_FORMAT,
+    CheckpointError,
+    begin,
+    check_target,
+    publish,
+    remove_temporary,
+    shard_file,
+    trusted_temporary,
+)
 from trainer.identity import RunIdentity
-from trainer.safetensors_stream import Spec, write_safetensors
+from trainer.rank0 import all_records, from_rank0, gather_to_rank0, is_rank0
+from trainer.safetensors_stream import SafetensorsWriter, Spec, write_safetensors
+from trainer.state import OPTIM_PREFIX, owned_tensors, training_plan
 
-FORMAT = "moevement-dense-v2"
-OLD_FORMAT = "moevement-dense-v1"
-META = "meta.json"
-MODEL_FILE = "model.safetensors"
-OPTIM_FILE = "optim.safetensors"
-PARTIAL = ".moevement-partial"  # marks a temporary directory written by this program
-OPTIM_PREFIX = "optim."
 KEY = "checkpoint.save_final"
-
-
-class CheckpointError(RuntimeError):
-    """A missing, corrupted, mismatched or unsafe checkpoint or target; the message names the path."""
-
-
-def _rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def _on_rank0(fn: Callable[[], None]) -> None:
-    """Run `fn` on rank 0 only; every rank then raises its CheckpointError, if any. Collective."""
-    error = None
-    if _rank0():
-        try:
-            fn()
-        except CheckpointError as e:
-            error = str(e)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [error]
-        collectives.broadcast_object_list(box, src=0)
-        error = box[0]
-    if error is not None:
-        raise CheckpointError(error)
+KINDS = ("model", "optim")
 
 
 def _sha256(path: Path) -> str:
@@ -86,116 +67,21 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _own_file(path: Path) -> bool:
-    """A regular file (not a symlink) owned by this user."""
-    try:
-        st = path.lstat()
-    except OSError:
-        return False
-    return stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid()
-
-
-# ---------------------------------------------------------------- the save target
-
-
-def _old_checkpoint_files(path: Path, key: str = KEY) -> list[str]:
-    """Entries of the existing directory `path` that replacing it deletes ([] if empty).
-
-    Refuses anything but a checkpoint of this project that holds only its own files."""
-    try:
-        entries = sorted(os.listdir(path))
-    except OSError as e:
-        raise CheckpointError(f"{key}: cannot read {path} ({e.strerror})") from None
-    if not entries:
-        return []
-    try:
-        meta = json.loads((path / META).read_text())
-        files, fmt = meta["files"], meta["format"]
-    except (OSError, ValueError, RecursionError, TypeError, KeyError):
-        files, fmt = {}, None
-    if fmt not in (FORMAT, OLD_FORMAT) or not isinstance(files, dict):
-        raise CheckpointError(
-            f"{key}: {path} is a non-empty directory that is not a MoEvement checkpoint; "
-            f"not replaced (choose a new or empty directory)"
-        )
-    own = {META, PARTIAL, *files}
-    foreign = [e for e in entries if e not in own or not _own_file(path / e)]
-    if foreign:
-        raise CheckpointError(
-            f"{key}: checkpoint {path} also holds {', '.join(foreign)}, not written by "
-            f"train.py; not replaced (move them or choose another directory)"
-        )
-    return entries
-
-
-def _check_target(path: Path, key: str = KEY) -> list[str]:
-    """Refuse a target saving would destroy or cannot write; the old checkpoint's files to delete."""
-    if path.name in ("", ".", ".."):
-        raise CheckpointError(f"{key}: {str(path)!r} does not name a new directory")
-    if path.is_symlink():
-        raise CheckpointError(f"{key}: {path} is a symlink; refused, never followed")
-    if path.exists() and not path.is_dir():
-        raise CheckpointError(f"{key}: {path} exists and is not a directory; not replaced")
-    old_files = _old_checkpoint_files(path, key) if path.exists() else []
-    ancestor = path.parent
-    while not ancestor.exists() and ancestor != ancestor.parent:
-        ancestor = ancestor.parent
-    try:  # the only reliable test (root passes os.access): create and remove a temporary of our own
-        os.rmdir(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=ancestor))
-    except OSError as e:
-        raise CheckpointError(f"{key}: cannot write a checkpoint at {path} ({e.strerror}: {ancestor})") from None
-    return old_files
-
-
 def check_save_target(directory: str) -> None:
     """Refuse, before any training, a save target that is unwritable, a file, a symlink, or a
     non-empty directory other than a checkpoint of this project. Collective."""
-    _on_rank0(lambda: _check_target(Path(directory)))
-
-
-def _stale_temporary(tmp: Path) -> bool:
-    """`tmp` carries our marker, is ours, and the process that wrote it (on this host) is gone."""
-    try:
-        if not (_own_file(tmp / PARTIAL) and tmp.lstat().st_uid == os.getuid()):
-            return False
-        writer = json.loads((tmp / PARTIAL).read_text())
-        pid = int(writer["pid"])
-        if writer["host"] != socket.gethostname() or pid <= 0:
-            return False
-        os.kill(pid, 0)
-        return False  # the writer is alive: possibly saving right now
-    except ProcessLookupError:
-        return True
-    except (OSError, ValueError, TypeError, KeyError):
-        return False
-
-
-def _remove_temporary(tmp: Path) -> None:
-    """Delete the files we write into a marked temporary directory (the marker last), then the directory."""
-    for name in (MODEL_FILE, OPTIM_FILE, f"{META}.tmp", META, PARTIAL):
-        if _own_file(tmp / name):
-            (tmp / name).unlink()
-    with suppress(OSError):
-        tmp.rmdir()  # fails, leaving it, if it holds anything else
-
-
-def _remove_stale_temporaries(path: Path) -> None:
-    """Clean up the marked temporaries an interrupted save to `path` left behind (nothing else)."""
-    prefix = f".{path.name}.tmp-"
-    for entry in os.scandir(path.parent):
-        if entry.name.startswith(prefix) and entry.is_dir(follow_symlinks=False) and _stale_temporary(Path(entry.path)):
-            _remove_temporary(Path(entry.path))
+    error = None
+    if is_rank0():
+        try:
+            check_target(Path(directory), KEY)
+        except CheckpointError as e:
+            error = str(e)
+    error = from_rank0(error)
+    if error is not None:
+        raise CheckpointError(error)
 
 
 # ---------------------------------------------------------------- writing
-
-
-def _write_owner_only(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 @dataclasses.dataclass
@@ -206,67 +92,94 @@ class Tensors:
     specs: dict[str, Spec]
     tensor_of: Callable[[str], torch.Tensor]
 
-    @classmethod
-    def of(cls, tensors: dict[str, torch.Tensor]) -> Tensors:
-        return cls({k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()}, tensors.__getitem__)
+
+def _kind(name: str) -> str:
+    return "optim" if name.startswith(OPTIM_PREFIX) else "model"
 
 
-def _write_new(tmp: Path, model: Tensors, optim: Tensors, meta: dict) -> None:
-    """Fill the fresh directory `tmp`: marker first, tensors (owner-only, synced), `meta.json` last."""
-    _write_owner_only(tmp / PARTIAL, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode())
-    files = {
-        MODEL_FILE: write_safetensors(tmp / MODEL_FILE, model.specs, model.tensor_of),
-        OPTIM_FILE: write_safetensors(tmp / OPTIM_FILE, optim.specs, optim.tensor_of),
-    }
-    _write_owner_only(tmp / f"{META}.tmp", json.dumps({**meta, "files": files}, indent=1).encode())
-    os.replace(tmp / f"{META}.tmp", tmp / META)
+def _write_owned(
+    tmp: Path | None, rank: int, tensors: Iterator[tuple[str, torch.Tensor]], specs: dict
+) -> dict[str, str]:
+    """Write this rank's files into `tmp` from `tensors` (in `specs`' order); {file: sha256}.
 
-
-def _swap_in(tmp: Path, path: Path, old_files: list[str]) -> None:
-    """Rename the finished `tmp` to `path`; an old checkpoint there goes aside first, then its files go."""
-    if not old_files:
-        os.rename(tmp, path)  # onto nothing or an empty directory; anything else makes it fail
-    else:
-        aside = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
-        os.rename(path, aside)  # replaces the empty `aside` we just made
-        try:
-            os.rename(tmp, path)
-        except OSError:
-            os.rename(aside, path)
-            raise
-        for name in old_files:
-            with suppress(OSError):
-                (aside / name).unlink()
-        with suppress(OSError):
-            aside.rmdir()
-    (path / PARTIAL).unlink()
-    fd = os.open(path.parent, os.O_RDONLY)
+    `tensors` is a collective walk: without a directory to write to (None), or on an error, it is drained
+    (before the error is raised), so that no other rank waits for this one."""
+    if tmp is None:
+        for _ in tensors:
+            pass
+        return {}
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_checkpoint(path: Path, model: Tensors, optim: Tensors, meta: dict, key: str = KEY) -> None:
-    old_files = _check_target(path, key)  # again: the target may have changed during training
-    tmp = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        _remove_stale_temporaries(path)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-        _write_new(tmp, model, optim, meta)
-        _swap_in(tmp, path, old_files)
-    except BaseException as e:  # nothing half-written stays behind, whatever stopped the writing
-        if tmp is not None and tmp.exists():
-            _remove_temporary(tmp)
-        if isinstance(e, OSError):
-            raise CheckpointError(f"{key}: cannot save to {path} ({e})") from None
+        with ExitStack() as stack:
+            writers = {
+                kind: stack.enter_context(SafetensorsWriter(tmp / shard_file(kind, rank), part, in_order=True))
+                for kind in KINDS
+                if (part := {n: spec for n, spec in specs.items() if _kind(n) == kind})
+            }
+            for name, tensor in tensors:
+                writers[_kind(name)].write(name, tensor)
+            return {shard_file(kind, rank): writer.finish() for kind, writer in writers.items()}
+    except (OSError, ValueError):
+        for _ in tensors:
+            pass
         raise
 
 
-def save_dense(directory: str, state: dict[str, torch.Tensor] | None, step: int, loss: float, cfg) -> None:
-    """Save `state` (`consolidated_training_state`: the whole state on rank 0, None elsewhere) after
-    `step` iterations (`loss`: that iteration's) as a checkpoint of the run `cfg`. Collective."""
+def _save(path: Path, key: str, meta: dict, write: Callable[[Path | None], dict[str, str]]) -> None:
+    """Rank 0 makes the temporary, every rank `write`s its files into it (None: a rank that cannot trust
+    it writes nothing, but still takes part in `write`'s collectives), rank 0 writes `meta.json` with every
+    file's sha256 and renames it into place; every rank raises the same CheckpointError, if any.
+    Collective."""
+    tmp, old_files, error = None, [], None
+    if is_rank0():
+        try:
+            tmp, old_files = begin(path, key)
+        except CheckpointError as e:
+            error = str(e)
+    where, error = from_rank0((None if tmp is None else str(tmp), error))
+    if error is not None:
+        raise CheckpointError(error)
+    files, error = {}, None
+    try:
+        trusted_temporary(Path(where), key)
+    except CheckpointError as e:
+        error = str(e)
+    try:
+        files = write(None if error else Path(where))
+    except (OSError, ValueError) as e:
+        error = f"{key}: cannot save to {path} ({e})"
+    except BaseException:  # nothing half-written stays behind, whatever stopped the writing
+        if tmp is not None:
+            remove_temporary(tmp)
+        raise
+    records = gather_to_rank0((files, error))
+    if records is not None:
+        error = _finish(tmp, path, old_files, meta, records, key)
+    error = from_rank0(error)
+    if error is not None:
+        raise CheckpointError(error)
+
+
+def _finish(tmp: Path, path: Path, old_files: list[str], meta: dict, records: list, key: str) -> str | None:
+    """Rank 0: publish `tmp` with the ranks' file `records`, or remove it; the error line, if any."""
+    errors = [error for _, error in records if error is not None]
+    try:
+        if errors:
+            return errors[0]
+        files = {name: sha for part, _ in records for name, sha in part.items()}
+        publish(tmp, path, old_files, {**meta, "files": dict(sorted(files.items()))})
+        return None
+    except OSError as e:
+        return f"{key}: cannot save to {path} ({e})"
+    finally:
+        if tmp.exists():
+            remove_temporary(tmp)
+
+
+def save_dense(
+    directory: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, loss: float, cfg
+) -> None:
+    """Save this job's training state (`model`'s parameters and their `optimizer` state, on every rank)
+    after `step` iterations (`loss`: that iteration's) as a checkpoint of the run `cfg`. Collective."""
     meta = {
         "format": FORMAT,
         "step": step,
@@ -275,9 +188,10 @@ def save_dense(directory: str, state: dict[str, torch.Tensor] | None, step: int,
         "run": RunIdentity.of_dense(cfg).to_json(),
         **({"tokenizer": cfg.data.tokenizer} if cfg.data.tokenizer else {}),
     }
-    model = {k: v for k, v in (state or {}).items() if not k.startswith(OPTIM_PREFIX)}
-    optim = {k: v for k, v in (state or {}).items() if k.startswith(OPTIM_PREFIX)}
-    _on_rank0(lambda: _write_checkpoint(Path(directory), Tensors.of(model), Tensors.of(optim), meta))
+    plan = training_plan(model, optimizer)
+    specs = {name: (dtype, shape) for unit in plan if unit.owner for name, dtype, shape in unit.specs()}
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    _save(Path(directory), KEY, meta, lambda tmp: _write_owned(tmp, rank, owned_tensors(plan), specs))
 
 
 def save_imported(directory: str, model: Tensors, model_args: ModelArgs, origin: dict, key: str) -> None:
@@ -287,7 +201,12 @@ def save_imported(directory: str, model: Tensors, model_args: ModelArgs, origin:
     meta = {"format": FORMAT, "step": 0, "model": dataclasses.asdict(model_args), "run": None, "imported": origin}
     if origin.get("tokenizer"):
         meta["tokenizer"] = origin["tokenizer"]
-    _write_checkpoint(Path(directory), model, Tensors.of({}), meta, key)
+    name = shard_file("model", 0)
+
+    def write(tmp: Path | None) -> dict[str, str]:
+        return {} if tmp is None else {name: write_safetensors(tmp / name, model.specs, model.tensor_of)}
+
+    _save(Path(directory), key, meta, write)
 
 
 def is_imported(meta: dict) -> bool:
@@ -299,7 +218,7 @@ def is_imported(meta: dict) -> bool:
 
 
 def open_meta(directory: str) -> dict:
-    """The parsed `meta.json` of a checkpoint in this format. The old DCP format is refused unread."""
+    """The parsed `meta.json` of a checkpoint in this format (or v2). The old DCP format is refused unread."""
     path = Path(directory)
     meta_path = path / META
     old = (
@@ -318,16 +237,34 @@ def open_meta(directory: str) -> dict:
         raise CheckpointError(f"{meta_path}: not a JSON object")
     if meta.get("format") == OLD_FORMAT:
         raise CheckpointError(old)
-    if meta.get("format") != FORMAT:
+    if meta.get("format") not in (FORMAT, V2_FORMAT):
         raise CheckpointError(f"{meta_path}: format {meta.get('format')!r}, expected {FORMAT!r}")
-    files, step = meta.get("files"), meta.get("step")
-    if not isinstance(files, dict) or set(files) != {MODEL_FILE, OPTIM_FILE}:
-        raise CheckpointError(f"{meta_path}: 'files' must list exactly {MODEL_FILE} and {OPTIM_FILE}")
+    _check_files(meta, meta_path)
+    step = meta.get("step")
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise CheckpointError(f"{meta_path}: 'step' must be an integer >= 0, got {step!r}")
     if not isinstance(meta.get("loss", 0.0), (int, float)) or isinstance(meta.get("loss"), bool):
         raise CheckpointError(f"{meta_path}: 'loss' must be a number, got {meta.get('loss')!r}")
     return meta
+
+
+def _check_files(meta: dict, meta_path: Path) -> None:
+    """`files` maps plain file names of this format to sha256 strings, with at least one model file."""
+    files = meta.get("files")
+    if meta["format"] == V2_FORMAT:
+        if not isinstance(files, dict) or set(files) != set(V2_FILES.values()):
+            raise CheckpointError(f"{meta_path}: 'files' must list exactly {' and '.join(V2_FILES.values())}")
+    elif not isinstance(files, dict) or not all(isinstance(n, str) and SHARD_FILE.match(n) for n in files):
+        raise CheckpointError(f"{meta_path}: 'files' must map model-NNNNN.safetensors / optim-NNNNN.safetensors")
+    if not all(isinstance(sha, str) for sha in files.values()) or not files_of(meta, "model"):
+        raise CheckpointError(f"{meta_path}: 'files' must give a sha256 per file and hold a model file")
+
+
+def files_of(meta: dict, kind: str) -> list[str]:
+    """The names of the checkpoint's `kind` ("model" or "optim") files (`open_meta` checked them)."""
+    if meta["format"] == V2_FORMAT:
+        return [V2_FILES[kind]]
+    return sorted(name for name in meta["files"] if SHARD_FILE.match(name)[1] == kind)
 
 
 def check_model(meta: dict, meta_path: Path, model_args: ModelArgs) -> None:
@@ -343,56 +280,81 @@ def check_model(meta: dict, meta_path: Path, model_args: ModelArgs) -> None:
         raise CheckpointError(f"{meta_path}: checkpoint is of another model: {', '.join(differ)}")
 
 
-def verify_files(directory: str, meta: dict, names: tuple[str, ...] = (MODEL_FILE, OPTIM_FILE)) -> None:
+def verify_files(directory: str, meta: dict, names: list[str]) -> None:
     """Check the sha256 of each of `names` against `meta.json` before anything parses them."""
     for name in names:
         file = Path(directory) / name
+        if file.is_symlink():
+            raise CheckpointError(f"{file}: is a symlink; refused, never followed")
         if not file.is_file():
             raise CheckpointError(f"{file}: missing from checkpoint")
         if _sha256(file) != meta["files"][name]:
             raise CheckpointError(f"{file}: checksum mismatch (truncated or corrupted)")
 
 
-def read_meta(directory: str, model_args: ModelArgs) -> dict:
-    """Validate a checkpoint directory against this model (format, shape, checksums); its metadata."""
-    meta = open_meta(directory)
-    check_model(meta, Path(directory) / META, model_args)
-    verify_files(directory, meta)
-    return meta
+def _verify_spread(directory: str, meta: dict) -> None:
+    """Every file of the checkpoint verified once, the files spread over the ranks; every rank raises the
+    same first error. Collective."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    error = None
+    try:
+        verify_files(directory, meta, sorted(meta["files"])[rank::world])
+    except CheckpointError as e:
+        error = str(e)
+    errors = [e for e in all_records(error) if e is not None]
+    if errors:
+        raise CheckpointError(errors[0])
 
 
-class _Reader:
-    """Tensors of one safetensors file (no pickle); any failure is a CheckpointError naming the file."""
+class StoredTensors:
+    """The tensors of a checkpoint's `kind` files by stored name, read one at a time with safetensors
+    (nothing unpickled); any failure is a CheckpointError naming the file. Verify the files first."""
 
-    def __init__(self, file: Path):
-        self.file = file
+    def __init__(self, directory: str, meta: dict, kind: str):
+        self.where: dict[str, tuple[Path, object]] = {}
+        self.files = f"{directory}: the checkpoint's {kind} files"
+        for name in files_of(meta, kind):
+            file = Path(directory) / name
+            handle = self._reading(file, lambda f=file: safe_open(str(f), framework="pt", device="cpu"))
+            for tensor in self._reading(file, handle.keys):
+                if tensor in self.where:
+                    raise CheckpointError(f"{file}: tensor {tensor!r} is also in {self.where[tensor][0].name}")
+                self.where[tensor] = (file, handle)
+
+    @staticmethod
+    def _reading(file: Path, read):
         try:
-            self.handle = safe_open(str(file), framework="pt", device="cpu")
-            self.names = set(self.handle.keys())
+            return read()
         except (SafetensorError, OSError) as e:
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise CheckpointError(f"{file}: unreadable ({reason})") from None
+
+    def _where(self, name: str) -> tuple[Path, object]:
+        if name not in self.where:
+            raise CheckpointError(f"{self.files} have no tensor {name!r}")
+        return self.where[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        file, handle = self._where(name)
+        return tuple(self._reading(file, lambda: handle.get_slice(name).get_shape()))
+
+    def get(self, name: str) -> torch.Tensor:
+        file, handle = self._where(name)
+        return self._reading(file, lambda: handle.get_tensor(name))
 
     def take(self, names: list[str], like: torch.Tensor) -> torch.Tensor:
         """Tensor `names[0]`, or the stack of `names` (a stacked expert weight: one name per expert), shaped
         like `like`; only this rank's part when `like` is a DTensor."""
         shape = tuple(like.shape) if len(names) == 1 else tuple(like.shape[1:])
-        parts = [self._get(name) for name in names]
+        parts = [self.get(name) for name in names]
         for name, part in zip(names, parts, strict=True):
             if tuple(part.shape) != shape:
-                raise CheckpointError(f"{self.file}: tensor {name!r} has shape {tuple(part.shape)}, the model {shape}")
+                file = self.where[name][0]
+                raise CheckpointError(f"{file}: tensor {name!r} has shape {tuple(part.shape)}, the model {shape}")
         full = parts[0] if len(names) == 1 else torch.stack(parts)
         if isinstance(like, DTensor):
             return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
         return full
-
-    def _get(self, name: str) -> torch.Tensor:
-        if name not in self.names:
-            raise CheckpointError(f"{self.file}: has no tensor {name!r}")
-        try:
-            return self.handle.get_tensor(name)
-        except SafetensorError as e:
-            raise CheckpointError(f"{self.file}: tensor {name!r} unreadable ({e})") from None
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -406,19 +368,19 @@ def _stored_names(model: torch.nn.Module) -> list[tuple[torch.nn.Parameter, list
 
 
 @torch.no_grad()
-def load_model(directory: str, model: torch.nn.Module) -> None:
-    """Copy every parameter of `model` (plain or DTensor) from the checkpoint's model file, by global name."""
-    reader = _Reader(Path(directory) / MODEL_FILE)
+def load_model(directory: str, meta: dict, model: torch.nn.Module) -> None:
+    """Copy every parameter of `model` (plain or DTensor) from the checkpoint's model files, by global name."""
+    reader = StoredTensors(directory, meta, "model")
     for param, stored in _stored_names(model):
         _local(param).copy_(reader.take(stored, param))
 
 
 @torch.no_grad()
-def _load_optimizer(directory: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Set the AdamW state of every parameter of `model` saved in the checkpoint's optimizer file."""
-    reader = _Reader(Path(directory) / OPTIM_FILE)
+def _load_optimizer(directory: str, meta: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Set the AdamW state of every parameter of `model` saved in the checkpoint's optimizer files."""
+    reader = StoredTensors(directory, meta, "optim")
     keys: dict[str, list[str]] = defaultdict(list)
-    for stored in reader.names:
+    for stored in reader.where:
         param_name, _, key = stored[len(OPTIM_PREFIX) :].rpartition(".")
         keys[param_name].append(key)
     for param, names in _stored_names(model):
@@ -436,6 +398,7 @@ def _load_optimizer(directory: str, model: torch.nn.Module, optimizer: torch.opt
 
 def load_dense(directory: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg) -> tuple[dict, list[str]]:
     """Validate `directory` against the run `cfg` and load it into this rank's `model` parts and `optimizer`.
+    Collective (the files' checksums are spread over the ranks).
 
     Returns its metadata (step, loss) and the config keys that differ from the saved run's, which is
     empty unless `checkpoint.load_other_config` let them pass (IdentityError otherwise). An imported
@@ -451,7 +414,7 @@ def load_dense(directory: str, model: torch.nn.Module, optimizer: torch.optim.Op
     else:
         identity.check(meta.get("run"), str(meta_path), check_job=False)
         differ = []
-    verify_files(directory, meta)
-    load_model(directory, model)
-    _load_optimizer(directory, model, optimizer)
+    _verify_spread(directory, meta)
+    load_model(directory, meta, model)
+    _load_optimizer(directory, meta, model, optimizer)
     return meta, differ
