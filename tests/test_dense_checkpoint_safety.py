@@ -112,6 +112,14 @@ def test_replacing_a_checkpoint_touches_nothing_else(tmp_path):
         train("--training.steps", "1", "--checkpoint.save_final", str(ckpt), check=False), "eval_results.json"
     )
     assert (ckpt / "meta.json").read_text() == meta and (ckpt / "eval_results.json").exists()
+    # ... even when a crafted meta.json lists it among the checkpoint's files: the names come from the code
+    crafted = json.loads(meta)
+    crafted["files"]["eval_results.json"] = "0" * 64
+    (ckpt / "meta.json").write_text(json.dumps(crafted))
+    refused_before_training(
+        train("--training.steps", "1", "--checkpoint.save_final", str(ckpt), check=False), "eval_results.json"
+    )
+    assert (ckpt / "eval_results.json").read_text() == "{}"
 
 
 def test_interrupted_save_looks_incomplete_and_only_it_is_cleaned(tmp_path):

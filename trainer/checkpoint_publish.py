@@ -87,8 +87,8 @@ def _old_checkpoint_files(path: Path, key: str) -> list[str]:
             f"{key}: {path} is a non-empty directory that is not a MoEvement checkpoint; "
             f"not replaced (choose a new or empty directory)"
         )
-    own = {META, PARTIAL, *files}
-    foreign = [e for e in entries if e not in own or not own_file(path / e)]
+    # what may be deleted is decided by the names this program writes, never by the listing in meta.json
+    foreign = [e for e in entries if not written_by_us(e) or not own_file(path / e)]
     if foreign:
         raise CheckpointError(
             f"{key}: checkpoint {path} also holds {', '.join(foreign)}, not written by "
