@@ -402,3 +402,19 @@ def test_a_full_host_dir_commit_is_one_error_naming_the_directory(small_disk):
     with pytest.raises(HostMemoryError, match=rf"^{job}: cannot write w0-s0\.json \(0\.\d MB needed, 0\.0 MB free"):
         write_json_atomic(job / "w0-s0.json", {"entries": ["x" * 8192]})
     assert sorted(p.name for p in job.iterdir()) == ["filler"]
+
+
+def test_a_changed_header_value_is_a_rejected_copy(tmp_path):
+    """One digit of the learning rate in a snapshot's commit record (a scalar the replay uses) is changed in
+    host memory: the header's hash refuses that copy, naming the file, and the run never uses it (it ends with
+    the fault-free run's state)."""
+    args = host(tmp_path)
+    crash(*args, "--fault.crash", "10:0")
+    shm = tmp_path / "shm" / "safety" / "rank00000" / "local"
+    [changed] = sorted(p for p in shm.glob("w*-s1.json") if b'"window_start": 7' in p.read_bytes())
+    raw = changed.read_bytes()
+    at = raw.index(b'"lr": ') + len(b'"lr": ') + 2  # a digit of the learning rate
+    changed.write_bytes(raw[:at] + (b"7" if raw[at : at + 1] != b"7" else b"3") + raw[at + 1 :])
+    out = run_cli(*BASE, *args).stdout
+    assert re.search(rf"^restart: rank 0 rejected {re.escape(str(changed))}: .*header hash mismatch", out, re.M), out
+    assert final_line(out) == final_line(reference())

@@ -307,22 +307,11 @@ def test_shared_memory_snapshots_survive_the_death_of_their_process(tmp_path):
         shutil.rmtree(rank_dir.parent, ignore_errors=True)
 
 
-def _reference_checksum(raw: bytes) -> str:
-    """The checksum's definition in plain Python integers (mod 2**64): zero-padded blocks of 8-byte words."""
-    from moevement.storage.snapshot import BLOCK, MASK
+def test_snapshot_checksums_are_xxh3_of_each_entry():
+    """copy_entries hashes every entry while copying: each checksum is the XXH3-64 of exactly the entry's
+    bytes (not its padding), whatever the stale padding held."""
+    import xxhash
 
-    n = len(raw)
-    raw += bytes(-n % BLOCK)
-    words = [int.from_bytes(raw[i : i + 8], "little") for i in range(0, len(raw), 8)]
-    blocks = [sum(words[i : i + BLOCK // 8]) for i in range(0, len(words), BLOCK // 8)]
-    first = sum(blocks) & MASK
-    second = (sum(b * (k + 1) for k, b in enumerate(blocks)) + (len(blocks) + 1) * (first + n)) & MASK
-    return f"{first:016x}{second:016x}"
-
-
-def test_vectorised_snapshot_checksums_match_the_definition():
-    """copy_entries checksums all entries in one pass (prefix sums, wrapping int64); every entry's
-    checksum equals the definition computed entry by entry, whatever the stale padding held."""
     from moevement.storage.snapshot import BLOCK, Entry, Throttle, copy_entries
 
     g = torch.Generator().manual_seed(0)
@@ -340,20 +329,29 @@ def test_vectorised_snapshot_checksums_match_the_definition():
     for entry, src in zip(entries, sources):
         raw = buffer[entry.offset : entry.offset + entry.nbytes]
         assert torch.equal(raw.view(getattr(torch, entry.dtype)).view(entry.shape), src.to(getattr(torch, entry.dtype)))
-        assert entry.checksum == _reference_checksum(raw.numpy().tobytes())
+        assert entry.checksum == xxhash.xxh3_64_hexdigest(raw.numpy().tobytes())
 
 
-def test_checksum_detects_flips_moved_blocks_and_length():
+def test_checksum_detects_every_corruption_a_sum_misses():
+    """Compensating flips within one 1 KiB block, two swapped 8-byte words, moved blocks, a flip in the tail
+    and a shorter length all change the hash (the block sums it replaced let the first two pass)."""
     from moevement.storage.snapshot import checksum
 
     raw = torch.randint(0, 256, (3 * 4096 + 5,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     base = checksum(raw)
     assert checksum(raw.clone()) == base
+    words = raw[:4096].clone().view(torch.int64)
+    compensating = raw.clone()
+    compensating[:4096].view(torch.int64)[:2] = torch.stack([words[0] + 1, words[1] - 1])  # same sum of the block
+    swapped = raw.clone()
+    swapped[:4096].view(torch.int64)[:2] = words[:2].flip(0)  # same sum, same block
     flipped = raw.clone()
     flipped[-1] ^= 1  # in the unaligned tail
     moved = raw.clone()
     moved[:4096], moved[4096:8192] = raw[4096:8192], raw[:4096]
-    assert len({base, checksum(flipped), checksum(moved), checksum(raw[:-1])}) == 4
+    variants = [compensating, swapped, flipped, moved, raw[:-1]]
+    assert not any(torch.equal(v[: raw.numel()], raw) for v in variants[:4])
+    assert len({base, *map(checksum, variants)}) == 6
     assert checksum(torch.zeros(8, dtype=torch.uint8)) != checksum(torch.zeros(16, dtype=torch.uint8))
 
 

@@ -9,7 +9,6 @@ the next peer.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 
 import torch
@@ -17,7 +16,7 @@ import torch.distributed as dist
 
 from moevement.checkpoint.checkpointer import SparseCheckpointer
 from moevement.recovery.upstream_log import UpstreamLog
-from moevement.storage.host_memory import HostBuffer, read_header
+from moevement.storage.host_memory import HostBuffer, HostMemoryError, encode_json, read_header, seal, unseal
 from moevement.storage.snapshot import SnapshotError, SnapshotHeader, verify_entries
 from moevement.topology import Topology
 from parallelisms import collectives
@@ -69,12 +68,12 @@ def _local_copy_intact(ck: SparseCheckpointer, window: int) -> bool:
     """Whether this rank's local buffers hold the whole persisted checkpoint with valid checksums."""
     for slot in range(window):
         buf = ck.persisted.snapshot_buffer(slot)
-        header = read_header(buf.path)
-        if header is None or header["window_start"] != ck.persisted.rollback_point():
-            return False
         try:
+            header = read_header(buf.path)
+            if header is None or header["window_start"] != ck.persisted.rollback_point():
+                return False
             verify_entries(buf.data, SnapshotHeader.from_json(header), source=str(buf.path))
-        except SnapshotError:
+        except (SnapshotError, HostMemoryError):
             return False
     return True
 
@@ -84,7 +83,7 @@ def send_slot(dst: int, header: dict | None, data: torch.Tensor | None) -> None:
     if header is None:
         collectives.send(torch.tensor([0, 0]), dst)
         return
-    raw = torch.frombuffer(bytearray(json.dumps(header).encode()), dtype=torch.uint8)
+    raw = torch.frombuffer(bytearray(seal(encode_json(header))), dtype=torch.uint8)
     collectives.send(torch.tensor([raw.numel(), header["nbytes"]]), dst)
     collectives.send(raw, dst)
     if header["nbytes"]:
@@ -103,7 +102,7 @@ def recv_slot(src: int, buffer_for: Callable[[int], torch.Tensor]) -> tuple[dict
     data = buffer_for(nbytes)
     if nbytes:
         collectives.recv(data[:nbytes], src)
-    return json.loads(raw.numpy().tobytes()), data
+    return unseal(raw.numpy().tobytes(), f"the header from rank {src}"), data
 
 
 def _send(ck: SparseCheckpointer, dst: int, window: int, buffer_of: Callable[[int], HostBuffer]) -> None:
@@ -127,13 +126,13 @@ def _receive(
             buf.invalidate()
             return buf.ensure(max(nbytes, 1))
 
-        header, data = recv_slot(src, into)
-        if header is None:
-            ok = False
-            continue
         try:
+            header, data = recv_slot(src, into)  # the whole slot is received before its header is checked
+            if header is None:
+                ok = False
+                continue
             verify_entries(data, SnapshotHeader.from_json(header), source=source)
-        except SnapshotError as e:
+        except (SnapshotError, HostMemoryError) as e:
             print(f"recovery: rejected {e}; trying the next copy", flush=True)
             ok = False
             continue

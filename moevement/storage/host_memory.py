@@ -31,6 +31,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+import xxhash
 
 
 class HostMemoryError(RuntimeError):
@@ -117,11 +118,44 @@ def no_space(directory: Path, what: str, needed: int, error: OSError) -> HostMem
     return HostMemoryError(f"{directory}: cannot write {what} ({needed / 1e6:.1f} MB needed, {free}: {error.strerror})")
 
 
+_SEAL_HEAD, _SEAL_MID = b'{"xxh3": "', b'", "record": '
+
+
+def seal(record: bytes) -> bytes:
+    """A JSON record (`encode_json` bytes) with its XXH3-64 in front: `{"xxh3": "<hex>", "record": ...}`.
+    Every commit record and manifest is written sealed, so a changed scalar, entry or identity is caught
+    before anything reads it (the tensors carry hashes of their own, in the record)."""
+    return _SEAL_HEAD + xxhash.xxh3_64_hexdigest(record).encode() + _SEAL_MID + record + b"}"
+
+
+def sealed_record(raw: bytes, where: object) -> bytes:
+    """The record inside `seal`ed bytes, its hash verified; HostMemoryError naming `where` otherwise."""
+    digest_end = len(_SEAL_HEAD) + 16
+    record = raw[digest_end + len(_SEAL_MID) : -1]
+    framed = raw.startswith(_SEAL_HEAD) and raw[digest_end:].startswith(_SEAL_MID) and raw.endswith(b"}")
+    if not framed:
+        raise HostMemoryError(f"{where}: unreadable header (not a sealed record of this program)")
+    if xxhash.xxh3_64_hexdigest(record).encode() != raw[len(_SEAL_HEAD) : digest_end]:
+        raise HostMemoryError(f"{where}: header hash mismatch (the header was changed or corrupted)")
+    return record
+
+
+def unseal(raw: bytes, where: object) -> dict:
+    """The JSON object `seal`ed in `raw`, verified (HostMemoryError naming `where` otherwise)."""
+    try:
+        header = json.loads(sealed_record(raw, where))
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise HostMemoryError(f"{where}: unreadable header ({e})") from None
+    if not isinstance(header, dict):
+        raise HostMemoryError(f"{where}: unreadable header (not a JSON object)")
+    return header
+
+
 def write_json_atomic(path: Path, payload: dict | bytes) -> None:
-    """Write `payload` (a dict, or its `encode_json` bytes) to `path` via a fresh temporary file
+    """Write `payload` (a dict, or its `encode_json` bytes), `seal`ed, to `path` via a fresh temporary file
     (created exclusively, owner-only) and a rename. A full or unwritable directory is a HostMemoryError
     naming it and the bytes needed; the temporary is removed."""
-    data = payload if isinstance(payload, bytes) else encode_json(payload)
+    data = seal(payload if isinstance(payload, bytes) else encode_json(payload))
     tmp = None
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -328,7 +362,8 @@ def loaded_library(stem: str) -> str | None:
 def read_header(path: Path) -> dict | None:
     """The committed header of the buffer at `path` (no suffix), or None if there is none.
 
-    A header that is not a JSON object (truncated, corrupted) raises HostMemoryError naming the file."""
+    A header whose hash does not match or that is not a JSON object (changed, truncated, corrupted) raises
+    HostMemoryError naming the file."""
     json_path = path.with_suffix(".json")
     try:
         fd = os.open(json_path, os.O_RDONLY | os.O_NOFOLLOW)
@@ -337,14 +372,7 @@ def read_header(path: Path) -> dict | None:
     except OSError as e:
         raise HostMemoryError(f"{json_path}: cannot read ({e.strerror})") from None
     with os.fdopen(fd, "rb") as f:
-        raw = f.read()
-    try:
-        header = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise HostMemoryError(f"{json_path}: unreadable header ({e})") from None
-    if not isinstance(header, dict):
-        raise HostMemoryError(f"{json_path}: unreadable header (not a JSON object)")
-    return header
+        return unseal(f.read(), json_path)
 
 
 def map_bytes(path: Path) -> torch.Tensor:

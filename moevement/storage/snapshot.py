@@ -15,13 +15,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
+import xxhash
 
 from moevement.operators import Operator
 from moevement.storage.cpu_cost import measure
 
-BLOCK = 1024  # entries start on block boundaries; the checksum sums 8-byte words per block
+BLOCK = 1024  # entries start on block boundaries (aligned copies; zeroed padding)
 CHUNK_BYTES = 4 << 20  # copy granularity; the bandwidth cap is enforced between chunks
-MASK = (1 << 64) - 1
 
 
 class SnapshotError(RuntimeError):
@@ -147,11 +147,10 @@ def copy_entries(
     """Copy (and cast) each source into its entry, zero the padding, and checksum every entry.
 
     Entries (laid out one after another) are copied in groups of about CHUNK_BYTES, one foreach
-    copy each, and a group's block sums are taken while its bytes are still in cache; the
+    copy each, and a group's entries are hashed while their bytes are still in cache; the
     bandwidth cap is enforced between groups. Per-tensor Python work would cost more CPU than
     the copy itself.
     """
-    blocks = torch.zeros(_span_end(entries) // BLOCK, dtype=torch.int64)
     start = 0
     for stop in _group_ends(entries):
         group = entries[start:stop]
@@ -167,13 +166,10 @@ def copy_entries(
             if pads:
                 torch._foreach_zero_(pads)
         with measure("checksum"):
-            first, last = group[0].offset // BLOCK, _span_end(group) // BLOCK
-            torch.sum(_words(buffer, first, last), dim=1, out=blocks[first:last])
+            for entry in group:
+                entry.checksum = checksum(entry_bytes(buffer, entry))
         throttle.consume(sum(e.nbytes for e in group))
         start = stop
-    with measure("checksum"):
-        for entry, value in zip(entries, _checksums_from_blocks(blocks, entries), strict=True):
-            entry.checksum = value
 
 
 def _group_ends(entries: list[Entry]) -> list[int]:
@@ -187,50 +183,20 @@ def _group_ends(entries: list[Entry]) -> list[int]:
     return ends
 
 
-def _span_end(entries: list[Entry]) -> int:
-    return max((e.offset + _padded(e.nbytes) for e in entries), default=0)
-
-
-def _words(buffer: torch.Tensor, first: int, last: int) -> torch.Tensor:
-    """Blocks `first` to `last` (exclusive) of `buffer` as rows of 8-byte words."""
-    return buffer[first * BLOCK : last * BLOCK].view(torch.int64).view(-1, BLOCK // 8)
-
-
 def checksums(buffer: torch.Tensor, entries: list[Entry]) -> list[str]:
-    """The checksum of every entry's block-aligned span of `buffer`, in one vectorised pass.
-
-    Fletcher-style, 64 bits: wrapping sums of the 8-byte words (`first`) and of the per-block
-    word sums weighted by their position in the entry (`second`), so a flipped, lost or moved
-    block changes it; the entry's length is part of it. Entries start on BLOCK boundaries and
-    their padding is zero (`copy_entries`), so one pass of block sums serves all of them. crc32
-    costs ~8x more CPU, which on CPU training comes out of the compute the snapshot overlaps with.
-    """
+    """The checksum of every entry's bytes in `buffer`."""
     if any(e.offset % BLOCK for e in entries):
         raise SnapshotError(f"entries are not aligned to {BLOCK} bytes (a snapshot of an older format)")
-    blocks = _words(buffer, 0, _span_end(entries) // BLOCK).sum(dim=1)
-    return _checksums_from_blocks(blocks, entries)
-
-
-def _checksums_from_blocks(blocks: torch.Tensor, entries: list[Entry]) -> list[str]:
-    """Each entry's sums as differences of prefix sums of the block sums (wrapping int64 arithmetic)."""
-    if not entries:
-        return []
-    zero = torch.zeros(1, dtype=torch.int64)
-    prefix = torch.cat([zero, blocks.cumsum(0)])
-    weighted = torch.cat([zero, (blocks * torch.arange(1, blocks.numel() + 1)).cumsum(0)])
-    start = torch.tensor([e.offset // BLOCK for e in entries], dtype=torch.int64)
-    count = torch.tensor([_padded(e.nbytes) // BLOCK for e in entries], dtype=torch.int64)
-    length = torch.tensor([e.nbytes for e in entries], dtype=torch.int64)
-    first = prefix[start + count] - prefix[start]
-    second = weighted[start + count] - weighted[start] - start * first + (count + 1) * (first + length)
-    return [f"{a & MASK:016x}{b & MASK:016x}" for a, b in zip(first.tolist(), second.tolist())]
+    return [checksum(entry_bytes(buffer, entry)) for entry in entries]
 
 
 def checksum(raw: torch.Tensor) -> str:
-    """The checksum of a uint8 tensor (as one entry at offset 0; see `checksums`)."""
-    padded = torch.zeros(_padded(raw.numel()), dtype=torch.uint8)
-    padded[: raw.numel()] = raw
-    return checksums(padded, [Entry("", "", "", "uint8", [raw.numel()], 0, raw.numel())])[0]
+    """XXH3-64 of the bytes of a uint8 tensor, as 16 hex digits.
+
+    A real hash (every bit of every byte, order and length included): compensating flips or swapped
+    words that a sum passes change it. xxHash hashes at memory speed and releases the GIL, so it costs the
+    copy thread less than the sums it replaced did."""
+    return xxhash.xxh3_64_hexdigest(raw.numpy()) if raw.numel() else xxhash.xxh3_64_hexdigest(b"")
 
 
 def verify_entries(buffer: torch.Tensor, header: SnapshotHeader, source: str = "snapshot") -> None:
