@@ -106,7 +106,9 @@ FAULT_SCOPES = ("localized", "global")
 class FaultConfig:
     at: str = ""  # STEP:RANK[+RANK...][,...]: these ranks lose their state at STEP and recover in place
     crash: str = ""  # STEP:RANK[,...]: the process exits at STEP (first attempt), for torchrun restarts
-    kill: str = ""  # STEP:RANK[:PHASE][,...]: the process SIGKILLs itself in PHASE (forward|backward|optimizer|replay)
+    # STEP:RANK[:PHASE][,...]: the process SIGKILLs itself in PHASE: forward (default), backward, clip,
+    # optimizer, snapshot, replication, validation or replay
+    kill: str = ""
     kill_signal: str = "SIGKILL"  # how fault.kill strikes: SIGKILL (a death) or SIGSTOP (a hang)
     timeout_s: float = 600.0  # a collective without progress for this long fails: a hung peer counts as dead
     scope: str = "localized"  # localized: the failed stages roll back | global: every stage does (for comparison)
