@@ -17,10 +17,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-# Background threads: copy, checksum, replication, persistence. On the training thread: upstream_log
-# (the boundary tensors' host copies) and checkpointer (its begin / pre-step / end calls).
-ACTIVITIES = ("copy", "checksum", "replication", "persistence", "upstream_log", "checkpointer")
-BACKGROUND = ("copy", "checksum", "replication", "persistence")
+# Background threads: copy, checksum, header (a snapshot's commit record, encoded on the copy thread),
+# replication, persistence. On the training thread: upstream_log (the boundary tensors' host copies) and
+# checkpointer (its begin / pre-step / end calls).
+ACTIVITIES = ("copy", "checksum", "header", "replication", "persistence", "upstream_log", "checkpointer")
+BACKGROUND = ("copy", "checksum", "header", "replication", "persistence")
 
 _lock = threading.Lock()
 _seconds = dict.fromkeys(ACTIVITIES, 0.0)
