@@ -133,8 +133,8 @@ class Operator:
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # persistent non-gradient state
     frozen: bool = False  # during a replay: forward and input gradient only (moevement.recovery.replay)
 
-    def numel(self) -> int:
-        return sum(ref.local().numel() for ref in self.params.values())
+    def numel(self, views: LocalViews | None = None) -> int:
+        return sum(ref.local(views).numel() for ref in self.params.values())
 
     def master_tensors(
         self, optimizer: torch.optim.Optimizer, views: LocalViews | None = None
@@ -156,17 +156,17 @@ class Operator:
             (name, b.detach()) for name, b in self.buffers.items()
         ]
 
-    def fp32_bytes(self, optimizer: torch.optim.Optimizer) -> int:
+    def fp32_bytes(self, optimizer: torch.optim.Optimizer, views: LocalViews | None = None) -> int:
         """Bytes of the full FP32 state; a parameter without optimizer state yet counts AdamW's two moments."""
         total = self._buffer_bytes()
         for ref in self.params.values():
-            nbytes = _nbytes(ref.local())
-            states = [v for k in OPTIMIZER_KEYS if (v := ref.state(optimizer, k)) is not None]
+            nbytes = _nbytes(ref.local(views))
+            states = [v for k in OPTIMIZER_KEYS if (v := ref.state(optimizer, k, views)) is not None]
             total += nbytes + (sum(_nbytes(v) for v in states) if states else 2 * nbytes)
         return total
 
-    def compute_bytes(self, compute_dtype: torch.dtype) -> int:
-        return self.numel() * compute_dtype.itemsize + self._buffer_bytes()
+    def compute_bytes(self, compute_dtype: torch.dtype, views: LocalViews | None = None) -> int:
+        return self.numel(views) * compute_dtype.itemsize + self._buffer_bytes()
 
     def _buffer_bytes(self) -> int:
         return sum(_nbytes(b) for b in self.buffers.values())

@@ -139,13 +139,14 @@ class SparseCheckpointer:
         self.stats.begin()
         if self.stats.iterations <= self.cfg.profile_iters or not self.planner.due(iteration):
             return
+        if self.plan is None or iteration >= self.plan.end:
+            with measure("window"):
+                self._start_window(iteration)
         with measure("checkpointer"):
             self._begin_snapshot(iteration)
 
     def _begin_snapshot(self, iteration: int) -> None:
-        if self.plan is None or iteration >= self.plan.end:
-            self._start_window(iteration)
-        elif not self.layouts.current(self.optimizer):
+        if not self.layouts.current(self.optimizer):
             self.layouts = self.planner.layouts(self.plan)
         slot = self.plan.slot_at(iteration)
         layout = self.layouts.slots[slot]

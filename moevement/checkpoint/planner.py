@@ -133,8 +133,9 @@ class WindowPlanner:
     def _sparse_slots(self) -> tuple[tuple[str, ...], ...]:
         """Algorithm 1 on this rank's operators in schedule order, at most `max_window` slots; W agreed across
         ranks (or forced by `window`)."""
-        fp32 = [self.ops_by_name[n].fp32_bytes(self.optimizer) for n in self.order]
-        compute = [self.ops_by_name[n].compute_bytes(self.compute_dtype) for n in self.order]
+        views = LocalViews()
+        fp32 = [self.ops_by_name[n].fp32_bytes(self.optimizer, views) for n in self.order]
+        compute = [self.ops_by_name[n].compute_bytes(self.compute_dtype, views) for n in self.order]
         t, bandwidth, most = self.profile.iteration_s, self.profile.bandwidth, self.cfg.max_window
         if self.cfg.slots == "bytes":
             window = self.cfg.window or min(most, self._agree(byte_window_size(fp32, compute, t, bandwidth)))
