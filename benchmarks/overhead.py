@@ -31,7 +31,10 @@ per strategy a line
 
 gives them per iteration and rank, averaged over ranks and rounds and over every iteration of the
 training loop (start-up and window boundaries included); extra_ms is the process's CPU time per
-iteration beyond the same round's `none` run.
+iteration beyond the same round's `none` run. Beside the totals, each activity's cost per call
+(`checkpointer_per_call_ms`: a `begin` or `end` of the checkpointer; `window_per_call_ms`: a window's
+start, with its planning, layouts and new host memory; `replication_per_call_ms`: a round or a
+window's closing all-reduce) and its calls per run and rank.
 """
 
 from __future__ import annotations
@@ -282,7 +285,21 @@ def cpu_report(cpu: dict[str, list[list[dict[str, float]]]]) -> None:
         if "none" in cpu and strategy != "none":
             extra = [per_iteration(a, "process_s") - per_iteration(b, "process_s") for a, b in zip(rounds, cpu["none"])]
             line += f" extra_ms={statistics.fmean(extra):.1f}"
-        print(line + "".join(f" {k}_ms={v:.1f}" for k, v in fields.items()), flush=True)
+        line += "".join(f" {k}_ms={v:.1f}" for k, v in fields.items())
+        print(line + per_call(rounds), flush=True)
+
+
+def per_call(rounds: list[list[dict[str, float]]]) -> str:
+    """` <activity>_per_call_ms=<x> <activity>_calls=<n>` for every activity with measured calls: its CPU
+    milliseconds per call pooled over ranks and rounds, and its calls per run and rank."""
+    costs = [c for run in rounds for c in run]
+    out = ""
+    for key in (k.removesuffix("_calls") for k in costs[0] if k.endswith("_calls")):
+        calls = sum(c[f"{key}_calls"] for c in costs)
+        if calls:
+            ms = sum(c[f"{key}_s"] for c in costs) / calls * 1e3
+            out += f" {key}_per_call_ms={ms:.2f} {key}_calls={calls / len(costs):.1f}"
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -61,24 +61,66 @@ class TensorRef:
     index: int | None = None
     freeze: Callable[[int, bool], None] | None = None
 
-    def local(self) -> torch.Tensor:
+    def local(self, views: LocalViews | None = None) -> torch.Tensor:
         """This rank's part of the tensor (its FSDP shard), a view the caller may read or write."""
-        return self.part_of(self.param)
+        return self.part_of(self.param, views)
 
-    def part_of(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The same part of a tensor shaped like the parameter (its optimizer state); a 0-dim one whole."""
+    def part_of(self, tensor: torch.Tensor, views: LocalViews | None = None) -> torch.Tensor:
+        """The same part of a tensor shaped like the parameter (its optimizer state); a 0-dim one whole.
+        With `views`, resolved through its cache (the same view as without)."""
+        if views is not None:
+            return views.part(tensor, self.index)
         tensor = local_tensor(tensor)
         return tensor if self.index is None or tensor.dim() == 0 else tensor[self.index]
 
-    def state(self, optimizer: torch.optim.Optimizer, key: str) -> torch.Tensor | None:
+    def state(self, optimizer: torch.optim.Optimizer, key: str, views: LocalViews | None = None) -> torch.Tensor | None:
         value = optimizer.state.get(self.param, {}).get(key)
-        return None if value is None else self.part_of(value)
+        return None if value is None else self.part_of(value, views)
 
     def set_frozen(self, frozen: bool) -> None:
         if self.index is None:
             self.param.requires_grad_(not frozen)
         else:
             self.freeze(self.index, frozen)
+
+
+class LocalViews:
+    """The local parts of parameters and optimizer state, each tensor resolved once.
+
+    Under FSDP every parameter and state tensor is a DTensor, whose `to_local` costs tens of microseconds
+    of dispatch; a stacked parameter has one slice per expert. Resolving every operator's tensors one by
+    one costs milliseconds per snapshot layout; here each tensor is made local once and a stacked one is
+    cut into its slices in one `unbind`. Valid while the tensors it resolved are the model's and the
+    optimizer's (a window: see `optimizer_tensors`); it keeps them alive, so identities stay unique.
+    """
+
+    def __init__(self) -> None:
+        self._local: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (tensor, its local part)
+        self._slices: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def part(self, tensor: torch.Tensor, index: int | None) -> torch.Tensor:
+        """`tensor`'s local part, or slice `index` of it (a 0-dim tensor whole), as `TensorRef.part_of`."""
+        key = id(tensor)
+        if key not in self._local:
+            self._local[key] = (tensor, local_tensor(tensor))
+        local = self._local[key][1]
+        if index is None or local.dim() == 0:
+            return local
+        if key not in self._slices:
+            self._slices[key] = local.unbind(0)
+        return self._slices[key][index]
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every parameter's optimizer state tensors in order: compared by identity, a difference means state
+    was created (a first step) or replaced (a load) since."""
+    return [
+        value
+        for group in optimizer.param_groups
+        for p in group["params"]
+        for value in optimizer.state.get(p, {}).values()
+        if isinstance(value, torch.Tensor)
+    ]
 
 
 @dataclass
@@ -91,38 +133,40 @@ class Operator:
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # persistent non-gradient state
     frozen: bool = False  # during a replay: forward and input gradient only (moevement.recovery.replay)
 
-    def numel(self) -> int:
-        return sum(ref.local().numel() for ref in self.params.values())
+    def numel(self, views: LocalViews | None = None) -> int:
+        return sum(ref.local(views).numel() for ref in self.params.values())
 
-    def master_tensors(self, optimizer: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
+    def master_tensors(
+        self, optimizer: torch.optim.Optimizer, views: LocalViews | None = None
+    ) -> list[tuple[str, torch.Tensor]]:
         """(name, tensor) of the full FP32 training state: master weights, buffers, optimizer state."""
-        out = [(name, ref.local()) for name, ref in self.params.items()]
+        out = [(name, ref.local(views)) for name, ref in self.params.items()]
         out += [(name, b.detach()) for name, b in self.buffers.items()]
         for name, ref in self.params.items():
             out += [
                 (f"optim.{name}.{key}", value)
                 for key in OPTIMIZER_KEYS
-                if (value := ref.state(optimizer, key)) is not None
+                if (value := ref.state(optimizer, key, views)) is not None
             ]
         return out
 
-    def compute_tensors(self) -> list[tuple[str, torch.Tensor]]:
+    def compute_tensors(self, views: LocalViews | None = None) -> list[tuple[str, torch.Tensor]]:
         """(name, tensor) of what a frozen operator needs to run: its weights (cast on copy) and buffers."""
-        return [(name, ref.local()) for name, ref in self.params.items()] + [
+        return [(name, ref.local(views)) for name, ref in self.params.items()] + [
             (name, b.detach()) for name, b in self.buffers.items()
         ]
 
-    def fp32_bytes(self, optimizer: torch.optim.Optimizer) -> int:
+    def fp32_bytes(self, optimizer: torch.optim.Optimizer, views: LocalViews | None = None) -> int:
         """Bytes of the full FP32 state; a parameter without optimizer state yet counts AdamW's two moments."""
         total = self._buffer_bytes()
         for ref in self.params.values():
-            nbytes = _nbytes(ref.local())
-            states = [v for k in OPTIMIZER_KEYS if (v := ref.state(optimizer, k)) is not None]
+            nbytes = _nbytes(ref.local(views))
+            states = [v for k in OPTIMIZER_KEYS if (v := ref.state(optimizer, k, views)) is not None]
             total += nbytes + (sum(_nbytes(v) for v in states) if states else 2 * nbytes)
         return total
 
-    def compute_bytes(self, compute_dtype: torch.dtype) -> int:
-        return self.numel() * compute_dtype.itemsize + self._buffer_bytes()
+    def compute_bytes(self, compute_dtype: torch.dtype, views: LocalViews | None = None) -> int:
+        return self.numel(views) * compute_dtype.itemsize + self._buffer_bytes()
 
     def _buffer_bytes(self) -> int:
         return sum(_nbytes(b) for b in self.buffers.values())

@@ -64,10 +64,13 @@ def full_state(model, optimizer) -> dict[str, torch.Tensor]:
     return {name: t.clone() for name, t in named_training_state(model, optimizer).items()}
 
 
-def train(rank_dir: Path, steps: int, compute_dtype=torch.float32, on_snapshot=None, prepare=None, **opts):
+def train(
+    rank_dir: Path, steps: int, compute_dtype=torch.float32, on_snapshot=None, prepare=None, skip_steps=(), **opts
+):
     """Train a tiny MoE for `steps` iterations with the engine on; call `on_snapshot(header, before)` after
     each iteration that took a snapshot, with the state copied synchronously before its optimizer step
-    (and `prepare(engine)` before the first iteration)."""
+    (and `prepare(engine)` before the first iteration). The iterations in `skip_steps` skip the optimizer
+    step, as a loss scaler does on overflow."""
     torch.manual_seed(0)
     model = build_model(ModelArgs(**ARGS))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
@@ -90,7 +93,8 @@ def train(rank_dir: Path, steps: int, compute_dtype=torch.float32, on_snapshot=N
         x = torch.randint(0, 64, (4, 16), generator=data)
         loss = lm_loss(model(x), x.roll(-1, 1))
         loss.backward()
-        optimizer.step()
+        if t not in skip_steps:
+            optimizer.step()
         optimizer.zero_grad()
         engine.end(t, {"loss": loss.item(), "clip_coef": 1.0}, *take_expert_load(model))
         if engine.metrics()["ckpt_mb"] and on_snapshot is not None:
@@ -151,6 +155,39 @@ def test_window_reassembles_exact_state_at_each_snapshot_iteration(tmp_path, com
         for h in headers:  # compute weights are exactly the later slots' operators
             later = [op for g in headers[h.slot + 1 :] for op in g.active]
             assert len(headers) < 3 or h.frozen == later
+
+
+def test_a_first_optimizer_step_inside_a_window_lays_its_snapshots_out_again(tmp_path):
+    """A window's snapshots are laid out at its start; when the optimizer's state appears inside the window
+    (the steps before were skipped), the later snapshots hold it all the same."""
+    with_state = []
+
+    def on_snapshot(header, before, engine):
+        tensors = read_entries(engine.latest[1], header)
+        ops = engine.ops_by_name
+        held = {name for op in header.active for name, _ in ops[op].master_tensors(engine.optimizer)}
+        assert {name for role, name in tensors if role == "master"} == held & before.keys()  # all of state_t
+        assert all(torch.equal(value, before[name]) for (_, name), value in tensors.items())
+        with_state.append(any(e.name.startswith("optim.") for e in header.entries))
+
+    train(tmp_path / "rank0", 5, on_snapshot=on_snapshot, skip_steps=(1, 2), profile_iters=1)
+    assert with_state == [False, False, True, True], with_state  # the first step comes after begin(3)
+
+
+def test_the_commit_record_is_the_headers_json_byte_for_byte():
+    """The copy thread encodes a header but for `meta`; with the iteration's `meta` added it is exactly
+    the encoding of the whole header."""
+    from moevement.storage.host_memory import encode_json
+    from moevement.storage.snapshot import Entry
+
+    entries = [Entry("op", f"t{i}", "master", "float32", [i, 2], 1024 * i, 8 * i, f"{i:032x}") for i in range(5)]
+    header = SnapshotHeader(7, 5, 2, 4, 1, ["op"], ["b", "c"], entries, 5120, {"seed": 0, "run": {"job": "x"}})
+    prepared = header.encode_without_meta()
+    header.meta["scalars"] = {"loss": 1.25, "clip_coef": 0.5}
+    record, encoded = prepared.with_meta(header.meta)
+    assert record == header.to_json() and encoded == encode_json(header.to_json())
+    header.meta["scalars"]["loss"] = 2.0
+    assert record["meta"]["scalars"]["loss"] == 1.25  # the record is a copy
 
 
 def test_every_window_is_planned_for_the_shortest_overlap_of_the_one_before(tmp_path, monkeypatch):

@@ -37,14 +37,14 @@ from pathlib import Path
 import torch
 
 from moevement.checkpoint.persisted import MANIFEST, PersistedCheckpoint
-from moevement.checkpoint.planner import SnapshotPolicy, WindowPlanner
+from moevement.checkpoint.planner import SnapshotPolicy, WindowLayouts, WindowPlanner
 from moevement.checkpoint.schedule import WindowPlan
 from moevement.operators import Operator, Stacked, build_registry
 from moevement.storage.cpu_cost import measure
 from moevement.storage.host_memory import HostBuffer, encode_json, make_private_dirs, read_header, remove_tree
 from moevement.storage.persistence import DiskWriter
 from moevement.storage.replication import Outgoing, ReplicaStore, start_replication
-from moevement.storage.snapshot import SnapshotHeader, Throttle, copy_entries
+from moevement.storage.snapshot import EncodedHeader, SnapshotHeader, Throttle, copy_entries
 from moevement.storage.snapshot_buffers import SnapshotBuffers, local_buffer
 from moevement.topology import Topology
 
@@ -112,6 +112,7 @@ class SparseCheckpointer:
             group_timeout_s,
         )
         self.plan: WindowPlan | None = None
+        self.layouts: WindowLayouts | None = None  # the plan's snapshot layouts
         self.window_index = -1
         self.adopted = -1  # index of the window a restarted job kept (`adopt`; -1: none)
         self.pending: _Pending | None = None
@@ -138,14 +139,17 @@ class SparseCheckpointer:
         self.stats.begin()
         if self.stats.iterations <= self.cfg.profile_iters or not self.planner.due(iteration):
             return
+        if self.plan is None or iteration >= self.plan.end:
+            with measure("window"):
+                self._start_window(iteration)
         with measure("checkpointer"):
             self._begin_snapshot(iteration)
 
     def _begin_snapshot(self, iteration: int) -> None:
-        if self.plan is None or iteration >= self.plan.end:
-            self._start_window(iteration)
+        if not self.layouts.current(self.optimizer):
+            self.layouts = self.planner.layouts(self.plan)
         slot = self.plan.slot_at(iteration)
-        layout = self.planner.slot_layout(self.plan, slot)
+        layout = self.layouts.slots[slot]
         header, sources = _snapshot_header(self.plan, iteration, self.topology.rank, layout, self.job_meta)
         buffer = self.buffers.buffer(self.window_index % 2, slot)
         copy = self.buffers.submit(self._copy, self.window_index, buffer, header, sources)
@@ -177,9 +181,11 @@ class SparseCheckpointer:
                 return
             if self.planner.policy is not None:
                 self.planner.policy.observe_stall(self.stats.last["stall_ms"] / 1e3)
-            pending.copy.result()
+            encoded = pending.copy.result()
             pending.header.meta["scalars"] = dict(scalars)
-            self._commit(pending.window_index, pending.header, pending.buffer, pending.slot == self.plan.window - 1)
+            record, encoded = encoded.with_meta(pending.header.meta)
+            last = pending.slot == self.plan.window - 1
+            self._commit(pending.window_index, pending.slot, record, encoded, pending.buffer, last)
             self.latest = (pending.header, pending.buffer.data)
 
     def snapshot_meta(self) -> dict | None:
@@ -266,7 +272,9 @@ class SparseCheckpointer:
             buffer.invalidate()
             data = buffer.ensure(max(header.nbytes, 1))
             copy_entries(data, header.entries, [tensors[(e.role, e.name)] for e in header.entries], Throttle())
-            self._commit(window_index, header, buffer, header.slot == len(snapshots) - 1)
+            record = header.to_json()
+            last = header.slot == len(snapshots) - 1
+            self._commit(window_index, header.slot, record, encode_json(record), buffer, last)
         if self.replicator is not None:
             self.replicator.drain()
 
@@ -289,31 +297,36 @@ class SparseCheckpointer:
     # ---- windows, copies, persistence -----------------------------------------------------------
 
     def _start_window(self, iteration: int) -> None:
-        """Plan window [iteration, iteration + W) and size its buffers (same W on every rank)."""
+        """Plan window [iteration, iteration + W), lay out its snapshots and size its buffers (same W on every rank)."""
         follows = self.plan is not None
         self.window_index += 1
         self.plan = self.planner.plan(iteration, self.window_index, follows, self.rank_dir)
+        self.layouts = self.planner.layouts(self.plan)
         # Buffers grow on the training thread at the window boundary: grown by the copy thread, their
         # pages would fault in at idle priority while the copy is due, and the step would stall.
-        self.buffers.reserve([max(self.planner.slot_layout(self.plan, slot)[2], 1) for slot in range(self.plan.window)])
+        self.buffers.reserve(self.window_index % 2, [max(nbytes, 1) for _, _, nbytes in self.layouts.slots])
 
-    def _copy(self, window_index: int, buffer: HostBuffer, header: SnapshotHeader, sources) -> None:
-        """Copy thread: wait until the buffer's old window is garbage, then copy SS_t into it."""
+    def _copy(self, window_index: int, buffer: HostBuffer, header: SnapshotHeader, sources) -> EncodedHeader:
+        """Copy thread: wait until the buffer's old window is garbage, copy SS_t into it, and encode its
+        header but for the iteration's `meta` (which `end` adds)."""
         check = self.replicator.raise_if_failed if self.replicator is not None else (lambda: None)
         self.persisted.wait_until_persisted(window_index - 1, check)
         if self.disk is not None:
             self.disk.wait(window_index % 2)
         self.buffers.copy(buffer, header, sources, self.planner.profile.throttle())
+        with measure("header"):
+            return header.encode_without_meta()
 
-    def _commit(self, window_index: int, header: SnapshotHeader, buffer: HostBuffer, last: bool) -> None:
-        """A snapshot's bytes are complete in `buffer`: record it and hand it to the replicator."""
-        record = header.to_json()
-        encoded = encode_json(record)  # once: the local commit record and the replicas' are the same bytes
+    def _commit(
+        self, window_index: int, slot: int, record: dict, encoded: bytes, buffer: HostBuffer, last: bool
+    ) -> None:
+        """A snapshot's bytes are complete in `buffer`: record it (`record`, encoded as `encoded`: the local
+        commit record and the replicas' are the same bytes) and hand it to the replicator."""
         buffer.commit(encoded)
         self.persisted.committed(window_index, record)
         if self.replicator is not None:
             payload = buffer.data[: record["nbytes"]]
-            self.replicator.submit(Outgoing(window_index, header.slot, last, encoded, payload))
+            self.replicator.submit(Outgoing(window_index, slot, last, encoded, payload))
         elif last:
             self._on_window_replicated(window_index)
 

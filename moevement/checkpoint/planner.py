@@ -11,6 +11,7 @@ Training thread only.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -28,8 +29,8 @@ from moevement.checkpoint.schedule import (
     order_operators,
     slot_size_for,
 )
-from moevement.operators import Operator
-from moevement.storage.snapshot import entry_layout
+from moevement.operators import LocalViews, Operator, optimizer_tensors
+from moevement.storage.snapshot import Entry, entry_layout
 from parallelisms import collectives
 
 
@@ -43,6 +44,25 @@ class SnapshotPolicy(Protocol):
     def choose(self, snapshot_bytes: float, bandwidth: float, overlap_s: float) -> int: ...
     def scheduled(self, iteration: int, interval: int) -> None: ...
     def observe_stall(self, seconds: float) -> None: ...
+
+
+@dataclass(frozen=True)
+class WindowLayouts:
+    """(entries without checksums, source tensors, bytes) of each snapshot of a window, by slot.
+
+    Laid out at the window's start (`WindowPlanner.layouts`), used by its iterations: the sources are views
+    of the parameters and optimizer state, which the optimizer updates in place. A layout outlives neither
+    its window nor a change of the optimizer's state tensors (`current`): a recovery aborts the window,
+    and a first optimizer step inside a window (one skipped by the loss scaler before) lays it out again.
+    """
+
+    slots: list[tuple[list[Entry], list[torch.Tensor], int]]
+    state: list[torch.Tensor]  # the optimizer's state tensors when laid out (`optimizer_tensors`)
+
+    def current(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether the optimizer's state tensors are still those the layouts were resolved from."""
+        now = optimizer_tensors(optimizer)
+        return len(now) == len(self.state) and all(a is b for a, b in zip(now, self.state))
 
 
 class WindowPlanner:
@@ -99,18 +119,23 @@ class WindowPlanner:
         slots = self._interval_checkpoint(iteration) if self.policy is not None else self._sparse_slots()
         return WindowPlan(iteration, slots)
 
-    def slot_layout(self, plan: WindowPlan, slot: int):
-        """(entries, source tensors, bytes) of SS_{start+slot}: the FP32 state of the slot's operators and
-        the compute weights of the later slots' operators."""
-        active = [self.ops_by_name[n] for n in plan.slots[slot]]
-        frozen = [self.ops_by_name[n] for n in plan.frozen_after(slot)]
-        return entry_layout(active, frozen, self.optimizer, self.compute_dtype)
+    def layouts(self, plan: WindowPlan) -> WindowLayouts:
+        """The layout of every snapshot of the window, resolved once at its start: SS_{start+slot} holds the
+        FP32 state of slot `slot`'s operators and the compute weights of the later slots' operators."""
+        views, state = LocalViews(), optimizer_tensors(self.optimizer)
+        slots = []
+        for slot in range(plan.window):
+            active = [self.ops_by_name[n] for n in plan.slots[slot]]
+            frozen = [self.ops_by_name[n] for n in plan.frozen_after(slot)]
+            slots.append(entry_layout(active, frozen, self.optimizer, self.compute_dtype, views))
+        return WindowLayouts(slots, state)
 
     def _sparse_slots(self) -> tuple[tuple[str, ...], ...]:
         """Algorithm 1 on this rank's operators in schedule order, at most `max_window` slots; W agreed across
         ranks (or forced by `window`)."""
-        fp32 = [self.ops_by_name[n].fp32_bytes(self.optimizer) for n in self.order]
-        compute = [self.ops_by_name[n].compute_bytes(self.compute_dtype) for n in self.order]
+        views = LocalViews()
+        fp32 = [self.ops_by_name[n].fp32_bytes(self.optimizer, views) for n in self.order]
+        compute = [self.ops_by_name[n].compute_bytes(self.compute_dtype, views) for n in self.order]
         t, bandwidth, most = self.profile.iteration_s, self.profile.bandwidth, self.cfg.max_window
         if self.cfg.slots == "bytes":
             window = self.cfg.window or min(most, self._agree(byte_window_size(fp32, compute, t, bandwidth)))

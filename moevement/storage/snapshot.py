@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 import torch
 import xxhash
 
-from moevement.operators import Operator
+from moevement.operators import LocalViews, Operator
 from moevement.storage.cpu_cost import measure
+from moevement.storage.host_memory import encode_json
 
 BLOCK = 1024  # entries start on block boundaries (aligned copies; zeroed padding)
 CHUNK_BYTES = 4 << 20  # copy granularity; the bandwidth cap is enforced between chunks
@@ -55,13 +56,23 @@ class SnapshotHeader:
 
     def to_json(self) -> dict:
         """A JSON-ready copy (`dataclasses.asdict` would deep-copy ~1000 entries: ~25 ms per snapshot)."""
-        return {
+        return {**self._record(), "meta": copy.deepcopy(self.meta)}
+
+    def encode_without_meta(self) -> EncodedHeader:
+        """The commit record but for `meta`, encoded: the copy thread prepares it once the checksums are in,
+        and the training thread adds the iteration's `meta` (`EncodedHeader.with_meta`)."""
+        record = self._record()
+        return EncodedHeader(record, encode_json(record)[:-1])
+
+    def _record(self) -> dict:
+        record = {
             **vars(self),
             "active": list(self.active),
             "frozen": list(self.frozen),
             "entries": [dict(vars(e)) for e in self.entries],
-            "meta": copy.deepcopy(self.meta),
         }
+        del record["meta"]  # the last field: `to_json` and `EncodedHeader.with_meta` put it back last
+        return record
 
     @classmethod
     def from_json(cls, payload: dict) -> SnapshotHeader:
@@ -70,6 +81,21 @@ class SnapshotHeader:
             return cls(**{**payload, "entries": entries})
         except (KeyError, TypeError) as e:
             raise SnapshotError(f"malformed snapshot header: {e}") from None
+
+
+@dataclass(frozen=True)
+class EncodedHeader:
+    """A snapshot's commit record without `meta` (`SnapshotHeader.encode_without_meta`), and its JSON
+    encoding without the closing brace."""
+
+    record: dict
+    prefix: bytes
+
+    def with_meta(self, meta: dict) -> tuple[dict, bytes]:
+        """The whole commit record and its encoding, byte for byte `encode_json(header.to_json())` for a
+        header with this `meta`: only `meta` is encoded here."""
+        meta = copy.deepcopy(meta)
+        return {**self.record, "meta": meta}, self.prefix + b', "meta": ' + encode_json(meta) + b"}"
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -84,12 +110,17 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def entry_layout(
-    active: list[Operator], frozen: list[Operator], optimizer: torch.optim.Optimizer, compute_dtype: torch.dtype
+    active: list[Operator],
+    frozen: list[Operator],
+    optimizer: torch.optim.Optimizer,
+    compute_dtype: torch.dtype,
+    views: LocalViews | None = None,
 ) -> tuple[list[Entry], list[torch.Tensor], int]:
-    """Entries (without checksums), their source tensors, and the total byte size."""
-    items = [(op.name, name, "master", t, t.dtype) for op in active for name, t in op.master_tensors(optimizer)]
+    """Entries (without checksums), their source tensors, and the total byte size (tensors resolved
+    through `views`, if given)."""
+    items = [(op.name, name, "master", t, t.dtype) for op in active for name, t in op.master_tensors(optimizer, views)]
     for op in frozen:
-        for name, t in op.compute_tensors():
+        for name, t in op.compute_tensors(views):
             items.append((op.name, name, "compute", t, compute_dtype if t.is_floating_point() else t.dtype))
     return layout_of(items)
 

@@ -2,8 +2,8 @@
 
 Two sets of buffers (window parity) of one buffer per slot: the set of the newest persisted window
 is kept while the next window's snapshots are copied into the other. Buffers only grow; `reserve`
-grows them on the training thread at a window boundary so that the copy thread never faults pages
-in while a copy is due.
+grows a window's set on the training thread at its boundary so that the copy thread never faults
+pages in while a copy is due.
 
 Threads: `buffer` and `reserve` run on the training thread, `invalidate` also on the replication
 thread, and the copies submitted with `submit` on the copy thread (one worker, background priority:
@@ -48,11 +48,12 @@ class SnapshotBuffers:
                 self.buffers[key] = HostBuffer(local_buffer(self.rank_dir, parity, slot), pin=self.pin)
             return self.buffers[key]
 
-    def reserve(self, sizes: list[int]) -> None:
-        """Grow both sets to these per-slot sizes (and fault them in), or refuse if host memory is short."""
-        grow = sum(
-            max(0, n - self.buffer(parity, slot).reserved()) for slot, n in enumerate(sizes) for parity in (0, 1)
-        )
+    def reserve(self, parity: int, sizes: list[int]) -> None:
+        """Grow the set of window parity `parity` to these per-slot sizes (and fault them in), or refuse if
+        host memory is short. Only the window about to use a set reserves it: a first window planned from
+        slow start-up iterations has fewer, larger snapshots than the ones after it, and the other set
+        would keep that size for good."""
+        grow = sum(max(0, n - self.buffer(parity, slot).reserved()) for slot, n in enumerate(sizes))
         free = shutil.disk_usage(self.local_dir).free
         if grow > free:
             raise HostMemoryError(
@@ -61,8 +62,7 @@ class SnapshotBuffers:
                 f"checkpoint.bandwidth_gbps, or train with training.mixed_precision bf16 (smaller compute weights)"
             )
         for slot, nbytes in enumerate(sizes):
-            for parity in (0, 1):
-                self.buffer(parity, slot).ensure(nbytes)
+            self.buffer(parity, slot).ensure(nbytes)
 
     def invalidate(self, parity: int) -> None:
         """The snapshots of this parity are garbage (their commit records go)."""
