@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from moevement.checkpoint.checkpointer import local_buffer
-from moevement.storage.host_memory import HostBuffer, encode_json
+from moevement.storage.host_memory import HostBuffer, encode_json, seal
 from moevement.storage.replication import Outgoing, ReplicaStore, Replicator
 
 NBYTES = 4096
@@ -60,8 +60,8 @@ def _replicate_one_snapshot_then_drop_it(rank: int, root: str, init: str, slow_c
         own.path.with_suffix(".bin").unlink()
         replica = store.buffer(1 - rank, 0, 1)
         assert torch.equal(replica.data[:NBYTES], _payload(1 - rank))
-        assert replica.header_path.read_bytes() == encode_json(
-            {"iteration": 4, "window_start": 3, "slot": 1, "nbytes": NBYTES, "rank": 1 - rank}
+        assert replica.header_path.read_bytes() == seal(  # the sender's commit record, byte for byte, sealed
+            encode_json({"iteration": 4, "window_start": 3, "slot": 1, "nbytes": NBYTES, "rank": 1 - rank})
         )
         dist.barrier()
     finally:
