@@ -20,6 +20,7 @@ from benchmarks.ettr import lost_time, parse_run, summarize
 from benchmarks.ettr import main as ettr_main
 from moevement.failures import FaultPlan, FaultSpecError, poisson_events
 from moevement.operators import Operator
+from moevement.storage.host_memory import seal
 from tests.conftest import DEBUG_CONFIG, final_line, run_cli, step_losses
 from trainer.accounting import RunAccounting
 from trainer.config import ConfigError, expected_mtbf_iters, load_config
@@ -260,9 +261,13 @@ def test_accounting_is_carried_across_a_torchrun_restart(tmp_path, monkeypatch, 
         if note:
             assert note in capsys.readouterr().out
     assert not path.exists()  # a first generation removes an earlier launch's record
-    path.write_text('{"run_id": "r", "generation": 0, "accounting": {"high_water": "3"}}')
+    malformed = b'{"run_id": "r", "generation": 0, "accounting": {"high_water": "3"}}'
+    path.write_bytes(seal(malformed))
     RunAccounting(1, 8, path).carry_on({"run_id": "r", "generation": 1})
     assert "malformed" in capsys.readouterr().out
+    path.write_bytes(malformed)  # not sealed: not a record this program wrote
+    RunAccounting(1, 8, path).carry_on({"run_id": "r", "generation": 1})
+    assert "not a sealed record" in capsys.readouterr().out
     second.drop()
     assert not path.exists()
 

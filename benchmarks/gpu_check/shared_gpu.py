@@ -118,7 +118,9 @@ def worker(device_type: str) -> None:
             detail, ok = check(rank, device), 1
         except Exception as e:  # one failing collective path does not hide the next
             detail, ok = first_line(e), 0
-        print(f"shared_gpu rank={rank} check={name} ok={ok} {detail}", flush=True)
+        # one write per line: the two workers share a pipe, and print's text and newline could be split
+        sys.stdout.write(f"shared_gpu rank={rank} check={name} ok={ok} {detail}\n")
+        sys.stdout.flush()
     dist.destroy_process_group()
 
 
