@@ -20,7 +20,7 @@ from benchmarks.ettr import lost_time, parse_run, summarize
 from benchmarks.ettr import main as ettr_main
 from moevement.failures import FaultPlan, FaultSpecError, poisson_events
 from moevement.operators import Operator
-from moevement.storage.host_memory import seal
+from moevement.storage.sealed import seal
 from tests.conftest import DEBUG_CONFIG, final_line, run_cli, step_losses
 from trainer.accounting import RunAccounting
 from trainer.config import ConfigError, expected_mtbf_iters, load_config

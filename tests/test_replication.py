@@ -11,8 +11,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from moevement.checkpoint.checkpointer import local_buffer
-from moevement.storage.host_memory import HostBuffer, encode_json, seal
+from moevement.storage.host_memory import HostBuffer, encode_json
 from moevement.storage.replication import Outgoing, ReplicaStore, Replicator
+from moevement.storage.sealed import seal
 
 NBYTES = 4096
 

@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from moevement.checkpoint.checkpointer import SparseCheckpointer
 from moevement.recovery.upstream_log import UpstreamLog
-from moevement.storage.host_memory import HostBuffer, HostMemoryError, encode_json, read_header, seal, unseal
+from moevement.storage.host_memory import HostBuffer, HostMemoryError, encode_json, read_header
+from moevement.storage.sealed import SealError, seal, unseal
 from moevement.storage.snapshot import SnapshotError, SnapshotHeader, verify_entries
 from moevement.topology import Topology
 from parallelisms import collectives
@@ -132,7 +133,7 @@ def _receive(
                 ok = False
                 continue
             verify_entries(data, SnapshotHeader.from_json(header), source=source)
-        except (SnapshotError, HostMemoryError) as e:
+        except (SnapshotError, HostMemoryError, SealError) as e:
             print(f"recovery: rejected {e}; trying the next copy", flush=True)
             ok = False
             continue

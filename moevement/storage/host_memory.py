@@ -31,7 +31,8 @@ import tempfile
 from pathlib import Path
 
 import torch
-import xxhash
+
+from moevement.storage.sealed import SealError, seal, unseal
 
 
 class HostMemoryError(RuntimeError):
@@ -96,6 +97,11 @@ def open_private(path: Path, flags: int) -> int:
         fd = os.open(path, flags | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o600)
     except OSError as e:
         raise HostMemoryError(f"{path}: cannot open ({e.strerror})") from None
+    return _private_fd(fd, path)
+
+
+def _private_fd(fd: int, path: Path) -> int:
+    """`fd` if what it opened (`path`) is owner-only and ours; closed, and HostMemoryError, otherwise."""
     try:
         check_private(path, os.fstat(fd))
     except HostMemoryError:
@@ -116,39 +122,6 @@ def no_space(directory: Path, what: str, needed: int, error: OSError) -> HostMem
     except OSError:
         free = "free space unknown"
     return HostMemoryError(f"{directory}: cannot write {what} ({needed / 1e6:.1f} MB needed, {free}: {error.strerror})")
-
-
-_SEAL_HEAD, _SEAL_MID = b'{"xxh3": "', b'", "record": '
-
-
-def seal(record: bytes) -> bytes:
-    """A JSON record (`encode_json` bytes) with its XXH3-64 in front: `{"xxh3": "<hex>", "record": ...}`.
-    Every commit record and manifest is written sealed, so a changed scalar, entry or identity is caught
-    before anything reads it (the tensors carry hashes of their own, in the record)."""
-    return _SEAL_HEAD + xxhash.xxh3_64_hexdigest(record).encode() + _SEAL_MID + record + b"}"
-
-
-def sealed_record(raw: bytes, where: object) -> bytes:
-    """The record inside `seal`ed bytes, its hash verified; HostMemoryError naming `where` otherwise."""
-    digest_end = len(_SEAL_HEAD) + 16
-    record = raw[digest_end + len(_SEAL_MID) : -1]
-    framed = raw.startswith(_SEAL_HEAD) and raw[digest_end:].startswith(_SEAL_MID) and raw.endswith(b"}")
-    if not framed:
-        raise HostMemoryError(f"{where}: unreadable header (not a sealed record of this program)")
-    if xxhash.xxh3_64_hexdigest(record).encode() != raw[len(_SEAL_HEAD) : digest_end]:
-        raise HostMemoryError(f"{where}: header hash mismatch (the header was changed or corrupted)")
-    return record
-
-
-def unseal(raw: bytes, where: object) -> dict:
-    """The JSON object `seal`ed in `raw`, verified (HostMemoryError naming `where` otherwise)."""
-    try:
-        header = json.loads(sealed_record(raw, where))
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise HostMemoryError(f"{where}: unreadable header ({e})") from None
-    if not isinstance(header, dict):
-        raise HostMemoryError(f"{where}: unreadable header (not a JSON object)")
-    return header
 
 
 def write_json_atomic(path: Path, payload: dict | bytes) -> None:
@@ -372,7 +345,10 @@ def read_header(path: Path) -> dict | None:
     except OSError as e:
         raise HostMemoryError(f"{json_path}: cannot read ({e.strerror})") from None
     with os.fdopen(fd, "rb") as f:
-        return unseal(f.read(), json_path)
+        try:
+            return unseal(f.read(), json_path)
+        except SealError as e:
+            raise HostMemoryError(str(e)) from None
 
 
 def map_bytes(path: Path) -> torch.Tensor:
@@ -401,12 +377,7 @@ def _open_dir_at(dir_fd: int, name: str, where: Path) -> int:
         raise HostMemoryError(
             f"{where}: cannot open as a host-state directory ({e.strerror}; a symlink is never followed)"
         ) from None
-    try:
-        check_private(where, os.fstat(fd))
-    except HostMemoryError:
-        os.close(fd)
-        raise
-    return fd
+    return _private_fd(fd, where)
 
 
 def _open_anchor(anchor: Path) -> int:

@@ -1,0 +1,49 @@
+"""Sealed records: a JSON record with the XXH3-64 of its bytes in front, checked before it is parsed.
+
+Every commit record, manifest and header this program writes into host state or sends over the network is
+sealed (`{"xxh3": "<hex>", "record": ...}`), so a changed scalar, entry or identity is refused before
+anything reads it; the tensors carry hashes of their own inside the record (docs/design.md §6).
+"""
+
+from __future__ import annotations
+
+import json
+
+import xxhash
+
+
+class SealError(RuntimeError):
+    """A sealed record whose hash or framing does not hold; the message names where it came from."""
+
+
+_SEAL_HEAD, _SEAL_MID = b'{"xxh3": "', b'", "record": '
+
+
+def seal(record: bytes) -> bytes:
+    """A JSON record (`encode_json` bytes) with its XXH3-64 in front: `{"xxh3": "<hex>", "record": ...}`.
+    Every commit record and manifest is written sealed, so a changed scalar, entry or identity is caught
+    before anything reads it (the tensors carry hashes of their own, in the record)."""
+    return _SEAL_HEAD + xxhash.xxh3_64_hexdigest(record).encode() + _SEAL_MID + record + b"}"
+
+
+def sealed_record(raw: bytes, where: object) -> bytes:
+    """The record inside `seal`ed bytes, its hash verified; SealError naming `where` otherwise."""
+    digest_end = len(_SEAL_HEAD) + 16
+    record = raw[digest_end + len(_SEAL_MID) : -1]
+    framed = raw.startswith(_SEAL_HEAD) and raw[digest_end:].startswith(_SEAL_MID) and raw.endswith(b"}")
+    if not framed:
+        raise SealError(f"{where}: unreadable header (not a sealed record of this program)")
+    if xxhash.xxh3_64_hexdigest(record).encode() != raw[len(_SEAL_HEAD) : digest_end]:
+        raise SealError(f"{where}: header hash mismatch (the header was changed or corrupted)")
+    return record
+
+
+def unseal(raw: bytes, where: object) -> dict:
+    """The JSON object `seal`ed in `raw`, verified (SealError naming `where` otherwise)."""
+    try:
+        header = json.loads(sealed_record(raw, where))
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise SealError(f"{where}: unreadable header ({e})") from None
+    if not isinstance(header, dict):
+        raise SealError(f"{where}: unreadable header (not a JSON object)")
+    return header
