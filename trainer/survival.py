@@ -152,7 +152,8 @@ def keep_state_and_exit(guard: StopGuard, keep_live_state, error: BaseException)
         print(guard.preempted_line(guard.step, kept) + when, flush=True)
     else:
         print(f"failure detected: rank {guard.rank} at step {guard.step} by {how}; kept {kept}{when}", flush=True)
-        if not isinstance(error, dist.DistError):  # told by where it was raised: the whole record, to stderr
+        if not isinstance(error, dist.DistError) and not any(g in str(error) for g in GLOO_GISTS):
+            # told only by where it was raised, with no gist we know: the whole record, to stderr
             traceback.print_exception(error, file=sys.stderr)
             sys.stderr.flush()
     os._exit(143 if sigterm else 75)
