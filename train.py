@@ -375,7 +375,11 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(host_estimate.report(cfg)))
             return 0
         train(cfg)
-    except (ConfigError, CheckpointError, DataError, HostMemoryError, IdentityError, SnapshotError, RecoveryError) as e:
+    except ConfigError as e:
+        if os.environ.get("RANK", "0") == "0":  # every rank reads the same config: the job says it once
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (CheckpointError, DataError, HostMemoryError, IdentityError, SnapshotError, RecoveryError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
