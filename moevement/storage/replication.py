@@ -31,6 +31,7 @@ import torch.distributed as dist
 from moevement.storage.background import enter_background
 from moevement.storage.cpu_cost import measure
 from moevement.storage.host_memory import HostBuffer, make_private_dir, map_bytes
+from moevement.storage.sealed import SealError, seal, sealed_record
 from moevement.storage.snapshot_buffers import local_buffer
 from moevement.topology import Topology
 from parallelisms import collectives
@@ -134,7 +135,7 @@ class Replicator:
             self.error = e
 
     def _round(self, item: Outgoing) -> None:
-        header = torch.frombuffer(bytearray(item.header), dtype=torch.uint8)
+        header = torch.frombuffer(bytearray(seal(item.header)), dtype=torch.uint8)  # checked by the receiver
         sizes = torch.tensor([header.numel(), item.payload.numel(), item.window_index, item.slot], dtype=torch.int64)
         incoming = {src: torch.empty(4, dtype=torch.int64) for src in self.sources}
         works = [collectives.isend(sizes, peer, group=self.group, tag=0) for peer in self.peers]
@@ -170,8 +171,11 @@ class Replicator:
                     works.append(collectives.irecv(data, src, group=self.group, tag=2))
             received[src] = (replica, header_buf)
         _wait(works)
-        for replica, header_buf in received.values():
-            replica.commit(header_buf.numpy().tobytes())  # the sender's commit record, byte for byte
+        for src, (replica, header_buf) in received.items():
+            try:  # the sender's commit record, byte for byte, once its seal holds
+                replica.commit(sealed_record(header_buf.numpy().tobytes(), f"replica header from rank {src}"))
+            except SealError as e:  # left uncommitted: a recovery takes another copy
+                print(f"replication: rank {self.rank} rejected {e}", flush=True)
 
     def _shared_bytes(self, src: int, parity: int, slot: int, nbytes: int) -> torch.Tensor:
         """The first `nbytes` of rank `src`'s buffer (parity, slot), mapped once (again if it grew or was replaced)."""
