@@ -12,7 +12,7 @@ from baselines.global_rollback import GlobalRollback, MocState, RestartState
 from baselines.moc import expert_counts
 from moevement.checkpoint.checkpointer import SparseCheckpointer
 from moevement.failures import FaultEvent
-from moevement.recovery.live_state import Rejoin, save_live_state
+from moevement.recovery.live_state import LiveState, Rejoin, save_live_state
 from moevement.storage.host_memory import JobLock
 
 
@@ -75,3 +75,11 @@ class IntervalBaseline:
         meta = {**ck.job_meta, **self.rejoin.name, "rank": ck.topology.rank, "detected": detected}
         save_live_state(ck.rank_dir, [], ck.optimizer, None, {}, next_iteration, next_iteration, meta)
         return 0
+
+    def keep_in_memory(self, next_iteration: int, detected: dict) -> LiveState | None:
+        """The interval baselines roll every rank back and are not run under a rank shell (trainer/rank_shell.py)."""
+        return None
+
+    def abandon(self) -> None:
+        self.checkpointer.abandon()
+        self.lock.release()

@@ -111,6 +111,8 @@ class FaultConfig:
     kill: str = ""
     kill_signal: str = "SIGKILL"  # how fault.kill strikes: SIGKILL (a death) or SIGSTOP (a hang)
     timeout_s: float = 600.0  # a collective without progress for this long fails: a hung peer counts as dead
+    # under torchrun, dead workers a rank shell replaces in place before torchrun's restart takes over
+    max_replacements: int = 4
     scope: str = "localized"  # localized: the failed stages roll back | global: every stage does (for comparison)
     replay_threads: int = 0  # CPU threads of a replaying rank (0: auto, the cores its paused neighbours leave idle)
     mtbf_iters: float = 0.0  # Poisson failures of random ranks, mean time between failures in iterations (0: none)
@@ -341,6 +343,7 @@ def _validate_fault(cfg: Config) -> None:
     signals = ("SIGKILL", "SIGSTOP")
     _check(f.kill_signal in signals, "fault.kill_signal", f"must be SIGKILL or SIGSTOP, got {f.kill_signal!r}")
     _check(f.timeout_s > 0, "fault.timeout_s", f"must be > 0 seconds, got {f.timeout_s}")
+    _check(f.max_replacements >= 0, "fault.max_replacements", f"must be >= 0, got {f.max_replacements}")
     _check(f.replay_threads >= 0, "fault.replay_threads", f"must be >= 0 (0: auto), got {f.replay_threads}")
     _check(f.scope in FAULT_SCOPES, "fault.scope", f"must be one of {', '.join(FAULT_SCOPES)}, got {f.scope!r}")
     for kill in plan.kills if plan else ():

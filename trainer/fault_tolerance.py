@@ -42,6 +42,8 @@ from parallelisms.parallelize import ModelParts, initial_parameters
 from parallelisms.pipeline import local_stage_ids
 from trainer.config import Config, expected_mtbf_iters
 from trainer.identity import RunIdentity
+from trainer.rank_shell import torchrun_agent_pid
+from trainer.start_plan import StartPlan
 from trainer.startup import STARTUP
 from trainer.step import DropoutSeeder, forward_backward, replay_update
 
@@ -97,10 +99,12 @@ def torchrun_generation() -> dict:
     }
 
 
-def _kept_live_state(rank_dir: Path, job_meta: dict, rejoin: Rejoin) -> Rejoin:
-    """After a torchrun restart: the live state this rank kept in an earlier generation of this run, and
-    whether any rank kept one (collective). A relaunch (generation 0) uses none."""
-    if rejoin.name["generation"] > 0:
+def _kept_live_state(rank_dir: Path, job_meta: dict, rejoin: Rejoin, plan: StartPlan) -> Rejoin:
+    """The live state this rank kept, and whether any rank kept one (collective): in memory when it survived
+    a death in place, in its host directory after a torchrun restart. A relaunch (attempt 0) uses none."""
+    if plan.in_place:
+        rejoin.live = plan.kept
+    elif rejoin.name["generation"] > 0:
         expect = {**job_meta, "run_id": rejoin.name["run_id"]}
         rejoin.live, why = load_live_state(rank_dir, expect, rejoin.name["generation"])
         if rejoin.live is None and why != "no live state":
@@ -115,12 +119,19 @@ def _kept_live_state(rank_dir: Path, job_meta: dict, rejoin: Rejoin) -> Rejoin:
 def claim_host_state(cfg: Config, rank: int) -> JobLock:
     """Lock this rank's place in the job's host directory (refused while a live process holds it)."""
     job_dir = host_job_dir(cfg)
-    agent = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None  # torchrun's agent starts its workers
+    agent = torchrun_agent_pid() if "TORCHELASTIC_RUN_ID" in os.environ else None  # it starts the next attempt
     return JobLock(make_private_dirs(job_dir.parent, job_dir.name) / f"rank{rank:05d}.lock", agent)
 
 
 def build_strategy(
-    cfg: Config, model: ModelParts, optimizer, dims: ParallelDims, seeder: DropoutSeeder, train_batches, line
+    cfg: Config,
+    model: ModelParts,
+    optimizer,
+    dims: ParallelDims,
+    seeder: DropoutSeeder,
+    train_batches,
+    line,
+    plan: StartPlan,
 ) -> CheckpointStrategy:
     """`checkpoint.strategy` on this rank (collective over all ranks).
 
@@ -136,7 +147,7 @@ def build_strategy(
     topo = gather_topology(dims, host_job_dir(cfg))
     rank_dir = host_rank_dir(cfg, topo.rank)
     identity = RunIdentity.of_sparse(cfg)
-    rejoin = Rejoin(torchrun_generation(), timeline=STARTUP.marks)
+    rejoin = Rejoin(plan.name(), timeline=STARTUP.marks, in_place=plan.in_place)
     job_meta = {
         "seed": cfg.job.seed,
         "dp_rank": dims.dp_rank,
@@ -146,7 +157,7 @@ def build_strategy(
         "rng": "dropout seed = derive_seed(seed, iteration, micro-batch, stage, dp_rank)",
     }
     disk = persist_root(cfg)
-    rejoin = _kept_live_state(rank_dir, job_meta, rejoin)
+    rejoin = _kept_live_state(rank_dir, job_meta, rejoin, plan)
     checks = _identity_checks(dims, identity, rejoin)
     found = _restart_point(strategy, rank_dir, disk, checks, rejoin, line)
     if strategy != "moevement":

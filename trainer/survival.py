@@ -32,6 +32,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from parallelisms import collectives
+from trainer import rank_shell
 
 # Where communication code runs: torch.distributed (its collectives, functional collectives, FSDP's and
 # pipelining's waits) and the trainer's one door to it.
@@ -167,3 +168,36 @@ def _first_line(error: BaseException) -> str:
         return f"a collective failed ({marker})"
     lines = text.strip().splitlines()
     return (lines[0] if lines else "")[:160]
+
+
+def rejoins_in_place(error: BaseException, cfg) -> bool:
+    """Whether this rank survives the death behind `error` in place: it runs under a rank shell, which
+    replaces the dead worker (trainer/rank_shell.py), and learned of the death from a failed communication
+    (SIGTERM means torchrun is stopping every worker: its restart takes over)."""
+    under_shell = os.environ.get(rank_shell.ROLE) == "trainer"
+    return under_shell and cfg.checkpoint.strategy == "moevement" and not isinstance(_peer_error(error), WorkerStopped)
+
+
+def survive_in_place(job, error: BaseException):
+    """Another worker died and its rank shell starts a replacement: keep this rank's state in memory if it
+    is consistent (as `keep_state_and_exit` decides), release its host state, say so in one line; returns
+    the plan of the next generation. The caller drops the job before leaving its groups."""
+    guard, detected_at = job.guard, time.time()
+    how = _first_line(_peer_error(error) or error)
+    guard.stop()
+    if guard.stopped_in == "recovering":
+        kept, what = None, "no live state (it was recovering; its stage replays)"
+    else:
+        next_iteration = guard.step + 1 if guard.stopped_in == "applying" else guard.applied + 1
+        kept = job.ft.keep_in_memory(next_iteration, {"how": how, "time": detected_at})
+        what = f"live state of iteration {next_iteration} in memory" if kept else "no live state"
+    accounting = job.accounting.record(detected_at)
+    job.ft.abandon()
+    job.logger.close()
+    plan = job.plan.next_generation(kept, accounting)
+    print(
+        f"survivor: rank {guard.rank} pid {os.getpid()} at step {guard.step}: {how}; kept {what}; "
+        f"joins generation {plan.generation} (detected at unix={detected_at:.3f})",
+        flush=True,
+    )
+    return plan
