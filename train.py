@@ -39,8 +39,8 @@ from parallelisms import collectives
 from parallelisms.distributed import (
     device_type,
     init_distributed,
-    join_generation,
     leave_generation,
+    sever_connections,
     shutdown_distributed,
 )
 from parallelisms.mesh import ParallelDims, build_mesh
@@ -61,7 +61,14 @@ from trainer.run_record import open_run_record
 from trainer.start_plan import StartPlan, plan_start
 from trainer.state import training_state_digest
 from trainer.step import DropoutSeeder, evaluate, set_aux_grad_scale, take_expert_load, train_step
-from trainer.survival import StopGuard, keep_state_and_exit, peer_failure, rejoins_in_place, survive_in_place
+from trainer.survival import (
+    StopGuard,
+    keep_for_torchrun_restart,
+    keep_state_and_exit,
+    peer_failure,
+    rejoins_in_place,
+    survive_in_place,
+)
 
 STARTUP.mark("imports")
 
@@ -198,11 +205,7 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
     the same order on every rank). A `checkpoint.save_final` target that saving would have to destroy is
     refused before anything else."""
     rank_shell.report(f"generation {plan.generation}")
-    if dist.is_initialized():  # a survivor: the process exists, its groups were left
-        join_generation(plan.generation)
-        rank, world = dist.get_rank(), dist.get_world_size()
-    else:
-        rank, world = init_distributed(cfg.fault.timeout_s, generation=plan.generation)
+    rank, world = init_distributed(cfg.fault.timeout_s, generation=plan.generation)
     STARTUP.mark("process_group")
     guard = stop_guard(cfg, rank)
     check_world_size(cfg, world)
@@ -301,6 +304,17 @@ def validate_if_due(job: Job, step: int) -> None:
         job.logger.validation(step, evaluate(job.model, job.val_data, job.dims, cfg.training.micro_batches))
 
 
+class GenerationNotJoined(Exception):
+    """Not every rank joined an in-place generation within `fault.timeout_s` (a hung peer, a replacement that
+    could not start): the rank shell hands the recovery to torchrun's restart of every worker."""
+
+    def __init__(self, generation: int, timeout_s: float):
+        super().__init__(
+            f"restart: generation {generation} was not joined by every rank within fault.timeout_s={timeout_s:g} "
+            "s: torchrun restarts every worker"
+        )
+
+
 class Rejoining(Exception):
     """Another worker died and is replaced in place: this rank goes on in `plan`'s generation."""
 
@@ -385,8 +399,9 @@ def finish(job: Job, step: int, loss: float, digest: str | None) -> None:
 
 
 def train(cfg: Config, plan: StartPlan) -> None:
-    """Train this rank's part of the job; a survivor of a death replaced in place goes on in the next
-    generation, in this process (docs/design.md §4)."""
+    """Train this rank's part of the job. A survivor of a death replaced in place goes on in the next
+    generation, in this process (docs/design.md §4); so does a rank whose peer dies while a generation
+    starts (joins, rebuilds, replays), with the state it kept before."""
     while True:
         try:
             job, step, loss = setup(cfg, plan)
@@ -394,6 +409,19 @@ def train(cfg: Config, plan: StartPlan) -> None:
             return
         except Rejoining as rejoining:
             plan = rejoining.plan
+        except BaseException as error:
+            if not (peer_failure(error) and rejoins_in_place(error, cfg)):
+                raise
+            if not dist.is_initialized():
+                keep_for_torchrun_restart(cfg, plan)
+                raise GenerationNotJoined(plan.generation, cfg.fault.timeout_s) from None
+            plan = plan.next_generation(plan.kept, plan.accounting)
+            sever_connections()
+            print(
+                f"survivor: rank {dist.get_rank()} pid {os.getpid()}: a peer died while generation "
+                f"{plan.generation - 1} started; joins generation {plan.generation}",
+                flush=True,
+            )
         job = None  # nothing may refer to this generation's groups any more: their connections close
         leave_generation()
         STARTUP.marks.clear()
@@ -421,6 +449,9 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("RANK", "0") == "0":  # every rank reads the same config: the job says it once
             print(f"error: {e}", file=sys.stderr)
         return 2
+    except GenerationNotJoined as e:
+        print(e, flush=True)
+        return rank_shell.FALLBACK
     except (CheckpointError, DataError, HostMemoryError, IdentityError, SnapshotError, RecoveryError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

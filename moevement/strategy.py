@@ -60,7 +60,8 @@ class CheckpointStrategy(Protocol):
 
     def abandon(self) -> None:
         """This rank leaves its generation (another worker died): end background work without waiting on
-        peers and release host state without removing it; the next generation builds a new strategy."""
+        peers and release host state without removing it; the next generation builds a new strategy (and
+        keeps the process's job lock)."""
         ...
 
 
@@ -156,19 +157,24 @@ class MoEvement:
         return totals
 
     def keep_live_state(self, next_iteration: int, detected: dict) -> int:
-        ck = self.checkpointer
-        meta = {**ck.job_meta, **(self.rejoin.name if self.rejoin else {}), "rank": ck.topology.rank}
-        log_from = max(ck.persisted.rollback_point(), self.history_from)
+        ck, log_from = self.checkpointer, self._log_from()
         scalars = ck.persisted.scalars_since(log_from)
-        meta["detected"] = detected
+        meta = {**self._live_meta(), "detected": detected}
         return save_live_state(ck.rank_dir, ck.ops, ck.optimizer, self.log, scalars, next_iteration, log_from, meta)
 
     def keep_in_memory(self, next_iteration: int, detected: dict) -> LiveState:
-        ck = self.checkpointer
-        log_from = max(ck.persisted.rollback_point(), self.history_from)
+        ck, log_from = self.checkpointer, self._log_from()
         scalars = ck.persisted.scalars_since(log_from)
-        return keep_in_memory(ck.ops, ck.optimizer, self.log, scalars, next_iteration, log_from, detected)
+        meta = self._live_meta()
+        return keep_in_memory(ck.ops, ck.optimizer, self.log, scalars, next_iteration, log_from, detected, meta)
+
+    def _log_from(self) -> int:
+        """The first iteration whose logs a kept state carries: the rollback point's, if this process holds them."""
+        return max(self.checkpointer.persisted.rollback_point(), self.history_from)
+
+    def _live_meta(self) -> dict:
+        ck = self.checkpointer
+        return {**ck.job_meta, **(self.rejoin.name if self.rejoin else {}), "rank": ck.topology.rank}
 
     def abandon(self) -> None:
         self.checkpointer.abandon()
-        self.lock.release()

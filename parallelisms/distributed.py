@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import gc
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -102,6 +103,31 @@ def join_generation(generation: int, backend: str | None = None) -> None:
     dist.init_process_group(
         backend or default_backend(device_type()), store=store, rank=rank, world_size=world, **limit
     )
+
+
+def sever_connections() -> int:
+    """A peer died and this rank leaves its generation: shut down its TCP connections to the other ranks
+    (not those to torchrun's store, nor listening sockets), so that every operation waiting on them fails at
+    once, on a thread of this process or on a peer; returns how many. gloo has no abort (pytorch issue
+    130345) and closes a group's connections only once nothing refers to the group, which a replication
+    round blocked on a live peer would delay by `fault.timeout_s`."""
+    store_port = int(os.environ.get("MASTER_PORT", "0"))
+    severed = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            sock = socket.socket(fileno=int(name))
+        except (OSError, ValueError):
+            continue  # not a socket (or already closed)
+        try:
+            if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM:
+                if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) and sock.getpeername()[1] != store_port:
+                    sock.shutdown(socket.SHUT_RDWR)
+                    severed += 1
+        except OSError:
+            pass  # not connected
+        finally:
+            sock.detach()  # the descriptor stays its owner's
+    return severed
 
 
 def leave_generation() -> None:

@@ -1,5 +1,8 @@
-"""Real deaths (docs/design.md §4): a worker process dies (SIGKILL, or an exit) under `torchrun --max-restarts`;
-the survivors keep their live state, torchrun restarts every process, and only the dead ranks' stages replay.
+"""Real deaths (docs/design.md §4): a worker process dies (SIGKILL, or an exit) under torchrun. Its rank shell
+replaces it in place by a warm standby while the survivors keep their state in memory and stay alive (the
+default); with `--fault.max_replacements 0` (and whenever the shell gives up) torchrun restarts every process
+and the survivors keep their live state in shared memory (`fallback=True`). Either way only the dead ranks'
+stages replay.
 
 Every case is compared with the fault-free run of its layout: every later `step=` loss and the final
 `state_digest` are equal, and the healthy stages' `recovery work` lines show no forward or backward. The
@@ -24,7 +27,8 @@ from tests.test_recovery import BASE, INTERLEAVED, MOEVEMENT, PP2_DP2_EP2_BF16, 
 PP2 = ["--parallelism.pp", "2"]
 REJOIN = re.compile(
     r"^recovery step=(\d+) ranks=(\S+) scope=(\S+) rollback_to=(\d+) replayed=(\d+) seconds=\S+ "
-    r"\(keep=\S+ restart=\S+ setup=\S+ fetch=\S+ convert=\S+ catchup=\S+\) restart=local detected_by=",
+    r"\(keep=\S+ (?:restart=\S+ setup|join=\S+ rebuild)=\S+ fetch=\S+ convert=\S+ catchup=\S+\) "
+    r"restart=(?:local|replaced) detected_by=",
     re.M,
 )
 BASELINE_RESTART = re.compile(
@@ -34,7 +38,13 @@ BASELINE_RESTART = re.compile(
 )
 
 
-def death_run(tmp_path, layout: list[str], nproc: int, *fault: str, restarts: int = 1) -> str:
+FALLBACK = ("--fault.max_replacements", "0")  # no rank shell: torchrun restarts every worker
+
+
+def death_run(tmp_path, layout: list[str], nproc: int, *fault: str, restarts: int = 0, fallback: bool = False) -> str:
+    """A run with real deaths: replaced in place (`restarts`: torchrun restarts allowed), or, with `fallback`,
+    by torchrun's restart of every worker (one per death unless `restarts` says more)."""
+    restarts = max(restarts, fault_count(fault)) if fallback else restarts
     return run_cli(
         *BASE,
         *layout,
@@ -42,9 +52,16 @@ def death_run(tmp_path, layout: list[str], nproc: int, *fault: str, restarts: in
         "--checkpoint.host_dir",
         str(tmp_path / "shm"),
         *fault,
+        *(FALLBACK if fallback else ()),
         nproc=nproc,
         torchrun=(f"--max-restarts={restarts}",),
     ).stdout
+
+
+def fault_count(fault: tuple[str, ...]) -> int:
+    """The deaths `--fault.kill` / `--fault.crash` arguments ask for."""
+    values = [fault[i + 1] for i, arg in enumerate(fault[:-1]) if arg in ("--fault.kill", "--fault.crash")]
+    return sum(len(v.split(",")) for v in values)
 
 
 def assert_local_and_exact(out: str, reference: str, dead: str, scope: str) -> list[tuple]:
@@ -62,9 +79,33 @@ def assert_local_and_exact(out: str, reference: str, dead: str, scope: str) -> l
     return recoveries
 
 
-def test_sigkill_in_backward_recovers_only_its_stage(tmp_path):
-    """pp=2: rank 1 SIGKILLs itself in the backward pass of step 9; rank 0 keeps its state and replays nothing."""
+def test_sigkill_in_backward_is_replaced_in_place(tmp_path):
+    """pp=2: rank 1 SIGKILLs itself in the backward pass of step 9. Its rank shell starts the warm standby as
+    rank 1; rank 0's process lives on with its state in memory (no torchrun restart: `--max-restarts 0`) and
+    replays nothing; the run ends with the fault-free digest."""
     out = death_run(tmp_path, PP2, 2, "--fault.kill", "9:1:backward")
+    killed = re.search(r"^fault: rank 1 killed \(SIGKILL\) in the backward phase of step 9 at unix=(\S+)$", out, re.M)
+    survivor = re.search(
+        r"^survivor: rank 0 pid \d+ \(running since unix=(\S+)\) at step 9: .*; kept live state of iteration 9 "
+        r"in memory; joins generation 1 ",
+        out,
+        re.M,
+    )
+    assert killed and survivor and float(survivor[1]) < float(killed[1]), out
+    assert re.search(
+        r"^shell: rank 1: trainer pid \d+ died \(signal SIGKILL\) .* replaces it in generation 1 ", out, re.M
+    )
+    assert "shell: rank 0" not in out  # rank 0 is the process that ran before the death
+    [(step, *_)] = assert_local_and_exact(out, baseline(PP2, 2), "1", "1")
+    assert step == "9" and re.search(r"^recovery step=9 .* restart=replaced ", out, re.M), out
+    acct = re.search(r"^accounting wall_s=(\S+) iterations=(\d+) .* recovery_s=(\S+) failures=(\d+) ", out, re.M)
+    assert acct[2] == str(final_line(out)[0]) and acct[4] == "1", acct[0]  # carried across the generations
+
+
+def test_sigkill_with_torchrun_restarting_every_worker(tmp_path):
+    """The fallback (`fault.max_replacements = 0`: no rank shell): torchrun restarts every process; rank 0
+    keeps its state in shared memory across the restart and replays nothing."""
+    out = death_run(tmp_path, PP2, 2, "--fault.kill", "9:1:backward", fallback=True)
     assert "fault: rank 1 killed (SIGKILL) in the backward phase of step 9" in out
     kept = (
         r"^(failure detected: rank 0 at step 9 by .*; kept "

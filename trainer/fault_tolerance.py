@@ -116,11 +116,18 @@ def _kept_live_state(rank_dir: Path, job_meta: dict, rejoin: Rejoin, plan: Start
     return rejoin
 
 
+_LOCKS: dict[Path, JobLock] = {}  # the locks this process holds: a later generation of it keeps them
+
+
 def claim_host_state(cfg: Config, rank: int) -> JobLock:
-    """Lock this rank's place in the job's host directory (refused while a live process holds it)."""
+    """Lock this rank's place in the job's host directory for the process's lifetime (refused while another
+    live process holds it)."""
     job_dir = host_job_dir(cfg)
-    agent = torchrun_agent_pid() if "TORCHELASTIC_RUN_ID" in os.environ else None  # it starts the next attempt
-    return JobLock(make_private_dirs(job_dir.parent, job_dir.name) / f"rank{rank:05d}.lock", agent)
+    path = make_private_dirs(job_dir.parent, job_dir.name) / f"rank{rank:05d}.lock"
+    if path not in _LOCKS:
+        agent = torchrun_agent_pid() if "TORCHELASTIC_RUN_ID" in os.environ else None  # starts the next attempt
+        _LOCKS[path] = JobLock(path, agent)
+    return _LOCKS[path]
 
 
 def build_strategy(
@@ -159,7 +166,7 @@ def build_strategy(
     disk = persist_root(cfg)
     rejoin = _kept_live_state(rank_dir, job_meta, rejoin, plan)
     checks = _identity_checks(dims, identity, rejoin)
-    found = _restart_point(strategy, rank_dir, disk, checks, rejoin, line)
+    found = _restart_point(strategy, rank_dir, disk, checks, rejoin, line, plan.restarted)
     if strategy != "moevement":
         if dist.is_initialized():
             collectives.barrier()  # every rank holds its copy before any rank clears its directory
@@ -178,7 +185,7 @@ def build_strategy(
         group_timeout_s=cfg.fault.timeout_s,
     )
     if strategy != "moevement":
-        restart = RestartState(rejoin.live, found, checks["run"]) if rejoin.name["generation"] > 0 else None
+        restart = RestartState(rejoin.live, found, checks["run"]) if plan.restarted else None
         return _interval_baseline(cfg, model, optimizer, dims, new_checkpointer, line, lock, rejoin, restart)
     checkpointer = new_checkpointer(dataclasses.replace(cfg.checkpoint, persist_dir=str(disk or "")))
     log = UpstreamLog(model.parts, model.stage_ids, model.n_stages) if cfg.parallelism.pp > 1 else None
@@ -207,17 +214,23 @@ def _identity_checks(dims: ParallelDims, identity: RunIdentity, rejoin: Rejoin) 
 
 
 def _restart_point(
-    strategy: str, rank_dir: Path, disk: Path | None, checks: dict[str, CheckHeader], rejoin: Rejoin, line
+    strategy: str,
+    rank_dir: Path,
+    disk: Path | None,
+    checks: dict[str, CheckHeader],
+    rejoin: Rejoin,
+    line,
+    restarted: bool,
 ) -> RestartPoint | None:
     """MoEvement: the persisted sparse checkpoint a restart or relaunch converts (in a rejoin, also a newer
-    complete one that ends by the survivors' iteration); gemini, after a torchrun
-    restart of this run: its newest replicated checkpoint in host memory (collective). A rank whose
-    process died uses its peers' replicas, not what its predecessor left in its own directory."""
+    complete one that ends by the survivors' iteration); gemini, after a death in this run (`restarted`):
+    its newest replicated checkpoint in host memory (collective). A rank whose process died uses its
+    peers' replicas, not what its predecessor left in its own directory."""
     own = rejoin.live is not None or not rejoin.survivors
     if strategy == "moevement":
         resume_at = rejoin.live.next_iteration if rejoin.live is not None else 0
         return find_restart_checkpoint(rank_dir.parent, disk, checks["job"], line, own, resume_at)
-    if strategy == "gemini" and rejoin.name["generation"] > 0:
+    if strategy == "gemini" and restarted:
         return find_restart_checkpoint(rank_dir.parent, None, checks["run"], line, own_copies=own)
     return None
 

@@ -1,10 +1,11 @@
 """The rank shell: what torchrun starts in each slot, so a dead worker is replaced without torchrun noticing.
 
-torchrun restarts every worker of the job when one dies (docs/design.md §4). Under torchrun, with
-`checkpoint.strategy = "moevement"` and more than one worker, `train.py` therefore starts as this thin
-parent, which imports no torch and never touches a GPU. It runs the trainer as its child and keeps one warm
-standby child: a second `train.py` with the interpreter started and torch and the project imported, waiting
-on a pipe for the word to start (on a GPU it holds no CUDA context until then).
+torchrun restarts every worker of the job when one dies (docs/design.md §4). Under torchrun, with a
+checkpoint strategy (not "none"), `fault.max_replacements` > 0 and more than one worker, `train.py`
+therefore starts as this thin parent, which imports no torch and never touches a GPU. It runs the trainer
+as its child and keeps one warm standby child: a second `train.py` with the interpreter started and torch
+and the project imported, waiting on a pipe for the word to start (on a GPU it holds no CUDA context
+until then).
 
 When the trainer child dies (SIGKILL, a segfault, the OOM killer, an unexpected exit status), the shell
 tells the standby which generation to join and it becomes the same rank on the same device; a new standby
@@ -49,13 +50,16 @@ def torchrun_agent_pid() -> int:
 
 def wanted(argv: list[str]) -> bool:
     """Whether this process, started as `train.py argv`, is to be a rank shell: under torchrun with more
-    than one worker and the moevement strategy, and not itself a shell's child."""
+    than one worker, a checkpoint strategy and replacements allowed, and not itself a shell's child."""
     env = os.environ
     if "RANK" not in env or ROLE in env or int(env.get("WORLD_SIZE", "1")) < 2:
         return False
     if {"--dry-run", "--print-config", "-h", "--help"} & set(argv):
         return False
-    return _strategy(argv) == "moevement"
+    try:
+        return _strategy(argv) != "none" and _max_replacements(argv) > 0
+    except (OSError, TypeError, ValueError, tomllib.TOMLDecodeError):
+        return False  # the trainer reports a bad config itself, without a shell
 
 
 def _strategy(argv: list[str]) -> str:
@@ -80,7 +84,7 @@ def _max_replacements(argv: list[str]) -> int:
         if arg == "--fault.max_replacements" and i + 1 < len(argv):
             return int(argv[i + 1])
     path = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"), None)
-    with open(path, "rb") as f:  # readable: `wanted` read it
+    with open(path, "rb") as f:
         return int(tomllib.load(f).get("fault", {}).get("max_replacements", DEFAULT_MAX_REPLACEMENTS))
 
 

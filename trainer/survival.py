@@ -31,8 +31,13 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from moevement.recovery.live_state import save_kept
+from moevement.storage.host_memory import write_json_atomic
 from parallelisms import collectives
+from parallelisms.distributed import sever_connections
 from trainer import rank_shell
+from trainer.fault_tolerance import host_job_dir, host_rank_dir
+from trainer.startup import process_start_time
 
 # Where communication code runs: torch.distributed (its collectives, functional collectives, FSDP's and
 # pipelining's waits) and the trainer's one door to it.
@@ -175,7 +180,7 @@ def rejoins_in_place(error: BaseException, cfg) -> bool:
     replaces the dead worker (trainer/rank_shell.py), and learned of the death from a failed communication
     (SIGTERM means torchrun is stopping every worker: its restart takes over)."""
     under_shell = os.environ.get(rank_shell.ROLE) == "trainer"
-    return under_shell and cfg.checkpoint.strategy == "moevement" and not isinstance(_peer_error(error), WorkerStopped)
+    return under_shell and not isinstance(_peer_error(error), WorkerStopped)
 
 
 def survive_in_place(job, error: BaseException):
@@ -192,12 +197,24 @@ def survive_in_place(job, error: BaseException):
         kept = job.ft.keep_in_memory(next_iteration, {"how": how, "time": detected_at})
         what = f"live state of iteration {next_iteration} in memory" if kept else "no live state"
     accounting = job.accounting.record(detected_at)
+    sever_connections()  # peers and this rank's background threads stop waiting on it now
     job.ft.abandon()
     job.logger.close()
     plan = job.plan.next_generation(kept, accounting)
     print(
-        f"survivor: rank {guard.rank} pid {os.getpid()} at step {guard.step}: {how}; kept {what}; "
-        f"joins generation {plan.generation} (detected at unix={detected_at:.3f})",
+        f"survivor: rank {guard.rank} pid {os.getpid()} (running since unix={process_start_time():.3f}) at step "
+        f"{guard.step}: {how}; kept {what}; joins generation {plan.generation} (detected at unix={detected_at:.3f})",
         flush=True,
     )
     return plan
+
+
+def keep_for_torchrun_restart(cfg, plan) -> None:
+    """A survivor that could not join the next generation in place: write the state and the accounting it
+    kept in memory where torchrun's restart of every worker looks for them (the host directory)."""
+    rank = int(os.environ.get("RANK", "0"))
+    if plan.kept is not None:
+        save_kept(host_rank_dir(cfg, rank), plan.kept)
+    if plan.accounting is not None:
+        record = {**plan.name(), "accounting": plan.accounting}
+        write_json_atomic(host_job_dir(cfg) / f"accounting-rank{rank:05d}.json", record)

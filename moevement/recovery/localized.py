@@ -248,14 +248,15 @@ def _ranges(stages: list[int]) -> str:
 
 
 def _restart_seconds(rejoin: Rejoin, timeline: dict[str, float], detected: float, rebuilt: float) -> str:
-    """The seconds from the first detection of the death to the rejoin's replay, by stage. In place: detect
-    (until the last survivor kept its state), join (the next generation's process group), rebuild (data,
-    model, strategy). After a torchrun restart: keep (state to shared memory), restart (until the new
-    processes started), setup (their imports, process group, model, strategy)."""
+    """The seconds from the first detection of the death to the rejoin's replay, by stage. In place: keep
+    (until the last survivor kept its state in memory and left its groups), join (the next generation's
+    process group), rebuild (data, model, strategy). After a torchrun restart: keep (state to shared
+    memory), restart (until the new processes started), setup (their imports, process group, model,
+    strategy)."""
     kept = timeline["kept"]
     if rejoin.in_place:
         joined = timeline.get("process_group", kept)
-        return f"detect={kept - detected:.3f} join={joined - kept:.3f} rebuild={rebuilt - joined:.3f}"
+        return f"keep={kept - detected:.3f} join={joined - kept:.3f} rebuild={rebuilt - joined:.3f}"
     exec_at = timeline.get("exec", rebuilt)
     return f"keep={kept - detected:.3f} restart={exec_at - kept:.3f} setup={rebuilt - exec_at:.3f}"
 
