@@ -156,8 +156,8 @@ def test_a_replacement_on_another_node_fetches_its_snapshots_over_the_network(tm
 
 
 def test_real_crash_recovers_locally(tmp_path):
-    """`--fault.crash` kills rank 1 (stage 0, with rank 0) at the start of step 8; torchrun restarts every
-    process; ranks 2 and 3 (stage 1) keep their state and serve logs while stage 0 replays."""
+    """`--fault.crash` makes rank 1 (stage 0, with rank 0) exit at the start of step 8; its standby replaces
+    it; ranks 2 and 3 (stage 1) keep their state and serve logs while stage 0 replays."""
     reference = baseline(PP2_DP2_EP2_BF16, 4)
     out = death_run(tmp_path, PP2_DP2_EP2_BF16, 4, "--fault.crash", "8:1")
     assert "fault: rank 1 crashes at step 8" in out
@@ -167,10 +167,10 @@ def test_real_crash_recovers_locally(tmp_path):
 
 
 def test_second_death_right_after_a_rejoin_recovers_locally(tmp_path):
-    """pp=2: rank 1 dies at 9; the restarted job rejoins at 9 and keeps the window it replayed from as its
+    """pp=2: rank 1 dies at 9; the next generation rejoins at 9 and keeps the window it replayed from as its
     persisted checkpoint; rank 1 dies again at 10, before the job persisted a window of its own: the second
-    restart still replays only stage 1, from that window."""
-    out = death_run(tmp_path, PP2, 2, "--fault.kill", "9:1:backward,10:1:forward", restarts=2)
+    replacement still replays only stage 1, from that window."""
+    out = death_run(tmp_path, PP2, 2, "--fault.kill", "9:1:backward,10:1:forward")
     recoveries = assert_local_and_exact(out, baseline(PP2, 2), "1", "1")
     assert [r[:3] for r in recoveries] == [("9", "1", "1"), ("10", "1", "1")]
     assert recoveries[0][3] == recoveries[1][3]  # the same rollback point
@@ -178,10 +178,10 @@ def test_second_death_right_after_a_rejoin_recovers_locally(tmp_path):
 
 @pytest.mark.slow
 def test_death_during_a_rejoin_keeps_the_survivors_state(tmp_path):
-    """pp=2: rank 1 dies at 9, then again while the restarted job replays its stage (iteration 7); rank 0,
-    which was only serving logs, exits without writing anything: the next generation uses the live state it
-    kept in the first one and still replays stage 1 alone."""
-    out = death_run(tmp_path, PP2, 2, "--fault.kill", "9:1:backward,7:1:replay", restarts=2)
+    """pp=2: rank 1 dies at 9, then its replacement dies while it replays its stage (iteration 7); rank 0,
+    which was only serving logs, goes on to generation 2 with the live state it kept at the first death,
+    and stage 1 still replays alone."""
+    out = death_run(tmp_path, PP2, 2, "--fault.kill", "9:1:backward,7:1:replay")
     assert "fault: rank 1 killed (SIGKILL) in the replay phase of step 7" in out
     [(step, *_)] = assert_local_and_exact(out, baseline(PP2, 2), "1", "1")
     assert step == "9"
@@ -190,7 +190,7 @@ def test_death_during_a_rejoin_keeps_the_survivors_state(tmp_path):
 @pytest.mark.slow
 def test_death_in_the_last_iteration_keeps_the_final_state(tmp_path):
     """pp=2: rank 1 dies in the optimizer step of the last iteration (12); rank 0 finishes it and keeps its
-    final state while the job gathers it; the restarted job replays stage 1 up to 13, has nothing left to
+    final state while the job gathers it; the next generation replays stage 1 up to 13, has nothing left to
     train, and prints the fault-free run's final line (the loss of 12 comes from the scalar log)."""
     out = death_run(tmp_path, PP2, 2, "--fault.kill", "12:1:optimizer")
     assert [r[:3] for r in REJOIN.findall(out)] == [("13", "1", "1")], out
@@ -228,9 +228,9 @@ def test_pp4_real_deaths(tmp_path, fault, dead, scope):
 @pytest.mark.slow
 def test_interleaved_1f1b_and_two_deaths_in_a_row(tmp_path):
     """Interleaved1F1B (pipeline rank 1 runs stages 1 and 3); rank 1 dies at 6, then rank 0 at 15 (after
-    the restarted job persisted a window of its own), each recovered by its own torchrun restart."""
+    the job persisted a window of its own), each replaced in place."""
     layout = [*INTERLEAVED, "--training.steps", "18"]
-    out = death_run(tmp_path, layout, 2, "--fault.kill", "6:1:backward,15:0:forward", restarts=2)
+    out = death_run(tmp_path, layout, 2, "--fault.kill", "6:1:backward,15:0:forward")
     recoveries = assert_local_and_exact(out, baseline(layout, 2), "1", "1,3")
     assert [r[1:3] for r in recoveries] == [("1", "1,3"), ("0", "0,2")]
 
@@ -238,12 +238,19 @@ def test_interleaved_1f1b_and_two_deaths_in_a_row(tmp_path):
 @pytest.mark.slow
 def test_a_hung_worker_is_detected_by_the_timeout(tmp_path):
     """pp=2: rank 1 stops (SIGSTOP) in its backward pass, keeping its connections open; rank 0's receive
-    fails after `fault.timeout_s`, it keeps its state, and the job recovers as from a death."""
+    fails after `fault.timeout_s` and it keeps its state in memory. No shell sees the stopped process die,
+    so generation 1 is not joined in time: rank 0 writes its kept state to its host directory and torchrun
+    restarts every worker, which recovers locally from there."""
     out = death_run(
-        tmp_path, PP2, 2, "--fault.kill", "9:1:backward", "--fault.kill_signal", "SIGSTOP", "--fault.timeout_s", "5"
+        tmp_path,
+        PP2,
+        2,
+        *("--fault.kill", "9:1:backward", "--fault.kill_signal", "SIGSTOP", "--fault.timeout_s", "5"),
+        restarts=1,
     )
     assert "fault: rank 1 stopped (SIGSTOP) in the backward phase of step 9" in out
-    assert re.search(r"^failure detected: rank 0 at step 9 by a collective failed \(Timed out\)", out, re.M), out
+    assert re.search(r"^survivor: rank 0 pid \d+ .* at step 9: a collective failed \(Timed out\)", out, re.M), out
+    assert "restart: generation 1 was not joined by every rank within fault.timeout_s=5 s" in out
     assert_local_and_exact(out, baseline(PP2, 2), "1", "1")
 
 
@@ -251,16 +258,19 @@ def test_a_hung_worker_is_detected_by_the_timeout(tmp_path):
 def test_a_hang_is_detected_in_every_process_group(tmp_path):
     """pp2/dp2/ep2: rank 2 stops in its backward pass. Its peers wait for it in the pipeline, expert and
     data-parallel groups of the device mesh (created after the default group, with PyTorch's 30-minute
-    default): every group is bounded by `fault.timeout_s`, so the job recovers in seconds, locally."""
+    default): every group is bounded by `fault.timeout_s`, so the job recovers in seconds, locally (through
+    torchrun's restart, as above)."""
     reference = baseline(PP2_DP2_EP2_BF16, 4)
     out = death_run(
         tmp_path,
         PP2_DP2_EP2_BF16,
         4,
         *("--fault.kill", "9:2:backward", "--fault.kill_signal", "SIGSTOP", "--fault.timeout_s", "5"),
+        restarts=1,
     )
     assert "fault: rank 2 stopped (SIGSTOP) in the backward phase of step 9" in out
-    assert re.search(r"^failure detected: rank [013] at step 9 by a collective failed \(Timed out\)", out, re.M), out
+    timed_out = r"^survivor: rank [013] pid \d+ .* at step 9: a collective failed \(Timed out\)"
+    assert re.search(timed_out, out, re.M), out
     assert_local_and_exact(out, reference, "2", "1")
 
 
