@@ -9,6 +9,7 @@ python train.py --config ... --print-config # the resolved config as TOML; --hel
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -111,10 +112,11 @@ def build_training(cfg: Config, dims: ParallelDims):
     return model, build_optimizer(model.view, t)
 
 
-def stop_guard(cfg: Config, rank: int) -> StopGuard:
+def stop_guard(cfg: Config, rank: int, plan: StartPlan) -> StopGuard:
     """SIGTERM (the torchrun agent stopping the workers after a death, or a scheduler's preemption notice).
 
-    Before training starts the rank exits at once; during training it stops at a consistent point and keeps
+    Before training starts the rank exits at once (a survivor joining a new generation in place first
+    writes the state it kept in memory to host memory); during training it stops at a consistent point and keeps
     its live state in host memory for a torchrun restart (trainer/survival.py). Host state is committed
     atomically (docs/design.md §6), so nothing is left half-written."""
 
@@ -126,7 +128,10 @@ def stop_guard(cfg: Config, rank: int) -> StopGuard:
         }.get(strategy, f"a torchrun restart resumes from the newest {strategy} checkpoint, a relaunch starts over")
         return f"preempted: rank {rank} received SIGTERM at step {step}; host state kept ({kept}): {resumes}"
 
-    return StopGuard(rank, preempted_line)
+    keep = None
+    if plan.kept is not None or plan.accounting is not None:
+        keep = functools.partial(keep_for_torchrun_restart, cfg, plan)
+    return StopGuard(rank, preempted_line, keep)
 
 
 def inject_failures(job: Job, step: int, elapsed_s: float) -> int:
@@ -205,9 +210,9 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
     the same order on every rank). A `checkpoint.save_final` target that saving would have to destroy is
     refused before anything else."""
     rank_shell.report(f"generation {plan.generation}")
+    guard = stop_guard(cfg, int(os.environ.get("RANK", "0")), plan)
     rank, world = init_distributed(cfg.fault.timeout_s, generation=plan.generation)
     STARTUP.mark("process_group")
-    guard = stop_guard(cfg, rank)
     check_world_size(cfg, world)
     if cfg.checkpoint.save_final:
         check_save_target(cfg.checkpoint.save_final)

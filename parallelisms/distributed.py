@@ -12,6 +12,7 @@ import datetime
 import gc
 import os
 import socket
+import threading
 
 import torch
 import torch.distributed as dist
@@ -100,9 +101,27 @@ def join_generation(generation: int, backend: str | None = None) -> None:
     store = dist.PrefixStore(f"attempt{attempt}/generation{generation}", _TORCHRUN_STORE)
     limit = {} if _TIMEOUT is None else {"timeout": _TIMEOUT}
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group(
-        backend or default_backend(device_type()), store=store, rank=rank, world_size=world, **limit
-    )
+    backend = backend or default_backend(device_type())
+    _on_a_thread(lambda: dist.init_process_group(backend, store=store, rank=rank, world_size=world, **limit))
+
+
+def _on_a_thread(call) -> None:
+    """Run `call` on a helper thread while the main thread waits in short sleeps, so a signal (SIGTERM from
+    torchrun) is handled at once instead of after a blocking wait for peers that may never come."""
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as e:  # re-raised on the calling thread
+            failure.append(e)
+
+    thread = threading.Thread(target=run, name="moevement-join", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.05)
+    if failure:
+        raise failure[0]
 
 
 def sever_connections() -> int:

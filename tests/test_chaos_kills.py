@@ -158,3 +158,23 @@ def test_random_sigkills_end_bit_exact(tmp_path, layout, nproc, seed):
     expected = {int(s): v for s, v in STEP_LINE.findall(reference)}
     printed = STEP_LINE.findall(out)
     assert printed and all(expected[int(s)] == v for s, v in printed), context
+
+
+@pytest.mark.slow
+def test_a_killed_rank_shell_falls_back_to_torchrun(tmp_path):
+    """pp=2: the rank shell of rank 1 is SIGKILLed after 5 iterations: its trainer dies with it, torchrun
+    restarts every worker, and the job still ends with the fault-free run's digest."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1"]
+    cmd += ["train.py", *BASE, "--training.steps", "20", *PP2, *MOEVEMENT]
+    cmd += ["--checkpoint.host_dir", str(tmp_path / "shm"), "--job.output_dir", str(RUN_OUTPUTS)]
+    out = tmp_path / "stdout"
+    with out.open("w") as stdout:
+        agent = subprocess.Popen(cmd, cwd=ROOT, env=CHILD_ENV, stdout=stdout, stderr=subprocess.STDOUT)
+        chaos = Chaos(agent, out, 2, seed=0)
+        assert chaos.until(lambda: chaos.steps() >= 5), out.read_text()
+        os.kill(workers(agent.pid, shells=True)[1], signal.SIGKILL)
+        agent.wait(timeout=300)
+    text = out.read_text()
+    assert agent.returncode == 0, text
+    assert re.search(r"^recovery step=\d+ ranks=1 .* restart=local ", text, re.M), text
+    assert final_line(text) == final_line(baseline(["--training.steps", "20", *PP2], 2))

@@ -393,3 +393,27 @@ def test_a_death_during_validation_loses_no_validation_line(tmp_path):
     lines = re.compile(r"^validation step=(\d+) val_loss=(\S+)$", re.M)
     assert dict(lines.findall(out)) == dict(lines.findall(reference)) and "6" in dict(lines.findall(out))
     assert final_line(out) == final_line(reference)
+
+
+@pytest.mark.slow
+def test_a_survivor_dies_while_the_next_generation_replays(tmp_path):
+    """pp2/dp2/ep2: rank 2 dies at 8; rank 3, a survivor of the same stage, replays with its replacement in
+    generation 1 and dies there (iteration 7). Generation 2 replaces it too; stage 0 still only serves logs."""
+    out = death_run(tmp_path, PP2_DP2_EP2_BF16, 4, "--fault.kill", "8:2:backward,7:3:replay")
+    assert "fault: rank 3 killed (SIGKILL) in the replay phase of step 7" in out
+    assert re.search(r"^shell: rank 3: .* replaces it in generation 2 ", out, re.M), out
+    recoveries = assert_local_and_exact(out, baseline(PP2_DP2_EP2_BF16, 4), "2+3", "1")
+    assert [r[0] for r in recoveries] == ["8"]
+
+
+@pytest.mark.slow
+def test_more_deaths_than_replacements_fall_back_to_torchrun(tmp_path):
+    """pp=2 with `fault.max_replacements 1`: rank 1's first death is replaced in place; at its second the
+    shell has none left and exits, torchrun restarts every worker, and rank 0 keeps its state across it."""
+    out = death_run(
+        tmp_path, PP2, 2, "--fault.kill", "9:1:backward,10:1:forward", "--fault.max_replacements", "1", restarts=1
+    )
+    assert re.search(r"^shell: rank 1: trainer pid \d+ died \(signal SIGKILL\); replacements spent", out, re.M), out
+    recoveries = assert_local_and_exact(out, baseline(PP2, 2), "1", "1")
+    assert [r[:3] for r in recoveries] == [("9", "1", "1"), ("10", "1", "1")]
+    assert re.search(r"^recovery step=10 .* restart=local ", out, re.M), out

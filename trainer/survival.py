@@ -96,10 +96,11 @@ class StopGuard:
 
     `phase`: "setup" (SIGTERM exits at once, as a preemption), "training", "applying" (optimizer step of
     `step` to its `end`; SIGTERM waits), "recovering", "stopping" (SIGTERM is ignored; `stopped_in` is the
-    phase it stopped in). `applied`: the last iteration whose update is done."""
+    phase it stopped in). `applied`: the last iteration whose update is done. `keep_at_setup`: what a
+    SIGTERM in the setup phase keeps first (a survivor's state kept in memory), returning what it kept."""
 
-    def __init__(self, rank: int, preempted_line):
-        self.rank, self.preempted_line = rank, preempted_line
+    def __init__(self, rank: int, preempted_line, keep_at_setup=None):
+        self.rank, self.preempted_line, self.keep_at_setup = rank, preempted_line, keep_at_setup
         self.phase, self.stopped_in, self.step, self.applied = "setup", "", 0, 0
         self.sigterm_at: float | None = None
         signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -115,7 +116,8 @@ class StopGuard:
             self.stop()
             raise WorkerStopped("SIGTERM from the torchrun agent")
         if self.phase == "setup":
-            print(self.preempted_line(self.step, "nothing new to keep"), flush=True)
+            kept = self.keep_at_setup() if self.keep_at_setup else "nothing new to keep"
+            print(self.preempted_line(self.step, kept), flush=True)
             os._exit(128 + signum)
 
     def optimizer_step_begins(self, *_args) -> None:
@@ -209,12 +211,15 @@ def survive_in_place(job, error: BaseException):
     return plan
 
 
-def keep_for_torchrun_restart(cfg, plan) -> None:
-    """A survivor that could not join the next generation in place: write the state and the accounting it
-    kept in memory where torchrun's restart of every worker looks for them (the host directory)."""
+def keep_for_torchrun_restart(cfg, plan) -> str:
+    """A survivor that does not join the next generation in place (not joined in time, or stopped by
+    torchrun): write the state and the accounting it kept in memory where torchrun's restart of every
+    worker looks for them (the host directory); returns what it kept."""
     rank = int(os.environ.get("RANK", "0"))
-    if plan.kept is not None:
-        save_kept(host_rank_dir(cfg, rank), plan.kept)
     if plan.accounting is not None:
         record = {**plan.name(), "accounting": plan.accounting}
         write_json_atomic(host_job_dir(cfg) / f"accounting-rank{rank:05d}.json", record)
+    if plan.kept is None:
+        return "no live state"
+    nbytes = save_kept(host_rank_dir(cfg, rank), plan.kept)
+    return f"live state of iteration {plan.kept.next_iteration}, {nbytes / 1e6:.1f} MB"
