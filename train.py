@@ -38,9 +38,11 @@ from moevement.storage.snapshot import SnapshotError
 from moevement.strategy import CheckpointStrategy
 from parallelisms import collectives
 from parallelisms.distributed import (
+    announce_clean_stop,
     device_type,
     init_distributed,
     leave_generation,
+    peer_stopped_with_an_error,
     sever_connections,
     shutdown_distributed,
 )
@@ -309,6 +311,10 @@ def validate_if_due(job: Job, step: int) -> None:
         job.logger.validation(step, evaluate(job.model, job.val_data, job.dims, cfg.training.micro_batches))
 
 
+class PeerStopped(Exception):
+    """Another rank stopped with a clean error and said so (one line for the job): this one stops too."""
+
+
 class GenerationNotJoined(Exception):
     """Not every rank joined an in-place generation within `fault.timeout_s` (a hung peer, a replacement that
     could not start): the rank shell hands the recovery to torchrun's restart of every worker."""
@@ -353,6 +359,8 @@ def run(job: Job, step: int, loss: float) -> tuple[int, float, str | None]:
     except BaseException as error:
         if not peer_failure(error):
             raise
+        if peer_stopped_with_an_error():
+            raise PeerStopped from None
         if rejoins_in_place(error, job.cfg):
             raise Rejoining(survive_in_place(job, error)) from None
         job.accounting.keep(torchrun_generation(), job.guard.sigterm_at or time.time())
@@ -415,6 +423,8 @@ def train(cfg: Config, plan: StartPlan) -> None:
         except Rejoining as rejoining:
             plan = rejoining.plan
         except BaseException as error:
+            if peer_failure(error) and peer_stopped_with_an_error():
+                raise PeerStopped from None
             if not (peer_failure(error) and rejoins_in_place(error, cfg)):
                 raise
             if not dist.is_initialized():
@@ -451,13 +461,17 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         train(cfg, plan_start())
     except ConfigError as e:
+        announce_clean_stop(int(os.environ.get("RANK", "0")))
         if os.environ.get("RANK", "0") == "0":  # every rank reads the same config: the job says it once
             print(f"error: {e}", file=sys.stderr)
         return 2
     except GenerationNotJoined as e:
         print(e, flush=True)
         return rank_shell.FALLBACK
+    except PeerStopped:
+        return 2
     except (CheckpointError, DataError, HostMemoryError, IdentityError, SnapshotError, RecoveryError) as e:
+        announce_clean_stop(int(os.environ.get("RANK", "0")))
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:

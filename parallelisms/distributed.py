@@ -124,6 +124,30 @@ def _on_a_thread(call) -> None:
         raise failure[0]
 
 
+def _stop_key() -> str:
+    return f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/stopped-with-an-error"
+
+
+def announce_clean_stop(rank: int) -> None:
+    """This rank stops with a clean error (one line, exit status 2): tell the other ranks through torchrun's
+    store, so that they stop the same way instead of treating its departure as a death."""
+    if _TORCHRUN_STORE is not None:
+        try:
+            _TORCHRUN_STORE.set(_stop_key(), str(rank))
+        except (RuntimeError, dist.DistError):
+            pass  # the store is gone: the job is ending anyway
+
+
+def peer_stopped_with_an_error() -> bool:
+    """Whether another rank of this attempt stopped with a clean error (`announce_clean_stop`)."""
+    if _TORCHRUN_STORE is None:
+        return False
+    try:
+        return _TORCHRUN_STORE.check([_stop_key()])
+    except (RuntimeError, dist.DistError):
+        return False
+
+
 def sever_connections() -> int:
     """A peer died and this rank leaves its generation: shut down its TCP connections to the other ranks
     (not those to torchrun's store, nor listening sockets), so that every operation waiting on them fails at

@@ -98,7 +98,7 @@ class RankShell:
     def __init__(self, command: list[str], max_replacements: int):
         self.command, self.max_replacements = command, max_replacements
         self.rank = os.environ.get("RANK", "?")
-        self.generation, self.replacements = 0, 0
+        self.generation, self.replacements, self.stopping = 0, 0, False
         self.reports, report_end = os.pipe()
         self.env = {**os.environ, AGENT_PID: str(os.getppid()), SHELL_FD: str(report_end)}
         self.child = self._spawn("trainer")
@@ -112,6 +112,7 @@ class RankShell:
         return subprocess.Popen(self.command, env=env, pass_fds=fds, preexec_fn=_die_with_parent, **kwargs)
 
     def _forward_sigterm(self, signum, _frame) -> None:
+        self.stopping = True  # torchrun stops the job: the child's end is no death to replace
         self.child.send_signal(signum)
         self._stop_standby()
 
@@ -136,7 +137,7 @@ class RankShell:
             while (code := self.child.poll()) is None:
                 self._read_reports(0.1)
             self._read_reports(0)
-            if code in _CLEAN_EXITS or not self._replace(code):
+            if code in _CLEAN_EXITS or self.stopping or not self._replace(code):
                 self._stop_standby()
                 return code if code >= 0 else 128 - code
 
