@@ -1,5 +1,6 @@
 """ETTR simulator's command line: checkpointing strategies under failures at cluster scale.
 
+    python -m simulator --paper-tables                                       every compared cell of the paper
     python -m simulator --paper [--figure PATH | --no-figure] [--json]       the paper's scale study
     python -m simulator --sensitivity [--preset P] [--mtbf-min M] [--json]   what moves one result
     python -m simulator --preset 671B-16384 --mtbf-min 10 [--strategies ...] [--interval K] [--window W] [--json]
@@ -24,9 +25,11 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from simulator.calibrated import FITTED
 from simulator.calibration import MeasuredProfile, predict_from_profile
 from simulator.cluster import GB, Preset
 from simulator.paper import DEFAULT_FIGURE, PAPER_REPORTED, layout_table, plot_study, scale_study, study_table
+from simulator.paper_tables import all_cells, render
 from simulator.presets import PAPER_PRESETS, PRESETS
 from simulator.sensitivity import best_speedup, break_even, break_even_lines, sensitivity, sensitivity_table
 from simulator.strategies import STRATEGIES, Scenario, simulate
@@ -53,6 +56,9 @@ def _fail(message: str) -> None:
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m simulator", description=__doc__.split("\n")[0])
     ap.add_argument("--paper", action="store_true", help="the paper's scale study: 4 presets x MTBF 60/30/10 min")
+    ap.add_argument(
+        "--paper-tables", action="store_true", help="Table 3, Table 4, Figs. 1a, 11, 13, 16 beside the paper's numbers"
+    )
     ap.add_argument("--figure", default=str(DEFAULT_FIGURE), help="--paper: where the figure goes")
     ap.add_argument("--no-figure", action="store_true", help="--paper: print the tables only")
     ap.add_argument("--sensitivity", action="store_true", help="which inputs move one preset/MTBF result most")
@@ -167,6 +173,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         return _list()
     if args.profile:
         return _run_profile(args.profile, args.json)
+    if args.paper_tables:
+        return print(render(all_cells(FITTED)))
     if args.paper:
         return _run_paper(args)
     if args.sensitivity:
