@@ -172,8 +172,10 @@ def held_out_errors(cells: list[Cell], section: str = "table3 ettr") -> dict[str
 
 
 def render(cells: list[Cell]) -> str:
+    """Cells grouped by section (in first-seen order), then the held-out summary."""
+    sections = list(dict.fromkeys(c.section for c in cells))
     lines, section = [], None
-    for c in cells:
+    for c in sorted(cells, key=lambda c: sections.index(c.section)):
         if c.section != section:
             section = c.section
             lines.append(f"\n## {section}\n{'cell':<78} {'simulated':>10} {'paper':>8} {'diff':>8}  status")
