@@ -1,6 +1,6 @@
 """ETTR simulator's command line: checkpointing strategies under failures at cluster scale.
 
-    python -m simulator --paper-tables                                       every compared cell of the paper
+    python -m simulator --paper-tables [--figure PATH | --no-figure]         every compared cell of the paper
     python -m simulator --paper [--figure PATH | --no-figure] [--json]       the paper's scale study
     python -m simulator --sensitivity [--preset P] [--mtbf-min M] [--json]   what moves one result
     python -m simulator --preset 671B-16384 --mtbf-min 10 [--strategies ...] [--interval K] [--window W] [--json]
@@ -29,8 +29,10 @@ from simulator.calibrated import FITTED
 from simulator.calibration import MeasuredProfile, predict_from_profile
 from simulator.cluster import GB, Preset
 from simulator.paper import DEFAULT_FIGURE, PAPER_REPORTED, layout_table, plot_study, scale_study, study_table
+from simulator.paper_numbers import FIG11_671B_10M, FIG11_MIN_MOEVEMENT_1H
 from simulator.paper_tables import all_cells, render
 from simulator.presets import PAPER_PRESETS, PRESETS
+from simulator.scale import FIG11_FIGURE, plot_fig11
 from simulator.sensitivity import best_speedup, break_even, break_even_lines, sensitivity, sensitivity_table
 from simulator.strategies import STRATEGIES, Scenario, simulate
 
@@ -137,6 +139,18 @@ def _run_paper(args: argparse.Namespace) -> None:
         print(f"\nfigure: {args.figure}")
 
 
+def _run_paper_tables(args: argparse.Namespace) -> None:
+    print(render(all_cells(FITTED)))
+    if args.no_figure:
+        return
+    path = args.figure if args.figure != str(DEFAULT_FIGURE) else FIG11_FIGURE
+    try:
+        plot_fig11(FITTED, path, FIG11_671B_10M, FIG11_MIN_MOEVEMENT_1H)
+    except OSError as err:
+        _fail(f"--figure {path}: {err.strerror or err}")
+    print(f"\nfigure: {path}")
+
+
 def _run_sensitivity(preset: Preset, mtbf_min: float, as_json: bool) -> None:
     rows = sensitivity(preset, mtbf_min * 60)
     targets = PAPER_REPORTED.get((preset.name, mtbf_min), {})
@@ -174,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.profile:
         return _run_profile(args.profile, args.json)
     if args.paper_tables:
-        return print(render(all_cells(FITTED)))
+        return _run_paper_tables(args)
     if args.paper:
         return _run_paper(args)
     if args.sensitivity:

@@ -102,3 +102,40 @@ def scale_study(cal: Calibration, mtbfs_min=MTBFS_MIN) -> list[ScaleRow]:
             closed = [1 / ((1 + c.overhead) * (1 + c.recovery_s / (mtbf * 60))) for c in (mev, gem)]
             rows.append(ScaleRow(preset.name, s.gpus, s.iteration_s, mtbf, *closed, mev.window, gem.interval))
     return rows
+
+
+CURVE_MTBFS_MIN = (120.0, 90.0, 60.0, 45.0, 30.0, 20.0, 15.0, 10.0)
+FIG11_FIGURE = "docs/figures/paper_fig11_simulated.png"
+
+
+def plot_fig11(cal: Calibration, path: str, paper: dict[str, float], min_1h: float) -> None:
+    """One panel per cluster: ETTR against MTBF for MoEvement and Gemini; the paper's 671B / 10-minute
+    points as black crosses and its 1-hour MoEvement floor as a dotted line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from simulator.colours import colour
+
+    rows = scale_study(cal, CURVE_MTBFS_MIN)
+    presets = list(dict.fromkeys(r.preset for r in rows))
+    fig, axes = plt.subplots(1, len(presets), figsize=(3.2 * len(presets), 3.3), sharey=True, squeeze=False)
+    for ax, name in zip(axes[0], presets):
+        mine = [r for r in rows if r.preset == name]
+        for s in ("moevement", "gemini"):
+            ax.plot([r.mtbf_min for r in mine], [getattr(r, s) for r in mine], "o-", color=colour(s), label=s, ms=3)
+        if name == "671B-16384":
+            ax.plot([10.0, 10.0], [paper["moevement"], paper["gemini"]], "kx", ms=8, label="paper (671B, 10 min)")
+        ax.axhline(min_1h, color="tab:blue", ls=":", lw=1)
+        ax.set_xscale("log")
+        ax.set_xticks([10, 20, 30, 60, 120], ["10", "20", "30", "60", "120"])
+        ax.set_title(f"{name} (T {mine[0].iteration_s:.0f} s)", fontsize=9)
+        ax.set_xlabel("MTBF (min)")
+        ax.set_ylim(0, 1)
+    axes[0][0].set_ylabel("simulated ETTR (closed form)")
+    handles, labels = axes[0][-1].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -209,7 +209,7 @@ def test_coordinate_search_and_coordinates_round_trip():
 
 
 def test_cli_paper_tables_prints_every_section_and_the_held_out_errors(capsys):
-    main(["--paper-tables"])
+    main(["--paper-tables", "--no-figure"])
     out = capsys.readouterr().out
     for section in (
         "table3 ettr",
