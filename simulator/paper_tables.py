@@ -19,7 +19,7 @@ from simulator.mechanisms import gemini_cost
 from simulator.own_table4 import RECORDED, predicted
 from simulator.run import RunResult, run_all
 from simulator.scale import scale_study
-from simulator.setting import from_testbed
+from simulator.setting import Setting, from_testbed
 from simulator.skew_study import skew_study
 from simulator.testbed import OVERHEAD_CELLS, TESTBEDS
 
@@ -41,16 +41,24 @@ class Cell:
         return None if self.paper is None else self.simulated - self.paper
 
 
-def _table3_runs(cal: Calibration) -> dict[tuple[str, str], dict[str, RunResult]]:
+Settings = dict[str, Setting]
+
+
+def testbed_settings(zero1: bool = True) -> Settings:
+    """Table 2's four models on the testbed, ZeRO-1 or not."""
+    return {name: from_testbed(tb, zero1) for name, tb in TESTBEDS.items()}
+
+
+def _table3_runs(cal: Calibration, settings: Settings) -> dict[tuple[str, str], dict[str, RunResult]]:
     return {
-        (name, row): run_all(from_testbed(tb), cal, mtbf * 60)
-        for name, tb in TESTBEDS.items()
+        (name, row): run_all(setting, cal, mtbf * 60)
+        for name, setting in settings.items()
         for row, mtbf in pn.MTBFS_MIN.items()
     }
 
 
-def table3_cells(cal: Calibration) -> Iterator[Cell]:
-    runs = _table3_runs(cal)
+def table3_cells(cal: Calibration, settings: Settings) -> Iterator[Cell]:
+    runs = _table3_runs(cal, settings)
     for (name, row), res in runs.items():
         status = "fitted" if row in pn.CALIBRATION_ROWS else "held out"
         for i, s in enumerate(pn.STRATEGIES):
@@ -90,18 +98,18 @@ def table3_cells(cal: Calibration) -> Iterator[Cell]:
             yield Cell("table3 overhead s (T source)", f"{name} {s}", seconds, seconds, "input")
 
 
-def gemini_range_cells(cal: Calibration) -> Iterator[Cell]:
+def gemini_range_cells(cal: Calibration, settings: Settings) -> Iterator[Cell]:
     """Gemini's intervals at 2H and 10M against §5.2's ranges (the middle of the range as `paper`)."""
     for row, (lo, hi) in (("2H", pn.GEMINI_INTERVAL_2H), ("10M", pn.GEMINI_INTERVAL_10M)):
-        for name, tb in TESTBEDS.items():
-            k = gemini_cost(from_testbed(tb), cal, pn.MTBFS_MIN[row] * 60).interval
+        for name, setting in settings.items():
+            k = gemini_cost(setting, cal, pn.MTBFS_MIN[row] * 60).interval
             inside = "inside" if lo <= k <= hi else "outside"
             yield Cell("gemini interval range", f"{name} {row} ({lo}-{hi}: {inside})", k, (lo + hi) / 2, "held out")
 
 
-def table4_cells(cal: Calibration) -> Iterator[Cell]:
+def table4_cells(cal: Calibration, settings: Settings) -> Iterator[Cell]:
     """Our simulated minus Table 3's measured ETTR (%), beside the paper's own Table 4 difference."""
-    runs = _table3_runs(cal)
+    runs = _table3_runs(cal, settings)
     for name, per in pn.TABLE4_PERCENT.items():
         for s, cells in per.items():
             for row, paper_pct in cells.items():
@@ -110,8 +118,8 @@ def table4_cells(cal: Calibration) -> Iterator[Cell]:
                 yield Cell("table4 sim-measured %", f"{name} {s} {row}", ours, paper_pct, status)
 
 
-def figure_cells(cal: Calibration) -> Iterator[Cell]:
-    ds = from_testbed(TESTBEDS["DeepSeek-MoE"])
+def figure_cells(cal: Calibration, settings: Settings) -> Iterator[Cell]:
+    ds = settings["DeepSeek-MoE"]
     every = gemini_cost(ds, cal, 600.0, interval=1)
     yield Cell(
         "fig1a", "DeepSeek-MoE gemini every iteration: slowdown", 1 + every.overhead, pn.FIG1A_SLOWDOWN, "held out"
@@ -159,8 +167,16 @@ def own_table4_cells() -> Iterator[Cell]:
         yield Cell("own table4 (measured)", label, ettr, r.measured_ettr, "held out")
 
 
-def all_cells(cal: Calibration) -> list[Cell]:
-    return [*table3_cells(cal), *gemini_range_cells(cal), *table4_cells(cal), *figure_cells(cal), *own_table4_cells()]
+def all_cells(cal: Calibration, zero1: bool = True) -> list[Cell]:
+    """Every compared cell; `zero1=False` keeps every data-parallel rank's FP32 state unsharded."""
+    st = testbed_settings(zero1)
+    return [
+        *table3_cells(cal, st),
+        *gemini_range_cells(cal, st),
+        *table4_cells(cal, st),
+        *figure_cells(cal, st),
+        *own_table4_cells(),
+    ]
 
 
 def held_out_errors(cells: list[Cell], closed: bool = False) -> dict[str, tuple[float, float, int]]:

@@ -223,3 +223,23 @@ def test_cli_paper_tables_prints_every_section_and_the_held_out_errors(capsys):
         assert f"## {section}\n" in out
     summary = out.split("## held-out Table 3 ETTR per strategy")[1].strip().splitlines()[1:]
     assert [line.split()[0] for line in summary] == ["checkfreq", "gemini", "moc", "moevement"]
+
+
+def test_zero1_shards_the_state_over_data_parallel_ranks():
+    from simulator.setting import from_testbed
+    from simulator.testbed import TESTBEDS
+
+    tb = TESTBEDS["GPT-MoE"]  # DP = 4 pipelines
+    sharded, whole = from_testbed(tb, zero1=True), from_testbed(tb, zero1=False)
+    assert whole.node_state_bytes == pytest.approx(4 * sharded.node_state_bytes)
+    assert [o.fp32 for o in whole.operators] == pytest.approx([4 * o.fp32 for o in sharded.operators])
+    assert whole.cluster_state_bytes == sharded.cluster_state_bytes == 12 * tb.shape.total_params()
+
+
+def test_recorded_constants_are_what_the_fit_prints():
+    from simulator.calibrated import FITTED
+    from simulator.fit import fit
+
+    fitted, _ = fit()
+    for name, value in vars(FITTED).items():
+        assert getattr(fitted, name) == pytest.approx(value, rel=1e-4), name
