@@ -6,8 +6,13 @@
     python -m simulator --preset 671B-16384 --mtbf-min 10 [--strategies ...] [--interval K] [--window W] [--json]
     python -m simulator --list | --profile profile.json
 
-`python -m simulator.ettr` is the same command; `--host-gbs X`, `--snapshot-cap-gbs X` and
-`--restart-s S` change the hardware of any mode but --profile. The model: `simulator.cluster` (iteration time),
+`python -m simulator.ettr` is the same command. `--paper-tables` is the calibrated model of the paper's
+evaluation: `simulator.testbed` (§5.1 cluster, Table 2 models), `simulator.setting`,
+`simulator.mechanisms` (each strategy's checkpoint and recovery), `simulator.run` (12-hour run, closed
+form, MoC's Dynamic-K), `simulator.calibrated` / `simulator.fit` (constants fitted on Table 3's 2H and
+1H rows), `simulator.paper_tables` (the comparison). The other modes use the exploratory per-GPU model;
+`--host-gbs X`, `--snapshot-cap-gbs X` and `--restart-s S` change its hardware in any mode but
+--profile and --paper-tables. That model: `simulator.cluster` (iteration time),
 `simulator.strategies` (overhead and loss per failure), `simulator.formula` (the paper's ETTR),
 `simulator.presets` (the clusters); the assumptions not in the paper are listed in
 `simulator.paper`. `simulator.calibration` is the finite-run model that `benchmarks.ettr`
