@@ -17,7 +17,9 @@ from dataclasses import dataclass, replace
 
 from simulator.calibrated import Calibration
 from simulator.cluster import Hardware, Preset, stage_model
+from simulator.colours import colour
 from simulator.mechanisms import gemini_cost, moevement_cost
+from simulator.panels import ettr_panels, save_panels
 from simulator.presets import PAPER_PRESETS
 from simulator.setting import Setting, gpu_operators, gradient_exchange_bytes, pipeline_send_bytes
 from simulator.testbed import A100_PEAK_FLOPS, FP32_STATE_BYTES, GPUS_PER_NODE, NODE_NIC_BW, TESTBEDS
@@ -111,17 +113,10 @@ FIG11_FIGURE = "docs/figures/paper_fig11_simulated.png"
 def plot_fig11(cal: Calibration, path: str, paper: dict[str, float], min_1h: float) -> None:
     """One panel per cluster: ETTR against MTBF for MoEvement and Gemini; the paper's 671B / 10-minute
     points as black crosses and its 1-hour MoEvement floor as a dotted line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from simulator.colours import colour
-
     rows = scale_study(cal, CURVE_MTBFS_MIN)
     presets = list(dict.fromkeys(r.preset for r in rows))
-    fig, axes = plt.subplots(1, len(presets), figsize=(3.2 * len(presets), 3.3), sharey=True, squeeze=False)
-    for ax, name in zip(axes[0], presets):
+    fig, axes = ettr_panels(len(presets), 3.3)
+    for ax, name in zip(axes, presets):
         mine = [r for r in rows if r.preset == name]
         for s in ("moevement", "gemini"):
             ax.plot([r.mtbf_min for r in mine], [getattr(r, s) for r in mine], "o-", color=colour(s), label=s, ms=3)
@@ -131,11 +126,4 @@ def plot_fig11(cal: Calibration, path: str, paper: dict[str, float], min_1h: flo
         ax.set_xscale("log")
         ax.set_xticks([10, 20, 30, 60, 120], ["10", "20", "30", "60", "120"])
         ax.set_title(f"{name} (T {mine[0].iteration_s:.0f} s)", fontsize=9)
-        ax.set_xlabel("MTBF (min)")
-        ax.set_ylim(0, 1)
-    axes[0][0].set_ylabel("simulated ETTR (closed form)")
-    handles, labels = axes[0][-1].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)
-    fig.tight_layout(rect=(0, 0.1, 1, 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_panels(fig, axes, "simulated ETTR (closed form)", path, 0.1)
