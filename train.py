@@ -55,7 +55,7 @@ from trainer.config import Config, ConfigError, check_world_size, fault_plan, lo
 from trainer.config_help import help_text, to_toml
 from trainer.data import DataError, TokenBatches, build_data, make_loader
 from trainer.dense_checkpoint import CheckpointError, check_save_target, is_imported, load_dense, save_dense
-from trainer.fault_injection import KillSwitch, arm_kill
+from trainer.fault_injection import KillSwitch, arm_kill, fired, record_fired
 from trainer.fault_tolerance import build_strategy, host_job_dir, torchrun_generation
 from trainer.identity import IdentityError
 from trainer.metrics import MetricsLogger
@@ -141,8 +141,9 @@ def inject_failures(job: Job, step: int, elapsed_s: float) -> int:
 
     Returns the iteration to run next: `step`, or an interval baseline's rollback target."""
     faults, rank = job.faults, job.rank
-    if faults.crashes_at(step, rank) and job.plan.deaths == 0:
+    if faults.crashes_at(step, rank) and not fired(f"crash/{step}/{rank}"):
         print(f"fault: rank {rank} crashes at step {step}", flush=True)
+        record_fired(f"crash/{step}/{rank}")
         os._exit(13)
     if faults.timed:  # rank 0's clock decides when a timed failure strikes
         clock = torch.tensor([elapsed_s], dtype=torch.float64)
@@ -241,7 +242,7 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
     STARTUP.mark("strategy")
     optimizer.register_step_pre_hook(guard.optimizer_step_begins)  # after the checkpointer's copy wait
     faults = fault_plan(cfg, world)
-    kill = arm_kill(faults, rank, model, optimizer, guard, seeder, cfg.fault.kill_signal, plan.deaths)
+    kill = arm_kill(faults, rank, model, optimizer, guard, seeder, cfg.fault.kill_signal)
     step, loss = ft.resume(step, loss)
     logger.start(step + 1)
     val_data = (

@@ -222,11 +222,11 @@ class FaultPlan:
     def count(self) -> int:
         return len(self.events) + len(self.timed)
 
-    def kill_of(self, rank: int, generation: int) -> KillEvent | None:
-        """The kill of `rank` in torchrun generation `generation`: the n-th distinct kill step, in the order
-        given, fires in generation n (each restart follows the previous death)."""
+    def kill_of(self, rank: int, fired: int) -> KillEvent | None:
+        """The kill of `rank` once the kills of `fired` distinct steps struck: the n-th distinct kill step, in
+        the order given, is due after n (each death follows the previous one)."""
         steps = list(dict.fromkeys(k.step for k in self.kills))
-        due = [k for k in self.kills if k.rank == rank and steps.index(k.step) == generation]
+        due = [k for k in self.kills if k.rank == rank and steps.index(k.step) == fired]
         return due[0] if due else None
 
     def crashes_at(self, step: int, rank: int) -> bool:

@@ -124,6 +124,12 @@ def _on_a_thread(call) -> None:
         raise failure[0]
 
 
+def torchrun_store() -> dist.Store | None:
+    """torchrun's store (its agent's: it outlives every worker and every restart), once this process joined
+    a generation under torchrun; None otherwise."""
+    return _TORCHRUN_STORE
+
+
 def _stop_key() -> str:
     return f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/stopped-with-an-error"
 

@@ -6,9 +6,9 @@ backward), `clip` (just before the gradient-norm all-reduce, so no rank gets T's
 being copied to host memory), `replication` (after T is applied, while its snapshot is being sent to the
 replica peers), `validation` (in the validation after T, where one runs); these fire only in normal
 training. `replay` fires while a restarted generation's
-start-up (a rejoin or a whole-job restart) replays T. Each kill fires in the generation it belongs
-to (`FaultPlan.kill_of`: the n-th after n deaths), so a restarted job or a replacement does not meet the same
-death again.
+start-up (a rejoin or a whole-job restart) replays T. The kills fire in the order of their steps, each
+once per job (`FaultPlan.kill_of`: the n-th distinct step once n have fired), whether the job goes on in place
+or restarted by torchrun: the steps that fired are recorded on torchrun's store (`fired`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import time
 import torch
 
 from moevement.failures import FaultPlan, KillEvent
+from parallelisms.distributed import torchrun_store
 from parallelisms.parallelize import ModelParts
 from trainer.step import DropoutSeeder
 from trainer.survival import StopGuard
@@ -48,7 +49,25 @@ class KillSwitch:
                 f"at unix={time.time():.3f}",
                 flush=True,
             )
+            record_fired(f"kill/{self.kill.step}")
             os.kill(os.getpid(), getattr(signal, self.how))
+
+
+_FIRED = "moevement/faults-fired/"  # keys on torchrun's store: the injected deaths that struck
+
+
+def fired(event: str) -> bool:
+    """Whether the injected death `event` ("kill/<step>", "crash/<step>/<rank>") struck already in this job
+    (under torchrun; a process without torchrun's store runs once)."""
+    store = torchrun_store()
+    return store is not None and store.check([_FIRED + event])
+
+
+def record_fired(event: str) -> None:
+    """The injected death `event` strikes now: no later generation or torchrun restart meets it again."""
+    store = torchrun_store()
+    if store is not None:
+        store.set(_FIRED + event, "1")
 
 
 def arm_kill(
@@ -59,11 +78,11 @@ def arm_kill(
     guard: StopGuard,
     seeder: DropoutSeeder,
     how: str = "SIGKILL",
-    deaths: int = 0,
 ) -> KillSwitch:
     """Install this rank's kill of this generation, if any. `how`: SIGKILL (a death) or SIGSTOP (a hang:
     the process stays, holding its connections, until its peers' collectives time out)."""
-    switch = KillSwitch(plan.kill_of(rank, deaths), rank, guard, seeder, how)
+    fired_steps = len({k.step for k in plan.kills if fired(f"kill/{k.step}")})
+    switch = KillSwitch(plan.kill_of(rank, fired_steps), rank, guard, seeder, how)
     if switch.kill is None:
         return switch
 

@@ -27,14 +27,10 @@ class StartPlan:
     accounting: dict | None = None  # a survivor's run accounting, likewise
 
     @property
-    def deaths(self) -> int:
-        """Deaths the job went through before this start: each torchrun restart and each generation follows one."""
-        return self.attempt + self.generation
-
-    @property
     def restarted(self) -> bool:
-        """Whether the job ran before this start in this torchrun run (state may be kept somewhere)."""
-        return self.deaths > 0
+        """Whether the job ran before this start in this torchrun run (each torchrun restart and each
+        generation follows a death; state may be kept somewhere)."""
+        return self.attempt > 0 or self.generation > 0
 
     @property
     def in_place(self) -> bool:

@@ -47,6 +47,9 @@ _COLLECTIVES = Path(collectives.__file__).resolve()
 GLOO_GISTS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out", "timed out")
 
 
+_SIGTERM_AT: list[float] = []  # when SIGTERM reached this process: a later generation's guard stops at once
+
+
 class WorkerStopped(BaseException):
     """SIGTERM while this rank's state is consistent: the torchrun agent is stopping the job's workers.
 
@@ -104,6 +107,8 @@ class StopGuard:
         self.phase, self.stopped_in, self.step, self.applied = "setup", "", 0, 0
         self.sigterm_at: float | None = None
         signal.signal(signal.SIGTERM, self._on_sigterm)
+        if _SIGTERM_AT:  # torchrun stopped the job while this process left its previous generation
+            self._on_sigterm(signal.SIGTERM, None)
 
     def stop(self) -> None:
         """The rank stops training now (an error or SIGTERM); later signals only wait for its exit."""
@@ -112,6 +117,7 @@ class StopGuard:
 
     def _on_sigterm(self, signum, _frame) -> None:
         self.sigterm_at = self.sigterm_at or time.time()
+        _SIGTERM_AT.append(self.sigterm_at)
         if self.phase in ("training", "recovering"):
             self.stop()
             raise WorkerStopped("SIGTERM from the torchrun agent")
