@@ -237,7 +237,7 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
     step, loss = resume_dense(cfg, model, optimizer, rank)
     run_dir, continued = open_run_record(cfg, world, sys.argv, plan.restarted) if rank == 0 else (None, False)
     logger = MetricsLogger(cfg, rank, dims.pp_rank, run_dir, continued)
-    logger.line(f"run: {run_dir}" + (" (continued by this torchrun restart)" if continued else ""))
+    logger.line(f"run: {run_dir}" + (" (continued by a later generation of the run)" if continued else ""))
     ft = build_strategy(cfg, model, optimizer, dims, seeder, train_batches, logger.line, plan)
     STARTUP.mark("strategy")
     optimizer.register_step_pre_hook(guard.optimizer_step_begins)  # after the checkpointer's copy wait
