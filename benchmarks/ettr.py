@@ -17,8 +17,10 @@ paper's regime). Every other strategy trains `--steps` iterations with the
 same Poisson failures (mean `--mtbf-iters` iterations apart, one random rank each, from `--seed`);
 a strategy may be a variant with settings of its own (`moevement@checkpoint.background_priority=normal`).
 `--fault-mode kill` (the default): the failed rank SIGKILLs itself at a random phase of the iteration
-(`--fault.kill`) and torchrun restarts the job, so recovery includes detection and the restart of every
-process; `wipe`: the rank loses its state in place at the iteration boundary (`--fault.mtbf_iters`).
+(`--fault.kill`) and its rank shell's standby replaces it in place, every strategy alike (add
+`--fault.max_replacements 0` for torchrun's restart of every process), so recovery includes detection,
+the survivors' rejoin and the replacement's start; `wipe`: the rank loses its state in place at the
+iteration boundary (`--fault.mtbf_iters`).
 Per strategy it prints
 
     strategy=<s> ettr=<x> overhead=<x> recovery_s=<x> failures=<n> lost_tokens=<n>
