@@ -10,12 +10,11 @@ import dataclasses
 import difflib
 import math
 import re
+import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
-
-import tomli
 
 from models.args import ModelArgs
 from moevement.checkpoint.popularity import Policy
@@ -152,8 +151,8 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
             raise ConfigError(f"config file not found: {path}")
         try:
             with file.open("rb") as f:
-                table = tomli.load(f)
-        except (tomli.TOMLDecodeError, UnicodeDecodeError) as e:
+                table = tomllib.load(f)
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path}: invalid TOML: {e}") from None
         except OSError as e:
             raise ConfigError(f"{path}: unreadable ({e.strerror})") from None
