@@ -20,7 +20,8 @@ from pathlib import Path
 
 PIQA_DIR_ENV = "MOEVEMENT_PIQA_DIR"
 HELLASWAG_FILE_ENV = "MOEVEMENT_HELLASWAG_FILE"
-DEFAULT_PIQA_DIR = Path(__file__).resolve().parents[3] / "shared" / "data" / "piqa"
+# ../shared/data/piqa beside the checkout (.parent, unlike .parents[n], never fails for a copy near "/")
+DEFAULT_PIQA_DIR = Path(__file__).resolve().parent.parent.parent.parent / "shared" / "data" / "piqa"
 PIQA_DATA, PIQA_LABELS = "valid.jsonl", "valid-labels.lst"
 HELLASWAG_FIELDS = ("ctx_a", "ctx_b", "activity_label", "endings", "label")
 
