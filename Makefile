@@ -16,7 +16,8 @@ $(VENV)/.installed: pyproject.toml
 venv: $(VENV)/.installed
 
 # The product's main job: two pipeline stages under torchrun with MoEvement sparse checkpointing;
-# rank 1 (stage 1) loses all its state at iteration 30 and recovers alone from its neighbour's logs.
+# rank 1 (stage 1) SIGKILLs itself at iteration 30; its rank shell's standby takes its place while rank 0's
+# process lives on, and stage 1 recovers alone from its neighbour's logs (torchrun's restart: the fallback).
 train: $(VENV)/.installed
 	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node 2 --max-restarts 1 \
 		train.py --config $(CONFIG) --parallelism.pp 2 --checkpoint.strategy moevement --fault.kill 30:1:backward

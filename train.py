@@ -9,12 +9,17 @@ python train.py --config ... --print-config # the resolved config as TOML; --hel
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
 from dataclasses import dataclass
 
+from trainer import rank_shell  # imports no torch
 from trainer.startup import STARTUP  # first: it notes when the interpreter reached this file
+
+if __name__ == "__main__" and rank_shell.wanted(sys.argv[1:]):  # under torchrun: supervise, train in a child
+    sys.exit(rank_shell.run_shell(sys.argv[1:]))
 
 # MKL's GEMMs give the same bits at any thread count, so a replaying rank may use its paused
 # neighbours' cores without breaking bit-exactness (moevement/recovery/replay_threads.py). Read at MKL's
@@ -22,6 +27,7 @@ from trainer.startup import STARTUP  # first: it notes when the interpreter reac
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 import torch
+import torch.distributed as dist
 
 from models import count_params
 from moevement.failures import FaultPlan
@@ -31,7 +37,15 @@ from moevement.storage.host_memory import HostMemoryError
 from moevement.storage.snapshot import SnapshotError
 from moevement.strategy import CheckpointStrategy
 from parallelisms import collectives
-from parallelisms.distributed import device_type, init_distributed, shutdown_distributed
+from parallelisms.distributed import (
+    announce_clean_stop,
+    device_type,
+    init_distributed,
+    leave_generation,
+    peer_stopped_with_an_error,
+    sever_connections,
+    shutdown_distributed,
+)
 from parallelisms.mesh import ParallelDims, build_mesh
 from parallelisms.parallelize import ModelParts, parallelize
 from trainer import host_estimate
@@ -47,9 +61,17 @@ from trainer.identity import IdentityError
 from trainer.metrics import MetricsLogger
 from trainer.optim import build_optimizer
 from trainer.run_record import open_run_record
+from trainer.start_plan import StartPlan, plan_start
 from trainer.state import training_state_digest
 from trainer.step import DropoutSeeder, evaluate, set_aux_grad_scale, take_expert_load, train_step
-from trainer.survival import StopGuard, keep_state_and_exit, peer_failure
+from trainer.survival import (
+    StopGuard,
+    keep_for_torchrun_restart,
+    keep_state_and_exit,
+    peer_failure,
+    rejoins_in_place,
+    survive_in_place,
+)
 
 STARTUP.mark("imports")
 
@@ -92,10 +114,11 @@ def build_training(cfg: Config, dims: ParallelDims):
     return model, build_optimizer(model.view, t)
 
 
-def stop_guard(cfg: Config, rank: int) -> StopGuard:
+def stop_guard(cfg: Config, rank: int, plan: StartPlan) -> StopGuard:
     """SIGTERM (the torchrun agent stopping the workers after a death, or a scheduler's preemption notice).
 
-    Before training starts the rank exits at once; during training it stops at a consistent point and keeps
+    Before training starts the rank exits at once (a survivor joining a new generation in place first
+    writes the state it kept in memory to host memory); during training it stops at a consistent point and keeps
     its live state in host memory for a torchrun restart (trainer/survival.py). Host state is committed
     atomically (docs/design.md §6), so nothing is left half-written."""
 
@@ -107,7 +130,10 @@ def stop_guard(cfg: Config, rank: int) -> StopGuard:
         }.get(strategy, f"a torchrun restart resumes from the newest {strategy} checkpoint, a relaunch starts over")
         return f"preempted: rank {rank} received SIGTERM at step {step}; host state kept ({kept}): {resumes}"
 
-    return StopGuard(rank, preempted_line)
+    keep = None
+    if plan.kept is not None or plan.accounting is not None:
+        keep = functools.partial(keep_for_torchrun_restart, cfg, plan)
+    return StopGuard(rank, preempted_line, keep)
 
 
 def inject_failures(job: Job, step: int, elapsed_s: float) -> int:
@@ -115,7 +141,7 @@ def inject_failures(job: Job, step: int, elapsed_s: float) -> int:
 
     Returns the iteration to run next: `step`, or an interval baseline's rollback target."""
     faults, rank = job.faults, job.rank
-    if faults.crashes_at(step, rank) and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+    if faults.crashes_at(step, rank) and job.plan.deaths == 0:
         print(f"fault: rank {rank} crashes at step {step}", flush=True)
         os._exit(13)
     if faults.timed:  # rank 0's clock decides when a timed failure strikes
@@ -150,6 +176,7 @@ class Job:
     kill: KillSwitch  # this rank's `fault.kill`, if any: the loop names the points it fires at
     guard: StopGuard  # where SIGTERM may stop this rank, and what state it then holds
     accounting: RunAccounting
+    plan: StartPlan  # how this process took its place in the job
 
 
 def resume_dense(cfg: Config, model: ModelParts, optimizer: torch.optim.Optimizer, rank: int) -> tuple[int, float]:
@@ -178,13 +205,16 @@ def resume_dense(cfg: Config, model: ModelParts, optimizer: torch.optim.Optimize
     return step, loss
 
 
-def setup(cfg: Config) -> tuple[Job, int, float]:
+def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
     """Process group, data, model, optimizer, optional resume and fault tolerance; (job, last step done, its loss).
 
-    A `checkpoint.save_final` target that saving would have to destroy is refused before anything else."""
-    rank, world = init_distributed(cfg.fault.timeout_s)
+    The same steps in the same order at a start and in every later generation (the groups are created in
+    the same order on every rank). A `checkpoint.save_final` target that saving would have to destroy is
+    refused before anything else."""
+    rank_shell.report(f"generation {plan.generation}")
+    guard = stop_guard(cfg, int(os.environ.get("RANK", "0")), plan)
+    rank, world = init_distributed(cfg.fault.timeout_s, generation=plan.generation)
     STARTUP.mark("process_group")
-    guard = stop_guard(cfg, rank)
     check_world_size(cfg, world)
     if cfg.checkpoint.save_final:
         check_save_target(cfg.checkpoint.save_final)
@@ -204,14 +234,14 @@ def setup(cfg: Config) -> tuple[Job, int, float]:
     STARTUP.mark("model")
     seeder = DropoutSeeder(model, cfg.job.seed, dims.dp_rank)
     step, loss = resume_dense(cfg, model, optimizer, rank)
-    run_dir, continued = open_run_record(cfg, world, sys.argv) if rank == 0 else (None, False)
+    run_dir, continued = open_run_record(cfg, world, sys.argv, plan.restarted) if rank == 0 else (None, False)
     logger = MetricsLogger(cfg, rank, dims.pp_rank, run_dir, continued)
     logger.line(f"run: {run_dir}" + (" (continued by this torchrun restart)" if continued else ""))
-    ft = build_strategy(cfg, model, optimizer, dims, seeder, train_batches, logger.line)
+    ft = build_strategy(cfg, model, optimizer, dims, seeder, train_batches, logger.line, plan)
     STARTUP.mark("strategy")
     optimizer.register_step_pre_hook(guard.optimizer_step_begins)  # after the checkpointer's copy wait
     faults = fault_plan(cfg, world)
-    kill = arm_kill(faults, rank, model, optimizer, guard, seeder, cfg.fault.kill_signal)
+    kill = arm_kill(faults, rank, model, optimizer, guard, seeder, cfg.fault.kill_signal, plan.deaths)
     step, loss = ft.resume(step, loss)
     logger.start(step + 1)
     val_data = (
@@ -236,17 +266,19 @@ def setup(cfg: Config) -> tuple[Job, int, float]:
         faults,
         kill,
         guard,
-        run_accounting(cfg, rank, step),
+        run_accounting(cfg, rank, step, plan),
+        plan,
     )
     return job, step, loss
 
 
-def run_accounting(cfg: Config, rank: int, step: int) -> RunAccounting:
-    """The run's accounting from iteration step+1 on, carried on from an earlier torchrun generation if any
-    (collective; kept in the job's host directory when a fault-tolerance strategy runs)."""
+def run_accounting(cfg: Config, rank: int, step: int, plan: StartPlan) -> RunAccounting:
+    """The run's accounting from iteration step+1 on, carried on from an earlier generation if any
+    (collective; kept in memory by survivors of an in-place replacement, else in the job's host directory
+    when a fault-tolerance strategy runs)."""
     kept_at = None if cfg.checkpoint.strategy == "none" else host_job_dir(cfg) / f"accounting-rank{rank:05d}.json"
     accounting = RunAccounting(step + 1, cfg.training.batch_size, kept_at)
-    accounting.carry_on(torchrun_generation())
+    accounting.carry_on(plan.name(), plan.accounting, plan.in_place)
     return accounting
 
 
@@ -279,6 +311,29 @@ def validate_if_due(job: Job, step: int) -> None:
         job.logger.validation(step, evaluate(job.model, job.val_data, job.dims, cfg.training.micro_batches))
 
 
+class PeerStopped(Exception):
+    """Another rank stopped with a clean error and said so (one line for the job): this one stops too."""
+
+
+class GenerationNotJoined(Exception):
+    """Not every rank joined an in-place generation within `fault.timeout_s` (a hung peer, a replacement that
+    could not start): the rank shell hands the recovery to torchrun's restart of every worker."""
+
+    def __init__(self, generation: int, timeout_s: float):
+        super().__init__(
+            f"restart: generation {generation} was not joined by every rank within fault.timeout_s={timeout_s:g} "
+            "s: torchrun restarts every worker"
+        )
+
+
+class Rejoining(Exception):
+    """Another worker died and is replaced in place: this rank goes on in `plan`'s generation."""
+
+    def __init__(self, plan: StartPlan):
+        super().__init__(f"generation {plan.generation}")
+        self.plan = plan
+
+
 def run(job: Job, step: int, loss: float) -> tuple[int, float, str | None]:
     """Train iterations step+1..last (a baseline's recovery rolls back and the loader restarts there), then
     digest the final training state where it lives (collective; rank 0 gets the digest). Returns (last step,
@@ -304,6 +359,10 @@ def run(job: Job, step: int, loss: float) -> tuple[int, float, str | None]:
     except BaseException as error:
         if not peer_failure(error):
             raise
+        if peer_stopped_with_an_error():
+            raise PeerStopped from None
+        if rejoins_in_place(error, job.cfg):
+            raise Rejoining(survive_in_place(job, error)) from None
         job.accounting.keep(torchrun_generation(), job.guard.sigterm_at or time.time())
         keep_state_and_exit(job.guard, job.ft.keep_live_state, error)
         raise  # not reached: it exits
@@ -352,9 +411,35 @@ def finish(job: Job, step: int, loss: float, digest: str | None) -> None:
     job.logger.close()
 
 
-def train(cfg: Config) -> None:
-    job, step, loss = setup(cfg)
-    finish(job, *run(job, step, loss))
+def train(cfg: Config, plan: StartPlan) -> None:
+    """Train this rank's part of the job. A survivor of a death replaced in place goes on in the next
+    generation, in this process (docs/design.md §4); so does a rank whose peer dies while a generation
+    starts (joins, rebuilds, replays), with the state it kept before."""
+    while True:
+        try:
+            job, step, loss = setup(cfg, plan)
+            finish(job, *run(job, step, loss))
+            return
+        except Rejoining as rejoining:
+            plan = rejoining.plan
+        except BaseException as error:
+            if peer_failure(error) and peer_stopped_with_an_error():
+                raise PeerStopped from None
+            if not (peer_failure(error) and rejoins_in_place(error, cfg)):
+                raise
+            if not dist.is_initialized():
+                keep_for_torchrun_restart(cfg, plan)
+                raise GenerationNotJoined(plan.generation, cfg.fault.timeout_s) from None
+            plan = plan.next_generation(plan.kept, plan.accounting)
+            sever_connections()
+            print(
+                f"survivor: rank {dist.get_rank()} pid {os.getpid()}: a peer died while generation "
+                f"{plan.generation - 1} started; joins generation {plan.generation}",
+                flush=True,
+            )
+        job = None  # nothing may refer to this generation's groups any more: their connections close
+        leave_generation()
+        STARTUP.marks.clear()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -374,12 +459,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"params total={total} active={active}")
             print("\n".join(host_estimate.report(cfg)))
             return 0
-        train(cfg)
+        train(cfg, plan_start())
     except ConfigError as e:
+        announce_clean_stop(int(os.environ.get("RANK", "0")))
         if os.environ.get("RANK", "0") == "0":  # every rank reads the same config: the job says it once
             print(f"error: {e}", file=sys.stderr)
         return 2
+    except GenerationNotJoined as e:
+        print(e, flush=True)
+        return rank_shell.FALLBACK
+    except PeerStopped:
+        return 2
     except (CheckpointError, DataError, HostMemoryError, IdentityError, SnapshotError, RecoveryError) as e:
+        announce_clean_stop(int(os.environ.get("RANK", "0")))
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
@@ -388,4 +480,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if os.environ.get(rank_shell.ROLE) == "standby":  # a rank shell's warm standby: imported, waiting
+        if rank_shell.await_activation() is None:
+            sys.exit(0)
+        STARTUP.marks.clear()  # its start-up cost was paid before the death
     sys.exit(main())

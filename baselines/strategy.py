@@ -8,18 +8,21 @@ death under torchrun does the same once the job has restarted (`GlobalRollback.r
 
 from __future__ import annotations
 
+import time
+
 from baselines.global_rollback import GlobalRollback, MocState, RestartState
 from baselines.moc import expert_counts
 from moevement.checkpoint.checkpointer import SparseCheckpointer
 from moevement.failures import FaultEvent
-from moevement.recovery.live_state import Rejoin, save_live_state
+from moevement.recovery.live_state import LiveState, Rejoin, save_live_state
 from moevement.storage.host_memory import JobLock
 
 
 class IntervalBaseline:
     """`checkpoint.strategy` gemini, checkfreq or moc (see `moevement.strategy.CheckpointStrategy`).
 
-    `restart`: set after a torchrun restart of this run (generation > 0), None for a new run."""
+    `restart`: set after a death in this run (a torchrun restart or an in-place replacement), None for a new
+    run."""
 
     def __init__(
         self,
@@ -75,3 +78,13 @@ class IntervalBaseline:
         meta = {**ck.job_meta, **self.rejoin.name, "rank": ck.topology.rank, "detected": detected}
         save_live_state(ck.rank_dir, [], ck.optimizer, None, {}, next_iteration, next_iteration, meta)
         return 0
+
+    def keep_in_memory(self, next_iteration: int, detected: dict) -> LiveState:
+        """A survival marker, as `keep_live_state` leaves one: every rank rolls back to the newest checkpoint,
+        so no training state is kept."""
+        ck = self.checkpointer
+        meta = {**ck.job_meta, **self.rejoin.name, "rank": ck.topology.rank}
+        return LiveState(next_iteration, next_iteration, {}, {}, {**detected, "kept": time.time()}, meta)
+
+    def abandon(self) -> None:
+        self.checkpointer.abandon()

@@ -14,7 +14,7 @@ from typing import Protocol
 
 from moevement.checkpoint.checkpointer import SparseCheckpointer
 from moevement.failures import FaultEvent
-from moevement.recovery.live_state import save_live_state
+from moevement.recovery.live_state import LiveState, keep_in_memory, save_live_state
 from moevement.recovery.localized import Recovery, Rejoin
 from moevement.recovery.restart import RestartPoint
 from moevement.recovery.upstream_log import UpstreamLog
@@ -53,6 +53,17 @@ class CheckpointStrategy(Protocol):
         if the strategy can use it; returns the bytes kept."""
         ...
 
+    def keep_in_memory(self, next_iteration: int, detected: dict) -> LiveState | None:
+        """Another worker died and is replaced in place: `state_{next_iteration}` and the logs this rank's
+        next generation starts from, kept in this process (None: the strategy does not rejoin in place)."""
+        ...
+
+    def abandon(self) -> None:
+        """This rank leaves its generation (another worker died): end background work without waiting on
+        peers and release host state without removing it; the next generation builds a new strategy (and
+        keeps the process's job lock)."""
+        ...
+
 
 class NoCheckpointing:
     """`checkpoint.strategy = "none"`: the fault-free reference (the config refuses failures with it)."""
@@ -77,6 +88,12 @@ class NoCheckpointing:
 
     def keep_live_state(self, next_iteration: int, detected: dict) -> int:
         return 0
+
+    def keep_in_memory(self, next_iteration: int, detected: dict) -> LiveState | None:
+        return None
+
+    def abandon(self) -> None:
+        pass
 
 
 class MoEvement:
@@ -140,9 +157,24 @@ class MoEvement:
         return totals
 
     def keep_live_state(self, next_iteration: int, detected: dict) -> int:
-        ck = self.checkpointer
-        meta = {**ck.job_meta, **(self.rejoin.name if self.rejoin else {}), "rank": ck.topology.rank}
-        log_from = max(ck.persisted.rollback_point(), self.history_from)
+        ck, log_from = self.checkpointer, self._log_from()
         scalars = ck.persisted.scalars_since(log_from)
-        meta["detected"] = detected
+        meta = {**self._live_meta(), "detected": detected}
         return save_live_state(ck.rank_dir, ck.ops, ck.optimizer, self.log, scalars, next_iteration, log_from, meta)
+
+    def keep_in_memory(self, next_iteration: int, detected: dict) -> LiveState:
+        ck, log_from = self.checkpointer, self._log_from()
+        scalars = ck.persisted.scalars_since(log_from)
+        meta = self._live_meta()
+        return keep_in_memory(ck.ops, ck.optimizer, self.log, scalars, next_iteration, log_from, detected, meta)
+
+    def _log_from(self) -> int:
+        """The first iteration whose logs a kept state carries: the rollback point's, if this process holds them."""
+        return max(self.checkpointer.persisted.rollback_point(), self.history_from)
+
+    def _live_meta(self) -> dict:
+        ck = self.checkpointer
+        return {**ck.job_meta, **(self.rejoin.name if self.rejoin else {}), "rank": ck.topology.rank}
+
+    def abandon(self) -> None:
+        self.checkpointer.abandon()

@@ -9,7 +9,10 @@ which checks it."""
 from __future__ import annotations
 
 import datetime
+import gc
 import os
+import socket
+import threading
 
 import torch
 import torch.distributed as dist
@@ -56,37 +59,132 @@ def configure_nccl_error_handling() -> str | None:
     return line
 
 
-def init_distributed(timeout_s: float | None = None, backend: str | None = None) -> tuple[int, int]:
+def init_distributed(
+    timeout_s: float | None = None, backend: str | None = None, generation: int = 0
+) -> tuple[int, int]:
     """Initialise the default process group; return (rank, world).
 
     `timeout_s`: a collective or point-to-point operation that makes no progress for this long fails
     (a hung or stopped peer is detected, not waited for); None keeps PyTorch's default. Groups created
     later get the same bound and backend (`bounded_backend`). `backend`: None for `default_backend` of
     this machine; another string serving both devices (`cpu:gloo,cuda:gloo`: two processes sharing one
-    GPU, which nccl refuses) only for checks."""
+    GPU, which nccl refuses) only for checks. `generation`: under torchrun, the in-place generation this
+    process joins (`join_generation`)."""
     global _TIMEOUT
     if not dist.is_initialized():
         _TIMEOUT = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
-        limit = {} if _TIMEOUT is None else {"timeout": _TIMEOUT}
         backend = backend or default_backend(device_type())
         if "RANK" in os.environ:  # launched by torchrun
             if "nccl" in backend:
                 configure_nccl_error_handling()
             if device_type() == "cuda":
                 torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-            attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-            if attempt:
-                # A restarted job may meet the same agent store as the attempt before: keys of its own
-                # (the old attempt's gloo addresses would otherwise be read and refused).
-                store, rank, world = next(dist.rendezvous("env://"))
-                dist.init_process_group(
-                    backend, store=dist.PrefixStore(f"attempt{attempt}", store), rank=rank, world_size=world, **limit
-                )
-            else:
-                dist.init_process_group(backend, **limit)
+            join_generation(generation, backend)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return dist.get_rank(), dist.get_world_size()
+
+
+_TORCHRUN_STORE: dist.Store | None = None  # torchrun's store (its agent's), kept for later generations
+
+
+def join_generation(generation: int, backend: str | None = None) -> None:
+    """Start the default group of in-place generation `generation` of this torchrun attempt, with every rank
+    of the job under its own number (collective: it returns once all have joined, or raises after the bound).
+
+    Each generation and each torchrun restart meets on its own keys of the agent's store (a restarted job
+    or generation would otherwise read the old one's gloo addresses and be refused)."""
+    global _TORCHRUN_STORE
+    if _TORCHRUN_STORE is None:
+        _TORCHRUN_STORE = next(dist.rendezvous("env://"))[0]
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    store = dist.PrefixStore(f"attempt{attempt}/generation{generation}", _TORCHRUN_STORE)
+    limit = {} if _TIMEOUT is None else {"timeout": _TIMEOUT}
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    backend = backend or default_backend(device_type())
+    _on_a_thread(lambda: dist.init_process_group(backend, store=store, rank=rank, world_size=world, **limit))
+
+
+def _on_a_thread(call) -> None:
+    """Run `call` on a helper thread while the main thread waits in short sleeps, so a signal (SIGTERM from
+    torchrun) is handled at once instead of after a blocking wait for peers that may never come."""
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as e:  # re-raised on the calling thread
+            failure.append(e)
+
+    thread = threading.Thread(target=run, name="moevement-join", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.05)
+    if failure:
+        raise failure[0]
+
+
+def _stop_key() -> str:
+    return f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/stopped-with-an-error"
+
+
+def announce_clean_stop(rank: int) -> None:
+    """This rank stops with a clean error (one line, exit status 2): tell the other ranks through torchrun's
+    store, so that they stop the same way instead of treating its departure as a death."""
+    if _TORCHRUN_STORE is not None:
+        try:
+            _TORCHRUN_STORE.set(_stop_key(), str(rank))
+        except (RuntimeError, dist.DistError):
+            pass  # the store is gone: the job is ending anyway
+
+
+def peer_stopped_with_an_error() -> bool:
+    """Whether another rank of this attempt stopped with a clean error (`announce_clean_stop`)."""
+    if _TORCHRUN_STORE is None:
+        return False
+    try:
+        return _TORCHRUN_STORE.check([_stop_key()])
+    except (RuntimeError, dist.DistError):
+        return False
+
+
+def sever_connections() -> int:
+    """A peer died and this rank leaves its generation: shut down its TCP connections to the other ranks
+    (not those to torchrun's store, nor listening sockets), so that every operation waiting on them fails at
+    once, on a thread of this process or on a peer; returns how many. gloo has no abort (pytorch issue
+    130345) and closes a group's connections only once nothing refers to the group, which a replication
+    round blocked on a live peer would delay by `fault.timeout_s`."""
+    store_port = int(os.environ.get("MASTER_PORT", "0"))
+    severed = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            sock = socket.socket(fileno=int(name))
+        except (OSError, ValueError):
+            continue  # not a socket (or already closed)
+        try:
+            if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM:
+                if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) and sock.getpeername()[1] != store_port:
+                    sock.shutdown(socket.SHUT_RDWR)
+                    severed += 1
+        except OSError:
+            pass  # not connected
+        finally:
+            sock.detach()  # the descriptor stays its owner's
+    return severed
+
+
+def leave_generation() -> None:
+    """A peer died: shut every group of this generation down. nccl's communicators are aborted first (all at
+    once: one by one can deadlock); a gloo group's connections close once nothing refers to it any more, so
+    the caller has dropped its model, pipeline and checkpointer before, and peers still waiting on this rank
+    fail at once instead of after the bound."""
+    if not dist.is_initialized():
+        return
+    if "nccl" in dist.get_backend():
+        dist.distributed_c10d._abort_process_group()
+    else:
+        dist.destroy_process_group()
+    gc.collect()
 
 
 def bounded_backend() -> tuple[str, object] | None:

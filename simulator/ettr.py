@@ -1,12 +1,18 @@
 """ETTR simulator's command line: checkpointing strategies under failures at cluster scale.
 
+    python -m simulator --paper-tables [--figure PATH | --no-figure]         every compared cell of the paper
     python -m simulator --paper [--figure PATH | --no-figure] [--json]       the paper's scale study
     python -m simulator --sensitivity [--preset P] [--mtbf-min M] [--json]   what moves one result
     python -m simulator --preset 671B-16384 --mtbf-min 10 [--strategies ...] [--interval K] [--window W] [--json]
     python -m simulator --list | --profile profile.json
 
-`python -m simulator.ettr` is the same command; `--host-gbs X`, `--snapshot-cap-gbs X` and
-`--restart-s S` change the hardware of any mode but --profile. The model: `simulator.cluster` (iteration time),
+`python -m simulator.ettr` is the same command. `--paper-tables` is the calibrated model of the paper's
+evaluation: `simulator.testbed` (§5.1 cluster, Table 2 models), `simulator.setting`,
+`simulator.mechanisms` (each strategy's checkpoint and recovery), `simulator.run` (12-hour run, closed
+form, MoC's Dynamic-K), `simulator.calibrated` / `simulator.fit` (constants fitted on Table 3's 2H and
+1H rows), `simulator.paper_tables` (the comparison). The other modes use the exploratory per-GPU model;
+`--host-gbs X`, `--snapshot-cap-gbs X` and `--restart-s S` change its hardware in any mode but
+--profile and --paper-tables. That model: `simulator.cluster` (iteration time),
 `simulator.strategies` (overhead and loss per failure), `simulator.formula` (the paper's ETTR),
 `simulator.presets` (the clusters); the assumptions not in the paper are listed in
 `simulator.paper`. `simulator.calibration` is the finite-run model that `benchmarks.ettr`
@@ -24,10 +30,14 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from simulator.calibrated import FITTED
 from simulator.calibration import MeasuredProfile, predict_from_profile
 from simulator.cluster import GB, Preset
 from simulator.paper import DEFAULT_FIGURE, PAPER_REPORTED, layout_table, plot_study, scale_study, study_table
+from simulator.paper_numbers import FIG11_671B_10M, FIG11_MIN_MOEVEMENT_1H
+from simulator.paper_tables import all_cells, render
 from simulator.presets import PAPER_PRESETS, PRESETS
+from simulator.scale import FIG11_FIGURE, plot_fig11
 from simulator.sensitivity import best_speedup, break_even, break_even_lines, sensitivity, sensitivity_table
 from simulator.strategies import STRATEGIES, Scenario, simulate
 
@@ -52,7 +62,11 @@ def _fail(message: str) -> None:
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m simulator", description=__doc__.split("\n")[0])
+    ap.add_argument("--no-zero1", action="store_true", help="--paper-tables: FP32 state not sharded (no ZeRO-1)")
     ap.add_argument("--paper", action="store_true", help="the paper's scale study: 4 presets x MTBF 60/30/10 min")
+    ap.add_argument(
+        "--paper-tables", action="store_true", help="Table 3, Table 4, Figs. 1a, 11, 13, 16 beside the paper's numbers"
+    )
     ap.add_argument("--figure", default=str(DEFAULT_FIGURE), help="--paper: where the figure goes")
     ap.add_argument("--no-figure", action="store_true", help="--paper: print the tables only")
     ap.add_argument("--sensitivity", action="store_true", help="which inputs move one preset/MTBF result most")
@@ -131,6 +145,18 @@ def _run_paper(args: argparse.Namespace) -> None:
         print(f"\nfigure: {args.figure}")
 
 
+def _run_paper_tables(args: argparse.Namespace) -> None:
+    print(render(all_cells(FITTED, zero1=not args.no_zero1)))
+    if args.no_figure:
+        return
+    path = args.figure if args.figure != str(DEFAULT_FIGURE) else FIG11_FIGURE
+    try:
+        plot_fig11(FITTED, path, FIG11_671B_10M, FIG11_MIN_MOEVEMENT_1H)
+    except OSError as err:
+        _fail(f"--figure {path}: {err.strerror or err}")
+    print(f"\nfigure: {path}")
+
+
 def _run_sensitivity(preset: Preset, mtbf_min: float, as_json: bool) -> None:
     rows = sensitivity(preset, mtbf_min * 60)
     targets = PAPER_REPORTED.get((preset.name, mtbf_min), {})
@@ -167,6 +193,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         return _list()
     if args.profile:
         return _run_profile(args.profile, args.json)
+    if args.paper_tables:
+        return _run_paper_tables(args)
     if args.paper:
         return _run_paper(args)
     if args.sensitivity:

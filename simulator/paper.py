@@ -41,6 +41,7 @@ from pathlib import Path
 
 from simulator.cluster import GB, Preset
 from simulator.colours import colour
+from simulator.panels import ettr_panels, save_panels
 from simulator.presets import PAPER_PRESETS
 from simulator.strategies import Scenario, simulate
 
@@ -111,15 +112,10 @@ def study_table(rows: Sequence[StudyRow]) -> str:
 
 def plot_study(rows: Sequence[StudyRow], path: Path) -> None:
     """One panel per model, grouped bars of ETTR per MTBF; the paper's reported points as black marks."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     presets = list(dict.fromkeys(r.preset for r in rows))
-    fig, axes = plt.subplots(1, len(presets), figsize=(3.2 * len(presets), 3.4), sharey=True, squeeze=False)
+    fig, axes = ettr_panels(len(presets), 3.4)
     width = 0.8 / len(STUDY_STRATEGIES)
-    for ax, name in zip(axes[0], presets):
+    for ax, name in zip(axes, presets):
         mine = [r for r in rows if r.preset == name]
         for i, strategy in enumerate(STUDY_STRATEGIES):
             xs = [j + (i - (len(STUDY_STRATEGIES) - 1) / 2) * width for j in range(len(mine))]
@@ -130,11 +126,4 @@ def plot_study(rows: Sequence[StudyRow], path: Path) -> None:
                     ax.plot([x], [reported], "kx", markersize=8, label="paper" if strategy == "moevement" else None)
         ax.set_xticks(range(len(mine)), [f"{r.mtbf_min:g}" for r in mine])
         ax.set_title(name, fontsize=10)
-        ax.set_xlabel("MTBF (min)")
-        ax.set_ylim(0, 1)
-    axes[0][0].set_ylabel("simulated ETTR")
-    handles, labels = axes[0][-1].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8)
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_panels(fig, axes, "simulated ETTR", str(path), 0.08)

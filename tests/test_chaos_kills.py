@@ -1,9 +1,10 @@
 """Seeded chaos: the test process SIGKILLs torchrun's workers at random moments (docs/design.md §4, real deaths).
 
-A death may strike anywhere: in the setup of a restarted generation, during its rejoin, in training,
-while a survivor writes its live state. Whatever the moments, the run ends with exit status 0, the
-fault-free run's `state_digest`, and every `step=` line equal to the fault-free run's. `CHAOS_SEEDS=1,2,3`
-runs other seeds."""
+A death may strike anywhere: in the setup of a new generation, during its rejoin, in training, while a
+survivor keeps its live state. A victim is a trainer process (its rank shell replaces it in place) or,
+one time in four, the rank shell itself (its trainer dies with it and torchrun restarts every worker).
+Whatever the moments, the run ends with exit status 0, the fault-free run's `state_digest`, and every
+`step=` line equal to the fault-free run's. `CHAOS_SEEDS=1,2,3` runs other seeds."""
 
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ STEP_LINE = re.compile(r"^step=(\d+) loss=(\S+) .* wall_s=\S+$", re.M)
 SEEDS = [int(s) for s in os.environ.get("CHAOS_SEEDS", "1").split(",")]
 
 
-def workers(agent: int) -> dict[int, int]:
-    """{rank: pid} of the live train.py workers the torchrun agent `agent` started."""
+def processes() -> dict[int, tuple[int, dict, list[bytes]]]:
+    """{pid: (parent pid, environment, command line)} of the live, non-zombie processes."""
     found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -41,10 +42,22 @@ def workers(agent: int) -> dict[int, int]:
             environ = (entry / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if int(fields[1]) != agent or fields[0] == "Z" or b"train.py" not in cmdline:
+        if fields[0] != "Z":
+            found[int(entry.name)] = (int(fields[1]), dict(i.split(b"=", 1) for i in environ if b"=" in i), cmdline)
+    return found
+
+
+def workers(agent: int, shells: bool = False) -> dict[int, int]:
+    """{rank: pid} of the live train.py trainers of the torchrun agent `agent` (each a rank shell's trainer
+    child), or of the rank shells themselves (the agent's children)."""
+    procs, found = processes(), {}
+    for pid, (parent, env, cmdline) in procs.items():
+        if b"train.py" not in cmdline:
             continue
-        env = dict(item.split(b"=", 1) for item in environ if b"=" in item)
-        found[int(env.get(b"RANK", b"-1"))] = int(entry.name)
+        slot = parent == agent and b"MOEVEMENT_ROLE" not in env
+        trainer = env.get(b"MOEVEMENT_ROLE") == b"trainer" and procs.get(parent, (0,))[0] == agent
+        if slot if shells else trainer:
+            found[int(env.get(b"RANK", b"-1"))] = pid
     return found
 
 
@@ -53,7 +66,7 @@ class Chaos:
 
     def __init__(self, agent: subprocess.Popen, stdout: Path, nproc: int, seed: int):
         self.agent, self.stdout, self.nproc, self.rng = agent, stdout, nproc, random.Random(seed)
-        self.launched, self.generation, self.kills = time.monotonic(), set(), []
+        self.launched, self.killed, self.kills = time.monotonic(), set(), []
         self.deadline = self.launched + 400  # a hang fails the test instead of stalling it
 
     def steps(self) -> int:
@@ -68,18 +81,20 @@ class Chaos:
         return False
 
     def strike(self) -> bool:
-        """Wait for a new generation, then SIGKILL a random worker: a third of the time at most 6 s after its
-        workers started (setup, rejoin), otherwise right after it trained 1 to 45 iterations (or finished)."""
-        rank, start_up, pause, steps = (
+        """Wait until every earlier victim has a successor, then SIGKILL a random trainer (or, one time in
+        four, a rank shell): a third of the time at most 6 s after (setup, rejoin), otherwise right after the
+        job trained 1 to 45 more iterations (or finished)."""
+        rank, start_up, pause, steps, shell = (
             self.rng.randrange(self.nproc),
             self.rng.random() < 1 / 3,
             self.rng.uniform(0.0, 6.0),
             self.rng.randint(1, 45),
+            self.rng.random() < 1 / 4,
         )
 
         def fresh() -> bool:
             alive = workers(self.agent.pid)
-            return len(alive) == self.nproc and not self.generation & set(alive.values())
+            return len(alive) == self.nproc and not self.killed & set(alive.values())
 
         if not self.until(fresh):
             return False
@@ -90,16 +105,17 @@ class Chaos:
             if not self.until(lambda: self.steps() >= seen + steps):
                 return False
             time.sleep(pause / 20)
-        alive = workers(self.agent.pid)
+        alive = workers(self.agent.pid, shells=shell)
         if not alive:
             return False
         victim = rank if rank in alive else sorted(alive)[rank % len(alive)]
-        self.generation = set(alive.values())
+        self.killed |= set(workers(self.agent.pid).values()) if shell else {alive[victim]}
         try:
             os.kill(alive[victim], signal.SIGKILL)
         except ProcessLookupError:  # it had just exited: its generation ends anyway
             return True
-        self.kills.append((round(time.monotonic() - self.launched, 2), victim, "start-up" if start_up else steps))
+        when = "start-up" if start_up else steps
+        self.kills.append((round(time.monotonic() - self.launched, 2), victim, f"{when}{' shell' if shell else ''}"))
         return True
 
 
@@ -121,7 +137,7 @@ def chaos_run(tmp_path: Path, layout: list[str], nproc: int, seed: int, kills: i
                 agent.wait(timeout=max(1.0, chaos.deadline - time.monotonic()))
         finally:
             if agent.poll() is None:
-                for pid in workers(agent.pid).values():
+                for pid in workers(agent.pid, shells=True).values():
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
                 agent.kill()
@@ -142,3 +158,23 @@ def test_random_sigkills_end_bit_exact(tmp_path, layout, nproc, seed):
     expected = {int(s): v for s, v in STEP_LINE.findall(reference)}
     printed = STEP_LINE.findall(out)
     assert printed and all(expected[int(s)] == v for s, v in printed), context
+
+
+@pytest.mark.slow
+def test_a_killed_rank_shell_falls_back_to_torchrun(tmp_path):
+    """pp=2: the rank shell of rank 1 is SIGKILLed after 5 iterations: its trainer dies with it, torchrun
+    restarts every worker, and the job still ends with the fault-free run's digest."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1"]
+    cmd += ["train.py", *BASE, "--training.steps", "20", *PP2, *MOEVEMENT]
+    cmd += ["--checkpoint.host_dir", str(tmp_path / "shm"), "--job.output_dir", str(RUN_OUTPUTS)]
+    out = tmp_path / "stdout"
+    with out.open("w") as stdout:
+        agent = subprocess.Popen(cmd, cwd=ROOT, env=CHILD_ENV, stdout=stdout, stderr=subprocess.STDOUT)
+        chaos = Chaos(agent, out, 2, seed=0)
+        assert chaos.until(lambda: chaos.steps() >= 5), out.read_text()
+        os.kill(workers(agent.pid, shells=True)[1], signal.SIGKILL)
+        agent.wait(timeout=300)
+    text = out.read_text()
+    assert agent.returncode == 0, text
+    assert re.search(r"^recovery step=\d+ ranks=1 .* restart=local ", text, re.M), text
+    assert final_line(text) == final_line(baseline(["--training.steps", "20", *PP2], 2))

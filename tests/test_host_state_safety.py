@@ -154,6 +154,26 @@ def test_unsafe_host_directories_are_refused(tmp_path, case):
     assert victim.read_bytes() == b"precious"
 
 
+def test_one_ranks_clean_error_under_torchrun_is_one_line_for_the_job(tmp_path):
+    """pp=2 under torchrun: only rank 1's lock is a planted symlink. Rank 1 stops with one `error:` line;
+    rank 0, whose collective then fails, learns from torchrun's store that its peer stopped with an error
+    and stops too, silently (no traceback, no attempt to replace rank 1), exit status 2."""
+    shm, victim = tmp_path / "shm", tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    (shm / "safety").mkdir(parents=True, mode=0o700)
+    shm.chmod(0o700)
+    (shm / "safety" / "rank00001.lock").symlink_to(victim)
+    proc = run_cli(*BASE, *host(tmp_path), "--parallelism.pp", "2", nproc=2, check=False)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    errors = [line for line in text.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "rank00001.lock: cannot open" in errors[0], text
+    assert 'train.py", line' not in text and "Connection closed" not in text, text  # no survivor traceback
+    assert "survivor:" not in text and "replaces it" not in text, text
+    assert re.search(r"exitcode\s*:\s*2", text), text  # every worker's status (torchrun's summary)
+    assert victim.read_bytes() == b"precious"
+
+
 def test_default_host_dir_is_per_user_and_owner_only():
     from moevement.storage.host_memory import default_host_dir
 

@@ -183,21 +183,9 @@ def test_checker_flags_upward_imports(tmp_path, monkeypatch):
     ]
 
 
-def test_localized_recovery_calls_only_downward(tmp_path):
-    """From the failure to the next iteration, the failed rank's calls between project modules never go
-    back and forth (A calls B and B calls A), and every module that calls another is on the failure path
-    that docs/design.md lists."""
-    trace = tmp_path / "trace"
-    trace.mkdir()
-    out = run_cli(
-        *("--config", DEBUG_CONFIG, "--training.steps", "12", "--training.val_every", "0", "--parallelism.pp", "2"),
-        *("--checkpoint.strategy", "moevement", "--checkpoint.window", "3", "--fault.at", "10:1"),
-        *("--checkpoint.host_dir", str(tmp_path / "shm"), "--metrics.tensorboard", "false"),
-        nproc=2,
-        env={"PYTHONPATH": str(ROOT / "tests" / "call_trace"), "CALL_TRACE_DIR": str(trace)},
-    ).stdout
-    assert re.search(r"^recovery step=10 ranks=1 ", out, re.M), out
-    rows = [line.split("\t") for line in (trace / "rank1.tsv").read_text().splitlines()]
+def assert_calls_only_downward(rows: list[list[str]]) -> None:
+    """Calls between project modules never go back and forth (A calls B and B calls A), and every module
+    that calls another is on the failure path that docs/design.md lists."""
     calls = {(caller, callee) for caller, callee, _ in rows if caller not in ("None", callee)}
     assert ("moevement/recovery/localized.py", "moevement/recovery/conversion.py") in calls, "trace is empty"
     back_and_forth = sorted(f"{a} <-> {b}" for a, b in calls if (b, a) in calls and a < b)
@@ -207,3 +195,32 @@ def test_localized_recovery_calls_only_downward(tmp_path):
     callers = {caller for caller, _ in calls}
     unlisted = sorted(m for m in callers if f"`{m}`" not in listed and f"`{m.split('/', 1)[1]}`" not in listed)
     assert not unlisted, f"modules on the failure path that docs/design.md does not list: {unlisted}"
+
+
+def traced_run(tmp_path, *fault: str, start: str = "recover") -> tuple[str, list[list[str]]]:
+    """A pp=2 moevement run with `fault`, rank 1's main thread traced from `MoEvement.<start>`."""
+    trace = tmp_path / "trace"
+    trace.mkdir()
+    out = run_cli(
+        *("--config", DEBUG_CONFIG, "--training.steps", "12", "--training.val_every", "0", "--parallelism.pp", "2"),
+        *("--checkpoint.strategy", "moevement", "--checkpoint.window", "3", *fault),
+        *("--checkpoint.host_dir", str(tmp_path / "shm"), "--metrics.tensorboard", "false"),
+        nproc=2,
+        env={"PYTHONPATH": str(ROOT / "tests" / "call_trace"), "CALL_TRACE_DIR": str(trace), "CALL_TRACE_FROM": start},
+    ).stdout
+    return out, [line.split("\t") for line in (trace / "rank1.tsv").read_text().splitlines()]
+
+
+def test_localized_recovery_calls_only_downward(tmp_path):
+    """From the failure to the next iteration, the failed rank's calls go only downward (see above)."""
+    out, rows = traced_run(tmp_path, "--fault.at", "10:1")
+    assert re.search(r"^recovery step=10 ranks=1 ", out, re.M), out
+    assert_calls_only_downward(rows)
+
+
+def test_a_replacement_after_a_real_death_calls_only_downward(tmp_path):
+    """Rank 1 really dies and its rank shell's standby replaces it in place: the replacement's rejoin (from
+    `MoEvement.resume` to training on) calls only downward too."""
+    out, rows = traced_run(tmp_path, "--fault.kill", "10:1:backward", start="resume")
+    assert re.search(r"^recovery step=10 ranks=1 .* restart=replaced ", out, re.M), out
+    assert_calls_only_downward(rows)

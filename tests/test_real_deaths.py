@@ -1,5 +1,8 @@
-"""Real deaths (docs/design.md §4): a worker process dies (SIGKILL, or an exit) under `torchrun --max-restarts`;
-the survivors keep their live state, torchrun restarts every process, and only the dead ranks' stages replay.
+"""Real deaths (docs/design.md §4): a worker process dies (SIGKILL, or an exit) under torchrun. Its rank shell
+replaces it in place by a warm standby while the survivors keep their state in memory and stay alive (the
+default); with `--fault.max_replacements 0` (and whenever the shell gives up) torchrun restarts every process
+and the survivors keep their live state in shared memory (`fallback=True`). Either way only the dead ranks'
+stages replay.
 
 Every case is compared with the fault-free run of its layout: every later `step=` loss and the final
 `state_digest` are equal, and the healthy stages' `recovery work` lines show no forward or backward. The
@@ -24,7 +27,8 @@ from tests.test_recovery import BASE, INTERLEAVED, MOEVEMENT, PP2_DP2_EP2_BF16, 
 PP2 = ["--parallelism.pp", "2"]
 REJOIN = re.compile(
     r"^recovery step=(\d+) ranks=(\S+) scope=(\S+) rollback_to=(\d+) replayed=(\d+) seconds=\S+ "
-    r"\(keep=\S+ restart=\S+ setup=\S+ fetch=\S+ convert=\S+ catchup=\S+\) restart=local detected_by=",
+    r"\(keep=\S+ (?:restart=\S+ setup|join=\S+ rebuild)=\S+ fetch=\S+ convert=\S+ catchup=\S+\) "
+    r"restart=(?:local|replaced) detected_by=",
     re.M,
 )
 BASELINE_RESTART = re.compile(
@@ -34,7 +38,13 @@ BASELINE_RESTART = re.compile(
 )
 
 
-def death_run(tmp_path, layout: list[str], nproc: int, *fault: str, restarts: int = 1) -> str:
+FALLBACK = ("--fault.max_replacements", "0")  # no rank shell: torchrun restarts every worker
+
+
+def death_run(tmp_path, layout: list[str], nproc: int, *fault: str, restarts: int = 0, fallback: bool = False) -> str:
+    """A run with real deaths: replaced in place (`restarts`: torchrun restarts allowed), or, with `fallback`,
+    by torchrun's restart of every worker (one per death unless `restarts` says more)."""
+    restarts = max(restarts, fault_count(fault)) if fallback else restarts
     return run_cli(
         *BASE,
         *layout,
@@ -42,9 +52,16 @@ def death_run(tmp_path, layout: list[str], nproc: int, *fault: str, restarts: in
         "--checkpoint.host_dir",
         str(tmp_path / "shm"),
         *fault,
+        *(FALLBACK if fallback else ()),
         nproc=nproc,
         torchrun=(f"--max-restarts={restarts}",),
     ).stdout
+
+
+def fault_count(fault: tuple[str, ...]) -> int:
+    """The deaths `--fault.kill` / `--fault.crash` arguments ask for."""
+    values = [fault[i + 1] for i, arg in enumerate(fault[:-1]) if arg in ("--fault.kill", "--fault.crash")]
+    return sum(len(v.split(",")) for v in values)
 
 
 def assert_local_and_exact(out: str, reference: str, dead: str, scope: str) -> list[tuple]:
@@ -62,9 +79,33 @@ def assert_local_and_exact(out: str, reference: str, dead: str, scope: str) -> l
     return recoveries
 
 
-def test_sigkill_in_backward_recovers_only_its_stage(tmp_path):
-    """pp=2: rank 1 SIGKILLs itself in the backward pass of step 9; rank 0 keeps its state and replays nothing."""
+def test_sigkill_in_backward_is_replaced_in_place(tmp_path):
+    """pp=2: rank 1 SIGKILLs itself in the backward pass of step 9. Its rank shell starts the warm standby as
+    rank 1; rank 0's process lives on with its state in memory (no torchrun restart: `--max-restarts 0`) and
+    replays nothing; the run ends with the fault-free digest."""
     out = death_run(tmp_path, PP2, 2, "--fault.kill", "9:1:backward")
+    killed = re.search(r"^fault: rank 1 killed \(SIGKILL\) in the backward phase of step 9 at unix=(\S+)$", out, re.M)
+    survivor = re.search(
+        r"^survivor: rank 0 pid \d+ \(running since unix=(\S+)\) at step 9: .*; kept live state of iteration 9 "
+        r"in memory; joins generation 1 ",
+        out,
+        re.M,
+    )
+    assert killed and survivor and float(survivor[1]) < float(killed[1]), out
+    assert re.search(
+        r"^shell: rank 1: trainer pid \d+ died \(signal SIGKILL\) .* replaces it in generation 1 ", out, re.M
+    )
+    assert "shell: rank 0" not in out  # rank 0 is the process that ran before the death
+    [(step, *_)] = assert_local_and_exact(out, baseline(PP2, 2), "1", "1")
+    assert step == "9" and re.search(r"^recovery step=9 .* restart=replaced ", out, re.M), out
+    acct = re.search(r"^accounting wall_s=(\S+) iterations=(\d+) .* recovery_s=(\S+) failures=(\d+) ", out, re.M)
+    assert acct[2] == str(final_line(out)[0]) and acct[4] == "1", acct[0]  # carried across the generations
+
+
+def test_sigkill_with_torchrun_restarting_every_worker(tmp_path):
+    """The fallback (`fault.max_replacements = 0`: no rank shell): torchrun restarts every process; rank 0
+    keeps its state in shared memory across the restart and replays nothing."""
+    out = death_run(tmp_path, PP2, 2, "--fault.kill", "9:1:backward", fallback=True)
     assert "fault: rank 1 killed (SIGKILL) in the backward phase of step 9" in out
     kept = (
         r"^(failure detected: rank 0 at step 9 by .*; kept "
@@ -115,8 +156,8 @@ def test_a_replacement_on_another_node_fetches_its_snapshots_over_the_network(tm
 
 
 def test_real_crash_recovers_locally(tmp_path):
-    """`--fault.crash` kills rank 1 (stage 0, with rank 0) at the start of step 8; torchrun restarts every
-    process; ranks 2 and 3 (stage 1) keep their state and serve logs while stage 0 replays."""
+    """`--fault.crash` makes rank 1 (stage 0, with rank 0) exit at the start of step 8; its standby replaces
+    it; ranks 2 and 3 (stage 1) keep their state and serve logs while stage 0 replays."""
     reference = baseline(PP2_DP2_EP2_BF16, 4)
     out = death_run(tmp_path, PP2_DP2_EP2_BF16, 4, "--fault.crash", "8:1")
     assert "fault: rank 1 crashes at step 8" in out
@@ -126,10 +167,10 @@ def test_real_crash_recovers_locally(tmp_path):
 
 
 def test_second_death_right_after_a_rejoin_recovers_locally(tmp_path):
-    """pp=2: rank 1 dies at 9; the restarted job rejoins at 9 and keeps the window it replayed from as its
+    """pp=2: rank 1 dies at 9; the next generation rejoins at 9 and keeps the window it replayed from as its
     persisted checkpoint; rank 1 dies again at 10, before the job persisted a window of its own: the second
-    restart still replays only stage 1, from that window."""
-    out = death_run(tmp_path, PP2, 2, "--fault.kill", "9:1:backward,10:1:forward", restarts=2)
+    replacement still replays only stage 1, from that window."""
+    out = death_run(tmp_path, PP2, 2, "--fault.kill", "9:1:backward,10:1:forward")
     recoveries = assert_local_and_exact(out, baseline(PP2, 2), "1", "1")
     assert [r[:3] for r in recoveries] == [("9", "1", "1"), ("10", "1", "1")]
     assert recoveries[0][3] == recoveries[1][3]  # the same rollback point
@@ -137,10 +178,10 @@ def test_second_death_right_after_a_rejoin_recovers_locally(tmp_path):
 
 @pytest.mark.slow
 def test_death_during_a_rejoin_keeps_the_survivors_state(tmp_path):
-    """pp=2: rank 1 dies at 9, then again while the restarted job replays its stage (iteration 7); rank 0,
-    which was only serving logs, exits without writing anything: the next generation uses the live state it
-    kept in the first one and still replays stage 1 alone."""
-    out = death_run(tmp_path, PP2, 2, "--fault.kill", "9:1:backward,7:1:replay", restarts=2)
+    """pp=2: rank 1 dies at 9, then its replacement dies while it replays its stage (iteration 7); rank 0,
+    which was only serving logs, goes on to generation 2 with the live state it kept at the first death,
+    and stage 1 still replays alone."""
+    out = death_run(tmp_path, PP2, 2, "--fault.kill", "9:1:backward,7:1:replay")
     assert "fault: rank 1 killed (SIGKILL) in the replay phase of step 7" in out
     [(step, *_)] = assert_local_and_exact(out, baseline(PP2, 2), "1", "1")
     assert step == "9"
@@ -149,7 +190,7 @@ def test_death_during_a_rejoin_keeps_the_survivors_state(tmp_path):
 @pytest.mark.slow
 def test_death_in_the_last_iteration_keeps_the_final_state(tmp_path):
     """pp=2: rank 1 dies in the optimizer step of the last iteration (12); rank 0 finishes it and keeps its
-    final state while the job gathers it; the restarted job replays stage 1 up to 13, has nothing left to
+    final state while the job gathers it; the next generation replays stage 1 up to 13, has nothing left to
     train, and prints the fault-free run's final line (the loss of 12 comes from the scalar log)."""
     out = death_run(tmp_path, PP2, 2, "--fault.kill", "12:1:optimizer")
     assert [r[:3] for r in REJOIN.findall(out)] == [("13", "1", "1")], out
@@ -187,9 +228,9 @@ def test_pp4_real_deaths(tmp_path, fault, dead, scope):
 @pytest.mark.slow
 def test_interleaved_1f1b_and_two_deaths_in_a_row(tmp_path):
     """Interleaved1F1B (pipeline rank 1 runs stages 1 and 3); rank 1 dies at 6, then rank 0 at 15 (after
-    the restarted job persisted a window of its own), each recovered by its own torchrun restart."""
+    the job persisted a window of its own), each replaced in place."""
     layout = [*INTERLEAVED, "--training.steps", "18"]
-    out = death_run(tmp_path, layout, 2, "--fault.kill", "6:1:backward,15:0:forward", restarts=2)
+    out = death_run(tmp_path, layout, 2, "--fault.kill", "6:1:backward,15:0:forward")
     recoveries = assert_local_and_exact(out, baseline(layout, 2), "1", "1,3")
     assert [r[1:3] for r in recoveries] == [("1", "1,3"), ("0", "0,2")]
 
@@ -197,12 +238,19 @@ def test_interleaved_1f1b_and_two_deaths_in_a_row(tmp_path):
 @pytest.mark.slow
 def test_a_hung_worker_is_detected_by_the_timeout(tmp_path):
     """pp=2: rank 1 stops (SIGSTOP) in its backward pass, keeping its connections open; rank 0's receive
-    fails after `fault.timeout_s`, it keeps its state, and the job recovers as from a death."""
+    fails after `fault.timeout_s` and it keeps its state in memory. No shell sees the stopped process die,
+    so generation 1 is not joined in time: rank 0 writes its kept state to its host directory and torchrun
+    restarts every worker, which recovers locally from there."""
     out = death_run(
-        tmp_path, PP2, 2, "--fault.kill", "9:1:backward", "--fault.kill_signal", "SIGSTOP", "--fault.timeout_s", "5"
+        tmp_path,
+        PP2,
+        2,
+        *("--fault.kill", "9:1:backward", "--fault.kill_signal", "SIGSTOP", "--fault.timeout_s", "5"),
+        restarts=1,
     )
     assert "fault: rank 1 stopped (SIGSTOP) in the backward phase of step 9" in out
-    assert re.search(r"^failure detected: rank 0 at step 9 by a collective failed \(Timed out\)", out, re.M), out
+    assert re.search(r"^survivor: rank 0 pid \d+ .* at step 9: a collective failed \(Timed out\)", out, re.M), out
+    assert "restart: generation 1 was not joined by every rank within fault.timeout_s=5 s" in out
     assert_local_and_exact(out, baseline(PP2, 2), "1", "1")
 
 
@@ -210,16 +258,19 @@ def test_a_hung_worker_is_detected_by_the_timeout(tmp_path):
 def test_a_hang_is_detected_in_every_process_group(tmp_path):
     """pp2/dp2/ep2: rank 2 stops in its backward pass. Its peers wait for it in the pipeline, expert and
     data-parallel groups of the device mesh (created after the default group, with PyTorch's 30-minute
-    default): every group is bounded by `fault.timeout_s`, so the job recovers in seconds, locally."""
+    default): every group is bounded by `fault.timeout_s`, so the job recovers in seconds, locally (through
+    torchrun's restart, as above)."""
     reference = baseline(PP2_DP2_EP2_BF16, 4)
     out = death_run(
         tmp_path,
         PP2_DP2_EP2_BF16,
         4,
         *("--fault.kill", "9:2:backward", "--fault.kill_signal", "SIGSTOP", "--fault.timeout_s", "5"),
+        restarts=1,
     )
     assert "fault: rank 2 stopped (SIGSTOP) in the backward phase of step 9" in out
-    assert re.search(r"^failure detected: rank [013] at step 9 by a collective failed \(Timed out\)", out, re.M), out
+    timed_out = r"^survivor: rank [013] pid \d+ .* at step 9: a collective failed \(Timed out\)"
+    assert re.search(timed_out, out, re.M), out
     assert_local_and_exact(out, reference, "2", "1")
 
 
@@ -342,3 +393,27 @@ def test_a_death_during_validation_loses_no_validation_line(tmp_path):
     lines = re.compile(r"^validation step=(\d+) val_loss=(\S+)$", re.M)
     assert dict(lines.findall(out)) == dict(lines.findall(reference)) and "6" in dict(lines.findall(out))
     assert final_line(out) == final_line(reference)
+
+
+@pytest.mark.slow
+def test_a_survivor_dies_while_the_next_generation_replays(tmp_path):
+    """pp2/dp2/ep2: rank 2 dies at 8; rank 3, a survivor of the same stage, replays with its replacement in
+    generation 1 and dies there (iteration 7). Generation 2 replaces it too; stage 0 still only serves logs."""
+    out = death_run(tmp_path, PP2_DP2_EP2_BF16, 4, "--fault.kill", "8:2:backward,7:3:replay")
+    assert "fault: rank 3 killed (SIGKILL) in the replay phase of step 7" in out
+    assert re.search(r"^shell: rank 3: .* replaces it in generation 2 ", out, re.M), out
+    recoveries = assert_local_and_exact(out, baseline(PP2_DP2_EP2_BF16, 4), "2+3", "1")
+    assert [r[0] for r in recoveries] == ["8"]
+
+
+@pytest.mark.slow
+def test_more_deaths_than_replacements_fall_back_to_torchrun(tmp_path):
+    """pp=2 with `fault.max_replacements 1`: rank 1's first death is replaced in place; at its second the
+    shell has none left and exits, torchrun restarts every worker, and rank 0 keeps its state across it."""
+    out = death_run(
+        tmp_path, PP2, 2, "--fault.kill", "9:1:backward,10:1:forward", "--fault.max_replacements", "1", restarts=1
+    )
+    assert re.search(r"^shell: rank 1: trainer pid \d+ died \(signal SIGKILL\); replacements spent", out, re.M), out
+    recoveries = assert_local_and_exact(out, baseline(PP2, 2), "1", "1")
+    assert [r[:3] for r in recoveries] == [("9", "1", "1"), ("10", "1", "1")]
+    assert re.search(r"^recovery step=10 .* restart=local ", out, re.M), out

@@ -13,14 +13,21 @@ def train(*args, **kw):
     return run_cli("--config", DEBUG_CONFIG, *QUIET, *args, **kw)
 
 
-@pytest.mark.parametrize("config, billions", [("deepseek_moe_16b", 16.4), ("qwen_moe_14b", 14.3), ("gpt_moe_7b", 7.3)])
-def test_paper_configs_dry_run_within_5_percent_of_table_2(config, billions):
+# Table 2's active parameters: DeepSeek-MoE's 3.7B is left out, as the published model (top-6 of 64
+# routed + 2 shared, which the _hf config loads) has 2.8B and Table 2's own top-8 would give 3.3B.
+@pytest.mark.parametrize(
+    "config, billions, active_billions",
+    [("deepseek_moe_16b", 16.4, None), ("qwen_moe_14b", 14.3, 2.7), ("gpt_moe_7b", 7.3, 1.6)],
+)
+def test_paper_configs_dry_run_within_5_percent_of_table_2(config, billions, active_billions):
     out = run_cli("--config", f"train_configs/{config}.toml", "--dry-run").stdout
     m = re.search(r"^params total=(\d+) active=(\d+)$", out, re.M)
     assert m, out
     total, active = int(m[1]), int(m[2])
     assert abs(total / (billions * 1e9) - 1) < 0.05, total
     assert 0 < active < total
+    if active_billions is not None:
+        assert abs(active / (active_billions * 1e9) - 1) < 0.05, active
 
 
 def test_loss_falls_and_final_line():

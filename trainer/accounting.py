@@ -59,13 +59,14 @@ class RunAccounting:
         self.last_recovery_end = time.perf_counter()
         self.trained_unix = time.time()
 
-    def carry_on(self, generation: dict) -> None:
-        """After a torchrun restart: go on with the newest accounting an earlier generation of the run kept
-        (collective over every rank's file); the time from its stop to now counts as recovery. A first
+    def carry_on(self, generation: dict, kept: dict | None = None, in_place: bool = False) -> None:
+        """After a death: go on with the newest accounting any rank kept (collective), counting the time from
+        its stop to now as recovery. `in_place`: survivors kept theirs in memory (`kept`, from `record`);
+        otherwise, after a torchrun restart, in files named by the run and an earlier generation. A first
         generation instead removes this rank's file, an earlier launch's."""
         if self.path is None:
             return
-        kept = _newest_kept(self.path, generation)
+        kept = _newest_in_memory(kept) if in_place else _newest_kept(self.path, generation)
         if kept is None:
             return
         for key in COUNTERS:
@@ -73,14 +74,18 @@ class RunAccounting:
         self.started_unix = kept["started_unix"]
         self.recovered(1, max(0.0, time.time() - kept["stopped_unix"]))
 
+    def record(self, stopped_unix: float) -> dict:
+        """The accounting as a survivor keeps it when it stops at `stopped_unix` (unix seconds)."""
+        kept = {key: getattr(self, key) for key in COUNTERS}
+        return {**kept, "started_unix": self.started_unix, "stopped_unix": stopped_unix}
+
     def keep(self, generation: dict, stopped_unix: float) -> None:
         """This worker stops (another died): keep the accounting, named by torchrun run and generation,
         owner-only and atomic. It stays until the run finishes (`drop`), so a generation that dies before
         keeping its own leaves the older one to the next."""
         if self.path is None:
             return
-        kept = {**{key: getattr(self, key) for key in COUNTERS}, "started_unix": self.started_unix}
-        write_json_atomic(self.path, {**generation, "accounting": {**kept, "stopped_unix": stopped_unix}})
+        write_json_atomic(self.path, {**generation, "accounting": self.record(stopped_unix)})
 
     def drop(self) -> None:
         """The run finished: remove this rank's kept accounting (written by this program)."""
@@ -97,6 +102,14 @@ class RunAccounting:
             f"lost_tokens={lost_tokens:.0f} host_mb={metrics.get('host_mb', 0.0):.1f} "
             f"log_mb={metrics.get('log_mb', 0.0):.1f}"
         )
+
+
+def _newest_in_memory(mine: dict | None) -> dict | None:
+    """The newest of the records the survivors of an in-place replacement kept (collective)."""
+    gathered: list = [None] * dist.get_world_size()
+    collectives.all_gather_object(gathered, mine)
+    found = [g for g in gathered if g is not None]
+    return max(found, key=lambda g: g["high_water"]) if found else None
 
 
 def _newest_kept(path: Path, generation: dict) -> dict | None:

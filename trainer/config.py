@@ -113,6 +113,8 @@ class FaultConfig:
     # how fault.kill strikes: SIGKILL (a death) | SIGSTOP (a hang)
     kill_signal: Literal["SIGKILL", "SIGSTOP"] = "SIGKILL"
     timeout_s: float = 600.0  # a collective without progress for this long fails: a hung peer counts as dead
+    # under torchrun, dead workers a rank shell replaces in place before torchrun's restart takes over
+    max_replacements: int = 4
     # localized: the failed stages roll back | global: every stage does (for comparison)
     scope: Literal["localized", "global"] = "localized"
     replay_threads: int = 0  # CPU threads of a replaying rank (0: auto, the cores its paused neighbours leave idle)
@@ -368,6 +370,7 @@ def _validate_fault(cfg: Config) -> None:
     )
     plan = fault_plan(cfg, world=2)
     _check(f.timeout_s > 0, "fault.timeout_s", f"must be > 0 seconds, got {f.timeout_s}")
+    _check(f.max_replacements >= 0, "fault.max_replacements", f"must be >= 0, got {f.max_replacements}")
     _check(f.replay_threads >= 0, "fault.replay_threads", f"must be >= 0 (0: auto), got {f.replay_threads}")
     for kill in plan.kills if plan else ():
         every = cfg.training.val_every

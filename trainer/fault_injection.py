@@ -6,8 +6,9 @@ backward), `clip` (just before the gradient-norm all-reduce, so no rank gets T's
 being copied to host memory), `replication` (after T is applied, while its snapshot is being sent to the
 replica peers), `validation` (in the validation after T, where one runs); these fire only in normal
 training. `replay` fires while a restarted generation's
-start-up (a rejoin or a whole-job restart) replays T. Each kill fires in the torchrun generation it
-belongs to (`FaultPlan.kill_of`), so a restarted job does not meet the same death again.
+start-up (a rejoin or a whole-job restart) replays T. Each kill fires in the generation it belongs
+to (`FaultPlan.kill_of`: the n-th after n deaths), so a restarted job or a replacement does not meet the same
+death again.
 """
 
 from __future__ import annotations
@@ -58,11 +59,11 @@ def arm_kill(
     guard: StopGuard,
     seeder: DropoutSeeder,
     how: str = "SIGKILL",
+    deaths: int = 0,
 ) -> KillSwitch:
     """Install this rank's kill of this generation, if any. `how`: SIGKILL (a death) or SIGSTOP (a hang:
     the process stays, holding its connections, until its peers' collectives time out)."""
-    generation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    switch = KillSwitch(plan.kill_of(rank, generation), rank, guard, seeder, how)
+    switch = KillSwitch(plan.kill_of(rank, deaths), rank, guard, seeder, how)
     if switch.kill is None:
         return switch
 

@@ -42,6 +42,8 @@ from parallelisms.parallelize import ModelParts, initial_parameters
 from parallelisms.pipeline import local_stage_ids
 from trainer.config import Config, expected_mtbf_iters
 from trainer.identity import RunIdentity
+from trainer.rank_shell import torchrun_agent_pid
+from trainer.start_plan import StartPlan
 from trainer.startup import STARTUP
 from trainer.step import DropoutSeeder, forward_backward, replay_update
 
@@ -97,10 +99,12 @@ def torchrun_generation() -> dict:
     }
 
 
-def _kept_live_state(rank_dir: Path, job_meta: dict, rejoin: Rejoin) -> Rejoin:
-    """After a torchrun restart: the live state this rank kept in an earlier generation of this run, and
-    whether any rank kept one (collective). A relaunch (generation 0) uses none."""
-    if rejoin.name["generation"] > 0:
+def _kept_live_state(rank_dir: Path, job_meta: dict, rejoin: Rejoin, plan: StartPlan) -> Rejoin:
+    """The live state this rank kept, and whether any rank kept one (collective): in memory when it survived
+    a death in place, in its host directory after a torchrun restart. A relaunch (attempt 0) uses none."""
+    if plan.in_place:
+        rejoin.live = plan.kept
+    elif rejoin.name["generation"] > 0:
         expect = {**job_meta, "run_id": rejoin.name["run_id"]}
         rejoin.live, why = load_live_state(rank_dir, expect, rejoin.name["generation"])
         if rejoin.live is None and why != "no live state":
@@ -112,15 +116,29 @@ def _kept_live_state(rank_dir: Path, job_meta: dict, rejoin: Rejoin) -> Rejoin:
     return rejoin
 
 
+_LOCKS: dict[Path, JobLock] = {}  # the locks this process holds: a later generation of it keeps them
+
+
 def claim_host_state(cfg: Config, rank: int) -> JobLock:
-    """Lock this rank's place in the job's host directory (refused while a live process holds it)."""
+    """Lock this rank's place in the job's host directory for the process's lifetime (refused while another
+    live process holds it)."""
     job_dir = host_job_dir(cfg)
-    agent = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None  # torchrun's agent starts its workers
-    return JobLock(make_private_dirs(job_dir.parent, job_dir.name) / f"rank{rank:05d}.lock", agent)
+    path = make_private_dirs(job_dir.parent, job_dir.name) / f"rank{rank:05d}.lock"
+    if path not in _LOCKS:
+        agent = torchrun_agent_pid() if "TORCHELASTIC_RUN_ID" in os.environ else None  # starts the next attempt
+        _LOCKS[path] = JobLock(path, agent)
+    return _LOCKS[path]
 
 
 def build_strategy(
-    cfg: Config, model: ModelParts, optimizer, dims: ParallelDims, seeder: DropoutSeeder, train_batches, line
+    cfg: Config,
+    model: ModelParts,
+    optimizer,
+    dims: ParallelDims,
+    seeder: DropoutSeeder,
+    train_batches,
+    line,
+    plan: StartPlan,
 ) -> CheckpointStrategy:
     """`checkpoint.strategy` on this rank (collective over all ranks).
 
@@ -136,7 +154,7 @@ def build_strategy(
     topo = gather_topology(dims, host_job_dir(cfg))
     rank_dir = host_rank_dir(cfg, topo.rank)
     identity = RunIdentity.of_sparse(cfg)
-    rejoin = Rejoin(torchrun_generation(), timeline=STARTUP.marks)
+    rejoin = Rejoin(plan.name(), timeline=STARTUP.marks, in_place=plan.in_place)
     job_meta = {
         "seed": cfg.job.seed,
         "dp_rank": dims.dp_rank,
@@ -146,9 +164,9 @@ def build_strategy(
         "rng": "dropout seed = derive_seed(seed, iteration, micro-batch, stage, dp_rank)",
     }
     disk = persist_root(cfg)
-    rejoin = _kept_live_state(rank_dir, job_meta, rejoin)
+    rejoin = _kept_live_state(rank_dir, job_meta, rejoin, plan)
     checks = _identity_checks(dims, identity, rejoin)
-    found = _restart_point(strategy, rank_dir, disk, checks, rejoin, line)
+    found = _restart_point(strategy, rank_dir, disk, checks, rejoin, line, plan.restarted)
     if strategy != "moevement":
         if dist.is_initialized():
             collectives.barrier()  # every rank holds its copy before any rank clears its directory
@@ -167,7 +185,7 @@ def build_strategy(
         group_timeout_s=cfg.fault.timeout_s,
     )
     if strategy != "moevement":
-        restart = RestartState(rejoin.live, found, checks["run"]) if rejoin.name["generation"] > 0 else None
+        restart = RestartState(rejoin.live, found, checks["run"]) if plan.restarted else None
         return _interval_baseline(cfg, model, optimizer, dims, new_checkpointer, line, lock, rejoin, restart)
     checkpointer = new_checkpointer(dataclasses.replace(cfg.checkpoint, persist_dir=str(disk or "")))
     log = UpstreamLog(model.parts, model.stage_ids, model.n_stages) if cfg.parallelism.pp > 1 else None
@@ -196,17 +214,23 @@ def _identity_checks(dims: ParallelDims, identity: RunIdentity, rejoin: Rejoin) 
 
 
 def _restart_point(
-    strategy: str, rank_dir: Path, disk: Path | None, checks: dict[str, CheckHeader], rejoin: Rejoin, line
+    strategy: str,
+    rank_dir: Path,
+    disk: Path | None,
+    checks: dict[str, CheckHeader],
+    rejoin: Rejoin,
+    line,
+    restarted: bool,
 ) -> RestartPoint | None:
     """MoEvement: the persisted sparse checkpoint a restart or relaunch converts (in a rejoin, also a newer
-    complete one that ends by the survivors' iteration); gemini, after a torchrun
-    restart of this run: its newest replicated checkpoint in host memory (collective). A rank whose
-    process died uses its peers' replicas, not what its predecessor left in its own directory."""
+    complete one that ends by the survivors' iteration); gemini, after a death in this run (`restarted`):
+    its newest replicated checkpoint in host memory (collective). A rank whose process died uses its
+    peers' replicas, not what its predecessor left in its own directory."""
     own = rejoin.live is not None or not rejoin.survivors
     if strategy == "moevement":
         resume_at = rejoin.live.next_iteration if rejoin.live is not None else 0
         return find_restart_checkpoint(rank_dir.parent, disk, checks["job"], line, own, resume_at)
-    if strategy == "gemini" and rejoin.name["generation"] > 0:
+    if strategy == "gemini" and restarted:
         return find_restart_checkpoint(rank_dir.parent, None, checks["run"], line, own_copies=own)
     return None
 

@@ -18,6 +18,7 @@ import torch
 from trainer.config import Config, ConfigError
 from trainer.config_help import to_toml
 from trainer.fault_tolerance import torchrun_generation
+from trainer.rank_shell import torchrun_agent_pid
 
 RECORD = "run.json"
 CONFIG = "config.toml"
@@ -27,14 +28,14 @@ REPO = Path(__file__).resolve().parent.parent
 def launch_identity() -> dict:
     """What a torchrun restart of this launch shares with its first generation: the agent (this worker's
     parent process on this host) and torchrun's run id."""
-    return {"host": socket.gethostname(), "agent_pid": os.getppid(), "run_id": torchrun_generation()["run_id"]}
+    return {"host": socket.gethostname(), "agent_pid": torchrun_agent_pid(), "run_id": torchrun_generation()["run_id"]}
 
 
 def launch_command(argv: list[str]) -> str:
     """The command line as typed: torchrun's (this worker's parent) under torchrun, else this process's."""
     if "TORCHELASTIC_RUN_ID" in os.environ:
         try:
-            parent = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0")
+            parent = Path(f"/proc/{torchrun_agent_pid()}/cmdline").read_bytes().split(b"\0")
             return shlex.join(arg.decode(errors="replace") for arg in parent if arg)
         except OSError:
             pass
@@ -101,22 +102,22 @@ def _write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def open_run_record(cfg: Config, world: int, argv: list[str]) -> tuple[Path, bool]:
-    """(this run's folder, whether it continues a folder of an earlier torchrun generation). A new folder
+def open_run_record(cfg: Config, world: int, argv: list[str], restarted: bool) -> tuple[Path, bool]:
+    """(this run's folder, whether it continues the folder of an earlier generation of this torchrun run:
+    `restarted`, after a torchrun restart or an in-place replacement). A new folder
     gets `config.toml` (loads back into the same Config with `--config`) and `run.json` (command line, commit,
     versions, layout); a continued one keeps them. Rank 0 only; ConfigError if the folder cannot be written."""
     try:
-        return _open(cfg, world, argv)
+        return _open(cfg, world, argv, restarted)
     except OSError as e:
         msg = f"config key 'job.output_dir' ({cfg.job.output_dir!r}): cannot write the run record: {e}"
         raise ConfigError(msg) from None
 
 
-def _open(cfg: Config, world: int, argv: list[str]) -> tuple[Path, bool]:
+def _open(cfg: Config, world: int, argv: list[str], restarted: bool) -> tuple[Path, bool]:
     job_dir = Path(cfg.job.output_dir) / cfg.job.name
     identity = launch_identity()
-    generation = torchrun_generation()["generation"]
-    folder = _continued_folder(job_dir, identity) if generation > 0 else None
+    folder = _continued_folder(job_dir, identity) if restarted else None
     if folder is not None:
         return folder, True
     folder = _new_folder(job_dir)

@@ -31,7 +31,13 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from moevement.recovery.live_state import save_kept
+from moevement.storage.host_memory import write_json_atomic
 from parallelisms import collectives
+from parallelisms.distributed import sever_connections
+from trainer import rank_shell
+from trainer.fault_tolerance import host_job_dir, host_rank_dir
+from trainer.startup import process_start_time
 
 # Where communication code runs: torch.distributed (its collectives, functional collectives, FSDP's and
 # pipelining's waits) and the trainer's one door to it.
@@ -90,10 +96,11 @@ class StopGuard:
 
     `phase`: "setup" (SIGTERM exits at once, as a preemption), "training", "applying" (optimizer step of
     `step` to its `end`; SIGTERM waits), "recovering", "stopping" (SIGTERM is ignored; `stopped_in` is the
-    phase it stopped in). `applied`: the last iteration whose update is done."""
+    phase it stopped in). `applied`: the last iteration whose update is done. `keep_at_setup`: what a
+    SIGTERM in the setup phase keeps first (a survivor's state kept in memory), returning what it kept."""
 
-    def __init__(self, rank: int, preempted_line):
-        self.rank, self.preempted_line = rank, preempted_line
+    def __init__(self, rank: int, preempted_line, keep_at_setup=None):
+        self.rank, self.preempted_line, self.keep_at_setup = rank, preempted_line, keep_at_setup
         self.phase, self.stopped_in, self.step, self.applied = "setup", "", 0, 0
         self.sigterm_at: float | None = None
         signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -109,7 +116,8 @@ class StopGuard:
             self.stop()
             raise WorkerStopped("SIGTERM from the torchrun agent")
         if self.phase == "setup":
-            print(self.preempted_line(self.step, "nothing new to keep"), flush=True)
+            kept = self.keep_at_setup() if self.keep_at_setup else "nothing new to keep"
+            print(self.preempted_line(self.step, kept), flush=True)
             os._exit(128 + signum)
 
     def optimizer_step_begins(self, *_args) -> None:
@@ -167,3 +175,51 @@ def _first_line(error: BaseException) -> str:
         return f"a collective failed ({marker})"
     lines = text.strip().splitlines()
     return (lines[0] if lines else "")[:160]
+
+
+def rejoins_in_place(error: BaseException, cfg) -> bool:
+    """Whether this rank survives the death behind `error` in place: it runs under a rank shell, which
+    replaces the dead worker (trainer/rank_shell.py), and learned of the death from a failed communication
+    (SIGTERM means torchrun is stopping every worker: its restart takes over)."""
+    under_shell = os.environ.get(rank_shell.ROLE) == "trainer"
+    return under_shell and not isinstance(_peer_error(error), WorkerStopped)
+
+
+def survive_in_place(job, error: BaseException):
+    """Another worker died and its rank shell starts a replacement: keep this rank's state in memory if it
+    is consistent (as `keep_state_and_exit` decides), release its host state, say so in one line; returns
+    the plan of the next generation. The caller drops the job before leaving its groups."""
+    guard, detected_at = job.guard, time.time()
+    how = _first_line(_peer_error(error) or error)
+    guard.stop()
+    if guard.stopped_in == "recovering":
+        kept, what = None, "no live state (it was recovering; its stage replays)"
+    else:
+        next_iteration = guard.step + 1 if guard.stopped_in == "applying" else guard.applied + 1
+        kept = job.ft.keep_in_memory(next_iteration, {"how": how, "time": detected_at})
+        what = f"live state of iteration {next_iteration} in memory" if kept else "no live state"
+    accounting = job.accounting.record(detected_at)
+    sever_connections()  # peers and this rank's background threads stop waiting on it now
+    job.ft.abandon()
+    job.logger.close()
+    plan = job.plan.next_generation(kept, accounting)
+    print(
+        f"survivor: rank {guard.rank} pid {os.getpid()} (running since unix={process_start_time():.3f}) at step "
+        f"{guard.step}: {how}; kept {what}; joins generation {plan.generation} (detected at unix={detected_at:.3f})",
+        flush=True,
+    )
+    return plan
+
+
+def keep_for_torchrun_restart(cfg, plan) -> str:
+    """A survivor that does not join the next generation in place (not joined in time, or stopped by
+    torchrun): write the state and the accounting it kept in memory where torchrun's restart of every
+    worker looks for them (the host directory); returns what it kept."""
+    rank = int(os.environ.get("RANK", "0"))
+    if plan.accounting is not None:
+        record = {**plan.name(), "accounting": plan.accounting}
+        write_json_atomic(host_job_dir(cfg) / f"accounting-rank{rank:05d}.json", record)
+    if plan.kept is None:
+        return "no live state"
+    nbytes = save_kept(host_rank_dir(cfg, rank), plan.kept)
+    return f"live state of iteration {plan.kept.next_iteration}, {nbytes / 1e6:.1f} MB"

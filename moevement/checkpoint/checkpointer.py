@@ -91,6 +91,7 @@ class SparseCheckpointer:
         group_timeout_s: float | None = None,
     ):
         self.cfg, self.topology, self.job_meta = cfg, topology, dict(job_meta or {})
+        self.group_timeout_s = group_timeout_s
         self.planner = WindowPlanner(
             cfg, build_registry(model, stacked), optimizer, compute_dtype, device, topology.world, policy
         )
@@ -261,6 +262,22 @@ class SparseCheckpointer:
             buf.release()
         if not self.cfg.keep_host_state:
             remove_tree(self.rank_dir, self.rank_dir.parent)
+
+    def abandon(self) -> None:
+        """This rank leaves its generation (a peer died; docs/design.md §4) and its next generation builds a
+        new checkpointer over the same directory: the in-flight copy and disk writes finish, replication
+        ends after the rounds already submitted, committed files stay. Errors met here are the dead peer's."""
+        if self.pending is not None:
+            self.pending.copy.exception()
+        self.buffers.close()
+        if self.replicator is not None:
+            self.replicator.stop(self.group_timeout_s or 60.0)
+        try:
+            self.flush_disk()
+        except (OSError, RuntimeError) as e:  # the new generation writes the next window again
+            print(f"restart: rank {self.topology.rank}: an in-flight disk write was dropped ({e})", flush=True)
+        for buf in self._held():
+            buf.release()
 
     def adopt(self, window_index: int, snapshots: list[tuple[SnapshotHeader, dict]]) -> None:
         """A restarted job keeps the window it restarted from as its persisted checkpoint (collective): every

@@ -38,6 +38,7 @@ class LiveState:
     scalars: dict[int, dict]
     tensors: dict[tuple[str, str], torch.Tensor]
     detected: dict  # {"how": ..., "time": unix seconds}
+    meta: dict = field(default_factory=dict)  # kept in memory: the job's identity, for `save_kept`
 
 
 @dataclass
@@ -48,6 +49,48 @@ class Rejoin:
     live: LiveState | None = None  # this rank's kept state (None: it died, or kept nothing usable)
     survivors: bool = False  # some rank of the job kept its state: rejoin instead of a whole-job restart
     timeline: dict[str, float] = field(default_factory=dict)  # unix time this process reached each set-up stage
+    in_place: bool = False  # the survivors stayed alive: a dead worker was replaced in place
+
+
+def _live_items(
+    ops: list[Operator], optimizer: torch.optim.Optimizer, log: UpstreamLog | None, next_iteration: int, log_from: int
+) -> list[tuple]:
+    """(operator, name, role, tensor, dtype) of every FP32 master tensor, and of the logs of iterations
+    `log_from..next_iteration-1`."""
+    items = [(op.name, name, "master", t, t.dtype) for op in ops for name, t in op.master_tensors(optimizer)]
+    if log is not None:
+        for (kind, it, stage, micro), t in sorted(log.entries.items()):
+            if log_from <= it < next_iteration:
+                items.append(("", f"{kind}.{it}.{stage}.{micro}", "log", t, t.dtype))
+    return items
+
+
+def keep_in_memory(
+    ops: list[Operator],
+    optimizer: torch.optim.Optimizer,
+    log: UpstreamLog | None,
+    scalars: dict[int, dict],
+    next_iteration: int,
+    log_from: int,
+    detected: dict,
+    meta: dict,
+) -> LiveState:
+    """state_{next_iteration} of this rank with its logs, kept in this process for its next generation (a
+    dead peer is replaced in place): references to the tensors themselves, nothing copied. The caller drops
+    the model and optimizer, so nothing changes them afterwards. `meta`: the job's identity, should the
+    state have to be written after all (`save_kept`)."""
+    items = _live_items(ops, optimizer, log, next_iteration, log_from)
+    tensors = {(role, name): t.detach() for _, name, role, t, _ in items}
+    kept = {t: s for t, s in scalars.items() if log_from <= t < next_iteration}
+    return LiveState(next_iteration, log_from, kept, tensors, {**detected, "kept": time.time()}, meta)
+
+
+def save_kept(rank_dir: Path, live: LiveState) -> int:
+    """A survivor that could not rejoin in place writes what it kept in memory for torchrun's restart of
+    every worker, as `save_live_state` would have; returns the bytes."""
+    items = [("", name, role, t, t.dtype) for (role, name), t in live.tensors.items()]
+    meta = {**live.meta, "detected": live.detected}
+    return _write_live(rank_dir, items, [], live.scalars, live.next_iteration, live.log_from, meta)
 
 
 def save_live_state(
@@ -61,11 +104,19 @@ def save_live_state(
     meta: dict,
 ) -> int:
     """Write state_{next_iteration} of this rank with its logs of `log_from..next_iteration-1`; returns bytes."""
-    items = [(op.name, name, "master", t, t.dtype) for op in ops for name, t in op.master_tensors(optimizer)]
-    if log is not None:
-        for (kind, it, stage, micro), t in sorted(log.entries.items()):
-            if log_from <= it < next_iteration:
-                items.append(("", f"{kind}.{it}.{stage}.{micro}", "log", t, t.dtype))
+    items = _live_items(ops, optimizer, log, next_iteration, log_from)
+    return _write_live(rank_dir, items, [op.name for op in ops], scalars, next_iteration, log_from, meta)
+
+
+def _write_live(
+    rank_dir: Path,
+    items: list[tuple],
+    operators: list[str],
+    scalars: dict[int, dict],
+    next_iteration: int,
+    log_from: int,
+    meta: dict,
+) -> int:
     entries, sources, nbytes = layout_of(items)
     buffer = HostBuffer(rank_dir / LIVE)
     buffer.invalidate()
@@ -77,7 +128,7 @@ def save_live_state(
         0,
         1,
         meta.get("rank", -1),
-        [op.name for op in ops],
+        operators,
         [],
         entries,
         nbytes,

@@ -145,13 +145,12 @@ class Recovery:
         told = [k[2] for k in kept if k]
         detected, kept_at = min(d.get("time", 0.0) for d in told), max(d.get("kept", 0.0) for d in told)
         timeline = {"kept": kept_at, **rejoin.timeline, "restored": restored}
-        exec_at = timeline.get("exec", rejoin_start)
+        seconds = _restart_seconds(rejoin, timeline, detected, rejoin_start)
+        how = "replaced" if rejoin.in_place else "global-replay" if self.global_rollback else "local"
         self.line(
             f"recovery step={target} ranks={'+'.join(map(str, sorted(failed)))} scope={_ranges(sorted(scope))} "
             f"rollback_to={t0} replayed={target - t0} seconds={time.time() - detected:.3f} "
-            f"(keep={kept_at - detected:.3f} restart={exec_at - kept_at:.3f} "
-            f"setup={rejoin_start - exec_at:.3f} fetch={totals[0]:.3f} convert={totals[1]:.3f} "
-            f"catchup={totals[2]:.3f}) restart={'global-replay' if self.global_rollback else 'local'} "
+            f"({seconds} fetch={totals[0]:.3f} convert={totals[1]:.3f} catchup={totals[2]:.3f}) restart={how} "
             f'detected_by="{_how(kept)}"'
         )
         self.line(f"restart timeline rank={self.me}: {_stages(timeline)}")
@@ -246,6 +245,20 @@ def _ranges(stages: list[int]) -> str:
         out.append(str(stages[i]) if i == j else f"{stages[i]}-{stages[j]}")
         i = j + 1
     return ",".join(out)
+
+
+def _restart_seconds(rejoin: Rejoin, timeline: dict[str, float], detected: float, rebuilt: float) -> str:
+    """The seconds from the first detection of the death to the rejoin's replay, by stage. In place: keep
+    (until the last survivor kept its state in memory and left its groups), join (the next generation's
+    process group), rebuild (data, model, strategy). After a torchrun restart: keep (state to shared
+    memory), restart (until the new processes started), setup (their imports, process group, model,
+    strategy)."""
+    kept = timeline["kept"]
+    if rejoin.in_place:
+        joined = timeline.get("process_group", kept)
+        return f"keep={kept - detected:.3f} join={joined - kept:.3f} rebuild={rebuilt - joined:.3f}"
+    exec_at = timeline.get("exec", rebuilt)
+    return f"keep={kept - detected:.3f} restart={exec_at - kept:.3f} setup={rebuilt - exec_at:.3f}"
 
 
 def _stages(timeline: dict[str, float]) -> str:

@@ -114,6 +114,12 @@ class Replicator:
         self.thread.join()
         self.raise_if_failed()
 
+    def stop(self, timeout_s: float) -> None:
+        """A peer died: end after the rounds already submitted (a round with the dead peer fails at once),
+        waiting at most `timeout_s`; errors are the peer's death and stay unreported."""
+        self.queue.put(None)
+        self.thread.join(timeout_s)
+
     def raise_if_failed(self) -> None:
         if self.error is not None:
             raise RuntimeError(f"snapshot replication failed on rank {self.rank}") from self.error

@@ -1,0 +1,129 @@
+"""Figure 11: the scale study's four DeepSeek-MoE clusters on the §5.1 testbed's hardware.
+
+The clusters and models are `simulator.presets.PAPER_PRESETS` (32B-671B on 512-16,384 GPUs, 8-way
+expert parallelism: one stage of one pipeline is one node). What changes from the presets' own
+hardware: the node is the §5.1 Azure A100 node (80 Gb/s NIC shared by 8 GPUs, NVLink 300 GB/s a
+direction, A100 peaks), its MFU is the one DeepSeek-MoE's stated T implies on the testbed
+(`simulator.testbed`), and checkpoints and failures follow the calibrated mechanisms
+(`simulator.mechanisms`, `simulator.calibrated`), ZeRO-1 sharding the FP32 state over pipelines.
+The iteration time is `simulator.cluster.stage_model`'s (1F1B, all-to-all inside the node,
+gradient exchange over the NIC). ETTR is the closed form (the paper's simulator).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from simulator.calibrated import Calibration
+from simulator.cluster import Hardware, Preset, stage_model
+from simulator.colours import colour
+from simulator.mechanisms import gemini_cost, moevement_cost
+from simulator.panels import ettr_panels, save_panels
+from simulator.presets import PAPER_PRESETS
+from simulator.setting import Setting, gpu_operators, gradient_exchange_bytes, pipeline_send_bytes
+from simulator.testbed import A100_PEAK_FLOPS, FP32_STATE_BYTES, GPUS_PER_NODE, NODE_NIC_BW, TESTBEDS
+
+MTBFS_MIN = (60.0, 30.0, 10.0)
+A100_HBM_BW = 2.0e12  # A100 80 GB
+A100_NVLINK_BW = 300e9  # 600 GB/s both directions
+
+
+def azure_hardware() -> Hardware:
+    """§5.1's node as the iteration model's per-GPU rates; MFU from DeepSeek-MoE's stated T."""
+    return Hardware(
+        peak_flops=A100_PEAK_FLOPS,
+        mfu=TESTBEDS["DeepSeek-MoE"].mfu,
+        hbm_bw=A100_HBM_BW,
+        a2a_bw=NODE_NIC_BW / GPUS_PER_NODE,
+        nvlink_bw=A100_NVLINK_BW,
+        gpus_per_node=GPUS_PER_NODE,
+        dp_bw=NODE_NIC_BW / GPUS_PER_NODE,
+    )
+
+
+def from_preset(preset: Preset) -> Setting:
+    """The bottleneck node of a scale-study preset on the Azure hardware."""
+    p = replace(preset, hw=azure_hardware())
+    m, lay, st = p.model, p.layout, stage_model(p)
+    layers, moe_layers = (
+        math.ceil(m.layers / lay.pp),
+        min(math.ceil(m.layers / lay.pp), math.ceil(m.moe_layers / lay.pp)),
+    )
+    experts = moe_layers * m.experts * m.expert
+    other_per_layer = st.nonexpert_params // max(1, layers)  # replicated on every GPU of the stage
+    stage_params = experts + other_per_layer * layers
+    ops = gpu_operators(
+        moe_layers,
+        layers,
+        m.experts,
+        lay.ep,
+        m.expert,
+        other_per_layer,
+        m.top_k,
+        lay.pipelines,
+        GPUS_PER_NODE * lay.pipelines,
+    )
+    sends = pipeline_send_bytes(lay.pp, lay.micro_batches, m.hidden, lay.ep * lay.micro_batch_seqs * lay.seq_len)
+    return Setting(
+        name=preset.name,
+        iteration_s=st.iteration_s,
+        gpus=lay.gpus,
+        stages=lay.pp,
+        micro_batches=lay.micro_batches,
+        experts=m.experts,
+        node_state_bytes=FP32_STATE_BYTES * stage_params / lay.pipelines,
+        cluster_state_bytes=FP32_STATE_BYTES * m.total_params(),
+        expert_state_share=experts / stage_params,
+        operators=ops,
+        nic_train_bytes=sends + gradient_exchange_bytes(lay.pipelines, stage_params),
+        log_bytes_gpu=sends / GPUS_PER_NODE,
+    )
+
+
+@dataclass(frozen=True)
+class ScaleRow:
+    preset: str
+    gpus: int
+    iteration_s: float
+    mtbf_min: float
+    moevement: float
+    gemini: float
+    window: int
+    gemini_interval: int
+
+
+def scale_study(cal: Calibration, mtbfs_min=MTBFS_MIN) -> list[ScaleRow]:
+    """MoEvement and Gemini (closed form) on every scale preset at every MTBF."""
+    rows = []
+    for preset in PAPER_PRESETS.values():
+        s = from_preset(preset)
+        mev = moevement_cost(s, cal)
+        for mtbf in mtbfs_min:
+            gem = gemini_cost(s, cal, mtbf * 60)
+            closed = [1 / ((1 + c.overhead) * (1 + c.recovery_s / (mtbf * 60))) for c in (mev, gem)]
+            rows.append(ScaleRow(preset.name, s.gpus, s.iteration_s, mtbf, *closed, mev.window, gem.interval))
+    return rows
+
+
+CURVE_MTBFS_MIN = (120.0, 90.0, 60.0, 45.0, 30.0, 20.0, 15.0, 10.0)
+FIG11_FIGURE = "docs/figures/paper_fig11_simulated.png"
+
+
+def plot_fig11(cal: Calibration, path: str, paper: dict[str, float], min_1h: float) -> None:
+    """One panel per cluster: ETTR against MTBF for MoEvement and Gemini; the paper's 671B / 10-minute
+    points as black crosses and its 1-hour MoEvement floor as a dotted line."""
+    rows = scale_study(cal, CURVE_MTBFS_MIN)
+    presets = list(dict.fromkeys(r.preset for r in rows))
+    fig, axes = ettr_panels(len(presets), 3.3)
+    for ax, name in zip(axes, presets):
+        mine = [r for r in rows if r.preset == name]
+        for s in ("moevement", "gemini"):
+            ax.plot([r.mtbf_min for r in mine], [getattr(r, s) for r in mine], "o-", color=colour(s), label=s, ms=3)
+        if name == "671B-16384":
+            ax.plot([10.0, 10.0], [paper["moevement"], paper["gemini"]], "kx", ms=8, label="paper (671B, 10 min)")
+        ax.axhline(min_1h, color="tab:blue", ls=":", lw=1)
+        ax.set_xscale("log")
+        ax.set_xticks([10, 20, 30, 60, 120], ["10", "20", "30", "60", "120"])
+        ax.set_title(f"{name} (T {mine[0].iteration_s:.0f} s)", fontsize=9)
+    save_panels(fig, axes, "simulated ETTR (closed form)", path, 0.1)

@@ -1,0 +1,271 @@
+"""The paper-evaluation simulator's mechanisms on hand-computed cases (simulator/: testbed, setting,
+mechanisms, run, skew, frozen, fit, own_table4). None of these checks uses the paper's results."""
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from baselines.intervals import checkfreq_overhead, oracle_interval
+from simulator.calibrated import MOC_PLT_BUDGET, Calibration
+from simulator.ettr import main
+from simulator.fit import coordinate_search, to_calibration, to_coordinates
+from simulator.frozen import Ablation, frozen_fractions, ordered_operators
+from simulator.mechanisms import (
+    checkfreq_cost,
+    gemini_cost,
+    moc_overhead,
+    moevement_cost,
+    network_stall_s,
+    node_network,
+)
+from simulator.own_table4 import moevement_window
+from simulator.run import closed_form, finite, moc_run
+from simulator.setting import Operator, Setting, gradient_exchange_bytes, pipeline_send_bytes
+from simulator.skew import alpha_for_skew, expected_skew, popularity, round_robin_staleness
+from simulator.testbed import MoEShape, iteration_from_cells
+
+GB = 1e9
+# No interference, 10 GB/s line rate x 0.5 = 5 GB/s for checkpoints, restarts 10 s local / 100 s global.
+CAL = Calibration(
+    nic_efficiency=0.5,
+    copy_interference=0.0,
+    persist_interference=0.0,
+    local_restart_s=10.0,
+    global_restart_s=100.0,
+    moc_loss_scale=1.0,
+)
+# 96 GPUs = 12 nodes; 4 stages, M = 12 (a stage iteration is 12/15 of T = 2 s); 20 GB of state per node,
+# 80% in experts; training sends 10 GB a node per iteration: busy 10 GB / (10 GB/s x 2 s) = 0.5.
+OPS = (Operator(12 * GB, 2 * GB, 1.0, (0, 0)), Operator(12 * GB, 2 * GB, 1.0, (0, 1)), Operator(6 * GB, 1 * GB, 2.0))
+SETTING = Setting(
+    name="hand",
+    iteration_s=2.0,
+    gpus=96,
+    stages=4,
+    micro_batches=12,
+    experts=8,
+    node_state_bytes=20 * GB,
+    cluster_state_bytes=240 * GB,
+    expert_state_share=0.8,
+    operators=OPS,
+    nic_train_bytes=10 * GB,
+    log_bytes_gpu=0.0,
+    moc_start_overhead=0.1,
+)
+
+
+# ---- testbed and setting -------------------------------------------------------------------------
+
+
+def test_iteration_from_cells_is_the_middle_of_the_rounding_ranges():
+    # 0.22 s (8%): T in [0.215/0.085, 0.225/0.075] = [2.529, 3.0]; 0.06 s (2%): [2.2, 4.33]
+    assert iteration_from_cells([(0.22, 8), (0.06, 2)]) == pytest.approx((0.215 / 0.085 + 3.0) / 2)
+    with pytest.raises(ValueError, match="no common"):
+        iteration_from_cells([(0.22, 8), (0.01, 2)])  # [2.53, 3.0] and [0.2, 1.0]
+
+
+def test_moe_shape_totals():
+    shape = MoEShape(2, 2, 10, 4, 1, 100, 50, 1000, "hand")
+    assert shape.total_params() == 2 * 4 * 100 + 2 * 50 + 1000
+    assert shape.active_params() == 2 * 1 * 100 + 2 * 50 + 1000
+
+
+def test_training_traffic_hand_cases():
+    act = 65536 * 2048 * 2
+    assert pipeline_send_bytes(3, 4, 2048, 65536) == 2 * 4 * act  # middle stage: forward and backward sends
+    assert pipeline_send_bytes(2, 4, 2048, 65536) == 4 * act
+    assert pipeline_send_bytes(1, 4, 2048, 65536) == 0
+    assert gradient_exchange_bytes(4, 1e9) == pytest.approx(2 * 0.75 * 2e9)
+    assert gradient_exchange_bytes(1, 1e9) == 0
+    assert SETTING.stage_iteration_s == pytest.approx(2.0 * 12 / 15)
+
+
+# ---- the node NIC and each strategy's mechanism -----------------------------------------------------
+
+
+def test_node_network_shares_the_nic_with_training():
+    net = node_network(SETTING, CAL)
+    assert net.busy == pytest.approx(0.5) and net.full == pytest.approx(5 * GB) and net.idle == pytest.approx(2.5 * GB)
+    # 10 GB: 5 GB go in the iteration's idle time (2.5 GB/s x 2 s), the other 5 GB stall at 5 GB/s
+    assert network_stall_s(10 * GB, net, 2.0) == pytest.approx(1.0)
+    assert network_stall_s(4 * GB, net, 2.0) == 0.0
+
+
+def test_gemini_oracle_interval_and_global_recovery():
+    # 20 GB: 5 GB overlapped, 15 GB at 5 GB/s -> 3 s stall; fixed = 100 s restart + 20 GB / 5 GB/s
+    cost = gemini_cost(SETTING, CAL, 600.0)
+    k = oracle_interval(3.0, 2.0, 104.0, 600.0)
+    assert cost.stall_s == pytest.approx(3.0) and cost.interval == k
+    assert cost.overhead == pytest.approx(3.0 / (k * 2.0))
+    assert cost.recovery_s == pytest.approx(104.0 + (k / 2 + 1) * 2.0)
+    every = gemini_cost(SETTING, CAL, 600.0, interval=1)
+    assert 1 + every.overhead == pytest.approx(2.5)  # (T + 3 s) / T
+
+
+def test_global_restart_grows_with_ranks_localized_does_not():
+    assert CAL.global_restart_at(96) == pytest.approx(100.0)
+    assert CAL.global_restart_at(96 * 96) == pytest.approx(10.0 + 2 * 90.0)  # log2(96^2) / log2(96) = 2
+    big = replace(SETTING, gpus=96 * 96)
+    assert gemini_cost(big, CAL, 600.0, 10).recovery_s - gemini_cost(SETTING, CAL, 600.0, 10).recovery_s == (
+        pytest.approx(90.0)
+    )
+    assert moevement_cost(big, CAL).recovery_s == pytest.approx(moevement_cost(SETTING, CAL).recovery_s)
+
+
+def test_checkfreq_interval_caps_overhead_at_three_percent():
+    # persist 240 GB at 5 GB/s = 48 s; no snapshot stall (2.5 GB per GPU at PCIe speed) and no interference
+    cost = checkfreq_cost(SETTING, CAL)
+    assert cost.interval == 24  # the smallest k with max(0, 48 - 2k) / (2k) <= 3%: k >= 48 / 2.06 = 23.3
+    assert cost.overhead == pytest.approx(checkfreq_overhead(24, 0.0, 48.0, 2.0))
+    assert cost.recovery_s == pytest.approx(100.0 + 48.0 + (24 / 2 + 1) * 2.0 + 48.0)
+
+
+def test_moc_overhead_scales_with_the_experts_it_saves():
+    # bytes(f) = 20 GB (0.2 + 0.8 f); bandwidth gives f = 1/8 a 10% overhead: B = 6 GB / 2.2 s
+    assert moc_overhead(SETTING, 1 / 8) == pytest.approx(0.1)
+    assert moc_overhead(SETTING, 1.0) == pytest.approx((20 / (6 / 2.2) - 2.0) / 2.0)
+    with pytest.raises(ValueError, match="first K"):
+        moc_overhead(replace(SETTING, moc_start_overhead=None), 1.0)
+
+
+def test_moevement_window_stall_and_localized_recovery():
+    # per-GPU bandwidth = idle 2.5 GB/s / 8 GPUs; budget 0.625 GB per 2 s iteration: even one operator
+    # per slot (12 GB + 3 GB of frozen weights) does not fit, so W = 3 slots of one and snapshots stall
+    cost = moevement_cost(SETTING, CAL)
+    assert cost.window == 3
+    assert cost.stall_s == pytest.approx(15 * GB / (2.5 * GB / 8) - 2.0)
+    sizes = (12 + 2 + 1, 12 + 1, 6)  # GB: slot 0 carries the later slots' compute weights
+    stage = 2.0 * 12 / 15
+    frozen = (3 / 4, 2 / 4, 0.0)  # FLOPs 1, 1, 2: after slot 0, 3/4 frozen; after slot 1, 2/4
+    replay = sum(stage * (1 - f / 3) for f in frozen) + (3 - 1) / 2 * stage
+    fetch = sum(sizes) * GB * 8 / (5 * GB)
+    assert cost.recovery_s == pytest.approx(10.0 + fetch + replay + 1.0)
+    ablated = moevement_cost(SETTING, CAL, ablation=Ablation(skip_bweight=False, localized=False))
+    assert ablated.recovery_s == pytest.approx(100.0 + fetch + 3 * 2.0 + 2.0 + 1.0)
+
+
+# ---- runs ------------------------------------------------------------------------------------------
+
+
+def test_finite_and_closed_forms_hand_case():
+    from simulator.mechanisms import Cost
+
+    res = finite(Cost("x", 0.25, 60.0), 600.0, run_s=6000.0)  # 10 failures of 60 s in 6000 s
+    assert res.ettr == pytest.approx((1 - 600 / 6000) / 1.25)
+    assert res.ettr_closed == pytest.approx(closed_form(0.25, 60.0, 600.0)) == pytest.approx(1 / (1.25 * 1.1))
+
+
+def test_moc_dynamic_k_doubles_once_plt_passes_the_budget():
+    # Below the budget: 1 lost iteration (period 8: (8-1)/2 x 1/3.5) per failure over >= 500 iterations.
+    quiet = moc_run(SETTING, replace(CAL, moc_loss_scale=1 / 3.5), 3600.0, run_s=7200.0)
+    assert quiet.moc_fraction == pytest.approx(1 / 8) and quiet.plt < MOC_PLT_BUDGET
+    # Above it at the first failure: the fraction doubles at each of the 4 failures, 1/8 -> 1 (capped).
+    loud = moc_run(SETTING, replace(CAL, moc_loss_scale=100.0), 1800.0, run_s=7200.0)
+    assert loud.moc_fraction == 1.0
+    assert loud.overhead > moc_overhead(SETTING, 1 / 8)
+
+
+# ---- skew and MoEvement's order -------------------------------------------------------------------
+
+
+def test_dirichlet_skew_hand_cases():
+    assert expected_skew(1.0, 2) == pytest.approx(1 / 3)  # HHI = 2/3
+    assert expected_skew(alpha_for_skew(0.6, 16), 16) == pytest.approx(0.6)
+    assert popularity(None, 4, 2) == [[0.25] * 4] * 2
+    draw = popularity(0.01, 8, 3, seed=1)
+    assert all(sum(p) == pytest.approx(1.0) for p in draw) and draw == popularity(0.01, 8, 3, seed=1)
+
+
+def test_round_robin_staleness_hand_case():
+    # expert e saved at iterations = e mod 2; at phase 1, expert 0 is 1 iteration stale, expert 1 fresh
+    assert round_robin_staleness([0.5, 0.5, 0.0, 0.0], 2, 1) == pytest.approx(0.5)
+    assert round_robin_staleness([0.125] * 8, 4, 3) == pytest.approx(1.5)  # uniform: (period - 1) / 2
+
+
+def test_frozen_fractions_and_popularity_order():
+    ops = [Operator(1, 1, 1.0, (0, 0)), Operator(1, 1, 1.0, (0, 1)), Operator(1, 1, 2.0)]
+    assert frozen_fractions(ops, [[0], [1], [2]]) == pytest.approx([3 / 4, 2 / 4, 0.0])
+    shares = [[0.9, 0.1]]  # expert 0 is popular: reordering saves it after expert 1
+    ordered = ordered_operators(ops, shares, reorder=True)
+    assert [o.expert for o in ordered] == [(0, 1), (0, 0), None]
+    assert [o.flops for o in ordered[:2]] == pytest.approx([0.2, 1.8])  # E x share
+    assert [o.expert for o in ordered_operators(ops, shares, reorder=False)] == [(0, 0), (0, 1), None]
+
+
+def test_own_table4_window_from_the_cap():
+    # a dense snapshot takes 3 iterations: slot of a operators of 64: 12a + 2(64 - a) <= 12 * 64 / 3 -> a <= 12.8
+    assert moevement_window() == math.ceil(64 / 12)
+
+
+# ---- the fit and the command line --------------------------------------------------------------------
+
+
+def test_coordinate_search_and_coordinates_round_trip():
+    x, fx = coordinate_search(lambda v: (v[0] - 1.3) ** 2 + (v[1] + 0.7) ** 2, [0.0, 0.0], sweeps=12)
+    assert x == pytest.approx([1.3, -0.7], abs=1e-2) and fx < 1e-4
+    back = to_calibration(to_coordinates(CAL))
+    assert back.nic_efficiency == pytest.approx(0.5) and back.global_restart_s == pytest.approx(100.0)
+
+
+def test_cli_paper_tables_prints_every_section_and_the_held_out_errors(capsys):
+    main(["--paper-tables", "--no-figure"])
+    out = capsys.readouterr().out
+    for section in (
+        "table3 ettr",
+        "table4 sim-measured %",
+        "fig1a",
+        "fig11",
+        "fig13",
+        "fig16",
+        "own table4 (measured)",
+    ):
+        assert f"## {section}\n" in out
+    summary = out.split("## held-out Table 3 ETTR per strategy")[1].strip().splitlines()[1:]
+    assert [line.split()[0] for line in summary] == ["checkfreq", "gemini", "moc", "moevement"]
+
+
+def test_zero1_shards_the_state_over_data_parallel_ranks():
+    from simulator.setting import from_testbed
+    from simulator.testbed import TESTBEDS
+
+    tb = TESTBEDS["GPT-MoE"]  # DP = 4 pipelines
+    sharded, whole = from_testbed(tb, zero1=True), from_testbed(tb, zero1=False)
+    assert whole.node_state_bytes == pytest.approx(4 * sharded.node_state_bytes)
+    assert [o.fp32 for o in whole.operators] == pytest.approx([4 * o.fp32 for o in sharded.operators])
+    assert whole.cluster_state_bytes == sharded.cluster_state_bytes == 12 * tb.shape.total_params()
+
+
+def test_recorded_constants_are_what_the_fit_prints():
+    from simulator.calibrated import FITTED
+    from simulator.fit import fit
+
+    fitted, _ = fit()
+    for name, value in vars(FITTED).items():
+        assert getattr(fitted, name) == pytest.approx(value, rel=1e-4), name
+
+
+def test_ablation_steps_hand_case():
+    from simulator.ablation import ablation
+
+    rows = ablation(SETTING, CAL, 600.0, skew=0.0)
+    fetch, t, stage = 34 * 8 / 5, 2.0, 2.0 * 12 / 15  # W = 3 snapshots of 15 + 13 + 6 GB at 5 GB/s
+    frozen = (3 / 4, 2 / 4, 0.0)
+    expected = [
+        100.0 + fetch + 3 * t + t + t / 2,  # sparse only: global restart, every stage replays with the bubble
+        100.0 + fetch + sum(t * (1 - f / 3) for f in frozen) + t + t / 2,
+        100.0 + fetch + sum(t * (1 - f / 3) for f in frozen) + t + t / 2,  # uniform popularity: same order
+        10.0 + fetch + sum(stage * (1 - f / 3) for f in frozen) + stage + t / 2,  # localized
+    ]
+    assert [r.recovery_s for r in rows] == pytest.approx(expected)
+    assert [r.ettr for r in rows] == sorted(r.ettr for r in rows)
+
+
+def test_skew_moves_moevement_and_moc_not_the_dense_baselines():
+    from simulator.skew_study import skew_study
+
+    rows = skew_study(SETTING, replace(CAL, moc_loss_scale=0.5), 1800.0, skews=(0.0, 0.9))
+    for s in ("checkfreq", "gemini"):
+        assert rows[0].ettr[s] == rows[1].ettr[s]
+    assert rows[0].moc_plt != rows[1].moc_plt
+    assert rows[1].ettr["moevement"] != rows[0].ettr["moevement"]

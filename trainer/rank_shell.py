@@ -1,0 +1,189 @@
+"""The rank shell: what torchrun starts in each slot, so a dead worker is replaced without torchrun noticing.
+
+torchrun restarts every worker of the job when one dies (docs/design.md §4). Under torchrun, with a
+checkpoint strategy (not "none"), `fault.max_replacements` > 0 and more than one worker, `train.py`
+therefore starts as this thin parent, which imports no torch and never touches a GPU. It runs the trainer
+as its child and keeps one warm standby child: a second `train.py` with the interpreter started and torch
+and the project imported, waiting on a pipe for the word to start (on a GPU it holds no CUDA context
+until then).
+
+When the trainer child dies (SIGKILL, a segfault, the OOM killer, an unexpected exit status), the shell
+tells the standby which generation to join and it becomes the same rank on the same device; a new standby
+starts behind it. The surviving ranks notice the death themselves (a failed collective), keep their state
+in memory and join the same generation (`parallelisms.distributed.join_generation`). torchrun sees nothing.
+
+The shell gives the slot back to torchrun's own restart (exit status of the child) when the child exits
+cleanly (0), with a clean error (2), or asks for it (`FALLBACK`: a survivor that could not rejoin in place,
+or a replacement that could not join in time); when `fault.max_replacements` replacements are spent; and
+when torchrun stops it (SIGTERM, forwarded to the child). Its children die with it (`PR_SET_PDEATHSIG`).
+
+Messages from the trainer child reach the shell on a pipe (`SHELL_FD`), one line each: `generation <g>`
+when it starts joining generation g.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+
+ROLE = "MOEVEMENT_ROLE"  # "trainer" or "standby" in the shell's children; unset elsewhere
+SHELL_FD = "MOEVEMENT_SHELL_FD"  # the trainer child's end of the report pipe
+AGENT_PID = "MOEVEMENT_AGENT_PID"  # torchrun's agent, the shell's parent
+GENERATION = "MOEVEMENT_GENERATION"  # set in an activated standby: the generation it joins
+FALLBACK = 75  # exit status: leave the recovery to torchrun's restart of every worker
+_CLEAN_EXITS = (0, 2, FALLBACK, 143)  # done, a clean error, a fallback asked for, stopped by SIGTERM
+_PR_SET_PDEATHSIG = 1
+DEFAULT_MAX_REPLACEMENTS = 4  # `fault.max_replacements`'s default (trainer/config.py)
+
+
+def torchrun_agent_pid() -> int:
+    """The pid of the torchrun agent that started this worker (its parent, or its shell's parent)."""
+    return int(os.environ.get(AGENT_PID) or os.getppid())
+
+
+def wanted(argv: list[str]) -> bool:
+    """Whether this process, started as `train.py argv`, is to be a rank shell: under torchrun with more
+    than one worker, a checkpoint strategy and replacements allowed, and not itself a shell's child."""
+    env = os.environ
+    if "RANK" not in env or ROLE in env or int(env.get("WORLD_SIZE", "1")) < 2:
+        return False
+    if {"--dry-run", "--print-config", "-h", "--help"} & set(argv):
+        return False
+    try:
+        return _strategy(argv) != "none" and _max_replacements(argv) > 0
+    except (OSError, TypeError, ValueError, tomllib.TOMLDecodeError):
+        return False  # the trainer reports a bad config itself, without a shell
+
+
+def _strategy(argv: list[str]) -> str:
+    """`checkpoint.strategy` as the command line and the config file name it (the trainer checks it again)."""
+    for i, arg in enumerate(argv):
+        if arg.startswith("--checkpoint.strategy="):
+            return arg.split("=", 1)[1]
+        if arg == "--checkpoint.strategy" and i + 1 < len(argv):
+            return argv[i + 1]
+    path = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"), None)
+    try:
+        with open(path, "rb") as f:
+            return str(tomllib.load(f).get("checkpoint", {}).get("strategy", "none"))
+    except (OSError, TypeError, tomllib.TOMLDecodeError, AttributeError):
+        return "none"  # the trainer reports a bad config itself, without a shell
+
+
+def _max_replacements(argv: list[str]) -> int:
+    for i, arg in enumerate(argv):
+        if arg.startswith("--fault.max_replacements="):
+            return int(arg.split("=", 1)[1])
+        if arg == "--fault.max_replacements" and i + 1 < len(argv):
+            return int(argv[i + 1])
+    path = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"), None)
+    with open(path, "rb") as f:
+        return int(tomllib.load(f).get("fault", {}).get("max_replacements", DEFAULT_MAX_REPLACEMENTS))
+
+
+def _die_with_parent() -> None:
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class RankShell:
+    """One torchrun slot: the trainer child, its standby, and the generation the trainer last joined."""
+
+    def __init__(self, command: list[str], max_replacements: int):
+        self.command, self.max_replacements = command, max_replacements
+        self.rank = os.environ.get("RANK", "?")
+        self.generation, self.replacements, self.stopping = 0, 0, False
+        self.reports, report_end = os.pipe()
+        self.env = {**os.environ, AGENT_PID: str(os.getppid()), SHELL_FD: str(report_end)}
+        self.child = self._spawn("trainer")
+        self.standby = self._spawn("standby", stdin=subprocess.PIPE)
+        signal.signal(signal.SIGTERM, self._forward_sigterm)
+
+    def _spawn(self, role: str, **kwargs) -> subprocess.Popen:
+        """A child with the report pipe's write end (a standby reports once it is activated)."""
+        env = {**self.env, ROLE: role}
+        fds = (int(self.env[SHELL_FD]),)
+        return subprocess.Popen(self.command, env=env, pass_fds=fds, preexec_fn=_die_with_parent, **kwargs)
+
+    def _forward_sigterm(self, signum, _frame) -> None:
+        self.stopping = True  # torchrun stops the job: the child's end is no death to replace
+        self.child.send_signal(signum)
+        self._stop_standby()
+
+    def _stop_standby(self) -> None:
+        if self.standby is not None and self.standby.poll() is None:
+            self.standby.kill()
+            self.standby.wait()
+        self.standby = None
+
+    def _read_reports(self, timeout: float) -> None:
+        ready, _, _ = select.select([self.reports], [], [], timeout)
+        if not ready:
+            return
+        for line in os.read(self.reports, 4096).decode().splitlines():
+            word, _, value = line.partition(" ")
+            if word == "generation" and value.isdigit():
+                self.generation = max(self.generation, int(value))
+
+    def run(self) -> int:
+        """Supervise until the slot's work ends; returns the exit status for torchrun."""
+        while True:
+            while (code := self.child.poll()) is None:
+                self._read_reports(0.1)
+            self._read_reports(0)
+            if code in _CLEAN_EXITS or self.stopping or not self._replace(code):
+                self._stop_standby()
+                return code if code >= 0 else 128 - code
+
+    def _replace(self, code: int) -> bool:
+        """The trainer child died with `code`: start the standby as the same rank in the next generation."""
+        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+        if self.standby is None or self.standby.poll() is not None or self.replacements >= self.max_replacements:
+            why = "no standby" if self.standby is None or self.standby.poll() is not None else "replacements spent"
+            print(f"shell: rank {self.rank}: trainer pid {self.child.pid} died ({how}); {why}: torchrun restarts")
+            return False
+        dead, self.child, self.generation = self.child.pid, self.standby, self.generation + 1
+        self.replacements += 1
+        self.child.stdin.write(json.dumps({"generation": self.generation, "died": dead}).encode() + b"\n")
+        self.child.stdin.close()
+        print(
+            f"shell: rank {self.rank}: trainer pid {dead} died ({how}) at unix={time.time():.3f}; standby pid "
+            f"{self.child.pid} replaces it in generation {self.generation} "
+            f"(replacement {self.replacements} of {self.max_replacements})",
+            flush=True,
+        )
+        self.standby = self._spawn("standby", stdin=subprocess.PIPE)
+        return True
+
+
+def run_shell(argv: list[str]) -> int:
+    """`train.py argv` as a rank shell (see the module docstring)."""
+    return RankShell([sys.executable, *sys.argv[:1], *argv], _max_replacements(argv)).run()
+
+
+def await_activation() -> dict | None:
+    """In a standby: block until the shell activates it; the activation ({"generation", "died"}), or None
+    when the shell ends without needing it (its pipe closes)."""
+    line = sys.stdin.buffer.readline()
+    if not line:
+        return None
+    activation = json.loads(line)
+    os.environ[GENERATION] = str(activation["generation"])
+    os.environ[ROLE] = "trainer"
+    return activation
+
+
+def report(message: str) -> None:
+    """In a shell's trainer child: one line to the shell (nothing outside a shell)."""
+    fd = os.environ.get(SHELL_FD)
+    if fd is not None and os.environ.get(ROLE) == "trainer":
+        try:
+            os.write(int(fd), (message + "\n").encode())
+        except OSError:
+            pass  # the shell is gone: this process dies with it

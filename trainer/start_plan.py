@@ -1,0 +1,60 @@
+"""How this process takes its place in the job: decided once per generation, read by everything it starts.
+
+A process starts its rank fresh (a new job, or a relaunch of the job from its persisted state: attempt 0),
+rejoins after torchrun restarted every worker (attempt > 0: survivors kept their state in node-local shared
+memory), or joins the next *generation* of its attempt in place: a rank shell replaced a dead worker by a
+warm standby (`trainer/rank_shell.py`) while the survivors kept their state in memory and stayed alive.
+The generation numbers the process groups (`parallelisms.distributed.join_generation`); every death
+starts a new one, as does every torchrun restart (counted by `attempt`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+from moevement.recovery.live_state import LiveState
+from trainer.rank_shell import GENERATION
+
+
+@dataclass(frozen=True)
+class StartPlan:
+    run_id: str  # torchrun's run id ("" without torchrun)
+    attempt: int  # torchrun restarts of the job before this one
+    generation: int = 0  # in-place generations of this attempt before this one
+    replacement: bool = False  # this process takes a dead worker's place (an activated standby)
+    kept: LiveState | None = None  # a survivor's state, kept in memory from the previous generation
+    accounting: dict | None = None  # a survivor's run accounting, likewise
+
+    @property
+    def deaths(self) -> int:
+        """Deaths the job went through before this start: each torchrun restart and each generation follows one."""
+        return self.attempt + self.generation
+
+    @property
+    def restarted(self) -> bool:
+        """Whether the job ran before this start in this torchrun run (state may be kept somewhere)."""
+        return self.deaths > 0
+
+    @property
+    def in_place(self) -> bool:
+        """Whether survivors stayed alive: the rank joins a later generation of its attempt."""
+        return self.generation > 0
+
+    def name(self) -> dict:
+        """The run and attempt that files kept across a torchrun restart are named by."""
+        return {"run_id": self.run_id, "generation": self.attempt}
+
+    def next_generation(self, kept: LiveState | None, accounting: dict | None) -> StartPlan:
+        """A survivor's plan for the generation after this one, with what it kept in memory."""
+        return replace(self, generation=self.generation + 1, replacement=False, kept=kept, accounting=accounting)
+
+
+def plan_start() -> StartPlan:
+    """This process's plan at its start, from torchrun's environment and its rank shell's activation."""
+    return StartPlan(
+        run_id=os.environ.get("TORCHELASTIC_RUN_ID", ""),
+        attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        generation=int(os.environ.get(GENERATION, "0")),
+        replacement=GENERATION in os.environ,
+    )
