@@ -5,12 +5,12 @@ CONFIG ?= train_configs/debug_moe.toml
 
 .PHONY: train test test-all lint format venv clean gpu-check
 
-$(VENV)/.installed: requirements.txt pyproject.toml
+# The pinned runtime requirements (pyproject.toml), pytest and ruff (the dev extra), the moevement-lm-eval command.
+$(VENV)/.installed: pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found (set PYTHON=...)"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -r requirements.txt
-	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .  # the moevement-lm-eval command
+	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $@
 
 venv: $(VENV)/.installed

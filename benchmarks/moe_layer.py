@@ -17,9 +17,9 @@ import copy
 import dataclasses
 import statistics
 import time
+import tomllib
 from pathlib import Path
 
-import tomli
 import torch
 
 from models.args import ModelArgs
@@ -51,7 +51,7 @@ def load_shape(config: Path | None) -> tuple[ModelArgs, int]:
     if config is None or not config.exists():
         return ModelArgs(**BENCH_MOE), DEFAULT_TOKENS
     with config.open("rb") as f:
-        cfg = tomli.load(f)
+        cfg = tomllib.load(f)
     known = {f.name for f in dataclasses.fields(ModelArgs)}
     args = ModelArgs(**{k: v for k, v in cfg.get("model", {}).items() if k in known})
     training = cfg.get("training", {})

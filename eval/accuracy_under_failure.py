@@ -213,14 +213,16 @@ def score_piqa(checkpoint: Path, config: str, limit: int | None, out_dir: Path) 
     from eval.tasks import load_tasks
 
     datasets.disable_progress_bars()
-    task = load_tasks(["piqa"])["piqa"]
+    tasks, errors = load_tasks(["piqa_local"])
+    if errors:
+        raise errors["piqa_local"]
     lm = MoEvementLM(checkpoint=str(checkpoint), config=config, batch_size=32)
-    results = run_tasks(lm, [task], limit, 32, "cpu", log_samples=True)
-    samples = sorted(results.pop("samples")["piqa"], key=lambda s: s["doc_id"])
+    results = run_tasks(lm, [tasks["piqa_local"]], limit, 32, "cpu", log_samples=True)
+    samples = sorted(results.pop("samples")["piqa_local"], key=lambda s: s["doc_id"])
     lls = [[float(ll) for ll, _ in s["filtered_resps"]] for s in samples]
     write_results(results, out_dir / "eval_results.json")
     (out_dir / "piqa_loglikelihoods.json").write_text(json.dumps(lls))
-    metrics = results["results"]["piqa"]
+    metrics = results["results"]["piqa_local"]
     return {"acc": metrics["acc,none"], "acc_norm": metrics["acc_norm,none"], "items": len(lls), "lls": lls}
 
 

@@ -1,13 +1,16 @@
 """Score a checkpoint saved by train.py on lm-eval tasks.
 
-    python -m eval.harness --checkpoint DIR [--tasks piqa,hellaswag] [--limit N]
+    python -m eval.harness --checkpoint DIR [--tasks piqa_local,hellaswag_local] [--limit N]
         [--hellaswag-file FILE] [--piqa-dir DIR] [--batch-size B] [--output FILE]
         [--config TOML] [--tokenizer SPEC] [--device cpu]
     torchrun --nproc_per_node N -m eval.harness --checkpoint DIR ...   # documents split across ranks (gloo)
 
-Prints one line per task, ``task=<t> acc=<x> acc_norm=<x> n=<items>``, and writes lm-eval's
-results JSON to ``--output`` (default ``<checkpoint>/eval_results.json``). A bad checkpoint,
-task name or data file is one line ``error: ...`` on stderr and exit status 2.
+The tasks are the lm-eval task files of ``eval/lm_eval_tasks/`` (what ``lm_eval --include_path
+eval/lm_eval_tasks`` loads), over local data only. Prints one line per task, ``task=<t> acc=<x>
+acc_norm=<x> n=<items>``, and writes lm-eval's results JSON to ``--output`` (default
+``<checkpoint>/eval_results.json``). A bad checkpoint or task name is one line ``error: ...`` on
+stderr and exit status 2; a task whose data is missing is one such line, the other tasks still run
+and print, and the exit status is 2.
 """
 
 from __future__ import annotations
@@ -24,9 +27,12 @@ from typing import Any
 # is first imported, which is below.
 if not sys.stderr.isatty():
     os.environ.setdefault("TQDM_DISABLE", "1")
+# Every task's data is local: no hub look-ups (read when datasets and huggingface_hub are first imported).
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from eval.errors import EvalError  # noqa: E402
-from eval.tasks import DEFAULT_PIQA_DIR, TASKS, parse_task_names  # noqa: E402
+from eval.tasks import TASKS, parse_task_names  # noqa: E402
 
 RESULTS_FILE = "eval_results.json"
 
@@ -36,17 +42,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         prog="python -m eval.harness", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--checkpoint", required=True, help="directory written by train.py --checkpoint.save_final")
-    p.add_argument("--tasks", default="piqa", help=f"comma-separated, from: {', '.join(TASKS)} (default: piqa)")
+    p.add_argument(
+        "--tasks", default="piqa_local", help=f"comma-separated, from: {', '.join(TASKS)} (default: piqa_local)"
+    )
     p.add_argument("--limit", type=int, default=None, help="score only the first N items of each task")
     p.add_argument(
         "--hellaswag-file",
         default=None,
-        help="local JSONL in the original HellaSwag format (default: lm-eval's hellaswag from the hub)",
+        help="hellaswag_local's JSONL in the original HellaSwag format (default: $MOEVEMENT_HELLASWAG_FILE)",
     )
     p.add_argument(
         "--piqa-dir",
-        default=str(DEFAULT_PIQA_DIR),
-        help="directory with valid.jsonl + valid-labels.lst (default: ../shared/data/piqa)",
+        default=None,
+        help="piqa_local's directory with valid.jsonl + valid-labels.lst "
+        "(default: $MOEVEMENT_PIQA_DIR, else ../shared/data/piqa)",
     )
     p.add_argument("--batch-size", type=int, default=32, help="windows per forward pass (default: 32)")
     p.add_argument("--output", default=None, help=f"results JSON (default: <checkpoint>/{RESULTS_FILE})")
@@ -128,15 +137,21 @@ def run_tasks(
 
 
 def evaluate(args: argparse.Namespace, rank: int) -> dict[str, Any] | None:
-    """Load tasks and checkpoint, run lm-eval; the results on rank 0, None elsewhere."""
+    """Load tasks and checkpoint, run lm-eval on the tasks whose data loaded; the results on rank 0, None
+    elsewhere or when no task loaded. A task that did not load is one ``error:`` line (rank 0) and is named
+    in ``results["moevement"]["failed_tasks"]``."""
     import datasets
 
     from eval.model import MoEvementLM
     from eval.tasks import load_tasks
 
     datasets.disable_progress_bars()
-    names = parse_task_names(args.tasks)
-    tasks = load_tasks(names, piqa_dir=args.piqa_dir, hellaswag_file=args.hellaswag_file)
+    tasks, errors = load_tasks(parse_task_names(args.tasks), piqa_dir=args.piqa_dir, hellaswag_file=args.hellaswag_file)
+    if rank == 0:
+        for e in errors.values():
+            print(f"error: {e}", file=sys.stderr, flush=True)
+    if not tasks:
+        return None
     lm = MoEvementLM(
         checkpoint=args.checkpoint,
         config=args.config,
@@ -149,14 +164,31 @@ def evaluate(args: argparse.Namespace, rank: int) -> dict[str, Any] | None:
     wall = time.perf_counter() - started
     if rank != 0 or results is None:
         return None
-    items = sum(int(results["n-samples"][t]["effective"]) for t in names)
+    items = sum(int(results["n-samples"][t]["effective"]) for t in tasks)
     results["moevement"] = {
         "checkpoint": str(args.checkpoint),
         "eval_wall_s": wall,
         "items": items,
         "items_per_s": items / wall if wall > 0 else None,
+        "failed_tasks": sorted(errors),
     }
     return results
+
+
+def report(results: dict[str, Any], args: argparse.Namespace) -> None:
+    """Rank 0: one line per scored task on stdout, the results JSON, a summary line on stderr."""
+    output = Path(args.output) if args.output else Path(args.checkpoint) / RESULTS_FILE
+    for task in parse_task_names(args.tasks):
+        if task in results["results"]:
+            print(task_line(task, results), flush=True)
+    write_results(results, output)
+    info = results["moevement"]
+    print(
+        f"eval: {info['items']} items in {info['eval_wall_s']:.1f} s "
+        f"({info['items_per_s']:.1f} items/s); results -> {output}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,19 +199,10 @@ def main(argv: list[str] | None = None) -> int:
         rank, _ = _init_distributed()
         results = evaluate(args, rank)
         if results is not None:
-            output = Path(args.output) if args.output else Path(args.checkpoint) / RESULTS_FILE
-            for task in parse_task_names(args.tasks):
-                print(task_line(task, results), flush=True)
-            write_results(results, output)
-            info = results["moevement"]
-            print(
-                f"eval: {info['items']} items in {info['eval_wall_s']:.1f} s "
-                f"({info['items_per_s']:.1f} items/s); results -> {output}",
-                file=sys.stderr,
-                flush=True,
-            )
+            report(results, args)
         finished = True
-        return 0
+        scored = results is not None and not results["moevement"]["failed_tasks"]
+        return 0 if scored or rank != 0 else 2
     except EvalError as e:
         if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-import torch
-
 from models.args import ModelArgs
 
 SUPPORTED = {"qwen2_moe": "qwen", "deepseek": "deepseek"}
@@ -272,14 +270,3 @@ def check_names(hf_names: Iterable[str], args: ModelArgs) -> None:
         raise UnsupportedModel(f"weights: missing {missing[0]!r} ({len(missing)} missing in all)")
     if unexpected:
         raise UnsupportedModel(f"weights: unexpected {unexpected[0]!r} ({len(unexpected)} unexpected in all)")
-
-
-def from_hf(hf_state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """The project's state dict of a Hugging Face state dict; a missing or unexpected tensor is refused by name."""
-    check_names(hf_state, args)
-    return {ours: hf_state[theirs] for ours, theirs in sources(args).items()}
-
-
-def to_hf(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """The whole model's ``state`` (project names) under the original's names."""
-    return {theirs: state[ours] for ours, theirs in sources(args).items()}

@@ -71,7 +71,7 @@ class ModelBalanceLoss:
 
     ``E * sum_e f_e * P_e``, where f_e is expert e's share of the top-k assignments and P_e its mean
     score over the tokens of every MoE layer together (``top_k`` when balanced): one loss for the model,
-    not one per layer. Each layer :meth:`add`\ s its counts and scores as the forward goes; the gradient
+    not one per layer. Each layer :meth:`add`\\ s its counts and scores as the forward goes; the gradient
     of its scores, ``coef * E * C_e / N^2`` (C: every layer's counts, N: every layer's tokens), is formed
     in backward, when all layers have added theirs.
     """

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
 from models.experts import GroupedExperts
@@ -34,6 +34,15 @@ def apply_fsdp(part: torch.nn.Module, dims: ParallelDims, mixed_precision: str) 
                 experts.set_force_sum_reduction_for_comms(True)
         fully_shard(block, mesh=dp_mesh, mp_policy=policy, shard_placement_fn=_within_each_expert)
     fully_shard(part, mesh=dp_mesh, mp_policy=policy)
+
+
+def reshard(part: torch.nn.Module) -> None:
+    """Put every FSDP module of `part` back on its sharded parameters. After a forward without backward
+    (validation) the root keeps its gathered parameters registered as plain tensors, which every
+    data-parallel rank would then hold whole (and a state digest or save would count as each rank's own)."""
+    for module in part.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def largest_shard_on_meta(part: torch.nn.Module, cfg: ParallelismConfig) -> None:

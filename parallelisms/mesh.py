@@ -8,13 +8,15 @@ pipeline stage are consecutive, and expert parallelism is carved out of them
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from parallelisms.distributed import bounded_backend
 
-SCHEDULES = ("1F1B", "Interleaved1F1B", "GPipe")
+Schedule = Literal["1F1B", "Interleaved1F1B", "GPipe"]
+SCHEDULES: tuple[str, ...] = get_args(Schedule)
 
 
 @dataclass
@@ -22,7 +24,7 @@ class ParallelismConfig:
     pp: int = 1  # pipeline stages (ranks along the pipeline)
     dp: int = 1  # data-parallel ranks per stage (FSDP2)
     ep: int = 1  # expert-parallel ranks, carved out of dp
-    schedule: str = "1F1B"  # 1F1B | Interleaved1F1B | GPipe
+    schedule: Schedule = "1F1B"  # 1F1B | Interleaved1F1B | GPipe
     stages_per_rank: int = 1  # virtual stages per rank (Interleaved1F1B needs >= 2)
     split_points: str = ""  # layer ids starting stages 1.. (e.g. "2,4"); "" = balanced
 

@@ -1,9 +1,13 @@
 """Config loading: TOML + overrides, and one clear error naming the key."""
 
+import dataclasses
+import typing
+
 import pytest
 
 from tests.conftest import DEBUG_CONFIG, ROOT
-from trainer.config import ConfigError, load_config
+from trainer.config import Config, ConfigError, choices, load_config
+from trainer.config_help import config_keys
 
 
 def write(tmp_path, text):
@@ -55,6 +59,82 @@ def test_bad_file_values_name_the_key(tmp_path, text, key):
 def test_bad_overrides_name_the_key(args, key):
     with pytest.raises(ConfigError, match=key):
         load_config(str(ROOT / DEBUG_CONFIG), args)
+
+
+@pytest.mark.parametrize(
+    "args, hint",
+    [
+        (["--training.stpes", "5"], "did you mean 'training.steps'? allowed in [training]: steps, stop_at,"),
+        (["--training.strategy", "moc"], "did you mean 'checkpoint.strategy'? allowed in [training]: steps,"),
+        (["--trainig.steps", "3"], "did you mean 'training.steps'? sections: job, model,"),
+        (["--checkpoint.keep_host_stat"], "did you mean 'checkpoint.keep_host_state'? allowed in [checkpoint]"),
+    ],
+)
+def test_unknown_keys_suggest_the_nearest(args, hint):
+    with pytest.raises(ConfigError) as e:
+        load_config(str(ROOT / DEBUG_CONFIG), args)
+    assert hint in str(e.value) and "\n" not in str(e.value)
+
+
+def test_unknown_names_without_a_near_key_list_the_allowed_ones(tmp_path):
+    with pytest.raises(ConfigError, match=r"^unknown config key 'training.zzzzzz' \(allowed in \[training\]: steps"):
+        load_config(None, ["--training.zzzzzz", "1"])
+    with pytest.raises(ConfigError, match=r"^unknown config section \[trainin\] \(did you mean \[training\]\? allowed"):
+        load_config(write(tmp_path, "[trainin]\nsteps = 3\n"))
+
+
+def test_a_bare_boolean_flag_means_true():
+    cfg = load_config(None, ["--checkpoint.keep_host_state"])
+    assert cfg.checkpoint.keep_host_state is True
+    cfg = load_config(None, ["--metrics.cpu_cost", "--training.steps", "7", "--metrics.progress"])
+    assert (cfg.metrics.cpu_cost, cfg.training.steps, cfg.metrics.progress) == (True, 7, True)
+    cfg = load_config(None, ["--metrics.tensorboard", "false", "--checkpoint.keep_host_state", "off"])
+    assert (cfg.metrics.tensorboard, cfg.checkpoint.keep_host_state) == (False, False)
+    with pytest.raises(ConfigError, match=r"^missing value for --training.steps$"):
+        load_config(None, ["--training.steps", "--metrics.cpu_cost"])
+
+
+def _choice_keys() -> list[tuple[str, tuple]]:
+    """(key, allowed values) of every config field typed ``Literal[...]``."""
+    cfg, out = Config(), []
+    for s in dataclasses.fields(cfg):
+        section = getattr(cfg, s.name)
+        hints = typing.get_type_hints(type(section))
+        out += [
+            (f"{s.name}.{f.name}", allowed) for f in dataclasses.fields(section) if (allowed := choices(hints[f.name]))
+        ]
+    return out
+
+
+CHOICE_KEYS = _choice_keys()
+
+
+def test_choice_fields_are_literal_types():
+    assert {key for key, _ in CHOICE_KEYS} >= {
+        "training.mixed_precision",
+        "checkpoint.strategy",
+        "checkpoint.ordering",
+        "checkpoint.background_priority",
+        "fault.kill_signal",
+        "fault.scope",
+        "parallelism.schedule",
+    }
+    docs = {k.key: k for k in config_keys()}
+    for key, allowed in CHOICE_KEYS:
+        assert docs[key].type == "str" and all(value in docs[key].doc for value in allowed), key
+
+
+@pytest.mark.parametrize("key, allowed", CHOICE_KEYS)
+def test_every_choice_field_refuses_other_values_from_cli_and_file(tmp_path, key, allowed):
+    section, name = key.split(".")
+    assert getattr(getattr(Config(), section), name) in allowed
+    message = f"^config key '{key}' must be one of {', '.join(allowed)}, got 'nope'$"
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [f"--{key}", "nope"])
+    with pytest.raises(ConfigError, match=message):
+        load_config(write(tmp_path, f"[{section}]\n{name} = 'nope'\n"))
+    with pytest.raises(ConfigError, match=f"^config key '{key}' must be str, got int 3$"):
+        load_config(write(tmp_path, f"[{section}]\n{name} = 3\n"))
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,8 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,9 +20,11 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from eval import harness
 from eval.checkpoint import load_checkpoint
 from eval.errors import EvalError
+from eval.lm_eval_cli import split_tasks, with_tasks
+from eval.lm_eval_tasks.local_data import DEFAULT_PIQA_DIR, HELLASWAG_FILE_ENV, PIQA_DIR_ENV
 from eval.model import GENERATE_UNSUPPORTED, MoEvementLM, requests_from_pairs, score_windows
-from eval.tasks import DEFAULT_PIQA_DIR, HELLASWAG_TASK, PIQA_TASK, load_tasks
-from tests.conftest import DEBUG_CONFIG, run_cli
+from eval.tasks import TASK_DIR, load_tasks
+from tests.conftest import CHILD_ENV, DEBUG_CONFIG, ROOT, run_cli
 
 LINE = re.compile(r"^task=(\w+) acc=([0-9.]+) acc_norm=([0-9.]+) n=(\d+)$", re.M)
 PIQA_LABELS = DEFAULT_PIQA_DIR / "valid-labels.lst"
@@ -171,7 +175,9 @@ def test_checkpoint_loads_trained_weights_single_process(checkpoint, lm):
 
 
 def test_piqa_task_sees_every_item_with_its_label():
-    task = load_tasks(["piqa"])["piqa"]
+    tasks, errors = load_tasks(["piqa_local"])
+    assert not errors
+    task = tasks["piqa_local"]
     docs = task.validation_docs()
     labels = [int(x) for x in PIQA_LABELS.read_text().split()]
     assert len(docs) == len(labels) == 1838
@@ -184,25 +190,31 @@ def test_piqa_task_sees_every_item_with_its_label():
     assert not task.has_training_docs()
 
 
-def _installed_task_yaml(name: str) -> dict:
-    import lm_eval
-
+def _task_yaml(path: Path) -> dict:
     class Loader(yaml.SafeLoader):
         pass
 
     Loader.add_constructor("!function", lambda loader, node: f"!function {loader.construct_scalar(node)}")
-    path = Path(lm_eval.__file__).parent / "tasks" / name / f"{name}.yaml"
     return yaml.load(path.read_text(), Loader=Loader)
 
 
-def test_task_configs_match_installed_lm_eval_tasks():
-    piqa = _installed_task_yaml("piqa")
-    for key, value in PIQA_TASK.items():
-        assert piqa[key] == value, key
-    hellaswag = _installed_task_yaml("hellaswag")
-    assert hellaswag["process_docs"] == "!function utils.process_docs"
-    for key, value in HELLASWAG_TASK.items():
-        assert hellaswag[key] == value, key
+# what the local task files change of lm-eval's: the name and where the data comes from
+LOCAL_KEYS = {"task", "tag", "dataset_path", "dataset_name", "custom_dataset", "training_split"}
+
+
+@pytest.mark.parametrize("name", ["piqa", "hellaswag"])
+def test_task_files_are_the_installed_lm_eval_tasks_over_local_data(name):
+    import lm_eval
+
+    installed = _task_yaml(Path(lm_eval.__file__).parent / "tasks" / name / f"{name}.yaml")
+    ours = _task_yaml(TASK_DIR / f"{name}_local.yaml")
+    assert ours["task"] == f"{name}_local" and ours["training_split"] is None  # zero-shot: no training split
+    assert ours["custom_dataset"] == f"!function local_data.{name}_dataset"
+    if name == "hellaswag":  # lm-eval's own preprocessing, imported from lm-eval
+        assert installed.pop("process_docs") == "!function utils.process_docs"
+        assert ours.pop("process_docs") == "!function lm_eval.tasks.hellaswag.utils.process_docs"
+    strip = lambda cfg: {k: v for k, v in cfg.items() if k not in LOCAL_KEYS}  # noqa: E731
+    assert strip(ours) == strip(installed)
 
 
 def test_hellaswag_fixture_end_to_end(checkpoint, toy_hellaswag, tmp_path, capsys):
@@ -212,7 +224,7 @@ def test_hellaswag_fixture_end_to_end(checkpoint, toy_hellaswag, tmp_path, capsy
             "--checkpoint",
             checkpoint,
             "--tasks",
-            "piqa,hellaswag",
+            "piqa_local,hellaswag_local",
             "--limit",
             "3",
             "--hellaswag-file",
@@ -226,13 +238,13 @@ def test_hellaswag_fixture_end_to_end(checkpoint, toy_hellaswag, tmp_path, capsy
     stdout = capsys.readouterr().out
     assert rc == 0
     lines = LINE.findall(stdout)
-    assert [(t, int(n)) for t, _, _, n in lines] == [("piqa", 3), ("hellaswag", 3)], stdout
+    assert [(t, int(n)) for t, _, _, n in lines] == [("piqa_local", 3), ("hellaswag_local", 3)], stdout
     results = json.loads(out.read_text())
-    assert set(results["results"]) == {"piqa", "hellaswag"}
-    assert results["n-samples"]["hellaswag"] == {"original": 4, "effective": 3}
-    acc = results["results"]["hellaswag"]["acc,none"]
+    assert set(results["results"]) == {"piqa_local", "hellaswag_local"}
+    assert results["n-samples"]["hellaswag_local"] == {"original": 4, "effective": 3}
+    acc = results["results"]["hellaswag_local"]["acc,none"]
     assert f"acc={acc:.4f}" in stdout
-    task = load_tasks(["hellaswag"], hellaswag_file=toy_hellaswag)["hellaswag"]
+    task = load_tasks(["hellaswag_local"], hellaswag_file=toy_hellaswag)[0]["hellaswag_local"]
     doc = task.validation_docs()[0]  # lm-eval's preprocessing: "[title]" -> ". ", ctx_b capitalised
     assert task.doc_to_text(doc) == "Toy fixture: A cat sits on a mat. It"
     assert task.doc_to_choice(doc)[0] == "purrs quietly. and sleeps."
@@ -240,9 +252,10 @@ def test_hellaswag_fixture_end_to_end(checkpoint, toy_hellaswag, tmp_path, capsy
 
 
 def test_default_output_is_in_checkpoint_dir(checkpoint, capsys):
-    assert harness.main(["--checkpoint", checkpoint, "--tasks", "piqa", "--limit", "2"]) == 0
+    assert harness.main(["--checkpoint", checkpoint, "--tasks", "piqa_local", "--limit", "2"]) == 0
     assert LINE.search(capsys.readouterr().out)
-    assert json.loads((Path(checkpoint) / harness.RESULTS_FILE).read_text())["n-samples"]["piqa"]["effective"] == 2
+    results = json.loads((Path(checkpoint) / harness.RESULTS_FILE).read_text())
+    assert results["n-samples"]["piqa_local"]["effective"] == 2
 
 
 def _error(capsys, *argv) -> str:
@@ -256,12 +269,12 @@ def test_one_line_errors(checkpoint, tmp_path, toy_hellaswag, capsys):
     assert "no such directory" in _error(capsys, "--checkpoint", str(tmp_path / "missing"))
     (tmp_path / "empty").mkdir()
     assert "meta.json" in _error(capsys, "--checkpoint", str(tmp_path / "empty"))
-    assert "unknown task 'mmlu'" in _error(capsys, "--checkpoint", checkpoint, "--tasks", "piqa,mmlu")
+    assert "unknown task 'mmlu'" in _error(capsys, "--checkpoint", checkpoint, "--tasks", "piqa_local,mmlu")
     assert "valid.jsonl" in _error(capsys, "--checkpoint", checkpoint, "--piqa-dir", str(tmp_path))
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"ctx_a": "x", "endings": ["a", "b"], "label": 0}) + "\n")
     assert "missing field(s)" in _error(
-        capsys, "--checkpoint", checkpoint, "--tasks", "hellaswag", "--hellaswag-file", str(bad)
+        capsys, "--checkpoint", checkpoint, "--tasks", "hellaswag_local", "--hellaswag-file", str(bad)
     )
     assert "tokenizer" in _error(capsys, "--checkpoint", checkpoint, "--tokenizer", str(tmp_path / "none.json"))
 
@@ -276,14 +289,23 @@ def test_truncated_checkpoint_is_one_line_error(checkpoint, tmp_path, capsys):
     assert "checksum mismatch" in _error(capsys, "--checkpoint", str(copy))
 
 
-def test_hub_hellaswag_offline_points_to_local_file(checkpoint, monkeypatch, capsys):
-    import datasets.config
-    import huggingface_hub.constants
-
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    err = _error(capsys, "--checkpoint", checkpoint, "--tasks", "hellaswag")
-    assert "--hellaswag-file" in err
+def test_missing_task_data_is_one_line_and_the_other_tasks_still_run(checkpoint, tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv(HELLASWAG_FILE_ENV, raising=False)
+    out = tmp_path / "results.json"
+    argv = ["--checkpoint", checkpoint, "--tasks", "hellaswag_local,piqa_local", "--limit", "2", "--output", str(out)]
+    assert harness.main(argv) == 2
+    captured = capsys.readouterr()
+    errors = [line for line in captured.err.splitlines() if line.startswith("error: ")]
+    assert errors == [
+        f"error: hellaswag_local: no HellaSwag file: set {HELLASWAG_FILE_ENV}=FILE (or eval.harness --hellaswag-file "
+        "FILE), a JSONL in the original HellaSwag format (ctx_a, ctx_b, activity_label, endings, label)"
+    ]
+    assert [(t, int(n)) for t, _, _, n in LINE.findall(captured.out)] == [("piqa_local", 2)]
+    results = json.loads(out.read_text())
+    assert set(results["results"]) == {"piqa_local"} and results["moevement"]["failed_tasks"] == ["hellaswag_local"]
+    # the environment variable names the file as --hellaswag-file does
+    monkeypatch.setenv(HELLASWAG_FILE_ENV, str(tmp_path / "absent.jsonl"))
+    assert "absent.jsonl' not found" in _error(capsys, "--checkpoint", checkpoint, "--tasks", "hellaswag_local")
 
 
 def test_loads_through_lm_eval_registry(checkpoint):
@@ -317,7 +339,7 @@ def test_torchrun_two_ranks_match_single_process(checkpoint, tmp_path):
             "--checkpoint",
             checkpoint,
             "--tasks",
-            "piqa",
+            "piqa_local",
             "--limit",
             "10",
             "--output",
@@ -331,9 +353,9 @@ def test_torchrun_two_ranks_match_single_process(checkpoint, tmp_path):
         assert "\r" not in proc.stderr and "it/s" not in proc.stderr, proc.stderr  # no bars in a redirected log
         results = json.loads(out.read_text())
         scores[nproc] = (
-            results["results"]["piqa"]["acc,none"],
-            results["results"]["piqa"]["acc_norm,none"],
-            results["n-samples"]["piqa"]["effective"],
+            results["results"]["piqa_local"]["acc,none"],
+            results["results"]["piqa_local"]["acc_norm,none"],
+            results["n-samples"]["piqa_local"]["effective"],
         )
     assert scores[1] == scores[2]
 
@@ -351,3 +373,87 @@ def test_progress_counts_items_not_requests():
     progress.scored(5)
     progress.scored(4)
     assert progress.done == 3
+
+
+def _tiny_hf_model(tmp_path: Path) -> Path:
+    """A tiny random Qwen-MoE with the byte-level tokenizer, in Hugging Face's layout (made here, not downloaded)."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    from models.hf import main as hf_main
+
+    torch.manual_seed(0)
+    shape = dict(vocab_size=260, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
+    shape |= dict(num_key_value_heads=2, moe_intermediate_size=16, shared_expert_intermediate_size=24)
+    shape |= dict(num_experts=4, num_experts_per_tok=2, max_position_embeddings=1024)
+    Qwen2MoeForCausalLM(Qwen2MoeConfig(**shape)).save_pretrained(tmp_path / "src")
+    assert hf_main(["import", str(tmp_path / "src"), str(tmp_path / "ckpt")]) == 0
+    assert hf_main(["export", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 0
+    return tmp_path / "hf"
+
+
+def _piqa_accuracy_by_hand(hf_dir: Path, n: int) -> tuple[float, float]:
+    """acc and acc_norm of the first ``n`` PIQA items: lm-eval's piqa prompt scored by a plain forward pass."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, tok = AutoModelForCausalLM.from_pretrained(hf_dir).eval(), AutoTokenizer.from_pretrained(hf_dir)
+    rows = [json.loads(line) for line in (DEFAULT_PIQA_DIR / "valid.jsonl").read_text().splitlines()[:n]]
+    labels = [int(x) for x in PIQA_LABELS.read_text().split()[:n]]
+    hits = hits_norm = 0
+    for row, label in zip(rows, labels):
+        ctx = tok(f"Question: {row['goal']}\nAnswer:", add_special_tokens=False)["input_ids"]
+        lls = []
+        for sol in (row["sol1"], row["sol2"]):
+            cont = tok(" " + sol, add_special_tokens=False)["input_ids"]
+            with torch.no_grad():
+                logits = model(torch.tensor([ctx + cont])).logits[0]
+            logprobs = F.log_softmax(logits.float(), dim=-1)[len(ctx) - 1 : -1]
+            lls.append(float(logprobs.gather(1, torch.tensor(cont)[:, None]).sum()))
+        hits += max((0, 1), key=lambda i: lls[i]) == label
+        norm = [lls[0] / len(row["sol1"]), lls[1] / len(row["sol2"])]
+        hits_norm += max((0, 1), key=lambda i: norm[i]) == label
+    return hits / n, hits_norm / n
+
+
+def test_lm_eval_cli_scores_the_local_piqa_task_file(tmp_path):
+    """lm-eval's own command line, ``--include_path eval/lm_eval_tasks --tasks piqa_local``, offline, scores
+    a Hugging Face model on the first items of ../shared/data/piqa as lm-eval's piqa prompt does."""
+    hf_dir, n = _tiny_hf_model(tmp_path), 8
+    lm_eval = Path(sys.executable).parent / "lm_eval"
+    cmd = [str(lm_eval), "--model", "hf", "--model_args", f"pretrained={hf_dir},dtype=float32", "--device", "cpu"]
+    cmd += ["--include_path", str(TASK_DIR), "--tasks", "piqa_local", "--limit", str(n), "--batch_size", "1"]
+    cmd += ["--output_path", str(tmp_path / "out")]
+    env = {k: v for k, v in CHILD_ENV.items() if k != PIQA_DIR_ENV}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "piqa_local" in proc.stdout  # lm-eval's results table
+    (results_file,) = (tmp_path / "out").rglob("results_*.json")
+    results = json.loads(results_file.read_text())
+    assert results["n-samples"]["piqa_local"] == {"original": 1838, "effective": n}
+    acc, acc_norm = _piqa_accuracy_by_hand(hf_dir, n)
+    scores = results["results"]["piqa_local"]
+    assert (scores["acc,none"], scores["acc_norm,none"]) == (pytest.approx(acc), pytest.approx(acc_norm))
+
+
+def test_moevement_lm_eval_runs_the_tasks_whose_data_is_there(checkpoint, tmp_path):
+    """``moevement-lm-eval`` includes the task files itself; a task without data is one line, the rest run."""
+    env = {k: v for k, v in CHILD_ENV.items() if k != HELLASWAG_FILE_ENV}
+    cmd = [sys.executable, "-m", "eval.lm_eval_cli", "--model", "moevement", "--model_args", f"checkpoint={checkpoint}"]
+    cmd += ["--tasks", "hellaswag_local,piqa_local", "--limit", "3", "--batch_size", "4"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: hellaswag_local: no HellaSwag file"), proc.stderr
+    assert "Traceback" not in proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("|piqa_local")]
+    assert len(rows) == 1 and "acc" in rows[0], proc.stdout  # lm-eval's results table
+
+
+def test_lm_eval_cli_task_arguments():
+    assert split_tasks(["--model", "hf", "--tasks", "a,b", "c", "--limit", "3"]) == (
+        ["--model", "hf", "--limit", "3"],
+        ["a", "b", "c"],
+    )
+    assert split_tasks(["run", "-t", "a", "--tasks=b,c"]) == (["run"], ["a", "b", "c"])
+    assert split_tasks(["ls", "tasks"]) == (["ls", "tasks"], [])
+    assert with_tasks(["--limit", "3"], ["a", "b"]) == ["--limit", "3", "--tasks", "a,b"]
+    assert with_tasks(["ls"], []) == ["ls"]

@@ -244,39 +244,14 @@ def test_exported_byte_tokenizer_is_the_trainer_s(tmp_path):
 
 # ---------------------------------------------------------------- the user's path, end to end
 
-PIQA_TASK_YAML = """task: piqa_local
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    validation: {data}
-output_type: multiple_choice
-validation_split: validation
-doc_to_text: "Question: {{{{goal}}}}\\nAnswer:"
-doc_to_target: label
-doc_to_choice: "{{{{[sol1, sol2]}}}}"
-metric_list:
-  - metric: acc
-  - metric: acc_norm
-"""
 
-
-def _local_piqa(tmp_path: Path, n: int) -> Path:
-    """lm-eval's piqa prompt over the first ``n`` items of ../shared/data/piqa, as an --include_path task."""
-    piqa = ROOT.parent / "shared" / "data" / "piqa"
-    rows = (piqa / "valid.jsonl").read_text().splitlines()[:n]
-    labels = (piqa / "valid-labels.lst").read_text().split()[:n]
-    data = tmp_path / "piqa.jsonl"
-    data.write_text("".join(json.dumps(json.loads(r) | {"label": int(lab)}) + "\n" for r, lab in zip(rows, labels)))
-    tasks = tmp_path / "tasks"
-    tasks.mkdir()
-    (tasks / "piqa_local.yaml").write_text(PIQA_TASK_YAML.format(data=data))
-    return tasks
-
-
-def _lm_eval(tasks: Path, out: Path, *model: str) -> dict:
-    script = Path(sys.executable).parent / "moevement-lm-eval"  # installed by `make` (pip install -e .)
-    cmd = [str(script), *model, "--tasks", "piqa_local", "--include_path", str(tasks), "--output_path", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=CHILD_ENV, capture_output=True, text=True, timeout=600)
+def _lm_eval(n: int, out: Path, *model: str) -> dict:
+    """``moevement-lm-eval`` (as installed by ``make``: ``pip install -e .``) on the first ``n`` items of the
+    project's ``piqa_local`` task (../shared/data/piqa); PYTHONPATH: this checkout's code."""
+    script = Path(sys.executable).parent / "moevement-lm-eval"
+    cmd = [str(script), *model, "--tasks", "piqa_local", "--limit", str(n), "--output_path", str(out)]
+    env = CHILD_ENV | {"PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (results,) = out.rglob("results_*.json")
     scores = json.loads(results.read_text())["results"]["piqa_local"]
@@ -298,7 +273,6 @@ def test_import_train_with_a_failure_export_and_score_with_lm_eval(tmp_path):
     assert main(["export", str(tmp_path / "trained"), str(tmp_path / "hf")]) == 0
 
     n = 40
-    tasks = _local_piqa(tmp_path, n)
     harness = subprocess.run(
         [sys.executable, "-m", "eval.harness", "--checkpoint", str(tmp_path / "trained"), "--limit", str(n)],
         cwd=ROOT,
@@ -308,12 +282,12 @@ def test_import_train_with_a_failure_export_and_score_with_lm_eval(tmp_path):
         timeout=600,
     )
     assert harness.returncode == 0, harness.stderr
-    acc, acc_norm = map(float, re.search(r"task=piqa acc=(\S+) acc_norm=(\S+) n=40", harness.stdout).groups())
+    acc, acc_norm = map(float, re.search(r"task=piqa_local acc=(\S+) acc_norm=(\S+) n=40", harness.stdout).groups())
     # lm-eval's default device and --batch_size from its command line (no CUDA here: the CPU, with a warning)
     model_args = f"checkpoint={tmp_path / 'trained'},batch_size=16"  # also given below: no "multiple values"
-    ours = _lm_eval(tasks, tmp_path / "lm1", "--model", "moevement", "--model_args", model_args, "--batch_size", "4")
+    ours = _lm_eval(n, tmp_path / "lm1", "--model", "moevement", "--model_args", model_args, "--batch_size", "4")
     hf = _lm_eval(
-        tasks,
+        n,
         tmp_path / "lm2",
         "--model",
         "hf",

@@ -58,4 +58,9 @@ def test_tensorboard_shows_every_stage_and_a_normal_run_warns_about_nothing(tmp_
     for stage in (0, 1):
         assert tb.Scalars(f"snapshot/pp{stage}/window")[-1].value == 2
         assert tb.Scalars(f"snapshot/pp{stage}/host_mb")[-1].value > 0
+        # host memory: the resident set of a rank running torch is tens of MB at least, and the peak >= it
+        rss, peak = (tb.Scalars(f"memory/pp{stage}/{key}") for key in ("rss_mb", "peak_rss_mb"))
+        assert [e.step for e in rss] == [e.step for e in peak] == [2, 4]
+        assert all(50 < r.value <= p.value for r, p in zip(rss, peak)), [(r.value, p.value) for r, p in zip(rss, peak)]
+        assert peak[0].value <= peak[1].value  # a peak so far never falls
     assert json.loads((folder / "run.json").read_text())["layout"]["pp"] == 2

@@ -116,3 +116,14 @@ def test_cpu_cost_line_accounts_for_every_checkpointing_activity(tmp_path):
         background = sum(c[f"{a}_s"] for a in ("copy", "checksum", "replication", "persistence"))
         assert c["training_thread_s"] + background <= c["process_s"] + 0.01  # rusage ticks are coarser
     assert "cpu_cost" not in train("--training.steps", "2").stdout  # off by default
+
+
+def test_validation_leaves_the_sharded_state_as_training_does(tmp_path):
+    """dp=2 (FSDP2): a validation (forward only) as the last iteration and before a failure's snapshots
+    changes nothing of the state: the run finishes, saves, and its digest is the run's without validation."""
+    common = ("--parallelism.dp", "2", "--training.steps", "6", "--checkpoint.strategy", "moevement")
+    common += ("--checkpoint.window", "2", "--fault.at", "4:1", "--checkpoint.host_dir", str(tmp_path / "shm"))
+    plain = train(*common, nproc=2).stdout
+    validated = train(*common, "--training.val_every", "2", "--checkpoint.save_final", str(tmp_path / "ck"), nproc=2)
+    assert re.findall(r"^validation step=(\d+)", validated.stdout, re.M) == ["2", "4", "6"]
+    assert final_line(validated.stdout) == final_line(plain) and (tmp_path / "ck" / "meta.json").is_file()

@@ -7,22 +7,24 @@ and impossible combinations raise `ConfigError` with one line naming the key.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import re
+import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import tomli
+from typing import Literal
 
 from models.args import ModelArgs
-from moevement.checkpoint.popularity import POLICIES
+from moevement.checkpoint.popularity import Policy
 from moevement.failures import FaultPlan, FaultSpecError
-from moevement.storage.background import PRIORITIES
-from parallelisms.mesh import SCHEDULES, ParallelismConfig
+from moevement.storage.background import Priority
+from parallelisms.mesh import ParallelismConfig
 from trainer.data import DataConfig
 
-STRATEGIES = ("none", "moevement", "gemini", "checkfreq", "moc")
+Strategy = Literal["none", "moevement", "gemini", "checkfreq", "moc"]
+STRATEGIES: tuple[str, ...] = typing.get_args(Strategy)
 INT64 = (-(2**63), 2**63 - 1)  # every integer key fits a signed 64-bit value (torch, numpy, file headers)
 # job.name becomes a directory name under output_dir, host_dir and persist_dir: never a path, never hidden
 JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
@@ -57,10 +59,10 @@ class TrainingConfig:
     max_grad_norm: float = 1.0  # global gradient-norm clipping (0: off)
     # tokens whose vocabulary logits the loss forms at once, again in backward (0: all of a micro-batch's)
     loss_chunk_tokens: int = 1024
-    mixed_precision: str = "fp32"  # fp32 | bf16 (FP32 master weights, bf16 compute weights)
+    mixed_precision: Literal["fp32", "bf16"] = "fp32"  # fp32 | bf16 (FP32 master weights, bf16 compute weights)
     # CPU bf16 matrix products: native bf16 kernels, or SGEMM on the bf16 operands (fp32 accumulation,
     # 15x faster on CPUs without bf16 instructions); auto: fp32 unless the CPU has AVX512-BF16 / AMX
-    cpu_bf16_gemm: str = "auto"
+    cpu_bf16_gemm: Literal["auto", "native", "fp32"] = "auto"
     cpu_reuse_memory: bool = True  # CPU: keep freed large blocks in the heap (trainer/allocator.py)
     val_every: int = 0  # validation loss every N iterations (0: none)
     val_batches: int = 4  # batches per validation
@@ -69,7 +71,7 @@ class TrainingConfig:
 
 @dataclass
 class CheckpointConfig:
-    strategy: str = "none"  # none | moevement | gemini | checkfreq | moc
+    strategy: Strategy = "none"  # none | moevement | gemini | checkfreq | moc
     save_final: str = ""  # directory for a dense checkpoint (safetensors + meta.json) at the end of training
     load: str = ""  # directory of a dense checkpoint to resume from (an imported one: its weights, a fresh optimizer)
     # load a dense checkpoint saved under another training config (fine-tuning); the differences are printed
@@ -79,13 +81,15 @@ class CheckpointConfig:
     # largest W Algorithm 1 may choose: a window's host memory grows with W (each snapshot carries the later
     # slots' compute weights) and a recovery replays up to 2W iterations; above it, snapshots stall the step
     max_window: int = 16
-    slots: str = "count"  # cut operators into slots by equal count (the paper) or by bytes: count | bytes
-    ordering: str = "count"  # operator popularity: count | soft | ema | capacity
+    # cut operators into slots by equal count (the paper) or by bytes: count | bytes
+    slots: Literal["count", "bytes"] = "count"
+    ordering: Policy = "count"  # operator popularity: count | soft | ema | capacity
     ema_decay: float = 0.9  # decay of the `ema` ordering policy
     replicas: int = 2  # peers holding a copy of each snapshot (capped by world size - 1)
-    replication: str = "auto"  # auto: peers on this node copy from shared memory | network: all via the process group
+    # auto: peers on this node copy from shared memory | network: all via the process group
+    replication: Literal["auto", "network"] = "auto"
     bandwidth_gbps: float = 0.0  # cap on the snapshot copy rate to host memory, Gbit/s (0: none)
-    background_priority: str = "idle"  # CPU priority of the copy/replication/disk threads: idle | normal
+    background_priority: Priority = "idle"  # CPU priority of the copy/replication/disk threads: idle | normal
     host_dir: str = ""  # owner-only shared-memory directory for snapshots and replicas ("": /dev/shm/moevement-<uid>)
     keep_host_state: bool = False  # keep snapshots in host memory after a clean finish
     persist_dir: str = ""  # also write every `persist_every`-th persisted checkpoint to <persist_dir>/<job.name>
@@ -99,9 +103,6 @@ class CheckpointConfig:
     moc_plt_threshold: float = 0.0375  # MoC doubles K_pec when the proportion of lost tokens exceeds this
 
 
-FAULT_SCOPES = ("localized", "global")
-
-
 @dataclass
 class FaultConfig:
     at: str = ""  # STEP:RANK[+RANK...][,...]: these ranks lose their state at STEP and recover in place
@@ -109,11 +110,13 @@ class FaultConfig:
     # STEP:RANK[:PHASE][,...]: the process SIGKILLs itself in PHASE: forward (default), backward, clip,
     # optimizer, snapshot, replication, validation or replay
     kill: str = ""
-    kill_signal: str = "SIGKILL"  # how fault.kill strikes: SIGKILL (a death) or SIGSTOP (a hang)
+    # how fault.kill strikes: SIGKILL (a death) | SIGSTOP (a hang)
+    kill_signal: Literal["SIGKILL", "SIGSTOP"] = "SIGKILL"
     timeout_s: float = 600.0  # a collective without progress for this long fails: a hung peer counts as dead
     # under torchrun, dead workers a rank shell replaces in place before torchrun's restart takes over
     max_replacements: int = 4
-    scope: str = "localized"  # localized: the failed stages roll back | global: every stage does (for comparison)
+    # localized: the failed stages roll back | global: every stage does (for comparison)
+    scope: Literal["localized", "global"] = "localized"
     replay_threads: int = 0  # CPU threads of a replaying rank (0: auto, the cores its paused neighbours leave idle)
     mtbf_iters: float = 0.0  # Poisson failures of random ranks, mean time between failures in iterations (0: none)
     seed: int = 0  # seed of the Poisson failure schedule
@@ -141,18 +144,6 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
 
-CHOICES = {
-    "training.mixed_precision": ("fp32", "bf16"),
-    "training.cpu_bf16_gemm": ("auto", "native", "fp32"),
-    "checkpoint.strategy": STRATEGIES,
-    "checkpoint.ordering": POLICIES,
-    "checkpoint.slots": ("count", "bytes"),
-    "checkpoint.replication": ("auto", "network"),
-    "checkpoint.background_priority": PRIORITIES,
-    "parallelism.schedule": SCHEDULES,
-}
-
-
 def load_config(path: str | None, overrides: list[str] = ()) -> Config:
     """Read `path` (TOML), apply `--section.key value` overrides, validate."""
     cfg = Config()
@@ -162,15 +153,15 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
             raise ConfigError(f"config file not found: {path}")
         try:
             with file.open("rb") as f:
-                table = tomli.load(f)
-        except (tomli.TOMLDecodeError, UnicodeDecodeError) as e:
+                table = tomllib.load(f)
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path}: invalid TOML: {e}") from None
         except OSError as e:
             raise ConfigError(f"{path}: unreadable ({e.strerror})") from None
         if not table:
             raise ConfigError(f"{path}: the config file sets nothing (empty or only comments)")
         _apply_table(cfg, table)
-    for key, raw in _parse_overrides(overrides):
+    for key, raw in _parse_overrides(cfg, overrides):
         section, name = _lookup(cfg, key)
         setattr(section, name, _coerce(key, raw, _field_type(section, name), from_cli=True))
     validate(cfg)
@@ -180,7 +171,9 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
 def _apply_table(cfg: Config, table: dict) -> None:
     for section_name, values in table.items():
         if section_name not in _sections(cfg):
-            raise ConfigError(f"unknown config section [{section_name}] (allowed: {', '.join(_sections(cfg))})")
+            near = difflib.get_close_matches(section_name, _sections(cfg), n=1)
+            hint = f"did you mean [{near[0]}]? " if near else ""
+            raise ConfigError(f"unknown config section [{section_name}] ({hint}allowed: {', '.join(_sections(cfg))})")
         if not isinstance(values, dict):
             raise ConfigError(f"config section [{section_name}] must be a table")
         for name, value in values.items():
@@ -189,7 +182,9 @@ def _apply_table(cfg: Config, table: dict) -> None:
             setattr(section, name, _coerce(key, value, _field_type(section, name), from_cli=False))
 
 
-def _parse_overrides(args: list[str]) -> list[tuple[str, str]]:
+def _parse_overrides(cfg: Config, args: list[str]) -> list[tuple[str, str]]:
+    """``[(key, raw value)]`` of ``--section.key value``, ``--section.key=value`` and, for a bool key, a bare
+    ``--section.key`` (true)."""
     pairs, i = [], 0
     while i < len(args):
         arg = args[i]
@@ -198,11 +193,14 @@ def _parse_overrides(args: list[str]) -> list[tuple[str, str]]:
         if "=" in arg:
             key, raw = arg[2:].split("=", 1)
             i += 1
-        else:
-            if i + 1 >= len(args):
-                raise ConfigError(f"missing value for {arg}")
+        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
             key, raw = arg[2:], args[i + 1]
             i += 2
+        elif _field_type(*_lookup(cfg, arg[2:])) is bool:
+            key, raw = arg[2:], "true"
+            i += 1
+        else:
+            raise ConfigError(f"missing value for {arg}")
         pairs.append((key, raw))
     return pairs
 
@@ -211,14 +209,37 @@ def _sections(cfg: Config) -> list[str]:
     return [f.name for f in dataclasses.fields(cfg)]
 
 
+def _all_keys(cfg: Config) -> list[str]:
+    return [f"{s}.{f.name}" for s in _sections(cfg) for f in dataclasses.fields(getattr(cfg, s))]
+
+
+def _key_of_name(cfg: Config) -> dict[str, str]:
+    """{name: section.name} over all sections (the first section for a name several have)."""
+    keys = {}
+    for key in _all_keys(cfg):
+        keys.setdefault(key.partition(".")[2], key)
+    return keys
+
+
+def _did_you_mean(key: str, candidates: list[str], section: str = "") -> str:
+    """``"did you mean '<nearest>'? "`` (prefixed by ``section.``), or "" when no candidate is near."""
+    close = difflib.get_close_matches(key, candidates, n=1)
+    return f"did you mean '{section + '.' if section else ''}{close[0]}'? " if close else ""
+
+
 def _lookup(cfg: Config, key: str):
     section_name, _, name = key.partition(".")
     if section_name not in _sections(cfg):
-        raise ConfigError(f"unknown config key '{key}' (sections: {', '.join(_sections(cfg))})")
+        hint = _did_you_mean(key, _all_keys(cfg))
+        raise ConfigError(f"unknown config key '{key}' ({hint}sections: {', '.join(_sections(cfg))})")
     section = getattr(cfg, section_name)
     names = [f.name for f in dataclasses.fields(section)]
     if name not in names:
-        raise ConfigError(f"unknown config key '{key}' (allowed in [{section_name}]: {', '.join(names)})")
+        hint = _did_you_mean(name, names, section_name) if name not in _key_of_name(cfg) else ""
+        if not hint:  # the name (or a near one) of another section's key
+            near = difflib.get_close_matches(name, _key_of_name(cfg), n=1)
+            hint = f"did you mean '{_key_of_name(cfg)[near[0]]}'? " if near else ""
+        raise ConfigError(f"unknown config key '{key}' ({hint}allowed in [{section_name}]: {', '.join(names)})")
     return section, name
 
 
@@ -226,7 +247,14 @@ def _field_type(section, name: str) -> type:
     return typing.get_type_hints(type(section))[name]
 
 
-def _coerce(key: str, value, kind: type, from_cli: bool):
+def choices(kind) -> tuple | None:
+    """The allowed values of a ``Literal[...]`` field type, else None."""
+    return typing.get_args(kind) if typing.get_origin(kind) is Literal else None
+
+
+def _coerce(key: str, value, kind, from_cli: bool):
+    if choices(kind):  # a Literal of strings: a str, checked against the choices by validate()
+        kind = str
     if from_cli:
         value = _parse_cli_value(key, value, kind)
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
@@ -261,10 +289,11 @@ def _check(condition: bool, key: str, message: str) -> None:
 
 def validate(cfg: Config) -> None:
     """Cross-field checks; raise ConfigError naming the first bad key."""
-    for key, allowed in CHOICES.items():
+    for key in _all_keys(cfg):
         section, name = _lookup(cfg, key)
-        value = getattr(section, name)
-        _check(value in allowed, key, f"must be one of {', '.join(allowed)}, got {value!r}")
+        allowed, value = choices(_field_type(section, name)), getattr(section, name)
+        if allowed:
+            _check(value in allowed, key, f"must be one of {', '.join(allowed)}, got {value!r}")
     try:
         cfg.model.validate()
     except ValueError as e:
@@ -340,12 +369,9 @@ def _validate_fault(cfg: Config) -> None:
         f"must be 0 (no failures) or at least 1 iteration between failures, got {f.mtbf_iters}",
     )
     plan = fault_plan(cfg, world=2)
-    signals = ("SIGKILL", "SIGSTOP")
-    _check(f.kill_signal in signals, "fault.kill_signal", f"must be SIGKILL or SIGSTOP, got {f.kill_signal!r}")
     _check(f.timeout_s > 0, "fault.timeout_s", f"must be > 0 seconds, got {f.timeout_s}")
     _check(f.max_replacements >= 0, "fault.max_replacements", f"must be >= 0, got {f.max_replacements}")
     _check(f.replay_threads >= 0, "fault.replay_threads", f"must be >= 0 (0: auto), got {f.replay_threads}")
-    _check(f.scope in FAULT_SCOPES, "fault.scope", f"must be one of {', '.join(FAULT_SCOPES)}, got {f.scope!r}")
     for kill in plan.kills if plan else ():
         every = cfg.training.val_every
         _check(

@@ -16,7 +16,7 @@ import typing
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.config import CHOICES, Config
+from trainer.config import Config, choices
 
 
 @dataclass(frozen=True)
@@ -66,10 +66,11 @@ def config_keys(cfg: Config | None = None) -> list[KeyDoc]:
         docs = field_docs(type(obj))
         for f in dataclasses.fields(obj):
             key = f"{section.name}.{f.name}"
-            doc = docs.get(f.name, "")
-            if key in CHOICES and "|" not in doc:
-                doc = f"{doc} ({' | '.join(CHOICES[key])})".strip()
-            out.append(KeyDoc(key, hints[f.name].__name__, getattr(obj, f.name), doc))
+            doc, allowed = docs.get(f.name, ""), choices(hints[f.name])
+            if allowed and "|" not in doc:
+                doc = f"{doc} ({' | '.join(allowed)})".strip()
+            kind = type(allowed[0]) if allowed else hints[f.name]
+            out.append(KeyDoc(key, kind.__name__, getattr(obj, f.name), doc))
     return out
 
 

@@ -122,10 +122,6 @@ class TokenBatches:
     def __len__(self) -> int:
         return self.batches_per_epoch
 
-    def local_batch_size(self, dp_size: int = 1) -> int:
-        self.check_dp(dp_size)
-        return self.global_batch_size // dp_size
-
     def check_dp(self, dp_size: int) -> None:
         if dp_size < 1 or self.global_batch_size % (self.micro_batches * dp_size):
             raise DataError(

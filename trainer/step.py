@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from parallelisms import collectives
+from parallelisms.fsdp import reshard
 from parallelisms.mesh import ParallelDims
 from parallelisms.parallelize import ModelParts
 from trainer.config import TrainingConfig
@@ -164,7 +165,8 @@ def replay_update(model: ModelParts, optimizer: torch.optim.Optimizer, scalars: 
 def evaluate(
     model: ModelParts, batches: list[tuple[torch.Tensor, torch.Tensor]], dims: ParallelDims, micro: int
 ) -> float:
-    """Mean cross-entropy over fixed validation batches (dropout off, no load counting)."""
+    """Mean cross-entropy over fixed validation batches (dropout off, no load counting); the parameters
+    are sharded again afterwards, as after a training step."""
     for part in model.parts:
         part.eval()
     total = 0.0
@@ -181,5 +183,6 @@ def evaluate(
             ).mean()
         total += _global_mean_loss(loss, dims)
     for part in model.parts:
+        reshard(part)
         part.train()
     return total / len(batches)

@@ -3,13 +3,16 @@
 Every iteration: rank 0's `train/` scalars (loss, lr, ...: the same on every rank). Every
 `metrics.tensorboard_every` iterations, one small all-reduce over all ranks brings rank 0 each stage's
 expert load since the last gather (written as a layers x experts heatmap and one max/mean scalar per MoE
-layer) and each stage's snapshot figures (`snapshot/pp<r>/<figure>` at that iteration, the largest over
-the ranks of pipeline rank r).
+layer), each stage's snapshot figures (`snapshot/pp<r>/<figure>` at that iteration, the largest over
+the ranks of pipeline rank r) and each stage's host memory (`memory/pp<r>/rss_mb` and `peak_rss_mb`:
+the resident set of its largest rank at that iteration, and the largest peak so far).
 """
 
 from __future__ import annotations
 
+import os
 import re
+import resource
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +22,8 @@ import torch.distributed as dist
 from parallelisms import collectives
 
 SNAPSHOT_FIGURES = ("ckpt_mb", "stall_ms", "window", "repl_lag", "host_mb", "log_mb")
+MEMORY_FIGURES = ("rss_mb", "peak_rss_mb")
+STAGE_FIGURES = (*SNAPSHOT_FIGURES, *MEMORY_FIGURES)
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -28,9 +33,21 @@ def layer_index(module_name: str) -> int | None:
     return int(m[1]) if m else None
 
 
+def host_memory_mb() -> dict[str, float]:
+    """This process's resident set now and its peak so far, in MB (1e6 bytes), from Linux's
+    ``/proc/self/statm`` and ``getrusage`` (pages of mapped shared-memory snapshots it touched included)."""
+    with open("/proc/self/statm") as f:
+        resident_pages = int(f.read().split()[1])
+    rss = resident_pages * os.sysconf("SC_PAGE_SIZE")
+    # KiB on Linux; the kernel's two counts may disagree by a few pages (per-CPU counters): a peak is >= now
+    peak = max(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    return {"rss_mb": rss / 1e6, "peak_rss_mb": peak / 1e6}
+
+
 class StageGather:
     """Every rank's contribution to one gather: its MoE layers' token counts (dp-global already, so every
-    rank of a stage holds the same rows) and its stage's snapshot figures; an all-reduce (max) joins them.
+    rank of a stage holds the same rows), its stage's snapshot figures and its own host memory; an
+    all-reduce (max) joins them.
 
     The counts are summed where the model puts them (its device: no copy to the host per iteration) and
     reach the host once per gather, where the all-reduce of this small CPU tensor runs."""
@@ -53,11 +70,12 @@ class StageGather:
 
     def gather(self, owned: set[int], figures: dict[str, float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(token counts [layers, experts], whether each layer is a MoE layer of some stage [layers],
-        snapshot figures [stages, SNAPSHOT_FIGURES]) over all ranks (collective); resets the counts."""
+        stage figures [stages, STAGE_FIGURES]) over all ranks (collective); resets the counts."""
         moe = torch.zeros(self.n_layers, dtype=torch.float64)
         moe[sorted(owned)] = 1.0
-        snapshot = torch.zeros(self.n_stages, len(SNAPSHOT_FIGURES), dtype=torch.float64)
-        snapshot[self.stage] = torch.tensor([float(figures.get(k, 0.0)) for k in SNAPSHOT_FIGURES])
+        figures = {**figures, **host_memory_mb()}
+        snapshot = torch.zeros(self.n_stages, len(STAGE_FIGURES), dtype=torch.float64)
+        snapshot[self.stage] = torch.tensor([float(figures.get(k, 0.0)) for k in STAGE_FIGURES])
         tokens = torch.zeros(self.n_layers, self.n_experts, dtype=torch.float64)
         if self.tokens is not None:
             tokens.copy_(self.tokens)  # the one device-to-host copy of the gather
@@ -127,9 +145,12 @@ class TensorBoardEvents:
                 self.writer.add_scalar(f"expert_load/layer_{i}_max_over_mean", imbalance, step)
             title = f"tokens per expert, iterations {first}-{step}"
             self.writer.add_image("expert_load/heatmap", heatmap_image(rows, layers, title), step, dataformats="HWC")
-        for stage, row in enumerate(figures.view(-1, len(SNAPSHOT_FIGURES)) if self.snapshots else ()):
-            for key, value in zip(SNAPSHOT_FIGURES, row.tolist()):
-                self.writer.add_scalar(f"snapshot/pp{stage}/{key}", value, step)
+        for stage, row in enumerate(figures.view(-1, len(STAGE_FIGURES)).tolist()):
+            for key, value in zip(STAGE_FIGURES, row):
+                if key in MEMORY_FIGURES:
+                    self.writer.add_scalar(f"memory/pp{stage}/{key}", value, step)
+                elif self.snapshots:
+                    self.writer.add_scalar(f"snapshot/pp{stage}/{key}", value, step)
 
     def validation(self, step: int, loss: float) -> None:
         if self.writer is not None:

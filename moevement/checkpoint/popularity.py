@@ -15,10 +15,12 @@ the next window boundary.
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Literal, get_args
 
 import torch
 
-POLICIES = ("count", "soft", "ema", "capacity")
+Policy = Literal["count", "soft", "ema", "capacity"]
+POLICIES: tuple[str, ...] = get_args(Policy)
 CHANGE = 0.10  # relative change of an expert's share that counts as "changed"
 FRACTION = 0.25  # share of experts that must change to trigger a reorder
 

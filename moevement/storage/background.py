@@ -12,10 +12,12 @@ metric shows when it did not). On GPU the copy thread only enqueues asynchronous
 from __future__ import annotations
 
 import os
+from typing import Literal, get_args
 
 import torch
 
-PRIORITIES = ("idle", "normal")
+Priority = Literal["idle", "normal"]
+PRIORITIES: tuple[str, ...] = get_args(Priority)
 
 
 def enter_background(priority: str) -> None:
