@@ -245,14 +245,7 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
     kill = arm_kill(faults, rank, model, optimizer, guard, seeder, cfg.fault.kill_signal)
     step, loss = ft.resume(step, loss)
     logger.start(step + 1)
-    val_data = (
-        []
-        if val_batches is None
-        else [
-            val_batches.val_batch(i, dims.dp_rank, cfg.parallelism.dp)
-            for i in range(min(cfg.training.val_batches, val_batches.num_batches))
-        ]
-    )
+    val_data = validation_data(cfg, val_batches, dims)
     job = Job(
         cfg,
         rank,
@@ -271,6 +264,15 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
         plan,
     )
     return job, step, loss
+
+
+def validation_data(cfg: Config, val_batches: TokenBatches | None, dims: ParallelDims) -> list:
+    """This data-parallel rank's share of the first `training.val_batches` validation batches (none without
+    a validation split)."""
+    if val_batches is None:
+        return []
+    count = min(cfg.training.val_batches, val_batches.num_batches)
+    return [val_batches.val_batch(i, dims.dp_rank, cfg.parallelism.dp) for i in range(count)]
 
 
 def run_accounting(cfg: Config, rank: int, step: int, plan: StartPlan) -> RunAccounting:

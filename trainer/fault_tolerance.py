@@ -155,14 +155,7 @@ def build_strategy(
     rank_dir = host_rank_dir(cfg, topo.rank)
     identity = RunIdentity.of_sparse(cfg)
     rejoin = Rejoin(plan.name(), timeline=STARTUP.marks, in_place=plan.in_place)
-    job_meta = {
-        "seed": cfg.job.seed,
-        "dp_rank": dims.dp_rank,
-        "pp_rank": dims.pp_rank,
-        "run": identity.to_json(),
-        "run_id": rejoin.name["run_id"],
-        "rng": "dropout seed = derive_seed(seed, iteration, micro-batch, stage, dp_rank)",
-    }
+    job_meta = _job_meta(cfg, dims, identity, rejoin)
     disk = persist_root(cfg)
     rejoin = _kept_live_state(rank_dir, job_meta, rejoin, plan)
     checks = _identity_checks(dims, identity, rejoin)
@@ -171,19 +164,7 @@ def build_strategy(
         if dist.is_initialized():
             collectives.barrier()  # every rank holds its copy before any rank clears its directory
         remove_tree(rank_dir, rank_dir.parent)  # loaded, or of no use to any restart
-    new_checkpointer = functools.partial(
-        SparseCheckpointer,
-        model=model.view,
-        optimizer=optimizer,
-        stacked=stacked_operators(model.view),
-        compute_dtype=DTYPES[cfg.training.mixed_precision],
-        device=dims.device,
-        rank_dir=rank_dir,
-        topology=topo,
-        job_meta=job_meta,
-        rank_dirs=_same_node_dirs(cfg),
-        group_timeout_s=cfg.fault.timeout_s,
-    )
+    new_checkpointer = _checkpointer_factory(cfg, model, optimizer, dims, rank_dir, topo, job_meta)
     if strategy != "moevement":
         restart = RestartState(rejoin.live, found, checks["run"]) if plan.restarted else None
         return _interval_baseline(cfg, model, optimizer, dims, new_checkpointer, line, lock, rejoin, restart)
@@ -201,6 +182,38 @@ def build_strategy(
         global_rollback=cfg.fault.scope == "global",
     )
     return MoEvement(checkpointer, log, recovery, found, lock, rejoin)
+
+
+def _checkpointer_factory(
+    cfg: Config, model: ModelParts, optimizer, dims: ParallelDims, rank_dir: Path, topo: Topology, job_meta: dict
+) -> Callable[..., SparseCheckpointer]:
+    """`SparseCheckpointer` bound to this rank's model, layout and host directory; a strategy passes its own
+    checkpoint config (and policy)."""
+    return functools.partial(
+        SparseCheckpointer,
+        model=model.view,
+        optimizer=optimizer,
+        stacked=stacked_operators(model.view),
+        compute_dtype=DTYPES[cfg.training.mixed_precision],
+        device=dims.device,
+        rank_dir=rank_dir,
+        topology=topo,
+        job_meta=job_meta,
+        rank_dirs=_same_node_dirs(cfg),
+        group_timeout_s=cfg.fault.timeout_s,
+    )
+
+
+def _job_meta(cfg: Config, dims: ParallelDims, identity: RunIdentity, rejoin: Rejoin) -> dict:
+    """What every snapshot and live state of this rank carries: the job, the rank's place and the run."""
+    return {
+        "seed": cfg.job.seed,
+        "dp_rank": dims.dp_rank,
+        "pp_rank": dims.pp_rank,
+        "run": identity.to_json(),
+        "run_id": rejoin.name["run_id"],
+        "rng": "dropout seed = derive_seed(seed, iteration, micro-batch, stage, dp_rank)",
+    }
 
 
 def _identity_checks(dims: ParallelDims, identity: RunIdentity, rejoin: Rejoin) -> dict[str, CheckHeader]:
