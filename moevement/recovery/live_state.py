@@ -86,11 +86,21 @@ def keep_in_memory(
 
 
 def save_kept(rank_dir: Path, live: LiveState) -> int:
-    """A survivor that could not rejoin in place writes what it kept in memory for torchrun's restart of
-    every worker, as `save_live_state` would have; returns the bytes."""
+    """Write a kept state (a survivor that could not rejoin in place, or one stopping for torchrun's restart
+    of every worker) to `<rank_dir>/live.{bin,json}`; returns the bytes."""
     items = [("", name, role, t, t.dtype) for (role, name), t in live.tensors.items()]
-    meta = {**live.meta, "detected": live.detected}
-    return _write_live(rank_dir, items, [], live.scalars, live.next_iteration, live.log_from, meta)
+    entries, sources, nbytes = layout_of(items)
+    buffer = HostBuffer(rank_dir / LIVE)
+    buffer.invalidate()
+    copy_entries(buffer.ensure(max(nbytes, 1)), entries, sources, Throttle())
+    meta = {**live.meta, "scalars": {str(t): s for t, s in live.scalars.items()}}
+    meta["detected"] = {**live.detected, "kept": time.time()}
+    header = SnapshotHeader(
+        live.next_iteration, live.log_from, 0, 1, meta.get("rank", -1), [], [], entries, nbytes, meta
+    )
+    buffer.commit(header.to_json())
+    buffer.release()
+    return nbytes
 
 
 def save_live_state(
@@ -103,41 +113,11 @@ def save_live_state(
     log_from: int,
     meta: dict,
 ) -> int:
-    """Write state_{next_iteration} of this rank with its logs of `log_from..next_iteration-1`; returns bytes."""
-    items = _live_items(ops, optimizer, log, next_iteration, log_from)
-    return _write_live(rank_dir, items, [op.name for op in ops], scalars, next_iteration, log_from, meta)
-
-
-def _write_live(
-    rank_dir: Path,
-    items: list[tuple],
-    operators: list[str],
-    scalars: dict[int, dict],
-    next_iteration: int,
-    log_from: int,
-    meta: dict,
-) -> int:
-    entries, sources, nbytes = layout_of(items)
-    buffer = HostBuffer(rank_dir / LIVE)
-    buffer.invalidate()
-    copy_entries(buffer.ensure(max(nbytes, 1)), entries, sources, Throttle())
-    kept = {str(t): s for t, s in scalars.items() if log_from <= t < next_iteration}
-    header = SnapshotHeader(
-        next_iteration,
-        log_from,
-        0,
-        1,
-        meta.get("rank", -1),
-        operators,
-        [],
-        entries,
-        nbytes,
-        {**meta, "scalars": kept},
-    )
-    header.meta["detected"] = {**header.meta.get("detected", {}), "kept": time.time()}
-    buffer.commit(header.to_json())
-    buffer.release()
-    return nbytes
+    """Write state_{next_iteration} of this rank with its logs of `log_from..next_iteration-1` (`meta`: the
+    job's identity and how the death was detected); returns bytes."""
+    detected = meta.get("detected", {})
+    live = keep_in_memory(ops, optimizer, log, scalars, next_iteration, log_from, detected, meta)
+    return save_kept(rank_dir, live)
 
 
 def load_live_state(rank_dir: Path, expect: dict, generation: int) -> tuple[LiveState | None, str]:
