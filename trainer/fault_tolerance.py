@@ -99,21 +99,19 @@ def torchrun_generation() -> dict:
     }
 
 
-def _kept_live_state(rank_dir: Path, job_meta: dict, rejoin: Rejoin, plan: StartPlan) -> Rejoin:
-    """The live state this rank kept, and whether any rank kept one (collective): in memory when it survived
-    a death in place, in its host directory after a torchrun restart. A relaunch (attempt 0) uses none."""
-    if plan.in_place:
-        rejoin.live = plan.kept
-    elif rejoin.name["generation"] > 0:
-        expect = {**job_meta, "run_id": rejoin.name["run_id"]}
-        rejoin.live, why = load_live_state(rank_dir, expect, rejoin.name["generation"])
-        if rejoin.live is None and why != "no live state":
+def _rejoin(rank_dir: Path, job_meta: dict, plan: StartPlan) -> Rejoin:
+    """This process's place in the run (collective): the live state this rank kept (in memory when it
+    survived a death in place, in its host directory after a torchrun restart; none at attempt 0) and
+    whether any rank kept one."""
+    name, live = plan.name(), plan.kept
+    if not plan.in_place and name["generation"] > 0:
+        live, why = load_live_state(rank_dir, {**job_meta, "run_id": name["run_id"]}, name["generation"])
+        if live is None and why != "no live state":
             print(f"restart: rank {dist.get_rank()} cannot use its live state: {why}", flush=True)
-    kept = torch.tensor([int(rejoin.live is not None)])
+    kept = torch.tensor([int(live is not None)])
     if dist.is_initialized():
         collectives.all_reduce(kept)
-    rejoin.survivors = bool(kept.item())
-    return rejoin
+    return Rejoin(name, live, bool(kept.item()), STARTUP.marks, plan.in_place)  # marks: still being taken
 
 
 _LOCKS: dict[Path, JobLock] = {}  # the locks this process holds: a later generation of it keeps them
@@ -154,10 +152,9 @@ def build_strategy(
     topo = gather_topology(dims, host_job_dir(cfg))
     rank_dir = host_rank_dir(cfg, topo.rank)
     identity = RunIdentity.of_sparse(cfg)
-    rejoin = Rejoin(plan.name(), timeline=STARTUP.marks, in_place=plan.in_place)
-    job_meta = _job_meta(cfg, dims, identity, rejoin)
+    job_meta = _job_meta(cfg, dims, identity, plan.run_id)
     disk = persist_root(cfg)
-    rejoin = _kept_live_state(rank_dir, job_meta, rejoin, plan)
+    rejoin = _rejoin(rank_dir, job_meta, plan)
     checks = _identity_checks(dims, identity, rejoin)
     found = _restart_point(strategy, rank_dir, disk, checks, rejoin, line, plan.restarted)
     if strategy != "moevement":
@@ -204,14 +201,14 @@ def _checkpointer_factory(
     )
 
 
-def _job_meta(cfg: Config, dims: ParallelDims, identity: RunIdentity, rejoin: Rejoin) -> dict:
+def _job_meta(cfg: Config, dims: ParallelDims, identity: RunIdentity, run_id: str) -> dict:
     """What every snapshot and live state of this rank carries: the job, the rank's place and the run."""
     return {
         "seed": cfg.job.seed,
         "dp_rank": dims.dp_rank,
         "pp_rank": dims.pp_rank,
         "run": identity.to_json(),
-        "run_id": rejoin.name["run_id"],
+        "run_id": run_id,
         "rng": "dropout seed = derive_seed(seed, iteration, micro-batch, stage, dp_rank)",
     }
 
