@@ -15,7 +15,8 @@ in memory and join the same generation (`parallelisms.distributed.join_generatio
 The shell gives the slot back to torchrun's own restart (exit status of the child) when the child exits
 cleanly (0), with a clean error (2), or asks for it (`FALLBACK`: a survivor that could not rejoin in place,
 or a replacement that could not join in time); when `fault.max_replacements` replacements are spent; and
-when torchrun stops it (SIGTERM, forwarded to the child). Its children die with it (`PR_SET_PDEATHSIG`).
+when torchrun stops it (SIGTERM, forwarded to the child). It dies with torchrun's agent, and its children
+with it (`PR_SET_PDEATHSIG`).
 
 Messages from the trainer child reach the shell on a pipe (`SHELL_FD`), one line each: `generation <g>`
 when it starts joining generation g.
@@ -163,7 +164,12 @@ class RankShell:
 
 
 def run_shell(argv: list[str]) -> int:
-    """`train.py argv` as a rank shell (see the module docstring)."""
+    """`train.py argv` as a rank shell (see the module docstring). The shell dies with torchrun's agent (and
+    its children with it): a slot whose agent is gone has no store to rejoin and nobody to report to."""
+    agent = os.getppid()
+    _die_with_parent()
+    if os.getppid() != agent:  # the agent died before the request took effect
+        return 1
     return RankShell([sys.executable, *sys.argv[:1], *argv], _max_replacements(argv)).run()
 
 
