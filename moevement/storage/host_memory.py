@@ -297,19 +297,21 @@ class HostBuffer:
         system; owner-only, never through a symlink) unless it is one already: the sender's bytes, no copy.
         The mapping is redone on the next read if the file was replaced or grew."""
         bin_path = self.path.with_suffix(".bin")
-        st = os.lstat(source)
-        check_private(source, st)
         try:
-            mine = os.lstat(bin_path)
-        except FileNotFoundError:
-            mine = None
-        if mine is not None and (mine.st_dev, mine.st_ino) == (st.st_dev, st.st_ino):
-            if self._data is not None and self._data.numel() < st.st_size:
-                self._data = None
-            self.linked = True
-            return
-        self._drop_file()
-        os.link(source, bin_path, follow_symlinks=False)
+            st = os.lstat(source)
+            check_private(source, st)
+            mine = os.lstat(bin_path) if os.path.lexists(bin_path) else None
+            if mine is not None:
+                check_private(bin_path, mine)  # a planted symlink or foreign file is refused, never removed
+            if mine is not None and (mine.st_dev, mine.st_ino) == (st.st_dev, st.st_ino):
+                if self._data is not None and self._data.numel() < st.st_size:
+                    self._data = None
+                self.linked = True
+                return
+            self._drop_file()
+            os.link(source, bin_path, follow_symlinks=False)
+        except OSError as e:
+            raise HostMemoryError(f"{bin_path}: cannot link the replica to {source} ({e.strerror})") from None
         check_private(bin_path)
         self.linked, self._data = True, None
 
