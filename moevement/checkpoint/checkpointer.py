@@ -65,7 +65,7 @@ class SparseCheckpointer:
 
     `cfg`: a CheckpointConfig. `stacked`: the model's parameters that stack several operators' tensors
     (`moevement.operators.Stacked`, by parameter name). `rank_dirs(r)`: where rank r keeps its host
-    state (same-node replicas are copied from there). `group_timeout_s`: the replication group's bound
+    state (same-node replicas link their files there). `group_timeout_s`: the replication group's bound
     on an operation without progress (a hung peer fails the replication). With a `SnapshotPolicy` (the
     interval baselines) a snapshot is a window of W = 1 taken at the policy's iterations: the FP32 state
     of the operators it selects, no compute weights.
@@ -221,10 +221,11 @@ class SparseCheckpointer:
         self.plan, self.window_index = None, persisted
 
     def wipe(self) -> None:
-        """This rank failed: overwrite and drop its snapshots, replicas held for peers, and logs."""
+        """This rank failed: its snapshots and the replicas it holds for peers become unreadable to it (zeroed,
+        or, for a file a same-node peer also names, unlinked: `HostBuffer.scrub`), and its record goes."""
         for buf in self._held():
             buf.invalidate()
-            buf.data.zero_()
+            buf.scrub()
         self.persisted.forget()
         self.reset_popularity()
 

@@ -219,12 +219,27 @@ class JobLock:
 
 
 class HostBuffer:
-    """A growable byte buffer backed by the file `<path>.bin`, with its header at `<path>.json`."""
+    """A growable byte buffer backed by the file `<path>.bin`, with its header at `<path>.json`.
 
-    def __init__(self, path: Path, pin: bool = False):
+    A replica of a snapshot taken on the same node is another name of the sender's buffer file (`link`):
+    no copy, and the bytes outlive the sender's own name (a wipe or the end of its run only drop that).
+    Such a buffer never writes into the shared file: `ensure` first gives it a file of its own."""
+
+    def __init__(self, path: Path, pin: bool = False, replica: bool = False):
         self.path, self.pin = path, pin
-        self.data = torch.empty(0, dtype=torch.uint8)
+        self._data: torch.Tensor | None = torch.empty(0, dtype=torch.uint8)  # None: a link, mapped when read
         self._pinned_ptr: int | None = None
+        # A replica file with other names is a link (an earlier process of the job may have left it).
+        self.linked = replica and _links(self.path.with_suffix(".bin")) > 1
+        if self.linked:
+            self._data = None
+
+    @property
+    def data(self) -> torch.Tensor:
+        """The mapped bytes (a linked file is mapped on first read)."""
+        if self._data is None:
+            self._data = map_bytes(self.path)
+        return self._data
 
     @property
     def header_path(self) -> Path:
@@ -232,7 +247,8 @@ class HostBuffer:
 
     @property
     def capacity(self) -> int:
-        return self.data.numel()
+        """Bytes of host memory this buffer holds (none for a link: they are the sender's)."""
+        return 0 if self.linked else self.data.numel()
 
     def reserved(self) -> int:
         """Bytes this buffer can grow to without new memory: its mapping, or a file an earlier process left."""
@@ -245,7 +261,10 @@ class HostBuffer:
         """At least `nbytes` of mapped memory (kept across calls; grows, never shrinks).
 
         A file left at this path by an earlier process of the job (`SparseCheckpointer.drop_leftovers`
-        keeps them) is reused with its pages: mapping those costs a tenth of allocating new ones."""
+        keeps them) is reused with its pages: mapping those costs a tenth of allocating new ones. A linked
+        replica drops its name of the sender's file first and grows a file of its own."""
+        if self.linked:
+            self._drop_file()
         if nbytes > self.capacity:
             self._unpin()
             bin_path = self.path.with_suffix(".bin")
@@ -255,7 +274,7 @@ class HostBuffer:
                 os.ftruncate(fd, size)
                 # Reserve the pages now: a full /dev/shm must fail here, not SIGBUS a later copy.
                 os.posix_fallocate(fd, 0, size)
-                self.data = _map(fd, size)
+                self._data = _map(fd, size)
             except OSError as e:
                 free = shutil.disk_usage(bin_path.parent).free
                 raise HostMemoryError(
@@ -271,7 +290,45 @@ class HostBuffer:
     def release(self) -> None:
         """Unpin and drop the mapping (a pinned range must be unregistered before it is unmapped)."""
         self._unpin()
-        self.data = torch.empty(0, dtype=torch.uint8)
+        self._data = None if self.linked else torch.empty(0, dtype=torch.uint8)
+
+    def link(self, source: Path) -> None:
+        """Make `<path>.bin` another name of the buffer file `source` (a same-node sender's, on this file
+        system; owner-only, never through a symlink) unless it is one already: the sender's bytes, no copy.
+        The mapping is redone on the next read if the file was replaced or grew."""
+        bin_path = self.path.with_suffix(".bin")
+        try:
+            st = os.lstat(source)
+            check_private(source, st)
+            mine = os.lstat(bin_path) if os.path.lexists(bin_path) else None
+            if mine is not None:
+                check_private(bin_path, mine)  # a planted symlink or foreign file is refused, never removed
+            if mine is not None and (mine.st_dev, mine.st_ino) == (st.st_dev, st.st_ino):
+                if self._data is not None and self._data.numel() < st.st_size:
+                    self._data = None
+                self.linked = True
+                return
+            self._drop_file()
+            os.link(source, bin_path, follow_symlinks=False)
+        except OSError as e:
+            raise HostMemoryError(f"{bin_path}: cannot link the replica to {source} ({e.strerror})") from None
+        check_private(bin_path)
+        self.linked, self._data = True, None
+
+    def scrub(self) -> None:
+        """Its rank failed (a simulated loss): the bytes become unreadable to this rank. A file with other
+        names (a link either way between a sender's buffer and a same-node replica) loses only this name,
+        so the other rank's snapshot or replica survives; any other file is overwritten with zeros."""
+        if self.linked or _links(self.path.with_suffix(".bin")) > 1:
+            self._drop_file()
+        else:
+            self.data.zero_()
+
+    def _drop_file(self) -> None:
+        """Unmap and remove this buffer's name of its file (another name keeps the bytes)."""
+        self._unpin()
+        self._data, self.linked = torch.empty(0, dtype=torch.uint8), False
+        self.path.with_suffix(".bin").unlink(missing_ok=True)
 
     def invalidate(self) -> None:
         """Remove the commit record before the bytes are overwritten."""
@@ -349,6 +406,14 @@ def read_header(path: Path) -> dict | None:
             return unseal(f.read(), json_path)
         except SealError as e:
             raise HostMemoryError(str(e)) from None
+
+
+def _links(path: Path) -> int:
+    """How many names the file at `path` has (0: none there)."""
+    try:
+        return os.lstat(path).st_nlink
+    except FileNotFoundError:
+        return 0
 
 
 def map_bytes(path: Path) -> torch.Tensor:

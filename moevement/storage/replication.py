@@ -3,12 +3,14 @@
 Every rank takes exactly one snapshot per iteration of a window (windows are global), so
 replication runs in lockstep rounds on a background thread: in each round a rank sends its
 snapshot (sizes, header, bytes) to its peers with point-to-point ops and receives the snapshots of
-the ranks it is a peer of into shared-memory replica buffers. A peer on the same node copies the
-bytes straight from the sender's shared-memory buffer instead (one memory copy, where loopback
-TCP costs about 4x the CPU) and acknowledges the copy in the same round: a sender's round ends
-only when every peer holds its bytes, so once `drain` or `close` returns the sender's buffer may
-be overwritten, wiped (a failed rank) or removed (the end of the run), even when the window it
-belongs to never completes (an aborted window, the last window of a run). Every round also
+the ranks it is a peer of into shared-memory replica buffers. A peer on the same node instead makes
+its replica file another name of the sender's shared-memory buffer file (a hard link: no copy, where
+loopback TCP costs a copy and about 4x its CPU) and acknowledges it in the same round: a sender's
+round ends only when every peer holds its bytes, so once `drain` or `close` returns the sender may
+drop its own name of the buffer (a wipe, `HostBuffer.scrub`, or the end of the run), even when the
+window it belongs to never completes (an aborted window, the last window of a run). The sender
+writes into that file again only for the window two later, once the window in between is persisted
+everywhere (`SnapshotBuffers`), when this replica is garbage too. Every round also
 checks that sender and receiver are at the same (window, slot). After the last round of a window an
 all-reduce on the same group tells every rank that the whole window is replicated everywhere:
 the sparse checkpoint is then *persisted*.
@@ -16,7 +18,6 @@ the sparse checkpoint is then *persisted*.
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
@@ -30,7 +31,7 @@ import torch.distributed as dist
 
 from moevement.storage.background import enter_background
 from moevement.storage.cpu_cost import measure
-from moevement.storage.host_memory import HostBuffer, make_private_dir, map_bytes
+from moevement.storage.host_memory import HostBuffer, make_private_dir
 from moevement.storage.sealed import SealError, seal, sealed_record
 from moevement.storage.snapshot_buffers import local_buffer
 from moevement.topology import Topology
@@ -48,7 +49,7 @@ class ReplicaStore:
         key = (src, parity, slot)
         if key not in self.buffers:
             directory = make_private_dir(self.root / f"from{src}")
-            self.buffers[key] = HostBuffer(directory / f"w{parity}-s{slot}")
+            self.buffers[key] = HostBuffer(directory / f"w{parity}-s{slot}", replica=True)
         return self.buffers[key]
 
     def invalidate(self, parity: int) -> None:
@@ -71,7 +72,7 @@ class Outgoing:
 
 class Replicator:
     """`local_buffer(src, parity, slot)`: where rank `src` keeps that snapshot buffer, for the ranks in
-    `same_node` (their bytes are copied from shared memory; everyone else's travel over `group`)."""
+    `same_node` (their replicas are links to it; everyone else's bytes travel over `group`)."""
 
     def __init__(
         self,
@@ -88,7 +89,6 @@ class Replicator:
         self.peers = peers[rank]
         self.sources = [src for src, targets in enumerate(peers) if rank in targets]
         self.same_node, self.local_buffer, self.priority = same_node, local_buffer, priority
-        self.mapped: dict[tuple[int, int, int], tuple[int, torch.Tensor]] = {}  # key -> (inode, mapping)
         self.on_window_replicated = on_window_replicated
         self.queue: queue.Queue[Outgoing | None] = queue.Queue()
         self.backlog = 0  # snapshots submitted and not yet replicated
@@ -151,7 +151,7 @@ class Replicator:
         for peer in self.peers:
             works.append(collectives.isend(header, peer, group=self.group, tag=1))
             if item.payload.numel():
-                if peer in self.same_node:  # the peer copies from this rank's buffer: wait for its acknowledgement
+                if peer in self.same_node:  # the peer links this rank's buffer: wait for its acknowledgement
                     acks.append(torch.empty(1, dtype=torch.int64))
                     works.append(collectives.irecv(acks[-1], peer, group=self.group, tag=3))
                 else:
@@ -169,11 +169,11 @@ class Replicator:
             header_buf = torch.empty(header_len, dtype=torch.uint8)
             works.append(collectives.irecv(header_buf, src, group=self.group, tag=1))
             if payload_len:
-                data = replica.ensure(payload_len)[:payload_len]
                 if src in self.same_node:
-                    data.copy_(self._shared_bytes(src, parity, item.slot, payload_len))
-                    works.append(collectives.isend(_ACK, src, group=self.group, tag=3))  # its buffer is free again
+                    replica.link(self.local_buffer(src, parity, item.slot).with_suffix(".bin"))
+                    works.append(collectives.isend(_ACK, src, group=self.group, tag=3))  # its name may go now
                 else:
+                    data = replica.ensure(payload_len)[:payload_len]
                     works.append(collectives.irecv(data, src, group=self.group, tag=2))
             received[src] = (replica, header_buf)
         _wait(works)
@@ -183,18 +183,8 @@ class Replicator:
             except SealError as e:  # left uncommitted: a recovery takes another copy
                 print(f"replication: rank {self.rank} rejected {e}", flush=True)
 
-    def _shared_bytes(self, src: int, parity: int, slot: int, nbytes: int) -> torch.Tensor:
-        """The first `nbytes` of rank `src`'s buffer (parity, slot), mapped once (again if it grew or was replaced)."""
-        path = self.local_buffer(src, parity, slot).with_suffix(".bin")
-        inode = os.stat(path).st_ino
-        key = (src, parity, slot)
-        cached = self.mapped.get(key)
-        if cached is None or cached[0] != inode or cached[1].numel() < nbytes:
-            self.mapped[key] = (inode, map_bytes(path.with_suffix("")))
-        return self.mapped[key][1][:nbytes]
 
-
-_ACK = torch.ones(1, dtype=torch.int64)  # a same-node peer has copied the snapshot out of the sender's buffer
+_ACK = torch.ones(1, dtype=torch.int64)  # a same-node peer holds its own name of the sender's buffer file
 
 
 def _wait(works: list) -> None:
