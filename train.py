@@ -56,7 +56,7 @@ from trainer.config_help import help_text, to_toml
 from trainer.data import DataError, TokenBatches, build_data, make_loader
 from trainer.dense_checkpoint import CheckpointError, check_save_target, is_imported, load_dense, save_dense
 from trainer.fault_injection import KillSwitch, arm_kill, fired, record_fired
-from trainer.fault_tolerance import build_strategy, host_job_dir, torchrun_generation
+from trainer.fault_tolerance import build_strategy, host_job_dir
 from trainer.identity import IdentityError
 from trainer.metrics import MetricsLogger
 from trainer.optim import build_optimizer
@@ -364,9 +364,9 @@ def run(job: Job, step: int, loss: float) -> tuple[int, float, str | None]:
             raise
         if peer_stopped_with_an_error():
             raise PeerStopped from None
-        if rejoins_in_place(error, job.cfg):
+        if rejoins_in_place(error):
             raise Rejoining(survive_in_place(job, error)) from None
-        job.accounting.keep(torchrun_generation(), job.guard.sigterm_at or time.time())
+        job.accounting.keep(job.plan.name(), job.guard.sigterm_at or time.time())
         keep_state_and_exit(job.guard, job.ft.keep_live_state, error)
         raise  # not reached: it exits
 
@@ -428,7 +428,7 @@ def train(cfg: Config, plan: StartPlan) -> None:
         except BaseException as error:
             if peer_failure(error) and peer_stopped_with_an_error():
                 raise PeerStopped from None
-            if not (peer_failure(error) and rejoins_in_place(error, cfg)):
+            if not (peer_failure(error) and rejoins_in_place(error)):
                 raise
             if not dist.is_initialized():
                 keep_for_torchrun_restart(cfg, plan)

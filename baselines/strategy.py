@@ -14,7 +14,7 @@ from baselines.global_rollback import GlobalRollback, MocState, RestartState
 from baselines.moc import expert_counts
 from moevement.checkpoint.checkpointer import SparseCheckpointer
 from moevement.failures import FaultEvent
-from moevement.recovery.live_state import LiveState, Rejoin, save_live_state
+from moevement.recovery.live_state import LiveState, Rejoin, save_kept
 from moevement.storage.host_memory import JobLock
 
 
@@ -73,10 +73,8 @@ class IntervalBaseline:
     def keep_live_state(self, next_iteration: int, detected: dict) -> int:
         """Another worker died: let the disk writes in flight land, then leave a survival marker (no
         tensors) that tells the restarted job this rank's process lived. Keeps no training state (0)."""
-        ck = self.checkpointer
-        ck.flush_disk()
-        meta = {**ck.job_meta, **self.rejoin.name, "rank": ck.topology.rank, "detected": detected}
-        save_live_state(ck.rank_dir, [], ck.optimizer, None, {}, next_iteration, next_iteration, meta)
+        self.checkpointer.flush_disk()
+        save_kept(self.checkpointer.rank_dir, self.keep_in_memory(next_iteration, detected))
         return 0
 
     def keep_in_memory(self, next_iteration: int, detected: dict) -> LiveState:

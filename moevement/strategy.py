@@ -14,7 +14,7 @@ from typing import Protocol
 
 from moevement.checkpoint.checkpointer import SparseCheckpointer
 from moevement.failures import FaultEvent
-from moevement.recovery.live_state import LiveState, keep_in_memory, save_live_state
+from moevement.recovery.live_state import LiveState, keep_in_memory, save_kept
 from moevement.recovery.localized import Recovery, Rejoin
 from moevement.recovery.restart import RestartPoint
 from moevement.recovery.upstream_log import UpstreamLog
@@ -157,10 +157,7 @@ class MoEvement:
         return totals
 
     def keep_live_state(self, next_iteration: int, detected: dict) -> int:
-        ck, log_from = self.checkpointer, self._log_from()
-        scalars = ck.persisted.scalars_since(log_from)
-        meta = {**self._live_meta(), "detected": detected}
-        return save_live_state(ck.rank_dir, ck.ops, ck.optimizer, self.log, scalars, next_iteration, log_from, meta)
+        return save_kept(self.checkpointer.rank_dir, self.keep_in_memory(next_iteration, detected))
 
     def keep_in_memory(self, next_iteration: int, detected: dict) -> LiveState:
         ck, log_from = self.checkpointer, self._log_from()

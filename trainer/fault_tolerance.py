@@ -91,14 +91,6 @@ def _same_node_dirs(cfg: Config):
     return (lambda rank: host_rank_dir(cfg, rank)) if cfg.checkpoint.replication == "auto" else None
 
 
-def torchrun_generation() -> dict:
-    """This worker's run and restart generation under torchrun ({"run_id": "", "generation": 0} without it)."""
-    return {
-        "run_id": os.environ.get("TORCHELASTIC_RUN_ID", ""),
-        "generation": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-    }
-
-
 def _rejoin(rank_dir: Path, job_meta: dict, plan: StartPlan) -> Rejoin:
     """This process's place in the run (collective): the live state this rank kept (in memory when it
     survived a death in place, in its host directory after a torchrun restart; none at attempt 0) and

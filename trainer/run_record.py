@@ -17,7 +17,6 @@ import torch
 
 from trainer.config import Config, ConfigError
 from trainer.config_help import to_toml
-from trainer.fault_tolerance import torchrun_generation
 from trainer.rank_shell import torchrun_agent_pid
 
 RECORD = "run.json"
@@ -28,7 +27,11 @@ REPO = Path(__file__).resolve().parent.parent
 def launch_identity() -> dict:
     """What a torchrun restart of this launch shares with its first generation: the agent (this worker's
     parent process on this host) and torchrun's run id."""
-    return {"host": socket.gethostname(), "agent_pid": torchrun_agent_pid(), "run_id": torchrun_generation()["run_id"]}
+    return {
+        "host": socket.gethostname(),
+        "agent_pid": torchrun_agent_pid(),
+        "run_id": os.environ.get("TORCHELASTIC_RUN_ID", ""),
+    }
 
 
 def launch_command(argv: list[str]) -> str:

@@ -22,7 +22,6 @@ class StartPlan:
     run_id: str  # torchrun's run id ("" without torchrun)
     attempt: int  # torchrun restarts of the job before this one
     generation: int = 0  # in-place generations of this attempt before this one
-    replacement: bool = False  # this process takes a dead worker's place (an activated standby)
     kept: LiveState | None = None  # a survivor's state, kept in memory from the previous generation
     accounting: dict | None = None  # a survivor's run accounting, likewise
 
@@ -43,7 +42,7 @@ class StartPlan:
 
     def next_generation(self, kept: LiveState | None, accounting: dict | None) -> StartPlan:
         """A survivor's plan for the generation after this one, with what it kept in memory."""
-        return replace(self, generation=self.generation + 1, replacement=False, kept=kept, accounting=accounting)
+        return replace(self, generation=self.generation + 1, kept=kept, accounting=accounting)
 
 
 def plan_start() -> StartPlan:
@@ -52,5 +51,4 @@ def plan_start() -> StartPlan:
         run_id=os.environ.get("TORCHELASTIC_RUN_ID", ""),
         attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
         generation=int(os.environ.get(GENERATION, "0")),
-        replacement=GENERATION in os.environ,
     )

@@ -183,7 +183,7 @@ def _first_line(error: BaseException) -> str:
     return (lines[0] if lines else "")[:160]
 
 
-def rejoins_in_place(error: BaseException, cfg) -> bool:
+def rejoins_in_place(error: BaseException) -> bool:
     """Whether this rank survives the death behind `error` in place: it runs under a rank shell, which
     replaces the dead worker (trainer/rank_shell.py), and learned of the death from a failed communication
     (SIGTERM means torchrun is stopping every worker: its restart takes over)."""
