@@ -157,6 +157,25 @@ def test_window_reassembles_exact_state_at_each_snapshot_iteration(tmp_path, com
             assert len(headers) < 3 or h.frozen == later
 
 
+def test_windows_of_one_slot_reuse_their_layout_and_stay_exact(tmp_path):
+    """At W=1 every iteration opens a window with the same slot: its layout is resolved once and reused,
+    every snapshot is still the exact pre-step state with checksums of its own, and after a recovery
+    (`forget_layouts`) the next window lays out afresh."""
+    layouts, sums = [], []
+
+    def on_snapshot(header, before, engine):
+        check_snapshot(header, before, engine, torch.float32)
+        layouts.append(engine.layouts)
+        sums.append([e.checksum for e in header.entries])
+
+    engine = train(tmp_path / "rank0", 8, on_snapshot=on_snapshot, window=1)
+    assert len(layouts) == 6 and all(layout is layouts[0] for layout in layouts)
+    assert all(e.checksum == "" for e in layouts[0].slots[0][0]), "a layout's entries carry no checksums"
+    assert all(a != b for a, b in zip(sums, sums[1:])), "each snapshot's header has the checksums of its bytes"
+    engine.planner.forget_layouts()
+    assert engine.planner.layouts(engine.plan) is not layouts[0]
+
+
 def test_a_first_optimizer_step_inside_a_window_lays_its_snapshots_out_again(tmp_path):
     """A window's snapshots are laid out at its start; when the optimizer's state appears inside the window
     (the steps before were skipped), the later snapshots hold it all the same."""
@@ -346,10 +365,10 @@ def test_shared_memory_snapshots_survive_the_death_of_their_process(tmp_path):
 
 def test_snapshot_checksums_are_xxh3_of_each_entry():
     """copy_entries hashes every entry while copying: each checksum is the XXH3-64 of exactly the entry's
-    bytes (not its padding), whatever the stale padding held."""
+    bytes (not its padding), whatever the stale padding held; the entries it was given stay as they were."""
     import xxhash
 
-    from moevement.storage.snapshot import BLOCK, Entry, Throttle, copy_entries
+    from moevement.storage.snapshot import BLOCK, Entry, Throttle, copy_entries, with_checksums
 
     g = torch.Generator().manual_seed(0)
     sources = [torch.randn(n, generator=g) * 1e30 for n in (1, 300, 0, 1000, 7, 4096)] + [torch.tensor(5.0)]
@@ -362,7 +381,9 @@ def test_snapshot_checksums_are_xxh3_of_each_entry():
         )
         offset += -(-nbytes // BLOCK) * BLOCK
     buffer = torch.full((offset,), 255, dtype=torch.uint8)  # stale bytes where the padding goes
-    copy_entries(buffer, entries, sources, Throttle(0))
+    sums = copy_entries(buffer, entries, sources, Throttle(0))
+    assert [e.checksum for e in entries] == [""] * len(entries), "the layout's entries are not changed"
+    entries = with_checksums(entries, sums)
     for entry, src in zip(entries, sources):
         raw = buffer[entry.offset : entry.offset + entry.nbytes]
         assert torch.equal(raw.view(getattr(torch, entry.dtype)).view(entry.shape), src.to(getattr(torch, entry.dtype)))

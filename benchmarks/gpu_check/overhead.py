@@ -18,7 +18,7 @@ from benchmarks.gpu_check.runs import Workspace, train
 from benchmarks.overhead import parse_steps, steady_ms, steady_records
 from moevement.checkpoint.profiler import measure_copy_bandwidth
 from moevement.storage.host_memory import make_private_dirs
-from moevement.storage.snapshot import SnapshotHeader, Throttle, layout_of, read_entries
+from moevement.storage.snapshot import SnapshotHeader, Throttle, layout_of, read_entries, with_checksums
 from moevement.storage.snapshot_buffers import SnapshotBuffers
 
 CONFIG = "train_configs/bench_moe.toml"
@@ -38,7 +38,9 @@ def pinned_copy(workspace: Workspace, device: torch.device) -> list[Check]:
         entries, _, nbytes = layout_of(items)
         header = SnapshotHeader(1, 1, 0, 1, 0, ["op"], [], entries, nbytes)
         buffer = buffers.buffer(0, 0)
-        buffers.submit(buffers.copy, buffer, header, sources, Throttle()).result()
+        header.entries = with_checksums(
+            entries, buffers.submit(buffers.copy, buffer, header, sources, Throttle()).result()
+        )
         back = read_entries(buffer.data, header, source="pinned copy")
         same = all(torch.equal(back[("master", f"t{i}")], t.cpu()) for i, t in enumerate(sources))
         return [

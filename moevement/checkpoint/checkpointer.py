@@ -44,7 +44,7 @@ from moevement.storage.cpu_cost import measure
 from moevement.storage.host_memory import HostBuffer, encode_json, make_private_dirs, read_header, remove_tree
 from moevement.storage.persistence import DiskWriter
 from moevement.storage.replication import Outgoing, ReplicaStore, start_replication
-from moevement.storage.snapshot import EncodedHeader, SnapshotHeader, Throttle, copy_entries
+from moevement.storage.snapshot import EncodedHeader, SnapshotHeader, Throttle, copy_entries, with_checksums
 from moevement.storage.snapshot_buffers import SnapshotBuffers, local_buffer
 from moevement.topology import Topology
 
@@ -219,6 +219,7 @@ class SparseCheckpointer:
         self.buffers.invalidate(in_flight)
         self.replicas.invalidate(in_flight)
         self.plan, self.window_index = None, persisted
+        self.planner.forget_layouts()
 
     def wipe(self) -> None:
         """This rank failed: its snapshots and the replicas it holds for peers become unreadable to it (zeroed,
@@ -289,7 +290,8 @@ class SparseCheckpointer:
             buffer = self.buffers.buffer(window_index % 2, header.slot)
             buffer.invalidate()
             data = buffer.ensure(max(header.nbytes, 1))
-            copy_entries(data, header.entries, [tensors[(e.role, e.name)] for e in header.entries], Throttle())
+            sums = copy_entries(data, header.entries, [tensors[(e.role, e.name)] for e in header.entries], Throttle())
+            header.entries = with_checksums(header.entries, sums)
             record = header.to_json()
             last = header.slot == len(snapshots) - 1
             self._commit(window_index, header.slot, record, encode_json(record), buffer, last)
@@ -331,8 +333,9 @@ class SparseCheckpointer:
         self.persisted.wait_until_persisted(window_index - 1, check)
         if self.disk is not None:
             self.disk.wait(window_index % 2)
-        self.buffers.copy(buffer, header, sources, self.planner.profile.throttle())
+        sums = self.buffers.copy(buffer, header, sources, self.planner.profile.throttle())
         with measure("header"):
+            header.entries = with_checksums(header.entries, sums)
             return header.encode_without_meta()
 
     def _commit(

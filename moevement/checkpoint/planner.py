@@ -93,6 +93,8 @@ class WindowPlanner:
         self.policy = policy
         self.profile = Profile(cfg.bandwidth_gbps)
         self.reset_popularity()
+        self._laid_out: tuple[tuple[frozenset[str], ...], WindowLayouts] | None = None
+        self._sizes: tuple[list[torch.Tensor], dict[str, tuple[int, int]]] | None = None
 
     def reset_popularity(self) -> None:
         """Forget the popularity history and return to registry order (applied at the next window)."""
@@ -121,21 +123,52 @@ class WindowPlanner:
 
     def layouts(self, plan: WindowPlan) -> WindowLayouts:
         """The layout of every snapshot of the window, resolved once at its start: SS_{start+slot} holds the
-        FP32 state of slot `slot`'s operators and the compute weights of the later slots' operators."""
+        FP32 state of slot `slot`'s operators and the compute weights of the later slots' operators.
+
+        A window whose slots hold the same operators as the one before (in any order: entries are found by
+        name) reuses its layouts while the optimizer's state tensors are those they were resolved from (at
+        W=1 every iteration is such a window); a recovery, which may replace tensors, drops them first
+        (`forget_layouts`)."""
+        key = tuple(frozenset(slot) for slot in plan.slots)
+        if self._laid_out is not None:
+            slots, laid_out = self._laid_out
+            if slots == key and laid_out.current(self.optimizer):
+                return laid_out
         views, state = LocalViews(), optimizer_tensors(self.optimizer)
         slots = []
         for slot in range(plan.window):
             active = [self.ops_by_name[n] for n in plan.slots[slot]]
             frozen = [self.ops_by_name[n] for n in plan.frozen_after(slot)]
             slots.append(entry_layout(active, frozen, self.optimizer, self.compute_dtype, views))
-        return WindowLayouts(slots, state)
+        laid_out = WindowLayouts(slots, state)
+        self._laid_out = (key, laid_out)
+        return laid_out
+
+    def forget_layouts(self) -> None:
+        """The model's or the optimizer's tensors may have been replaced (a recovery): lay out afresh."""
+        self._laid_out = self._sizes = None
+
+    def _op_bytes(self) -> dict[str, tuple[int, int]]:
+        """Each operator's (FP32 state, compute weight) bytes, measured again once the optimizer's state
+        tensors change (a first step creates them)."""
+        state = optimizer_tensors(self.optimizer)
+        if self._sizes is not None and len(state) == len(self._sizes[0]):
+            if all(a is b for a, b in zip(state, self._sizes[0])):
+                return self._sizes[1]
+        views = LocalViews()
+        sizes = {
+            op.name: (op.fp32_bytes(self.optimizer, views), op.compute_bytes(self.compute_dtype, views))
+            for op in self.ops
+        }
+        self._sizes = (state, sizes)
+        return sizes
 
     def _sparse_slots(self) -> tuple[tuple[str, ...], ...]:
         """Algorithm 1 on this rank's operators in schedule order, at most `max_window` slots; W agreed across
         ranks (or forced by `window`)."""
-        views = LocalViews()
-        fp32 = [self.ops_by_name[n].fp32_bytes(self.optimizer, views) for n in self.order]
-        compute = [self.ops_by_name[n].compute_bytes(self.compute_dtype, views) for n in self.order]
+        sizes = self._op_bytes()
+        fp32 = [sizes[n][0] for n in self.order]
+        compute = [sizes[n][1] for n in self.order]
         t, bandwidth, most = self.profile.iteration_s, self.profile.bandwidth, self.cfg.max_window
         if self.cfg.slots == "bytes":
             window = self.cfg.window or min(most, self._agree(byte_window_size(fp32, compute, t, bandwidth)))
@@ -146,7 +179,8 @@ class WindowPlanner:
     def _interval_checkpoint(self, iteration: int) -> tuple[tuple[str, ...]]:
         """An interval baseline's checkpoint at `iteration`: its operators, and when the next one is due."""
         names = tuple(self.policy.select())
-        nbytes = sum(self.ops_by_name[n].fp32_bytes(self.optimizer) for n in names)
+        sizes = self._op_bytes()
+        nbytes = sum(sizes[n][0] for n in names)
         interval = self._agree(self.policy.choose(nbytes, self.profile.bandwidth, self.profile.iteration_s))
         self.policy.scheduled(iteration, interval)
         return (names,)

@@ -24,7 +24,15 @@ from moevement.operators import Operator
 from moevement.recovery.replay import load_master
 from moevement.recovery.upstream_log import UpstreamLog
 from moevement.storage.host_memory import HostBuffer, HostMemoryError, map_bytes, read_header
-from moevement.storage.snapshot import SnapshotError, SnapshotHeader, Throttle, copy_entries, layout_of, read_entries
+from moevement.storage.snapshot import (
+    SnapshotError,
+    SnapshotHeader,
+    Throttle,
+    copy_entries,
+    layout_of,
+    read_entries,
+    with_checksums,
+)
 
 LIVE = "live"
 
@@ -93,7 +101,7 @@ def save_kept(rank_dir: Path, live: LiveState) -> int:
     entries, sources, nbytes = layout_of(items)
     buffer = HostBuffer(rank_dir / LIVE)
     buffer.invalidate()
-    copy_entries(buffer.ensure(max(nbytes, 1)), entries, sources, Throttle())
+    entries = with_checksums(entries, copy_entries(buffer.ensure(max(nbytes, 1)), entries, sources, Throttle()))
     meta = {**live.meta, "scalars": {str(t): s for t, s in live.scalars.items()}}
     meta["detected"] = {**live.detected, "kept": time.time()}
     header = SnapshotHeader(

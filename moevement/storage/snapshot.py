@@ -168,39 +168,64 @@ def entry_view(buffer: torch.Tensor, entry: Entry) -> torch.Tensor:
     return entry_bytes(buffer, entry).view(_dtype(entry.dtype)).view(entry.shape)
 
 
+@dataclass(frozen=True)
+class EntryViews:
+    """Where a layout's entries lie in one buffer: each entry's bytes, its typed tensor, and the padding
+    after it (where there is any). Resolving these costs a few tensor dispatches per entry; a snapshot
+    of a layout the buffer has held before reuses them (`SnapshotBuffers.views`)."""
+
+    raw: list[torch.Tensor]
+    typed: list[torch.Tensor]
+    pads: list[torch.Tensor | None]
+
+    @classmethod
+    def of(cls, buffer: torch.Tensor, entries: list[Entry]) -> EntryViews:
+        raw = [entry_bytes(buffer, e) for e in entries]
+        typed = [r.view(_dtype(e.dtype)).view(e.shape) for r, e in zip(raw, entries)]
+        ends = [(e.offset + e.nbytes, e.offset + _padded(e.nbytes)) for e in entries]
+        return cls(raw, typed, [buffer[a:b] if b > a else None for a, b in ends])
+
+
 def copy_entries(
     buffer: torch.Tensor,
     entries: list[Entry],
     sources: list[torch.Tensor],
     throttle: Throttle,
     stream: torch.cuda.Stream | None = None,
-) -> None:
-    """Copy (and cast) each source into its entry, zero the padding, and checksum every entry.
+    views: EntryViews | None = None,
+) -> list[str]:
+    """Copy (and cast) each source into its entry, zero the padding, and return every entry's checksum
+    (`entries` are not changed: a layout's entries serve many snapshots).
 
-    Entries (laid out one after another) are copied in groups of about CHUNK_BYTES, one foreach
-    copy each, and a group's entries are hashed while their bytes are still in cache; the
-    bandwidth cap is enforced between groups. Per-tensor Python work would cost more CPU than
-    the copy itself.
+    Entries (laid out one after another) are copied in groups of about CHUNK_BYTES, one foreach copy
+    each (on `stream`, device to host, when given), and a group's entries are hashed once its bytes are
+    in (while still in cache on CPU); the bandwidth cap is enforced between groups. `views`: the
+    entries' views of `buffer`, if already resolved. Per-tensor Python work would cost more CPU than the
+    copy itself, and it holds the GIL that the training thread needs.
     """
+    views = views or EntryViews.of(buffer, entries)
+    sums: list[str] = []
     start = 0
     for stop in _group_ends(entries):
-        group = entries[start:stop]
         with measure("copy"):
-            targets = [entry_view(buffer, e) for e in group]
-            if stream is None:
-                torch._foreach_copy_(targets, sources[start:stop])
-            else:  # device-to-host: per-tensor copies on the side stream (CPU time is not the constraint)
-                for target, src in zip(targets, sources[start:stop]):
-                    target.copy_(src, non_blocking=True)
+            torch._foreach_copy_(views.typed[start:stop], sources[start:stop], non_blocking=stream is not None)
+            if stream is not None:
                 stream.synchronize()
-            pads = [buffer[e.offset + e.nbytes : e.offset + _padded(e.nbytes)] for e in group if e.nbytes % BLOCK]
+            pads = [pad for pad in views.pads[start:stop] if pad is not None]
             if pads:
                 torch._foreach_zero_(pads)
         with measure("checksum"):
-            for entry in group:
-                entry.checksum = checksum(entry_bytes(buffer, entry))
-        throttle.consume(sum(e.nbytes for e in group))
+            sums.extend(checksum(raw) for raw in views.raw[start:stop])
+        throttle.consume(sum(e.nbytes for e in entries[start:stop]))
         start = stop
+    return sums
+
+
+def with_checksums(entries: list[Entry], sums: list[str]) -> list[Entry]:
+    """New entries: `entries` with these checksums."""
+    return [
+        Entry(e.op, e.name, e.role, e.dtype, e.shape, e.offset, e.nbytes, c) for e, c in zip(entries, sums, strict=True)
+    ]
 
 
 def _group_ends(entries: list[Entry]) -> list[int]:

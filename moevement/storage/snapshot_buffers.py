@@ -22,7 +22,7 @@ import torch
 
 from moevement.storage.background import enter_background
 from moevement.storage.host_memory import HostBuffer, HostMemoryError, make_private_dir
-from moevement.storage.snapshot import SnapshotHeader, Throttle, copy_entries
+from moevement.storage.snapshot import Entry, EntryViews, SnapshotHeader, Throttle, copy_entries
 
 
 def local_buffer(rank_dir: Path, parity: int, slot: int) -> Path:
@@ -36,6 +36,7 @@ class SnapshotBuffers:
         self.local_dir = make_private_dir(rank_dir / "local")
         self.lock = threading.Lock()
         self.buffers: dict[tuple[int, int], HostBuffer] = {}
+        self._cached_views: dict[Path, tuple[torch.Tensor, list[Entry], EntryViews]] = {}  # copy thread only
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.copier = ThreadPoolExecutor(
             1, thread_name_prefix="moevement-copy", initializer=enter_background, initargs=(background_priority,)
@@ -71,16 +72,29 @@ class SnapshotBuffers:
         for buf in stale:
             buf.invalidate()
 
-    def copy(self, buffer: HostBuffer, header: SnapshotHeader, sources: list[torch.Tensor], throttle: Throttle) -> None:
-        """Copy thread: copy a snapshot's tensors into `buffer` (a side stream on GPU), uncommitted."""
+    def copy(
+        self, buffer: HostBuffer, header: SnapshotHeader, sources: list[torch.Tensor], throttle: Throttle
+    ) -> list[str]:
+        """Copy thread: copy a snapshot's tensors into `buffer` (a side stream on GPU), uncommitted; returns
+        the checksums of its entries."""
         buffer.invalidate()
         data = buffer.ensure(max(header.nbytes, 1))
+        views = self._views(buffer, data, header.entries)
         if self.stream is None:
-            copy_entries(data, header.entries, sources, throttle)
-            return
+            return copy_entries(data, header.entries, sources, throttle, views=views)
         self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
         with torch.cuda.stream(self.stream):
-            copy_entries(data, header.entries, sources, throttle, self.stream)
+            return copy_entries(data, header.entries, sources, throttle, self.stream, views)
+
+    def _views(self, buffer: HostBuffer, data: torch.Tensor, entries: list[Entry]) -> EntryViews:
+        """Copy thread: the views of `entries` in `data`, reused while the buffer holds the same mapping and
+        the same layout (one list of entries per slot serves every window a plan repeats)."""
+        cached = self._cached_views.get(buffer.path)
+        if cached is not None and cached[0] is data and cached[1] is entries:
+            return cached[2]
+        views = EntryViews.of(data, entries)
+        self._cached_views[buffer.path] = (data, entries, views)
+        return views
 
     def submit(self, fn, *args) -> Future:
         return self.copier.submit(fn, *args)
@@ -94,3 +108,4 @@ class SnapshotBuffers:
 
     def close(self) -> None:
         self.copier.shutdown()
+        self._cached_views.clear()
