@@ -81,6 +81,8 @@ def init_distributed(
                 torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
             join_generation(generation, backend)
         else:
+            if device_type() == "cuda":
+                torch.cuda.init()  # the current device, chosen before DeviceMesh would guess one (and warn)
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     return dist.get_rank(), dist.get_world_size()
 

@@ -194,19 +194,23 @@ def test_a_first_optimizer_step_inside_a_window_lays_its_snapshots_out_again(tmp
 
 
 def test_the_commit_record_is_the_headers_json_byte_for_byte():
-    """The copy thread encodes a header but for `meta`; with the iteration's `meta` added it is exactly
-    the encoding of the whole header."""
+    """The copy thread encodes a header but for `meta`, its checksums spliced into its layout's entries
+    encoded once; with the iteration's `meta` added it is exactly the encoding of the whole header."""
     from moevement.storage.host_memory import encode_json
-    from moevement.storage.snapshot import Entry
+    from moevement.storage.snapshot import EncodedEntries, Entry, with_checksums
 
-    entries = [Entry("op", f"t{i}", "master", "float32", [i, 2], 1024 * i, 8 * i, f"{i:032x}") for i in range(5)]
-    header = SnapshotHeader(7, 5, 2, 4, 1, ["op"], ["b", "c"], entries, 5120, {"seed": 0, "run": {"job": "x"}})
-    prepared = header.encode_without_meta()
-    header.meta["scalars"] = {"loss": 1.25, "clip_coef": 0.5}
-    record, encoded = prepared.with_meta(header.meta)
-    assert record == header.to_json() and encoded == encode_json(header.to_json())
-    header.meta["scalars"]["loss"] = 2.0
-    assert record["meta"]["scalars"]["loss"] == 1.25  # the record is a copy
+    layout = [Entry("op", f"t{i}", "master", "float32", [i, 2], 1024 * i, 8 * i) for i in range(5)]
+    encoded_layout = EncodedEntries(layout)
+    for round_ in range(2):  # one layout, two snapshots of it
+        sums = [f"{round_}{i:015x}" for i in range(5)]
+        header = SnapshotHeader(7, 5, 2, 4, 1, ["op"], ["b", "c"], layout, 5120, {"seed": 0, "run": {"job": "x"}})
+        prepared = header.encode_without_meta(encoded_layout, sums)
+        header.meta["scalars"] = {"loss": 1.25, "clip_coef": 0.5}
+        commit = prepared.with_meta(header.meta)
+        header.entries = with_checksums(layout, sums)
+        assert commit.encoded == encode_json(header.to_json()) == header.commit_record().encoded
+        assert (commit.slot, commit.window_start, commit.nbytes) == (2, 5, 5120)
+    assert EncodedEntries([*layout, Entry("op", "\0", "master", "float32", [1], 0, 4)]).parts is None
 
 
 def test_every_window_is_planned_for_the_shortest_overlap_of_the_one_before(tmp_path, monkeypatch):

@@ -9,6 +9,7 @@ for `ROUNDS` rounds; figures over the steady-state iterations (`benchmarks.overh
 
 from __future__ import annotations
 
+import json
 import statistics
 
 import torch
@@ -18,7 +19,7 @@ from benchmarks.gpu_check.runs import Workspace, train
 from benchmarks.overhead import parse_steps, steady_ms, steady_records
 from moevement.checkpoint.profiler import measure_copy_bandwidth
 from moevement.storage.host_memory import make_private_dirs
-from moevement.storage.snapshot import SnapshotHeader, Throttle, layout_of, read_entries, with_checksums
+from moevement.storage.snapshot import SnapshotHeader, Throttle, layout_of, read_entries
 from moevement.storage.snapshot_buffers import SnapshotBuffers
 
 CONFIG = "train_configs/bench_moe.toml"
@@ -38,10 +39,9 @@ def pinned_copy(workspace: Workspace, device: torch.device) -> list[Check]:
         entries, _, nbytes = layout_of(items)
         header = SnapshotHeader(1, 1, 0, 1, 0, ["op"], [], entries, nbytes)
         buffer = buffers.buffer(0, 0)
-        header.entries = with_checksums(
-            entries, buffers.submit(buffers.copy, buffer, header, sources, Throttle()).result()
-        )
-        back = read_entries(buffer.data, header, source="pinned copy")
+        commit = buffers.submit(buffers.copy, buffer, header, sources, Throttle()).result().with_meta({})
+        committed = SnapshotHeader.from_json(json.loads(commit.encoded))  # the checksums of what was copied
+        back = read_entries(buffer.data, committed, source="pinned copy")
         same = all(torch.equal(back[("master", f"t{i}")], t.cpu()) for i, t in enumerate(sources))
         return [
             Check("snapshot buffer pinned", buffer.data.is_pinned(), f"{buffer.capacity} bytes, cudaHostRegister"),

@@ -41,10 +41,17 @@ from moevement.checkpoint.planner import SnapshotPolicy, WindowLayouts, WindowPl
 from moevement.checkpoint.schedule import WindowPlan
 from moevement.operators import Operator, Stacked, build_registry
 from moevement.storage.cpu_cost import measure
-from moevement.storage.host_memory import HostBuffer, encode_json, make_private_dirs, read_header, remove_tree
+from moevement.storage.host_memory import HostBuffer, make_private_dirs, read_header, remove_tree
 from moevement.storage.persistence import DiskWriter
 from moevement.storage.replication import Outgoing, ReplicaStore, start_replication
-from moevement.storage.snapshot import EncodedHeader, SnapshotHeader, Throttle, copy_entries, with_checksums
+from moevement.storage.snapshot import (
+    CommitRecord,
+    EncodedHeader,
+    SnapshotHeader,
+    Throttle,
+    copy_entries,
+    with_checksums,
+)
 from moevement.storage.snapshot_buffers import SnapshotBuffers, local_buffer
 from moevement.topology import Topology
 
@@ -117,7 +124,7 @@ class SparseCheckpointer:
         self.window_index = -1
         self.adopted = -1  # index of the window a restarted job kept (`adopt`; -1: none)
         self.pending: _Pending | None = None
-        self.latest: tuple[SnapshotHeader, torch.Tensor] | None = None  # newest committed snapshot, its bytes
+        self.latest_buffer: HostBuffer | None = None  # the newest committed snapshot's
         self.stats = _LoopState()
         optimizer.register_step_pre_hook(self._before_optimizer_step)
 
@@ -182,17 +189,22 @@ class SparseCheckpointer:
                 return
             if self.planner.policy is not None:
                 self.planner.policy.observe_stall(self.stats.last["stall_ms"] / 1e3)
-            encoded = pending.copy.result()
             pending.header.meta["scalars"] = dict(scalars)
-            record, encoded = encoded.with_meta(pending.header.meta)
-            last = pending.slot == self.plan.window - 1
-            self._commit(pending.window_index, pending.slot, record, encoded, pending.buffer, last)
-            self.latest = (pending.header, pending.buffer.data)
+            commit = pending.copy.result().with_meta(pending.header.meta)
+            self._commit(pending.window_index, commit, pending.buffer, pending.slot == self.plan.window - 1)
+            self.latest_buffer = pending.buffer
 
     def snapshot_meta(self) -> dict | None:
         """The header metadata of the snapshot the current iteration takes (None: it takes none); a
         strategy may add to it between `begin` and `end`, which commits the header."""
         return self.pending.header.meta if self.pending is not None else None
+
+    @property
+    def latest(self) -> tuple[SnapshotHeader, torch.Tensor] | None:
+        """The newest committed snapshot: its header as committed, and its bytes."""
+        if self.latest_buffer is None:
+            return None
+        return SnapshotHeader.from_json(read_header(self.latest_buffer.path)), self.latest_buffer.data
 
     def metrics(self) -> dict[str, float]:
         """Per-iteration figures for the log and TensorBoard."""
@@ -292,9 +304,7 @@ class SparseCheckpointer:
             data = buffer.ensure(max(header.nbytes, 1))
             sums = copy_entries(data, header.entries, [tensors[(e.role, e.name)] for e in header.entries], Throttle())
             header.entries = with_checksums(header.entries, sums)
-            record = header.to_json()
-            last = header.slot == len(snapshots) - 1
-            self._commit(window_index, header.slot, record, encode_json(record), buffer, last)
+            self._commit(window_index, header.commit_record(), buffer, header.slot == len(snapshots) - 1)
         if self.replicator is not None:
             self.replicator.drain()
 
@@ -333,21 +343,16 @@ class SparseCheckpointer:
         self.persisted.wait_until_persisted(window_index - 1, check)
         if self.disk is not None:
             self.disk.wait(window_index % 2)
-        sums = self.buffers.copy(buffer, header, sources, self.planner.profile.throttle())
-        with measure("header"):
-            header.entries = with_checksums(header.entries, sums)
-            return header.encode_without_meta()
+        return self.buffers.copy(buffer, header, sources, self.planner.profile.throttle())
 
-    def _commit(
-        self, window_index: int, slot: int, record: dict, encoded: bytes, buffer: HostBuffer, last: bool
-    ) -> None:
-        """A snapshot's bytes are complete in `buffer`: record it (`record`, encoded as `encoded`: the local
-        commit record and the replicas' are the same bytes) and hand it to the replicator."""
-        buffer.commit(encoded)
-        self.persisted.committed(window_index, record)
+    def _commit(self, window_index: int, commit: CommitRecord, buffer: HostBuffer, last: bool) -> None:
+        """A snapshot's bytes are complete in `buffer`: record it (the local commit record and the replicas'
+        are the same bytes) and hand it to the replicator."""
+        buffer.commit(commit.encoded)
+        self.persisted.committed(window_index, commit)
         if self.replicator is not None:
-            payload = buffer.data[: record["nbytes"]]
-            self.replicator.submit(Outgoing(window_index, slot, last, encoded, payload))
+            payload = buffer.data[: commit.nbytes]
+            self.replicator.submit(Outgoing(window_index, commit.slot, last, commit.encoded, payload))
         elif last:
             self._on_window_replicated(window_index)
 

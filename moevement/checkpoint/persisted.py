@@ -19,7 +19,7 @@ from pathlib import Path
 from moevement.storage.host_memory import HostBuffer, read_header, write_json_atomic
 from moevement.storage.persistence import DiskWriter
 from moevement.storage.replication import ReplicaStore
-from moevement.storage.snapshot import SnapshotHeader, read_entries
+from moevement.storage.snapshot import CommitRecord, SnapshotHeader, read_entries
 from moevement.storage.snapshot_buffers import SnapshotBuffers, local_buffer
 
 MANIFEST = "persisted.json"
@@ -31,7 +31,7 @@ class PersistedCheckpoint:
         self.cond = threading.Condition()
         self.index = -1  # index of the newest persisted window (-1: none yet)
         self.window: tuple[int, int] | None = None  # its (first iteration, W)
-        self.headers: dict[int, list[dict]] = {}  # window index -> headers committed so far
+        self.headers: dict[int, list[CommitRecord]] = {}  # window index -> snapshots committed so far
         self.scalar_log: dict[int, dict] = {}  # iteration -> logged scalars, kept from rollback_point()
 
     def rollback_point(self) -> int:
@@ -76,10 +76,10 @@ class PersistedCheckpoint:
         with self.cond:
             self.scalar_log.update(log)
 
-    def committed(self, window_index: int, header: dict) -> None:
+    def committed(self, window_index: int, commit: CommitRecord) -> None:
         """A snapshot of window `window_index` is complete in its local buffer."""
         with self.cond:
-            self.headers.setdefault(window_index, []).append(header)
+            self.headers.setdefault(window_index, []).append(commit)
 
     def window_replicated(self, window_index: int, disk: DiskWriter | None) -> None:
         """Every rank has replicated window `window_index`: the window before it is garbage, this one is
@@ -91,8 +91,8 @@ class PersistedCheckpoint:
         self.buffers.invalidate(1 - parity)
         self.replicas.invalidate(1 - parity)
         if disk is not None:  # before the index is published: the copy thread waits on the disk writer
-            disk.submit(parity, [(h, self.buffers.buffer(parity, h["slot"]).data) for h in headers])
-        start, window = headers[0]["window_start"], len(headers)
+            disk.submit(parity, [(h, self.buffers.buffer(parity, h.slot).data) for h in headers])
+        start, window = headers[0].window_start, len(headers)
         self._write_manifest(window_index, start, window)
         with self.cond:
             self.index, self.window = window_index, (start, window)

@@ -31,7 +31,7 @@ from moevement.storage.host_memory import (
     remove_tree,
     write_json_atomic,
 )
-from moevement.storage.snapshot import SnapshotError, SnapshotHeader, read_entries
+from moevement.storage.snapshot import CommitRecord, SnapshotError, SnapshotHeader, read_entries
 
 KEEP = 2  # newest windows kept per rank
 
@@ -40,11 +40,11 @@ def window_dir(root: Path, window_start: int) -> Path:
     return root / f"window-{window_start:08d}"
 
 
-def write_window(root: Path, rank: int, snapshots: list[tuple[dict, torch.Tensor]]) -> Path:
+def write_window(root: Path, rank: int, snapshots: list[tuple[CommitRecord, torch.Tensor]]) -> Path:
     """Write one rank's snapshots of a window (headers + bytes); returns the rank directory. A full or
     unwritable disk is a HostMemoryError naming the directory and the bytes needed, and nothing of the
     window stays behind."""
-    start = snapshots[0][0]["window_start"]
+    start = snapshots[0][0].window_start
     final = make_private_dir(window_dir(root, start)) / f"rank{rank:05d}"
     tmp = None
     try:
@@ -56,21 +56,21 @@ def write_window(root: Path, rank: int, snapshots: list[tuple[dict, torch.Tensor
         if tmp is not None:
             remove_tree(tmp, root)
         if isinstance(e, OSError):
-            needed = sum(header["nbytes"] for header, _ in snapshots)
+            needed = sum(commit.nbytes for commit, _ in snapshots)
             raise no_space(final.parent, f"the sparse checkpoint of window {start}", needed, e) from None
         raise
     return final
 
 
-def _write_snapshots(directory: Path, snapshots: list[tuple[dict, torch.Tensor]]) -> None:
-    for header, payload in snapshots:
-        path = directory / f"s{header['slot']}.bin"
+def _write_snapshots(directory: Path, snapshots: list[tuple[CommitRecord, torch.Tensor]]) -> None:
+    for commit, payload in snapshots:
+        path = directory / f"s{commit.slot}.bin"
         fd = open_private(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         with os.fdopen(fd, "wb") as f:
-            f.write(payload[: header["nbytes"]].numpy().tobytes())
+            f.write(payload[: commit.nbytes].numpy().tobytes())
             f.flush()
             os.fsync(f.fileno())
-        write_json_atomic(path.with_suffix(".json"), header)
+        write_json_atomic(path.with_suffix(".json"), commit.encoded)
 
 
 def read_window(rank_dir: Path) -> list[tuple[SnapshotHeader, dict[tuple[str, str], torch.Tensor]]]:
@@ -105,7 +105,7 @@ class DiskWriter:
         self.threads: dict[int, threading.Thread] = {}
         self.error: BaseException | None = None
 
-    def submit(self, parity: int, snapshots: list[tuple[dict, torch.Tensor]]) -> None:
+    def submit(self, parity: int, snapshots: list[tuple[CommitRecord, torch.Tensor]]) -> None:
         self.wait(parity)
         thread = threading.Thread(target=self._write, args=(snapshots,), name="moevement-persist", daemon=True)
         self.threads[parity] = thread
@@ -124,7 +124,7 @@ class DiskWriter:
         for parity in list(self.threads):
             self.wait(parity)
 
-    def _write(self, snapshots: list[tuple[dict, torch.Tensor]]) -> None:
+    def _write(self, snapshots: list[tuple[CommitRecord, torch.Tensor]]) -> None:
         try:
             enter_background(self.priority)
             with measure("persistence"):
@@ -132,7 +132,7 @@ class DiskWriter:
         except BaseException as e:
             self.error = e
 
-    def _write_and_prune(self, snapshots: list[tuple[dict, torch.Tensor]]) -> None:
+    def _write_and_prune(self, snapshots: list[tuple[CommitRecord, torch.Tensor]]) -> None:
         """Write one window of this rank, then remove its windows beyond the newest `keep`."""
         write_window(self.root, self.rank, snapshots)
         mine = private_subdirs(self.root, "window-", f"rank{self.rank:05d}")

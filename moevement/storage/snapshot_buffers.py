@@ -21,8 +21,17 @@ from pathlib import Path
 import torch
 
 from moevement.storage.background import enter_background
+from moevement.storage.cpu_cost import measure
 from moevement.storage.host_memory import HostBuffer, HostMemoryError, make_private_dir
-from moevement.storage.snapshot import Entry, EntryViews, SnapshotHeader, Throttle, copy_entries
+from moevement.storage.snapshot import (
+    EncodedEntries,
+    EncodedHeader,
+    Entry,
+    EntryViews,
+    SnapshotHeader,
+    Throttle,
+    copy_entries,
+)
 
 
 def local_buffer(rank_dir: Path, parity: int, slot: int) -> Path:
@@ -36,7 +45,7 @@ class SnapshotBuffers:
         self.local_dir = make_private_dir(rank_dir / "local")
         self.lock = threading.Lock()
         self.buffers: dict[tuple[int, int], HostBuffer] = {}
-        self._cached_views: dict[Path, tuple[torch.Tensor, list[Entry], EntryViews]] = {}  # copy thread only
+        self._cache: dict[Path, tuple[torch.Tensor, list[Entry], EntryViews, EncodedEntries]] = {}  # copy thread
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.copier = ThreadPoolExecutor(
             1, thread_name_prefix="moevement-copy", initializer=enter_background, initargs=(background_priority,)
@@ -74,27 +83,32 @@ class SnapshotBuffers:
 
     def copy(
         self, buffer: HostBuffer, header: SnapshotHeader, sources: list[torch.Tensor], throttle: Throttle
-    ) -> list[str]:
-        """Copy thread: copy a snapshot's tensors into `buffer` (a side stream on GPU), uncommitted; returns
-        the checksums of its entries."""
+    ) -> EncodedHeader:
+        """Copy thread: copy a snapshot's tensors into `buffer` (a side stream on GPU), uncommitted, and
+        encode its header, checksums in, but for `meta` (`header.entries` are its layout's, unchanged)."""
         buffer.invalidate()
         data = buffer.ensure(max(header.nbytes, 1))
-        views = self._views(buffer, data, header.entries)
+        views, encoded = self._resolved(buffer, data, header.entries)
         if self.stream is None:
-            return copy_entries(data, header.entries, sources, throttle, views=views)
-        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
-        with torch.cuda.stream(self.stream):
-            return copy_entries(data, header.entries, sources, throttle, self.stream, views)
+            checksums = copy_entries(data, header.entries, sources, throttle, views=views)
+        else:
+            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+            with torch.cuda.stream(self.stream):
+                checksums = copy_entries(data, header.entries, sources, throttle, self.stream, views)
+        with measure("header"):
+            return header.encode_without_meta(encoded, checksums)
 
-    def _views(self, buffer: HostBuffer, data: torch.Tensor, entries: list[Entry]) -> EntryViews:
-        """Copy thread: the views of `entries` in `data`, reused while the buffer holds the same mapping and
-        the same layout (one list of entries per slot serves every window a plan repeats)."""
-        cached = self._cached_views.get(buffer.path)
+    def _resolved(
+        self, buffer: HostBuffer, data: torch.Tensor, entries: list[Entry]
+    ) -> tuple[EntryViews, EncodedEntries]:
+        """Copy thread: the views of `entries` in `data` and their encoding, reused while the buffer holds the
+        same mapping and the same layout (one list of entries per slot serves every window a plan repeats)."""
+        cached = self._cache.get(buffer.path)
         if cached is not None and cached[0] is data and cached[1] is entries:
-            return cached[2]
-        views = EntryViews.of(data, entries)
-        self._cached_views[buffer.path] = (data, entries, views)
-        return views
+            return cached[2], cached[3]
+        views, encoded = EntryViews.of(data, entries), EncodedEntries(entries)
+        self._cache[buffer.path] = (data, entries, views, encoded)
+        return views, encoded
 
     def submit(self, fn, *args) -> Future:
         return self.copier.submit(fn, *args)
@@ -108,4 +122,4 @@ class SnapshotBuffers:
 
     def close(self) -> None:
         self.copier.shutdown()
-        self._cached_views.clear()
+        self._cache.clear()
