@@ -466,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         announce_clean_stop(int(os.environ.get("RANK", "0")))
         if os.environ.get("RANK", "0") == "0":  # every rank reads the same config: the job says it once
-            print(f"error: {e}", file=sys.stderr)
+            print_error(e)
         return 2
     except GenerationNotJoined as e:
         print(e, flush=True)
@@ -475,11 +475,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except (CheckpointError, DataError, HostMemoryError, IdentityError, SnapshotError, RecoveryError) as e:
         announce_clean_stop(int(os.environ.get("RANK", "0")))
-        print(f"error: {e}", file=sys.stderr)
+        print_error(e)
         return 2
     finally:
         shutdown_distributed()
     return 0
+
+
+def print_error(error: Exception) -> None:
+    """The `error:` line, written whole in one call: ranks that share torchrun's stderr pipe never interleave
+    inside a line (a write of up to PIPE_BUF bytes to a pipe is atomic)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.write(sys.stderr.fileno(), f"error: {error}\n".encode())
 
 
 if __name__ == "__main__":
