@@ -61,8 +61,12 @@ class WindowLayouts:
 
     def current(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether the optimizer's state tensors are still those the layouts were resolved from."""
-        now = optimizer_tensors(optimizer)
-        return len(now) == len(self.state) and all(a is b for a, b in zip(now, self.state))
+        return same_tensors(optimizer_tensors(optimizer), self.state)
+
+
+def same_tensors(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    """Whether two lists hold the same tensor objects in the same order."""
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
 class WindowPlanner:
@@ -152,9 +156,8 @@ class WindowPlanner:
         """Each operator's (FP32 state, compute weight) bytes, measured again once the optimizer's state
         tensors change (a first step creates them)."""
         state = optimizer_tensors(self.optimizer)
-        if self._sizes is not None and len(state) == len(self._sizes[0]):
-            if all(a is b for a, b in zip(state, self._sizes[0])):
-                return self._sizes[1]
+        if self._sizes is not None and same_tensors(state, self._sizes[0]):
+            return self._sizes[1]
         views = LocalViews()
         sizes = {
             op.name: (op.fp32_bytes(self.optimizer, views), op.compute_bytes(self.compute_dtype, views))

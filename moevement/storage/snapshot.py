@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -59,11 +59,13 @@ class SnapshotHeader:
         entries = [dict(vars(e)) for e in self.entries]
         return {**self._fields(), "entries": entries, "meta": copy.deepcopy(self.meta)}
 
-    def encode_without_meta(self, entries: EncodedEntries | None = None, checksums: list[str] = ()) -> EncodedHeader:
+    def encode_without_meta(
+        self, entries: EncodedEntries | None = None, checksums: Sequence[str] = ()
+    ) -> EncodedHeader:
         """The commit record but for `meta`, encoded: the copy thread prepares it once the checksums are in,
         and the training thread adds the iteration's `meta` (`EncodedHeader.with_meta`). `entries`: this
         header's entries encoded once for their layout, with this snapshot's `checksums` spliced in."""
-        body = entries.encode(checksums) if entries is not None else encode_json(self.to_json()["entries"])
+        body = entries.encode(checksums) if entries is not None else encode_json([dict(vars(e)) for e in self.entries])
         prefix = encode_json(self._fields())[:-1] + b', "entries": ' + body
         return EncodedHeader(self.slot, self.window_start, self.nbytes, prefix)
 
@@ -126,7 +128,7 @@ class EncodedEntries:
         parts = encode_json([{**vars(e), "checksum": "\0"} for e in entries]).split(self._CUT)
         self.parts = parts if len(parts) == len(entries) + 1 else None  # None: a name is a NUL character
 
-    def encode(self, checksums: list[str]) -> bytes:
+    def encode(self, checksums: Sequence[str]) -> bytes:
         if self.parts is None:
             return encode_json([{**vars(e), "checksum": c} for e, c in zip(self.entries, checksums, strict=True)])
         pieces: list[bytes] = [b""] * (2 * len(self.parts) - 1)
