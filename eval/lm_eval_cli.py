@@ -48,15 +48,13 @@ def with_tasks(rest: list[str], names: list[str]) -> list[str]:
 
 
 def main() -> None:
-    from eval.tasks import TASK_DIR, TASKS
+    from eval.tasks import TASK_DIR, TASKS, load_tasks
 
     rest, names = split_tasks(sys.argv[1:])
     local = [n for n in names if n in TASKS]
     if names and len(local) == len(names):
         os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from eval.tasks import load_tasks
-
     _, errors = load_tasks(local) if local else ({}, {})
     for e in errors.values():
         print(f"error: {e}", file=sys.stderr, flush=True)
