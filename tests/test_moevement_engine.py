@@ -375,7 +375,8 @@ def test_snapshot_checksums_are_xxh3_of_each_entry():
     from moevement.storage.snapshot import BLOCK, Entry, Throttle, copy_entries, with_checksums
 
     g = torch.Generator().manual_seed(0)
-    sources = [torch.randn(n, generator=g) * 1e30 for n in (1, 300, 0, 1000, 7, 4096)] + [torch.tensor(5.0)]
+    sizes = (1, 300, 0, 1000, (1 << 20) + 3, 7, 4096)  # the large one (float32) ends a copy group
+    sources = [torch.randn(n, generator=g) * 1e30 for n in sizes] + [torch.tensor(5.0)]
     entries, offset = [], 0
     for i, src in enumerate(sources):
         dtype = torch.bfloat16 if i % 2 else torch.float32
@@ -397,7 +398,10 @@ def test_snapshot_checksums_are_xxh3_of_each_entry():
 def test_checksum_detects_every_corruption_a_sum_misses():
     """Compensating flips within one 1 KiB block, two swapped 8-byte words, moved blocks, a flip in the tail
     and a shorter length all change the hash (the block sums it replaced let the first two pass)."""
-    from moevement.storage.snapshot import checksum
+    from moevement.storage.snapshot import checksum as hash_bytes
+
+    def checksum(t: torch.Tensor) -> str:
+        return hash_bytes(memoryview(t.numpy()))
 
     raw = torch.randint(0, 256, (3 * 4096 + 5,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     base = checksum(raw)

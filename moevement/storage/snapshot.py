@@ -208,21 +208,39 @@ def entry_view(buffer: torch.Tensor, entry: Entry) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class EntryViews:
-    """Where a layout's entries lie in one buffer: each entry's bytes, its typed tensor, and the padding
-    after it (where there is any). Resolving these costs a few tensor dispatches per entry; a snapshot
-    of a layout the buffer has held before reuses them (`SnapshotBuffers.views`)."""
+class CopyGroup:
+    """Consecutive entries `start:stop` of a layout, about CHUNK_BYTES together, in one buffer: copied
+    with one foreach copy and hashed while their bytes are still in cache."""
 
-    raw: list[torch.Tensor]
-    typed: list[torch.Tensor]
-    pads: list[torch.Tensor | None]
+    start: int
+    stop: int
+    targets: list[torch.Tensor]  # each entry's typed tensor in the buffer
+    pads: list[torch.Tensor]  # the non-empty padding after them
+    raw: list[memoryview]  # each entry's bytes, as the hash reads them
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class EntryViews:
+    """Where a layout's entries lie in one buffer, group by group. Resolving these costs a few tensor
+    dispatches per entry; a snapshot of a layout the buffer has held before reuses them
+    (`SnapshotBuffers._resolved`), so the copy thread does almost no Python work per entry: every
+    moment it holds the GIL is one the training thread may wait for."""
+
+    groups: list[CopyGroup]
 
     @classmethod
     def of(cls, buffer: torch.Tensor, entries: list[Entry]) -> EntryViews:
-        raw = [entry_bytes(buffer, e) for e in entries]
-        typed = [r.view(_dtype(e.dtype)).view(e.shape) for r, e in zip(raw, entries)]
-        ends = [(e.offset + e.nbytes, e.offset + _padded(e.nbytes)) for e in entries]
-        return cls(raw, typed, [buffer[a:b] if b > a else None for a, b in ends])
+        whole = memoryview(buffer.numpy())
+        groups, start = [], 0
+        for stop in _group_ends(entries):
+            part = entries[start:stop]
+            targets = [entry_view(buffer, e) for e in part]
+            pads = [buffer[e.offset + e.nbytes : e.offset + _padded(e.nbytes)] for e in part if e.nbytes % BLOCK]
+            raw = [whole[e.offset : e.offset + e.nbytes] for e in part]
+            groups.append(CopyGroup(start, stop, targets, pads, raw, sum(e.nbytes for e in part)))
+            start = stop
+        return cls(groups)
 
 
 def copy_entries(
@@ -236,27 +254,22 @@ def copy_entries(
     """Copy (and cast) each source into its entry, zero the padding, and return every entry's checksum
     (`entries` are not changed: a layout's entries serve many snapshots).
 
-    Entries (laid out one after another) are copied in groups of about CHUNK_BYTES, one foreach copy
-    each (on `stream`, device to host, when given), and a group's entries are hashed once its bytes are
-    in (while still in cache on CPU); the bandwidth cap is enforced between groups. `views`: the
-    entries' views of `buffer`, if already resolved. Per-tensor Python work would cost more CPU than the
-    copy itself, and it holds the GIL that the training thread needs.
-    """
+    Entries are copied group by group (`EntryViews`), one foreach copy each (on `stream`, device to host,
+    when given), and a group's entries are hashed once its bytes are in (while still in cache on CPU);
+    the bandwidth cap is enforced between groups. `views`: the entries' views of `buffer`, if already
+    resolved."""
     views = views or EntryViews.of(buffer, entries)
     sums: list[str] = []
-    start = 0
-    for stop in _group_ends(entries):
+    for group in views.groups:
         with measure("copy"):
-            torch._foreach_copy_(views.typed[start:stop], sources[start:stop], non_blocking=stream is not None)
+            torch._foreach_copy_(group.targets, sources[group.start : group.stop], non_blocking=stream is not None)
             if stream is not None:
                 stream.synchronize()
-            pads = [pad for pad in views.pads[start:stop] if pad is not None]
-            if pads:
-                torch._foreach_zero_(pads)
+            if group.pads:
+                torch._foreach_zero_(group.pads)
         with measure("checksum"):
-            sums.extend(checksum(raw) for raw in views.raw[start:stop])
-        throttle.consume(sum(e.nbytes for e in entries[start:stop]))
-        start = stop
+            sums.extend(map(checksum, group.raw))
+        throttle.consume(group.nbytes)
     return sums
 
 
@@ -279,19 +292,19 @@ def _group_ends(entries: list[Entry]) -> list[int]:
 
 
 def checksums(buffer: torch.Tensor, entries: list[Entry]) -> list[str]:
-    """The checksum of every entry's bytes in `buffer`."""
+    """The checksum of every entry's bytes in `buffer` (which holds them all)."""
     if any(e.offset % BLOCK for e in entries):
         raise SnapshotError(f"entries are not aligned to {BLOCK} bytes (a snapshot of an older format)")
-    return [checksum(entry_bytes(buffer, entry)) for entry in entries]
+    whole = memoryview(buffer.numpy())
+    return [checksum(whole[e.offset : e.offset + e.nbytes]) for e in entries]
 
 
-def checksum(raw: torch.Tensor) -> str:
-    """XXH3-64 of the bytes of a uint8 tensor, as 16 hex digits.
+def checksum(data: memoryview) -> str:
+    """XXH3-64 of these bytes, as 16 hex digits.
 
     A real hash (every bit of every byte, order and length included): compensating flips or swapped
-    words that a sum passes change it. xxHash hashes at memory speed and releases the GIL, so it costs the
-    copy thread less than the sums it replaced did."""
-    return xxhash.xxh3_64_hexdigest(raw.numpy()) if raw.numel() else xxhash.xxh3_64_hexdigest(b"")
+    words that a sum passes change it. xxHash hashes at memory speed and releases the GIL while it does."""
+    return xxhash.xxh3_64_hexdigest(data)
 
 
 def verify_entries(buffer: torch.Tensor, header: SnapshotHeader, source: str = "snapshot") -> None:
