@@ -1,4 +1,4 @@
-"""`train.py --dry-run`'s per-rank host-memory estimate against what real runs hold (trainer/host_estimate.py).
+"""`train.py --dry-run`'s per-rank host-memory estimate against what real runs hold (trainer/run/host_estimate.py).
 
 Bound tested: a real run's bytes in the host directory (whole pages, as tmpfs counts them) are at most the
 estimate, and the estimate at most 1.25 times them. With a forced window the estimate differs from a
@@ -19,10 +19,10 @@ from models import build_model
 from moevement.operators import build_registry
 from moevement.recovery.live_state import save_live_state
 from tests.conftest import DEBUG_CONFIG, run_cli
-from trainer import host_estimate
 from trainer.config import load_config
-from trainer.fault_tolerance import stacked_operators
 from trainer.optim import build_optimizer
+from trainer.run import host_estimate
+from trainer.run.fault_tolerance import stacked_operators
 
 HOST_LINE = re.compile(r"^host_memory rank=(\d+) pp=\d+ snapshots=(\S+) replicas=(\S+) .*$", re.M)
 LOOSEST = 1.25

@@ -18,8 +18,8 @@ from moevement.storage.host_memory import map_bytes, read_header
 from moevement.storage.persistence import read_window, window_dir
 from moevement.storage.snapshot import SnapshotError, SnapshotHeader, read_entries
 from parallelisms.pipeline import lm_loss
-from trainer.fault_tolerance import stacked_operators
-from trainer.state import named_training_state
+from trainer.checkpoint.state import named_training_state
+from trainer.run.fault_tolerance import stacked_operators
 from trainer.step import take_expert_load
 
 ARGS = dict(

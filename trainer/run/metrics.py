@@ -9,7 +9,7 @@ import torch
 from tqdm import tqdm
 
 from trainer.config import Config
-from trainer.tensorboard import StageGather, TensorBoardEvents
+from trainer.run.tensorboard import StageGather, TensorBoardEvents
 
 
 class MetricsLogger:
