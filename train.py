@@ -156,6 +156,7 @@ def inject_failures(job: Job, step: int, elapsed_s: float) -> int:
     with job.guard.recovering():
         resume = job.ft.recover(step, events)
     job.accounting.recovered(len(events), time.perf_counter() - started)
+    job.logger.recovery(job.ft.last_recovery())
     return resume
 
 
