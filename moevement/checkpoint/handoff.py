@@ -6,10 +6,10 @@ snapshot the window is persisted (`PersistedCheckpoint.window_replicated`, which
 window before it), and every `persist_every`-th one is handed to the disk writer, but for the window a
 restarted job adopted (`adopted`: it came from a persisted checkpoint and is not written again).
 
-Threads: `commit`, `drain`, `close` and `abandon` run on the training thread; `_on_window_replicated` on
-the replication thread (or, without replication, on the training thread inside `commit`);
-`wait_until_reusable` on the copy thread. `adopted` is set on the training thread before the adopted
-window is committed, so the replication thread reads it only after.
+Threads: `commit`, `drain`, `flush_disk`, `close` and `abandon` run on the training thread;
+`_on_window_replicated` on the replication thread (or, without replication, on the training thread
+inside `commit`); `wait_until_reusable` on the copy thread. `adopted` is set on the training thread
+before the adopted window is committed, so the replication thread reads it only after.
 """
 
 from __future__ import annotations

@@ -79,6 +79,22 @@ class _Survey:
     held: dict[int, dict[int, list[Path]]] = field(default_factory=dict)  # {rank: {start: paths}} held for others
 
 
+@dataclass
+class _Agreement:
+    """What the ranks' surveys say together (every rank computes the same from the same all-gather)."""
+
+    persisted: int  # the newest window start any rank's manifest records as persisted
+    last_iteration: int  # the newest iteration any rank's snapshots record
+    any_state: bool  # whether any rank found state of this job
+    index: int  # the index the restarted job gives the window it keeps (past every manifest's)
+    resume_at: int  # the iteration the survivors of a rejoin resume at (0: none)
+    remote: dict[int, dict[int, list[int]]] = field(default_factory=dict)  # `_remote_holders`
+
+    def host_copy_usable(self, start: int, window: int) -> bool:
+        """Whether a copy in host memory of window [start, start + window) may be restarted from."""
+        return start <= self.persisted or start + window <= self.resume_at
+
+
 def _reject(rank: int, source: str, error: Exception) -> None:
     print(f"restart: rank {rank} rejected {source}: {error}", flush=True)
 
@@ -209,22 +225,6 @@ def find_restart_checkpoint(
             "STARTING FROM THE INITIAL STATE"
         )
     return None
-
-
-@dataclass
-class _Agreement:
-    """What the ranks' surveys say together (every rank computes the same from the same all-gather)."""
-
-    persisted: int  # the newest window start any rank's manifest records as persisted
-    last_iteration: int  # the newest iteration any rank's snapshots record
-    any_state: bool  # whether any rank found state of this job
-    index: int  # the index the restarted job gives the window it keeps (past every manifest's)
-    resume_at: int  # the iteration the survivors of a rejoin resume at (0: none)
-    remote: dict[int, dict[int, list[int]]] = field(default_factory=dict)  # `_remote_holders`
-
-    def host_copy_usable(self, start: int, window: int) -> bool:
-        """Whether a copy in host memory of window [start, start + window) may be restarted from."""
-        return start <= self.persisted or start + window <= self.resume_at
 
 
 def _agree(survey: _Survey, resume_at: int) -> _Agreement:
