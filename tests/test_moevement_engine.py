@@ -162,7 +162,7 @@ def test_windows_of_one_slot_reuse_their_layout_and_stay_exact(tmp_path):
 
     def on_snapshot(header, before, engine):
         check_snapshot(header, before, engine, torch.float32)
-        layouts.append(engine.layouts)
+        layouts.append(engine.window.layouts)
         sums.append([e.checksum for e in header.entries])
 
     engine = train(tmp_path / "rank0", 8, on_snapshot=on_snapshot, window=1)
@@ -170,7 +170,7 @@ def test_windows_of_one_slot_reuse_their_layout_and_stay_exact(tmp_path):
     assert all(e.checksum == "" for e in layouts[0].slots[0][0]), "a layout's entries carry no checksums"
     assert all(a != b for a, b in zip(sums, sums[1:])), "each snapshot's header has the checksums of its bytes"
     engine.planner.forget_layouts()
-    assert engine.planner.layouts(engine.plan) is not layouts[0]
+    assert engine.planner.layouts(engine.window.plan) is not layouts[0]
 
 
 def test_a_first_optimizer_step_inside_a_window_lays_its_snapshots_out_again(tmp_path):

@@ -79,6 +79,22 @@ class _Survey:
     held: dict[int, dict[int, list[Path]]] = field(default_factory=dict)  # {rank: {start: paths}} held for others
 
 
+@dataclass
+class _Agreement:
+    """What the ranks' surveys say together (every rank computes the same from the same all-gather)."""
+
+    persisted: int  # the newest window start any rank's manifest records as persisted
+    last_iteration: int  # the newest iteration any rank's snapshots record
+    any_state: bool  # whether any rank found state of this job
+    index: int  # the index the restarted job gives the window it keeps (past every manifest's)
+    resume_at: int  # the iteration the survivors of a rejoin resume at (0: none)
+    remote: dict[int, dict[int, list[int]]] = field(default_factory=dict)  # `_remote_holders`
+
+    def host_copy_usable(self, start: int, window: int) -> bool:
+        """Whether a copy in host memory of window [start, start + window) may be restarted from."""
+        return start <= self.persisted or start + window <= self.resume_at
+
+
 def _reject(rank: int, source: str, error: Exception) -> None:
     print(f"restart: rank {rank} rejected {source}: {error}", flush=True)
 
@@ -187,52 +203,80 @@ def find_restart_checkpoint(
     checksums are verified like any other; the death only kept the all-reduce that marks it persisted
     from running, and rolling back to it replays a window less."""
     started = time.perf_counter()
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     survey = _survey(rank, job_dir, persist_root, own_copies)
-    gathered: list = [None] * world
-    held = {r: {start: len(paths) for start, paths in windows.items()} for r, windows in survey.held.items()}
-    collectives.all_gather_object(
-        gathered, (survey.persisted, survey.newest_iteration, survey.anything, survey.index, resume_at, held)
-    )
-    persisted = max(g[0] for g in gathered)
-    last_iteration = max(g[1] for g in gathered)
-    any_state = any(g[2] for g in gathered)
-    index = max(-1, *(g[3] for g in gathered)) + 1  # not the buffers of the newest manifest's window
-    resume_at = max(g[4] for g in gathered)
-
-    def host_copy_usable(start: int, window: int) -> bool:
-        return start <= persisted or start + window <= resume_at
-
-    remote = _remote_holders([g[5] for g in gathered], host_copy_usable)
-    usable = {
-        start: [c for c in copies if not c.in_host_memory or host_copy_usable(start, c.window)]
-        for start, copies in survey.copies.items()
-    }
-    starts = sorted(start for start, copies in usable.items() if copies)
-    collectives.all_gather_object(gathered, starts)
-    common = set.intersection(*(set(s) | set(remote[r]) for r, s in enumerate(gathered)))
-    for start in sorted(common, reverse=True):
-        loaded = _load_first_intact(rank, usable.get(start, []), check)
-        collectives.all_gather_object(gathered, loaded[1] if loaded else None)
-        if not all(gathered):
-            loaded = _fetch_over_network(rank, start, gathered, remote, survey.held, check) or loaded
-            collectives.all_gather_object(gathered, loaded[1] if loaded else None)
-        if all(source is not None for source in gathered):
+    agreed = _agree(survey, resume_at)
+    usable, candidates = _candidate_windows(survey, agreed)
+    for start in candidates:
+        loaded, sources = _load_on_every_rank(rank, start, usable.get(start, []), agreed, survey.held, check)
+        if all(source is not None for source in sources):
             drop_newer_disk_windows(rank, persist_root, start)
             snapshots = loaded[0]
             seconds = time.perf_counter() - started
-            return RestartPoint(start, len(snapshots), snapshots, list(gathered), last_iteration, seconds, index)
-        missing = [r for r, source in enumerate(gathered) if source is None]
+            return RestartPoint(start, len(snapshots), snapshots, sources, agreed.last_iteration, seconds, agreed.index)
+        missing = [r for r, source in enumerate(sources) if source is None]
         line(
             f"restart: window {start} has no intact copy on rank(s) {'+'.join(map(str, missing))}; "
             f"falling back to the next older window"
         )
-    if any_state:
+    if agreed.any_state:
         line(
             "restart: no intact persisted sparse checkpoint of this job survives on every rank; "
             "STARTING FROM THE INITIAL STATE"
         )
     return None
+
+
+def _agree(survey: _Survey, resume_at: int) -> _Agreement:
+    """Every rank's survey summed up, and who holds which replica (collective)."""
+    gathered: list = [None] * dist.get_world_size()
+    held = {r: {start: len(paths) for start, paths in windows.items()} for r, windows in survey.held.items()}
+    collectives.all_gather_object(
+        gathered, (survey.persisted, survey.newest_iteration, survey.anything, survey.index, resume_at, held)
+    )
+    agreed = _Agreement(
+        persisted=max(g[0] for g in gathered),
+        last_iteration=max(g[1] for g in gathered),
+        any_state=any(g[2] for g in gathered),
+        index=max(-1, *(g[3] for g in gathered)) + 1,  # not the buffers of the newest manifest's window
+        resume_at=max(g[4] for g in gathered),
+    )
+    agreed.remote = _remote_holders([g[5] for g in gathered], agreed.host_copy_usable)
+    return agreed
+
+
+def _candidate_windows(survey: _Survey, agreed: _Agreement) -> tuple[dict[int, list[_Copy]], list[int]]:
+    """This rank's usable copies by window start, and the starts every rank has a copy of (its own or a
+    peer's replica), newest first (collective)."""
+    usable = {
+        start: [c for c in copies if not c.in_host_memory or agreed.host_copy_usable(start, c.window)]
+        for start, copies in survey.copies.items()
+    }
+    starts = sorted(start for start, copies in usable.items() if copies)
+    gathered: list = [None] * dist.get_world_size()
+    collectives.all_gather_object(gathered, starts)
+    common = set.intersection(*(set(s) | set(agreed.remote[r]) for r, s in enumerate(gathered)))
+    return usable, sorted(common, reverse=True)
+
+
+def _load_on_every_rank(
+    rank: int,
+    start: int,
+    copies: list[_Copy],
+    agreed: _Agreement,
+    held: dict[int, dict[int, list[Path]]],
+    check: CheckHeader,
+) -> tuple[tuple[Loaded, str] | None, list]:
+    """Window `start` loaded and verified on every rank (collective): each rank loads its first intact copy,
+    and the ranks without one receive it from a peer's replica. Returns this rank's (snapshots, source)
+    (None: no intact copy) and every rank's source (None where a rank has none)."""
+    sources: list = [None] * dist.get_world_size()
+    loaded = _load_first_intact(rank, copies, check)
+    collectives.all_gather_object(sources, loaded[1] if loaded else None)
+    if not all(sources):
+        loaded = _fetch_over_network(rank, start, sources, agreed.remote, held, check) or loaded
+        collectives.all_gather_object(sources, loaded[1] if loaded else None)
+    return loaded, sources
 
 
 def _remote_holders(held_by: list[dict], usable: Callable[[int, int], bool]) -> dict[int, dict[int, list[int]]]:
