@@ -15,8 +15,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-from trainer import rank_shell  # imports no torch
-from trainer.startup import STARTUP  # first: it notes when the interpreter reached this file
+from trainer.run import rank_shell  # imports no torch
+from trainer.run.startup import STARTUP  # first: it notes when the interpreter reached this file
 
 if __name__ == "__main__" and rank_shell.wanted(sys.argv[1:]):  # under torchrun: supervise, train in a child
     sys.exit(rank_shell.run_shell(sys.argv[1:]))
@@ -48,23 +48,22 @@ from parallelisms.distributed import (
 )
 from parallelisms.mesh import ParallelDims, build_mesh
 from parallelisms.parallelize import ModelParts, parallelize
-from trainer import host_estimate
-from trainer.accounting import RunAccounting
 from trainer.allocator import reuse_freed_host_memory
+from trainer.checkpoint.dense import CheckpointError, check_save_target, is_imported, load_dense, save_dense
+from trainer.checkpoint.identity import IdentityError
+from trainer.checkpoint.state import training_state_digest
 from trainer.config import Config, ConfigError, check_world_size, fault_plan, load_config
 from trainer.config_help import help_text, to_toml
-from trainer.data import DataError, TokenBatches, build_data, make_loader
-from trainer.dense_checkpoint import CheckpointError, check_save_target, is_imported, load_dense, save_dense
-from trainer.fault_injection import KillSwitch, arm_kill, fired, record_fired
-from trainer.fault_tolerance import build_strategy, host_job_dir
-from trainer.identity import IdentityError
-from trainer.metrics import MetricsLogger
+from trainer.data.batches import DataError, TokenBatches, build_data, make_loader
 from trainer.optim import build_optimizer
-from trainer.run_record import open_run_record
-from trainer.start_plan import StartPlan, plan_start
-from trainer.state import training_state_digest
-from trainer.step import DropoutSeeder, evaluate, set_aux_grad_scale, take_expert_load, train_step
-from trainer.survival import (
+from trainer.run import host_estimate
+from trainer.run.accounting import RunAccounting
+from trainer.run.fault_injection import KillSwitch, arm_kill, fired, record_fired
+from trainer.run.fault_tolerance import build_strategy, host_job_dir
+from trainer.run.metrics import MetricsLogger
+from trainer.run.run_record import open_run_record
+from trainer.run.start_plan import StartPlan, plan_start
+from trainer.run.survival import (
     StopGuard,
     keep_for_torchrun_restart,
     keep_state_and_exit,
@@ -72,6 +71,7 @@ from trainer.survival import (
     rejoins_in_place,
     survive_in_place,
 )
+from trainer.step import DropoutSeeder, evaluate, set_aux_grad_scale, take_expert_load, train_step
 
 STARTUP.mark("imports")
 
@@ -119,7 +119,7 @@ def stop_guard(cfg: Config, rank: int, plan: StartPlan) -> StopGuard:
 
     Before training starts the rank exits at once (a survivor joining a new generation in place first
     writes the state it kept in memory to host memory); during training it stops at a consistent point and keeps
-    its live state in host memory for a torchrun restart (trainer/survival.py). Host state is committed
+    its live state in host memory for a torchrun restart (trainer/run/survival.py). Host state is committed
     atomically (docs/design.md §6), so nothing is left half-written."""
 
     def preempted_line(step: int, kept: str) -> str:
@@ -156,6 +156,7 @@ def inject_failures(job: Job, step: int, elapsed_s: float) -> int:
     with job.guard.recovering():
         resume = job.ft.recover(step, events)
     job.accounting.recovered(len(events), time.perf_counter() - started)
+    job.logger.recovery(job.ft.last_recovery())
     return resume
 
 
@@ -343,7 +344,7 @@ def run(job: Job, step: int, loss: float) -> tuple[int, float, str | None]:
     its loss, the state digest).
 
     When another worker dies before every rank has taken part in the digest, this rank keeps its live state and exits
-    (trainer/survival.py): a restarted job then has at most the dead ranks' stages to replay."""
+    (trainer/run/survival.py): a restarted job then has at most the dead ranks' stages to replay."""
     job.guard.phase, job.guard.applied = "training", step
     try:
         try:

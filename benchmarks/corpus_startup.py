@@ -3,7 +3,7 @@
     python -m benchmarks.corpus_startup [--gb 1.0] [--memory-gb 1.0] [--rounds 3] [--dir /tmp]
 
 Writes `--gb` GB of synthetic text (lines of random letters, WikiText-style article headings) into a
-temporary directory under `--dir`, prepares it once with `python -m trainer.prepare_data` (byte
+temporary directory under `--dir`, prepares it once with `python -m trainer.data.prepare` (byte
 tokenizer: one token per byte) and times, in fresh processes as a start or a restart runs it, what
 `train.py` pays until its first batch is available: `build_data` plus `local_batch(1)`. Two variants,
 interleaved over the rounds:
@@ -72,8 +72,8 @@ def copy_prefix(src: Path, dst: Path, nbytes: int) -> None:
 
 def child(dataset: str) -> None:
     """One start-up: build the data and take the first batch; prints seconds and peak RSS as JSON."""
-    from trainer.corpus import DataConfig
-    from trainer.data import build_data
+    from trainer.data.batches import build_data
+    from trainer.data.corpus import DataConfig
 
     cfg = DataConfig(dataset=dataset, train_split="train", val_split="")
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -109,7 +109,7 @@ def run_child(dataset: Path) -> dict | None:
 
 def prepare(text_dir: Path, out: Path) -> float:
     started = time.perf_counter()
-    cmd = [sys.executable, "-m", "trainer.prepare_data", "--data.dataset", str(text_dir), "--out", str(out)]
+    cmd = [sys.executable, "-m", "trainer.data.prepare", "--data.dataset", str(text_dir), "--out", str(out)]
     cmd += ["--data.train_split", "train", "--data.val_split", ""]
     subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=True)
     return time.perf_counter() - started

@@ -68,7 +68,7 @@ def consolidated_state(model, optimizer) -> dict | None:
     import torch.distributed as dist
 
     from parallelisms import collectives
-    from trainer.state import named_training_state
+    from trainer.checkpoint.state import named_training_state
 
     local = named_training_state(model, optimizer)
     gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
@@ -86,8 +86,8 @@ def consolidated_state(model, optimizer) -> dict | None:
 def save_consolidated(directory: Path, state: dict | None) -> None:
     """The old save: rank 0 writes the consolidated state as one model and one optimizer file."""
     from parallelisms import collectives
-    from trainer.safetensors_stream import write_safetensors
-    from trainer.state import OPTIM_PREFIX
+    from trainer.checkpoint.safetensors_stream import write_safetensors
+    from trainer.checkpoint.state import OPTIM_PREFIX
 
     if state is not None:
         directory.mkdir(mode=0o700)
@@ -99,8 +99,8 @@ def save_consolidated(directory: Path, state: dict | None) -> None:
 
 def _sizes(job) -> tuple[float, float]:
     """(MB of the whole job's training state, MB of its largest tensor as the walk assembles it)."""
-    from trainer.rank0 import all_records
-    from trainer.state import training_plan
+    from trainer.checkpoint.rank0 import all_records
+    from trainer.checkpoint.state import training_plan
 
     plan = training_plan(job.model.view, job.optimizer)
     sizes = [(u.tensor.numel() * u.tensor.element_size(), u.owner) for u in plan]
@@ -112,9 +112,9 @@ def _sizes(job) -> tuple[float, float]:
 def worker(variant: str, config: str, target: Path, overrides: list[str]) -> None:
     """One rank of a job: train, then measure the digest and the save of `variant`."""
     import train
+    from trainer.checkpoint.dense import save_dense
+    from trainer.checkpoint.state import state_digest, training_state_digest
     from trainer.config import load_config
-    from trainer.dense_checkpoint import save_dense
-    from trainer.state import state_digest, training_state_digest
 
     sys.stdout.reconfigure(line_buffering=True)  # the ranks share one stdout: whole lines only
     cfg = load_config(config, overrides)

@@ -55,7 +55,7 @@ from moevement.operators import build_registry
 from moevement.recovery.replay import set_frozen
 from parallelisms.pipeline import lm_loss
 from trainer.config import load_config
-from trainer.fault_tolerance import stacked_operators
+from trainer.run.fault_tolerance import stacked_operators
 
 TIMELINE_RE = re.compile(r"^restart timeline rank=\d+: (.*)$", re.M)
 WORK_RE = re.compile(r"^recovery work rank=\d+ role=healthy forwards=(\d+) backwards=(\d+)", re.M)

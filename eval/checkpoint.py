@@ -2,7 +2,7 @@
 
 The directory holds the model files ``model-NNNNN.safetensors`` (every parameter by global name, each in
 one file), the optimizer files ``optim-NNNNN.safetensors`` and ``meta.json`` (format, model shape, step,
-sha256 of every file; see :mod:`trainer.dense_checkpoint`; a ``moevement-dense-v2`` checkpoint's single
+sha256 of every file; see :mod:`trainer.checkpoint.dense`; a ``moevement-dense-v2`` checkpoint's single
 ``model.safetensors`` is read the same way).
 :func:`load_checkpoint` checks the format (the old pickled DCP format is refused unread), the model
 shape and the sha256 of every model file before parsing it, builds the whole model on one device
@@ -11,7 +11,7 @@ safetensors, by global name: nothing is unpickled, and a checkpoint saved from a
 (pipeline stages, FSDP shards, expert shards) loads into the single-device model, with or without
 ``torch.distributed`` initialised. There is no training config to compare the run identity with.
 
-The tokenizer is the trainer's (:func:`trainer.tokenizer.build_tokenizer`), chosen in this order:
+The tokenizer is the trainer's (:func:`trainer.data.tokenizer.build_tokenizer`), chosen in this order:
 the ``tokenizer`` argument, ``data.tokenizer`` of the ``config`` TOML, a ``tokenizer`` (or
 ``data.tokenizer``) entry of ``meta.json`` (the trainer records ``data.tokenizer`` there), else ``"byte"`` (the
 trainer's default).
@@ -30,8 +30,8 @@ from eval.errors import EvalError
 from models import build_model
 from models.args import ModelArgs
 from models.transformer import Transformer
-from trainer.dense_checkpoint import META, CheckpointError, check_model, files_of, load_model, open_meta, verify_files
-from trainer.tokenizer import Tokenizer, build_tokenizer
+from trainer.checkpoint.dense import META, CheckpointError, check_model, files_of, load_model, open_meta, verify_files
+from trainer.data.tokenizer import Tokenizer, build_tokenizer
 
 
 @dataclass

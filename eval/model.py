@@ -47,7 +47,7 @@ from tqdm import tqdm
 from eval.checkpoint import LoadedCheckpoint, load_checkpoint
 from eval.errors import EvalError
 from parallelisms import collectives
-from trainer.tokenizer import Tokenizer, build_tokenizer
+from trainer.data.tokenizer import Tokenizer, build_tokenizer
 
 GENERATE_UNSUPPORTED = (
     "generate_until is not supported by the 'moevement' model adapter: it only scores "
@@ -91,7 +91,7 @@ class MoEvementLM(LM):
 
     ``MoEvementLM(checkpoint=DIR)`` loads ``DIR`` (see :func:`eval.checkpoint.load_checkpoint`;
     ``config`` / ``tokenizer`` choose the tokenizer); ``MoEvementLM(model=..., tokenizer=...)``
-    wraps a model already in memory (``tokenizer``: a :class:`trainer.tokenizer.Tokenizer` or a
+    wraps a model already in memory (``tokenizer``: a :class:`trainer.data.tokenizer.Tokenizer` or a
     spec string). Through lm-eval: ``moevement-lm-eval --model moevement --model_args checkpoint=DIR --batch_size 32``.
     """
 

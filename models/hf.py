@@ -35,7 +35,7 @@ from safetensors import SafetensorError, safe_open
 from models import stored_shapes
 from models.args import ModelArgs
 from models.hf_mapping import UnsupportedModel, args_from_hf_config, check_names, hf_config, sources
-from trainer.dense_checkpoint import (
+from trainer.checkpoint.dense import (
     CheckpointError,
     StoredTensors,
     Tensors,
@@ -44,8 +44,8 @@ from trainer.dense_checkpoint import (
     save_imported,
     verify_files,
 )
-from trainer.safetensors_stream import write_safetensors
-from trainer.tokenizer import ByteTokenizer, HFTokenizer, TokenizerError, build_tokenizer
+from trainer.checkpoint.safetensors_stream import write_safetensors
+from trainer.data.tokenizer import ByteTokenizer, HFTokenizer, TokenizerError, build_tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MODEL_FILE = "model.safetensors"
@@ -283,7 +283,7 @@ BYTE_EOS = "</s>"
 
 
 def byte_level_tokenizer():
-    """A ``tokenizers`` Tokenizer equal to :class:`trainer.tokenizer.ByteTokenizer`: byte b is id b, ``</s>`` is 256."""
+    """A ``tokenizers`` Tokenizer like :class:`trainer.data.tokenizer.ByteTokenizer` (byte b is id b; `</s>` 256)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     chars = _bytes_to_unicode()

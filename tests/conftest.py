@@ -79,8 +79,8 @@ def stepped_operators(cfg) -> tuple[list, object]:
 
     from models import build_model
     from moevement.operators import build_registry
-    from trainer.fault_tolerance import stacked_operators
     from trainer.optim import build_optimizer
+    from trainer.run.fault_tolerance import stacked_operators
 
     torch.manual_seed(0)
     model = build_model(cfg.model)

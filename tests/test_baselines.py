@@ -22,8 +22,8 @@ from moevement.failures import FaultPlan, FaultSpecError, poisson_events
 from moevement.operators import Operator
 from moevement.storage.sealed import seal
 from tests.conftest import DEBUG_CONFIG, final_line, run_cli, step_losses
-from trainer.accounting import RunAccounting
 from trainer.config import ConfigError, expected_mtbf_iters, load_config
+from trainer.run.accounting import RunAccounting
 
 BASE = [
     "--config",
@@ -177,7 +177,7 @@ def test_ettr_accounting_on_a_scripted_run(monkeypatch):
     The wall time ends with the last iteration: gathering the final state afterwards is not training."""
     # start; the ends of iterations 1-3, of the recovery, of iterations 2-4; then the final gathering
     clock = iter([100.0, 101.0, 102.0, 103.0, 104.0, 105.0, 106.0, 107.5, 130.0])
-    monkeypatch.setattr("trainer.accounting.time.time", lambda: next(clock))
+    monkeypatch.setattr("trainer.run.accounting.time.time", lambda: next(clock))
     acct = RunAccounting(first_step=1, samples_per_step=8)
     for step in (1, 2, 3):
         acct.iteration(step, 1.0)
@@ -241,7 +241,7 @@ def test_accounting_is_carried_across_a_torchrun_restart(tmp_path, monkeypatch, 
     for step in (1, 2, 3):
         first.iteration(step, 1.0)
     first.keep({"run_id": "r", "generation": 0}, stopped_unix=1004.0)
-    monkeypatch.setattr("trainer.accounting.time.time", lambda: 1010.0)
+    monkeypatch.setattr("trainer.run.accounting.time.time", lambda: 1010.0)
     second = RunAccounting(first_step=3, samples_per_step=8, path=path)  # resumed at 3 after a rollback
     second.carry_on({"run_id": "r", "generation": 1})
     assert (second.first_step, second.high_water, second.productive_s) == (1, 3, 3.0)

@@ -1,6 +1,6 @@
 """Every collective of the trainer goes through `parallelisms.collectives`, on groups serving the tensors it
 is handed (docs/design.md §10, Process groups and collectives); a failed communication is told from a bug
-by its type or origin, not its wording (`trainer/survival.py`). Real processes over real gloo."""
+by its type or origin, not its wording (`trainer/run/survival.py`). Real processes over real gloo."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from parallelisms import collectives
 from parallelisms.distributed import configure_nccl_error_handling, default_backend, init_distributed
 from parallelisms.mesh import ParallelismConfig, build_mesh
 from tests.test_layering import ROOT, module_name, python_files
-from trainer.survival import communication_failure, peer_failure
+from trainer.run.survival import communication_failure, peer_failure
 
 # torch.distributed's collective and point-to-point functions (functional collectives: every function)
 COMMUNICATION = frozenset(

@@ -1,4 +1,4 @@
-"""Tests of the data pipeline (trainer/tokenizer.py, trainer/data.py) on real local files."""
+"""Tests of the data pipeline (trainer/data/tokenizer.py, trainer/data/batches.py) on real local files."""
 
 import os
 
@@ -11,16 +11,16 @@ import json
 import pytest
 import torch
 
-from trainer import corpus
-from trainer.corpus import load_tokens
-from trainer.data import (
+from trainer.data import corpus
+from trainer.data.batches import (
     DataConfig,
     DataError,
     TokenBatches,
     build_data,
     make_loader,
 )
-from trainer.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
+from trainer.data.corpus import load_tokens
+from trainer.data.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer
 
 WIKI = corpus.SHARED_WIKITEXT2
 needs_wiki = pytest.mark.skipif(not (WIKI / "valid.txt").is_file(), reason=f"{WIKI} not present")

@@ -293,7 +293,7 @@ def test_streamed_safetensors_equal_the_library_s_and_name_their_sha256(tmp_path
     import torch
     from safetensors import safe_open
 
-    from trainer.safetensors_stream import write_safetensors
+    from trainer.checkpoint.safetensors_stream import write_safetensors
 
     gen = torch.Generator().manual_seed(0)
     tensors = {
@@ -325,7 +325,7 @@ def test_a_failed_write_publishes_nothing_and_leaves_no_temporary(tmp_path):
     import torch
 
     from models.args import ModelArgs
-    from trainer.dense_checkpoint import CheckpointError, Tensors, save_imported
+    from trainer.checkpoint.dense import CheckpointError, Tensors, save_imported
 
     def tensor_of(name: str) -> torch.Tensor:
         if name == "b":

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import models.experts
 from models import ModelArgs, build_model
 from models.experts import GroupedExperts, grouped_mm, stacked_experts, unstack
-from trainer.state import named_training_state
+from trainer.checkpoint.state import named_training_state
 
 COUNTS = [5, 0, 3, 8, 1, 0, 4, 2]  # empty groups included
 

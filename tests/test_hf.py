@@ -22,7 +22,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP
 from eval.checkpoint import load_checkpoint
 from models.hf import byte_level_tokenizer, main
 from tests.conftest import CHILD_ENV, DEBUG_CONFIG, ROOT, final_line, run_cli
-from trainer.tokenizer import ByteTokenizer
+from trainer.data.tokenizer import ByteTokenizer
 
 
 def _randomise(model: nn.Module, seed: int) -> None:

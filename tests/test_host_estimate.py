@@ -1,4 +1,4 @@
-"""`train.py --dry-run`'s per-rank host-memory estimate against what real runs hold (trainer/host_estimate.py).
+"""`train.py --dry-run`'s per-rank host-memory estimate against what real runs hold (trainer/run/host_estimate.py).
 
 Bound tested: a real run's bytes in the host directory (whole pages, as tmpfs counts them) are at most the
 estimate, and the estimate at most 1.25 times them. With a forced window the estimate differs from a
@@ -16,8 +16,8 @@ import pytest
 
 from moevement.recovery.live_state import save_live_state
 from tests.conftest import DEBUG_CONFIG, run_cli, stepped_operators
-from trainer import host_estimate
 from trainer.config import load_config
+from trainer.run import host_estimate
 
 HOST_LINE = re.compile(r"^host_memory rank=(\d+) pp=\d+ snapshots=(\S+) replicas=(\S+) .*$", re.M)
 LOOSEST = 1.25

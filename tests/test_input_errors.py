@@ -17,9 +17,9 @@ import pytest
 from moevement.failures import FaultPlan, FaultSpecError, KillEvent, read_trace
 from tests.conftest import DEBUG_CONFIG, ROOT, run_cli
 from trainer.config import ConfigError, load_config
-from trainer.corpus import DataConfig, DataError, load_tokens
-from trainer.data import build_data
-from trainer.tokenizer import ByteTokenizer, TokenizerError, build_tokenizer
+from trainer.data.batches import build_data
+from trainer.data.corpus import DataConfig, DataError, load_tokens
+from trainer.data.tokenizer import ByteTokenizer, TokenizerError, build_tokenizer
 
 QUIET = ("--metrics.tensorboard", "false", "--metrics.progress", "false")
 

@@ -18,8 +18,8 @@ from moevement.storage.host_memory import map_bytes, read_header
 from moevement.storage.persistence import read_window, window_dir
 from moevement.storage.snapshot import SnapshotError, SnapshotHeader, read_entries
 from parallelisms.pipeline import lm_loss
-from trainer.fault_tolerance import stacked_operators
-from trainer.state import named_training_state
+from trainer.checkpoint.state import named_training_state
+from trainer.run.fault_tolerance import stacked_operators
 from trainer.step import take_expert_load
 
 ARGS = dict(
@@ -64,13 +64,10 @@ def full_state(model, optimizer) -> dict[str, torch.Tensor]:
     return {name: t.clone() for name, t in named_training_state(model, optimizer).items()}
 
 
-def train(
-    rank_dir: Path, steps: int, compute_dtype=torch.float32, on_snapshot=None, prepare=None, skip_steps=(), **opts
-):
-    """Train a tiny MoE for `steps` iterations with the engine on; call `on_snapshot(header, before)` after
-    each iteration that took a snapshot, with the state copied synchronously before its optimizer step
-    (and `prepare(engine)` before the first iteration). The iterations in `skip_steps` skip the optimizer
-    step, as a loss scaler does on overflow."""
+def tiny_engine(
+    rank_dir: Path, compute_dtype=torch.float32, **opts
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, SparseCheckpointer]:
+    """The tiny MoE (seed 0), its AdamW and a one-rank checkpointer of it with `options(**opts)`."""
     torch.manual_seed(0)
     model = build_model(ModelArgs(**ARGS))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
@@ -84,6 +81,17 @@ def train(
         rank_dir=rank_dir,
         topology=Topology.single(),
     )
+    return model, optimizer, engine
+
+
+def train(
+    rank_dir: Path, steps: int, compute_dtype=torch.float32, on_snapshot=None, prepare=None, skip_steps=(), **opts
+):
+    """Train a tiny MoE for `steps` iterations with the engine on; call `on_snapshot(header, before)` after
+    each iteration that took a snapshot, with the state copied synchronously before its optimizer step
+    (and `prepare(engine)` before the first iteration). The iterations in `skip_steps` skip the optimizer
+    step, as a loss scaler does on overflow."""
+    model, optimizer, engine = tiny_engine(rank_dir, compute_dtype, **opts)
     if prepare is not None:
         prepare(engine)
     data = torch.Generator().manual_seed(1)
@@ -118,18 +126,7 @@ def check_snapshot(header: SnapshotHeader, before: dict, engine, compute_dtype) 
 @pytest.mark.parametrize("priority, policy", [("idle", "SCHED_IDLE"), ("normal", "SCHED_OTHER")])
 def test_copy_thread_gives_way_to_compute(tmp_path, priority, policy):
     """The copy thread runs with one OpenMP thread and, at `idle` priority, under SCHED_IDLE."""
-    model = build_model(ModelArgs(**ARGS))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    engine = SparseCheckpointer(
-        options(background_priority=priority),
-        model,
-        optimizer,
-        stacked=stacked_operators(model),
-        compute_dtype=torch.float32,
-        device=torch.device("cpu"),
-        rank_dir=tmp_path,
-        topology=Topology.single(),
-    )
+    _, _, engine = tiny_engine(tmp_path, background_priority=priority)
     seen = engine.buffers.submit(lambda: (os.sched_getscheduler(0), torch.get_num_threads())).result()
     engine.close()
     assert seen == (getattr(os, policy), 1)

@@ -21,7 +21,7 @@ from moevement.checkpoint.schedule import (
     snapshot_sizes,
 )
 from moevement.operators import OPTIMIZER_KEYS, build_registry
-from trainer.fault_tolerance import stacked_operators
+from trainer.run.fault_tolerance import stacked_operators
 
 L1, L2 = "layers.1.moe", "layers.2.moe"
 

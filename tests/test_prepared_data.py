@@ -1,4 +1,4 @@
-"""Prepared corpora (trainer/prepare_data.py, trainer/token_shards.py): the same batches as the in-memory
+"""Prepared corpora (trainer/data/prepare.py, trainer/data/token_shards.py): the same batches as the in-memory
 path, resumable preparation, one-line errors on damaged shards, and a training run's digest."""
 
 import os
@@ -20,10 +20,11 @@ import pytest
 import torch
 
 from tests.conftest import CHILD_ENV, DEBUG_CONFIG, ROOT, final_line, run_cli
-from trainer import corpus, prepare_data
-from trainer.corpus import DataConfig, DataError, load_tokens
-from trainer.data import build_data, make_loader
-from trainer.token_shards import INDEX_NAME, PROGRESS_NAME, verify_prepared
+from trainer.data import corpus
+from trainer.data import prepare as prepare_data
+from trainer.data.batches import build_data, make_loader
+from trainer.data.corpus import DataConfig, DataError, load_tokens
+from trainer.data.token_shards import INDEX_NAME, PROGRESS_NAME, verify_prepared
 
 WIKI = corpus.SHARED_WIKITEXT2
 needs_wiki = pytest.mark.skipif(not (WIKI / "valid.txt").is_file(), reason=f"{WIKI} not present")
@@ -153,7 +154,7 @@ def test_killed_preparation_resumes_to_identical_shards(tmp_path):
     text = (WIKI / "valid.txt").read_text() * 8
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "train.txt").write_text(text)
-    args = ["-m", "trainer.prepare_data", "--data.dataset", str(tmp_path / "src"), "--data.train_split", "train"]
+    args = ["-m", "trainer.data.prepare", "--data.dataset", str(tmp_path / "src"), "--data.train_split", "train"]
     args += ["--data.val_split", "", "--shard-tokens", "40009"]
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     subprocess.run([sys.executable, *args, "--out", str(whole)], cwd=ROOT, env=CHILD_ENV, check=True)

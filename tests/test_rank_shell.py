@@ -1,4 +1,4 @@
-"""The rank shell's protocol with its children, in real processes (trainer/rank_shell.py).
+"""The rank shell's protocol with its children, in real processes (trainer/run/rank_shell.py).
 
 The children here are a small script in the roles the shell gives them: a "trainer" reports its generation
 on the shell's pipe and then dies or exits as the test says; a "standby" waits for its activation and
@@ -14,13 +14,13 @@ import textwrap
 
 import pytest
 
-from trainer import rank_shell
+from trainer.run import rank_shell
 
 CHILD = textwrap.dedent(
     """
     import json, os, signal, sys
     sys.path.insert(0, {root!r})
-    from trainer import rank_shell
+    from trainer.run import rank_shell
     log = open({log!r}, "a")
     role = os.environ[rank_shell.ROLE]
     if role == "standby":
@@ -49,7 +49,7 @@ def run_shell(tmp_path, endings: list[str], max_replacements: int) -> tuple[int,
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     script.write_text(CHILD.format(root=root, log=str(log), endings=endings))
     driver = (
-        f"import sys; sys.path.insert(0, {root!r}); from trainer.rank_shell import RankShell; "
+        f"import sys; sys.path.insert(0, {root!r}); from trainer.run.rank_shell import RankShell; "
         f"sys.exit(RankShell([sys.executable, {str(script)!r}], {max_replacements}).run())"
     )
     env = {k: v for k, v in os.environ.items() if k != rank_shell.ROLE}

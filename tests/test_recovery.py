@@ -22,7 +22,7 @@ from moevement.recovery.replay import frozen_slices_kept, set_frozen
 from moevement.recovery.replay_threads import intra_op_threads, replay_threads
 from parallelisms.pipeline import lm_loss
 from tests.conftest import DEBUG_CONFIG, final_line, run_cli, step_losses
-from trainer.fault_tolerance import stacked_operators
+from trainer.run.fault_tolerance import stacked_operators
 
 BASE = [
     "--config",

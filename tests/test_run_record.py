@@ -4,6 +4,7 @@ loads back, every pipeline stage's expert load and snapshot figures, no warnings
 import json
 import re
 
+import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -64,3 +65,37 @@ def test_tensorboard_shows_every_stage_and_a_normal_run_warns_about_nothing(tmp_
         assert all(50 < r.value <= p.value for r, p in zip(rss, peak)), [(r.value, p.value) for r, p in zip(rss, peak)]
         assert peak[0].value <= peak[1].value  # a peak so far never falls
     assert json.loads((folder / "run.json").read_text())["layout"]["pp"] == 2
+
+
+@pytest.mark.parametrize(("strategy", "scope_ranks"), [("moevement", 1), ("gemini", 2)])
+def test_tensorboard_marks_each_recovery_at_the_step_it_struck(tmp_path, strategy, scope_ranks):
+    """pp=2, rank 1 fails before iteration 6: rank 0's events hold one `fault/` point per figure at step 6,
+    with the figures of the printed recovery line (MoEvement rolls back stage 1's one rank, gemini both)."""
+    proc = run_cli(
+        "--config",
+        DEBUG_CONFIG,
+        *QUIET,
+        *("--training.steps", "7", "--parallelism.pp", "2", "--fault.at", "6:1", "--metrics.tensorboard_every", "2"),
+        *("--checkpoint.strategy", strategy, "--checkpoint.window", "2", "--checkpoint.interval", "2"),
+        *("--checkpoint.host_dir", str(tmp_path / "shm"), "--job.output_dir", str(tmp_path)),
+        nproc=2,
+    )
+    recovery = r"^recovery step=(\d+) ranks=(\S+) .*rollback_to=(\d+) replayed=(\d+) seconds=(\S+)"
+    line = re.search(recovery, proc.stdout, re.M)
+    assert line, proc.stdout
+    wall = float(re.search(r"^accounting .* recovery_s=(\S+)", proc.stdout, re.M)[1])  # the loop's time of it
+    (folder,) = (tmp_path / "debug_moe").iterdir()
+    tb = events(folder)
+    fault = {key: tb.Scalars(f"fault/{key}") for key in ("ranks_failed", "scope_ranks", "rollback_to", "replayed")}
+    assert {key: [(e.step, e.value) for e in points] for key, points in fault.items()} == {
+        "ranks_failed": [(6, 1)],
+        "scope_ranks": [(6, scope_ranks)],
+        "rollback_to": [(6, int(line[3]))],
+        "replayed": [(6, int(line[4]))],
+    }, proc.stdout
+    assert (line[1], line[2]) == ("6", "1") and int(line[3]) < 6
+    (seconds,) = tb.Scalars("fault/recovery_s")
+    # the strategy's recover encloses the line's timing and lies within the loop's (both printed to 1 ms)
+    assert seconds.step == 6 and float(line[5]) - 5e-4 <= seconds.value <= wall + 5e-4, (seconds, proc.stdout)
+    scalars = tb.Tags()["scalars"]
+    assert "memory/pp1/rss_mb" in scalars and "memory/pp1/cuda_max_allocated_mb" not in scalars  # a CPU run

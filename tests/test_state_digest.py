@@ -5,7 +5,7 @@ import torch
 
 from models import build_model
 from models.args import ModelArgs
-from trainer.state import state_digest, training_plan, training_state_digest
+from trainer.checkpoint.state import state_digest, training_plan, training_state_digest
 
 
 def _trained():

@@ -21,7 +21,7 @@ from moevement.checkpoint.popularity import Policy
 from moevement.failures import FaultPlan, FaultSpecError
 from moevement.storage.background import Priority
 from parallelisms.mesh import ParallelismConfig
-from trainer.data import DataConfig
+from trainer.data.batches import DataConfig
 
 Strategy = Literal["none", "moevement", "gemini", "checkfreq", "moc"]
 STRATEGIES: tuple[str, ...] = typing.get_args(Strategy)

@@ -89,7 +89,7 @@ class LiveHeader:
 @dataclass(frozen=True)
 class Rejoin:
     """This process's place in a torchrun run: its generation, and what it kept from the previous one
-    (decided once, before the strategy is built: `trainer/fault_tolerance.py`)."""
+    (decided once, before the strategy is built: `trainer/run/fault_tolerance.py`)."""
 
     name: dict  # {"run_id": TORCHELASTIC_RUN_ID, "generation": TORCHELASTIC_RESTART_COUNT}
     live: LiveState | None = None  # this rank's kept state (None: it died, or kept nothing usable)

@@ -1,6 +1,6 @@
 """A prepared corpus: token shards on disk plus their index, opened memory-mapped.
 
-``python -m trainer.prepare_data`` writes a directory holding, for each split, fixed-size raw token
+``python -m trainer.data.prepare`` writes a directory holding, for each split, fixed-size raw token
 files ``<split>-NNNNN.bin`` (little-endian ``uint16`` when the tokenizer's vocabulary fits in 16 bits,
 else ``uint32``; no header; every shard but a split's last holds exactly ``shard_tokens`` tokens) and
 one index, ``token_index.json``, written last::
@@ -11,7 +11,7 @@ one index, ``token_index.json``, written last::
      "splits": {"valid": {"source": "...", "num_tokens": N, "num_documents": D,
                           "shards": [{"file": "valid-00000.bin", "tokens": n, "sha256": "..."}, ...]}}}
 
-The tokens of a split are exactly what :func:`trainer.corpus.load_tokens` packs in memory from the same
+The tokens of a split are exactly what :func:`trainer.data.corpus.load_tokens` packs in memory from the same
 source and tokenizer, so both paths serve identical batches.
 
 What is checked when: :func:`open_split` checks what costs no reading -- the index's format, the
@@ -35,14 +35,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trainer.corpus import DataError
-from trainer.tokenizer import Tokenizer
+from trainer.data.corpus import DataError
+from trainer.data.tokenizer import Tokenizer
 
 INDEX_NAME = "token_index.json"
-PROGRESS_NAME = "prepare_progress.jsonl"  # an unfinished preparation's record (trainer.prepare_data)
+PROGRESS_NAME = "prepare_progress.jsonl"  # an unfinished preparation's record (trainer.data.prepare)
 FORMAT = "moevement-token-shards"
 VERSION = 1
-DOCUMENTS = "one eos_id between consecutive documents, none after the last (as trainer.corpus packs them)"
+DOCUMENTS = "one eos_id between consecutive documents, none after the last (as trainer.data.corpus packs them)"
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 _SHARD_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*-\d{5,}\.bin$")
 _HASH_CHUNK = 1 << 24
@@ -72,7 +72,7 @@ def tokenizer_identity(tok: Tokenizer) -> dict:
 
 
 def is_prepared(path: Path) -> bool:
-    """Whether ``path`` is a directory written by ``trainer.prepare_data`` (finished or not)."""
+    """Whether ``path`` is a directory written by ``trainer.data.prepare`` (finished or not)."""
     return path.is_dir() and any(os.path.lexists(path / name) for name in (INDEX_NAME, PROGRESS_NAME))
 
 
@@ -96,7 +96,7 @@ def read_index(directory: Path) -> dict:
     where = f"data.dataset: prepared corpus {str(directory)!r}"
     if not os.path.lexists(index_path):
         raise DataError(
-            f"{where} is an unfinished preparation (no {INDEX_NAME}); run python -m trainer.prepare_data "
+            f"{where} is an unfinished preparation (no {INDEX_NAME}); run python -m trainer.data.prepare "
             "with the same settings and --out again to finish it"
         )
     index = read_json(index_path)

@@ -13,8 +13,8 @@ import json
 import os
 from pathlib import Path
 
-from trainer.corpus import DataError
-from trainer.token_shards import PROGRESS_NAME
+from trainer.data.corpus import DataError
+from trainer.data.token_shards import PROGRESS_NAME
 
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
 

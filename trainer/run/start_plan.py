@@ -3,7 +3,7 @@
 A process starts its rank fresh (a new job, or a relaunch of the job from its persisted state: attempt 0),
 rejoins after torchrun restarted every worker (attempt > 0: survivors kept their state in node-local shared
 memory), or joins the next *generation* of its attempt in place: a rank shell replaced a dead worker by a
-warm standby (`trainer/rank_shell.py`) while the survivors kept their state in memory and stayed alive.
+warm standby (`trainer/run/rank_shell.py`) while the survivors kept their state in memory and stayed alive.
 The generation numbers the process groups (`parallelisms.distributed.join_generation`); every death
 starts a new one, as does every torchrun restart (counted by `attempt`).
 """
@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, replace
 
 from moevement.recovery.live_state import LiveState
-from trainer.rank_shell import GENERATION
+from trainer.run.rank_shell import GENERATION
 
 
 @dataclass(frozen=True)

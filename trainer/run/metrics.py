@@ -8,8 +8,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from moevement.strategy import RecoveryFigures
 from trainer.config import Config
-from trainer.tensorboard import StageGather, TensorBoardEvents
+from trainer.run.tensorboard import StageGather, TensorBoardEvents
 
 
 class MetricsLogger:
@@ -79,6 +80,11 @@ class MetricsLogger:
         if step % self.log_every == 0:
             fields = " ".join(f"{k}={_fmt(v)}" for k, v in {**scalars, **snapshot, **rates}.items())
             self.line(f"step={step} {fields}")
+
+    def recovery(self, figures: RecoveryFigures | None) -> None:
+        """A recovery is done (its line is printed): its figures go to TensorBoard (rank 0 writes them)."""
+        if self.events is not None and figures is not None:
+            self.events.recovery(figures)
 
     def validation(self, step: int, loss: float) -> None:
         if self.enabled:

@@ -2,7 +2,7 @@
 (through `parallelisms.collectives`, like every collective of the trainer).
 
 Only records travel here (names, digests, file checksums, error lines), never tensors: the state itself
-stays where it lives (`trainer.state`). One process without `torch.distributed` is a group of one.
+stays where it lives (`trainer.checkpoint.state`). One process without `torch.distributed` is a group of one.
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ A checkpoint (format `moevement-dense-v3`) is a directory holding, for each rank
 `model-<r:05d>.safetensors` (parameters by global name) and `optim-<r:05d>.safetensors` (the AdamW
 tensors, named `optim.<param>.<key>`), each tensor whole and in exactly one file, and `meta.json`:
 format, step, loss, model shape, tokenizer, the run identity (`RunIdentity.of_dense`) and a sha256 per
-file. Each rank writes the tensors it owns (`trainer.state`: FSDP shards assembled within their group one
+file. Each rank writes the tensors it owns (`trainer.checkpoint.state`: FSDP shards assembled within their group one
 tensor at a time), so no rank holds more than the largest tensor beyond its own state; rank 0 gathers
-only the file names and checksums, and publishes the directory atomically (`trainer.checkpoint_publish`).
+only the file names and checksums, and publishes the directory atomically (`trainer.checkpoint.publish`).
 
 Nothing is unpickled on load: each file is checked against its sha256 (the files spread over the ranks)
 before anything parses it, then read with safetensors, and every rank takes the tensors it holds (its
@@ -35,7 +35,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from models.args import ModelArgs
 from models.experts import stacked_experts
-from trainer.checkpoint_publish import (
+from trainer.checkpoint.identity import RunIdentity
+from trainer.checkpoint.publish import (
     FORMAT,
     META,
     OLD_FORMAT,
@@ -50,10 +51,9 @@ from trainer.checkpoint_publish import (
     shard_file,
     trusted_temporary,
 )
-from trainer.identity import RunIdentity
-from trainer.rank0 import all_records, from_rank0, gather_to_rank0, is_rank0
-from trainer.safetensors_stream import SafetensorsWriter, Spec, write_safetensors
-from trainer.state import OPTIM_PREFIX, owned_tensors, training_plan
+from trainer.checkpoint.rank0 import all_records, from_rank0, gather_to_rank0, is_rank0
+from trainer.checkpoint.safetensors_stream import SafetensorsWriter, Spec, write_safetensors
+from trainer.checkpoint.state import OPTIM_PREFIX, owned_tensors, training_plan
 
 KEY = "checkpoint.save_final"
 KINDS = ("model", "optim")

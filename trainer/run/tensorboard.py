@@ -4,8 +4,12 @@ Every iteration: rank 0's `train/` scalars (loss, lr, ...: the same on every ran
 `metrics.tensorboard_every` iterations, one small all-reduce over all ranks brings rank 0 each stage's
 expert load since the last gather (written as a layers x experts heatmap and one max/mean scalar per MoE
 layer), each stage's snapshot figures (`snapshot/pp<r>/<figure>` at that iteration, the largest over
-the ranks of pipeline rank r) and each stage's host memory (`memory/pp<r>/rss_mb` and `peak_rss_mb`:
-the resident set of its largest rank at that iteration, and the largest peak so far).
+the ranks of pipeline rank r; `host_mb` is the host memory its snapshot buffers and replicas hold) and
+each stage's memory (`memory/pp<r>/rss_mb` and `peak_rss_mb`: the resident set of its largest rank at that
+iteration, and the largest peak so far; on CUDA `cuda_max_allocated_mb`, the allocator's peak so far).
+
+At the iteration each recovery struck before, rank 0 writes its `fault/` figures (`ranks_failed`,
+`scope_ranks`, `rollback_to`, `replayed`, `recovery_s`): a loss curve shows where failures struck.
 """
 
 from __future__ import annotations
@@ -19,10 +23,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from moevement.strategy import RecoveryFigures
 from parallelisms import collectives
 
 SNAPSHOT_FIGURES = ("ckpt_mb", "stall_ms", "window", "repl_lag", "host_mb", "log_mb")
-MEMORY_FIGURES = ("rss_mb", "peak_rss_mb")
+MEMORY_FIGURES = ("rss_mb", "peak_rss_mb", "cuda_max_allocated_mb")
 STAGE_FIGURES = (*SNAPSHOT_FIGURES, *MEMORY_FIGURES)
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
@@ -42,6 +47,14 @@ def host_memory_mb() -> dict[str, float]:
     # KiB on Linux; the kernel's two counts may disagree by a few pages (per-CPU counters): a peak is >= now
     peak = max(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     return {"rss_mb": rss / 1e6, "peak_rss_mb": peak / 1e6}
+
+
+def device_memory_mb() -> dict[str, float]:
+    """The most CUDA memory this process's tensors have held so far on its device, in MB: the caching
+    allocator's counter (no synchronisation); nothing without CUDA."""
+    if not torch.cuda.is_available():
+        return {}
+    return {"cuda_max_allocated_mb": torch.cuda.max_memory_allocated() / 1e6}
 
 
 class StageGather:
@@ -73,7 +86,7 @@ class StageGather:
         stage figures [stages, STAGE_FIGURES]) over all ranks (collective); resets the counts."""
         moe = torch.zeros(self.n_layers, dtype=torch.float64)
         moe[sorted(owned)] = 1.0
-        figures = {**figures, **host_memory_mb()}
+        figures = {**figures, **host_memory_mb(), **device_memory_mb()}
         snapshot = torch.zeros(self.n_stages, len(STAGE_FIGURES), dtype=torch.float64)
         snapshot[self.stage] = torch.tensor([float(figures.get(k, 0.0)) for k in STAGE_FIGURES])
         tokens = torch.zeros(self.n_layers, self.n_experts, dtype=torch.float64)
@@ -147,10 +160,27 @@ class TensorBoardEvents:
             self.writer.add_image("expert_load/heatmap", heatmap_image(rows, layers, title), step, dataformats="HWC")
         for stage, row in enumerate(figures.view(-1, len(STAGE_FIGURES)).tolist()):
             for key, value in zip(STAGE_FIGURES, row):
+                if key == "cuda_max_allocated_mb" and not torch.cuda.is_available():
+                    continue
                 if key in MEMORY_FIGURES:
                     self.writer.add_scalar(f"memory/pp{stage}/{key}", value, step)
                 elif self.snapshots:
                     self.writer.add_scalar(f"snapshot/pp{stage}/{key}", value, step)
+
+    def recovery(self, figures: RecoveryFigures) -> None:
+        """Rank 0 writes a recovery's `fault/` figures at the iteration the failures struck before."""
+        if self.writer is None:
+            return
+        values = {
+            "ranks_failed": len(figures.ranks),
+            "scope_ranks": figures.scope_ranks,
+            "rollback_to": figures.rollback_to,
+            "replayed": figures.replayed,
+            "recovery_s": figures.seconds,
+        }
+        for key, value in values.items():
+            self.writer.add_scalar(f"fault/{key}", value, figures.step)
+        self.writer.flush()
 
     def validation(self, step: int, loss: float) -> None:
         if self.writer is not None:

@@ -1,12 +1,12 @@
-"""Tokenize a corpus once into memory-mapped token shards (the format: trainer/token_shards.py).
+"""Tokenize a corpus once into memory-mapped token shards (the format: trainer/data/token_shards.py).
 
-    python -m trainer.prepare_data --out DIR [--config TOML] [--data.KEY VALUE ...]
+    python -m trainer.data.prepare --out DIR [--config TOML] [--data.KEY VALUE ...]
                                    [--shard-tokens N] [--max-shards N]
-    python -m trainer.prepare_data --verify DIR
+    python -m trainer.data.prepare --verify DIR
 
 Prepares splits ``data.train_split`` and ``data.val_split`` (unless ``""``) of ``data.dataset`` with
 ``data.tokenizer`` -- the ``[data]`` keys of ``--config`` and of the ``--data.KEY VALUE`` overrides, as
-``train.py`` reads them -- reading the source as the in-memory path does (trainer/corpus.py), one
+``train.py`` reads them -- reading the source as the in-memory path does (trainer/data/corpus.py), one
 document at a time, tokenized in chunks. Train on the result with ``--data.dataset DIR`` and the same
 tokenizer and split names.
 
@@ -32,9 +32,9 @@ import numpy as np
 from tqdm import tqdm
 
 from trainer.config import ConfigError, load_config
-from trainer.corpus import DataConfig, DataError, iter_documents, resolve_source
-from trainer.prepare_progress import append_progress, read_progress, write_atomically, write_progress
-from trainer.token_shards import (
+from trainer.data.corpus import DataConfig, DataError, iter_documents, resolve_source
+from trainer.data.prepare_progress import append_progress, read_progress, write_atomically, write_progress
+from trainer.data.token_shards import (
     DOCUMENTS,
     DTYPES,
     FORMAT,
@@ -47,7 +47,7 @@ from trainer.token_shards import (
     tokenizer_identity,
     verify_prepared,
 )
-from trainer.tokenizer import Tokenizer, TokenizerError, build_tokenizer, encode_documents
+from trainer.data.tokenizer import Tokenizer, TokenizerError, build_tokenizer, encode_documents
 
 DEFAULT_SHARD_TOKENS = 1 << 27  # 256 MiB of uint16 per shard
 CHUNK_CHARS = 1 << 24  # documents tokenized together: bounds the text and tokens held at once

@@ -17,11 +17,11 @@ import torch
 
 from trainer.config import Config, ConfigError
 from trainer.config_help import to_toml
-from trainer.rank_shell import torchrun_agent_pid
+from trainer.run.rank_shell import torchrun_agent_pid
 
 RECORD = "run.json"
 CONFIG = "config.toml"
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def launch_identity() -> dict:

@@ -40,11 +40,11 @@ from parallelisms.fsdp import DTYPES
 from parallelisms.mesh import ParallelDims
 from parallelisms.parallelize import ModelParts, initial_parameters
 from parallelisms.pipeline import local_stage_ids
+from trainer.checkpoint.identity import RunIdentity
 from trainer.config import Config, expected_mtbf_iters
-from trainer.identity import RunIdentity
-from trainer.rank_shell import torchrun_agent_pid
-from trainer.start_plan import StartPlan
-from trainer.startup import STARTUP
+from trainer.run.rank_shell import torchrun_agent_pid
+from trainer.run.start_plan import StartPlan
+from trainer.run.startup import STARTUP
 from trainer.step import DropoutSeeder, forward_backward, replay_update
 
 

@@ -22,8 +22,8 @@ import torch
 from moevement.failures import FaultPlan, KillEvent
 from parallelisms.distributed import torchrun_store
 from parallelisms.parallelize import ModelParts
+from trainer.run.survival import StopGuard
 from trainer.step import DropoutSeeder
-from trainer.survival import StopGuard
 
 
 class KillSwitch:

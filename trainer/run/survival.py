@@ -35,9 +35,9 @@ from moevement.recovery.live_state import save_kept
 from moevement.storage.host_memory import write_json_atomic
 from parallelisms import collectives
 from parallelisms.distributed import sever_connections
-from trainer import rank_shell
-from trainer.fault_tolerance import host_job_dir, host_rank_dir
-from trainer.startup import process_start_time
+from trainer.run import rank_shell
+from trainer.run.fault_tolerance import host_job_dir, host_rank_dir
+from trainer.run.startup import process_start_time
 
 # Where communication code runs: torch.distributed (its collectives, functional collectives, FSDP's and
 # pipelining's waits) and the trainer's one door to it.
@@ -185,7 +185,7 @@ def _first_line(error: BaseException) -> str:
 
 def rejoins_in_place(error: BaseException) -> bool:
     """Whether this rank survives the death behind `error` in place: it runs under a rank shell, which
-    replaces the dead worker (trainer/rank_shell.py), and learned of the death from a failed communication
+    replaces the dead worker (trainer/run/rank_shell.py), and learned of the death from a failed communication
     (SIGTERM means torchrun is stopping every worker: its restart takes over)."""
     under_shell = os.environ.get(rank_shell.ROLE) == "trainer"
     return under_shell and not isinstance(_peer_error(error), WorkerStopped)

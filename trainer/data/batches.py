@@ -9,9 +9,9 @@
   ``StatefulDataLoader`` yielding ``(step, inputs, labels)`` from a start step; its
   ``state_dict()``/``load_state_dict()`` round-trip the position.
 * :func:`build_data` is what the trainer calls. Its tokens come from one of two sources behind the
-  same interface: a split packed in memory (:mod:`trainer.corpus`, for small files) or a split of a
-  prepared corpus memory-mapped from its shards (:mod:`trainer.token_shards`, when ``data.dataset`` is
-  a directory written by ``python -m trainer.prepare_data``).
+  same interface: a split packed in memory (:mod:`trainer.data.corpus`, for small files) or a split of a
+  prepared corpus memory-mapped from its shards (:mod:`trainer.data.token_shards`, when ``data.dataset`` is
+  a directory written by ``python -m trainer.data.prepare``).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from trainer.corpus import DataConfig, DataError, describe_split, load_tokens
-from trainer.token_shards import ShardedTokens, is_prepared, open_split
-from trainer.tokenizer import Tokenizer, TokenizerError, build_tokenizer, resolve_path
+from trainer.data.corpus import DataConfig, DataError, describe_split, load_tokens
+from trainer.data.token_shards import ShardedTokens, is_prepared, open_split
+from trainer.data.tokenizer import Tokenizer, TokenizerError, build_tokenizer, resolve_path
 
 __all__ = ["DataConfig", "DataError", "TokenBatches", "build_data", "make_loader"]
 

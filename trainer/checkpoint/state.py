@@ -12,7 +12,7 @@ plain tensor is its rank's alone (pipeline stages and expert ranks hold disjoint
 `owned_tensors` walks the plan, assembling each sharded tensor within its group one at a time
 (`full_tensor`: every rank of the group takes part), and yields the owner's full copies: host memory is
 bounded by the largest tensor (twice, for a moment, while `full_tensor` re-lays out one sharded along its
-second dimension). The digest and the dense checkpoint (`trainer.dense_checkpoint`) are
+second dimension). The digest and the dense checkpoint (`trainer.checkpoint.dense`) are
 both written from that walk.
 
 The `state_digest` is sha256 over the lines `<name> <tensor digest>\\n` in sorted name order, where a
@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from models.experts import stacked_experts, unstack
-from trainer.rank0 import gather_to_rank0
+from trainer.checkpoint.rank0 import gather_to_rank0
 
 OPTIM_PREFIX = "optim."
 

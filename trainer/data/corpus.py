@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trainer.tokenizer import REPO_ROOT, Tokenizer, encode_documents, resolve_path
+from trainer.data.tokenizer import REPO_ROOT, Tokenizer, encode_documents, resolve_path
 
 SHARED_WIKITEXT2 = REPO_ROOT.parent / "shared" / "data" / "wikitext-2"
 WIKITEXT_HUB_ID = "Salesforce/wikitext"

@@ -1,0 +1,1 @@
+"""Training data: corpora, tokenizers, prepared token shards, and batches addressed by iteration."""
