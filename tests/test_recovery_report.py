@@ -33,7 +33,7 @@ def test_rejoin_line_puts_the_restart_stages_before_fetch():
         fetch=0.5,
         convert=3.0,
         catchup=1.0,
-        stages="keep=0.250 restart=0.500 setup=0.750",
+        restart_seconds="keep=0.250 restart=0.500 setup=0.750",
         fields=("restart=local", quoted("detected_by", ["rank0: SIGTERM", "rank2: gloo error"])),
     )
     line = report.line()

@@ -139,7 +139,7 @@ class Recovery:
             rollback_to=t0,
             replayed=target - t0,
             seconds=time.time() - detected,
-            stages=_restart_seconds(rejoin, timeline, detected, rejoin_start),
+            restart_seconds=_restart_seconds(rejoin, timeline, detected, rejoin_start),
             fetch=fetch,
             convert=convert,
             catchup=catchup,

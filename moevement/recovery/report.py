@@ -21,20 +21,20 @@ class RecoveryReport:
     caller has already taken every rank's slowest `fetch`, `convert` and `catchup`)."""
 
     step: int  # the iteration training goes on with
-    ranks: str  # the ranks that lost their state, as `rank_list` writes them
-    scope: str  # the pipeline stages that rolled back, as a range list (`stage_ranges`)
+    ranks: str  # the ranks that lost their state, as `rank_list` writes them (the baselines: "none" for none)
+    scope: str  # the stages that rolled back, as `stage_ranges` writes them (the baselines: "0-<S-1>", always)
     rollback_to: int  # the iteration the rolled-back stages restarted from
     replayed: int  # iterations replayed (or, for the baselines, to be run again)
     seconds: float  # the whole recovery, as the strategy measures it
     fetch: float
     convert: float
     catchup: float = 0.0
-    stages: str = ""  # a restart's seconds by stage, before `fetch` ("keep=<x> restart=<x> setup=<x>")
-    fields: tuple[str, ...] = ()  # `key=value` fields after the parenthesis, in order
+    restart_seconds: str = ""  # a restart's seconds by stage, before `fetch` ("keep=<x> restart=<x> setup=<x>")
+    fields: tuple[str, ...] = ()  # what follows the parenthesis, in order, each after a space: `key=value`...
 
     def line(self) -> str:
         """The console line, byte for byte the format above."""
-        parts = [self.stages] if self.stages else []
+        parts = [self.restart_seconds] if self.restart_seconds else []
         parts += [f"fetch={self.fetch:.3f}", f"convert={self.convert:.3f}", f"catchup={self.catchup:.3f}"]
         return (
             f"recovery step={self.step} ranks={self.ranks} scope={self.scope} rollback_to={self.rollback_to} "
