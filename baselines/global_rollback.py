@@ -36,8 +36,9 @@ from baselines.moc import LostTokens, PartialExpertSelector
 from moevement.checkpoint.checkpointer import SparseCheckpointer
 from moevement.failures import FaultEvent
 from moevement.recovery.fetch import fetch_from_replicas
-from moevement.recovery.live_state import LiveState
+from moevement.recovery.live_state import LiveState, Survival
 from moevement.recovery.replay import load_master, reset_to_initial, wipe_operators
+from moevement.recovery.report import RecoveryReport, quoted, rank_list
 from moevement.recovery.restart import UNUSABLE, CheckHeader, RestartPoint, drop_newer_disk_windows
 from moevement.storage.host_memory import check_private, private_subdirs, remove_tree
 from moevement.storage.persistence import read_window
@@ -141,7 +142,7 @@ class GlobalRollback:
         rollback_to, saves, source = self._disk_saves() if self.from_disk else self._memory_saves(failed)
         fetched = time.perf_counter() - started
         saved_at = self._restore(saves)
-        lost = self._account_lost_tokens(rollback_to, saved_at) if self.moc else ""
+        lost = (self._account_lost_tokens(rollback_to, saved_at),) if self.moc else ()
         self.policy.rolled_back(rollback_to)
         self._report(step, failed, rollback_to, lambda: time.perf_counter() - started, fetched, source, lost)
         return rollback_to
@@ -150,8 +151,8 @@ class GlobalRollback:
         """After a torchrun restart of this run: every rank rolls back to the newest complete checkpoint
         as `recover` would (1 when there is none: the initial state); returns its iteration. Collective."""
         started = time.perf_counter()
-        kept: list = [None] * self.world
-        collectives.all_gather_object(kept, (state.kept.next_iteration, state.kept.detected) if state.kept else None)
+        kept: list[Survival | None] = [None] * self.world
+        collectives.all_gather_object(kept, state.kept.survival() if state.kept else None)
         dead = {r for r, k in enumerate(kept) if k is None}
         if self.from_disk:
             rollback_to, saves, source = self._disk_restart(state.check)
@@ -166,16 +167,16 @@ class GlobalRollback:
                 "STARTING FROM THE INITIAL STATE"
             )
         saved_at = self._restore(saves)
-        lost = ""
+        lost = ()
         if self.moc:
             self.moc.resumed([header for header, _ in saves])
-            lost = self._account_lost_tokens(rollback_to, saved_at)
+            lost = (self._account_lost_tokens(rollback_to, saved_at),)
         self.policy.rolled_back(rollback_to)
         survivors = [k for k in kept if k]
-        step = max((k[0] for k in survivors), default=rollback_to)
-        detected = min((k[1].get("time", time.time()) for k in survivors), default=None)
+        step = max((k.next_iteration for k in survivors), default=rollback_to)
+        detected = min((k.detected.get("time", time.time()) for k in survivors), default=None)
         seconds = (lambda: time.time() - detected) if detected else (lambda: time.perf_counter() - started)
-        self._report(step, dead, rollback_to, seconds, fetched, source, f"{lost} restart=global")
+        self._report(step, dead, rollback_to, seconds, fetched, source, (*lost, "restart=global"))
         return rollback_to
 
     def _report(
@@ -186,19 +187,29 @@ class GlobalRollback:
         seconds: Callable[[], float],
         fetched: float,
         source: str,
-        tail: str,
+        fields: tuple[str, ...],
     ) -> None:
-        """Rank 0 prints the `recovery` line (`seconds()`: the time it took); `source`: where this rank's
-        checkpoint came from (the failed ranks' sources are named)."""
+        """Rank 0 prints the `recovery` line (`seconds()`: the time it took; `fields`: what follows its
+        snapshot sources); `source`: where this rank's checkpoint came from (the failed ranks' sources are
+        named). Collective."""
         sources: list = [None] * self.world
         collectives.all_gather_object(sources, source)
-        source = "; ".join(f"rank{r}: {sources[r]}" for r in sorted(failed))
-        self.line(
-            f"recovery step={step} ranks={'+'.join(map(str, sorted(failed))) or 'none'} scope=0-{self.n_stages - 1} "
-            f"rollback_to={rollback_to} replayed={step - rollback_to} seconds={seconds():.3f} "
-            f"(fetch={fetched:.3f} convert=0.000 catchup=0.000) strategy={self.strategy} "
-            f'snapshots_from="{source}"{tail}'
+        report = RecoveryReport(
+            step=step,
+            ranks=rank_list(failed) or "none",
+            scope=f"0-{self.n_stages - 1}",  # every stage, written as a range even when there is one
+            rollback_to=rollback_to,
+            replayed=step - rollback_to,
+            seconds=seconds(),
+            fetch=fetched,
+            convert=0.0,
+            fields=(
+                f"strategy={self.strategy}",
+                quoted("snapshots_from", (f"rank{r}: {sources[r]}" for r in sorted(failed))),
+                *fields,
+            ),
         )
+        self.line(report.line())
 
     # ---- where the checkpoint comes from ------------------------------------------------------------
 
@@ -293,4 +304,4 @@ class GlobalRollback:
         moc.plt = moc.lost_tokens / float(counts[1]) if counts[1] > 0 else 0.0  # over the run so far
         if moc.plt > moc.plt_threshold:
             moc.selector.double()
-        return f" lost_tokens={float(counts[0]):.0f} plt={moc.plt:.4f} k_pec={moc.selector.k}"
+        return f"lost_tokens={float(counts[0]):.0f} plt={moc.plt:.4f} k_pec={moc.selector.k}"

@@ -70,3 +70,21 @@ def final_line(stdout: str) -> tuple[int, float, str]:
     m = re.search(r"^final step=(\d+) loss=(\S+) state_digest=([0-9a-f]{64})$", stdout, re.M)
     assert m, f"no final line in:\n{stdout}"
     return int(m[1]), float(m[2]), m[3]
+
+
+def stepped_operators(cfg) -> tuple[list, object]:
+    """(operators, optimizer) of `cfg`'s model (seed 0) after one optimizer step on random tokens: every
+    operator with FP32 weights and optimizer state, built in this process."""
+    import torch
+
+    from models import build_model
+    from moevement.operators import build_registry
+    from trainer.optim import build_optimizer
+    from trainer.run.fault_tolerance import stacked_operators
+
+    torch.manual_seed(0)
+    model = build_model(cfg.model)
+    optimizer = build_optimizer(model, cfg.training)
+    model(torch.randint(0, 256, (2, 16))).float().mean().backward()
+    optimizer.step()
+    return build_registry(model, stacked_operators(model)), optimizer

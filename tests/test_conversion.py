@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from moevement.checkpoint.checkpointer import SparseCheckpointer
 from moevement.operators import Operator
-from moevement.recovery.conversion import Conversion, ReplayStats, TrainerHooks
+from moevement.recovery.conversion import Conversion, ReplayPlan, ReplayStats, TrainerHooks
 from moevement.recovery.fetch import RecoveryError
 from moevement.recovery.replay import wipe_operators
 from moevement.topology import Topology
@@ -124,7 +124,7 @@ def replay_after_failure(run: Run, scalars: dict[int, dict] | None = None) -> di
     if not window:
         conversion.load_initial_state()
     logged = scalars or engine.persisted.scalars(t0, end)
-    assert conversion.replay(t0, end, window, {0}, engine.persisted.snapshot, logged, {}, ReplayStats())
+    assert conversion.replay(ReplayPlan(t0, end, window, {0}, engine.persisted.snapshot, logged, {}), ReplayStats())
     seen[end] = differences(engine.ops, optimizer, run.states[end], set())
     return seen
 

@@ -13,16 +13,11 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
 
-from models import build_model
-from moevement.operators import build_registry
 from moevement.recovery.live_state import save_live_state
-from tests.conftest import DEBUG_CONFIG, run_cli
+from tests.conftest import DEBUG_CONFIG, run_cli, stepped_operators
 from trainer.config import load_config
-from trainer.optim import build_optimizer
 from trainer.run import host_estimate
-from trainer.run.fault_tolerance import stacked_operators
 
 HOST_LINE = re.compile(r"^host_memory rank=(\d+) pp=\d+ snapshots=(\S+) replicas=(\S+) .*$", re.M)
 LOOSEST = 1.25
@@ -66,12 +61,7 @@ def test_dry_run_bounds_the_host_directory_of_a_real_run(tmp_path, layout, nproc
 def test_live_state_estimate_bounds_a_saved_live_state(tmp_path):
     """A survivor's live state (FP32 state, no upstream log at pp=1), written by the trainer's own function."""
     cfg = load_config(DEBUG_CONFIG, ["--checkpoint.strategy", "moevement", "--checkpoint.window", "3"])
-    torch.manual_seed(0)
-    model = build_model(cfg.model)
-    optimizer = build_optimizer(model, cfg.training)
-    model(torch.randint(0, 256, (2, 16))).float().mean().backward()
-    optimizer.step()
-    ops = build_registry(model, stacked_operators(model))
+    ops, optimizer = stepped_operators(cfg)
     save_live_state(tmp_path, ops, optimizer, None, {}, 2, 1, {"rank": 0})
     actual = allocated(tmp_path)
     bound = host_estimate.stage_footprint(cfg, 0).live_state(0)

@@ -1,6 +1,6 @@
 """Sparse-to-dense conversion by replay with frozen and active operators (docs/design.md §3).
 
-`Conversion.replay(t0, end, W, scope, ...)` re-runs iterations t0..end-1 of the stages in `scope`. At
+`Conversion.replay(plan, stats)` re-runs iterations t0..end-1 of the stages in `plan.scope`. At
 t0+i (i < W) it loads SS_{t0+i}: slot i becomes *active* (FP32 master weights and optimizer state
 restored; it trains normally) and the operators of later slots get the snapshot's compute weights and
 are *frozen* (forward and input gradient only, no weight gradient, no optimizer update). After t0+W-1
@@ -41,8 +41,30 @@ class TrainerHooks:
     line: Callable[[str], None]  # rank 0's console line
 
 
+@dataclass(frozen=True)
+class ReplayPlan:
+    """What a replay re-runs: iterations `start..end-1` of the pipeline stages in `scope`; while converting
+    (`start + i`, i < `window`) it first activates slot i of the persisted window."""
+
+    start: int  # t0, the first iteration of the window (1 and `window` 0: from the initial state)
+    end: int  # the first iteration not replayed
+    window: int  # W, the window's slots (0: nothing to convert, every iteration catches up)
+    scope: set[int]  # the stages that replay (this rank replays those of them it runs)
+    slot_snapshot: Callable[[int], tuple[SnapshotHeader, dict]] | None  # i -> SS_{start+i}; None when W is 0
+    scalars: Mapping[int, dict]  # the scalar log (learning rate, clip coefficient) of every iteration replayed
+    boundary: Mapping  # the boundary logs from outside the scope (`PipelineReplay.forward_backward`)
+    stop_after: int | None = None  # stop once this many iterations replayed (a later failure is waiting)
+
+    def converts(self, t: int) -> bool:
+        """Whether iteration `t` is one of the window's (it activates a slot) rather than a catch-up."""
+        return t < self.start + self.window
+
+
 @dataclass
 class ReplayStats:
+    """What one rank's recovery measured (seconds) and where its snapshots came from; the training thread
+    fills it in during a recovery."""
+
     fetch: float = 0.0
     convert: float = 0.0
     catchup: float = 0.0
@@ -56,6 +78,8 @@ class ReplayStats:
 
 
 class Conversion:
+    """Converts a persisted sparse window into this rank's dense state by replay (see the module docstring)."""
+
     def __init__(
         self,
         checkpointer: SparseCheckpointer,
@@ -71,52 +95,45 @@ class Conversion:
         self.threads = threads  # intra-op threads of a replaying rank (0: auto, see replay_threads)
         self.training_threads = torch.get_num_threads()
 
-    def replay(
-        self,
-        t0: int,
-        end: int,
-        window: int,
-        scope: set[int],
-        slot_snapshot: Callable[[int], tuple[SnapshotHeader, dict]],
-        scalars: dict,
-        boundary: Mapping,
-        stats: ReplayStats,
-        stop_after: int | None = None,
-    ) -> bool:
-        """Replay iterations t0..end-1 of the stages in `scope`, activating slot i at t0+i (i < window).
+    def replay(self, plan: ReplayPlan, stats: ReplayStats) -> bool:
+        """Replay `plan` on this rank (its stages in `plan.scope`), adding the seconds of each phase to `stats`.
 
-        `slot_snapshot(i)` gives (header, tensors) of SS_{t0+i}; `scalars[t]` the scalar log of t.
-        Returns False when stopped early after `stop_after` iterations (a failure during recovery)."""
-        stats.threads = self._threads(scope)
+        Returns False when stopped early after `plan.stop_after` iterations (a failure during recovery).
+        Whatever happens, every operator is left unfrozen."""
+        stats.threads = self._threads(plan.scope)
         try:
             with self.ck.paused(), intra_op_threads(stats.threads):
-                for t in range(t0, end):
-                    start = time.perf_counter()
-                    if t < t0 + window:
-                        self._activate_slot(*slot_snapshot(t - t0))
-                    self.hooks.begin_iteration(t)
-                    if self.log is not None:
-                        self.log.begin(t)
-                    computed = time.perf_counter()
-                    stats.add("load", computed - start)
-                    phases = self.hooks.forward_backward(t, scope, *self.hooks.batch(t), boundary)
-                    for phase, seconds in (phases or {"forward_backward": time.perf_counter() - computed}).items():
-                        stats.add(phase, seconds)
-                    stepped = time.perf_counter()
-                    with frozen_slices_kept(self.ck.ops, self.optimizer):
-                        self.hooks.optimizer_step(scalars[t])
-                    stats.add("optimizer", time.perf_counter() - stepped)
-                    elapsed = time.perf_counter() - start
-                    if t < t0 + window:
+                for t in range(plan.start, plan.end):
+                    elapsed = self._iteration(plan, t, stats)
+                    if plan.converts(t):
                         stats.convert += elapsed
                     else:
                         stats.catchup += elapsed
                     stats.replayed += 1
-                    if stop_after is not None and stats.replayed >= stop_after and t + 1 < end:
+                    if plan.stop_after is not None and stats.replayed >= plan.stop_after and t + 1 < plan.end:
                         return False
         finally:
             set_frozen(self.ck.ops, False)
         return True
+
+    def _iteration(self, plan: ReplayPlan, t: int, stats: ReplayStats) -> float:
+        """Replay iteration `t` of `plan` (activating its slot first while converting); returns its seconds."""
+        start = time.perf_counter()
+        if plan.converts(t):
+            self._activate_slot(*plan.slot_snapshot(t - plan.start))
+        self.hooks.begin_iteration(t)
+        if self.log is not None:
+            self.log.begin(t)
+        computed = time.perf_counter()
+        stats.add("load", computed - start)
+        phases = self.hooks.forward_backward(t, plan.scope, *self.hooks.batch(t), plan.boundary)
+        for phase, seconds in (phases or {"forward_backward": time.perf_counter() - computed}).items():
+            stats.add(phase, seconds)
+        stepped = time.perf_counter()
+        with frozen_slices_kept(self.ck.ops, self.optimizer):
+            self.hooks.optimizer_step(plan.scalars[t])
+        stats.add("optimizer", time.perf_counter() - stepped)
+        return time.perf_counter() - start
 
     def load_initial_state(self) -> None:
         """No checkpoint persisted yet: every operator restarts from the seed-derived initial state."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -25,8 +26,8 @@ from moevement.recovery.replay import load_master
 from moevement.recovery.upstream_log import UpstreamLog
 from moevement.storage.host_memory import HostBuffer, HostMemoryError, map_bytes, read_header
 from moevement.storage.snapshot import (
+    Entry,
     SnapshotError,
-    SnapshotHeader,
     Throttle,
     copy_entries,
     layout_of,
@@ -47,6 +48,42 @@ class LiveState:
     tensors: dict[tuple[str, str], torch.Tensor]
     detected: dict  # {"how": ..., "time": unix seconds}
     meta: dict = field(default_factory=dict)  # kept in memory: the job's identity, for `save_kept`
+
+    def survival(self) -> Survival:
+        """What this rank tells the others of its kept state when the job starts again."""
+        return Survival(self.next_iteration, self.log_from, self.detected)
+
+
+class Survival(NamedTuple):
+    """A survivor's word to the others after a restart (sent with `all_gather_object`; None: it kept nothing)."""
+
+    next_iteration: int  # the first iteration its state has not applied
+    log_from: int  # the first iteration whose logs it holds
+    detected: dict  # how and when it learned of the failure: {"how", "time", "kept" (unix seconds)}
+
+
+@dataclass(frozen=True)
+class LiveHeader:
+    """The header of `live.{bin,json}`: where each tensor lies in the buffer, with its checksum (the
+    snapshot's `Entry`), so that the snapshot's own `read_entries` verifies and reads it back."""
+
+    iteration: int  # next_iteration: the state is state_{iteration}
+    log_from: int  # the first iteration whose upstream log and scalars it holds
+    entries: list[Entry]
+    nbytes: int
+    meta: dict  # the job's identity, "generation", "scalars" {iteration: ...}, "detected"
+
+    def to_json(self) -> dict:
+        """What `live.json` records (`from_json` reads it back)."""
+        return {**vars(self), "entries": [dict(vars(e)) for e in self.entries]}
+
+    @classmethod
+    def from_json(cls, payload: dict) -> LiveHeader:
+        """SnapshotError unless `payload` is a live state header."""
+        try:
+            return cls(**{**payload, "entries": [Entry(**e) for e in payload["entries"]]})
+        except (KeyError, TypeError) as e:
+            raise SnapshotError(f"malformed live state header: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -104,10 +141,7 @@ def save_kept(rank_dir: Path, live: LiveState) -> int:
     entries = with_checksums(entries, copy_entries(buffer.ensure(max(nbytes, 1)), entries, sources, Throttle()))
     meta = {**live.meta, "scalars": {str(t): s for t, s in live.scalars.items()}}
     meta["detected"] = {**live.detected, "kept": time.time()}
-    header = SnapshotHeader(
-        live.next_iteration, live.log_from, 0, 1, meta.get("rank", -1), [], [], entries, nbytes, meta
-    )
-    buffer.commit(header.to_json())
+    buffer.commit(LiveHeader(live.next_iteration, live.log_from, entries, nbytes, meta).to_json())
     buffer.release()
     return nbytes
 
@@ -141,7 +175,7 @@ def load_live_state(rank_dir: Path, expect: dict, generation: int) -> tuple[Live
         raw = read_header(path)
         if raw is None:
             return None, "no live state"
-        header = SnapshotHeader.from_json(raw)
+        header = LiveHeader.from_json(raw)
         differ = sorted(k for k, v in expect.items() if header.meta.get(k) != v)
         kept_by = header.meta.get("generation")
         if not (type(kept_by) is int and 0 <= kept_by < generation):
@@ -149,10 +183,10 @@ def load_live_state(rank_dir: Path, expect: dict, generation: int) -> tuple[Live
         if differ:
             return None, f"{path}.json belongs to another run or generation ({', '.join(differ)})"
         tensors = read_entries(map_bytes(path), header, source=f"{path}.bin")
-    except (HostMemoryError, SnapshotError, OSError, KeyError, TypeError, ValueError) as e:
+        scalars = {int(t): s for t, s in header.meta["scalars"].items()}
+    except (HostMemoryError, SnapshotError, OSError, KeyError, TypeError, ValueError, AttributeError) as e:
         return None, f"{path}: unusable ({e})"
-    scalars = {int(t): s for t, s in header.meta["scalars"].items()}
-    return LiveState(header.iteration, header.window_start, scalars, tensors, header.meta.get("detected", {})), ""
+    return LiveState(header.iteration, header.log_from, scalars, tensors, header.meta.get("detected", {})), ""
 
 
 def restore_live_state(

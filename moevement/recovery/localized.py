@@ -21,21 +21,22 @@ replayed iteration, widens the failed set and restarts the joint recovery.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as dist
 
 from moevement.checkpoint.checkpointer import SparseCheckpointer
 from moevement.failures import FaultEvent
-from moevement.recovery.conversion import Conversion, ReplayStats
+from moevement.recovery.conversion import Conversion, ReplayPlan, ReplayStats
 from moevement.recovery.fetch import (
     fetch_boundary_logs,
     fetch_from_replicas,
     fetch_scalars,
 )
-from moevement.recovery.live_state import Rejoin, restore_live_state
+from moevement.recovery.live_state import Rejoin, Survival, restore_live_state
 from moevement.recovery.replay import wipe_operators
+from moevement.recovery.report import RecoveryReport, quoted, rank_list, stage_ranges
 from moevement.recovery.restart import RestartPoint
 from moevement.recovery.upstream_log import UpstreamLog
 from moevement.topology import Topology
@@ -43,7 +44,8 @@ from parallelisms import collectives
 
 
 class Recovery:
-    """Localized recovery and whole-job restart of this rank (see the module docstring)."""
+    """Localized recovery and whole-job restart of this rank (see the module docstring). Training thread
+    only; every public method is collective over the whole job."""
 
     def __init__(
         self,
@@ -74,19 +76,15 @@ class Recovery:
             if self.me in event.ranks:
                 self._wipe()
             stats = self._run(step, failed, stop_after=1 if queue else None)  # a later event cuts it short
-        collectives.barrier()
-        totals = torch.tensor([stats.fetch, stats.convert, stats.catchup], dtype=torch.float64)
-        collectives.all_reduce(totals, op=dist.ReduceOp.MAX)
+        fetch, convert, catchup = _slowest(stats.fetch, stats.convert, stats.catchup)
         seconds = time.perf_counter() - started
-        pps = sorted(self._rolled_back(failed))
-        scope = sorted(self.layout.stages_of(set(pps)))
+        pps = self._rolled_back(failed)
         t0 = self.ck.persisted.rollback_point()
+        scope = stage_ranges(self.layout.stages_of(pps))
         self.line(
-            f"recovery step={step} ranks={'+'.join(map(str, sorted(failed)))} scope={_ranges(scope)} "
-            f"rollback_to={t0} replayed={step - t0} seconds={seconds:.3f} "
-            f"(fetch={totals[0]:.3f} convert={totals[1]:.3f} catchup={totals[2]:.3f})"
+            RecoveryReport(step, rank_list(failed), scope, t0, step - t0, seconds, fetch, convert, catchup).line()
         )
-        self.report_work(failed, set(pps), work_before, stats)
+        self.report_work(failed, pps, work_before, stats)
 
     def report_work(self, failed: set[int], pps: set[int], work_before: tuple[int, int], stats: ReplayStats) -> None:
         """Rank 0 prints every rank's `recovery work` line: its role and the forwards/backwards it ran."""
@@ -113,55 +111,62 @@ class Recovery:
         rank holds logs of)."""
         started, rejoin_start = time.perf_counter(), time.time()
         live = rejoin.live
-        kept: list = [None] * self.world
-        collectives.all_gather_object(kept, (live.next_iteration, live.log_from, live.detected) if live else None)
-        target = max(k[0] for k in kept if k)
-        failed = {r for r, k in enumerate(kept) if not k or k[0] != target}
-        t0, window = (found.window_start, found.window) if found else (1, 0)
-        if max(k[1] for k in kept if k and k[0] == target) > t0 or target < t0:
+        kept: list[Survival | None] = [None] * self.world
+        collectives.all_gather_object(kept, live.survival() if live else None)
+        target = max(k.next_iteration for k in kept if k)
+        failed = {r for r, k in enumerate(kept) if not k or k.next_iteration != target}
+        t0 = found.window_start if found else 1
+        if max(k.log_from for k in kept if k and k.next_iteration == target) > t0 or target < t0:
             self.line(f"restart: the survivors' logs do not cover iteration {t0} on: every stage rolls back")
             return (self.restart(found) if found else 1), t0
         pps = self._rolled_back(failed)
-        scope = self.layout.stages_of(pps)
         if self.me not in failed:
             self.ck.persisted.restore_scalars(live.scalars)
             if self.layout.pp_of[self.me] not in pps:
                 restore_live_state(live, self.ck.ops, self.conversion.optimizer, self.log)
         restored = time.time()
-        stats = ReplayStats()
-        if found is not None and self.me in failed:
-            stats.sources[self.me] = found.sources[self.me].replace(" ", "_")
-        boundary = fetch_boundary_logs(self.log, self.layout, self.micro, scope, t0, target)
-        scalars = fetch_scalars(self.ck, failed, t0, target)
-        stats.fetch = time.perf_counter() - started
-        if self.layout.pp_of[self.me] in pps:
-            if found is None:
-                self.conversion.load_initial_state()
-            snapshots = found.snapshots.__getitem__ if found else None
-            self.conversion.replay(t0, target, window, scope, snapshots, scalars, boundary, stats)
-        collectives.barrier()
-        totals = torch.tensor([stats.fetch, stats.convert, stats.catchup], dtype=torch.float64)
-        collectives.all_reduce(totals, op=dist.ReduceOp.MAX)
-        told = [k[2] for k in kept if k]
-        detected, kept_at = min(d.get("time", 0.0) for d in told), max(d.get("kept", 0.0) for d in told)
+        stats = self._catch_up(found, failed, pps, t0, target, started)
+        fetch, convert, catchup = _slowest(stats.fetch, stats.convert, stats.catchup)
+        survivors = [k for k in kept if k]
+        detected = min(k.detected.get("time", 0.0) for k in survivors)
+        kept_at = max(k.detected.get("kept", 0.0) for k in survivors)
         timeline = {"kept": kept_at, **rejoin.timeline, "restored": restored}
-        seconds = _restart_seconds(rejoin, timeline, detected, rejoin_start)
         how = "replaced" if rejoin.in_place else "global-replay" if self.global_rollback else "local"
-        self.line(
-            f"recovery step={target} ranks={'+'.join(map(str, sorted(failed)))} scope={_ranges(sorted(scope))} "
-            f"rollback_to={t0} replayed={target - t0} seconds={time.time() - detected:.3f} "
-            f"({seconds} fetch={totals[0]:.3f} convert={totals[1]:.3f} catchup={totals[2]:.3f}) restart={how} "
-            f'detected_by="{_how(kept)}"'
+        report = RecoveryReport(
+            step=target,
+            ranks=rank_list(failed),
+            scope=stage_ranges(self.layout.stages_of(pps)),
+            rollback_to=t0,
+            replayed=target - t0,
+            seconds=time.time() - detected,
+            restart_seconds=_restart_seconds(rejoin, timeline, detected, rejoin_start),
+            fetch=fetch,
+            convert=convert,
+            catchup=catchup,
+            fields=(f"restart={how}", quoted("detected_by", _how(kept))),
         )
+        self.line(report.line())
         self.line(f"restart timeline rank={self.me}: {_stages(timeline)}")
         self.report_work(failed, pps, (0, 0), stats)
         return target, t0
 
-    def _rolled_back(self, failed: set[int]) -> set[int]:
-        """Pipeline ranks that roll back: those of the failed ranks (localized), or all (global)."""
-        if self.global_rollback:
-            return set(range(len(self.layout.stages_of_pp)))
-        return {self.layout.pp_of[r] for r in failed}
+    def _catch_up(
+        self, found: RestartPoint | None, failed: set[int], pps: set[int], t0: int, target: int, started: float
+    ) -> ReplayStats:
+        """A rejoin's replay: the stages of pipeline ranks `pps` replay from `found` (None: the initial state,
+        t0 1) to `target`, with the logs the others serve. Collective; `started`: when the rejoin began."""
+        stats = ReplayStats()
+        if found is not None and self.me in failed:
+            stats.sources[self.me] = found.sources[self.me].replace(" ", "_")
+        window, snapshots = (found.window, found.snapshots.__getitem__) if found else (0, None)
+        scope = self.layout.stages_of(pps)
+        boundary, scalars = self._logs(failed, scope, t0, target)
+        stats.fetch = time.perf_counter() - started
+        if self.layout.pp_of[self.me] in pps:
+            if found is None:
+                self.conversion.load_initial_state()
+            self.conversion.replay(ReplayPlan(t0, target, window, scope, snapshots, scalars, boundary), stats)
+        return stats
 
     def restart(self, found: RestartPoint) -> int:
         """Whole-job restart: every stage converts `found` by a full-pipeline replay (global rollback).
@@ -173,31 +178,36 @@ class Recovery:
         stats = ReplayStats(fetch=found.seconds)
         scalars = {header.iteration: header.meta["scalars"] for header, _ in found.snapshots}
         self.ck.persisted.restore_scalars(scalars)
+        every_stage = set(range(self.layout.n_stages))
         self.conversion.replay(
-            t0,
-            t0 + window,
-            window,
-            set(range(self.layout.n_stages)),
-            found.snapshots.__getitem__,
-            scalars,
-            {},
-            stats,
+            ReplayPlan(t0, t0 + window, window, every_stage, found.snapshots.__getitem__, scalars, {}), stats
         )
-        collectives.barrier()
-        totals = torch.tensor([stats.fetch, stats.convert], dtype=torch.float64)
-        collectives.all_reduce(totals, op=dist.ReduceOp.MAX)
-        self.line(
-            f"recovery step={found.last_iteration + 1} ranks={'+'.join(map(str, range(self.world)))} "
-            f"scope={_ranges(list(range(self.layout.n_stages)))} rollback_to={t0} replayed={window} "
-            f"seconds={time.perf_counter() - started + found.seconds:.3f} "
-            f"(fetch={totals[0]:.3f} convert={totals[1]:.3f} catchup=0.000) restart=global "
-            f'snapshots_from="{"; ".join(f"rank{r}: {src}" for r, src in enumerate(found.sources))}"'
+        fetch, convert = _slowest(stats.fetch, stats.convert)
+        report = RecoveryReport(
+            step=found.last_iteration + 1,
+            ranks=rank_list(range(self.world)),
+            scope=stage_ranges(every_stage),
+            rollback_to=t0,
+            replayed=window,
+            seconds=time.perf_counter() - started + found.seconds,
+            fetch=fetch,
+            convert=convert,
+            fields=("restart=global", quoted("snapshots_from", (f"rank{r}: {s}" for r, s in enumerate(found.sources)))),
         )
+        self.line(report.line())
         return t0 + window
+
+    def _rolled_back(self, failed: set[int]) -> set[int]:
+        """Pipeline ranks that roll back: those of the failed ranks (localized), or all (global)."""
+        if self.global_rollback:
+            return set(range(len(self.layout.stages_of_pp)))
+        return {self.layout.pp_of[r] for r in failed}
 
     # ---- one (possibly widened) recovery -----------------------------------------------------------
 
     def _run(self, step: int, failed: set[int], stop_after: int | None) -> ReplayStats:
+        """One recovery of `failed` before iteration `step`: fetch, then (the rolled-back stages) replay
+        from the newest persisted window, stopping after `stop_after` iterations when one is given."""
         stats = ReplayStats()
         pps = self._rolled_back(failed)
         scope = self.layout.stages_of(pps)
@@ -206,8 +216,7 @@ class Recovery:
         start = time.perf_counter()
         if window:
             stats.sources = fetch_from_replicas(self.ck, failed, window)
-        boundary = fetch_boundary_logs(self.log, self.layout, self.micro, scope, t0, step)
-        scalars = fetch_scalars(self.ck, failed, t0, step)
+        boundary, scalars = self._logs(failed, scope, t0, step)
         stats.fetch = time.perf_counter() - start
         if self.layout.pp_of[self.me] not in pps:
             return stats
@@ -216,35 +225,32 @@ class Recovery:
         if not window:
             self.conversion.load_initial_state()
         self.conversion.replay(
-            t0,
-            step,
-            window,
-            scope,
-            self.ck.persisted.snapshot,
-            scalars,
-            boundary,
-            stats,
-            stop_after,
+            ReplayPlan(t0, step, window, scope, self.ck.persisted.snapshot, scalars, boundary, stop_after), stats
         )
         return stats
 
+    def _logs(self, failed: set[int], scope: set[int], t0: int, end: int) -> tuple[Mapping, dict[int, dict]]:
+        """(boundary logs, scalar logs) of iterations `t0..end-1` that a replay of `scope` needs: those of its
+        outer boundaries from the healthy neighbouring stages, and the scalars for the `failed` ranks from a
+        survivor. Collective (every rank serves or receives logs)."""
+        boundary = fetch_boundary_logs(self.log, self.layout, self.micro, scope, t0, end)
+        return boundary, fetch_scalars(self.ck, failed, t0, end)
+
     def _wipe(self) -> None:
+        """This rank failed: its operators, optimizer state, host copies and logs are gone."""
         wipe_operators(self.ck.ops, self.conversion.optimizer)
         self.ck.wipe()
         if self.log is not None:
             self.log.wipe()
 
 
-def _ranges(stages: list[int]) -> str:
-    """[1, 2, 3, 5] -> "1-3,5"."""
-    out, i = [], 0
-    while i < len(stages):
-        j = i
-        while j + 1 < len(stages) and stages[j + 1] == stages[j] + 1:
-            j += 1
-        out.append(str(stages[i]) if i == j else f"{stages[i]}-{stages[j]}")
-        i = j + 1
-    return ",".join(out)
+def _slowest(*seconds: float) -> list[float]:
+    """Once every rank is done (barrier): each of `seconds`, the largest any rank measured. Collective:
+    every rank passes as many values."""
+    collectives.barrier()
+    totals = torch.tensor(seconds, dtype=torch.float64)
+    collectives.all_reduce(totals, op=dist.ReduceOp.MAX)
+    return totals.tolist()
 
 
 def _restart_seconds(rejoin: Rejoin, timeline: dict[str, float], detected: float, rebuilt: float) -> str:
@@ -267,7 +273,7 @@ def _stages(timeline: dict[str, float]) -> str:
     return " ".join(f"{b}={timeline[b] - timeline[a]:.3f}" for a, b in zip(names, names[1:]))
 
 
-def _how(kept: list) -> str:
-    """How the survivors learned of the failure, earliest first: "rank 0: SIGTERM; ..."."""
-    told = sorted((k[2].get("time", 0.0), r, k[2].get("how", "?")) for r, k in enumerate(kept) if k)
-    return "; ".join(f"rank{r}: {how}" for _, r, how in told)
+def _how(kept: list[Survival | None]) -> list[str]:
+    """How the survivors learned of the failure, earliest first: ["rank0: SIGTERM", ...]."""
+    told = sorted((k.detected.get("time", 0.0), r, k.detected.get("how", "?")) for r, k in enumerate(kept) if k)
+    return [f"rank{r}: {how}" for _, r, how in told]

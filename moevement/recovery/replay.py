@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -173,67 +173,61 @@ class PipelineReplay:
         started = time.perf_counter()
         local = sorted(s for s in self.stages if s in scope)
         xs, ys = inputs.to(self.device).chunk(self.micro), labels.to(self.device).chunk(self.micro)
-        pending: list = []
-        handoff: dict[tuple[str, int, int], torch.Tensor] = {}  # tensors between stages of this rank
+        traffic = _Traffic(iteration, scope, xs, boundary)
+        cache = self._forward(local, ys, traffic)
+        seconds = {"forward": time.perf_counter() - started, "backward": 0.0, "reduce": 0.0}
+        for s in reversed(local):
+            started = time.perf_counter()
+            self._backward(s, cache, traffic)
+            reduced = time.perf_counter()
+            self.stages[s].stage.perform_reduce_grad(self.micro)
+            seconds["backward"] += reduced - started
+            seconds["reduce"] += time.perf_counter() - reduced
+        for work in traffic.pending:
+            collectives.wait(work)
+        return seconds
+
+    def _forward(self, local: list[int], labels: tuple[torch.Tensor, ...], traffic: _Traffic) -> dict:
+        """Every micro-batch forward through the `local` stages in order (GPipe); returns {(stage, micro):
+        (its output, or the loss on the last stage; its input)} for the backward."""
         cache = {}
         for s in local:
             ref = self.stages[s]
             for m in range(self.micro):
-                x = self._incoming("act", s - 1, s, m, scope, iteration, xs, handoff, boundary)
+                x = self._incoming(traffic, "act", s - 1, s, m)
                 out = ref.module(x)
                 if s == self.n_stages - 1:
-                    out = self.loss_fn(out, ys[m])
+                    out = self.loss_fn(out, labels[m])
                 else:
-                    pending += self._outgoing("act", s, s + 1, m, out.detach(), scope, handoff)
+                    self._outgoing(traffic, "act", s, s + 1, m, out.detach())
                 cache[(s, m)] = (out, x)
-        seconds = {"forward": time.perf_counter() - started, "backward": 0.0, "reduce": 0.0}
-        for s in reversed(local):
-            started = time.perf_counter()
-            ref = self.stages[s]
-            for m in range(self.micro):
-                out, x = cache.pop((s, m))
-                grad = (
-                    None
-                    if s == self.n_stages - 1
-                    else self._incoming("grad", s + 1, s, m, scope, iteration, xs, handoff, boundary)
-                )
-                if out.requires_grad:
-                    grads, _ = ref.stage.backward_maybe_with_nosync(
-                        "full",
-                        {
-                            "stage_output": out if grad is None else (out,),
-                            "output_grads": None if grad is None else (grad,),
-                            "input_values": [x],
-                        },
-                    )
-                    grad_in = grads[0]
-                else:  # every operator up to here is frozen and the input is data: nothing to do
-                    grad_in = None
-                if s > 0:
-                    if grad_in is None:
-                        grad_in = torch.zeros_like(x)
-                    pending += self._outgoing("grad", s, s - 1, m, grad_in, scope, handoff)
-            reduced = time.perf_counter()
-            ref.stage.perform_reduce_grad(self.micro)
-            seconds["backward"] += reduced - started
-            seconds["reduce"] += time.perf_counter() - reduced
-        for work in pending:
-            collectives.wait(work)
-        return seconds
+        return cache
 
-    def _incoming(
-        self, kind: str, src_stage: int, stage: int, micro: int, scope: set[int], iteration: int, xs, handoff, boundary
-    ) -> torch.Tensor:
-        """Stage `stage`'s input activation (kind act) or output gradient (kind grad) for `micro`."""
+    def _backward(self, s: int, cache: dict, traffic: _Traffic) -> None:
+        """Every micro-batch's backward through stage `s` in micro-batch order (taking its `_forward` entries
+        from `cache`); the input gradients go upstream (zeros where nothing upstream needs a gradient)."""
+        ref = self.stages[s]
+        for m in range(self.micro):
+            out, x = cache.pop((s, m))
+            grad = None if s == self.n_stages - 1 else self._incoming(traffic, "grad", s + 1, s, m)
+            grad_in = _input_gradient(ref, out, x, grad)
+            if s > 0:
+                self._outgoing(traffic, "grad", s, s - 1, m, torch.zeros_like(x) if grad_in is None else grad_in)
+
+    def _incoming(self, traffic: _Traffic, kind: str, src_stage: int, stage: int, micro: int) -> torch.Tensor:
+        """Stage `stage`'s input activation (kind act) or output gradient (kind grad) for `micro`: the data,
+        a logged boundary tensor, a hand-off from this rank's own stage, or received from its owner."""
         if kind == "act" and stage == 0:
-            return xs[micro]
-        if src_stage not in scope:
-            key = (kind, iteration, src_stage, micro)
-            if key not in boundary:
-                raise RecoveryError(f"no upstream log holds the {kind} of stage {src_stage}, iteration {iteration}")
-            tensor = boundary[key].to(self.device)
-        elif (kind, src_stage, micro) in handoff:
-            tensor = handoff.pop((kind, src_stage, micro))
+            return traffic.inputs[micro]
+        if src_stage not in traffic.scope:
+            key = (kind, traffic.iteration, src_stage, micro)
+            if key not in traffic.boundary:
+                raise RecoveryError(
+                    f"no upstream log holds the {kind} of stage {src_stage}, iteration {traffic.iteration}"
+                )
+            tensor = traffic.boundary[key].to(self.device)
+        elif (kind, src_stage, micro) in traffic.handoff:
+            tensor = traffic.handoff.pop((kind, src_stage, micro))
         else:
             ref = self.stages[stage]
             meta = ref.input_meta if kind == "act" else ref.output_meta
@@ -242,14 +236,46 @@ class PipelineReplay:
         return tensor.detach().requires_grad_(kind == "act")
 
     def _outgoing(
-        self, kind: str, stage: int, dst_stage: int, micro: int, tensor: torch.Tensor, scope: set[int], handoff
-    ) -> list:
-        if dst_stage not in scope:
-            return []  # the neighbour is healthy and already has it
+        self, traffic: _Traffic, kind: str, stage: int, dst_stage: int, micro: int, tensor: torch.Tensor
+    ) -> None:
+        """Pass `tensor` to stage `dst_stage` if it replays: handed off on this rank, or sent (in flight
+        until the end of `forward_backward`)."""
+        if dst_stage not in traffic.scope:
+            return  # the neighbour is healthy and already has it
         if dst_stage in self.stages:
-            handoff[(kind, stage, micro)] = tensor
-            return []
-        return [collectives.isend(tensor.detach().contiguous(), self.owner_rank(dst_stage), tag=_tag(kind, stage))]
+            traffic.handoff[(kind, stage, micro)] = tensor
+            return
+        work = collectives.isend(tensor.detach().contiguous(), self.owner_rank(dst_stage), tag=_tag(kind, stage))
+        traffic.pending.append(work)
+
+
+@dataclass
+class _Traffic:
+    """The tensors of one `PipelineReplay.forward_backward` call that cross stage boundaries."""
+
+    iteration: int
+    scope: set[int]
+    inputs: tuple[torch.Tensor, ...]  # the data's micro-batches (stage 0's input)
+    boundary: Mapping[tuple[str, int, int, int], torch.Tensor]  # logged by the healthy neighbours
+    handoff: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)  # between this rank's stages
+    pending: list = field(default_factory=list)  # sends in flight
+
+
+def _input_gradient(
+    ref: StageRef, out: torch.Tensor, x: torch.Tensor, grad: torch.Tensor | None
+) -> torch.Tensor | None:
+    """One micro-batch's backward through stage `ref` (`grad`: the output gradient; None on the last stage,
+    whose `out` is the loss); returns the gradient of its input `x`, or None when no gradient flows (every
+    operator up to here is frozen and the input is data)."""
+    if not out.requires_grad:
+        return None
+    arguments = {
+        "stage_output": out if grad is None else (out,),
+        "output_grads": None if grad is None else (grad,),
+        "input_values": [x],
+    }
+    grads, _ = ref.stage.backward_maybe_with_nosync("full", arguments)
+    return grads[0]
 
 
 def _tag(kind: str, stage: int) -> int:

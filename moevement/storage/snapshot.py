@@ -13,6 +13,7 @@ import copy
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import xxhash
@@ -39,6 +40,20 @@ class Entry:
     offset: int
     nbytes: int
     checksum: str = ""
+
+
+class EntryTable(Protocol):
+    """What reading a buffer back needs of its header: its entries, its size, and the iteration it holds
+    the state of (named in errors). `SnapshotHeader` is one, a survivor's `LiveHeader` another."""
+
+    @property
+    def iteration(self) -> int: ...
+
+    @property
+    def entries(self) -> list[Entry]: ...
+
+    @property
+    def nbytes(self) -> int: ...
 
 
 @dataclass
@@ -307,7 +322,7 @@ def checksum(data: memoryview) -> str:
     return xxhash.xxh3_64_hexdigest(data)
 
 
-def verify_entries(buffer: torch.Tensor, header: SnapshotHeader, source: str = "snapshot") -> None:
+def verify_entries(buffer: torch.Tensor, header: EntryTable, source: str = "snapshot") -> None:
     """Raise SnapshotError (naming `source`) unless every entry of `header` lies in `buffer` with its checksum."""
     if buffer.numel() < header.nbytes:
         raise SnapshotError(f"{source}: truncated ({buffer.numel()} bytes, header says {header.nbytes})")
@@ -326,7 +341,7 @@ def verify_entries(buffer: torch.Tensor, header: SnapshotHeader, source: str = "
 
 
 def read_entries(
-    buffer: torch.Tensor, header: SnapshotHeader, source: str = "snapshot", verify: bool = True
+    buffer: torch.Tensor, header: EntryTable, source: str = "snapshot", verify: bool = True
 ) -> dict[tuple[str, str], torch.Tensor]:
     """{(role, tensor name): tensor copy} of a snapshot; checksums verified (SnapshotError names `source`)."""
     if verify:
