@@ -15,8 +15,8 @@ from baselines.moc import expert_counts
 from moevement.checkpoint.checkpointer import SparseCheckpointer
 from moevement.failures import FaultEvent
 from moevement.recovery.live_state import LiveState, Rejoin, save_kept
+from moevement.recovery.report import RecoveryFigures
 from moevement.storage.host_memory import JobLock
-from moevement.strategy import RecoveryFigures
 
 
 class IntervalBaseline:

@@ -10,41 +10,16 @@ a torchrun restart resumes from. Every checkpoint strategy (`none`, MoEvement, a
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
 from typing import Protocol
 
 from moevement.checkpoint.checkpointer import SparseCheckpointer
 from moevement.failures import FaultEvent
 from moevement.recovery.live_state import LiveState, keep_in_memory, save_kept
 from moevement.recovery.localized import Recovery, Rejoin
+from moevement.recovery.report import RecoveryFigures
 from moevement.recovery.restart import RestartPoint
 from moevement.recovery.upstream_log import UpstreamLog
 from moevement.storage.host_memory import JobLock
-
-
-@dataclass(frozen=True)
-class RecoveryFigures:
-    """What one `recover` did on this rank, the figures of its `recovery step=...` line (rank 0 prints it)."""
-
-    step: int  # the failures struck before iteration `step`
-    ranks: tuple[int, ...]  # the failed ranks, ascending
-    scope_ranks: int  # the ranks that rolled back: the failed stages' groups (every rank under a global rollback)
-    rollback_to: int  # the iteration the rolled-back ranks replayed (or, for a baseline, train again) from
-    seconds: float  # wall time of the strategy's `recover` on this rank
-
-    @property
-    def replayed(self) -> int:
-        """Iterations the rolled-back ranks run again: rollback_to .. step-1."""
-        return self.step - self.rollback_to
-
-    @classmethod
-    def of(
-        cls, step: int, failures: list[FaultEvent], scope_ranks: int, rollback_to: int, started: float
-    ) -> RecoveryFigures:
-        """The figures of a `recover` of `failures` before `step` that began at `time.perf_counter()` = `started`."""
-        ranks = tuple(sorted(set().union(*(f.ranks for f in failures))))
-        return cls(step, ranks, scope_ranks, rollback_to, time.perf_counter() - started)
 
 
 class CheckpointStrategy(Protocol):
@@ -147,7 +122,6 @@ class MoEvement:
         self.history_from = 1  # first iteration whose boundary and scalar logs this process holds
         self.lock = lock  # held for the process's lifetime: a second live run of the job is refused
         self.leftovers = True  # the rank directory may hold earlier processes' state until training goes on
-        self.recovered: RecoveryFigures | None = None  # the newest `recover`'s figures
 
     def resume(self, step: int, loss: float) -> tuple[int, float]:
         """A restart keeps the window it restarted from as its persisted checkpoint, so that another death
@@ -179,18 +153,11 @@ class MoEvement:
         self.checkpointer.end(step, scalars, tokens, gate_probs)
 
     def recover(self, step: int, failures: list[FaultEvent]) -> int:
-        started = time.perf_counter()
         self.recovery.recover(step, failures)
-        failed = set().union(*(f.ranks for f in failures))
-        # the rule the recovery line's scope follows: the failed ranks' pipeline ranks, or all of them
-        rolled_back = self.recovery._rolled_back(failed)
-        scope_ranks = sum(pp in rolled_back for pp in self.recovery.layout.pp_of)
-        t0 = self.checkpointer.persisted.rollback_point()  # as the line reads it, after the recovery
-        self.recovered = RecoveryFigures.of(step, failures, scope_ranks, t0, started)
         return step  # the failed stages caught up in place: iteration `step` runs next on every rank
 
     def last_recovery(self) -> RecoveryFigures | None:
-        return self.recovered
+        return self.recovery.figures
 
     def metrics(self) -> dict[str, float]:
         return {**self.checkpointer.metrics(), "log_mb": self.log.nbytes() / 1e6 if self.log else 0.0}

@@ -36,7 +36,7 @@ from moevement.recovery.fetch import (
 )
 from moevement.recovery.live_state import Rejoin, Survival, restore_live_state
 from moevement.recovery.replay import wipe_operators
-from moevement.recovery.report import RecoveryReport, quoted, rank_list, stage_ranges
+from moevement.recovery.report import RecoveryFigures, RecoveryReport, quoted, rank_list, stage_ranges
 from moevement.recovery.restart import RestartPoint
 from moevement.recovery.upstream_log import UpstreamLog
 from moevement.topology import Topology
@@ -59,6 +59,7 @@ class Recovery:
     ):
         self.ck, self.log, self.layout, self.micro = checkpointer, log, layout, micro_batches
         self.conversion, self.line = conversion, line
+        self.figures: RecoveryFigures | None = None  # of the newest `recover` (the loop reads them after it)
         self.global_rollback = global_rollback  # every stage rolls back and replays (the baseline to compare with)
         self.me, self.world = dist.get_rank(), dist.get_world_size()
 
@@ -83,6 +84,9 @@ class Recovery:
         scope = stage_ranges(self.layout.stages_of(pps))
         self.line(
             RecoveryReport(step, rank_list(failed), scope, t0, step - t0, seconds, fetch, convert, catchup).line()
+        )
+        self.figures = RecoveryFigures(
+            step, tuple(sorted(failed)), sum(p in pps for p in self.layout.pp_of), t0, seconds
         )
         self.report_work(failed, pps, work_before, stats)
 

@@ -11,8 +11,11 @@ the interval baselines all print it through `RecoveryReport.line`.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+from moevement.failures import FaultEvent
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,30 @@ class RecoveryReport:
             f"replayed={self.replayed} seconds={self.seconds:.3f} ({' '.join(parts)})"
             + "".join(f" {field}" for field in self.fields)
         )
+
+
+@dataclass(frozen=True)
+class RecoveryFigures:
+    """What one `recover` did on this rank, the figures of its `recovery step=...` line (rank 0 prints it)."""
+
+    step: int  # the failures struck before iteration `step`
+    ranks: tuple[int, ...]  # the failed ranks, ascending
+    scope_ranks: int  # the ranks that rolled back: the failed stages' groups (every rank under a global rollback)
+    rollback_to: int  # the iteration the rolled-back ranks replayed (or, for a baseline, train again) from
+    seconds: float  # the recovery's wall time on this rank (MoEvement: the line's `seconds`)
+
+    @property
+    def replayed(self) -> int:
+        """Iterations the rolled-back ranks run again: rollback_to .. step-1."""
+        return self.step - self.rollback_to
+
+    @classmethod
+    def of(
+        cls, step: int, failures: list[FaultEvent], scope_ranks: int, rollback_to: int, started: float
+    ) -> RecoveryFigures:
+        """The figures of a `recover` of `failures` before `step` that began at `time.perf_counter()` = `started`."""
+        ranks = tuple(sorted(set().union(*(f.ranks for f in failures))))
+        return cls(step, ranks, scope_ranks, rollback_to, time.perf_counter() - started)
 
 
 def rank_list(ranks: Iterable[int]) -> str:

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from moevement.strategy import RecoveryFigures
+from moevement.recovery.report import RecoveryFigures
 from trainer.config import Config
 from trainer.run.tensorboard import StageGather, TensorBoardEvents
 

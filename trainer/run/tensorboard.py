@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moevement.strategy import RecoveryFigures
+from moevement.recovery.report import RecoveryFigures
 from parallelisms import collectives
 
 SNAPSHOT_FIGURES = ("ckpt_mb", "stall_ms", "window", "repl_lag", "host_mb", "log_mb")
