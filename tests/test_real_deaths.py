@@ -217,6 +217,7 @@ def test_pp2_dp2_ep2_bf16_sigkill_in_each_phase(tmp_path, phase):
         # two deaths at once (both at the start of the iteration: a death inside it stops the others
         # before they reach a later phase): non-adjacent stages, then adjacent ones
         (("--fault.crash", "8:0,8:2"), "0+2", "0,2"),
+        # (rank 2 holds rank 1's replicas: a replica holder dies with the rank it backs up)
         (("--fault.crash", "8:1,8:2"), "1+2", "1-2"),
         (("--fault.kill", "2:1:backward"), "1", "1"),  # inside the first window: the initial state
     ],
