@@ -246,6 +246,7 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
     kill = arm_kill(faults, rank, model, optimizer, guard, seeder, cfg.fault.kill_signal)
     step, loss = ft.resume(step, loss)
     logger.start(step + 1)
+    logger.recovery(ft.last_recovery())  # a restarted generation's rejoin or restart, if it was one
     val_data = validation_data(cfg, val_batches, dims)
     job = Job(
         cfg,

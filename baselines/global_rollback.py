@@ -38,7 +38,7 @@ from moevement.failures import FaultEvent
 from moevement.recovery.fetch import fetch_from_replicas
 from moevement.recovery.live_state import LiveState, Survival
 from moevement.recovery.replay import load_master, reset_to_initial, wipe_operators
-from moevement.recovery.report import RecoveryReport, quoted, rank_list
+from moevement.recovery.report import RecoveryFigures, RecoveryReport, quoted, rank_list
 from moevement.recovery.restart import UNUSABLE, CheckHeader, RestartPoint, drop_newer_disk_windows
 from moevement.storage.host_memory import check_private, private_subdirs, remove_tree
 from moevement.storage.persistence import read_window
@@ -128,6 +128,7 @@ class GlobalRollback:
         self.optimizer, self.n_stages = optimizer, n_stages
         self.initial_parameters, self.line, self.moc = initial_parameters, line, moc
         self.me, self.world = dist.get_rank(), dist.get_world_size()
+        self.figures: RecoveryFigures | None = None  # of the newest recovery or restart (the loop reads them)
         self.from_disk = strategy in ("checkfreq", "moc")
 
     def recover(self, step: int, events: list[FaultEvent]) -> int:
@@ -210,6 +211,7 @@ class GlobalRollback:
             ),
         )
         self.line(report.line())
+        self.figures = RecoveryFigures.of(report, failed, self.world)
 
     # ---- where the checkpoint comes from ------------------------------------------------------------
 

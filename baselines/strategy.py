@@ -37,7 +37,6 @@ class IntervalBaseline:
         self.checkpointer, self.rollback, self.moc = checkpointer, rollback, moc
         self.lock = lock  # held for the process's lifetime: a second live run of the job is refused
         self.rejoin, self.restart = rejoin, restart
-        self.recovered: RecoveryFigures | None = None  # the newest `recover`'s figures
 
     def resume(self, step: int, loss: float) -> tuple[int, float]:
         """A new run starts at `step + 1`; a restarted one at its newest complete checkpoint (training goes
@@ -57,14 +56,10 @@ class IntervalBaseline:
             self.moc.lost.observe(step, expert_counts(tokens, self.moc.experts))
 
     def recover(self, step: int, failures: list[FaultEvent]) -> int:
-        """Every rank rolls back and resumes at the checkpoint's iteration, which this returns."""
-        started = time.perf_counter()
-        rollback_to = self.rollback.recover(step, failures)
-        self.recovered = RecoveryFigures.of(step, failures, self.rollback.world, rollback_to, started)
-        return rollback_to
+        return self.rollback.recover(step, failures)  # every rank resumes at the checkpoint's iteration
 
     def last_recovery(self) -> RecoveryFigures | None:
-        return self.recovered
+        return self.rollback.figures
 
     def metrics(self) -> dict[str, float]:
         out = {**self.checkpointer.metrics(), "log_mb": 0.0}

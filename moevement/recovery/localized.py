@@ -75,18 +75,15 @@ class Recovery:
             event = queue.pop(0)
             failed |= set(event.ranks)
             if self.me in event.ranks:
-                self._wipe()
+                wipe_rank(self.ck, self.conversion.optimizer, self.log)
             stats = self._run(step, failed, stop_after=1 if queue else None)  # a later event cuts it short
         fetch, convert, catchup = _slowest(stats.fetch, stats.convert, stats.catchup)
         seconds = time.perf_counter() - started
         pps = self._rolled_back(failed)
         t0 = self.ck.persisted.rollback_point()
         scope = stage_ranges(self.layout.stages_of(pps))
-        self.line(
-            RecoveryReport(step, rank_list(failed), scope, t0, step - t0, seconds, fetch, convert, catchup).line()
-        )
-        self.figures = RecoveryFigures(
-            step, tuple(sorted(failed)), sum(p in pps for p in self.layout.pp_of), t0, seconds
+        self._report(
+            RecoveryReport(step, rank_list(failed), scope, t0, step - t0, seconds, fetch, convert, catchup), failed, pps
         )
         self.report_work(failed, pps, work_before, stats)
 
@@ -149,7 +146,7 @@ class Recovery:
             catchup=catchup,
             fields=(f"restart={how}", quoted("detected_by", _how(kept))),
         )
-        self.line(report.line())
+        self._report(report, failed, pps)
         self.line(f"restart timeline rank={self.me}: {_stages(timeline)}")
         self.report_work(failed, pps, (0, 0), stats)
         return target, t0
@@ -198,8 +195,13 @@ class Recovery:
             convert=convert,
             fields=("restart=global", quoted("snapshots_from", (f"rank{r}: {s}" for r, s in enumerate(found.sources)))),
         )
-        self.line(report.line())
+        self._report(report, set(range(self.world)), set(self.layout.pp_of))
         return t0 + window
+
+    def _report(self, report: RecoveryReport, failed: set[int], pps: set[int]) -> None:
+        """Rank 0 prints the recovery line; every rank keeps its figures for the loop (`figures`)."""
+        self.line(report.line())
+        self.figures = RecoveryFigures.of(report, failed, sum(p in pps for p in self.layout.pp_of))
 
     def _rolled_back(self, failed: set[int]) -> set[int]:
         """Pipeline ranks that roll back: those of the failed ranks (localized), or all (global)."""
@@ -240,12 +242,13 @@ class Recovery:
         boundary = fetch_boundary_logs(self.log, self.layout, self.micro, scope, t0, end)
         return boundary, fetch_scalars(self.ck, failed, t0, end)
 
-    def _wipe(self) -> None:
-        """This rank failed: its operators, optimizer state, host copies and logs are gone."""
-        wipe_operators(self.ck.ops, self.conversion.optimizer)
-        self.ck.wipe()
-        if self.log is not None:
-            self.log.wipe()
+
+def wipe_rank(checkpointer: SparseCheckpointer, optimizer: torch.optim.Optimizer, log: UpstreamLog | None) -> None:
+    """This rank failed: its operators, optimizer state, host copies and logs are gone."""
+    wipe_operators(checkpointer.ops, optimizer)
+    checkpointer.wipe()
+    if log is not None:
+        log.wipe()
 
 
 def _slowest(*seconds: float) -> list[float]:

@@ -11,11 +11,8 @@ the interval baselines all print it through `RecoveryReport.line`.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-
-from moevement.failures import FaultEvent
 
 
 @dataclass(frozen=True)
@@ -48,13 +45,14 @@ class RecoveryReport:
 
 @dataclass(frozen=True)
 class RecoveryFigures:
-    """What one `recover` did on this rank, the figures of its `recovery step=...` line (rank 0 prints it)."""
+    """What a recovery did, the figures of its `recovery step=...` line (rank 0 prints it; every rank keeps
+    them): a `recover`, or a restarted generation's rejoin or restart."""
 
-    step: int  # the failures struck before iteration `step`
+    step: int  # the iteration training went on with (the failures struck before it)
     ranks: tuple[int, ...]  # the failed ranks, ascending
     scope_ranks: int  # the ranks that rolled back: the failed stages' groups (every rank under a global rollback)
     rollback_to: int  # the iteration the rolled-back ranks replayed (or, for a baseline, train again) from
-    seconds: float  # the recovery's wall time on this rank (MoEvement: the line's `seconds`)
+    seconds: float  # the recovery's wall time, as its line says
 
     @property
     def replayed(self) -> int:
@@ -62,12 +60,9 @@ class RecoveryFigures:
         return self.step - self.rollback_to
 
     @classmethod
-    def of(
-        cls, step: int, failures: list[FaultEvent], scope_ranks: int, rollback_to: int, started: float
-    ) -> RecoveryFigures:
-        """The figures of a `recover` of `failures` before `step` that began at `time.perf_counter()` = `started`."""
-        ranks = tuple(sorted(set().union(*(f.ranks for f in failures))))
-        return cls(step, ranks, scope_ranks, rollback_to, time.perf_counter() - started)
+    def of(cls, report: RecoveryReport, failed: Iterable[int], scope_ranks: int) -> RecoveryFigures:
+        """The figures of the line `report` prints, for the ranks `failed` and `scope_ranks` rolled back."""
+        return cls(report.step, tuple(sorted(failed)), scope_ranks, report.rollback_to, report.seconds)
 
 
 def rank_list(ranks: Iterable[int]) -> str:
