@@ -60,8 +60,9 @@ class Run:
     initial: dict[str, torch.Tensor]  # every operator tensor's initial value, by global name
 
 
-def train(rank_dir, last: int) -> Run:
-    model, optimizer, engine = tiny_engine(rank_dir)
+def train(rank_dir, last: int, **engine_options) -> Run:
+    """`tiny_engine(rank_dir, **engine_options)` trained for iterations 1..last."""
+    model, optimizer, engine = tiny_engine(rank_dir, **engine_options)
     initial = {name: ref.local().clone() for op in engine.ops for name, ref in op.params.items()}
     states = {}
     for t in range(1, last + 1):
@@ -91,6 +92,35 @@ def differences(ops: list[Operator], optimizer, reference: dict[str, torch.Tenso
     return out
 
 
+def frozen_by_iteration(engine: SparseCheckpointer) -> dict[int, set[str]]:
+    """{t0 + i: the operators frozen at t0 + i} for the slots i of the persisted window."""
+    t0, window = engine.persisted.rollback_point(), engine.persisted.window[1] if engine.persisted.window else 0
+    return {t0 + i: set(engine.persisted.snapshot(i)[0].frozen) for i in range(window)}
+
+
+def recording_hooks(run: Run, frozen: dict[int, set[str]], seen: dict[int, list[str]]) -> TrainerHooks:
+    """The loop's hooks for a replay of `run`; at the start of every replayed iteration t they record in
+    `seen[t]` what differs from the fault-free state_t (`frozen[t]`: the operators frozen at t)."""
+
+    def forward_backward(t, scope, inputs, labels, boundary):
+        seen[t] = differences(run.engine.ops, run.optimizer, run.states[t], frozen.get(t, set()))
+        lm_loss(run.model(inputs), labels).backward()
+
+    def optimizer_step(logged: dict) -> None:
+        apply_clip([p.grad for p in run.model.parameters() if p.grad is not None], logged["clip_coef"])
+        set_lr(run.optimizer, logged["lr"])
+        run.optimizer.step()
+        run.optimizer.zero_grad(set_to_none=True)
+        take_expert_load(run.model)
+
+    return TrainerHooks(batch, lambda t: None, forward_backward, optimizer_step, lambda: run.initial, print)
+
+
+def conversion_of(run: Run, hooks: TrainerHooks, topology: Topology) -> Conversion:
+    """`run`'s conversion, replaying with the training's thread count whatever the kernels' mode."""
+    return Conversion(run.engine, run.optimizer, topology, hooks, None, torch.device("cpu"), torch.get_num_threads())
+
+
 def replay_after_failure(run: Run, scalars: dict[int, dict] | None = None) -> dict[int, list[str]]:
     """Wipe the run's memory before iteration `last+1` and convert its persisted window (replaying up to
     `last`) with the logged scalars (or `scalars`); returns, per replayed iteration, what differed from the
@@ -101,26 +131,8 @@ def replay_after_failure(run: Run, scalars: dict[int, dict] | None = None) -> di
     wipe_operators(engine.ops, optimizer)
     t0 = engine.persisted.rollback_point()
     window = engine.persisted.window[1] if engine.persisted.window else 0
-    headers = [engine.persisted.snapshot(i)[0] for i in range(window)]
     seen: dict[int, list[str]] = {}
-
-    def forward_backward(t, scope, inputs, labels, boundary):
-        frozen = set(headers[t - t0].frozen) if t < t0 + window else set()
-        seen[t] = differences(engine.ops, optimizer, run.states[t], frozen)
-        lm_loss(run.model(inputs), labels).backward()
-
-    def optimizer_step(logged: dict) -> None:
-        apply_clip([p.grad for p in run.model.parameters() if p.grad is not None], logged["clip_coef"])
-        set_lr(optimizer, logged["lr"])
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        take_expert_load(run.model)
-
-    hooks = TrainerHooks(batch, lambda t: None, forward_backward, optimizer_step, lambda: run.initial, print)
-    # replayed with the training's thread count, whatever the kernels' reproducibility mode
-    conversion = Conversion(
-        engine, optimizer, Topology.single(), hooks, None, torch.device("cpu"), torch.get_num_threads()
-    )
+    conversion = conversion_of(run, recording_hooks(run, frozen_by_iteration(engine), seen), Topology.single())
     if not window:
         conversion.load_initial_state()
     logged = scalars or engine.persisted.scalars(t0, end)

@@ -65,9 +65,10 @@ def full_state(model, optimizer) -> dict[str, torch.Tensor]:
 
 
 def tiny_engine(
-    rank_dir: Path, compute_dtype=torch.float32, **opts
+    rank_dir: Path, compute_dtype=torch.float32, topology: Topology | None = None, rank_dirs=None, **opts
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer, SparseCheckpointer]:
-    """The tiny MoE (seed 0), its AdamW and a one-rank checkpointer of it with `options(**opts)`."""
+    """The tiny MoE (seed 0), its AdamW and a checkpointer of it with `options(**opts)`: of one rank, or of
+    this rank of `topology` (`rank_dirs(r)`: rank r's host directory, for same-node replicas)."""
     torch.manual_seed(0)
     model = build_model(ModelArgs(**ARGS))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
@@ -79,7 +80,8 @@ def tiny_engine(
         compute_dtype=compute_dtype,
         device=torch.device("cpu"),
         rank_dir=rank_dir,
-        topology=Topology.single(),
+        topology=topology or Topology.single(),
+        rank_dirs=rank_dirs,
     )
     return model, optimizer, engine
 
