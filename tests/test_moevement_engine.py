@@ -7,13 +7,13 @@ import multiprocessing as mp
 import os
 import signal
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from models import ModelArgs, build_model
 from moevement.checkpoint.checkpointer import SparseCheckpointer, Topology, persisted_snapshots
+from moevement.checkpoint.options import SparseOptions
 from moevement.storage.host_memory import map_bytes, read_header
 from moevement.storage.persistence import read_window, window_dir
 from moevement.storage.snapshot import SnapshotError, SnapshotHeader, read_entries
@@ -40,23 +40,9 @@ ARGS = dict(
 )
 
 
-def options(**overrides) -> SimpleNamespace:
-    base = dict(
-        window=3,
-        max_window=16,
-        slots="count",
-        ordering="count",
-        ema_decay=0.9,
-        replicas=2,
-        bandwidth_gbps=0.0,
-        persist_dir="",
-        persist_every=1,
-        profile_iters=2,
-        reprofile_every=0,
-        keep_host_state=True,
-        background_priority="idle",
-    )
-    return SimpleNamespace(**{**base, **overrides})
+def options(**overrides) -> SparseOptions:
+    """The tests' sparse options: W = 3, two replicas, host state kept, `overrides` on top."""
+    return SparseOptions(**{"window": 3, "keep_host_state": True, **overrides})
 
 
 def full_state(model, optimizer) -> dict[str, torch.Tensor]:

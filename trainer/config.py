@@ -17,9 +17,8 @@ from pathlib import Path
 from typing import Literal
 
 from models.args import ModelArgs
-from moevement.checkpoint.popularity import Policy
+from moevement.checkpoint.options import SparseOptions
 from moevement.failures import FaultPlan, FaultSpecError
-from moevement.storage.background import Priority
 from parallelisms.mesh import ParallelismConfig
 from trainer.data.batches import DataConfig
 
@@ -70,32 +69,17 @@ class TrainingConfig:
 
 
 @dataclass
-class CheckpointConfig:
+class CheckpointConfig(SparseOptions):
+    """The `[checkpoint]` section: MoEvement's keys (`SparseOptions`, listed first) and the trainer's."""
+
     strategy: Strategy = "none"  # none | moevement | gemini | checkfreq | moc
     save_final: str = ""  # directory for a dense checkpoint (safetensors + meta.json) at the end of training
     load: str = ""  # directory of a dense checkpoint to resume from (an imported one: its weights, a fresh optimizer)
     # load a dense checkpoint saved under another training config (fine-tuning); the differences are printed
     load_other_config: bool = False
-    # MoEvement sparse checkpointing (strategy = "moevement")
-    window: int = 0  # sparse window W; 0: chosen by Algorithm 1 from the profile
-    # largest W Algorithm 1 may choose: a window's host memory grows with W (each snapshot carries the later
-    # slots' compute weights) and a recovery replays up to 2W iterations; above it, snapshots stall the step
-    max_window: int = 16
-    # cut operators into slots by equal count (the paper) or by bytes: count | bytes
-    slots: Literal["count", "bytes"] = "count"
-    ordering: Policy = "count"  # operator popularity: count | soft | ema | capacity
-    ema_decay: float = 0.9  # decay of the `ema` ordering policy
-    replicas: int = 2  # peers holding a copy of each snapshot (capped by world size - 1)
     # auto: peers on this node copy from shared memory | network: all via the process group
     replication: Literal["auto", "network"] = "auto"
-    bandwidth_gbps: float = 0.0  # cap on the snapshot copy rate to host memory, Gbit/s (0: none)
-    background_priority: Priority = "idle"  # CPU priority of the copy/replication/disk threads: idle | normal
     host_dir: str = ""  # owner-only shared-memory directory for snapshots and replicas ("": /dev/shm/moevement-<uid>)
-    keep_host_state: bool = False  # keep snapshots in host memory after a clean finish
-    persist_dir: str = ""  # also write every `persist_every`-th persisted checkpoint to <persist_dir>/<job.name>
-    persist_every: int = 1  # write every N-th persisted checkpoint to persist_dir
-    profile_iters: int = 2  # iterations measured before the first window
-    reprofile_every: int = 0  # re-measure the copy bandwidth every N windows (0: only at start-up)
     # Interval baselines (gemini, checkfreq, moc)
     interval: str = "auto"  # N | oracle (best ETTR for the expected MTBF) | capped (overhead <= 3%) | auto
     mtbf_iters: float = 0.0  # the MTBF (iterations) the oracle interval optimises for (0: fault.mtbf_iters)

@@ -29,9 +29,17 @@ class KeyDoc:
 
 @functools.cache
 def field_docs(cls: type) -> dict[str, str]:
-    """{field: its comment} of a dataclass: the comment ending the field's line, else the comment lines
-    right above it (a heading above a group of fields is therefore never a field's doc when the field has
-    its own comment); "" for a field without either."""
+    """{field: its comment} of a dataclass, inherited fields included (`_declared_docs`)."""
+    docs: dict[str, str] = {}
+    for base in reversed([c for c in cls.__mro__ if dataclasses.is_dataclass(c)]):
+        docs.update(_declared_docs(base))
+    return docs
+
+
+def _declared_docs(cls: type) -> dict[str, str]:
+    """{field: its comment} of the fields a dataclass declares itself: the comment ending the field's line,
+    else the comment lines right above it (a heading above a group of fields is therefore never a field's
+    doc when the field has its own comment); "" for a field without either."""
     above: dict[str, str] = {}
     trailing: dict[str, str] = {}
     lines: list[str] = []
@@ -52,7 +60,7 @@ def field_docs(cls: type) -> dict[str, str]:
         elif token.type == tokenize.NL and token.line.strip() == "":
             lines = []
     docs = {name: trailing.get(name) or text for name, text in above.items()}
-    names = {f.name for f in dataclasses.fields(cls)}
+    names = set(cls.__annotations__)
     return {name: doc for name, doc in docs.items() if name in names}
 
 

@@ -41,6 +41,7 @@ import torch
 
 from moevement.checkpoint.handoff import SnapshotHandoff
 from moevement.checkpoint.in_flight import SnapshotInFlight
+from moevement.checkpoint.options import SparseOptions
 from moevement.checkpoint.persisted import PersistedCheckpoint
 from moevement.checkpoint.planner import SnapshotPolicy, WindowPlanner
 from moevement.checkpoint.restarted import adopt_window, drop_leftovers
@@ -59,19 +60,19 @@ __all__ = ["SnapshotPolicy", "SparseCheckpointer", "Topology", "local_buffer", "
 class SparseCheckpointer:
     """Takes, replicates and persists sparse snapshots; see the module docstring for the call order.
 
-    `cfg`: a CheckpointConfig. `stacked`: the model's parameters that stack several operators' tensors
-    (`moevement.operators.Stacked`, by parameter name). `rank_dirs(r)`: where rank r keeps its host
-    state (same-node replicas link their files there). `group_timeout_s`: the replication group's bound
-    on an operation without progress (a hung peer fails the replication). With a `SnapshotPolicy` (the
-    interval baselines) a snapshot is a window of W = 1 taken at the policy's iterations: the FP32 state
-    of the operators it selects, no compute weights.
+    `cfg`: the configuration's sparse checkpointing keys. `stacked`: the model's parameters that stack
+    several operators' tensors (`moevement.operators.Stacked`, by parameter name). `rank_dirs(r)`: where
+    rank r keeps its host state (same-node replicas link their files there). `group_timeout_s`: the
+    replication group's bound on an operation without progress (a hung peer fails the replication).
+    With a `SnapshotPolicy` (the interval baselines) a snapshot is a window of W = 1 taken at the
+    policy's iterations: the FP32 state of the operators it selects, no compute weights.
     Recovery reads `persisted` and `replica_holders`, and calls `abort_window`, `wipe`, `paused` and
     `reset_popularity`; a restarted job calls `adopt` and, once it trains on, `drop_leftovers`.
     """
 
     def __init__(
         self,
-        cfg,
+        cfg: SparseOptions,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         *,

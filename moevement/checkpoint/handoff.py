@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from moevement.checkpoint.options import SparseOptions
 from moevement.checkpoint.persisted import PersistedCheckpoint
 from moevement.storage.host_memory import HostBuffer
 from moevement.storage.persistence import DiskWriter
@@ -32,7 +33,7 @@ class SnapshotHandoff:
 
     def __init__(
         self,
-        cfg,
+        cfg: SparseOptions,
         topology: Topology,
         persisted: PersistedCheckpoint,
         replicas: ReplicaStore,

@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from moevement.checkpoint.options import SparseOptions
 from moevement.checkpoint.popularity import PopularityTracker
 from moevement.checkpoint.profiler import Profile
 from moevement.checkpoint.schedule import (
@@ -70,12 +71,12 @@ def same_tensors(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 class WindowPlanner:
-    """Plans windows over this rank's operators; `cfg` provides window, max_window, slots, ordering,
-    ema_decay, bandwidth_gbps, reprofile_every."""
+    """Plans windows over this rank's operators with `cfg`'s window, max_window, slots, ordering, ema_decay,
+    bandwidth_gbps and reprofile_every."""
 
     def __init__(
         self,
-        cfg,
+        cfg: SparseOptions,
         ops: list[Operator],
         optimizer: torch.optim.Optimizer,
         compute_dtype: torch.dtype,

@@ -1,0 +1,34 @@
+"""What the sparse checkpointer reads from the configuration: the `[checkpoint]` keys of MoEvement.
+
+The trainer's `CheckpointConfig` extends `SparseOptions` with the keys only it reads (strategy, dense
+checkpoints, host directory, the interval baselines' keys), so one declaration serves the TOML file,
+`train.py --help` (these comments are the keys' docs) and the code that reads them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from moevement.checkpoint.popularity import Policy
+from moevement.storage.background import Priority
+
+
+@dataclass
+class SparseOptions:
+    window: int = 0  # sparse window W; 0: chosen by Algorithm 1 from the profile
+    # largest W Algorithm 1 may choose: a window's host memory grows with W (each snapshot carries the later
+    # slots' compute weights) and a recovery replays up to 2W iterations; above it, snapshots stall the step
+    max_window: int = 16
+    # cut operators into slots by equal count (the paper) or by bytes: count | bytes
+    slots: Literal["count", "bytes"] = "count"
+    ordering: Policy = "count"  # operator popularity: count | soft | ema | capacity
+    ema_decay: float = 0.9  # decay of the `ema` ordering policy
+    replicas: int = 2  # peers holding a copy of each snapshot (capped by world size - 1)
+    bandwidth_gbps: float = 0.0  # cap on the snapshot copy rate to host memory, Gbit/s (0: none)
+    background_priority: Priority = "idle"  # CPU priority of the copy/replication/disk threads: idle | normal
+    keep_host_state: bool = False  # keep snapshots in host memory after a clean finish
+    persist_dir: str = ""  # also write every `persist_every`-th persisted checkpoint to <persist_dir>/<job.name>
+    persist_every: int = 1  # write every N-th persisted checkpoint to persist_dir
+    profile_iters: int = 2  # iterations measured before the first window
+    reprofile_every: int = 0  # re-measure the copy bandwidth every N windows (0: only at start-up)
