@@ -116,12 +116,17 @@ def recording_hooks(run: Run, frozen: dict[int, set[str]], seen: dict[int, list[
     return TrainerHooks(batch, lambda t: None, forward_backward, optimizer_step, lambda: run.initial, print)
 
 
-def conversion_of(run: Run, hooks: TrainerHooks, topology: Topology) -> Conversion:
+def conversion_of(run: Run, hooks: TrainerHooks, topology: Topology, frozen_weight_grad: bool = False) -> Conversion:
     """`run`'s conversion, replaying with the training's thread count whatever the kernels' mode."""
-    return Conversion(run.engine, run.optimizer, topology, hooks, None, torch.device("cpu"), torch.get_num_threads())
+    threads = torch.get_num_threads()
+    return Conversion(
+        run.engine, run.optimizer, topology, hooks, None, torch.device("cpu"), threads, frozen_weight_grad
+    )
 
 
-def replay_after_failure(run: Run, scalars: dict[int, dict] | None = None) -> dict[int, list[str]]:
+def replay_after_failure(
+    run: Run, scalars: dict[int, dict] | None = None, frozen_weight_grad: bool = False
+) -> dict[int, list[str]]:
     """Wipe the run's memory before iteration `last+1` and convert its persisted window (replaying up to
     `last`) with the logged scalars (or `scalars`); returns, per replayed iteration, what differed from the
     fault-free state at its start, then (under key `last+1`) what differs after the replay."""
@@ -132,7 +137,8 @@ def replay_after_failure(run: Run, scalars: dict[int, dict] | None = None) -> di
     t0 = engine.persisted.rollback_point()
     window = engine.persisted.window[1] if engine.persisted.window else 0
     seen: dict[int, list[str]] = {}
-    conversion = conversion_of(run, recording_hooks(run, frozen_by_iteration(engine), seen), Topology.single())
+    hooks = recording_hooks(run, frozen_by_iteration(engine), seen)
+    conversion = conversion_of(run, hooks, Topology.single(), frozen_weight_grad)
     if not window:
         conversion.load_initial_state()
     logged = scalars or engine.persisted.scalars(t0, end)
@@ -148,6 +154,15 @@ def test_each_operator_is_exact_at_every_replayed_iteration(tmp_path):
     seen = replay_after_failure(run)
     assert sorted(seen) == list(range(6, FAILED + 1))
     assert {t: diffs for t, diffs in seen.items() if diffs} == {}  # {iteration: ["operator: tensor", ...]}
+
+
+def test_frozen_operators_that_compute_their_weight_gradient_still_replay_exactly(tmp_path):
+    """The ablation switch (`fault.frozen_weight_grad`): frozen operators run their weight-gradient products
+    and drop the result; no operator differs at any replayed iteration."""
+    run = train(tmp_path / "rank0", FAILED - 1)
+    seen = replay_after_failure(run, frozen_weight_grad=True)
+    assert sorted(seen) == list(range(6, FAILED + 1))
+    assert {t: diffs for t, diffs in seen.items() if diffs} == {}
 
 
 def test_a_wrong_logged_update_shows_in_exactly_the_operators_it_trained(tmp_path):

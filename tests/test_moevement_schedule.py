@@ -216,6 +216,12 @@ def test_policies(policy, expected):
         assert current[name] == pytest.approx(value), name
 
 
+def test_the_fixed_policy_keeps_the_models_order_whatever_the_load():
+    tracker = observed("fixed")
+    assert tracker.current() == {} and not tracker.end_window() and tracker.popularity() == {}
+    assert observed("count").end_window()  # the same statistics reorder under a popularity policy
+
+
 def test_unknown_policy():
     with pytest.raises(ValueError, match="unknown ordering policy"):
         PopularityTracker("random")

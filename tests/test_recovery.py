@@ -194,6 +194,10 @@ def test_frozen_operators_compute_no_weight_gradient():
     assert partly_frozen < all_active
     set_frozen(list(ops.values()), False)
     assert backward_flops() == all_active
+    set_frozen(frozen, True, weight_grad=True)  # the ablation: computed all the same, dropped before the step
+    assert backward_flops() == all_active and all(ref.param.grad is not None for ref in ops["head"].params.values())
+    with frozen_slices_kept(frozen, torch.optim.SGD(model.parameters(), lr=0.0)):
+        assert all(ref.param.grad is None for op in frozen for ref in op.params.values() if ref.index is None)
 
 
 def test_an_optimizer_step_leaves_frozen_experts_slices_untouched():

@@ -102,6 +102,9 @@ class FaultConfig:
     # localized: the failed stages roll back | global: every stage does (for comparison)
     scope: Literal["localized", "global"] = "localized"
     replay_threads: int = 0  # CPU threads of a replaying rank (0: auto, the cores its paused neighbours leave idle)
+    # a replay's frozen operators still compute their weight gradient, then drop it (the ablation of the
+    # paper's Figure 13; false: skipped, MoEvement's design)
+    frozen_weight_grad: bool = False
     mtbf_iters: float = 0.0  # Poisson failures of random ranks, mean time between failures in iterations (0: none)
     seed: int = 0  # seed of the Poisson failure schedule
     trace: str = ""  # CSV of failures: `iteration,rank` or `time_s,rank` rows

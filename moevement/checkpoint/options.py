@@ -22,7 +22,7 @@ class SparseOptions:
     max_window: int = 16
     # cut operators into slots by equal count (the paper) or by bytes: count | bytes
     slots: Literal["count", "bytes"] = "count"
-    ordering: Policy = "count"  # operator popularity: count | soft | ema | capacity
+    ordering: Policy = "count"  # operator popularity: count | soft | ema | capacity | fixed (the model's order)
     ema_decay: float = 0.9  # decay of the `ema` ordering policy
     replicas: int = 2  # peers holding a copy of each snapshot (capped by world size - 1)
     bandwidth_gbps: float = 0.0  # cap on the snapshot copy rate to host memory, Gbit/s (0: none)

@@ -7,6 +7,7 @@ probabilities. Policies:
   soft      summed gate probabilities in the last window
   ema       exponential moving average of the per-iteration share of a layer's tokens
   capacity  routed tokens relative to the layer's mean load (the capacity of a balanced router)
+  fixed     none: operators keep the model's order (the ablation of the paper's Figure 13)
 Operators are reordered when, for more than 25% of experts, the policy's share of its layer moved
 by more than 10% since the order was last set (docs/design.md §2); the caller applies the new order at
 the next window boundary.
@@ -19,7 +20,7 @@ from typing import Literal, get_args
 
 import torch
 
-Policy = Literal["count", "soft", "ema", "capacity"]
+Policy = Literal["count", "soft", "ema", "capacity", "fixed"]
 POLICIES: tuple[str, ...] = get_args(Policy)
 CHANGE = 0.10  # relative change of an expert's share that counts as "changed"
 FRACTION = 0.25  # share of experts that must change to trigger a reorder
@@ -47,7 +48,10 @@ class PopularityTracker:
             self.window_soft[layer] = self.window_soft.get(layer, 0) + probs.detach().double().cpu()
 
     def current(self) -> dict[str, float]:
-        """This policy's popularity per expert operator over the statistics seen since `end_window`."""
+        """This policy's popularity per expert operator over the statistics seen since `end_window` (none for
+        `fixed`, so its order never changes)."""
+        if self.policy == "fixed":
+            return {}
         source = {
             "count": self.window_tokens,
             "soft": self.window_soft,

@@ -89,10 +89,12 @@ class Conversion:
         log: UpstreamLog | None,
         device: torch.device,
         threads: int = 0,
+        frozen_weight_grad: bool = False,
     ):
         self.ck, self.optimizer, self.layout, self.hooks, self.log = checkpointer, optimizer, layout, hooks, log
         self.device = device
         self.threads = threads  # intra-op threads of a replaying rank (0: auto, see replay_threads)
+        self.frozen_weight_grad = frozen_weight_grad  # frozen operators compute (and drop) weight gradients
         self.training_threads = torch.get_num_threads()
 
     def replay(self, plan: ReplayPlan, stats: ReplayStats) -> bool:
@@ -160,4 +162,4 @@ class Conversion:
             set_frozen([by_name[name]], False)
         for name in header.frozen:
             load_compute(by_name[name], tensors)
-            set_frozen([by_name[name]], True)
+            set_frozen([by_name[name]], True, self.frozen_weight_grad)

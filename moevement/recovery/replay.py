@@ -37,27 +37,31 @@ from parallelisms import collectives
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def set_frozen(ops: list[Operator], frozen: bool) -> None:
-    """Frozen: no weight gradient is computed or applied for these operators' tensors."""
+def set_frozen(ops: list[Operator], frozen: bool, weight_grad: bool = False) -> None:
+    """Frozen: no weight gradient is computed or applied for these operators' tensors (`weight_grad`: it is
+    computed all the same, and dropped before the optimizer step by `frozen_slices_kept`)."""
     for op in ops:
         op.frozen = frozen
         for ref in op.params.values():
-            ref.set_frozen(frozen)
+            ref.set_frozen(frozen and not weight_grad)
 
 
 @contextmanager
 def frozen_slices_kept(ops: list[Operator], optimizer):
-    """Around an optimizer step: frozen slices of stacked parameters end it as they began it.
+    """Around an optimizer step: frozen operators end it as they began it.
 
     AdamW updates a parameter whole; a frozen slice has a zero gradient, but momentum and weight decay
-    would still move its weights and moments. (A frozen plain parameter has no gradient: AdamW skips it.)
+    would still move its weights and moments. A frozen plain parameter has no gradient (or one computed
+    under `set_frozen(..., weight_grad=True)`, dropped here), so AdamW skips it.
     """
     kept = []
     for op in ops:
         if not op.frozen:
             continue
         for ref in op.params.values():
-            if ref.index is not None:
+            if ref.index is None:
+                ref.param.grad = None
+            else:
                 state = optimizer.state.get(ref.param, {})
                 tensors = [ref.local()] + [ref.part_of(v) for k, v in state.items() if k in MOMENTS]
                 kept += [(t, t.clone()) for t in tensors]

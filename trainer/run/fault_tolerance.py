@@ -160,7 +160,9 @@ def build_strategy(
     checkpointer = new_checkpointer(dataclasses.replace(cfg.checkpoint, persist_dir=str(disk or "")))
     log = UpstreamLog(model.parts, model.stage_ids, model.n_stages) if cfg.parallelism.pp > 1 else None
     hooks = _trainer_hooks(cfg, model, optimizer, dims, seeder, log, topo, train_batches, line)
-    conversion = Conversion(checkpointer, optimizer, topo, hooks, log, dims.device, cfg.fault.replay_threads)
+    conversion = Conversion(
+        checkpointer, optimizer, topo, hooks, log, dims.device, cfg.fault.replay_threads, cfg.fault.frozen_weight_grad
+    )
     recovery = Recovery(
         checkpointer,
         log,
