@@ -1,6 +1,6 @@
 """The paper's Figure 13, measured: MoEvement's techniques added one at a time under the same real deaths.
 
-    python -m benchmarks.ablation --config train_configs/bench_moe.toml --pp 4 --steps 60 --mtbf-iters 20 \
+    python -m benchmarks.ablation --config train_configs/bench_moe.toml --pp 4 --steps 40 --mtbf-iters 12 \
         [--seed 1] [--dense-snapshot-iters 3] [--threads 1] [--out outputs/ablation] [--section.key value ...]
 
 Four `moevement` variants train the same iterations under the same Poisson deaths (real SIGKILLs at a
@@ -17,10 +17,12 @@ exactly as in `benchmarks.ettr` (same snapshot bandwidth cap, same accounting):
 Per step it prints
 
     step=<n> name="<step>" ettr=<x> gain=<x> recovery_s=<x> per_failure_s=<x> replay_s=<x> failures=<n>
+        digest=equal|DIFFERS
 
 (`gain`: relative ETTR gain over the step before; `recovery_s`: wall time lost to failures, recovery plus
 recomputed iterations; `per_failure_s`: the mean of the `recovery step=` lines' seconds; `replay_s`: their
-convert + catch-up seconds), then the simulator's four steps for the paper's DeepSeek-MoE setting
+convert + catch-up seconds; `digest`: whether the final `state_digest` is the fault-free reference's, as
+every step is exact), then the simulator's four steps for the paper's DeepSeek-MoE setting
 (`simulator.ablation`, the calibration of `python -m simulator --paper-tables`), and writes
 `<out>/ablation.csv` and `<out>/ablation.png`.
 """
@@ -49,14 +51,15 @@ STEPS = (
     ("+ upstream logging, localized recovery", "moevement"),
 )
 SECONDS = re.compile(r" seconds=(\S+) .*?convert=(\S+) catchup=([0-9.]+)")
+DIGEST = re.compile(r"^final .*state_digest=(\w+)", re.M)
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="train_configs/bench_moe.toml")
     parser.add_argument("--pp", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--mtbf-iters", type=float, default=20.0)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--mtbf-iters", type=float, default=12.0)
     parser.add_argument("--seed", type=int, default=1, help="seed of the Poisson failure schedule")
     parser.add_argument("--dense-snapshot-iters", type=float, default=3.0)
     parser.add_argument("--bandwidth-gbps", type=float, default=0.0, help="snapshot copy cap (0: calibrate)")
@@ -81,6 +84,7 @@ def measure(args: argparse.Namespace, extra: list[str], out: Path) -> list[dict]
     tokens = cfg.training.batch_size * cfg.training.seq_len
     references = [ettr.reference_run(args, extra, out, tokens, 0)]
     faults, restarts = ettr.fault_flags(args, ettr.snapshot_cap(args, cfg, references[0][1]))
+    fault_free = DIGEST.search((out / "none-0.log").read_text())[1]
     rows: list[dict] = []
     for i, (name, spec) in enumerate(STEPS):
         stdout = ettr.launch(args.config, spec, args.steps, args.pp, [*extra, *faults], args.threads, restarts)
@@ -101,6 +105,7 @@ def measure(args: argparse.Namespace, extra: list[str], out: Path) -> list[dict]
                 "per_failure_s": per_failure,
                 "replay_s": replay,
                 "failures": summary["failures"],
+                "digest": "equal" if DIGEST.search(stdout)[1] == fault_free else "DIFFERS",
             }
         )
         print(_line(rows[-1]), flush=True)
@@ -112,7 +117,7 @@ def _line(row: dict) -> str:
     return (
         f'step={row["step"]} name="{row["name"]}" ettr={row["ettr"]:.4f} gain={row["gain"]:+.4f} '
         f"recovery_s={row['recovery_s']:.2f} per_failure_s={row['per_failure_s']:.2f} "
-        f"replay_s={row['replay_s']:.2f} failures={row['failures']}"
+        f"replay_s={row['replay_s']:.2f} failures={row['failures']} digest={row['digest']}"
     )
 
 
