@@ -1,7 +1,8 @@
 """The paper's Figure 13, measured: MoEvement's techniques added one at a time under the same real deaths.
 
-    python -m benchmarks.ablation --config train_configs/bench_moe.toml --pp 4 --steps 40 --mtbf-iters 12 \
-        [--seed 1] [--dense-snapshot-iters 3] [--threads 1] [--out outputs/ablation] [--section.key value ...]
+    python -m benchmarks.ablation --config train_configs/bench_moe.toml --pp 4 --training.micro_batches 4 \
+        --steps 40 --mtbf-iters 12 [--seed 1] [--dense-snapshot-iters 3] [--threads 1] [--out outputs/ablation] \
+        [--section.key value ...]
 
 Four `moevement` variants train the same iterations under the same Poisson deaths (real SIGKILLs at a
 random phase, each replaced in place by its rank shell), each bracketed by fault-free `none` references

@@ -176,7 +176,8 @@ def launch(config: str, spec: str, steps: int, pp: int, flags: list[str], thread
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
     if proc.returncode != 0:
-        error = proc.stderr[proc.stderr.find("Traceback") :][:4000]
+        said = "\n".join(line for line in proc.stderr.splitlines() if line.startswith("error: "))
+        error = said or proc.stderr[proc.stderr.find("Traceback") :][:4000]
         sys.exit(f"run failed ({strategy}):\n{proc.stdout[-2000:]}\n{error}")
     return proc.stdout
 
