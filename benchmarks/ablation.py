@@ -1,8 +1,8 @@
 """The paper's Figure 13, measured: MoEvement's techniques added one at a time under the same real deaths.
 
     python -m benchmarks.ablation --config train_configs/bench_moe.toml --pp 4 --training.micro_batches 4 \
-        --steps 40 --mtbf-iters 12 [--seed 1] [--dense-snapshot-iters 3] [--threads 1] [--out outputs/ablation] \
-        [--section.key value ...]
+        --training.mixed_precision bf16 --checkpoint.slots bytes --steps 40 --mtbf-iters 20 [--seed 1] \
+        [--dense-snapshot-iters 3] [--threads 1] [--out outputs/ablation] [--section.key value ...]
 
 Four `moevement` variants train the same iterations under the same Poisson deaths (real SIGKILLs at a
 random phase, each replaced in place by its rank shell), each bracketed by fault-free `none` references
@@ -17,12 +17,13 @@ exactly as in `benchmarks.ettr` (same snapshot bandwidth cap, same accounting):
 
 Per step it prints
 
-    step=<n> name="<step>" ettr=<x> gain=<x> recovery_s=<x> per_failure_s=<x> replay_s=<x> failures=<n>
-        digest=equal|DIFFERS
+    step=<n> name="<step>" ettr=<x> gain=<x> recovery_s=<x> per_failure_s=<x> convert_s=<x> catchup_s=<x>
+        failures=<n> digest=equal|DIFFERS
 
 (`gain`: relative ETTR gain over the step before; `recovery_s`: wall time lost to failures, recovery plus
-recomputed iterations; `per_failure_s`: the mean of the `recovery step=` lines' seconds; `replay_s`: their
-convert + catch-up seconds; `digest`: whether the final `state_digest` is the fault-free reference's, as
+recomputed iterations; `per_failure_s`: the mean of the `recovery step=` lines' seconds; `convert_s`,
+`catchup_s`: their means of those parts, where frozen operators and the order matter only in the
+conversion; `digest`: whether the final `state_digest` is the fault-free reference's, as
 every step is exact), then the simulator's four steps for the paper's DeepSeek-MoE setting
 (`simulator.ablation`, the calibration of `python -m simulator --paper-tables`), and writes
 `<out>/ablation.csv` and `<out>/ablation.png`.
@@ -60,7 +61,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--config", default="train_configs/bench_moe.toml")
     parser.add_argument("--pp", type=int, default=4)
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--mtbf-iters", type=float, default=12.0)
+    parser.add_argument("--mtbf-iters", type=float, default=20.0)
     parser.add_argument("--seed", type=int, default=1, help="seed of the Poisson failure schedule")
     parser.add_argument("--dense-snapshot-iters", type=float, default=3.0)
     parser.add_argument("--bandwidth-gbps", type=float, default=0.0, help="snapshot copy cap (0: calibrate)")
@@ -70,13 +71,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     return parser.parse_known_args(argv)
 
 
-def recovery_seconds(run: dict) -> tuple[float, float]:
-    """(mean seconds, mean convert + catch-up seconds) of a run's `recovery step=` lines (0, 0: none)."""
-    parts = [SECONDS.search(line) for line in run["recoveries"]]
-    parts = [m for m in parts if m]
-    if not parts:
-        return 0.0, 0.0
-    return statistics.fmean(float(m[1]) for m in parts), statistics.fmean(float(m[2]) + float(m[3]) for m in parts)
+def recovery_seconds(run: dict) -> tuple[float, float, float]:
+    """Means of the seconds, convert and catch-up seconds of a run's `recovery step=` lines (zeros: none)."""
+    parts = [m for m in map(SECONDS.search, run["recoveries"]) if m]
+    return tuple(statistics.fmean(float(m[i]) for m in parts) if parts else 0.0 for i in (1, 2, 3))
 
 
 def measure(args: argparse.Namespace, extra: list[str], out: Path) -> list[dict]:
@@ -93,7 +91,7 @@ def measure(args: argparse.Namespace, extra: list[str], out: Path) -> list[dict]
         run = ettr.parse_run(stdout)
         references.append(ettr.reference_run(args, extra, out, tokens, i + 1))
         summary = ettr.summarize(run, statistics.fmean([references[i][1], references[i + 1][1]]), tokens)
-        per_failure, replay = recovery_seconds(run)
+        per_failure, convert, catchup = recovery_seconds(run)
         before = rows[-1]["ettr"] if rows else None
         rows.append(
             {
@@ -104,7 +102,8 @@ def measure(args: argparse.Namespace, extra: list[str], out: Path) -> list[dict]
                 "gain": summary["ettr"] / before - 1 if before else 0.0,
                 "recovery_s": summary["recovery_s"],
                 "per_failure_s": per_failure,
-                "replay_s": replay,
+                "convert_s": convert,
+                "catchup_s": catchup,
                 "failures": summary["failures"],
                 "digest": "equal" if DIGEST.search(stdout)[1] == fault_free else "DIFFERS",
             }
@@ -118,7 +117,8 @@ def _line(row: dict) -> str:
     return (
         f'step={row["step"]} name="{row["name"]}" ettr={row["ettr"]:.4f} gain={row["gain"]:+.4f} '
         f"recovery_s={row['recovery_s']:.2f} per_failure_s={row['per_failure_s']:.2f} "
-        f"replay_s={row['replay_s']:.2f} failures={row['failures']} digest={row['digest']}"
+        f"convert_s={row['convert_s']:.2f} catchup_s={row['catchup_s']:.2f} failures={row['failures']} "
+        f"digest={row['digest']}"
     )
 
 
