@@ -227,3 +227,21 @@ def test_the_key_reference_in_the_docs_is_generated_from_the_dataclasses():
     from trainer.config_help import REFERENCE, generated_block, markdown_tables
 
     assert generated_block(REFERENCE.read_text()) == markdown_tables(), "run: python -m trainer.config_help"
+
+
+def test_every_ablation_step_is_a_valid_moevement_config():
+    """`benchmarks.ablation`'s variants name real keys and values (a typo would fail after minutes of runs)."""
+    from benchmarks.ablation import STEPS
+    from benchmarks.variants import variant_flags
+
+    seen = set()
+    for _, spec in STEPS:
+        strategy, flags = variant_flags(spec)
+        cfg = load_config(str(ROOT / DEBUG_CONFIG), ["--checkpoint.strategy", strategy, *flags])
+        seen.add((cfg.fault.scope, cfg.fault.frozen_weight_grad, cfg.checkpoint.ordering))
+    assert seen == {
+        ("global", True, "fixed"),
+        ("global", False, "fixed"),
+        ("global", False, "count"),
+        ("localized", False, "count"),
+    }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 
+from benchmarks.ablation import recovery_seconds
 from benchmarks.variants import RECOVERY_LINE
 from moevement.recovery.report import RecoveryReport, quoted, rank_list, stage_ranges
 from tests.test_baselines import RECOVERY as BASELINE_RECOVERY
@@ -47,6 +48,7 @@ def test_rejoin_line_puts_the_restart_stages_before_fetch():
         == "keep=0.250 restart=0.500 setup=0.750 fetch=0.500 convert=3.000 catchup=1.000"
     )
     assert re.search(r"^recovery step=9 .* restart=local ", line)
+    assert recovery_seconds({"recoveries": [line, line.replace("seconds=6.000", "seconds=8.000")]}) == (7.0, 3.0, 1.0)
 
 
 def test_baseline_line_with_no_failed_rank_and_lost_tokens():
