@@ -120,7 +120,14 @@ def conversion_of(run: Run, hooks: TrainerHooks, topology: Topology, frozen_weig
     """`run`'s conversion, replaying with the training's thread count whatever the kernels' mode."""
     threads = torch.get_num_threads()
     return Conversion(
-        run.engine, run.optimizer, topology, hooks, None, torch.device("cpu"), threads, frozen_weight_grad
+        run.engine,
+        run.optimizer,
+        topology,
+        hooks,
+        None,
+        torch.device("cpu"),
+        threads,
+        frozen_weight_grad=frozen_weight_grad,
     )
 
 

@@ -161,7 +161,14 @@ def build_strategy(
     log = UpstreamLog(model.parts, model.stage_ids, model.n_stages) if cfg.parallelism.pp > 1 else None
     hooks = _trainer_hooks(cfg, model, optimizer, dims, seeder, log, topo, train_batches, line)
     conversion = Conversion(
-        checkpointer, optimizer, topo, hooks, log, dims.device, cfg.fault.replay_threads, cfg.fault.frozen_weight_grad
+        checkpointer,
+        optimizer,
+        topo,
+        hooks,
+        log,
+        dims.device,
+        threads=cfg.fault.replay_threads,
+        frozen_weight_grad=cfg.fault.frozen_weight_grad,
     )
     recovery = Recovery(
         checkpointer,
