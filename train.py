@@ -9,8 +9,10 @@ python train.py --config ... --print-config # the resolved config as TOML; --hel
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import functools
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -18,8 +20,11 @@ from dataclasses import dataclass
 from trainer.run import rank_shell  # imports no torch
 from trainer.run.startup import STARTUP  # first: it notes when the interpreter reached this file
 
-if __name__ == "__main__" and rank_shell.wanted(sys.argv[1:]):  # under torchrun: supervise, train in a child
-    sys.exit(rank_shell.run_shell(sys.argv[1:]))
+if __name__ == "__main__":
+    # `kill -USR1 <pid>` prints every thread's Python stack to stderr: where a hung rank (or its shell) waits
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    if rank_shell.wanted(sys.argv[1:]):  # under torchrun: supervise, train in a child
+        sys.exit(rank_shell.run_shell(sys.argv[1:]))
 
 # MKL's GEMMs give the same bits at any thread count, so a replaying rank may use its paused
 # neighbours' cores without breaking bit-exactness (moevement/recovery/replay_threads.py). Read at MKL's
@@ -58,7 +63,7 @@ from trainer.data.batches import DataError, TokenBatches, build_data, make_loade
 from trainer.optim import build_optimizer
 from trainer.run import host_estimate
 from trainer.run.accounting import RunAccounting
-from trainer.run.fault_injection import KillSwitch, arm_kill, fired, record_fired
+from trainer.run.fault_injection import KillSwitch, arm_kill, fired, kill_if_joining, record_fired
 from trainer.run.fault_tolerance import build_strategy, host_job_dir
 from trainer.run.metrics import MetricsLogger
 from trainer.run.run_record import open_run_record
@@ -218,6 +223,8 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
     rank, world = init_distributed(cfg.fault.timeout_s, generation=plan.generation)
     STARTUP.mark("process_group")
     check_world_size(cfg, world)
+    faults = fault_plan(cfg, world)
+    kill_if_joining(faults, rank, plan.kept.next_iteration if plan.kept else None, cfg.fault.kill_signal)
     if cfg.checkpoint.save_final:
         check_save_target(cfg.checkpoint.save_final)
     configure_determinism(cfg)
@@ -242,7 +249,6 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
     ft = build_strategy(cfg, model, optimizer, dims, seeder, train_batches, logger.line, plan)
     STARTUP.mark("strategy")
     optimizer.register_step_pre_hook(guard.optimizer_step_begins)  # after the checkpointer's copy wait
-    faults = fault_plan(cfg, world)
     kill = arm_kill(faults, rank, model, optimizer, guard, seeder, cfg.fault.kill_signal)
     step, loss = ft.resume(step, loss)
     logger.start(step + 1)
@@ -326,8 +332,8 @@ class GenerationNotJoined(Exception):
 
     def __init__(self, generation: int, timeout_s: float):
         super().__init__(
-            f"restart: generation {generation} was not joined by every rank within fault.timeout_s={timeout_s:g} "
-            "s: torchrun restarts every worker"
+            f"restart: generation {generation} was not joined by every rank within 2 x fault.timeout_s="
+            f"{2 * timeout_s:g} s: torchrun restarts every worker"
         )
 
 

@@ -54,19 +54,26 @@ def parse_events(spec: str, key: str) -> list[FaultEvent]:
 
 
 TRAINING_PHASES = ("forward", "backward", "clip", "optimizer", "snapshot", "replication")  # of every iteration
-# `validation`: during the validation of an iteration that runs one; `replay`: of a restart
-KILL_PHASES = (*TRAINING_PHASES, "validation", "replay")
+# `validation`: during the validation of an iteration that runs one; `replay`: of a restart; `join`: a
+# survivor's join of the in-place generation that follows a death
+KILL_PHASES = (*TRAINING_PHASES, "validation", "replay", "join")
 
 
 @dataclass(frozen=True)
 class KillEvent:
     """Rank `rank` SIGKILLs itself in `phase` of iteration `step` (a real death, no clean-up); phase `replay`:
     in the forward pass of `step` replayed by a restarted job's start-up (a rejoin or a whole-job restart);
-    phase `validation`: in the validation that follows iteration `step`."""
+    phase `validation`: in the validation that follows iteration `step`; phase `join`: right after it joined,
+    as a survivor that kept its state of iteration `step`, the process groups of the next generation."""
 
     step: int
     rank: int
     phase: str
+
+    @property
+    def key(self) -> str:
+        """The death's name on torchrun's store once it struck: a join follows the death at the same step."""
+        return f"kill/{self.step}" + ("/join" if self.phase == "join" else "")
 
 
 def parse_kills(spec: str, key: str = "fault.kill") -> list[KillEvent]:
@@ -223,10 +230,11 @@ class FaultPlan:
         return len(self.events) + len(self.timed)
 
     def kill_of(self, rank: int, fired: int) -> KillEvent | None:
-        """The kill of `rank` once the kills of `fired` distinct steps struck: the n-th distinct kill step, in
-        the order given, is due after n (each death follows the previous one)."""
-        steps = list(dict.fromkeys(k.step for k in self.kills))
-        due = [k for k in self.kills if k.rank == rank and steps.index(k.step) == fired]
+        """The kill of `rank` once `fired` distinct kills struck (`KillEvent.key`: the kills of one step strike
+        together, a `join` after them): the n-th distinct key, in the order given, is due after n (each death
+        follows the previous one)."""
+        keys = list(dict.fromkeys(k.key for k in self.kills))
+        due = [k for k in self.kills if k.rank == rank and keys.index(k.key) == fired]
         return due[0] if due else None
 
     def crashes_at(self, step: int, rank: int) -> bool:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ DEBUG_CONFIG = "train_configs/debug_moe.toml"
 # what every child process of the tests runs with: nothing downloaded, one intra-op thread per process
 CHILD_ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 RUN_OUTPUTS = Path(tempfile.mkdtemp(prefix="moevement-test-runs-"))
+RUN_TIMEOUT_S = 540  # below the suite's per-test budget, so a hung run is reported with its stacks
 
 
 def pytest_addoption(parser):
@@ -56,10 +59,54 @@ def run_cli(
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *torchrun]
     else:
         cmd = [sys.executable]
-    proc = subprocess.run([*cmd, "train.py", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_bounded([*cmd, "train.py", *args], cwd=cwd, env=env)
     if check and proc.returncode != 0:
         raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def run_bounded(cmd: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """Run `cmd` in its own session (`communicate_bounded`) and return the finished process."""
+    proc = start_session(cmd, cwd, env)
+    out, err = communicate_bounded(proc)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def start_session(cmd: list[str], cwd: Path, env: dict[str, str], stderr=subprocess.PIPE) -> subprocess.Popen:
+    """`cmd` started in a session of its own, its output piped (stderr: `stderr`)."""
+    return subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True
+    )
+
+
+def communicate_bounded(proc: subprocess.Popen, timeout_s: float = RUN_TIMEOUT_S) -> tuple[str, str | None]:
+    """The output of `proc` (started by `start_session`) once it ends. Still going after `timeout_s` is a hang:
+    every `train.py` process of its session (trainers, rank shells, standbys) prints each thread's Python
+    stack (the trainer's SIGUSR1 handler), then the whole session is killed and the test fails with the
+    output, stacks included."""
+    try:
+        return proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        for pid in session_trainers(proc.pid):
+            os.kill(pid, signal.SIGUSR1)
+        time.sleep(3)
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"hung for {timeout_s} s, stacks at the end:\n{out}\n{err}") from None
+
+
+def session_trainers(session: int) -> list[int]:
+    """The pids of session `session`'s `train.py` processes."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            sid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[3])
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except (ValueError, OSError, IndexError):
+            continue
+        if sid == session and b"train.py" in argv and b"torch.distributed.run" not in argv:
+            pids.append(int(entry.name))
+    return pids
 
 
 def step_losses(stdout: str) -> dict[int, float]:

@@ -238,6 +238,10 @@ def test_fault_kill_fires_once_per_torchrun_generation():
     # generations follow the order given: a death while the restarted job replays an earlier iteration
     plan = FaultPlan(kill="9:1:backward,7:1:replay", world=2, last_step=12)
     assert [plan.kill_of(1, g) for g in range(3)] == [KillEvent(9, 1, "backward"), KillEvent(7, 1, "replay"), None]
+    # a survivor's death while it joins the next generation follows the death at the same step
+    plan = FaultPlan(kill="9:1:backward,9:0:join", world=2, last_step=12)
+    assert [plan.kill_of(0, g) for g in range(3)] == [None, KillEvent(9, 0, "join"), None]
+    assert [plan.kill_of(1, g) for g in range(3)] == [KillEvent(9, 1, "backward"), None, None]
 
 
 def test_fault_at_last_step_is_accepted():

@@ -21,7 +21,16 @@ import sys
 import pytest
 
 from moevement.failures import TRAINING_PHASES
-from tests.conftest import CHILD_ENV, ROOT, RUN_OUTPUTS, final_line, run_cli, step_losses
+from tests.conftest import (
+    CHILD_ENV,
+    ROOT,
+    RUN_OUTPUTS,
+    communicate_bounded,
+    final_line,
+    run_cli,
+    start_session,
+    step_losses,
+)
 from tests.test_recovery import BASE, INTERLEAVED, MOEVEMENT, PP2_DP2_EP2_BF16, PP4, WORK, baseline
 
 PP2 = ["--parallelism.pp", "2"]
@@ -51,6 +60,7 @@ def death_run(tmp_path, layout: list[str], nproc: int, *fault: str, restarts: in
         *MOEVEMENT,
         "--checkpoint.host_dir",
         str(tmp_path / "shm"),
+        *("--fault.timeout_s", "120"),  # a hung collective fails inside the test's time, saying where
         *fault,
         *(FALLBACK if fallback else ()),
         nproc=nproc,
@@ -143,11 +153,11 @@ def test_a_replacement_on_another_node_fetches_its_snapshots_over_the_network(tm
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1", *rdzv]
         cmd += ["--max-restarts", "1", "train.py", *BASE, *PP2, *MOEVEMENT, "--fault.kill", "9:1:backward"]
         cmd += ["--checkpoint.host_dir", str(tmp_path / f"node{node}"), "--job.output_dir", str(RUN_OUTPUTS)]
-        out = subprocess.PIPE
-        return subprocess.Popen(cmd, cwd=ROOT, env=CHILD_ENV, stdout=out, stderr=subprocess.STDOUT, text=True)
+        cmd += ["--fault.timeout_s", "120"]
+        return start_session(cmd, ROOT, CHILD_ENV, stderr=subprocess.STDOUT)
 
     agents = [agent(0), agent(1)]
-    outs = [a.communicate(timeout=600)[0] for a in agents]
+    outs = [communicate_bounded(a)[0] for a in agents]
     assert all(a.returncode == 0 for a in agents), "\n".join(outs)
     (out,) = [o for o in outs if REJOIN.search(o)]  # rank 0's agent prints the recovery and the steps
     [(step, *_)] = assert_local_and_exact(out, baseline(PP2, 2), "1", "1")
@@ -251,7 +261,7 @@ def test_a_hung_worker_is_detected_by_the_timeout(tmp_path):
     )
     assert "fault: rank 1 stopped (SIGSTOP) in the backward phase of step 9" in out
     assert re.search(r"^survivor: rank 0 pid \d+ .* at step 9: a collective failed \(Timed out\)", out, re.M), out
-    assert "restart: generation 1 was not joined by every rank within fault.timeout_s=5 s" in out
+    assert "restart: generation 1 was not joined by every rank within 2 x fault.timeout_s=10 s" in out
     assert_local_and_exact(out, baseline(PP2, 2), "1", "1")
 
 
@@ -402,6 +412,22 @@ def test_a_survivor_dies_while_the_next_generation_replays(tmp_path):
     generation 1 and dies there (iteration 7). Generation 2 replaces it too; stage 0 still only serves logs."""
     out = death_run(tmp_path, PP2_DP2_EP2_BF16, 4, "--fault.kill", "8:2:backward,7:3:replay")
     assert "fault: rank 3 killed (SIGKILL) in the replay phase of step 7" in out
+    assert re.search(r"^shell: rank 3: .* replaces it in generation 2 ", out, re.M), out
+    recoveries = assert_local_and_exact(out, baseline(PP2_DP2_EP2_BF16, 4), "2+3", "1")
+    assert [r[0] for r in recoveries] == ["8"]
+
+
+@pytest.mark.slow
+def test_a_survivor_dies_while_joining_the_next_generation(tmp_path):
+    """pp2/dp2/ep2: rank 2 dies at 8; rank 3, a survivor of the same stage, dies right after it joined the
+    process groups of generation 1, losing the state it kept. The others learn of it when generation 1's
+    groups are not created within `fault.timeout_s`, and its replacement waits twice that for generation 2.
+    Generation 2 replaces both; stage 0 keeps its state through both generations and only serves logs, stage
+    1 replays."""
+    kills = ("--fault.kill", "8:2:backward,8:3:join")
+    # its peers wait for it in generation 1's group creation until the bound (shortened here)
+    out = death_run(tmp_path, PP2_DP2_EP2_BF16, 4, *kills, "--fault.timeout_s", "30")
+    assert "fault: rank 3 killed (SIGKILL) in the join phase of step 8" in out
     assert re.search(r"^shell: rank 3: .* replaces it in generation 2 ", out, re.M), out
     recoveries = assert_local_and_exact(out, baseline(PP2_DP2_EP2_BF16, 4), "2+3", "1")
     assert [r[0] for r in recoveries] == ["8"]

@@ -92,7 +92,7 @@ class FaultConfig:
     at: str = ""  # STEP:RANK[+RANK...][,...]: these ranks lose their state at STEP and recover in place
     crash: str = ""  # STEP:RANK[,...]: the process exits at STEP (first attempt), for torchrun restarts
     # STEP:RANK[:PHASE][,...]: the process SIGKILLs itself in PHASE: forward (default), backward, clip,
-    # optimizer, snapshot, replication, validation or replay
+    # optimizer, snapshot, replication, validation, replay or join (a survivor joining the next generation)
     kill: str = ""
     # how fault.kill strikes: SIGKILL (a death) | SIGSTOP (a hang)
     kill_signal: Literal["SIGKILL", "SIGSTOP"] = "SIGKILL"

@@ -93,7 +93,6 @@ class SparseCheckpointer:
         )
         self.rank_dir = make_private_dirs(rank_dir.parent, rank_dir.name)
         self.buffers = SnapshotBuffers(self.rank_dir, device, cfg.background_priority)
-        self.planner.profile.measure_bandwidth(self.rank_dir, device)
         self.replicas = ReplicaStore(rank_dir / "replicas")
         self.persisted = PersistedCheckpoint(self.rank_dir, topology.rank, self.buffers, self.replicas)
         self.handoff = SnapshotHandoff(

@@ -116,12 +116,13 @@ class WindowPlanner:
 
     def plan(self, iteration: int, window_index: int, follows_a_window: bool, measure_dir: Path) -> WindowPlan:
         """Window number `window_index`, starting at `iteration` (collective: W is agreed across ranks).
-        The copy bandwidth is re-measured every `reprofile_every` windows, never right after a recovery."""
+        The copy bandwidth is measured for a process's first window (not at its start, where a replacement's
+        peers would wait for it) and again every `reprofile_every` windows, never right after a recovery."""
         if self.tracker.end_window():
             self.order = order_operators(self.registry_order, self.is_expert, self.tracker.popularity())
         self.profile.update()
         every = self.cfg.reprofile_every
-        if follows_a_window and every and window_index % every == 0:
+        if not self.profile.measured_bandwidth or (follows_a_window and every and window_index % every == 0):
             self.profile.measure_bandwidth(measure_dir, self.device)
         slots = self._interval_checkpoint(iteration) if self.policy is not None else self._sparse_slots()
         return WindowPlan(iteration, slots)

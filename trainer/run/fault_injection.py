@@ -6,9 +6,11 @@ backward), `clip` (just before the gradient-norm all-reduce, so no rank gets T's
 being copied to host memory), `replication` (after T is applied, while its snapshot is being sent to the
 replica peers), `validation` (in the validation after T, where one runs); these fire only in normal
 training. `replay` fires while a restarted generation's
-start-up (a rejoin or a whole-job restart) replays T. The kills fire in the order of their steps, each
-once per job (`FaultPlan.kill_of`: the n-th distinct step once n have fired), whether the job goes on in place
-or restarted by torchrun: the steps that fired are recorded on torchrun's store (`fired`).
+start-up (a rejoin or a whole-job restart) replays T; `join`, in a survivor that kept its state of T, right
+after it joined the process groups of the in-place generation that follows the death at T. The kills fire in
+the order given, each once per job (`FaultPlan.kill_of`: the n-th distinct kill once n have fired), whether
+the job goes on in place or restarted by torchrun: the kills that fired are recorded on torchrun's store
+(`fired`).
 """
 
 from __future__ import annotations
@@ -43,14 +45,18 @@ class KillSwitch:
 
     def at(self, phase: str) -> None:
         if self.due(phase):
-            verb = "killed" if self.how == "SIGKILL" else "stopped"
-            print(
-                f"fault: rank {self.rank} {verb} ({self.how}) in the {phase} phase of step {self.kill.step} "
-                f"at unix={time.time():.3f}",
-                flush=True,
-            )
-            record_fired(f"kill/{self.kill.step}")
-            os.kill(os.getpid(), getattr(signal, self.how))
+            strike(self.kill, self.rank, self.how)
+
+
+def strike(kill: KillEvent, rank: int, how: str) -> None:
+    """`kill` strikes this process now: the line, the store's record, the signal."""
+    verb = "killed" if how == "SIGKILL" else "stopped"
+    print(
+        f"fault: rank {rank} {verb} ({how}) in the {kill.phase} phase of step {kill.step} at unix={time.time():.3f}",
+        flush=True,
+    )
+    record_fired(kill.key)
+    os.kill(os.getpid(), getattr(signal, how))
 
 
 _FIRED = "moevement/faults-fired/"  # keys on torchrun's store: the injected deaths that struck
@@ -70,6 +76,19 @@ def record_fired(event: str) -> None:
         store.set(_FIRED + event, "1")
 
 
+def kills_fired(plan: FaultPlan) -> int:
+    """How many distinct kills of `plan` struck in this job so far."""
+    return len({k.key for k in plan.kills if fired(k.key)})
+
+
+def kill_if_joining(plan: FaultPlan, rank: int, kept_step: int | None, how: str) -> None:
+    """Setup, right after this process joined a generation's process groups: a survivor that kept its state of
+    iteration `kept_step` (None: not a survivor) and has a `join` kill of that step due dies now."""
+    kill = plan.kill_of(rank, kills_fired(plan)) if kept_step is not None else None
+    if kill is not None and kill.phase == "join" and kill.step == kept_step:
+        strike(kill, rank, how)
+
+
 def arm_kill(
     plan: FaultPlan,
     rank: int,
@@ -81,8 +100,7 @@ def arm_kill(
 ) -> KillSwitch:
     """Install this rank's kill of this generation, if any. `how`: SIGKILL (a death) or SIGSTOP (a hang:
     the process stays, holding its connections, until its peers' collectives time out)."""
-    fired_steps = len({k.step for k in plan.kills if fired(f"kill/{k.step}")})
-    switch = KillSwitch(plan.kill_of(rank, fired_steps), rank, guard, seeder, how)
+    switch = KillSwitch(plan.kill_of(rank, kills_fired(plan)), rank, guard, seeder, how)
     if switch.kill is None:
         return switch
 
