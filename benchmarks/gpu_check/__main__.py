@@ -14,7 +14,7 @@ from benchmarks.gpu_check.report import Section, run_section, summary
 SECTIONS = (
     (1, "CUDA against CPU: debug model fp32/bf16, grouped GEMM", 40, numerics.run),
     (2, "MoEvement on one GPU: pinned snapshots, stall, overhead against none", 150, overhead.run),
-    (3, "crash and restart on CUDA: fault-free digest", 90, recovery.run),
+    (3, "crash and SIGKILL, restart on CUDA: fault-free digest", 90, recovery.run),
     (4, "DeepSeek-MoE-16B-shaped stage, bf16 forward+backward", 60, throughput.run),
     (5, "two processes on one GPU (cpu:gloo,cuda:gloo): control-tensor collectives", 80, shared_gpu.run),
 )

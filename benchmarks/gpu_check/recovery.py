@@ -1,12 +1,16 @@
-"""Section 3: a failure and recovery on CUDA that ends with the fault-free run's digest, compared exactly.
+"""Section 3: failures and recoveries on CUDA that end with the fault-free run's digest, compared exactly.
 
 One GPU hosts one rank under nccl (nccl refuses two ranks on one device), and an in-place failure
-(`fault.at`) needs a surviving rank, so the failure here is a process crash (`fault.crash`) under torchrun
-with a restart: the restarted process converts the persisted sparse checkpoint it finds in host memory
-(whole-job restart, docs/design.md §4) and trains on. Deterministic algorithms (`training.deterministic`,
-`CUBLAS_WORKSPACE_CONFIG` set by train.py) make the two runs' `step=` losses and `final ... state_digest=`
-lines equal bit for bit, or the check fails. The restart's own collectives run on the default group of a
-one-process torchrun job: the start-up `kept` all-reduce and the recovery totals.
+(`fault.at`) or a replacement by a rank shell needs a surviving rank, so the failures here are whole-process
+deaths under torchrun with a restart: a crash (`fault.crash`, the process exits at the start of an
+iteration) and a real SIGKILL (`fault.kill ...:snapshot`, while that iteration's snapshot is being copied
+from the GPU into pinned host memory on the side stream). The restarted process converts the persisted
+sparse checkpoint it finds in host memory (whole-job restart, docs/design.md §4) and trains on; the
+snapshot the SIGKILL cut short must be recognised as incomplete and not used. Deterministic algorithms
+(`training.deterministic`, `CUBLAS_WORKSPACE_CONFIG` set by train.py) make each faulty run's `step=` losses
+and `final ... state_digest=` line equal to the fault-free run's bit for bit, or the check fails. The
+restart's own collectives run on the default group of a one-process torchrun job: the start-up `kept`
+all-reduce and the recovery totals.
 """
 
 from __future__ import annotations
@@ -18,8 +22,10 @@ from benchmarks.gpu_check.runs import Workspace, train
 from benchmarks.overhead import parse_steps
 
 CONFIG = "train_configs/debug_moe.toml"
-STEPS, CRASH_AT = "14", "8:0"
+STEPS = "14"
+DEATHS = (("crash", ("--fault.crash", "8:0")), ("SIGKILL while snapshotting", ("--fault.kill", "8:0:snapshot")))
 RUN_TIMEOUT_S = 120
+RESTART = ("--max-restarts", "1")
 FINAL = re.compile(r"^final step=.* state_digest=[0-9a-f]+.*$", re.M)  # the whole line is compared
 LAYOUT = ["--training.mixed_precision", "bf16", "--checkpoint.strategy", "moevement", "--checkpoint.window", "3"]
 
@@ -33,18 +39,20 @@ def run(section: Section) -> None:
     try:
         base = ["--config", CONFIG, *LAYOUT, "--training.steps", STEPS]
         reference = train([*base, *workspace.common("gpu_check_fault_free")], RUN_TIMEOUT_S)
-        faulty = train(
-            [*base, *workspace.common("gpu_check_crash"), "--fault.crash", CRASH_AT],
-            RUN_TIMEOUT_S,
-            nproc=1,
-            torchrun=("--max-restarts", "1"),
-        )
+        for name, flags in DEATHS:
+            job = "gpu_check_" + name.split()[0].lower()
+            faulty = train([*base, *workspace.common(job), *flags], RUN_TIMEOUT_S, nproc=1, torchrun=RESTART)
+            check_recovered(section, name, reference, faulty)
     finally:
         workspace.close()
+
+
+def check_recovered(section: Section, name: str, reference: str, faulty: str) -> None:
+    """The faulty run restarted, recovered, and matched the reference's losses and final line exactly."""
     recovered = [line for line in faulty.splitlines() if line.startswith("recovery step=")]
-    section.checks.append(Check("crash and restart happened", bool(recovered), (recovered or ["no recovery line"])[0]))
+    section.checks.append(Check(f"{name}: restart happened", bool(recovered), (recovered or ["no recovery line"])[0]))
     same_losses = bool(losses(reference)) and losses(faulty) == losses(reference)
-    section.checks.append(Check("step losses equal", same_losses, f"{len(losses(reference))} steps"))
+    section.checks.append(Check(f"{name}: step losses equal", same_losses, f"{len(losses(reference))} steps"))
     finals = [FINAL.findall(out) for out in (reference, faulty)]
     same = len(finals[0]) == 1 and finals[0] == finals[1]
-    section.checks.append(Check("final state_digest equal", same, (finals[0] or ["no final line"])[0]))
+    section.checks.append(Check(f"{name}: final state_digest equal", same, (finals[0] or ["no final line"])[0]))
