@@ -43,6 +43,7 @@ from moevement.storage.snapshot import SnapshotError
 from moevement.strategy import CheckpointStrategy
 from parallelisms import collectives
 from parallelisms.distributed import (
+    LATER_GENERATION_JOIN_FACTOR,
     announce_clean_stop,
     device_type,
     init_distributed,
@@ -327,13 +328,14 @@ class PeerStopped(Exception):
 
 
 class GenerationNotJoined(Exception):
-    """Not every rank joined an in-place generation within `fault.timeout_s` (a hung peer, a replacement that
-    could not start): the rank shell hands the recovery to torchrun's restart of every worker."""
+    """Not every rank joined an in-place generation within its bound (a hung peer, a replacement that could
+    not start): the rank shell hands the recovery to torchrun's restart of every worker."""
 
     def __init__(self, generation: int, timeout_s: float):
+        factor = LATER_GENERATION_JOIN_FACTOR
         super().__init__(
-            f"restart: generation {generation} was not joined by every rank within 2 x fault.timeout_s="
-            f"{2 * timeout_s:g} s: torchrun restarts every worker"
+            f"restart: generation {generation} was not joined by every rank within {factor} x "
+            f"fault.timeout_s={factor * timeout_s:g} s: torchrun restarts every worker"
         )
 
 

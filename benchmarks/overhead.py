@@ -45,6 +45,7 @@ import re
 import statistics
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 from benchmarks.variants import QUIET, variant_flags
@@ -127,15 +128,27 @@ def steady_start(records: dict[int, dict[str, float]], profile_iters: int) -> in
     return profile_iters + first + 2
 
 
-def steady_records(records: dict[int, dict[str, float]], profile_iters: int) -> list[dict[str, float]]:
-    """The records of one run's steady-state iterations (from :func:`steady_start` on)."""
-    start = steady_start(records, profile_iters)
+def steady_records(
+    records: dict[int, dict[str, float]], profile_iters: int, start: int | None = None
+) -> list[dict[str, float]]:
+    """The records of one run's steady-state iterations: from `start`, else from :func:`steady_start` on."""
+    start = steady_start(records, profile_iters) if start is None else start
     return [r for t, r in records.items() if t >= start]
 
 
-def steady_ms(records: dict[int, dict[str, float]], profile_iters: int, tokens: int) -> list[float]:
-    """Milliseconds of each steady-state iteration (`tokens` per iteration)."""
-    return [tokens / r["tok_per_s"] * 1e3 for r in steady_records(records, profile_iters)]
+def steady_ms(
+    records: dict[int, dict[str, float]], profile_iters: int, tokens: int, start: int | None = None
+) -> list[float]:
+    """Milliseconds of each steady-state iteration (`tokens` per iteration; from `start`, if given)."""
+    return [tokens / r["tok_per_s"] * 1e3 for r in steady_records(records, profile_iters, start)]
+
+
+def common_start(runs: Iterable[dict[int, dict[str, float]]], profile_iters: int) -> int:
+    """The first iteration that is steady in every run: strategies are compared over the same iterations.
+    An iteration's time depends on its step (its batch, its experts' load: later ones ran up to 10%
+    slower here), so a run without windows, steady from the second iteration after the profile, would
+    otherwise be measured over earlier, faster iterations than a windowed one."""
+    return max(steady_start(records, profile_iters) for records in runs)
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
@@ -218,10 +231,11 @@ def run_rounds(
 
 
 def snapshot_fields(
-    strategy: str, rs: list[dict[int, dict[str, float]]], steps: int, dense_bytes: int, profile_iters: int
+    strategy: str, rs: list[dict[int, dict[str, float]]], steps: int, dense_bytes: int, profile_iters: int, start: int
 ) -> str:
     """The snapshot part of a checkpointing strategy's line: sizes over whole windows (over every
-    snapshot iteration, with a printed note, when no window is complete), stalls over steady iterations."""
+    snapshot iteration, with a printed note, when no window is complete), stalls over the compared
+    iterations (from `start`)."""
     whole = [r for records in rs for r in whole_windows(records, profile_iters)]
     if not whole:
         print(
@@ -231,7 +245,7 @@ def snapshot_fields(
         )
         whole = [r for records in rs for t, r in records.items() if t > profile_iters]
     mb = statistics.mean(r["ckpt_mb"] for r in whole)
-    stalls = [r["stall_ms"] for records in rs for r in steady_records(records, profile_iters)]
+    stalls = [r["stall_ms"] for records in rs for r in steady_records(records, profile_iters, start)]
     windows = sorted({int(r["window"]) for r in whole})
     return (
         f" snapshot_mb_per_iter={mb:.1f} stall_ms={statistics.median(stalls):.1f}"
@@ -248,27 +262,25 @@ def report(
     tokens: int,
     profile_iters: int,
 ) -> None:
-    """Print the dense snapshot's size and duration, then every strategy's `strategy=<s> ...` line."""
-    iter_ms = {
-        s: statistics.median(ms for records in rs for ms in steady_ms(records, profile_iters, tokens))
-        for s, rs in runs.items()
-    }
+    """Print the dense snapshot's size and duration, then every strategy's `strategy=<s> ...` line, every
+    strategy measured over the same iterations (:func:`common_start` to the last)."""
+    start = common_start((records for rs in runs.values() for records in rs), profile_iters)
+    run_ms = {s: [steady_ms(records, profile_iters, tokens, start) for records in rs] for s, rs in runs.items()}
+    iter_ms = {s: statistics.median(ms for run in per_run for ms in run) for s, per_run in run_ms.items()}
+    round_ms = {s: [statistics.median(run) for run in per_run] for s, per_run in run_ms.items()}
     base = iter_ms.get("none", min(iter_ms.values()))
     dense_s = dense_bytes / (cap * 1e9 / 8)
     print(
         f"dense_snapshot_mb={dense_bytes / 1e6:.1f} bandwidth_gbps={cap:.4f} "
-        f"dense_snapshot_iters={dense_s / (base / 1e3):.2f}"
+        f"dense_snapshot_iters={dense_s / (base / 1e3):.2f} compared_iterations={start}-{steps}"
     )
-    run_ms = {
-        s: [statistics.median(steady_ms(records, profile_iters, tokens)) for records in rs] for s, rs in runs.items()
-    }
     for strategy, rs in runs.items():
         line = f"strategy={strategy} iter_ms={iter_ms[strategy]:.1f} overhead={iter_ms[strategy] / base - 1:.4f}"
         if "none" in runs and strategy != "none":  # each run against the same round's `none` run
-            paired = statistics.median(a / b for a, b in zip(run_ms[strategy], run_ms["none"]))
+            paired = statistics.median(a / b for a, b in zip(round_ms[strategy], round_ms["none"]))
             line += f" round_overhead={paired - 1:.4f}"
         if variant_flags(strategy)[0] != "none":
-            line += snapshot_fields(strategy, rs, steps, dense_bytes, profile_iters)
+            line += snapshot_fields(strategy, rs, steps, dense_bytes, profile_iters, start)
         print(line, flush=True)
 
 

@@ -88,6 +88,7 @@ def init_distributed(
 
 
 _TORCHRUN_STORE: dist.Store | None = None  # torchrun's store (its agent's), kept for later generations
+LATER_GENERATION_JOIN_FACTOR = 2  # a later generation's join is bounded by this many times the bound
 
 
 def join_generation(generation: int, backend: str | None = None) -> None:
@@ -97,15 +98,16 @@ def join_generation(generation: int, backend: str | None = None) -> None:
     Each generation and each torchrun restart meets on its own keys of the agent's store (a restarted job
     or generation would otherwise read the old one's gloo addresses and be refused).
 
-    A later generation is waited for twice the bound: a peer that died while the previous generation started
-    may have left the others waiting for it in that generation's group creation, which fails only after
-    the bound; the group's operations get the bound itself once every rank has joined."""
+    A later generation is waited for `LATER_GENERATION_JOIN_FACTOR` times the bound: a peer that died while
+    the previous generation started may have left the others waiting for it in that generation's group
+    creation, which fails only after the bound; the group's operations get the bound itself once every
+    rank has joined."""
     global _TORCHRUN_STORE
     if _TORCHRUN_STORE is None:
         _TORCHRUN_STORE = next(dist.rendezvous("env://"))[0]
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     store = dist.PrefixStore(f"attempt{attempt}/generation{generation}", _TORCHRUN_STORE)
-    limit = {} if _TIMEOUT is None else {"timeout": _TIMEOUT * (2 if generation > 0 else 1)}
+    limit = {} if _TIMEOUT is None else {"timeout": _TIMEOUT * (LATER_GENERATION_JOIN_FACTOR if generation else 1)}
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     backend = backend or default_backend(device_type())
     _on_a_thread(lambda: dist.init_process_group(backend, store=store, rank=rank, world_size=world, **limit))

@@ -312,14 +312,17 @@ def accounting(out: str) -> dict[str, float]:
 def test_overhead_benchmark_measures_after_the_first_window_of_changing_windows():
     """Windows follow the profile and may change size; steady state starts after the first one
     and the second one's first iteration."""
-    from benchmarks.overhead import steady_start, whole_windows
+    from benchmarks.overhead import common_start, steady_ms, steady_start, whole_windows
 
     sizes = {t: 0 for t in (1, 2)} | {t: 7 for t in range(3, 10)} | {t: 13 for t in range(10, 17)}
     records = {t: {"window": float(w), "ckpt_mb": float(t)} for t, w in sizes.items()}
     assert steady_start(records, 2) == 11
     assert [r["ckpt_mb"] for r in whole_windows(records, 2)] == list(range(3, 10))  # 10-22 is incomplete
-    fault_free = {t: {"window": 0.0} for t in range(1, 9)}
+    fault_free = {t: {"window": 0.0, "tok_per_s": 1000.0 * t} for t in range(1, 17)}
     assert steady_start(fault_free, 2) == 4 and whole_windows(fault_free, 2) == []
+    # both are measured over the iterations steady in each: 11-16, not 4-16 for the run without windows
+    assert common_start([fault_free, records], 2) == 11
+    assert steady_ms(fault_free, 2, tokens=1000, start=11) == pytest.approx([1e3 / t for t in range(11, 17)])
 
 
 def test_gemini_poisson_failures_roll_every_rank_back_and_recompute_exactly(tmp_path):

@@ -16,7 +16,7 @@ import torch
 
 from benchmarks.gpu_check.report import Check, Section, guarded
 from benchmarks.gpu_check.runs import Workspace, train
-from benchmarks.overhead import parse_steps, steady_ms, steady_records
+from benchmarks.overhead import common_start, parse_steps, steady_ms, steady_records
 from moevement.checkpoint.profiler import measure_copy_bandwidth
 from moevement.storage.host_memory import make_private_dirs
 from moevement.storage.snapshot import SnapshotHeader, Throttle, layout_of, read_entries
@@ -73,9 +73,12 @@ def interleaved_runs(workspace: Workspace) -> dict[str, list[dict[int, dict[str,
 def overhead_checks(workspace: Workspace, section: Section) -> list[Check]:
     runs = interleaved_runs(workspace)
     tokens = BATCH * SEQ_LEN
-    per_round = {s: [statistics.median(steady_ms(r, PROFILE_ITERS, tokens)) for r in rs] for s, rs in runs.items()}
+    start = common_start((r for rs in runs.values() for r in rs), PROFILE_ITERS)  # the same iterations for both
+    per_round = {
+        s: [statistics.median(steady_ms(r, PROFILE_ITERS, tokens, start)) for r in rs] for s, rs in runs.items()
+    }
     ratios = [m / n for m, n in zip(per_round["moevement"], per_round["none"])]
-    steady = [rec for r in runs["moevement"] for rec in steady_records(r, PROFILE_ITERS)]
+    steady = [rec for r in runs["moevement"] for rec in steady_records(r, PROFILE_ITERS, start)]
     stalls = [rec["stall_ms"] for rec in steady]
     snapshot_mb = statistics.mean(rec["ckpt_mb"] for rec in steady)
     none_ms, moevement_ms = statistics.median(per_round["none"]), statistics.median(per_round["moevement"])
