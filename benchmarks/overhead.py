@@ -17,9 +17,11 @@ takes --dense-snapshot-iters iterations. Per strategy it prints
 
     strategy=<s> iter_ms=<median> overhead=<ratio-1> snapshot_mb_per_iter=<x> stall_ms=<median> ...
 
-over the steady-state iterations of all rounds: from the second iteration of the second window
-(the first is planned from start-up iterations, which run slower, so its snapshots may stall;
-the second reserves host memory for its size). round_overhead is the
+over the steady-state iterations of all rounds, the same iterations for every strategy
+(`compared_iterations=`): from the second iteration of the second window of the run whose first
+window is longest (the first window is planned from start-up iterations, which run slower, so its
+snapshots may stall; the second reserves host memory for its size). The `round=` lines, printed as
+the runs finish, take each run's median from its own steady start. round_overhead is the
 median over rounds of each run's median against the same round's `none` run (robust to a
 machine that drifts between rounds); snapshot_mb_per_iter averages whole windows only, and
 dense_fraction divides it by the dense size (of one stage: 1/pp of the model).
