@@ -23,7 +23,10 @@ from benchmarks.overhead import parse_steps
 
 CONFIG = "train_configs/debug_moe.toml"
 STEPS = "14"
-DEATHS = (("crash", ("--fault.crash", "8:0")), ("SIGKILL while snapshotting", ("--fault.kill", "8:0:snapshot")))
+DEATHS = (  # (job name, what the checks say, flags)
+    ("gpu_check_crash", "crash", ("--fault.crash", "8:0")),
+    ("gpu_check_sigkill", "SIGKILL while snapshotting", ("--fault.kill", "8:0:snapshot")),
+)
 RUN_TIMEOUT_S = 120
 RESTART = ("--max-restarts", "1")
 FINAL = re.compile(r"^final step=.* state_digest=[0-9a-f]+.*$", re.M)  # the whole line is compared
@@ -39,8 +42,7 @@ def run(section: Section) -> None:
     try:
         base = ["--config", CONFIG, *LAYOUT, "--training.steps", STEPS]
         reference = train([*base, *workspace.common("gpu_check_fault_free")], RUN_TIMEOUT_S)
-        for name, flags in DEATHS:
-            job = "gpu_check_" + name.split()[0].lower()
+        for job, name, flags in DEATHS:
             faulty = train([*base, *workspace.common(job), *flags], RUN_TIMEOUT_S, nproc=1, torchrun=RESTART)
             check_recovered(section, name, reference, faulty)
     finally:
