@@ -61,8 +61,9 @@ from trainer.checkpoint.state import training_state_digest
 from trainer.config import Config, ConfigError, check_world_size, fault_plan, load_config
 from trainer.config_help import help_text, to_toml
 from trainer.data.batches import DataError, TokenBatches, build_data, make_loader
+from trainer.error_line import error_line
 from trainer.optim import build_optimizer
-from trainer.run import host_estimate
+from trainer.run import host_estimate, job_end
 from trainer.run.accounting import RunAccounting
 from trainer.run.fault_injection import KillSwitch, arm_kill, fired, kill_if_joining, record_fired
 from trainer.run.fault_tolerance import build_strategy, host_job_dir
@@ -221,7 +222,8 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
     refused before anything else."""
     rank_shell.report(f"generation {plan.generation}")
     guard = stop_guard(cfg, int(os.environ.get("RANK", "0")), plan)
-    rank, world = init_distributed(cfg.fault.timeout_s, generation=plan.generation)
+    watch = job_end.GenerationWatch(plan.generation)  # a later generation may not form: the job has ended
+    rank, world = init_distributed(cfg.fault.timeout_s, generation=plan.generation, watch=watch)
     STARTUP.mark("process_group")
     check_world_size(cfg, world)
     faults = fault_plan(cfg, world)
@@ -363,6 +365,7 @@ def run(job: Job, step: int, loss: float) -> tuple[int, float, str | None]:
             step, loss = train_loop(job, step, loss)
             if job.cfg.metrics.cpu_cost:
                 print(CpuMark.now().line_since(cpu, job.rank, step - first), flush=True)
+            job.kill.at("digest")
             digest = training_state_digest(job.model.view, job.optimizer)
             job.guard.phase = "setup"  # finishing: SIGTERM exits at once again
             return step, loss, digest
@@ -411,16 +414,30 @@ def train_loop(job: Job, step: int, loss: float) -> tuple[int, float]:
 
 def finish(job: Job, step: int, loss: float, digest: str | None) -> None:
     """Close the checkpointer, print the accounting and final lines, save a dense checkpoint if asked (every
-    rank writes its part)."""
+    rank writes its part), and record the job's end (trainer/run/job_end.py): rank 0 once its results are out
+    (before its `final` line, or once the checkpoint is published), every rank once past the last collective."""
     cfg = job.cfg
     totals = job.ft.close()
     job.logger.line(job.accounting.line(totals, totals.get("lost_tokens", 0.0)))
     job.accounting.drop()
+    job.kill.at("accounting")
+    if job.rank == 0 and not cfg.checkpoint.save_final:
+        job_end.record_finished(step)
     if digest is not None:
         job.logger.line(f"final step={step} loss={loss:.6f} state_digest={digest}")
     if cfg.checkpoint.save_final:
-        save_dense(cfg.checkpoint.save_final, job.model.view, job.optimizer, step, loss, cfg)
+
+        def published() -> None:
+            if job.rank == 0:
+                job_end.record_finished(step)
+            job.kill.at("saved")
+
+        save_dense(cfg.checkpoint.save_final, job.model.view, job.optimizer, step, loss, cfg, published)
         job.logger.line(f"saved checkpoint step={step} dir={cfg.checkpoint.save_final}")
+    job_end.record_left(job.rank, step)
+    if job.rank != 0:
+        job_end.await_finished(cfg.fault.timeout_s)
+    job.kill.at("final")
     job.logger.close()
 
 
@@ -435,7 +452,17 @@ def train(cfg: Config, plan: StartPlan) -> None:
             return
         except Rejoining as rejoining:
             plan = rejoining.plan
+        except job_end.PeersLeft:
+            keep_for_torchrun_restart(cfg, plan)
+            raise
         except BaseException as error:
+            if peer_failure(error) and (finished := job_end.finished_step()) is not None:
+                print(
+                    f"rank {dist.get_rank()} pid {os.getpid()}: a peer died after the job finished at step "
+                    f"{finished}; nothing to recover",
+                    flush=True,
+                )
+                return
             if peer_failure(error) and peer_stopped_with_an_error():
                 raise PeerStopped from None
             if not (peer_failure(error) and rejoins_in_place(error)):
@@ -478,9 +505,12 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("RANK", "0") == "0":  # every rank reads the same config: the job says it once
             print_error(e)
         return 2
-    except GenerationNotJoined as e:
+    except (GenerationNotJoined, job_end.PeersLeft) as e:
         print(e, flush=True)
         return rank_shell.FALLBACK
+    except job_end.JobFinished as e:
+        print(e, flush=True)
+        return 0
     except PeerStopped:
         return 2
     except (CheckpointError, DataError, HostMemoryError, IdentityError, SnapshotError, RecoveryError) as e:
@@ -497,7 +527,7 @@ def print_error(error: Exception) -> None:
     inside a line (a write of up to PIPE_BUF bytes to a pipe is atomic)."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os.write(sys.stderr.fileno(), f"error: {error}\n".encode())
+    os.write(sys.stderr.fileno(), (error_line(error) + "\n").encode())
 
 
 if __name__ == "__main__":

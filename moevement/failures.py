@@ -54,9 +54,13 @@ def parse_events(spec: str, key: str) -> list[FaultEvent]:
 
 
 TRAINING_PHASES = ("forward", "backward", "clip", "optimizer", "snapshot", "replication")  # of every iteration
+# At the end of a run, after its last iteration: `digest` as the final state digest starts, `accounting` right
+# after the accounting line (the job has not recorded its end yet), `saved` once `checkpoint.save_final` is
+# published, `final` once the job has finished
+END_PHASES = ("digest", "accounting", "saved", "final")
 # `validation`: during the validation of an iteration that runs one; `replay`: of a restart; `join`: a
 # survivor's join of the in-place generation that follows a death
-KILL_PHASES = (*TRAINING_PHASES, "validation", "replay", "join")
+KILL_PHASES = (*TRAINING_PHASES, "validation", "replay", "join", *END_PHASES)
 
 
 @dataclass(frozen=True)
@@ -64,7 +68,8 @@ class KillEvent:
     """Rank `rank` SIGKILLs itself in `phase` of iteration `step` (a real death, no clean-up); phase `replay`:
     in the forward pass of `step` replayed by a restarted job's start-up (a rejoin or a whole-job restart);
     phase `validation`: in the validation that follows iteration `step`; phase `join`: right after it joined,
-    as a survivor that kept its state of iteration `step`, the process groups of the next generation."""
+    as a survivor that kept its state of iteration `step`, the process groups of the next generation; the
+    `END_PHASES`: at the end of a run whose last iteration is `step`."""
 
     step: int
     rank: int

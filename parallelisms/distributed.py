@@ -9,10 +9,13 @@ which checks it."""
 from __future__ import annotations
 
 import datetime
+import functools
 import gc
 import os
 import socket
 import threading
+import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -60,7 +63,10 @@ def configure_nccl_error_handling() -> str | None:
 
 
 def init_distributed(
-    timeout_s: float | None = None, backend: str | None = None, generation: int = 0
+    timeout_s: float | None = None,
+    backend: str | None = None,
+    generation: int = 0,
+    watch: Callable[[], None] | None = None,
 ) -> tuple[int, int]:
     """Initialise the default process group; return (rank, world).
 
@@ -69,7 +75,7 @@ def init_distributed(
     later get the same bound and backend (`bounded_backend`). `backend`: None for `default_backend` of
     this machine; another string serving both devices (`cpu:gloo,cuda:gloo`: two processes sharing one
     GPU, which nccl refuses) only for checks. `generation`: under torchrun, the in-place generation this
-    process joins (`join_generation`)."""
+    process joins (`join_generation`, polling `watch` meanwhile when it is a later one)."""
     global _TIMEOUT
     if not dist.is_initialized():
         _TIMEOUT = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
@@ -79,7 +85,7 @@ def init_distributed(
                 configure_nccl_error_handling()
             if device_type() == "cuda":
                 torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-            join_generation(generation, backend)
+            join_generation(generation, backend, watch)
         else:
             if device_type() == "cuda":
                 torch.cuda.init()  # the current device, chosen before DeviceMesh would guess one (and warn)
@@ -89,9 +95,10 @@ def init_distributed(
 
 _TORCHRUN_STORE: dist.Store | None = None  # torchrun's store (its agent's), kept for later generations
 LATER_GENERATION_JOIN_FACTOR = 2  # a later generation's join is bounded by this many times the bound
+_WATCH_S = 0.5  # how often a later generation's join asks whether the generation can still form
 
 
-def join_generation(generation: int, backend: str | None = None) -> None:
+def join_generation(generation: int, backend: str | None = None, watch: Callable[[], None] | None = None) -> None:
     """Start the default group of in-place generation `generation` of this torchrun attempt, with every rank
     of the job under its own number (collective: it returns once all have joined, or raises after the bound).
 
@@ -101,7 +108,8 @@ def join_generation(generation: int, backend: str | None = None) -> None:
     A later generation is waited for `LATER_GENERATION_JOIN_FACTOR` times the bound: a peer that died while
     the previous generation started may have left the others waiting for it in that generation's group
     creation, which fails only after the bound; the group's operations get the bound itself once every
-    rank has joined."""
+    rank has joined. While a later generation is waited for, `watch` is called about twice a second: it
+    raises to give up on a generation that can no longer form (the job has ended meanwhile)."""
     global _TORCHRUN_STORE
     if _TORCHRUN_STORE is None:
         _TORCHRUN_STORE = next(dist.rendezvous("env://"))[0]
@@ -110,14 +118,17 @@ def join_generation(generation: int, backend: str | None = None) -> None:
     limit = {} if _TIMEOUT is None else {"timeout": _TIMEOUT * (LATER_GENERATION_JOIN_FACTOR if generation else 1)}
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     backend = backend or default_backend(device_type())
-    _on_a_thread(lambda: dist.init_process_group(backend, store=store, rank=rank, world_size=world, **limit))
+    join = functools.partial(dist.init_process_group, backend, store=store, rank=rank, world_size=world, **limit)
+    _on_a_thread(join, watch if generation else None)
     if _TIMEOUT is not None and generation > 0:
         dist.distributed_c10d._set_pg_timeout(_TIMEOUT)
 
 
-def _on_a_thread(call) -> None:
+def _on_a_thread(call, watch: Callable[[], None] | None = None) -> None:
     """Run `call` on a helper thread while the main thread waits in short sleeps, so a signal (SIGTERM from
-    torchrun) is handled at once instead of after a blocking wait for peers that may never come."""
+    torchrun) is handled at once instead of after a blocking wait for peers that may never come; `watch`, if
+    given, is called every `_WATCH_S` and may raise to stop waiting (the helper thread is a daemon: it ends
+    with the process)."""
     failure: list[BaseException] = []
 
     def run() -> None:
@@ -128,8 +139,12 @@ def _on_a_thread(call) -> None:
 
     thread = threading.Thread(target=run, name="moevement-join", daemon=True)
     thread.start()
+    watched = time.monotonic()
     while thread.is_alive():
         thread.join(0.05)
+        if watch is not None and time.monotonic() - watched >= _WATCH_S:
+            watch()
+            watched = time.monotonic()
     if failure:
         raise failure[0]
 

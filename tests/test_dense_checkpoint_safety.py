@@ -236,6 +236,34 @@ def test_damaged_checkpoint_is_one_line_naming_the_file(saved, tmp_path):
                 load_checkpoint(ckpt)
 
 
+@pytest.mark.parametrize("flip", [0, 1], ids=["step-1-to-0", "step-1-to-3"])
+def test_a_flipped_step_in_meta_json_is_refused(saved, tmp_path, flip):
+    """One bit of `"step": 1` flipped in meta.json: refused naming the optimizer file and meta.json, whose
+    steps disagree (not trained on from another step)."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved[0], ckpt)
+    raw = (ckpt / "meta.json").read_bytes()
+    at = raw.index(b'"step": 1') + len(b'"step": ')
+    (ckpt / "meta.json").write_bytes(raw[:at] + bytes([raw[at] ^ (1 << flip)]) + raw[at + 1 :])
+    proc = train("--training.steps", "3", "--checkpoint.load", str(ckpt), check=False)
+    one_error(proc, "optim-00000.safetensors", str(ckpt / "meta.json"), "(one of them was changed)")
+
+
+@pytest.mark.parametrize("keep_file", [True, False], ids=["file-kept", "file-deleted"])
+def test_an_optimizer_file_missing_from_meta_json_is_refused(saved, tmp_path, keep_file):
+    """The optimizer file's entry deleted from meta.json (with or without the file): refused naming meta.json
+    and the parameter without optimizer state, instead of training on fresh AdamW state."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved[0], ckpt)
+    meta = json.loads((ckpt / "meta.json").read_text())
+    del meta["files"]["optim-00000.safetensors"]
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    if not keep_file:
+        (ckpt / "optim-00000.safetensors").unlink()
+    proc = train("--training.steps", "3", "--checkpoint.load", str(ckpt), check=False)
+    one_error(proc, str(ckpt / "meta.json"), "no optimizer state for", "no optimizer file): one is missing")
+
+
 def test_v2_single_file_checkpoint_loads_and_file_names_are_checked(saved, tmp_path):
     """A `moevement-dense-v2` checkpoint (one model.safetensors, one optim.safetensors) is one writer's files:
     train.py resumes it with the saved digest and evaluation loads it. A meta.json listing a file by any other

@@ -5,6 +5,7 @@ that raises them.
 """
 
 import os
+import re
 
 # Never touch the network: must be set before `datasets` is first imported.
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -225,6 +226,18 @@ def test_malformed_fault_kill_names_the_key_and_the_phases(spec):
         load_config(str(ROOT / DEBUG_CONFIG), [*MOEVEMENT, "--fault.kill", spec])
 
 
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("5:1:final", "kills in the final phase at the end of a run, whose last step is 12, not 5"),
+        ("12:0:saved", "kills in the saved phase of checkpoint.save_final, which this run does not set"),
+    ],
+)
+def test_an_end_of_run_kill_names_what_it_misses(spec, message):
+    with pytest.raises(ConfigError, match=re.escape(f"config key 'fault.kill' {message}")):
+        load_config(str(ROOT / DEBUG_CONFIG), [*MOEVEMENT, "--training.steps", "12", "--fault.kill", spec])
+
+
 def test_fault_kill_fires_once_per_torchrun_generation():
     plan = FaultPlan(kill="6:1:backward,9:0,9:2:optimizer", world=4, last_step=10)
     assert [plan.kill_of(r, 0) for r in range(4)] == [None, KillEvent(6, 1, "backward"), None, None]
@@ -307,3 +320,14 @@ def test_a_config_error_under_torchrun_is_said_once_per_job():
     assert proc.returncode != 0
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "error: config key" in line]
     assert errors == ["error: config key 'training.steps' must be positive, got 0"], proc.stderr
+
+
+def test_a_huge_config_value_is_one_bounded_line(tmp_path):
+    """A 5 MB `job.name` (not a valid name) is one `error:` line of about a thousand characters that says how
+    much it left out, not a 5 MB line."""
+    text = (ROOT / DEBUG_CONFIG).read_text().replace("[job]\n", f'[job]\nname = "{"x/" * 2_500_000}"\n', 1)
+    config = write(tmp_path / "huge.toml", re.sub(r'(?m)^name = "debug_moe"\n', "", text))
+    proc = run_cli("--config", str(config), *QUIET, "--training.steps", "2", check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[:2000]
+    assert len(lines[0]) < 1100 and re.search(r"\.\.\. \(\d+ more characters\)$", lines[0]), lines[0][-200:]

@@ -9,6 +9,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import json
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -304,3 +305,42 @@ def test_two_ranks_recover_in_place_from_a_prepared_corpus(prepared_wiki, tmp_pa
     )
     assert "recovery step=" in recovered.stdout
     assert final_line(recovered.stdout) == final_line(fault_free.stdout)
+
+
+@needs_wiki
+@pytest.mark.parametrize("workers", [0, 1])
+def test_token_ids_outside_the_vocabulary_are_one_line_naming_the_shard(tmp_path, prepared_wiki, workers):
+    """Every token of the training split overwritten with id 65535 (same sizes, so the corpus opens): the run
+    stops with one line naming a shard and the token's position, also from a loader worker process."""
+    d = _copy(prepared_wiki, tmp_path / "ids")
+    for shard in d.glob("valid-*.bin"):
+        shard.write_bytes(b"\xff" * shard.stat().st_size)
+    args = ("--training.steps", "2", "--data.dataset", str(d), "--data.num_workers", str(workers))
+    proc = run_cli("--config", DEBUG_CONFIG, *args, check=False)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and len(lines) == 1, proc.stderr
+    assert re.fullmatch(
+        rf"error: data\.dataset: shard '{re.escape(str(d))}/valid-\d{{5}}\.bin' holds token id 65535 at token \d+, "
+        r"outside the tokenizer's vocabulary of 257 \(damaged; .*\)",
+        lines[0],
+    ), lines[0]
+
+
+@needs_wiki
+def test_prepare_on_a_full_file_system_is_one_line_and_resumes(tmp_path):
+    """A write that fails (the file size limit here, as a full disk would: EFBIG instead of ENOSPC) is one
+    `error:` line naming the file; the same command run again without the limit finishes the preparation."""
+    out = tmp_path / "prepared"
+    script = (
+        "import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 14, 1 << 14)); "
+        "from trainer.data import prepare; sys.exit(prepare.main(sys.argv[1:]))"
+    )
+    args = ["--out", str(out), "--shard-tokens", str(SHARD), "--data.dataset", "wikitext-2"]
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *args], cwd=ROOT, env=CHILD_ENV, capture_output=True, text=True, timeout=300
+    )
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert lines[0].startswith(f"error: prepare: cannot write {out}") and "run again to resume" in lines[0], lines
+    assert prepare(out, "--data.dataset", "wikitext-2") == 0 and verify_prepared(out)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -18,12 +19,14 @@ from trainer.run import rank_shell
 
 CHILD = textwrap.dedent(
     """
-    import json, os, signal, sys
+    import json, os, signal, sys, time
     sys.path.insert(0, {root!r})
     from trainer.run import rank_shell
     log = open({log!r}, "a")
     role = os.environ[rank_shell.ROLE]
     if role == "standby":
+        log.write(json.dumps({{"standby": os.getpid()}}) + "\\n")
+        log.flush()
         activation = rank_shell.await_activation()
         if activation is None:
             sys.exit(0)
@@ -34,7 +37,17 @@ CHILD = textwrap.dedent(
     log.write(json.dumps({{"trainer": os.getpid(), "generation": generation}}) + "\\n")
     log.flush()
     ending = {endings!r}[min(generation, len({endings!r}) - 1)]
-    if ending == "die":
+    if ending == "finished-die":
+        rank_shell.report("finished 7")
+    if ending == "standby-killed-die":  # kill the standby, wait for the shell's new one, die
+        def standbys():
+            return [json.loads(line)["standby"] for line in open({log!r}) if '"standby"' in line]
+        while not standbys():
+            time.sleep(0.05)
+        os.kill(standbys()[0], signal.SIGKILL)
+        while len(standbys()) < 2:
+            time.sleep(0.05)
+    if ending.endswith("die"):
         os.kill(os.getpid(), signal.SIGKILL)
     sys.exit(int(ending))
     """
@@ -42,8 +55,10 @@ CHILD = textwrap.dedent(
 
 
 def run_shell(tmp_path, endings: list[str], max_replacements: int) -> tuple[int, list[dict], str]:
-    """A shell over the child script whose trainer of generation g ends as `endings[g]` ("die": SIGKILL, or
-    an exit status); returns (the shell's status, the children's records, the shell's output)."""
+    """A shell over the child script whose trainer of generation g ends as `endings[g]` ("die": SIGKILL,
+    "finished-die": SIGKILL after reporting the job finished at step 7, "standby-killed-die": SIGKILL once it
+    killed the standby and the shell started another, or an exit status); returns (the shell's status, the
+    children's records, the shell's output)."""
     log = tmp_path / "log.jsonl"
     script = tmp_path / "child.py"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -85,3 +100,14 @@ def test_replacements_are_bounded(tmp_path):
     assert code == 128 + 9, out
     assert [r["generation"] for r in records if "trainer" in r] == [0, 1]
     assert "replacements spent: torchrun restarts" in out
+
+
+def test_a_dead_standby_is_respawned_and_replaces_the_next_death(tmp_path):
+    """The standby dies while the trainer runs: the shell starts a new one at once (one line), and the
+    trainer's later death is replaced by it in place, not handed to torchrun."""
+    status, records, out = run_shell(tmp_path, ["standby-killed-die", "0"], max_replacements=4)
+    assert status == 0, out
+    first, second = [r["standby"] for r in records if "standby" in r][:2]
+    assert re.search(rf"^shell: rank 1: standby pid {first} died \(signal SIGKILL\); standby pid {second} ", out, re.M)
+    assert [r["generation"] for r in records if "trainer" in r] == [0, 1], records
+    assert "replaces it in generation 1" in out, out

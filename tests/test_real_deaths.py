@@ -208,6 +208,20 @@ def test_death_in_the_last_iteration_keeps_the_final_state(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_death_during_the_final_digest_keeps_the_survivors_state(tmp_path):
+    """pp2/dp2/ep2: rank 3 dies as the final state digest starts; its data-parallel peer's wait inside
+    DTensor's `full_tensor` fails (a c10d operator's error, classified as a peer's death): every survivor
+    keeps `state_13` in memory, nobody prints a traceback, and the next generation ends with the fault-free
+    digest."""
+    out = death_run(tmp_path, PP2_DP2_EP2_BF16, 4, "--fault.kill", "12:3:digest")
+    assert "Traceback" not in out and "fault: rank 3 killed (SIGKILL) in the digest phase of step 12" in out, out
+    for rank in (0, 1, 2):
+        assert re.search(rf"^survivor: rank {rank} pid \d+ .* kept live state of iteration 13 in memory", out, re.M)
+    assert [r[:3] for r in REJOIN.findall(out)] == [("13", "3", "1")], out
+    assert final_line(out) == final_line(baseline(PP2_DP2_EP2_BF16, 4))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("phase", TRAINING_PHASES)
 def test_pp2_dp2_ep2_bf16_sigkill_in_each_phase(tmp_path, phase):
     """A death before the gradient-norm all-reduce (forward, backward, clip, during the snapshot copy) leaves

@@ -18,7 +18,7 @@ from typing import Literal
 
 from models.args import ModelArgs
 from moevement.checkpoint.options import SparseOptions
-from moevement.failures import FaultPlan, FaultSpecError
+from moevement.failures import END_PHASES, FaultPlan, FaultSpecError
 from parallelisms.mesh import ParallelismConfig
 from trainer.data.batches import DataConfig
 
@@ -92,7 +92,8 @@ class FaultConfig:
     at: str = ""  # STEP:RANK[+RANK...][,...]: these ranks lose their state at STEP and recover in place
     crash: str = ""  # STEP:RANK[,...]: the process exits at STEP (first attempt), for torchrun restarts
     # STEP:RANK[:PHASE][,...]: the process SIGKILLs itself in PHASE: forward (default), backward, clip,
-    # optimizer, snapshot, replication, validation, replay or join (a survivor joining the next generation)
+    # optimizer, snapshot, replication, validation, replay, join (a survivor joining the next generation), or
+    # at the end of a run whose last step is STEP: digest, accounting, saved (save_final published) or final
     kill: str = ""
     # how fault.kill strikes: SIGKILL (a death) | SIGSTOP (a hang)
     kill_signal: Literal["SIGKILL", "SIGSTOP"] = "SIGKILL"
@@ -365,6 +366,17 @@ def _validate_fault(cfg: Config) -> None:
             kill.phase != "validation" or (every and kill.step % every == 0),
             "fault.kill",
             f"kills in the validation of step {kill.step}, which runs none (training.val_every={every})",
+        )
+        last = cfg.training.stop_at or cfg.training.steps
+        _check(
+            kill.phase not in END_PHASES or kill.step == last,
+            "fault.kill",
+            f"kills in the {kill.phase} phase at the end of a run, whose last step is {last}, not {kill.step}",
+        )
+        _check(
+            kill.phase != "saved" or bool(cfg.checkpoint.save_final),
+            "fault.kill",
+            "kills in the saved phase of checkpoint.save_final, which this run does not set",
         )
     if plan:
         given = {"fault.at": f.at, "fault.crash": f.crash, "fault.kill": f.kill, "fault.mtbf_iters": f.mtbf_iters}

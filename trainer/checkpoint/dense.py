@@ -124,11 +124,18 @@ def _write_owned(
         raise
 
 
-def _save(path: Path, key: str, meta: dict, write: Callable[[Path | None], dict[str, str]]) -> None:
+def _save(
+    path: Path,
+    key: str,
+    meta: dict,
+    write: Callable[[Path | None], dict[str, str]],
+    published: Callable[[], None] | None = None,
+) -> None:
     """Rank 0 makes the temporary, every rank `write`s its files into it (None: a rank that cannot trust
     it writes nothing, but still takes part in `write`'s collectives), rank 0 writes `meta.json` with every
     file's sha256 and renames it into place; every rank raises the same CheckpointError, if any.
-    Collective."""
+    `published`, once the checkpoint is in place: on rank 0 right after the rename, before it tells the
+    others; on every other rank once told. Collective."""
     tmp, old_files, error = None, [], None
     if is_rank0():
         try:
@@ -154,9 +161,13 @@ def _save(path: Path, key: str, meta: dict, write: Callable[[Path | None], dict[
     records = gather_to_rank0((files, error))
     if records is not None:
         error = _finish(tmp, path, old_files, meta, records, key)
+        if error is None and published is not None:
+            published()
     error = from_rank0(error)
     if error is not None:
         raise CheckpointError(error)
+    if records is None and published is not None:
+        published()
 
 
 def _finish(tmp: Path, path: Path, old_files: list[str], meta: dict, records: list, key: str) -> str | None:
@@ -176,10 +187,17 @@ def _finish(tmp: Path, path: Path, old_files: list[str], meta: dict, records: li
 
 
 def save_dense(
-    directory: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int, loss: float, cfg
+    directory: str,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    loss: float,
+    cfg,
+    published: Callable[[], None] | None = None,
 ) -> None:
     """Save this job's training state (`model`'s parameters and their `optimizer` state, on every rank)
-    after `step` iterations (`loss`: that iteration's) as a checkpoint of the run `cfg`. Collective."""
+    after `step` iterations (`loss`: that iteration's) as a checkpoint of the run `cfg`. Collective.
+    `published`: called on every rank once the checkpoint is in place (see `_save`)."""
     meta = {
         "format": FORMAT,
         "step": step,
@@ -191,7 +209,7 @@ def save_dense(
     plan = training_plan(model, optimizer)
     specs = {name: (dtype, shape) for unit in plan if unit.owner for name, dtype, shape in unit.specs()}
     rank = dist.get_rank() if dist.is_initialized() else 0
-    _save(Path(directory), KEY, meta, lambda tmp: _write_owned(tmp, rank, owned_tensors(plan), specs))
+    _save(Path(directory), KEY, meta, lambda tmp: _write_owned(tmp, rank, owned_tensors(plan), specs), published)
 
 
 def save_imported(directory: str, model: Tensors, model_args: ModelArgs, origin: dict, key: str) -> None:
@@ -377,18 +395,31 @@ def load_model(directory: str, meta: dict, model: torch.nn.Module) -> None:
 
 @torch.no_grad()
 def _load_optimizer(directory: str, meta: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Set the AdamW state of every parameter of `model` saved in the checkpoint's optimizer files."""
+    """Set the AdamW state of every parameter of `model` from the checkpoint's optimizer files. A checkpoint of
+    a run that trained (step >= 1) must hold it for every parameter, with AdamW's step count equal to the
+    checkpoint's `step`: a missing optimizer file or a changed step is refused, never trained on."""
     reader = StoredTensors(directory, meta, "optim")
     keys: dict[str, list[str]] = defaultdict(list)
     for stored in reader.where:
         param_name, _, key = stored[len(OPTIM_PREFIX) :].rpartition(".")
         keys[param_name].append(key)
+    meta_path, step = Path(directory) / META, meta["step"]
     for param, names in _stored_names(model):
+        if step >= 1 and names[0] not in keys:
+            raise CheckpointError(
+                f"{meta_path}: step {step} but no optimizer state for {names[0]!r} in the files it lists "
+                f"({', '.join(files_of(meta, 'optim')) or 'no optimizer file'}): one is missing"
+            )
         state = {}
         for key in sorted(keys.get(names[0], ())):
             stored = [f"{OPTIM_PREFIX}{name}.{key}" for name in names]
             if key == "step":  # AdamW keeps its step count as a CPU scalar (every expert's is the same)
                 state[key] = reader.take(stored[:1], torch.empty(()))
+                if float(state[key]) != step:
+                    raise CheckpointError(
+                        f"{reader.where[stored[0]][0]}: {stored[0]} is {float(state[key]):g}, but {meta_path} "
+                        f"says step {step} (one of them was changed)"
+                    )
             else:
                 state[key] = torch.zeros_like(param)
                 _local(state[key]).copy_(reader.take(stored, param))
@@ -416,5 +447,6 @@ def load_dense(directory: str, model: torch.nn.Module, optimizer: torch.optim.Op
         differ = []
     _verify_spread(directory, meta)
     load_model(directory, meta, model)
-    _load_optimizer(directory, meta, model, optimizer)
+    if not is_imported(meta):
+        _load_optimizer(directory, meta, model, optimizer)
     return meta, differ

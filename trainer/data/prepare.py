@@ -48,6 +48,7 @@ from trainer.data.token_shards import (
     verify_prepared,
 )
 from trainer.data.tokenizer import Tokenizer, TokenizerError, build_tokenizer, encode_documents
+from trainer.error_line import error_line
 
 DEFAULT_SHARD_TOKENS = 1 << 27  # 256 MiB of uint16 per shard
 CHUNK_CHARS = 1 << 24  # documents tokenized together: bounds the text and tokens held at once
@@ -244,6 +245,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, DataConfig]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = None
     try:
         args, cfg = parse_args(sys.argv[1:] if argv is None else argv)
         if args.verify is not None:
@@ -254,7 +256,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prepare: stopped after --max-shards {args.max_shards} new shards; run again to continue")
         return 0
     except (ConfigError, DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(error_line(e), file=sys.stderr)
+        return 2
+    except OSError as e:  # a full or read-only file system while writing: what is finished stays, to resume
+        where = e.filename or getattr(args, "out", None) or getattr(args, "verify", None)
+        message = f"prepare: cannot write {where}: {e.strerror or e}; the finished shards are kept: run again to resume"
+        print(error_line(DataError(message)), file=sys.stderr)
         return 2
     print("\n".join(lines))
     return 0

@@ -120,17 +120,19 @@ class ShardedTokens:
     """One split of a prepared corpus as one read-only 1-D token sequence over memory-mapped shards.
 
     Opening maps the files and reads no tokens; :meth:`sequences` copies rows out (those that cross a
-    shard boundary are joined). Pickling (a spawned loader worker) carries the paths and maps them again.
+    shard boundary are joined), every token id checked against the tokenizer's `vocab_size` (a damaged
+    shard is one DataError naming it, not an index error inside the model). Pickling (a spawned loader
+    worker) carries the paths and maps them again.
     """
 
-    def __init__(self, files: list[Path], counts: list[int], dtype: str, name: str):
-        self.files, self.counts, self.dtype, self.name = files, counts, dtype, name
+    def __init__(self, files: list[Path], counts: list[int], dtype: str, name: str, vocab_size: int):
+        self.files, self.counts, self.dtype, self.name, self.vocab_size = files, counts, dtype, name, vocab_size
         self.ends = np.cumsum(counts).tolist()
         self.num_tokens = int(self.ends[-1]) if counts else 0
         self.maps = [_map_shard(f, n, DTYPES[dtype]) for f, n in zip(files, counts, strict=True)]
 
     def __reduce__(self):
-        return (ShardedTokens, (self.files, self.counts, self.dtype, self.name))
+        return (ShardedTokens, (self.files, self.counts, self.dtype, self.name, self.vocab_size))
 
     def read(self, start: int, out: np.ndarray) -> None:
         """Fill ``out`` with tokens ``start .. start + len(out) - 1`` (which may span shards)."""
@@ -141,9 +143,21 @@ class ShardedTokens:
                 raise IndexError(f"tokens {start}..{start + len(out) - 1} of {self.name}: past its {self.num_tokens}")
             offset = start + done - (self.ends[k - 1] if k else 0)
             piece = self.maps[k][offset : offset + len(out) - done]
+            self._check_ids(k, offset, piece)
             out[done : done + len(piece)] = piece
             done += len(piece)
             k += 1
+
+    def _check_ids(self, shard: int, offset: int, piece: np.ndarray) -> None:
+        """DataError naming shard `shard` and the token's position unless every id in `piece` (its tokens from
+        `offset`) is below the vocabulary size."""
+        if len(piece) and int(piece.max()) >= self.vocab_size:
+            at = int(np.argmax(piece >= self.vocab_size))
+            raise DataError(
+                f"data.dataset: shard {str(self.files[shard])!r} holds token id {int(piece[at])} at token "
+                f"{offset + at}, outside the tokenizer's vocabulary of {self.vocab_size} (damaged; "
+                "python -m trainer.data.prepare --verify checks every shard)"
+            )
 
     def sequences(self, indices: torch.Tensor, row: int) -> torch.Tensor:
         """``LongTensor[len(indices), row]``: row ``i`` is tokens ``indices[i] * row`` onwards."""
@@ -206,7 +220,8 @@ def open_split(directory: Path, split: str, tok: Tokenizer, key: str) -> Sharded
     index = read_index(directory)
     check_tokenizer(index, tok, directory)
     files, counts, _ = _split_shards(index, directory, split, key)
-    return ShardedTokens(files, counts, index["dtype"], f"{str(directory)!r} split {split!r} ({key}={split!r})")
+    name = f"{str(directory)!r} split {split!r} ({key}={split!r})"
+    return ShardedTokens(files, counts, index["dtype"], name, int(tok.vocab_size))
 
 
 def verify_prepared(directory: Path) -> list[str]:
@@ -216,7 +231,7 @@ def verify_prepared(directory: Path) -> list[str]:
     lines = []
     for split in index["splits"]:
         files, counts, digests = _split_shards(index, directory, split, "split")
-        ShardedTokens(files, counts, index["dtype"], split)  # names, types and sizes first
+        ShardedTokens(files, counts, index["dtype"], split, 0)  # names, types and sizes first (no ids read)
         for path, digest in zip(files, digests, strict=True):
             if file_sha256(path) != digest:
                 raise DataError(f"data.dataset: shard {str(path)!r} does not match its sha256 in {INDEX_NAME}")

@@ -7,7 +7,12 @@ being copied to host memory), `replication` (after T is applied, while its snaps
 replica peers), `validation` (in the validation after T, where one runs); these fire only in normal
 training. `replay` fires while a restarted generation's
 start-up (a rejoin or a whole-job restart) replays T; `join`, in a survivor that kept its state of T, right
-after it joined the process groups of the in-place generation that follows the death at T. The kills fire in
+after it joined the process groups of the in-place generation that follows the death at T. At the end of a
+run whose last iteration is T: `digest` as this rank starts the final state digest (its peers wait for it
+there), `accounting` right after the point where rank 0 prints the accounting line
+(before the job records its end: trainer/run/job_end.py), `saved` once `checkpoint.save_final` is published
+(rank 0 before it tells the others), `final` once this rank knows the job finished (rank 0 after its `final`
+line, the others once they see rank 0's record). The kills fire in
 the order given, each once per job (`FaultPlan.kill_of`: the n-th distinct kill once n have fired), whether
 the job goes on in place or restarted by torchrun: the kills that fired are recorded on torchrun's store
 (`fired`).
@@ -21,7 +26,7 @@ import time
 
 import torch
 
-from moevement.failures import FaultPlan, KillEvent
+from moevement.failures import END_PHASES, FaultPlan, KillEvent
 from parallelisms.distributed import torchrun_store
 from parallelisms.parallelize import ModelParts
 from trainer.run.survival import StopGuard
@@ -41,6 +46,8 @@ class KillSwitch:
             return False
         if phase == "replay":  # the start-up's replay runs before training, in the setup phase
             return guard.phase == "setup" and self.seeder.step == kill.step
+        if phase in END_PHASES:  # named once each, after the last iteration
+            return guard.step == kill.step
         return guard.step == kill.step and guard.phase in ("training", "applying")  # not while a recovery replays
 
     def at(self, phase: str) -> None:

@@ -7,7 +7,8 @@ as its child and keeps one warm standby child: a second `train.py` with the inte
 and the project imported, waiting on a pipe for the word to start (on a GPU it holds no CUDA context
 until then).
 
-When the trainer child dies (SIGKILL, a segfault, the OOM killer, an unexpected exit status), the shell
+A standby that dies while it waits is started again at once (one `shell:` line). When the trainer child
+dies (SIGKILL, a segfault, the OOM killer, an unexpected exit status), the shell
 tells the standby which generation to join and it becomes the same rank on the same device; a new standby
 starts behind it. The surviving ranks notice the death themselves (a failed collective), keep their state
 in memory and join the same generation (`parallelisms.distributed.join_generation`). torchrun sees nothing.
@@ -19,7 +20,8 @@ when torchrun stops it (SIGTERM, forwarded to the child). It dies with torchrun'
 with it (`PR_SET_PDEATHSIG`).
 
 Messages from the trainer child reach the shell on a pipe (`SHELL_FD`), one line each: `generation <g>`
-when it starts joining generation g.
+when it starts joining generation g, `finished <step>` once it knows the job finished (trainer/run/job_end.py):
+a trainer that dies after that is nothing to recover, and the shell exits with success, replacing nobody.
 """
 
 from __future__ import annotations
@@ -100,6 +102,8 @@ class RankShell:
         self.command, self.max_replacements = command, max_replacements
         self.rank = os.environ.get("RANK", "?")
         self.generation, self.replacements, self.stopping = 0, 0, False
+        self.finished_at: int | None = None  # the step the job finished at, once the trainer said so
+        self.standbys_lost = 0  # standbys that died idle and were started again
         self.reports, report_end = os.pipe()
         self.env = {**os.environ, AGENT_PID: str(os.getppid()), SHELL_FD: str(report_end)}
         self.child = self._spawn("trainer")
@@ -131,20 +135,50 @@ class RankShell:
             word, _, value = line.partition(" ")
             if word == "generation" and value.isdigit():
                 self.generation = max(self.generation, int(value))
+            elif word == "finished" and value.isdigit():
+                self.finished_at = int(value)
 
     def run(self) -> int:
         """Supervise until the slot's work ends; returns the exit status for torchrun."""
         while True:
             while (code := self.child.poll()) is None:
                 self._read_reports(0.1)
+                self._keep_a_standby()
             self._read_reports(0)
+            if code not in _CLEAN_EXITS and self.finished_at is not None and not self.stopping:
+                print(
+                    f"shell: rank {self.rank}: trainer pid {self.child.pid} died ({_how(code)}) after the job "
+                    f"finished at step {self.finished_at}; nothing to recover",
+                    flush=True,
+                )
+                self._stop_standby()
+                return 0
             if code in _CLEAN_EXITS or self.stopping or not self._replace(code):
                 self._stop_standby()
                 return code if code >= 0 else 128 - code
 
+    def _keep_a_standby(self) -> None:
+        """A standby that died while the trainer ran (killed, out of memory) is started again at once, so the
+        trainer's next death is still replaced in place; at most `max_replacements` times (then a death goes
+        to torchrun's restart, "no standby")."""
+        if self.standby is None or self.standby.poll() is None or self.stopping:
+            return
+        dead, code = self.standby.pid, self.standby.returncode
+        if self.standbys_lost >= self.max_replacements:
+            print(f"shell: rank {self.rank}: standby pid {dead} died ({_how(code)}); none left to start", flush=True)
+            self.standby = None
+            return
+        self.standbys_lost += 1
+        self.standby = self._spawn("standby", stdin=subprocess.PIPE)
+        print(
+            f"shell: rank {self.rank}: standby pid {dead} died ({_how(code)}); standby pid {self.standby.pid} "
+            f"takes its place ({self.standbys_lost} of {self.max_replacements})",
+            flush=True,
+        )
+
     def _replace(self, code: int) -> bool:
         """The trainer child died with `code`: start the standby as the same rank in the next generation."""
-        how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+        how = _how(code)
         if self.standby is None or self.standby.poll() is not None or self.replacements >= self.max_replacements:
             why = "no standby" if self.standby is None or self.standby.poll() is not None else "replacements spent"
             print(f"shell: rank {self.rank}: trainer pid {self.child.pid} died ({how}); {why}: torchrun restarts")
@@ -161,6 +195,11 @@ class RankShell:
         )
         self.standby = self._spawn("standby", stdin=subprocess.PIPE)
         return True
+
+
+def _how(code: int) -> str:
+    """How a child with this `Popen.returncode` ended."""
+    return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
 
 
 def run_shell(argv: list[str]) -> int:

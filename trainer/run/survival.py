@@ -43,6 +43,8 @@ from trainer.run.startup import process_start_time
 # pipelining's waits) and the trainer's one door to it.
 _TORCH_DISTRIBUTED = Path(dist.__file__).resolve().parent
 _COLLECTIVES = Path(collectives.__file__).resolve()
+_TORCH_OPS = (Path(dist.__file__).resolve().parent.parent / "_ops.py").resolve()  # torch's operator dispatch
+_COMMUNICATION_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
 # What the one-line summary quotes of a gloo error when it carries one of these (display only).
 GLOO_GISTS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out", "timed out")
 
@@ -70,9 +72,10 @@ def communication_failure(error: BaseException) -> bool:
       (`DistBackendError`, the process kept alive by `TORCH_NCCL_ASYNC_ERROR_HANDLING=2`, see
       `parallelisms.distributed.configure_nccl_error_handling`), the store, the network;
     - a plain `RuntimeError` raised inside communication code (its innermost frame is in `torch.distributed`
-      or `parallelisms/collectives.py`): gloo reports a closed connection or a timeout untyped, from the
-      wait of the operation. A wrong argument is caught before the call (`collectives.DeviceNotServed`, a
-      `ValueError`)."""
+      or `parallelisms/collectives.py`, or is torch's operator dispatch running a c10d operator, as the wait
+      of a functional collective does inside DTensor's `full_tensor`): gloo reports a closed connection or a
+      timeout untyped, from the wait of the operation. A wrong argument is caught before the call
+      (`collectives.DeviceNotServed`, a `ValueError`)."""
     if isinstance(error, dist.DistError):
         return True
     if type(error) is not RuntimeError or error.__traceback__ is None:
@@ -81,7 +84,19 @@ def communication_failure(error: BaseException) -> bool:
     while tb.tb_next is not None:
         tb = tb.tb_next
     where = Path(tb.tb_frame.f_code.co_filename).resolve()
-    return where == _COLLECTIVES or _TORCH_DISTRIBUTED in where.parents
+    return where == _COLLECTIVES or _TORCH_DISTRIBUTED in where.parents or _c10d_operator(tb.tb_frame, where)
+
+
+def _c10d_operator(frame, where: Path) -> bool:
+    """Whether `frame` (at `where`) is torch's operator dispatch (`torch/_ops.py`) running an operator of a
+    communication namespace (`c10d`, `_c10d_functional`, ...): told by the operator object, not by a message."""
+    if where != _TORCH_OPS:
+        return False
+    op = frame.f_locals.get("self")
+    name = getattr(op, "_qualified_op_name", None)  # an operator's packet
+    if name is None and callable(getattr(op, "name", None)):  # one of its overloads
+        name = op.name()
+    return isinstance(name, str) and name.partition("::")[0] in _COMMUNICATION_NAMESPACES
 
 
 def _peer_error(error: BaseException | None) -> BaseException | None:

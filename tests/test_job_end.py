@@ -1,0 +1,151 @@
+"""A death after the job has finished (trainer/run/job_end.py, docs/design.md §4 in-place replacement 7).
+
+Real torchrun jobs (pp=2, a rank shell per slot, no torchrun restart allowed) in which a worker SIGKILLs itself
+at the end of the run: each exits 0 within seconds of the death, prints the fault-free `final` line once, and
+leaves the complete checkpoint it was asked for. The generation watch and the shell's `finished` report are
+tested in one process (a real TCPStore) and with the rank shell's own protocol."""
+
+from __future__ import annotations
+
+import datetime
+import re
+import socket
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from parallelisms import distributed
+from tests.conftest import run_cli
+from tests.test_rank_shell import run_shell
+from tests.test_recovery import BASE, MOEVEMENT, baseline
+from trainer.run import job_end
+
+PP2 = ["--parallelism.pp", "2"]
+LAST = 12  # BASE's training.steps
+FINAL = re.compile(r"^final step=.*$", re.M)
+KILLED = re.compile(r"^fault: rank (\d) killed \(SIGKILL\) in the (\w+) phase of step \d+ at unix=(\S+)$", re.M)
+
+
+def end_run(tmp_path, kill: str, *extra: str) -> tuple[str, float]:
+    """A pp=2 run killed by `--fault.kill kill`; its output and the seconds from the death to the job's exit."""
+    proc = run_cli(
+        *BASE,
+        *PP2,
+        *MOEVEMENT,
+        *("--checkpoint.host_dir", str(tmp_path / "shm")),
+        *("--fault.timeout_s", "120"),  # a generation that never forms would be waited for 240 s
+        *("--fault.kill", kill),
+        *extra,
+        nproc=2,
+        torchrun=("--max-restarts=0",),
+    )
+    ended = time.time()
+    out = proc.stdout
+    killed = KILLED.search(out)
+    assert killed, out
+    return out, ended - float(killed[3])
+
+
+def assert_finished_once(out: str) -> None:
+    """One `final` line, the fault-free run's."""
+    assert FINAL.findall(out) == FINAL.findall(baseline(PP2, 2)), out
+
+
+def test_a_death_before_the_job_records_its_end_is_replaced_and_the_replacement_gives_up(tmp_path):
+    """Rank 1 dies right after the accounting line, before it knows the job finished: its shell replaces it,
+    and the replacement, waiting for a generation nobody else will join, sees the job's end and exits 0."""
+    out, seconds = end_run(tmp_path, f"{LAST}:1:accounting")
+    assert_finished_once(out)
+    assert re.search(r"^shell: rank 1: trainer pid \d+ died .* replaces it in generation 1 ", out, re.M), out
+    assert re.search(rf"^rank 1 pid \d+: generation 1 will not form: the job finished at step {LAST}; ", out, re.M)
+    assert seconds < 30, f"{seconds:.1f} s from the death to the job's exit"
+
+
+def test_a_death_after_the_job_finished_is_not_replaced(tmp_path):
+    """Rank 1 dies once it knows the job finished (after rank 0's `final` line): its shell says so and exits 0."""
+    out, seconds = end_run(tmp_path, f"{LAST}:1:final")
+    assert_finished_once(out)
+    pattern = rf"^shell: rank 1: trainer pid \d+ died \(signal SIGKILL\) after the job finished at step {LAST}; "
+    assert re.search(pattern, out, re.M) and "replaces it" not in out, out
+    assert seconds < 30, f"{seconds:.1f} s from the death to the job's exit"
+
+
+def test_a_death_during_save_final_after_publication_leaves_the_checkpoint(tmp_path):
+    """Rank 0 dies right after publishing `checkpoint.save_final`, before telling rank 1: rank 1's wait fails,
+    it sees the job's end and exits 0; rank 0's shell replaces nobody; the checkpoint loads to the same digest."""
+    target = tmp_path / "final"
+    out, seconds = end_run(tmp_path, f"{LAST}:0:saved", "--checkpoint.save_final", str(target))
+    assert_finished_once(out)
+    assert re.search(rf"^rank 1 pid \d+: a peer died after the job finished at step {LAST}; ", out, re.M), out
+    assert re.search(rf"^shell: rank 0: trainer pid \d+ died .* after the job finished at step {LAST}; ", out, re.M)
+    assert "replaces it" not in out and seconds < 30, (seconds, out)
+    loaded = run_cli(*BASE, "--checkpoint.load", str(target)).stdout  # training.steps = the saved step
+    assert FINAL.findall(loaded) == FINAL.findall(out), loaded
+
+
+def test_a_shell_whose_trainer_finished_replaces_nobody(tmp_path):
+    """A trainer that said `finished <step>` and then died: the shell exits 0 and activates no standby."""
+    code, records, out = run_shell(tmp_path, ["finished-die"], max_replacements=4)
+    assert code == 0 and not any("activated" in r for r in records), out
+    assert "died (signal SIGKILL) after the job finished at step 7; nothing to recover" in out, out
+
+
+@pytest.fixture
+def store(monkeypatch):
+    """A real TCPStore on a free local port, as torchrun's agent hosts it, and this process as rank 1 of 3."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    master = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=10))
+    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "1", "WORLD_SIZE": "3"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setattr(distributed, "_TORCHRUN_STORE", master)
+    return master
+
+
+def test_the_generation_watch_gives_up_only_when_the_generation_cannot_form(store):
+    watch = job_end.GenerationWatch(generation=2)
+    watch()  # nobody left, the job goes on: keep waiting
+    job_end.record_left(0, LAST)
+    watch()  # rank 2 may still join
+    job_end.record_left(2, LAST)
+    with pytest.raises(job_end.PeersLeft, match="generation 2 will not form: every other rank has left"):
+        watch()
+    job_end.record_finished(LAST)
+    with pytest.raises(job_end.JobFinished, match=f"the job finished at step {LAST}; nothing to recover"):
+        watch()
+    assert job_end.finished_step() == LAST and job_end.await_finished(1.0) == LAST
+
+
+def test_a_watched_join_stops_waiting_when_the_watch_raises():
+    """`_on_a_thread`: a join that would block for good ends as soon as the watch raises."""
+    release, calls = threading.Event(), []
+
+    def watch():
+        calls.append(time.monotonic())
+        if len(calls) == 2:
+            raise job_end.PeersLeft(1)
+
+    started = time.monotonic()
+    with pytest.raises(job_end.PeersLeft):
+        distributed._on_a_thread(lambda: release.wait(60), watch)
+    release.set()
+    assert len(calls) == 2 and time.monotonic() - started < 5
+
+
+def test_an_error_of_a_c10d_operator_is_a_communication_failure():
+    """A functional collective's error is raised by torch's operator dispatch (`torch/_ops.py`), as the wait
+    inside DTensor's `full_tensor` raises a dead peer's reset connection: classified by the operator that
+    raised it, never by the message. Another operator's error is not a communication failure."""
+    import torch
+
+    from trainer.run.survival import communication_failure
+
+    with pytest.raises(RuntimeError) as c10d:
+        torch.ops._c10d_functional.all_reduce(torch.zeros(2), "sum", "no-such-group")
+    with pytest.raises(RuntimeError) as aten:
+        torch.ops.aten.mm(torch.zeros(2, 3), torch.zeros(2, 3))
+    assert communication_failure(c10d.value) and not communication_failure(aten.value)

@@ -1,0 +1,146 @@
+"""The job's end, a state of the whole job like a generation (docs/design.md §4, in-place replacement 7).
+
+Once rank 0 holds the final state digest and the dense checkpoint asked for (`checkpoint.save_final`) is
+published, the job has *finished*: a death after that is nothing to recover. Two records on torchrun's store
+(its agent's: it outlives every worker of the attempt) say how far the end has come:
+
+- `attempt<a>/finished` = the last step: set by rank 0 before it prints the `final` line (after the
+  checkpoint's publication when one is saved), so a rank that dies afterwards is not replaced;
+- `attempt<a>/left/<rank>` = the last step: set by each rank once it has passed the job's last collective,
+  so nobody waits for it in a later generation.
+
+A trainer tells its rank shell `finished <step>` once it knows the job finished (rank 0 when it records it,
+every other rank when it sees the record); a shell whose trainer then dies exits with success and starts no
+replacement. A trainer that died earlier is replaced, and its replacement (or a survivor) waiting to join a
+generation that can no longer form gives up at once (`check_generation_can_form`): with success when the
+job finished, else through torchrun's restart of every worker.
+
+Training thread only; a missing store (no torchrun) makes every call here a no-op.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch.distributed as dist
+
+from parallelisms.distributed import torchrun_store
+from trainer.run import rank_shell
+
+_STORE_ERRORS = (RuntimeError, dist.DistError)
+
+
+class JobFinished(Exception):  # noqa: N818 (a state reached, not an error)
+    """A generation this process waited to join will not form: the job finished at `step`."""
+
+    def __init__(self, generation: int, step: int):
+        super().__init__(
+            f"rank {os.environ.get('RANK', '0')} pid {os.getpid()}: generation {generation} will not form: "
+            f"the job finished at step {step}; nothing to recover"
+        )
+        self.step = step
+
+
+class PeersLeft(Exception):  # noqa: N818 (a state reached, not an error)
+    """A generation this process waited to join will not form: every other rank left the job, which did not
+    finish (rank 0 died before recording its end): torchrun's restart of every worker takes over."""
+
+    def __init__(self, generation: int):
+        super().__init__(
+            f"restart: generation {generation} will not form: every other rank has left the job, which did not "
+            "record its end: torchrun restarts every worker"
+        )
+
+
+def _attempt() -> str:
+    return f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def _finished_key() -> str:
+    return f"{_attempt()}/finished"
+
+
+def _left_key(rank: int) -> str:
+    return f"{_attempt()}/left/{rank}"
+
+
+def record_finished(step: int) -> None:
+    """Rank 0, the job's results out (the digest held, the checkpoint asked for published): the job finished
+    at `step`; its shell hears it too."""
+    store = torchrun_store()
+    if store is not None:
+        store.set(_finished_key(), str(step))
+        rank_shell.report(f"finished {step}")
+
+
+def await_finished(timeout_s: float) -> int | None:
+    """Any rank but 0, past the job's last collective: wait up to `timeout_s` for rank 0's record of the end
+    (it comes right after that collective) and tell the shell; the step, or None (no store, or rank 0 died
+    before recording it: this rank's death is then replaced, and its replacement gives up)."""
+    store = torchrun_store()
+    if store is None:
+        return None
+    try:
+        store.wait([_finished_key()], datetime.timedelta(seconds=timeout_s))
+        step = int(store.get(_finished_key()))
+    except _STORE_ERRORS:
+        return None
+    rank_shell.report(f"finished {step}")
+    return step
+
+
+def record_left(rank: int, step: int) -> None:
+    """This rank passed the job's last collective: no later generation is to wait for it."""
+    store = torchrun_store()
+    if store is not None:
+        try:
+            store.set(_left_key(rank), str(step))
+        except _STORE_ERRORS:
+            pass  # the store is gone: the job is ending anyway
+
+
+def finished_step() -> int | None:
+    """The step the job finished at, if rank 0 recorded its end (None: not yet, or no store)."""
+    store = torchrun_store()
+    try:
+        return int(store.get(_finished_key())) if store is not None and store.check([_finished_key()]) else None
+    except _STORE_ERRORS:
+        return None
+
+
+class GenerationWatch:
+    """Polled while this rank waits to join in-place generation `generation`: raises `JobFinished` or
+    `PeersLeft` once the generation can no longer form. It reads the store through a client of its own:
+    the joining thread's client is held by its blocking waits."""
+
+    def __init__(self, generation: int):
+        self.generation = generation
+        self.rank, self.world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        self.store: dist.Store | None = None
+
+    def __call__(self) -> None:
+        store = self._client()
+        if store is None:
+            return
+        try:
+            if store.check([_finished_key()]):
+                raise JobFinished(self.generation, int(store.get(_finished_key())))
+            others = [_left_key(r) for r in range(self.world) if r != self.rank]
+            if others and store.check(others):
+                raise PeersLeft(self.generation)
+        except _STORE_ERRORS:
+            return  # the store cannot answer now: keep waiting for the generation
+
+    def _client(self) -> dist.Store | None:
+        if self.store is None and "MASTER_ADDR" in os.environ:
+            try:
+                self.store = dist.TCPStore(
+                    os.environ["MASTER_ADDR"],
+                    int(os.environ["MASTER_PORT"]),
+                    is_master=False,
+                    timeout=datetime.timedelta(seconds=30),
+                )
+            except _STORE_ERRORS:
+                return None
+        return self.store
