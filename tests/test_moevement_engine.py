@@ -151,11 +151,11 @@ def test_windows_of_one_slot_reuse_their_layout_and_stay_exact(tmp_path):
     def on_snapshot(header, before, engine):
         check_snapshot(header, before, engine, torch.float32)
         layouts.append(engine.window.layouts)
-        sums.append([e.checksum for e in header.entries])
+        sums.append(header.checksums)
+        assert header.checksums[-1][1] == len(header.entries), "its checksums cover every entry"
 
     engine = train(tmp_path / "rank0", 8, on_snapshot=on_snapshot, window=1)
     assert len(layouts) == 6 and all(layout is layouts[0] for layout in layouts)
-    assert all(e.checksum == "" for e in layouts[0].slots[0][0]), "a layout's entries carry no checksums"
     assert all(a != b for a, b in zip(sums, sums[1:])), "each snapshot's header has the checksums of its bytes"
     engine.planner.forget_layouts()
     assert engine.planner.layouts(engine.window.plan) is not layouts[0]
@@ -179,117 +179,34 @@ def test_a_first_optimizer_step_inside_a_window_lays_its_snapshots_out_again(tmp
 
 
 def test_the_commit_record_is_the_headers_json_byte_for_byte():
-    """The copy thread encodes a header but for `meta`, its checksums spliced into its layout's entries
-    encoded once; with the iteration's `meta` added it is exactly the encoding of the whole header."""
+    """The copy thread encodes a header but for `meta`, its layout's entries encoded once and its own chunk
+    checksums in; with the iteration's `meta` added it is exactly the encoding of the whole header."""
     from moevement.storage.host_memory import encode_json
-    from moevement.storage.snapshot import EncodedEntries, Entry, with_checksums
+    from moevement.storage.snapshot import Entry, encode_entries
 
     layout = [Entry("op", f"t{i}", "master", "float32", [i, 2], 1024 * i, 8 * i) for i in range(5)]
-    encoded_layout = EncodedEntries(layout)
+    encoded_layout = encode_entries(layout)
     for round_ in range(2):  # one layout, two snapshots of it
-        sums = [f"{round_}{i:015x}" for i in range(5)]
         header = SnapshotHeader(7, 5, 2, 4, 1, ["op"], ["b", "c"], layout, 5120, {"seed": 0, "run": {"job": "x"}})
-        prepared = header.encode_without_meta(encoded_layout, sums)
+        header.checksums = [[0, 3, f"{round_}{0:015x}"], [3, 5, f"{round_}{1:015x}"]]
+        prepared = header.encode_without_meta(encoded_layout)
         header.meta["scalars"] = {"loss": 1.25, "clip_coef": 0.5}
         commit = prepared.with_meta(header.meta)
-        header.entries = with_checksums(layout, sums)
         assert commit.encoded == encode_json(header.to_json()) == header.commit_record().encoded
         assert (commit.slot, commit.window_start, commit.nbytes) == (2, 5, 5120)
-    assert EncodedEntries([*layout, Entry("op", "\0", "master", "float32", [1], 0, 4)]).parts is None
+        assert SnapshotHeader.from_json(header.to_json()) == header
 
 
-def test_every_window_is_planned_for_the_shortest_overlap_of_the_one_before(tmp_path, monkeypatch):
-    """Algorithm 1 runs at every window boundary on the overlap times measured since the last plan
-    (the run's first iteration left out): the window size follows them, and windows of changing
-    size still reassemble the exact state and persist."""
-    import moevement.checkpoint.planner as engine_module
+def test_a_header_of_the_older_format_is_refused_in_one_line():
+    """A header with a checksum per entry (written before chunk checksums) is refused, not misread."""
+    from moevement.storage.snapshot import Entry
 
-    plans = []  # (iteration_s, W) of every plan
-    real = engine_module.find_window_size
-
-    def spy(fp32, compute, iteration_s, bandwidth):
-        w, o_active = real(fp32, compute, iteration_s, bandwidth)
-        plans.append((iteration_s, w))
-        return w, o_active
-
-    monkeypatch.setattr(engine_module, "find_window_size", spy)
-    cap = 0.8  # Gbit/s: 100 MB/s, far below any real copy, so Algorithm 1 plans with exactly this
-    full_s = 0.0
-
-    def prepare(engine):
-        nonlocal full_s
-        full_s = sum(op.fp32_bytes(engine.optimizer) for op in engine.ops) / (cap * 1e9 / 8)
-        iteration = iter(range(1, 100))
-        # iteration 1: shortest of all, but warm-up; 2: the whole state fits (W = 1); later: about half
-        scripted = {1: full_s / 100, 2: full_s * 1.01, 3: full_s / 1.9, 4: full_s / 2}
-        engine.planner.profile.record = lambda _seconds: engine.planner.profile.times.append(
-            scripted.get(next(iteration), full_s / 2)
-        )
-
-    seen: dict[int, list] = {}  # window start -> its snapshots' headers
-
-    def on_snapshot(header, before, engine):
-        check_snapshot(header, before, engine, torch.float32)
-        seen.setdefault(header.window_start, []).append(header)
-
-    engine = train(tmp_path / "rank0", 20, prepare=prepare, on_snapshot=on_snapshot, window=0, bandwidth_gbps=cap)
-    assert [t for t, _ in plans[:3]] == [full_s * 1.01, full_s / 1.9, full_s / 2]
-    windows = [w for _, w in plans]
-    assert windows[0] == 1 and windows[1] > 2 and len(seen) >= 3
-    assert list(seen) == [3 + sum(windows[:k]) for k in range(len(seen))]
-    assert [headers[0].window for headers in seen.values()] == windows[: len(seen)]
-    for headers in seen.values():
-        if len(headers) == headers[0].window:  # complete: every operator in exactly one slot
-            assert sorted(op for h in headers for op in h.active) == sorted(engine.ops_by_name)
-    persisted = read_header(tmp_path / "rank0" / "persisted")
-    assert persisted["window"] == windows[persisted["window_index"]]
-
-
-@pytest.mark.parametrize("slots", ["count", "bytes"])
-def test_algorithm_1_never_plans_more_than_max_window_slots(tmp_path, monkeypatch, slots):
-    """When Algorithm 1 wants a slot per operator (iterations far shorter than a copy), the window stops at
-    `max_window` (host memory grows with W) and its snapshots still cover every operator once."""
-    import moevement.checkpoint.planner as planner
-
-    monkeypatch.setattr(planner, "find_window_size", lambda fp32, *_: (len(fp32), 1))
-    monkeypatch.setattr(planner, "byte_window_size", lambda fp32, *_: len(fp32))
-    seen: dict[int, list] = {}
-
-    def on_snapshot(header, before, engine):
-        check_snapshot(header, before, engine, torch.float32)
-        seen.setdefault(header.window_start, []).append(header)
-
-    engine = train(tmp_path / "rank0", 8, on_snapshot=on_snapshot, window=0, max_window=4, slots=slots)
-    assert len(engine.ops_by_name) > 4
-    headers = seen[min(seen)]
-    assert [h.window for h in headers] == [4] * 4
-    assert sorted(op for h in headers for op in h.active) == sorted(engine.ops_by_name)
-
-
-def test_snapshot_is_not_torn_by_the_optimizer_step(tmp_path):
-    """A capped copy is still running when the step comes: the step waits, the bytes are pre-step."""
-    cap = 0.001  # Gbit/s
-    stalls = []  # (seconds the copy takes at the cap, stall_ms of the step after it)
-
-    def on_snapshot(header, before, engine):
-        check_snapshot(header, before, engine, torch.float32)
-        stalls.append((header.nbytes * 8 / (cap * 1e9), engine.metrics()["stall_ms"]))
-
-    train(tmp_path / "rank0", 5, on_snapshot=on_snapshot, bandwidth_gbps=cap)
-    # copies of 1-2.5 s: at least one outlasts this model's forward/backward even on a loaded machine
-    # (where one does not, the step had nothing to wait for; every snapshot's bytes are checked above)
-    assert len(stalls) == 3 and max(stall_ms for _, stall_ms in stalls) > 1.0, stalls
-
-
-def test_garbage_collection_keeps_one_persisted_and_one_in_flight(tmp_path):
-    rank_dir = tmp_path / "rank0"
-    train(rank_dir, 2 + 3 * 3 + 2)  # windows at 3, 6, 9 complete; 12-13 in flight
-    manifest = read_header(rank_dir / "persisted")
-    assert (manifest["window_start"], manifest["window"]) == (9, 3)
-    committed = sorted((h["window_start"], h["slot"]) for h in map(read_header, _buffers(rank_dir / "local")) if h)
-    assert committed == [(9, 0), (9, 1), (9, 2), (12, 0), (12, 1)]
-    headers = [h for h, _ in persisted_snapshots(rank_dir)]
-    assert [h["iteration"] for h in headers] == [9, 10, 11]
+    header = SnapshotHeader(7, 5, 2, 4, 1, ["op"], [], [Entry("op", "t", "master", "float32", [2], 0, 8)], 1024)
+    old = header.to_json()
+    del old["checksums"], old["checksum_format"]
+    old["entries"][0]["checksum"] = "0123456789abcdef"
+    with pytest.raises(SnapshotError, match=r"^snapshot header of an older format \(a checksum per tensor"):
+        SnapshotHeader.from_json(old)
 
 
 def _buffers(directory: Path) -> list[Path]:
@@ -352,15 +269,16 @@ def test_shared_memory_snapshots_survive_the_death_of_their_process(tmp_path):
         shutil.rmtree(rank_dir.parent, ignore_errors=True)
 
 
-def test_snapshot_checksums_are_xxh3_of_each_entry():
-    """copy_entries hashes every entry while copying: each checksum is the XXH3-64 of exactly the entry's
-    bytes (not its padding), whatever the stale padding held; the entries it was given stay as they were."""
+def test_snapshot_checksums_are_xxh3_of_each_chunk():
+    """copy_entries copies chunk by chunk and hashes each chunk once: each checksum is the XXH3-64 of exactly
+    its entries' bytes with their padding, zeroed whatever the stale buffer held; a large entry ends a chunk;
+    `verify_entries` accepts the result, and refuses a flipped byte, a dropped chunk or a shifted one."""
     import xxhash
 
-    from moevement.storage.snapshot import BLOCK, Entry, Throttle, copy_entries, with_checksums
+    from moevement.storage.snapshot import BLOCK, Entry, Throttle, copy_entries, verify_entries
 
     g = torch.Generator().manual_seed(0)
-    sizes = (1, 300, 0, 1000, (1 << 20) + 3, 7, 4096)  # the large one (float32) ends a copy group
+    sizes = (1, 300, 0, 1000, (1 << 20) + 3, 7, 4096)  # the large one (float32) ends a chunk
     sources = [torch.randn(n, generator=g) * 1e30 for n in sizes] + [torch.tensor(5.0)]
     entries, offset = [], 0
     for i, src in enumerate(sources):
@@ -372,12 +290,24 @@ def test_snapshot_checksums_are_xxh3_of_each_entry():
         offset += -(-nbytes // BLOCK) * BLOCK
     buffer = torch.full((offset,), 255, dtype=torch.uint8)  # stale bytes where the padding goes
     sums = copy_entries(buffer, entries, sources, Throttle(0))
-    assert [e.checksum for e in entries] == [""] * len(entries), "the layout's entries are not changed"
-    entries = with_checksums(entries, sums)
+    assert [(start, stop) for start, stop, _ in sums] == [(0, 5), (5, 8)], sums
     for entry, src in zip(entries, sources):
         raw = buffer[entry.offset : entry.offset + entry.nbytes]
         assert torch.equal(raw.view(getattr(torch, entry.dtype)).view(entry.shape), src.to(getattr(torch, entry.dtype)))
-        assert entry.checksum == xxhash.xxh3_64_hexdigest(raw.numpy().tobytes())
+        assert not buffer[entry.offset + entry.nbytes : entry.offset + -(-entry.nbytes // BLOCK) * BLOCK].any()
+    for start, stop, value in sums:
+        lo, hi = entries[start].offset, (entries[stop].offset if stop < len(entries) else offset)
+        assert value == xxhash.xxh3_64_hexdigest(buffer[lo:hi].numpy().tobytes())
+    header = SnapshotHeader(1, 1, 0, 1, 0, ["op"], [], entries, offset, checksums=sums)
+    verify_entries(buffer, header)
+    flipped = buffer.clone()
+    flipped[entries[6].offset] ^= 1
+    with pytest.raises(SnapshotError, match=r"checksum mismatch in master tensor\(s\) t5 \.\. t7 \(iteration 1\)"):
+        verify_entries(flipped, header)
+    with pytest.raises(SnapshotError, match="its checksums cover 5 of its 8 tensors"):
+        verify_entries(buffer, SnapshotHeader(1, 1, 0, 1, 0, ["op"], [], entries, offset, checksums=sums[:1]))
+    with pytest.raises(SnapshotError, match="malformed checksum list at tensor 0"):
+        verify_entries(buffer, SnapshotHeader(1, 1, 0, 1, 0, ["op"], [], entries, offset, checksums=sums[1:]))
 
 
 def test_checksum_detects_every_corruption_a_sum_misses():

@@ -39,7 +39,8 @@ def pinned_copy(workspace: Workspace, device: torch.device) -> list[Check]:
         entries, _, nbytes = layout_of(items)
         header = SnapshotHeader(1, 1, 0, 1, 0, ["op"], [], entries, nbytes)
         buffer = buffers.buffer(0, 0)
-        commit = buffers.submit(buffers.copy, buffer, header, sources, Throttle()).result().with_meta({})
+        ready = buffers.sources_ready()  # the copy stream waits for this thread's stream, not its own
+        commit = buffers.submit(buffers.copy, buffer, header, sources, Throttle(), ready).result().with_meta({})
         committed = SnapshotHeader.from_json(json.loads(commit.encoded))  # the checksums of what was copied
         back = read_entries(buffer.data, committed, source="pinned copy")
         same = all(torch.equal(back[("master", f"t{i}")], t.cpu()) for i, t in enumerate(sources))

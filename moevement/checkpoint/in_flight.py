@@ -44,7 +44,8 @@ class SnapshotInFlight:
 
     def start(self, window_index: int, header: SnapshotHeader, sources: list[torch.Tensor], buffer: HostBuffer) -> None:
         """Training thread: submit the copy of SS_t (`header`, `sources`) into `buffer`, of window `window_index`."""
-        copy = self.buffers.submit(self._copy, window_index, buffer, header, sources)
+        ready = self.buffers.sources_ready()
+        copy = self.buffers.submit(self._copy, window_index, buffer, header, sources, ready)
         self.pending = _Pending(window_index, header, buffer, copy)
 
     def wait(self) -> float | None:
@@ -92,8 +93,8 @@ class SnapshotInFlight:
             return None
         return SnapshotHeader.from_json(read_header(self.latest_buffer.path)), self.latest_buffer.data
 
-    def _copy(self, window_index: int, buffer: HostBuffer, header: SnapshotHeader, sources) -> EncodedHeader:
-        """Copy thread: wait until the buffer's old window is garbage, copy SS_t into it, and encode its
-        header but for the iteration's `meta` (which `commit` adds)."""
+    def _copy(self, window_index: int, buffer: HostBuffer, header: SnapshotHeader, sources, ready) -> EncodedHeader:
+        """Copy thread: wait until the buffer's old window is garbage, copy SS_t into it (after `ready` on GPU),
+        and encode its header but for the iteration's `meta` (which `commit` adds)."""
         self.handoff.wait_until_reusable(window_index)
-        return self.buffers.copy(buffer, header, sources, self.throttle())
+        return self.buffers.copy(buffer, header, sources, self.throttle(), ready)

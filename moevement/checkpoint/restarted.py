@@ -17,7 +17,7 @@ from pathlib import Path
 from moevement.checkpoint.handoff import SnapshotHandoff
 from moevement.checkpoint.persisted import MANIFEST
 from moevement.storage.host_memory import HostBuffer
-from moevement.storage.snapshot import SnapshotHeader, Throttle, copy_entries, with_checksums
+from moevement.storage.snapshot import SnapshotHeader, Throttle, copy_entries
 from moevement.storage.snapshot_buffers import SnapshotBuffers
 
 
@@ -32,8 +32,8 @@ def adopt_window(
         buffer = buffers.buffer(window_index % 2, header.slot)
         buffer.invalidate()
         data = buffer.ensure(max(header.nbytes, 1))
-        sums = copy_entries(data, header.entries, [tensors[(e.role, e.name)] for e in header.entries], Throttle())
-        header.entries = with_checksums(header.entries, sums)
+        sources = [tensors[(e.role, e.name)] for e in header.entries]
+        header.checksums = copy_entries(data, header.entries, sources, Throttle())
         handoff.commit(window_index, header.commit_record(), buffer, header.slot == len(snapshots) - 1)
     handoff.drain()
 

@@ -25,14 +25,15 @@ from moevement.operators import Operator
 from moevement.recovery.replay import load_master
 from moevement.recovery.upstream_log import UpstreamLog
 from moevement.storage.host_memory import HostBuffer, HostMemoryError, map_bytes, read_header
+from moevement.storage.snapshot import FORMAT as CHECKSUM_FORMAT
 from moevement.storage.snapshot import (
     Entry,
     SnapshotError,
     Throttle,
     copy_entries,
+    entries_of,
     layout_of,
     read_entries,
-    with_checksums,
 )
 
 LIVE = "live"
@@ -64,14 +65,16 @@ class Survival(NamedTuple):
 
 @dataclass(frozen=True)
 class LiveHeader:
-    """The header of `live.{bin,json}`: where each tensor lies in the buffer, with its checksum (the
-    snapshot's `Entry`), so that the snapshot's own `read_entries` verifies and reads it back."""
+    """The header of `live.{bin,json}`: where each tensor lies in the buffer (the snapshot's `Entry`) and the
+    checksums of its chunks, so that the snapshot's own `read_entries` verifies and reads it back."""
 
     iteration: int  # next_iteration: the state is state_{iteration}
     log_from: int  # the first iteration whose upstream log and scalars it holds
     entries: list[Entry]
     nbytes: int
     meta: dict  # the job's identity, "generation", "scalars" {iteration: ...}, "detected"
+    checksums: list[list]  # [first entry, end entry, XXH3-64] per chunk
+    checksum_format: str = CHECKSUM_FORMAT
 
     def to_json(self) -> dict:
         """What `live.json` records (`from_json` reads it back)."""
@@ -81,7 +84,7 @@ class LiveHeader:
     def from_json(cls, payload: dict) -> LiveHeader:
         """SnapshotError unless `payload` is a live state header."""
         try:
-            return cls(**{**payload, "entries": [Entry(**e) for e in payload["entries"]]})
+            return cls(**{**payload, "entries": entries_of(payload, "live state header")})
         except (KeyError, TypeError) as e:
             raise SnapshotError(f"malformed live state header: {e}") from None
 
@@ -138,10 +141,10 @@ def save_kept(rank_dir: Path, live: LiveState) -> int:
     entries, sources, nbytes = layout_of(items)
     buffer = HostBuffer(rank_dir / LIVE)
     buffer.invalidate()
-    entries = with_checksums(entries, copy_entries(buffer.ensure(max(nbytes, 1)), entries, sources, Throttle()))
+    checksums = copy_entries(buffer.ensure(max(nbytes, 1)), entries, sources, Throttle())
     meta = {**live.meta, "scalars": {str(t): s for t, s in live.scalars.items()}}
     meta["detected"] = {**live.detected, "kept": time.time()}
-    buffer.commit(LiveHeader(live.next_iteration, live.log_from, entries, nbytes, meta).to_json())
+    buffer.commit(LiveHeader(live.next_iteration, live.log_from, entries, nbytes, meta, checksums).to_json())
     buffer.release()
     return nbytes
 

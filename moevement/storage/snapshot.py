@@ -1,17 +1,21 @@
-"""Snapshot `SS_t`: layout in a flat byte buffer, throttled copy, per-tensor checksums, reading back.
+"""Snapshot `SS_t`: layout in a flat byte buffer, throttled copy, per-chunk checksums, reading back.
 
 `SS_t` (docs/design.md §2) is taken of `state_t` during iteration t and holds, for slot `i = t - t0`,
 the FP32 master weights, buffers and optimizer state (with step counters) of the slot's operators
 ("master" entries) and the compute weights of the operators of later slots ("compute" entries,
 cast to the compute dtype while copying), plus the iteration's metadata. The header is
-self-describing JSON: every entry's operator, name, dtype, shape, byte range and checksum.
+self-describing JSON: every entry's operator, name, dtype, shape and byte range, and the checksum of
+every *chunk*: consecutive entries of about `CHUNK_BYTES` (padding included), copied with one call and
+hashed with one. A checksum per chunk instead of per entry keeps the copy thread's calls, and so its
+hand-overs of the GIL to a training thread that takes it at every kernel launch, proportional to the
+snapshot's bytes rather than to its thousands of small entries.
 """
 
 from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -23,7 +27,9 @@ from moevement.storage.cpu_cost import measure
 from moevement.storage.host_memory import encode_json
 
 BLOCK = 1024  # entries start on block boundaries (aligned copies; zeroed padding)
-CHUNK_BYTES = 4 << 20  # copy granularity; the bandwidth cap is enforced between chunks
+CHUNK_BYTES = 4 << 20  # copy and hash granularity on CPU; the bandwidth cap is enforced between chunks
+CUDA_CHUNK_BYTES = 64 << 20  # from a GPU: one synchronisation and one hash per 64 MB
+FORMAT = "chunk-xxh3"  # what a header's `checksums` are: XXH3-64 per chunk (older headers: one per entry)
 
 
 class SnapshotError(RuntimeError):
@@ -39,12 +45,12 @@ class Entry:
     shape: list[int]
     offset: int
     nbytes: int
-    checksum: str = ""
 
 
 class EntryTable(Protocol):
-    """What reading a buffer back needs of its header: its entries, its size, and the iteration it holds
-    the state of (named in errors). `SnapshotHeader` is one, a survivor's `LiveHeader` another."""
+    """What reading a buffer back needs of its header: its entries, its chunks' checksums, its size, and
+    the iteration it holds the state of (named in errors). `SnapshotHeader` is one, a survivor's
+    `LiveHeader` another."""
 
     @property
     def iteration(self) -> int: ...
@@ -53,7 +59,21 @@ class EntryTable(Protocol):
     def entries(self) -> list[Entry]: ...
 
     @property
+    def checksums(self) -> list[list]: ...
+
+    @property
     def nbytes(self) -> int: ...
+
+
+def entries_of(payload: dict, what: str) -> list[Entry]:
+    """The entries of a header's JSON `payload` (a `what`), refusing a header of the older format (a
+    checksum per entry) with one line."""
+    if payload.get("checksum_format") != FORMAT:
+        raise SnapshotError(
+            f"{what} of an older format (a checksum per tensor, not per chunk): not read; it was written by an "
+            "earlier version of the trainer"
+        )
+    return [Entry(**e) for e in payload["entries"]]
 
 
 @dataclass
@@ -68,24 +88,24 @@ class SnapshotHeader:
     entries: list[Entry]
     nbytes: int
     meta: dict = field(default_factory=dict)  # data position, RNG seeds, scalar log of `iteration`
+    checksums: list[list] = field(default_factory=list)  # [first entry, end entry, XXH3-64] per chunk
+    checksum_format: str = FORMAT
 
     def to_json(self) -> dict:
         """A JSON-ready copy (`dataclasses.asdict` would deep-copy ~1000 entries: ~25 ms per snapshot)."""
         entries = [dict(vars(e)) for e in self.entries]
         return {**self._fields(), "entries": entries, "meta": copy.deepcopy(self.meta)}
 
-    def encode_without_meta(
-        self, entries: EncodedEntries | None = None, checksums: Sequence[str] = ()
-    ) -> EncodedHeader:
+    def encode_without_meta(self, entries: bytes | None = None) -> EncodedHeader:
         """The commit record but for `meta`, encoded: the copy thread prepares it once the checksums are in,
         and the training thread adds the iteration's `meta` (`EncodedHeader.with_meta`). `entries`: this
-        header's entries encoded once for their layout, with this snapshot's `checksums` spliced in."""
-        body = entries.encode(checksums) if entries is not None else encode_json([dict(vars(e)) for e in self.entries])
+        header's entries as JSON, encoded once for their layout (`encode_entries`)."""
+        body = entries if entries is not None else encode_entries(self.entries)
         prefix = encode_json(self._fields())[:-1] + b', "entries": ' + body
         return EncodedHeader(self.slot, self.window_start, self.nbytes, prefix)
 
     def commit_record(self) -> CommitRecord:
-        """The whole header as committed (its checksums already in its entries)."""
+        """The whole header as committed (its checksums already in)."""
         return self.encode_without_meta().with_meta(self.meta)
 
     def _fields(self) -> dict:
@@ -97,8 +117,7 @@ class SnapshotHeader:
     @classmethod
     def from_json(cls, payload: dict) -> SnapshotHeader:
         try:
-            entries = [Entry(**e) for e in payload["entries"]]
-            return cls(**{**payload, "entries": entries})
+            return cls(**{**payload, "entries": entries_of(payload, "snapshot header")})
         except (KeyError, TypeError) as e:
             raise SnapshotError(f"malformed snapshot header: {e}") from None
 
@@ -131,25 +150,9 @@ class EncodedHeader:
         return CommitRecord(self.slot, self.window_start, self.nbytes, encoded)
 
 
-class EncodedEntries:
-    """A layout's entries as JSON, cut where each entry's checksum goes: a snapshot of that layout encodes
-    its entries by splicing its checksums in, byte for byte `encode_json` of them with those checksums.
-    Encoding ~3000 entries afresh for every snapshot held the GIL for milliseconds on the copy thread."""
-
-    _CUT = b'"\\u0000"'  # a checksum of one NUL character, as JSON encodes it
-
-    def __init__(self, entries: list[Entry]):
-        self.entries = entries
-        parts = encode_json([{**vars(e), "checksum": "\0"} for e in entries]).split(self._CUT)
-        self.parts = parts if len(parts) == len(entries) + 1 else None  # None: a name is a NUL character
-
-    def encode(self, checksums: Sequence[str]) -> bytes:
-        if self.parts is None:
-            return encode_json([{**vars(e), "checksum": c} for e, c in zip(self.entries, checksums, strict=True)])
-        pieces: list[bytes] = [b""] * (2 * len(self.parts) - 1)
-        pieces[0::2] = self.parts
-        pieces[1::2] = [b'"' + c.encode() + b'"' for c in checksums]
-        return b"".join(pieces)
+def encode_entries(entries: list[Entry]) -> bytes:
+    """A layout's entries as JSON: encoded once per layout, spliced into the header of each of its snapshots."""
+    return encode_json([dict(vars(e)) for e in entries])
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -224,36 +227,36 @@ def entry_view(buffer: torch.Tensor, entry: Entry) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class CopyGroup:
-    """Consecutive entries `start:stop` of a layout, about CHUNK_BYTES together, in one buffer: copied
-    with one foreach copy and hashed while their bytes are still in cache."""
+    """Consecutive entries `start:stop` of a layout, about one chunk together, in one buffer: copied with one
+    foreach copy and hashed with one call over `raw`, their bytes and padding (contiguous in the buffer)."""
 
     start: int
     stop: int
     targets: list[torch.Tensor]  # each entry's typed tensor in the buffer
     pads: list[torch.Tensor]  # the non-empty padding after them
-    raw: list[memoryview]  # each entry's bytes, as the hash reads them
+    raw: memoryview  # the chunk's bytes, padding included, as the hash reads them
     nbytes: int
 
 
 @dataclass(frozen=True)
 class EntryViews:
-    """Where a layout's entries lie in one buffer, group by group. Resolving these costs a few tensor
+    """Where a layout's entries lie in one buffer, chunk by chunk. Resolving these costs a few tensor
     dispatches per entry; a snapshot of a layout the buffer has held before reuses them
-    (`SnapshotBuffers._resolved`), so the copy thread does almost no Python work per entry: every
-    moment it holds the GIL is one the training thread may wait for."""
+    (`SnapshotBuffers._resolved`), so the copy thread does no Python work per entry: every moment it holds
+    the GIL is one the training thread may wait for."""
 
     groups: list[CopyGroup]
 
     @classmethod
-    def of(cls, buffer: torch.Tensor, entries: list[Entry]) -> EntryViews:
+    def of(cls, buffer: torch.Tensor, entries: list[Entry], chunk_bytes: int = CHUNK_BYTES) -> EntryViews:
         whole = memoryview(buffer.numpy())
         groups, start = [], 0
-        for stop in _group_ends(entries):
+        for stop in _chunk_ends(entries, chunk_bytes):
             part = entries[start:stop]
             targets = [entry_view(buffer, e) for e in part]
             pads = [buffer[e.offset + e.nbytes : e.offset + _padded(e.nbytes)] for e in part if e.nbytes % BLOCK]
-            raw = [whole[e.offset : e.offset + e.nbytes] for e in part]
-            groups.append(CopyGroup(start, stop, targets, pads, raw, sum(e.nbytes for e in part)))
+            lo, hi = _span(entries, start, stop)
+            groups.append(CopyGroup(start, stop, targets, pads, whole[lo:hi], sum(e.nbytes for e in part)))
             start = stop
         return cls(groups)
 
@@ -265,16 +268,16 @@ def copy_entries(
     throttle: Throttle,
     stream: torch.cuda.Stream | None = None,
     views: EntryViews | None = None,
-) -> list[str]:
-    """Copy (and cast) each source into its entry, zero the padding, and return every entry's checksum
-    (`entries` are not changed: a layout's entries serve many snapshots).
+) -> list[list]:
+    """Copy (and cast) each source into its entry, zero the padding, and return the checksum of every chunk,
+    `[first entry, end entry, XXH3-64]` (a header's `checksums`; `entries` are not changed: a layout's
+    entries serve many snapshots).
 
-    Entries are copied group by group (`EntryViews`), one foreach copy each (on `stream`, device to host,
-    when given), and a group's entries are hashed once its bytes are in (while still in cache on CPU);
-    the bandwidth cap is enforced between groups. `views`: the entries' views of `buffer`, if already
-    resolved."""
+    Chunk by chunk (`EntryViews`): one foreach copy (on `stream`, device to host, when given), then one hash
+    of the chunk's bytes while they are still in cache; the bandwidth cap is enforced between chunks.
+    `views`: the entries' views of `buffer`, if already resolved."""
     views = views or EntryViews.of(buffer, entries)
-    sums: list[str] = []
+    sums: list[list] = []
     for group in views.groups:
         with measure("copy"):
             torch._foreach_copy_(group.targets, sources[group.start : group.stop], non_blocking=stream is not None)
@@ -283,35 +286,25 @@ def copy_entries(
             if group.pads:
                 torch._foreach_zero_(group.pads)
         with measure("checksum"):
-            sums.extend(map(checksum, group.raw))
+            sums.append([group.start, group.stop, checksum(group.raw)])
         throttle.consume(group.nbytes)
     return sums
 
 
-def with_checksums(entries: list[Entry], sums: list[str]) -> list[Entry]:
-    """New entries: `entries` with these checksums."""
-    return [
-        Entry(e.op, e.name, e.role, e.dtype, e.shape, e.offset, e.nbytes, c) for e, c in zip(entries, sums, strict=True)
-    ]
-
-
-def _group_ends(entries: list[Entry]) -> list[int]:
-    """Indices ending consecutive groups of entries of about CHUNK_BYTES each."""
+def _chunk_ends(entries: list[Entry], chunk_bytes: int) -> list[int]:
+    """Indices ending consecutive chunks of entries of about `chunk_bytes` each."""
     ends, size = [], 0
     for i, entry in enumerate(entries):
         size += entry.nbytes
-        if size >= CHUNK_BYTES or i == len(entries) - 1:
+        if size >= chunk_bytes or i == len(entries) - 1:
             ends.append(i + 1)
             size = 0
     return ends
 
 
-def checksums(buffer: torch.Tensor, entries: list[Entry]) -> list[str]:
-    """The checksum of every entry's bytes in `buffer` (which holds them all)."""
-    if any(e.offset % BLOCK for e in entries):
-        raise SnapshotError(f"entries are not aligned to {BLOCK} bytes (a snapshot of an older format)")
-    whole = memoryview(buffer.numpy())
-    return [checksum(whole[e.offset : e.offset + e.nbytes]) for e in entries]
+def _span(entries: list[Entry], start: int, stop: int) -> tuple[int, int]:
+    """The bytes of entries `start:stop` (laid out one after another) with their padding."""
+    return entries[start].offset, entries[stop - 1].offset + _padded(entries[stop - 1].nbytes)
 
 
 def checksum(data: memoryview) -> str:
@@ -322,22 +315,46 @@ def checksum(data: memoryview) -> str:
     return xxhash.xxh3_64_hexdigest(data)
 
 
+def checksum_gbps(nbytes: int = 64 << 20, tries: int = 3) -> float:
+    """`checksum`'s throughput on one core of this CPU, in GB/s (the best of `tries` hashes of `nbytes`)."""
+    data = memoryview(bytearray(nbytes))
+    best = float("inf")
+    for _ in range(tries):
+        start = time.perf_counter()
+        checksum(data)
+        best = min(best, time.perf_counter() - start)
+    return nbytes / max(best, 1e-9) / 1e9
+
+
 def verify_entries(buffer: torch.Tensor, header: EntryTable, source: str = "snapshot") -> None:
-    """Raise SnapshotError (naming `source`) unless every entry of `header` lies in `buffer` with its checksum."""
+    """Raise SnapshotError (naming `source`) unless the entries of `header` lie one after another, aligned,
+    inside `buffer`, and its checksums cover them all, chunk after chunk, each matching its bytes."""
     if buffer.numel() < header.nbytes:
         raise SnapshotError(f"{source}: truncated ({buffer.numel()} bytes, header says {header.nbytes})")
-    for entry in header.entries:
-        if entry.offset + _padded(entry.nbytes) > header.nbytes:
+    entries, end = header.entries, 0
+    for entry in entries:
+        if entry.offset % BLOCK or entry.offset < end:
+            raise SnapshotError(f"{source}: entry {entry.name} is not aligned after the one before it")
+        end = entry.offset + _padded(entry.nbytes)
+        if end > header.nbytes:
             raise SnapshotError(f"{source}: entry {entry.name} lies outside the snapshot")
-    try:
-        found = checksums(buffer, header.entries)
-    except SnapshotError as e:
-        raise SnapshotError(f"{source}: {e}") from None
-    for entry, value in zip(header.entries, found, strict=True):
-        if value != entry.checksum:
+    whole, covered = memoryview(buffer.numpy()), 0
+    for chunk in header.checksums:
+        if not (isinstance(chunk, list) and len(chunk) == 3 and chunk[0] == covered and covered < chunk[1]):
+            raise SnapshotError(f"{source}: malformed checksum list at tensor {covered}")
+        start, stop, value = chunk
+        if stop > len(entries):
+            raise SnapshotError(f"{source}: a checksum covers tensors beyond the {len(entries)} it holds")
+        lo, hi = _span(entries, start, stop)
+        if checksum(whole[lo:hi]) != value:
+            first, last = entries[start], entries[stop - 1]
+            which = first.name if stop - start == 1 else f"{first.name} .. {last.name}"
             raise SnapshotError(
-                f"{source}: checksum mismatch in {entry.role} tensor {entry.name} (iteration {header.iteration})"
+                f"{source}: checksum mismatch in {first.role} tensor(s) {which} (iteration {header.iteration})"
             )
+        covered = stop
+    if covered != len(entries):
+        raise SnapshotError(f"{source}: its checksums cover {covered} of its {len(entries)} tensors")
 
 
 def read_entries(

@@ -24,13 +24,15 @@ from moevement.storage.background import enter_background
 from moevement.storage.cpu_cost import measure
 from moevement.storage.host_memory import HostBuffer, HostMemoryError, make_private_dir
 from moevement.storage.snapshot import (
-    EncodedEntries,
+    CHUNK_BYTES,
+    CUDA_CHUNK_BYTES,
     EncodedHeader,
     Entry,
     EntryViews,
     SnapshotHeader,
     Throttle,
     copy_entries,
+    encode_entries,
 )
 
 
@@ -45,8 +47,9 @@ class SnapshotBuffers:
         self.local_dir = make_private_dir(rank_dir / "local")
         self.lock = threading.Lock()
         self.buffers: dict[tuple[int, int], HostBuffer] = {}
-        self._cache: dict[Path, tuple[torch.Tensor, list[Entry], EntryViews, EncodedEntries]] = {}  # copy thread
+        self._cache: dict[Path, tuple[torch.Tensor, list[Entry], EntryViews, bytes]] = {}  # copy thread
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.chunk_bytes = CUDA_CHUNK_BYTES if device.type == "cuda" else CHUNK_BYTES
         self.copier = ThreadPoolExecutor(
             1, thread_name_prefix="moevement-copy", initializer=enter_background, initargs=(background_priority,)
         )
@@ -81,32 +84,47 @@ class SnapshotBuffers:
         for buf in stale:
             buf.invalidate()
 
+    def sources_ready(self) -> torch.cuda.Event | None:
+        """Training thread, as a snapshot is submitted: an event on its current stream after the work that
+        produced the sources (None on CPU). The copy stream waits for it: the training thread's stream, not the
+        copy thread's current one, orders the copy after the last update of `state_t`."""
+        if self.stream is None:
+            return None
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.stream.device))
+        return ready
+
     def copy(
-        self, buffer: HostBuffer, header: SnapshotHeader, sources: list[torch.Tensor], throttle: Throttle
+        self,
+        buffer: HostBuffer,
+        header: SnapshotHeader,
+        sources: list[torch.Tensor],
+        throttle: Throttle,
+        ready: torch.cuda.Event | None = None,
     ) -> EncodedHeader:
-        """Copy thread: copy a snapshot's tensors into `buffer` (a side stream on GPU), uncommitted, and
-        encode its header, checksums in, but for `meta` (`header.entries` are its layout's, unchanged)."""
+        """Copy thread: copy a snapshot's tensors into `buffer` (on GPU: on the side stream, after `ready`,
+        from `sources_ready`), uncommitted, and encode its header, checksums in, but for `meta`
+        (`header.entries` are its layout's, unchanged)."""
         buffer.invalidate()
         data = buffer.ensure(max(header.nbytes, 1))
         views, encoded = self._resolved(buffer, data, header.entries)
         if self.stream is None:
-            checksums = copy_entries(data, header.entries, sources, throttle, views=views)
+            header.checksums = copy_entries(data, header.entries, sources, throttle, views=views)
         else:
-            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+            if ready is not None:
+                self.stream.wait_event(ready)
             with torch.cuda.stream(self.stream):
-                checksums = copy_entries(data, header.entries, sources, throttle, self.stream, views)
+                header.checksums = copy_entries(data, header.entries, sources, throttle, self.stream, views)
         with measure("header"):
-            return header.encode_without_meta(encoded, checksums)
+            return header.encode_without_meta(encoded)
 
-    def _resolved(
-        self, buffer: HostBuffer, data: torch.Tensor, entries: list[Entry]
-    ) -> tuple[EntryViews, EncodedEntries]:
+    def _resolved(self, buffer: HostBuffer, data: torch.Tensor, entries: list[Entry]) -> tuple[EntryViews, bytes]:
         """Copy thread: the views of `entries` in `data` and their encoding, reused while the buffer holds the
         same mapping and the same layout (one list of entries per slot serves every window a plan repeats)."""
         cached = self._cache.get(buffer.path)
         if cached is not None and cached[0] is data and cached[1] is entries:
             return cached[2], cached[3]
-        views, encoded = EntryViews.of(data, entries), EncodedEntries(entries)
+        views, encoded = EntryViews.of(data, entries, self.chunk_bytes), encode_entries(entries)
         self._cache[buffer.path] = (data, entries, views, encoded)
         return views, encoded
 

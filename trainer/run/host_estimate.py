@@ -27,7 +27,9 @@ Upper bounds: the test holds them against a real run's host directory.
 from __future__ import annotations
 
 import mmap
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -44,7 +46,7 @@ from moevement.checkpoint.schedule import (
 )
 from moevement.operators import Operator, build_registry
 from moevement.storage.host_memory import default_host_dir
-from moevement.storage.snapshot import entry_layout, layout_of
+from moevement.storage.snapshot import checksum_gbps, entry_layout, layout_of
 from moevement.topology import Topology
 from parallelisms.expert_parallel import shard_experts
 from parallelisms.fsdp import DTYPES, largest_shard_on_meta
@@ -53,7 +55,9 @@ from parallelisms.pipeline import local_stage_ids, split_model
 from trainer.config import Config
 from trainer.run.fault_tolerance import stacked_operators
 
-HEADER_ENTRY_BYTES = 320  # a commit record's JSON per entry: operator, name, dtype, shape, offsets, checksum
+HEADER_ENTRY_BYTES = (
+    320  # a commit record's JSON per entry: operator, name, dtype, shape, offsets (and chunk checksums)
+)
 HEADER_BASE_BYTES = 16 << 10  # and its fixed part: the job's identity, the iteration's scalars
 
 
@@ -95,6 +99,7 @@ class RankEstimate:
     live_state: int
     probe: int
     upstream_log: int  # process memory, not in the host directory
+    snapshot_per_iteration: int = 0  # the largest snapshot it copies and hashes in one iteration
 
     @property
     def host_dir(self) -> int:
@@ -213,7 +218,10 @@ def estimate(cfg: Config) -> list[RankEstimate]:
         held = sum(own[pp_of[src]] for src in range(world) if rank in peers[src])
         log = stage.log[0] * log_iters if moevement else 0
         live = stage.live_state(log_iters) if moevement else 0
-        out.append(RankEstimate(rank, pp_of[rank], own[pp_of[rank]], held, live, pages(PROBE_BYTES), log))
+        per_iteration = max(stage.slot_bytes, default=0)
+        out.append(
+            RankEstimate(rank, pp_of[rank], own[pp_of[rank]], held, live, pages(PROBE_BYTES), log, per_iteration)
+        )
     return out
 
 
@@ -252,4 +260,23 @@ def report(cfg: Config) -> list[str]:
         f"the sum over the ranks it runs (container: --shm-size of at least that, e.g. {-(-total // 2**30) + 1}g "
         f"for all {len(ranks)} ranks on one node); upstream_log is process memory (pinned on GPU), not in it"
     )
+    return lines + hashing_lines(ranks, host_dir)
+
+
+def hashing_lines(ranks: list[RankEstimate], host_dir: str) -> list[str]:
+    """What checksumming the snapshots costs a rank's CPU per iteration (XXH3-64 measured on this machine's
+    CPU, one core), and a warning when this machine's shared memory could not hold every rank's host state."""
+    gbps = checksum_gbps()
+    most = max(r.snapshot_per_iteration for r in ranks)
+    lines = [
+        f"snapshot_hash per_rank_max_gb_per_iteration={gb(most)} core_s_per_iteration={most / 1e9 / gbps:.3f} "
+        f"(XXH3-64 at {gbps:.1f} GB/s on one core of this CPU, on the copy thread beside training)"
+    ]
+    shm = next((d for d in (Path(host_dir), Path(host_dir).parent, Path("/dev/shm")) if d.is_dir()), None)
+    total = sum(r.host_dir for r in ranks)
+    if shm is not None and shutil.disk_usage(shm).total < total:
+        lines.append(
+            f"warning: {shm} holds {gb(shutil.disk_usage(shm).total)} GB on this machine, less than the "
+            f"{gb(total)} GB of all {len(ranks)} ranks: a node needs at least its ranks' share"
+        )
     return lines
