@@ -100,6 +100,7 @@ class WindowPlanner:
         self.reset_popularity()
         self._laid_out: tuple[tuple[frozenset[str], ...], WindowLayouts] | None = None
         self._sizes: tuple[list[torch.Tensor], dict[str, tuple[int, int]]] | None = None
+        self._fixed: tuple[list[str], dict, tuple[tuple[str, ...], ...]] | None = None  # a fixed W's last slots
 
     def reset_popularity(self) -> None:
         """Forget the popularity history and return to registry order (applied at the next window)."""
@@ -118,7 +119,9 @@ class WindowPlanner:
         """Window number `window_index`, starting at `iteration` (collective: W is agreed across ranks).
         The copy bandwidth is measured for a process's first window (not at its start, where a replacement's
         peers would wait for it) and again every `reprofile_every` windows, never right after a recovery."""
-        if self.tracker.end_window():
+        if self.cfg.window == 1 and self.policy is None:  # one slot holds every operator: order changes nothing
+            self.tracker.drop_window()
+        elif self.tracker.end_window():
             self.order = order_operators(self.registry_order, self.is_expert, self.tracker.popularity())
         self.profile.update()
         every = self.cfg.reprofile_every
@@ -172,6 +175,15 @@ class WindowPlanner:
         """Algorithm 1 on this rank's operators in schedule order, at most `max_window` slots; W agreed across
         ranks (or forced by `window`)."""
         sizes = self._op_bytes()
+        if self.cfg.window and self._fixed is not None and self._fixed[0] is self.order and self._fixed[1] is sizes:
+            return self._fixed[2]  # a fixed W over the same order and sizes: the same slots (every window at W=1)
+        slots = self._slots_of(sizes)
+        if self.cfg.window:
+            self._fixed = (self.order, sizes, slots)
+        return slots
+
+    def _slots_of(self, sizes: dict[str, tuple[int, int]]) -> tuple[tuple[str, ...], ...]:
+        """The slots of Algorithm 1's W (or the fixed one) over operators of these sizes, in schedule order."""
         fp32 = [sizes[n][0] for n in self.order]
         compute = [sizes[n][1] for n in self.order]
         t, bandwidth, most = self.profile.iteration_s, self.profile.bandwidth, self.cfg.max_window

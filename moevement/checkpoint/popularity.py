@@ -79,6 +79,10 @@ class PopularityTracker:
         self.window_tokens, self.window_soft = {}, {}
         return due
 
+    def drop_window(self) -> None:
+        """Close the statistics window without looking at it (an order that cannot matter: one slot)."""
+        self.window_tokens, self.window_soft = {}, {}
+
     def popularity(self) -> dict[str, float]:
         """The popularity the current order is built from (empty before any statistics)."""
         return dict(self.reference or {})
