@@ -49,6 +49,7 @@ from parallelisms.distributed import (
     init_distributed,
     leave_generation,
     peer_stopped_with_an_error,
+    said_once_for_the_job,
     sever_connections,
     shutdown_distributed,
 )
@@ -502,8 +503,7 @@ def main(argv: list[str] | None = None) -> int:
         train(cfg, plan_start())
     except ConfigError as e:
         announce_clean_stop(int(os.environ.get("RANK", "0")))
-        if os.environ.get("RANK", "0") == "0":  # every rank reads the same config: the job says it once
-            print_error(e)
+        said_once_for_the_job(functools.partial(print_error, e))  # every rank reads the same config: rank 0 says it
         return 2
     except (GenerationNotJoined, job_end.PeersLeft) as e:
         print(e, flush=True)

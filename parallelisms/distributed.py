@@ -169,6 +169,32 @@ def announce_clean_stop(rank: int) -> None:
             pass  # the store is gone: the job is ending anyway
 
 
+def said_once_for_the_job(say: Callable[[], None], wait_s: float = 10.0) -> None:
+    """A clean error every rank meets alike (a bad config, before any process group): rank 0 `say`s it and
+    marks it said on torchrun's store; every other rank waits for that mark (at most `wait_s`) before it
+    exits, since torchrun stops the other workers as soon as one exits and could stop rank 0 before its
+    line. Without torchrun, the process says it."""
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        say()
+    if "MASTER_ADDR" not in os.environ or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    key = f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/error-said"
+    try:
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=datetime.timedelta(seconds=wait_s),
+        )
+        if rank == 0:
+            store.set(key, "1")
+        else:
+            store.wait([key], datetime.timedelta(seconds=wait_s))
+    except (RuntimeError, dist.DistError, ValueError):
+        pass  # no store, or rank 0 did not get there in time: exit all the same
+
+
 def peer_stopped_with_an_error() -> bool:
     """Whether another rank of this attempt stopped with a clean error (`announce_clean_stop`)."""
     if _TORCHRUN_STORE is None:
