@@ -169,6 +169,17 @@ def announce_clean_stop(rank: int) -> None:
             pass  # the store is gone: the job is ending anyway
 
 
+def torchrun_store_client(timeout_s: float) -> dist.TCPStore:
+    """A client of its own to torchrun's store (MASTER_ADDR:MASTER_PORT), usable before any process group and
+    beside another thread's blocking waits on the joined client."""
+    return dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
 def said_once_for_the_job(say: Callable[[], None], wait_s: float = 10.0) -> None:
     """A clean error every rank meets alike (a bad config, before any process group): rank 0 `say`s it and
     marks it said on torchrun's store; every other rank waits for that mark (at most `wait_s`) before it
@@ -181,12 +192,7 @@ def said_once_for_the_job(say: Callable[[], None], wait_s: float = 10.0) -> None
         return
     key = f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/error-said"
     try:
-        store = dist.TCPStore(
-            os.environ["MASTER_ADDR"],
-            int(os.environ["MASTER_PORT"]),
-            is_master=False,
-            timeout=datetime.timedelta(seconds=wait_s),
-        )
+        store = torchrun_store_client(wait_s)
         if rank == 0:
             store.set(key, "1")
         else:

@@ -25,7 +25,7 @@ import os
 
 import torch.distributed as dist
 
-from parallelisms.distributed import torchrun_store
+from parallelisms.distributed import torchrun_store, torchrun_store_client
 from trainer.run import rank_shell
 
 _STORE_ERRORS = (RuntimeError, dist.DistError)
@@ -70,7 +70,10 @@ def record_finished(step: int) -> None:
     at `step`; its shell hears it too."""
     store = torchrun_store()
     if store is not None:
-        store.set(_finished_key(), str(step))
+        try:
+            store.set(_finished_key(), str(step))
+        except _STORE_ERRORS:
+            return  # the store is gone: the job is ending anyway
         rank_shell.report(f"finished {step}")
 
 
@@ -135,12 +138,7 @@ class GenerationWatch:
     def _client(self) -> dist.Store | None:
         if self.store is None and "MASTER_ADDR" in os.environ:
             try:
-                self.store = dist.TCPStore(
-                    os.environ["MASTER_ADDR"],
-                    int(os.environ["MASTER_PORT"]),
-                    is_master=False,
-                    timeout=datetime.timedelta(seconds=30),
-                )
+                self.store = torchrun_store_client(30)
             except _STORE_ERRORS:
                 return None
         return self.store
