@@ -9,22 +9,17 @@ python train.py --config ... --print-config # the resolved config as TOML; --hel
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import functools
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass
 
-from trainer.run import rank_shell  # imports no torch
-from trainer.run.startup import STARTUP  # first: it notes when the interpreter reached this file
+from trainer.lifecycle import entry  # imports no torch
+from trainer.lifecycle.startup import STARTUP  # first: it notes when the interpreter reached this file
 
 if __name__ == "__main__":
-    # `kill -USR1 <pid>` prints every thread's Python stack to stderr: where a hung rank (or its shell) waits
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
-    if rank_shell.wanted(sys.argv[1:]):  # under torchrun: supervise, train in a child
-        sys.exit(rank_shell.run_shell(sys.argv[1:]))
+    entry.become_shell_if_wanted(sys.argv[1:])  # under torchrun: supervise, train in a child
 
 # MKL's GEMMs give the same bits at any thread count, so a replaying rank may use its paused
 # neighbours' cores without breaking bit-exactness (moevement/recovery/replay_threads.py). Read at MKL's
@@ -32,53 +27,36 @@ if __name__ == "__main__":
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 import torch
-import torch.distributed as dist
 
 from models import count_params
 from moevement.failures import FaultPlan
-from moevement.recovery.fetch import RecoveryError
 from moevement.storage.cpu_cost import CpuMark
-from moevement.storage.host_memory import HostMemoryError
-from moevement.storage.snapshot import SnapshotError
 from moevement.strategy import CheckpointStrategy
 from parallelisms import collectives
-from parallelisms.distributed import (
-    LATER_GENERATION_JOIN_FACTOR,
-    announce_clean_stop,
-    device_type,
-    init_distributed,
-    leave_generation,
-    peer_stopped_with_an_error,
-    said_once_for_the_job,
-    sever_connections,
-    shutdown_distributed,
-)
+from parallelisms.distributed import device_type, init_distributed
 from parallelisms.mesh import ParallelDims, build_mesh
 from parallelisms.parallelize import ModelParts, parallelize
 from trainer.allocator import reuse_freed_host_memory
-from trainer.checkpoint.dense import CheckpointError, check_save_target, is_imported, load_dense, save_dense
-from trainer.checkpoint.identity import IdentityError
+from trainer.checkpoint.dense import check_save_target, is_imported, load_dense, save_dense
 from trainer.checkpoint.state import training_state_digest
 from trainer.config import Config, ConfigError, check_world_size, fault_plan, load_config
 from trainer.config_help import help_text, to_toml
-from trainer.data.batches import DataError, TokenBatches, build_data, make_loader
-from trainer.error_line import error_line
+from trainer.data.batches import TokenBatches, build_data, make_loader
+from trainer.lifecycle import exit_codes, job_end, rank_shell
+from trainer.lifecycle.generations import after_training_failure, train_generations
+from trainer.lifecycle.process import run_process
+from trainer.lifecycle.start_plan import StartPlan, plan_start
+from trainer.lifecycle.stop_guard import StopGuard
+from trainer.lifecycle.survival import keep_for_torchrun_restart
 from trainer.optim import build_optimizer
-from trainer.run import host_estimate, job_end
+from trainer.run import host_estimate
 from trainer.run.accounting import RunAccounting
+from trainer.run.event_lines import FaultStrike, FinalLine
 from trainer.run.fault_injection import KillSwitch, arm_kill, fired, kill_if_joining, record_fired
-from trainer.run.fault_tolerance import build_strategy, host_job_dir
+from trainer.run.host_paths import host_job_dir
 from trainer.run.metrics import MetricsLogger
 from trainer.run.run_record import open_run_record
-from trainer.run.start_plan import StartPlan, plan_start
-from trainer.run.survival import (
-    StopGuard,
-    keep_for_torchrun_restart,
-    keep_state_and_exit,
-    peer_failure,
-    rejoins_in_place,
-    survive_in_place,
-)
+from trainer.run.strategy_factory import build_strategy
 from trainer.step import DropoutSeeder, evaluate, set_aux_grad_scale, take_expert_load, train_step
 
 STARTUP.mark("imports")
@@ -127,7 +105,7 @@ def stop_guard(cfg: Config, rank: int, plan: StartPlan) -> StopGuard:
 
     Before training starts the rank exits at once (a survivor joining a new generation in place first
     writes the state it kept in memory to host memory); during training it stops at a consistent point and keeps
-    its live state in host memory for a torchrun restart (trainer/run/survival.py). Host state is committed
+    its live state in host memory for a torchrun restart (trainer/lifecycle/survival.py). Host state is committed
     atomically (docs/design.md §6), so nothing is left half-written."""
 
     def preempted_line(step: int, kept: str) -> str:
@@ -141,7 +119,7 @@ def stop_guard(cfg: Config, rank: int, plan: StartPlan) -> StopGuard:
     keep = None
     if plan.kept is not None or plan.accounting is not None:
         keep = functools.partial(keep_for_torchrun_restart, cfg, plan)
-    return StopGuard(rank, preempted_line, keep)
+    return StopGuard(rank, preempted_line, plan.process, keep)
 
 
 def inject_failures(job: Job, step: int, elapsed_s: float) -> int:
@@ -150,9 +128,9 @@ def inject_failures(job: Job, step: int, elapsed_s: float) -> int:
     Returns the iteration to run next: `step`, or an interval baseline's rollback target."""
     faults, rank = job.faults, job.rank
     if faults.crashes_at(step, rank) and not fired(f"crash/{step}/{rank}"):
-        print(f"fault: rank {rank} crashes at step {step}", flush=True)
+        job.logger.line(FaultStrike(rank, step), every_rank=True)
         record_fired(f"crash/{step}/{rank}")
-        os._exit(13)
+        os._exit(exit_codes.INJECTED_CRASH)
     if faults.timed:  # rank 0's clock decides when a timed failure strikes
         clock = torch.tensor([elapsed_s], dtype=torch.float64)
         collectives.broadcast(clock, src=0)
@@ -225,7 +203,7 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
     guard = stop_guard(cfg, int(os.environ.get("RANK", "0")), plan)
     watch = job_end.GenerationWatch(plan.generation)  # a later generation may not form: the job has ended
     rank, world = init_distributed(cfg.fault.timeout_s, generation=plan.generation, watch=watch)
-    STARTUP.mark("process_group")
+    plan.process.startup.mark("process_group")
     check_world_size(cfg, world)
     faults = fault_plan(cfg, world)
     kill_if_joining(faults, rank, plan.kept.next_iteration if plan.kept else None, cfg.fault.kill_signal)
@@ -244,16 +222,17 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
             f"tokenizer's vocabulary ({tokenizer.vocab_size}, data.tokenizer={cfg.data.tokenizer!r})"
         )
     model, optimizer = build_training(cfg, dims)
-    STARTUP.mark("model")
+    plan.process.startup.mark("model")
     seeder = DropoutSeeder(model, cfg.job.seed, dims.dp_rank)
     step, loss = resume_dense(cfg, model, optimizer, rank)
     run_dir, continued = open_run_record(cfg, world, sys.argv, plan.restarted) if rank == 0 else (None, False)
     logger = MetricsLogger(cfg, rank, dims.pp_rank, run_dir, continued)
     logger.line(f"run: {run_dir}" + (" (continued by a later generation of the run)" if continued else ""))
     ft = build_strategy(cfg, model, optimizer, dims, seeder, train_batches, logger.line, plan)
-    STARTUP.mark("strategy")
+    plan.process.startup.mark("strategy")
     optimizer.register_step_pre_hook(guard.optimizer_step_begins)  # after the checkpointer's copy wait
-    kill = arm_kill(faults, rank, model, optimizer, guard, seeder, cfg.fault.kill_signal)
+    say = functools.partial(logger.line, every_rank=True)  # a dying rank's `fault:` line (rank 0 records it)
+    kill = arm_kill(faults, rank, model, optimizer, guard, seeder, cfg.fault.kill_signal, say)
     step, loss = ft.resume(step, loss)
     logger.start(step + 1)
     logger.recovery(ft.last_recovery())  # a restarted generation's rejoin or restart, if it was one
@@ -326,37 +305,13 @@ def validate_if_due(job: Job, step: int) -> None:
         job.logger.validation(step, evaluate(job.model, job.val_data, job.dims, cfg.training.micro_batches))
 
 
-class PeerStopped(Exception):
-    """Another rank stopped with a clean error and said so (one line for the job): this one stops too."""
-
-
-class GenerationNotJoined(Exception):
-    """Not every rank joined an in-place generation within its bound (a hung peer, a replacement that could
-    not start): the rank shell hands the recovery to torchrun's restart of every worker."""
-
-    def __init__(self, generation: int, timeout_s: float):
-        factor = LATER_GENERATION_JOIN_FACTOR
-        super().__init__(
-            f"restart: generation {generation} was not joined by every rank within {factor} x "
-            f"fault.timeout_s={factor * timeout_s:g} s: torchrun restarts every worker"
-        )
-
-
-class Rejoining(Exception):
-    """Another worker died and is replaced in place: this rank goes on in `plan`'s generation."""
-
-    def __init__(self, plan: StartPlan):
-        super().__init__(f"generation {plan.generation}")
-        self.plan = plan
-
-
 def run(job: Job, step: int, loss: float) -> tuple[int, float, str | None]:
     """Train iterations step+1..last (a baseline's recovery rolls back and the loader restarts there), then
     digest the final training state where it lives (collective; rank 0 gets the digest). Returns (last step,
     its loss, the state digest).
 
     When another worker dies before every rank has taken part in the digest, this rank keeps its live state and exits
-    (trainer/run/survival.py): a restarted job then has at most the dead ranks' stages to replay."""
+    (trainer/lifecycle/survival.py): a restarted job then has at most the dead ranks' stages to replay."""
     job.guard.phase, job.guard.applied = "training", step
     try:
         try:
@@ -374,15 +329,7 @@ def run(job: Job, step: int, loss: float) -> tuple[int, float, str | None]:
             job.guard.stop()  # a SIGTERM from here on only waits (one arriving before this line lands below)
             raise
     except BaseException as error:
-        if not peer_failure(error):
-            raise
-        if peer_stopped_with_an_error():
-            raise PeerStopped from None
-        if rejoins_in_place(error):
-            raise Rejoining(survive_in_place(job, error)) from None
-        job.accounting.keep(job.plan.name(), job.guard.sigterm_at or time.time())
-        keep_state_and_exit(job.guard, job.ft.keep_live_state, error)
-        raise  # not reached: it exits
+        after_training_failure(job, error)  # the verdict: rejoin in place, exit for torchrun, or raise
 
 
 def train_loop(job: Job, step: int, loss: float) -> tuple[int, float]:
@@ -415,7 +362,7 @@ def train_loop(job: Job, step: int, loss: float) -> tuple[int, float]:
 
 def finish(job: Job, step: int, loss: float, digest: str | None) -> None:
     """Close the checkpointer, print the accounting and final lines, save a dense checkpoint if asked (every
-    rank writes its part), and record the job's end (trainer/run/job_end.py): rank 0 once its results are out
+    rank writes its part), and record the job's end (trainer/lifecycle/job_end.py): rank 0 once its results are out
     (before its `final` line, or once the checkpoint is published), every rank once past the last collective."""
     cfg = job.cfg
     totals = job.ft.close()
@@ -425,7 +372,7 @@ def finish(job: Job, step: int, loss: float, digest: str | None) -> None:
     if job.rank == 0 and not cfg.checkpoint.save_final:
         job_end.record_finished(step)
     if digest is not None:
-        job.logger.line(f"final step={step} loss={loss:.6f} state_digest={digest}")
+        job.logger.line(FinalLine(step, loss, digest))
     if cfg.checkpoint.save_final:
 
         def published() -> None:
@@ -442,45 +389,10 @@ def finish(job: Job, step: int, loss: float, digest: str | None) -> None:
     job.logger.close()
 
 
-def train(cfg: Config, plan: StartPlan) -> None:
-    """Train this rank's part of the job. A survivor of a death replaced in place goes on in the next
-    generation, in this process (docs/design.md §4); so does a rank whose peer dies while a generation
-    starts (joins, rebuilds, replays), with the state it kept before."""
-    while True:
-        try:
-            job, step, loss = setup(cfg, plan)
-            finish(job, *run(job, step, loss))
-            return
-        except Rejoining as rejoining:
-            plan = rejoining.plan
-        except job_end.PeersLeft:
-            keep_for_torchrun_restart(cfg, plan)
-            raise
-        except BaseException as error:
-            if peer_failure(error) and (finished := job_end.finished_step()) is not None:
-                print(
-                    f"rank {dist.get_rank()} pid {os.getpid()}: a peer died after the job finished at step "
-                    f"{finished}; nothing to recover",
-                    flush=True,
-                )
-                return
-            if peer_failure(error) and peer_stopped_with_an_error():
-                raise PeerStopped from None
-            if not (peer_failure(error) and rejoins_in_place(error)):
-                raise
-            if not dist.is_initialized():
-                keep_for_torchrun_restart(cfg, plan)
-                raise GenerationNotJoined(plan.generation, cfg.fault.timeout_s) from None
-            plan = plan.next_generation(plan.kept, plan.accounting)
-            sever_connections()
-            print(
-                f"survivor: rank {dist.get_rank()} pid {os.getpid()}: a peer died while generation "
-                f"{plan.generation - 1} started; joins generation {plan.generation}",
-                flush=True,
-            )
-        job = None  # nothing may refer to this generation's groups any more: their connections close
-        leave_generation()
-        STARTUP.marks.clear()
+def one_generation(cfg: Config, plan: StartPlan) -> None:
+    """Set up, train and finish this rank's part of the job in the generation `plan` names."""
+    job, step, loss = setup(cfg, plan)
+    finish(job, *run(job, step, loss))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -490,49 +402,21 @@ def main(argv: list[str] | None = None) -> int:
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(line_buffering=True, write_through=False)
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-    try:
+
+    def work() -> None:
         cfg = load_config(args.config, overrides)
         if args.print_config:
             print(to_toml(cfg), end="")
-            return 0
-        if args.dry_run:
+        elif args.dry_run:
             total, active = count_params(cfg.model)
             print(f"params total={total} active={active}")
             print("\n".join(host_estimate.report(cfg)))
-            return 0
-        train(cfg, plan_start())
-    except ConfigError as e:
-        announce_clean_stop(int(os.environ.get("RANK", "0")))
-        said_once_for_the_job(functools.partial(print_error, e))  # every rank reads the same config: rank 0 says it
-        return 2
-    except (GenerationNotJoined, job_end.PeersLeft) as e:
-        print(e, flush=True)
-        return rank_shell.FALLBACK
-    except job_end.JobFinished as e:
-        print(e, flush=True)
-        return 0
-    except PeerStopped:
-        return 2
-    except (CheckpointError, DataError, HostMemoryError, IdentityError, SnapshotError, RecoveryError) as e:
-        announce_clean_stop(int(os.environ.get("RANK", "0")))
-        print_error(e)
-        return 2
-    finally:
-        shutdown_distributed()
-    return 0
+        else:
+            train_generations(cfg, plan_start(), functools.partial(one_generation, cfg))
 
-
-def print_error(error: Exception) -> None:
-    """The `error:` line, written whole in one call: ranks that share torchrun's stderr pipe never interleave
-    inside a line (a write of up to PIPE_BUF bytes to a pipe is atomic)."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.write(sys.stderr.fileno(), (error_line(error) + "\n").encode())
+    return run_process(work)
 
 
 if __name__ == "__main__":
-    if os.environ.get(rank_shell.ROLE) == "standby":  # a rank shell's warm standby: imported, waiting
-        if rank_shell.await_activation() is None:
-            sys.exit(0)
-        STARTUP.marks.clear()  # its start-up cost was paid before the death
+    entry.await_standby_activation()  # a rank shell's warm standby: imported, waiting
     sys.exit(main())

@@ -38,7 +38,7 @@ from moevement.failures import FaultEvent
 from moevement.recovery.fetch import fetch_from_replicas
 from moevement.recovery.live_state import LiveState, Survival
 from moevement.recovery.replay import load_master, reset_to_initial, wipe_operators
-from moevement.recovery.report import RecoveryFigures, RecoveryReport, quoted, rank_list
+from moevement.recovery.report import RecoveryFigures, RecoveryReport
 from moevement.recovery.restart import UNUSABLE, CheckHeader, RestartPoint, drop_newer_disk_windows
 from moevement.storage.host_memory import check_private, private_subdirs, remove_tree
 from moevement.storage.persistence import read_window
@@ -121,7 +121,7 @@ class GlobalRollback:
         optimizer,
         n_stages: int,
         initial_parameters: Callable[[], dict],
-        line: Callable[[str], None],
+        line: Callable[[str | RecoveryReport], None],
         moc: MocState | None = None,
     ):
         self.strategy, self.ck, self.policy, self.persist_dir = strategy, checkpointer, policy, persist_dir
@@ -143,7 +143,7 @@ class GlobalRollback:
         rollback_to, saves, source = self._disk_saves() if self.from_disk else self._memory_saves(failed)
         fetched = time.perf_counter() - started
         saved_at = self._restore(saves)
-        lost = (self._account_lost_tokens(rollback_to, saved_at),) if self.moc else ()
+        lost = self._account_lost_tokens(rollback_to, saved_at) if self.moc else {}
         self.policy.rolled_back(rollback_to)
         self._report(step, failed, rollback_to, lambda: time.perf_counter() - started, fetched, source, lost)
         return rollback_to
@@ -168,16 +168,16 @@ class GlobalRollback:
                 "STARTING FROM THE INITIAL STATE"
             )
         saved_at = self._restore(saves)
-        lost = ()
+        lost = {}
         if self.moc:
             self.moc.resumed([header for header, _ in saves])
-            lost = (self._account_lost_tokens(rollback_to, saved_at),)
+            lost = self._account_lost_tokens(rollback_to, saved_at)
         self.policy.rolled_back(rollback_to)
         survivors = [k for k in kept if k]
         step = max((k.next_iteration for k in survivors), default=rollback_to)
         detected = min((k.detected.get("time", time.time()) for k in survivors), default=None)
         seconds = (lambda: time.time() - detected) if detected else (lambda: time.perf_counter() - started)
-        self._report(step, dead, rollback_to, seconds, fetched, source, (*lost, "restart=global"))
+        self._report(step, dead, rollback_to, seconds, fetched, source, lost, restart="global")
         return rollback_to
 
     def _report(
@@ -188,29 +188,29 @@ class GlobalRollback:
         seconds: Callable[[], float],
         fetched: float,
         source: str,
-        fields: tuple[str, ...],
+        lost: dict,
+        restart: str | None = None,
     ) -> None:
-        """Rank 0 prints the `recovery` line (`seconds()`: the time it took; `fields`: what follows its
-        snapshot sources); `source`: where this rank's checkpoint came from (the failed ranks' sources are
-        named). Collective."""
+        """Rank 0 prints (and records) the `recovery` line (`seconds()`: the time it took; `lost`: MoC's
+        `lost_tokens`, `plt` and `k_pec`; `restart`: how the job restarted, if it did); `source`: where this
+        rank's checkpoint came from (the failed ranks' sources are named). Collective."""
         sources: list = [None] * self.world
         collectives.all_gather_object(sources, source)
         report = RecoveryReport(
             step=step,
-            ranks=rank_list(failed) or "none",
-            scope=f"0-{self.n_stages - 1}",  # every stage, written as a range even when there is one
+            ranks=tuple(sorted(failed)),
+            scope=tuple(range(self.n_stages)),
             rollback_to=rollback_to,
             replayed=step - rollback_to,
             seconds=seconds(),
             fetch=fetched,
             convert=0.0,
-            fields=(
-                f"strategy={self.strategy}",
-                quoted("snapshots_from", (f"rank{r}: {sources[r]}" for r in sorted(failed))),
-                *fields,
-            ),
+            restart=restart,
+            strategy=self.strategy,
+            snapshots_from=tuple(f"rank{r}: {sources[r]}" for r in sorted(failed)),
+            **lost,
         )
-        self.line(report.line())
+        self.line(report)
         self.figures = RecoveryFigures.of(report, failed, self.world)
 
     # ---- where the checkpoint comes from ------------------------------------------------------------
@@ -295,8 +295,9 @@ class GlobalRollback:
             reset_to_initial(never, self.optimizer, self.initial_parameters())
         return saved_at
 
-    def _account_lost_tokens(self, rollback_to: int, saved_at: dict[str, int]) -> str:
-        """MoC: tokens whose expert updates the stale restore lost; K_pec doubles when PLT passes the threshold."""
+    def _account_lost_tokens(self, rollback_to: int, saved_at: dict[str, int]) -> dict:
+        """MoC: tokens whose expert updates the stale restore lost; K_pec doubles when PLT passes the threshold.
+        Returns the recovery line's `lost_tokens`, `plt` and `k_pec`."""
         moc = self.moc
         lost, processed = moc.lost.account(rollback_to, saved_at)
         counts = torch.tensor([lost, processed] if moc.count_tokens else [0.0, 0.0], dtype=torch.float64)
@@ -306,4 +307,4 @@ class GlobalRollback:
         moc.plt = moc.lost_tokens / float(counts[1]) if counts[1] > 0 else 0.0  # over the run so far
         if moc.plt > moc.plt_threshold:
             moc.selector.double()
-        return f"lost_tokens={float(counts[0]):.0f} plt={moc.plt:.4f} k_pec={moc.selector.k}"
+        return {"lost_tokens": float(counts[0]), "plt": moc.plt, "k_pec": moc.selector.k}

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import re
 import statistics
 from pathlib import Path
 
@@ -42,6 +41,7 @@ from simulator.ablation import ablation
 from simulator.calibrated import FITTED
 from simulator.paper_tables import FIG13_MTBF_S, FIG13_SKEW, testbed_settings
 from trainer.config import load_config
+from trainer.run.event_log import run_events
 
 STEPS = (
     (
@@ -52,8 +52,6 @@ STEPS = (
     ("+ popularity order", "moevement@fault.scope=global"),
     ("+ upstream logging, localized recovery", "moevement"),
 )
-SECONDS = re.compile(r" seconds=(\S+) .*?convert=(\S+) catchup=([0-9.]+)")
-DIGEST = re.compile(r"^final .*state_digest=(\w+)", re.M)
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
@@ -73,8 +71,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
 
 def recovery_seconds(run: dict) -> tuple[float, float, float]:
     """Means of the seconds, convert and catch-up seconds of a run's `recovery step=` lines (zeros: none)."""
-    parts = [m for m in map(SECONDS.search, run["recoveries"]) if m]
-    return tuple(statistics.fmean(float(m[i]) for m in parts) if parts else 0.0 for i in (1, 2, 3))
+    reports = run["recoveries"]
+    figures = [[r.seconds for r in reports], [r.convert for r in reports], [r.catchup for r in reports]]
+    return tuple(statistics.fmean(values) if values else 0.0 for values in figures)
 
 
 def measure(args: argparse.Namespace, extra: list[str], out: Path) -> list[dict]:
@@ -83,12 +82,12 @@ def measure(args: argparse.Namespace, extra: list[str], out: Path) -> list[dict]
     tokens = cfg.training.batch_size * cfg.training.seq_len
     references = [ettr.reference_run(args, extra, out, tokens, 0)]
     faults, restarts = ettr.fault_flags(args, ettr.snapshot_cap(args, cfg, references[0][1]))
-    fault_free = DIGEST.search((out / "none-0.log").read_text())[1]
+    fault_free = references[0][0]["final"].state_digest
     rows: list[dict] = []
     for i, (name, spec) in enumerate(STEPS):
         stdout = ettr.launch(args.config, spec, args.steps, args.pp, [*extra, *faults], args.threads, restarts)
         (out / f"step{i + 1}.log").write_text(stdout)
-        run = ettr.parse_run(stdout)
+        run = ettr.parse_run(stdout, run_events(stdout))
         references.append(ettr.reference_run(args, extra, out, tokens, i + 1))
         summary = ettr.summarize(run, statistics.fmean([references[i][1], references[i + 1][1]]), tokens)
         per_failure, convert, catchup = recovery_seconds(run)
@@ -105,7 +104,7 @@ def measure(args: argparse.Namespace, extra: list[str], out: Path) -> list[dict]
                 "convert_s": convert,
                 "catchup_s": catchup,
                 "failures": summary["failures"],
-                "digest": "equal" if DIGEST.search(stdout)[1] == fault_free else "DIFFERS",
+                "digest": "equal" if run["final"].state_digest == fault_free else "DIFFERS",
             }
         )
         print(_line(rows[-1]), flush=True)

@@ -55,27 +55,32 @@ import sys
 from pathlib import Path
 
 from baselines.intervals import ettr as steady_ettr
-from benchmarks.variants import QUIET, recovery_parts, variant_flags
+from benchmarks.variants import QUIET, variant_flags
 from models import count_params
 from moevement.failures import TRAINING_PHASES, poisson_events
+from moevement.recovery.report import RecoveryReport
 from simulator.ettr import MeasuredProfile, predict_from_profile
 from trainer.config import Config, load_config
+from trainer.run.event_lines import FinalLine
+from trainer.run.event_log import RunEvent, run_events
 
 FIELDS = re.compile(r"(\w+)=(\S+)")
 WARMUP = 3  # first iterations (allocation, profiling) left out of per-iteration means
 
 
-def parse_run(stdout: str) -> dict:
-    """Step records in print order (a rolled-back iteration appears again), accounting and recovery lines."""
-    steps, accounting, recoveries = [], None, []
+def parse_run(stdout: str, events: list[RunEvent] = ()) -> dict:
+    """Step records in print order (a rolled-back iteration appears again) and the accounting, from `stdout`;
+    the recoveries (`RecoveryReport`) and the final line (`FinalLine`, None: none) from the run's recorded
+    `events` (`run_events(stdout)`)."""
+    steps, accounting = [], None
     for line in stdout.splitlines():
         if line.startswith("step="):
             steps.append({k: float(v) for k, v in FIELDS.findall(line)})
         elif line.startswith("accounting "):
             accounting = {k: float(v) for k, v in FIELDS.findall(line)}
-        elif line.startswith("recovery step="):
-            recoveries.append(line)
-    return {"steps": steps, "accounting": accounting, "recoveries": recoveries}
+    recoveries = [e for e in events if isinstance(e, RecoveryReport)]
+    final = next((e for e in events if isinstance(e, FinalLine)), None)
+    return {"steps": steps, "accounting": accounting, "recoveries": recoveries, "final": final}
 
 
 def iteration_times(run: dict, tokens: int, first_only: bool = True) -> list[float]:
@@ -131,9 +136,9 @@ def lost_time(run: dict, reference_s: float, tokens: int, target_ettr: float) ->
     acct = run["accounting"]
     parts = dict.fromkeys(("restart", "fetch", "convert", "catchup"), 0.0)
     in_lines = 0.0
-    for line in run["recoveries"]:
-        seconds, line_parts = recovery_parts(line)
-        replay = {k: v for k, v in line_parts.items() if k in REPLAY_PARTS}
+    for report in run["recoveries"]:
+        seconds = report.seconds  # a recorded report holds the line's values
+        replay = {k: v for k, v in report.parts().items() if k in REPLAY_PARTS}
         for key, value in replay.items():
             parts[key] += value
         parts["restart"] += seconds - sum(replay.values())
@@ -299,7 +304,7 @@ def reference_run(args: argparse.Namespace, extra: list[str], out: Path, tokens:
     """The `index`-th fault-free `none` run: its parsed run and mean iteration time."""
     stdout = launch(args.config, "none", args.none_steps or args.steps, args.pp, extra, args.threads)
     (out / f"none-{index}.log").write_text(stdout)
-    run = parse_run(stdout)
+    run = parse_run(stdout, run_events(stdout))
     iteration_s = statistics.fmean(iteration_times(run, tokens))
     print(f"reference={index} none iteration_s={iteration_s:.3f}", flush=True)
     return run, iteration_s
@@ -308,8 +313,8 @@ def reference_run(args: argparse.Namespace, extra: list[str], out: Path, tokens:
 def report_run(strategy: str, run: dict, bracket: tuple[float, float], tokens: int, target_ettr: float) -> None:
     """Print a strategy's recoveries, its summary against the mean of the `none` runs before and after it,
     and where its lost time went (`lost_time`)."""
-    for line in run["recoveries"]:
-        print(f"  {strategy}: {line}", flush=True)
+    for report in run["recoveries"]:
+        print(f"  {strategy}: {report.line()}", flush=True)
     r = summarize(run, statistics.fmean(bracket), tokens)
     print(
         f"  {strategy}: ettr={r['ettr']:.4f} overhead={r['overhead']:.4f} recovery_s={r['recovery_s']:.3f} "
@@ -399,7 +404,7 @@ def main(argv: list[str] | None = None) -> None:
     for i, strategy in enumerate(strategies):
         stdout = launch(args.config, strategy, args.steps, args.pp, [*extra, *faults], args.threads, restarts)
         (out / f"{strategy}.log").write_text(stdout)  # a stopped invocation loses no finished run
-        runs[strategy] = parse_run(stdout)
+        runs[strategy] = parse_run(stdout, run_events(stdout))
         references.append(reference_run(args, extra, out, tokens, i + 1))
         bracket[strategy] = (references[i][1], references[i + 1][1])
         report_run(strategy, runs[strategy], bracket[strategy], tokens, args.target_ettr)

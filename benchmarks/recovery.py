@@ -47,18 +47,19 @@ import time
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from benchmarks.variants import QUIET, recovery_parts
+from benchmarks.variants import QUIET
 from models import build_model
 from models.experts import GROUPED_MM_FLOPS
 from moevement.checkpoint.schedule import generate_schedule, order_operators, slot_size_for
 from moevement.operators import build_registry
 from moevement.recovery.replay import set_frozen
+from moevement.recovery.report import RecoveryReport, RecoveryWork
 from parallelisms.pipeline import lm_loss
 from trainer.config import load_config
-from trainer.run.fault_tolerance import stacked_operators
+from trainer.run.event_log import run_events
+from trainer.run.strategy_factory import stacked_operators
 
 TIMELINE_RE = re.compile(r"^restart timeline rank=\d+: (.*)$", re.M)
-WORK_RE = re.compile(r"^recovery work rank=\d+ role=healthy forwards=(\d+) backwards=(\d+)", re.M)
 DEATH_RE = re.compile(r"^fault: rank \d+ killed .* at unix=(\S+)", re.M)
 DETECTED_RE = re.compile(r"\(detected at unix=(\S+)\)$", re.M)
 VARIANTS = {"wipe": ("localized", "global"), "kill": ("kill-replaced", "kill-localized", "kill-global", "wipe")}
@@ -113,12 +114,14 @@ def run(args, variant: str, extra: list[str]) -> dict[str, float]:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
         proc = subprocess.run(command(args, variant, host_dir, extra), capture_output=True, text=True, env=env)
     out = proc.stdout
-    recovery = recovery_parts(out)
-    if proc.returncode != 0 or recovery is None:
+    events = run_events(out) if proc.returncode == 0 else []
+    reports = [e for e in events if isinstance(e, RecoveryReport)]
+    if not reports:
         sys.exit(f"run failed ({variant}):\n{out[-2000:]}\n{proc.stderr[-4000:]}")
-    seconds, parts = recovery
-    result = {"seconds": seconds, **parts, "replay": parts["convert"] + parts["catchup"]}
-    result["healthy_work"] = sum(int(f) + int(b) for f, b in WORK_RE.findall(out))
+    parts = reports[0].parts()
+    result = {"seconds": reports[0].seconds, **parts, "replay": parts["convert"] + parts["catchup"]}
+    healthy = [e for e in events if isinstance(e, RecoveryWork) and e.role == "healthy"]
+    result["healthy_work"] = sum(w.forwards + w.backwards for w in healthy)
     if variant.startswith("kill"):
         death, detected = float(DEATH_RE.search(out)[1]), min(map(float, DETECTED_RE.findall(out)))
         result["detect"] = detected - death

@@ -2,12 +2,12 @@
 
 A variant is a strategy with settings of its own (`@section.key=value`, repeatable), so that two
 settings of one strategy are compared in the same invocation, interleaved, under the same noise.
-Also what every benchmark run shares: its quiet flags and the parse of its `recovery step=` lines.
+Also what every benchmark run shares: its quiet flags. (Its recovery lines are read from the run record:
+`trainer.run.event_log.run_events`.)
 """
 
 from __future__ import annotations
 
-import re
 import sys
 
 # What every benchmark run shares: a line every step, no TensorBoard, progress bar or validation.
@@ -21,17 +21,6 @@ QUIET = [
     "--metrics.progress",
     "false",
 ]
-
-
-RECOVERY_LINE = re.compile(r"^recovery step=\d+ .*? seconds=(\S+) \(([^)]*)\)", re.M)
-
-
-def recovery_parts(text: str) -> tuple[float, dict[str, float]] | None:
-    """(seconds, {part: seconds}) of the first `recovery step=` line in `text` (DESIGN §5), or None."""
-    m = RECOVERY_LINE.search(text)
-    if m is None:
-        return None
-    return float(m[1]), {k: float(v) for k, v in (kv.split("=") for kv in m[2].split())}
 
 
 def variant_flags(spec: str) -> tuple[str, list[str]]:

@@ -8,7 +8,7 @@ group's backend (nccl, for one, serves CUDA tensors only, and torch's own error 
 nor the group). Object collectives
 and barriers move CPU tensors when their group serves CPU (`_get_object_coll_device` in torch 2.13), so
 their group must serve CPU. `wait` waits for the handle of an `isend`/`irecv`: a failed wait, like a failed
-call here, is a communication failure (`trainer/run/survival.py` tells those from bugs by where they were raised).
+call here, is a communication failure (`trainer/lifecycle/survival.py` tells those from bugs by where they were raised).
 """
 
 from __future__ import annotations

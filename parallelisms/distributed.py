@@ -41,7 +41,7 @@ def configure_nccl_error_handling() -> str | None:
     """Before the first nccl group, under torchrun: how nccl's watchdog handles a failed or timed-out
     operation. 2 (CleanUpOnly) aborts the communicators and leaves the process alive, so the error reaches
     the training thread as `DistBackendError` and a survivor of a peer's death keeps its state
-    (trainer/run/survival.py). torchrun's agent sets 1 (TearDown: the watchdog kills the process, state and all)
+    (trainer/lifecycle/survival.py). torchrun's agent sets 1 (TearDown: the watchdog kills the process, state and all)
     whenever its own environment names no value, and a worker cannot tell that default from a user's 1: 1 is
     replaced by 2, and so is no value (nccl's own default is 3). A user's 0 or 3 is kept (3 tears the process
     down without cleaning up: use it only when `ncclCommAbort` itself hangs). Returns the line saying what

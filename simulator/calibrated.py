@@ -1,6 +1,6 @@
 """The simulator's constants that are not hardware facts, and their values fitted on Table 3's 2H and 1H rows.
 
-    python -m simulator.fit        # refits them and prints what it fitted (docs/simulator.md)
+    python -m simulator.fit        # refits them, prints what it fitted and writes it to fit.txt
 
 Every other input is a hardware or workload fact (`simulator.testbed`) or a stated design constant
 of a strategy (below). What each fitted constant stands for:
@@ -56,7 +56,7 @@ class Calibration:
         return self.local_restart_s + excess * math.log2(gpus) / math.log2(CALIBRATION_GPUS)
 
 
-# `python -m simulator.fit`, 2026-11-25 (see docs/simulator.md for its output).
+# `python -m simulator.fit`, 2026-11-25 (its output, with every residual: its directory's fit.txt).
 FITTED = Calibration(
     nic_efficiency=0.26588,
     copy_interference=1.18753,

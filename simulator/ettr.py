@@ -1,22 +1,26 @@
 """ETTR simulator's command line: checkpointing strategies under failures at cluster scale.
 
-    python -m simulator --paper-tables [--figure PATH | --no-figure]         every compared cell of the paper
-    python -m simulator --paper [--figure PATH | --no-figure] [--json]       the paper's scale study
-    python -m simulator --sensitivity [--preset P] [--mtbf-min M] [--json]   what moves one result
+    python -m simulator --paper-tables [--no-figure] [--out DIR]             every compared cell of the paper
+    python -m simulator --paper [--no-figure] [--json] [--out DIR]           the paper's scale study
+    python -m simulator --sensitivity [--preset P] [--mtbf-min M] [--json] [--out DIR]   what moves one result
     python -m simulator --preset 671B-16384 --mtbf-min 10 [--strategies ...] [--interval K] [--window W] [--json]
     python -m simulator --list | --profile profile.json
 
-`python -m simulator.ettr` is the same command. `--paper-tables` is the calibrated model of the paper's
-evaluation: `simulator.testbed` (§5.1 cluster, Table 2 models), `simulator.setting`,
-`simulator.mechanisms` (each strategy's checkpoint and recovery), `simulator.run` (12-hour run, closed
-form, MoC's Dynamic-K), `simulator.calibrated` / `simulator.fit` (constants fitted on Table 3's 2H and
-1H rows), `simulator.paper_tables` (the comparison). The other modes use the exploratory per-GPU model;
-`--host-gbs X`, `--snapshot-cap-gbs X` and `--restart-s S` change its hardware in any mode but
---profile and --paper-tables. That model: `simulator.cluster` (iteration time),
-`simulator.strategies` (overhead and loss per failure), `simulator.formula` (the paper's ETTR),
-`simulator.presets` (the clusters); the assumptions not in the paper are listed in
-`simulator.paper`. `simulator.calibration` is the finite-run model that `benchmarks.ettr`
-compares its measurements with (`--profile`).
+`python -m simulator.ettr` is the same command. `--paper-tables`, `--paper` and `--sensitivity` print
+their tables and write them, with their figures, under `--out DIR` (default
+`outputs/simulator/<UTC timestamp>/`; `simulator.output`), then print one `wrote: PATH` line per file
+(on stderr with `--json`, so that stdout stays one JSON document).
+
+`--paper-tables` is the calibrated model of the paper's evaluation: `simulator.testbed` (§5.1
+cluster, Table 2 models), `simulator.setting`, `simulator.mechanisms` (each strategy's checkpoint and
+recovery), `simulator.run` (12-hour run, closed form, MoC's Dynamic-K), `simulator.calibrated` /
+`simulator.fit` (constants fitted on Table 3's 2H and 1H rows), `simulator.paper_tables` (the
+comparison). The other modes use the exploratory per-GPU model; `--host-gbs X`, `--snapshot-cap-gbs X`
+and `--restart-s S` change its hardware in any mode but --profile and --paper-tables. That model:
+`simulator.cluster` (iteration time), `simulator.strategies` (overhead and loss per failure),
+`simulator.formula` (the paper's ETTR), `simulator.presets` (the clusters); the assumptions not in the
+paper are listed in `simulator.paper`. `simulator.calibration` is the finite-run model that
+`benchmarks.ettr` compares its measurements with (`--profile`).
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ from typing import Any
 from simulator.calibrated import FITTED
 from simulator.calibration import MeasuredProfile, predict_from_profile
 from simulator.cluster import GB, Preset
-from simulator.paper import DEFAULT_FIGURE, PAPER_REPORTED, layout_table, plot_study, scale_study, study_table
+from simulator.output import OutputError, output_dir, write_figure, write_text
+from simulator.paper import PAPER_REPORTED, STUDY_FIGURE, layout_table, plot_study, scale_study, study_table
 from simulator.paper_numbers import FIG11_671B_10M, FIG11_MIN_MOEVEMENT_1H
 from simulator.paper_tables import all_cells, render
 from simulator.presets import PAPER_PRESETS, PRESETS
@@ -67,8 +72,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--paper-tables", action="store_true", help="Table 3, Table 4, Figs. 1a, 11, 13, 16 beside the paper's numbers"
     )
-    ap.add_argument("--figure", default=str(DEFAULT_FIGURE), help="--paper: where the figure goes")
-    ap.add_argument("--no-figure", action="store_true", help="--paper: print the tables only")
+    ap.add_argument("--no-figure", action="store_true", help="--paper, --paper-tables: write the tables only")
+    ap.add_argument(
+        "--out",
+        help="--paper, --paper-tables, --sensitivity: directory for tables and figures "
+        "(default: outputs/simulator/<UTC timestamp>)",
+    )
     ap.add_argument("--sensitivity", action="store_true", help="which inputs move one preset/MTBF result most")
     ap.add_argument("--preset", help="preset (see --list)")
     ap.add_argument("--mtbf-min", type=float, help="mean time between failures, minutes (inf: none)")
@@ -128,47 +137,63 @@ def _with_overrides(preset: Preset, args: argparse.Namespace) -> Preset:
     return replace(preset, hw=hw)
 
 
+def _tables(folder: Path, name: str, text: str) -> list[Path]:
+    """Print `text` and write it to `folder/name`; the path in a list (figures are appended to it)."""
+    print(text)
+    return [write_text(folder, name, text)]
+
+
+def _said_written(paths: list[Path], as_json: bool) -> None:
+    """One `wrote: PATH` line per file: after a blank line on stdout, or on stderr with --json."""
+    lines = "\n".join(f"wrote: {p}" for p in paths)
+    if as_json:
+        print(lines, file=sys.stderr)
+    else:
+        print("\n" + lines)
+
+
 def _run_paper(args: argparse.Namespace) -> None:
     presets = [_with_overrides(p, args) for p in PAPER_PRESETS.values()]
+    folder = output_dir(args.out)
     rows = scale_study(presets)
-    if not args.no_figure:
-        try:
-            plot_study(rows, Path(args.figure))
-        except OSError as err:
-            _fail(f"--figure {args.figure}: {err.strerror or err}")
     if args.json:
-        print(json.dumps([{**asdict(r), "speedup": r.speedup} for r in rows]))
-        return
-    print(layout_table(presets), end="\n\n")
-    print(study_table(rows))
+        text = json.dumps([{**asdict(r), "speedup": r.speedup} for r in rows])
+    else:
+        text = layout_table(presets) + "\n\n" + study_table(rows)
+    written = _tables(folder, "scale_study.json" if args.json else "scale_study.md", text)
     if not args.no_figure:
-        print(f"\nfigure: {args.figure}")
+        written.append(write_figure(folder, STUDY_FIGURE, lambda path: plot_study(rows, Path(path))))
+    _said_written(written, args.json)
 
 
 def _run_paper_tables(args: argparse.Namespace) -> None:
-    print(render(all_cells(FITTED, zero1=not args.no_zero1)))
-    if args.no_figure:
-        return
-    path = args.figure if args.figure != str(DEFAULT_FIGURE) else FIG11_FIGURE
-    try:
-        plot_fig11(FITTED, path, FIG11_671B_10M, FIG11_MIN_MOEVEMENT_1H)
-    except OSError as err:
-        _fail(f"--figure {path}: {err.strerror or err}")
-    print(f"\nfigure: {path}")
+    folder = output_dir(args.out)
+    written = _tables(folder, "paper_tables.txt", render(all_cells(FITTED, zero1=not args.no_zero1)).lstrip("\n"))
+    if not args.no_figure:
+        written.append(
+            write_figure(folder, FIG11_FIGURE, lambda p: plot_fig11(FITTED, p, FIG11_671B_10M, FIG11_MIN_MOEVEMENT_1H))
+        )
+    _said_written(written, False)
 
 
-def _run_sensitivity(preset: Preset, mtbf_min: float, as_json: bool) -> None:
+def _run_sensitivity(preset: Preset, mtbf_min: float, args: argparse.Namespace) -> None:
+    folder, as_json = output_dir(args.out), args.json
     rows = sensitivity(preset, mtbf_min * 60)
     targets = PAPER_REPORTED.get((preset.name, mtbf_min), {})
     points, best = break_even(preset, mtbf_min * 60, targets), best_speedup(preset, mtbf_min * 60)
     if as_json:
         rows_json = [asdict(r) for r in rows]
-        print(json.dumps({"rows": rows_json, "break_even": [asdict(b) for b in points], "best_speedup": asdict(best)}))
-        return
-    print(f"preset={preset.name} mtbf_min={mtbf_min:g}\n")
-    print(sensitivity_table(rows))
-    print("\nwhere the paper's figures for this preset and MTBF (if any) would be reached:")
-    print("\n".join(break_even_lines(points, best)))
+        text = json.dumps({"rows": rows_json, "break_even": [asdict(b) for b in points], "best_speedup": asdict(best)})
+    else:
+        text = "\n".join(
+            [
+                f"preset={preset.name} mtbf_min={mtbf_min:g}\n",
+                sensitivity_table(rows),
+                "\nwhere the paper's figures for this preset and MTBF (if any) would be reached:",
+                *break_even_lines(points, best),
+            ]
+        )
+    _said_written(_tables(folder, "sensitivity.json" if as_json else "sensitivity.md", text), as_json)
 
 
 def _checked(args: argparse.Namespace) -> tuple[Preset, list[str]]:
@@ -189,6 +214,15 @@ def _checked(args: argparse.Namespace) -> tuple[Preset, list[str]]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = _parse(argv)
+    try:
+        _dispatch(args)
+    except OutputError as err:
+        _fail(str(err))
+
+
+def _dispatch(args: argparse.Namespace) -> None:
+    """Run the one mode `args` asks for; a mode that writes makes its output directory once its other
+    inputs are checked and before it computes anything."""
     if args.list:
         return _list()
     if args.profile:
@@ -202,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.mtbf_min = SENSITIVITY_MTBF_MIN if args.mtbf_min is None else args.mtbf_min
     preset, strategies = _checked(args)
     if args.sensitivity:
-        return _run_sensitivity(preset, args.mtbf_min, args.json)
+        return _run_sensitivity(preset, args.mtbf_min, args)
     _report(preset, args.mtbf_min * 60, strategies, args)
 
 

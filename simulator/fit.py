@@ -1,21 +1,25 @@
 """Fit the simulator's non-hardware constants on Table 3's 2H and 1H ETTR rows only, and print them.
 
-    python -m simulator.fit [--sweeps N]
+    python -m simulator.fit [--sweeps N] [--out DIR]
 
 Least squares over the 32 calibration cells (4 models x 2 MTBFs x 4 strategies, finite-run ETTR),
 by a coordinate search in transformed coordinates (log for positive constants, logit for the NIC
 efficiency) over `--sweeps` sweeps of shrinking grids; it prints the constants and every
-calibration cell's residual. `simulator.calibrated.FITTED` records the printed values.
+calibration cell's residual, and writes the same to `fit.txt` under `--out DIR` (default
+`outputs/simulator/<UTC timestamp>/`, `simulator.output`). `simulator.calibrated.FITTED` records the
+printed values.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, fields
 
 from simulator.calibrated import Calibration
+from simulator.output import OutputError, output_dir, write_text
 from simulator.paper_numbers import CALIBRATION_ROWS, MTBFS_MIN, STRATEGIES, TABLE3_ETTR
 from simulator.run import run_all
 from simulator.setting import from_testbed
@@ -72,18 +76,29 @@ def fit(sweeps: int = 6) -> tuple[Calibration, float]:
     return to_calibration(x), fx
 
 
+def report(cal: Calibration, value: float) -> str:
+    """The fitted constants, the rms and every calibration cell's residual, one per line."""
+    cells = residuals(cal)
+    lines = [f"fitted on Table 3 rows {', '.join(CALIBRATION_ROWS)} ({len(cells)} ETTR cells)"]
+    lines += [f"{k} = {v:.6g}" for k, v in asdict(cal).items()]
+    lines.append(f"rms = {math.sqrt(value / len(cells)):.4f}")
+    lines += [f"  {model} {row} {strategy}: simulated - paper = {d:+.3f}" for model, row, strategy, d in cells]
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m simulator.fit", description=__doc__.split("\n")[0])
     ap.add_argument("--sweeps", type=int, default=6)
+    ap.add_argument("--out", help="directory for fit.txt (default: outputs/simulator/<UTC timestamp>)")
     args = ap.parse_args(argv)
-    cal, value = fit(args.sweeps)
-    print(f"fitted on Table 3 rows {', '.join(CALIBRATION_ROWS)} ({len(residuals(cal))} ETTR cells)")
-    for k, v in asdict(cal).items():
-        print(f"{k} = {v:.6g}")
-    cells = residuals(cal)
-    print(f"rms = {math.sqrt(value / len(cells)):.4f}")
-    for model, row, strategy, d in cells:
-        print(f"  {model} {row} {strategy}: simulated - paper = {d:+.3f}")
+    try:
+        folder = output_dir(args.out)
+        text = report(*fit(args.sweeps))
+        print(text)
+        print(f"\nwrote: {write_text(folder, 'fit.txt', text)}")
+    except OutputError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The paper's scale study (§5.4, Appendix C): every strategy's ETTR on the paper's four clusters.
 
-    python -m simulator --paper [--figure PATH | --no-figure] [--json]
+    python -m simulator --paper [--no-figure] [--json] [--out DIR]
 
 From the paper: the four clusters (`simulator.presets`: stages x pipelines x 8-way expert
 parallelism, models of 32B-671B parameters), the ETTR formula (`simulator.formula`), the iteration
@@ -49,7 +49,7 @@ MTBFS_MIN = (60.0, 30.0, 10.0)
 STUDY_STRATEGIES = ("moevement", "gemini", "checkfreq", "moc")
 PAPER_REPORTED: dict[tuple[str, float], dict[str, float]] = {("671B-16384", 10.0): {"moevement": 0.86, "gemini": 0.55}}
 PAPER_MIN_ETTR_1H = 0.91  # MoEvement at a 1-hour MTBF, every scale
-DEFAULT_FIGURE = Path("docs/figures/simulated_ettr_vs_mtbf.png")
+STUDY_FIGURE = "simulated_ettr_vs_mtbf.png"  # its file name in the run's output directory
 
 
 @dataclass(frozen=True)

@@ -107,7 +107,7 @@ def scale_study(cal: Calibration, mtbfs_min=MTBFS_MIN) -> list[ScaleRow]:
 
 
 CURVE_MTBFS_MIN = (120.0, 90.0, 60.0, 45.0, 30.0, 20.0, 15.0, 10.0)
-FIG11_FIGURE = "docs/figures/paper_fig11_simulated.png"
+FIG11_FIGURE = "paper_fig11_simulated.png"  # its file name in the run's output directory
 
 
 def plot_fig11(cal: Calibration, path: str, paper: dict[str, float], min_1h: float) -> None:

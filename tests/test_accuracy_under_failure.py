@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from eval import accuracy_under_failure as acc
-from tests.conftest import CHILD_ENV, DEBUG_CONFIG, ROOT
+from tests.helpers import CHILD_ENV, DEBUG_CONFIG, ROOT, recoveries
 
 STRATEGY_LINE = re.compile(
     r"^strategy=(\w+) val_loss=(\S+) piqa_acc=(\S+) piqa_acc_norm=(\S+) "
@@ -112,6 +112,7 @@ def test_parse_training_keeps_the_rerun_validation_and_builds_table_and_plot(tmp
     assert (tmp_path / "val_loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_moevement_checkpoint_scores_like_fault_free_and_moc_does_not(tmp_path):
     out = tmp_path / "accuracy"
     proc = subprocess.run(
@@ -152,7 +153,7 @@ def test_moevement_checkpoint_scores_like_fault_free_and_moc_does_not(tmp_path):
     none, moev, moc = (rows[s] for s in ("none", "moevement", "moc"))
     assert json.loads((out / "accuracy.json").read_text())["schedule"] == [[5, 1], [10, 0]]
     log = (out / "moevement" / "train.log").read_text()
-    assert re.findall(r"^recovery step=(\d+) ranks=(\d+)", log, re.M) == [("5", "1"), ("10", "0")]
+    assert [(r.step, r.ranks) for r in recoveries(log)] == [(5, (1,)), (10, (0,))]
 
     lls = {s: json.loads((out / s / "piqa_loglikelihoods.json").read_text()) for s in rows}
     assert len(lls["none"]) == 30 and all(len(pair) == 2 for pair in lls["none"])

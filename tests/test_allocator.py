@@ -27,6 +27,7 @@ print(statistics.median(faults_of_one_allocation() for _ in range(9)))
 
 
 @pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc only")
+@pytest.mark.slow
 def test_freed_blocks_are_reused_without_page_faults():
     def faults(mode: str) -> float:
         out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, check=True)

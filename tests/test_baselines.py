@@ -20,32 +20,13 @@ from benchmarks.ettr import lost_time, parse_run, summarize
 from benchmarks.ettr import main as ettr_main
 from moevement.failures import FaultPlan, FaultSpecError, poisson_events
 from moevement.operators import Operator
+from moevement.recovery.report import RecoveryReport
 from moevement.storage.sealed import seal
-from tests.conftest import DEBUG_CONFIG, final_line, run_cli, step_losses
+from tests.helpers import DEBUG_CONFIG, base_args, final_line, recoveries, run_cli, step_losses
 from trainer.config import ConfigError, expected_mtbf_iters, load_config
 from trainer.run.accounting import RunAccounting
 
-BASE = [
-    "--config",
-    DEBUG_CONFIG,
-    "--metrics.tensorboard",
-    "false",
-    "--metrics.log_every",
-    "1",
-    "--training.val_every",
-    "0",
-    "--training.steps",
-    "14",
-    "--model.n_layers",
-    "4",
-    "--parallelism.pp",
-    "2",
-]
-RECOVERY = re.compile(
-    r"^recovery step=(\d+) ranks=(\S+) scope=(\S+) rollback_to=(\d+) replayed=(\d+) .*"
-    r"strategy=(\w+) snapshots_from=\"([^\"]*)\"(.*)$",
-    re.M,
-)
+BASE = [*base_args(steps=14), "--parallelism.pp", "2"]
 ACCOUNTING = re.compile(r"^accounting (.*)$", re.M)
 
 
@@ -148,6 +129,7 @@ def test_trace_file(tmp_path: Path):
         FaultPlan(trace=str(bad), world=2, last_step=20)
 
 
+@pytest.mark.slow
 def test_bad_baseline_config_is_one_clear_error():
     proc = run_cli(
         "--config", DEBUG_CONFIG, "--checkpoint.strategy", "gemini", "--checkpoint.interval", "often", check=False
@@ -205,15 +187,25 @@ def test_lost_time_splits_the_wall_beyond_the_references_into_its_causes():
     steps = "".join(
         f"step={s} loss=1 tok_per_s={100 / t} wall_s=0\n" for s, t in [(1, 3), (2, 1), (3, 1.5), (4, 1.5), (5, 1.5)]
     )
-    recovery = (
-        "recovery step=4 ranks=0 scope=0 rollback_to=2 replayed=2 seconds=6.000 (keep=0.25 restart=0.5 "
-        'setup=0.75 fetch=0.5 convert=3.0 catchup=1.0) restart=local detected_by="rank1: ..."\n'
+    recovery = RecoveryReport(
+        step=4,
+        ranks=(0,),
+        scope=(0,),
+        rollback_to=2,
+        replayed=2,
+        seconds=6.0,
+        restart_seconds=(("keep", 0.25), ("restart", 0.5), ("setup", 0.75)),
+        fetch=0.5,
+        convert=3.0,
+        catchup=1.0,
+        restart="local",
+        detected_by=("rank1: ...",),
     )
     line = (
         "accounting wall_s=17.25 iterations=5 productive_s=8.5 recompute_s=2.0 recovery_s=6.5 failures=1 "
         "recomputed=2 goodput=1 lost_tokens=0 host_mb=0 log_mb=0\n"
     )
-    lost = lost_time(parse_run(steps + recovery + line), reference_s=1.0, tokens=100, target_ettr=0.5)
+    lost = lost_time(parse_run(steps + line, [recovery]), reference_s=1.0, tokens=100, target_ettr=0.5)
     assert lost == pytest.approx(
         {
             "lost": 12.25,
@@ -240,33 +232,33 @@ def test_accounting_is_carried_across_a_torchrun_restart(tmp_path, monkeypatch, 
     first.started_unix = 1000.0
     for step in (1, 2, 3):
         first.iteration(step, 1.0)
-    first.keep({"run_id": "r", "generation": 0}, stopped_unix=1004.0)
+    first.keep({"run_id": "r", "attempt": 0}, stopped_unix=1004.0)
     monkeypatch.setattr("trainer.run.accounting.time.time", lambda: 1010.0)
     second = RunAccounting(first_step=3, samples_per_step=8, path=path)  # resumed at 3 after a rollback
-    second.carry_on({"run_id": "r", "generation": 1})
+    second.carry_on({"run_id": "r", "attempt": 1})
     assert (second.first_step, second.high_water, second.productive_s) == (1, 3, 3.0)
     assert (second.failures, second.recovery_s, second.elapsed()) == (1, 6.0, 10.0)
     second.iteration(3, 1.0)
     assert second.recompute_s == 1.0 and path.exists()  # kept until the run finishes
-    for generation, note in (
-        ({"run_id": "other", "generation": 1}, "of another run"),
+    for name, note in (
+        ({"run_id": "other", "attempt": 1}, "of another run"),
         (
-            {"run_id": "r", "generation": 0},
+            {"run_id": "r", "attempt": 0},
             None,
         ),
     ):
         fresh = RunAccounting(first_step=1, samples_per_step=8, path=path)
-        fresh.carry_on(generation)
+        fresh.carry_on(name)
         assert fresh.failures == 0 and fresh.high_water == 0
         if note:
             assert note in capsys.readouterr().out
-    assert not path.exists()  # a first generation removes an earlier launch's record
-    malformed = b'{"run_id": "r", "generation": 0, "accounting": {"high_water": "3"}}'
+    assert not path.exists()  # a first attempt removes an earlier launch's record
+    malformed = b'{"run_id": "r", "attempt": 0, "accounting": {"high_water": "3"}}'
     path.write_bytes(seal(malformed))
-    RunAccounting(1, 8, path).carry_on({"run_id": "r", "generation": 1})
+    RunAccounting(1, 8, path).carry_on({"run_id": "r", "attempt": 1})
     assert "malformed" in capsys.readouterr().out
     path.write_bytes(malformed)  # not sealed: not a record this program wrote
-    RunAccounting(1, 8, path).carry_on({"run_id": "r", "generation": 1})
+    RunAccounting(1, 8, path).carry_on({"run_id": "r", "attempt": 1})
     assert "not a sealed record" in capsys.readouterr().out
     second.drop()
     assert not path.exists()
@@ -309,6 +301,11 @@ def accounting(out: str) -> dict[str, float]:
     return {k: float(v) for k, v in (kv.split("=") for kv in ACCOUNTING.search(out)[1].split())}
 
 
+def baseline_recoveries(out: str) -> list[RecoveryReport]:
+    """The recovery lines of an interval baseline (`strategy=<s> snapshots_from=...`) a run recorded."""
+    return [r for r in recoveries(out) if r.strategy is not None]
+
+
 def test_overhead_benchmark_measures_after_the_first_window_of_changing_windows():
     """Windows follow the profile and may change size; steady state starts after the first one
     and the second one's first iteration."""
@@ -325,20 +322,22 @@ def test_overhead_benchmark_measures_after_the_first_window_of_changing_windows(
     assert steady_ms(fault_free, 2, tokens=1000, start=11) == pytest.approx([1e3 / t for t in range(11, 17)])
 
 
+@pytest.mark.slow
 def test_gemini_poisson_failures_roll_every_rank_back_and_recompute_exactly(tmp_path):
     plan = FaultPlan(mtbf_iters=4, seed=6, world=2, last_step=14)
     assert len(plan.events) >= 3
     out = baseline_run(tmp_path, "gemini", "--checkpoint.interval", "3", "--fault.mtbf_iters", "4", "--fault.seed", "6")
-    recoveries = RECOVERY.findall(out)
-    assert [int(r[0]) for r in recoveries] == [e.step for e in plan.events]
-    for step, ranks, scope, rollback_to, replayed, strategy, source, _ in recoveries:
-        assert scope == "0-1" and strategy == "gemini"  # global: both stages roll back
-        assert int(rollback_to) <= int(step) and int(replayed) == int(step) - int(rollback_to)
-        if int(rollback_to) > 1:
-            assert source == f"rank{ranks}: replica on rank{1 - int(ranks)}"
+    found = baseline_recoveries(out)
+    assert [r.step for r in found] == [e.step for e in plan.events]
+    for r in found:
+        assert r.scope == (0, 1) and r.strategy == "gemini"  # global: both stages roll back
+        assert r.rollback_to <= r.step and r.replayed == r.step - r.rollback_to
+        if r.rollback_to > 1:
+            [rank] = r.ranks
+            assert r.snapshots_from == (f"rank{rank}: replica on rank{1 - rank}",)
     acct = accounting(out)
     assert acct["failures"] == len(plan.events)
-    assert acct["recomputed"] == sum(int(r[4]) for r in recoveries) > 0
+    assert acct["recomputed"] == sum(r.replayed for r in found) > 0
     assert step_losses(out) == step_losses(reference())
     assert final_line(out) == final_line(reference())
 
@@ -347,22 +346,22 @@ def test_checkfreq_recovers_from_disk_exactly(tmp_path):
     trace = tmp_path / "trace.csv"
     trace.write_text("iteration,rank\n9,0\n")
     out = baseline_run(tmp_path, "checkfreq", "--checkpoint.interval", "4", "--fault.trace", str(trace))
-    ((step, ranks, scope, rollback_to, replayed, strategy, source, _),) = RECOVERY.findall(out)
-    assert (step, ranks, scope, rollback_to, strategy) == ("9", "0", "0-1", "7", "checkfreq")
-    assert source.startswith("rank0: disk ") and (tmp_path / "disk").is_dir()
+    [r] = baseline_recoveries(out)
+    assert (r.step, r.ranks, r.scope, r.rollback_to, r.strategy) == (9, (0,), (0, 1), 7, "checkfreq")
+    assert "; ".join(r.snapshots_from).startswith("rank0: disk ") and (tmp_path / "disk").is_dir()
     assert final_line(out) == final_line(reference())
 
 
+@pytest.mark.slow
 def test_moc_restores_stale_experts_and_loses_tokens(tmp_path):
     out = baseline_run(
         tmp_path, "moc", "--checkpoint.interval", "2", "--checkpoint.moc_experts", "2", "--fault.at", "10:1"
     )
-    ((step, ranks, scope, rollback_to, replayed, strategy, source, tail),) = RECOVERY.findall(out)
-    assert (step, scope, rollback_to, strategy) == ("10", "0-1", "9", "moc")
-    lost = dict(kv.split("=") for kv in tail.split())
-    assert float(lost["lost_tokens"]) > 0 and 0 < float(lost["plt"]) < 1
-    assert int(lost["k_pec"]) == 4  # PLT above 3.75%: K doubles
-    assert accounting(out)["lost_tokens"] == float(lost["lost_tokens"])
+    [r] = baseline_recoveries(out)
+    assert (r.step, r.scope, r.rollback_to, r.strategy) == (10, (0, 1), 9, "moc")
+    assert r.lost_tokens > 0 and 0 < r.plt < 1
+    assert r.k_pec == 4  # PLT above 3.75%: K doubles
+    assert accounting(out)["lost_tokens"] == r.lost_tokens
     losses, ref = step_losses(out), step_losses(reference())
     assert all(losses[t] == ref[t] for t in range(1, 9))  # identical until the stale restore at 9
     assert losses[9] != ref[9]  # iteration 9 runs again on stale experts

@@ -20,10 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import CHILD_ENV, ROOT, RUN_OUTPUTS, final_line
-from tests.test_recovery import BASE, MOEVEMENT, PP4, baseline
+from tests.helpers import BASE, CHILD_ENV, MOEVEMENT, PP2, PP4, ROOT, RUN_OUTPUTS, baseline, final_line, recoveries
 
-PP2 = ["--parallelism.pp", "2"]
 STEPS = ["--training.steps", "100"]
 STEP_LINE = re.compile(r"^step=(\d+) loss=(\S+) .* wall_s=\S+$", re.M)
 SEEDS = [int(s) for s in os.environ.get("CHAOS_SEEDS", "1").split(",")]
@@ -176,5 +174,5 @@ def test_a_killed_rank_shell_falls_back_to_torchrun(tmp_path):
         agent.wait(timeout=300)
     text = out.read_text()
     assert agent.returncode == 0, text
-    assert re.search(r"^recovery step=\d+ ranks=1 .* restart=local ", text, re.M), text
+    assert any(r.ranks == (1,) and r.restart == "local" for r in recoveries(text)), text
     assert final_line(text) == final_line(baseline(["--training.steps", "20", *PP2], 2))

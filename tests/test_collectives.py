@@ -1,6 +1,6 @@
 """Every collective of the trainer goes through `parallelisms.collectives`, on groups serving the tensors it
 is handed (docs/design.md §10, Process groups and collectives); a failed communication is told from a bug
-by its type or origin, not its wording (`trainer/run/survival.py`). Real processes over real gloo."""
+by its type or origin, not its wording (`trainer/lifecycle/survival.py`). Real processes over real gloo."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ import torch.multiprocessing as mp
 from parallelisms import collectives
 from parallelisms.distributed import configure_nccl_error_handling, default_backend, init_distributed
 from parallelisms.mesh import ParallelismConfig, build_mesh
-from tests.test_layering import ROOT, module_name, python_files
-from trainer.run.survival import communication_failure, peer_failure
+from tests.helpers import ROOT, module_name, python_files
+from trainer.lifecycle.peer_failure import communication_failure, peer_failure
 
 # torch.distributed's collective and point-to-point functions (functional collectives: every function)
 COMMUNICATION = frozenset(
@@ -168,7 +168,7 @@ def _groups_follow_the_rule(rank: int, backend: str | None, root: str) -> None:
     replicator.close()
 
 
-@pytest.mark.parametrize("backend", [None, "cpu:gloo,cuda:gloo"])
+@pytest.mark.parametrize("backend", [None, pytest.param("cpu:gloo,cuda:gloo", marks=pytest.mark.slow)])
 def test_every_group_of_the_trainer_serves_cpu_and_the_model_device(tmp_path, backend):
     """On this machine (None: gloo) and with the GPU's two-backend shape (gloo standing in for nccl): the
     default group, the mesh's groups and the replication group serve cpu and cuda, with the run's bound."""
@@ -214,7 +214,7 @@ def _peer_loss_is_a_communication_failure(rank: int, how: str) -> None:
     os._exit(0)  # rank 0 leaves the group without a teardown the dead peer cannot join
 
 
-@pytest.mark.parametrize("how", ["death", "hang"])
+@pytest.mark.parametrize("how", ["death", pytest.param("hang", marks=pytest.mark.slow)])
 def test_a_lost_peer_is_recognised_whatever_the_error_says(how):
     _spawn(_peer_loss_is_a_communication_failure, how)
 

@@ -5,7 +5,7 @@ import typing
 
 import pytest
 
-from tests.conftest import DEBUG_CONFIG, ROOT
+from tests.helpers import DEBUG_CONFIG, ROOT
 from trainer.config import Config, ConfigError, choices, load_config
 from trainer.config_help import config_keys
 

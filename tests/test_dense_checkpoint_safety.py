@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import CHILD_ENV, DEBUG_CONFIG, ROOT, RUN_OUTPUTS, final_line, run_cli, step_losses
+from tests.helpers import CHILD_ENV, DEBUG_CONFIG, ROOT, RUN_OUTPUTS, final_line, run_cli, step_losses
 from trainer.config import load_config
 
 QUIET = ["--metrics.tensorboard", "false", "--metrics.log_every", "1", "--training.val_every", "0"]
@@ -64,6 +64,7 @@ def saved(tmp_path_factory) -> tuple[Path, str]:
     return ckpt, train("--training.steps", "1", "--checkpoint.save_final", str(ckpt)).stdout
 
 
+@pytest.mark.slow
 def test_save_final_refuses_what_it_would_destroy(tmp_path):
     """A user's directory, a file, a symlink or an unwritable place: refused before training, nothing touched."""
     users = tmp_path / "results"
@@ -90,6 +91,7 @@ def test_save_final_refuses_what_it_would_destroy(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_replacing_a_checkpoint_touches_nothing_else(tmp_path):
     """DIR.tmp and DIR.old are not ours; a checkpoint is replaced atomically, leaving no temporaries."""
     ckpt = tmp_path / "ckpt"
@@ -123,7 +125,8 @@ def test_replacing_a_checkpoint_touches_nothing_else(tmp_path):
 
 
 def test_interrupted_save_looks_incomplete_and_only_it_is_cleaned(tmp_path):
-    """A save killed mid-write (SIGXFSZ at 512 KiB) leaves only a marked `.ckpt.tmp-*`; the next save
+    """Guarantee: No data loss (saving deletes nothing it did not write).
+    A save killed mid-write (SIGXFSZ at 512 KiB) leaves only a marked `.ckpt.tmp-*`; the next save
     removes it, and leaves a marked temporary of a live process and an unmarked look-alike alone."""
     ckpt = tmp_path / "ckpt"
     script = (
@@ -167,7 +170,8 @@ class _Payload:
 
 
 def test_old_pickled_format_is_refused_unread(tmp_path):
-    """A crafted DCP-format checkpoint whose `.metadata` pickle runs code: refused, and the code never runs."""
+    """Guarantee: No code runs from saved state (never unpickled).
+    A crafted DCP-format checkpoint whose `.metadata` pickle runs code: refused, and the code never runs."""
     sanity = tmp_path / "sanity"
     pickle.loads(pickle.dumps(_Payload(sanity)))
     assert sanity.exists()  # the payload is live
@@ -186,7 +190,8 @@ def test_old_pickled_format_is_refused_unread(tmp_path):
 
 
 def test_checkpoint_of_another_config_needs_load_other_config(saved, tmp_path):
-    """Another training.lr is refused naming meta.json and the key (another job.name is not a difference);
+    """Guarantee: Nothing foreign or stale is restored.
+    Another training.lr is refused naming meta.json and the key (another job.name is not a difference);
     with checkpoint.load_other_config it loads, listing the differences."""
     ckpt, stdout = saved
     other = [
@@ -208,7 +213,8 @@ def test_checkpoint_of_another_config_needs_load_other_config(saved, tmp_path):
 
 
 def test_damaged_checkpoint_is_one_line_naming_the_file(saved, tmp_path):
-    """meta.json garbage, a truncated optimizer file, a safetensors file whose bytes match meta.json but
+    """Guarantee: Bad input is one line (a damaged checkpoint).
+    meta.json garbage, a truncated optimizer file, a safetensors file whose bytes match meta.json but
     do not parse: train.py and eval.harness each fail with one line naming the file."""
     from eval.checkpoint import load_checkpoint
     from eval.errors import EvalError
@@ -264,6 +270,7 @@ def test_an_optimizer_file_missing_from_meta_json_is_refused(saved, tmp_path, ke
     one_error(proc, str(ckpt / "meta.json"), "no optimizer state for", "no optimizer file): one is missing")
 
 
+@pytest.mark.slow
 def test_v2_single_file_checkpoint_loads_and_file_names_are_checked(saved, tmp_path):
     """A `moevement-dense-v2` checkpoint (one model.safetensors, one optim.safetensors) is one writer's files:
     train.py resumes it with the saved digest and evaluation loads it. A meta.json listing a file by any other
@@ -366,6 +373,7 @@ def test_a_failed_write_publishes_nothing_and_leaves_no_temporary(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_one_rank_failing_to_write_fails_the_save_on_every_rank_and_leaves_nothing(tmp_path):
     """dp=2 (FSDP: the save walk assembles tensors across both ranks): rank 1 cannot write past 64 KiB
     (RLIMIT_FSIZE, SIGXFSZ ignored: the write fails with EFBIG). Rank 1 still takes part in the rest of the

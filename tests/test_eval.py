@@ -24,7 +24,7 @@ from eval.lm_eval_cli import split_tasks, with_tasks
 from eval.lm_eval_tasks.local_data import DEFAULT_PIQA_DIR, HELLASWAG_FILE_ENV, PIQA_DIR_ENV
 from eval.model import GENERATE_UNSUPPORTED, MoEvementLM, requests_from_pairs, score_windows
 from eval.tasks import TASK_DIR, load_tasks
-from tests.conftest import CHILD_ENV, DEBUG_CONFIG, ROOT, run_cli
+from tests.helpers import CHILD_ENV, DEBUG_CONFIG, ROOT, run_cli
 
 LINE = re.compile(r"^task=(\w+) acc=([0-9.]+) acc_norm=([0-9.]+) n=(\d+)$", re.M)
 PIQA_LABELS = DEFAULT_PIQA_DIR / "valid-labels.lst"
@@ -319,6 +319,7 @@ def test_loads_through_lm_eval_registry(checkpoint):
         cls.create_from_arg_string(f"checkpoint={checkpoint},batch_size=0")
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks_match_single_process(checkpoint, tmp_path):
     """Documents split across 2 gloo ranks, metrics gathered on rank 0: same scores as 1 process."""
     import subprocess
@@ -379,7 +380,7 @@ def _tiny_hf_model(tmp_path: Path) -> Path:
     """A tiny random Qwen-MoE with the byte-level tokenizer, in Hugging Face's layout (made here, not downloaded)."""
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
-    from models.hf import main as hf_main
+    from trainer.hf import main as hf_main
 
     torch.manual_seed(0)
     shape = dict(vocab_size=260, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
@@ -414,6 +415,7 @@ def _piqa_accuracy_by_hand(hf_dir: Path, n: int) -> tuple[float, float]:
     return hits / n, hits_norm / n
 
 
+@pytest.mark.slow
 def test_lm_eval_cli_scores_the_local_piqa_task_file(tmp_path):
     """lm-eval's own command line, ``--include_path eval/lm_eval_tasks --tasks piqa_local``, offline, scores
     a Hugging Face model on the first items of ../shared/data/piqa as lm-eval's piqa prompt does."""
@@ -434,6 +436,7 @@ def test_lm_eval_cli_scores_the_local_piqa_task_file(tmp_path):
     assert (scores["acc,none"], scores["acc_norm,none"]) == (pytest.approx(acc), pytest.approx(acc_norm))
 
 
+@pytest.mark.slow
 def test_moevement_lm_eval_runs_the_tasks_whose_data_is_there(checkpoint, tmp_path):
     """``moevement-lm-eval`` includes the task files itself; a task without data is one line, the rest run."""
     env = {k: v for k, v in CHILD_ENV.items() if k != HELLASWAG_FILE_ENV}

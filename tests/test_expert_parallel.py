@@ -134,5 +134,6 @@ def _check_transformer(rank: int, world: int) -> None:
     torch.testing.assert_close(model(tokens[rows]), ref(tokens)[rows], rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_expert_parallel_matches_single_process(tmp_path):
     mp.spawn(_worker, args=(WORLD, str(tmp_path / "store")), nprocs=WORLD, join=True)

@@ -24,7 +24,7 @@ from benchmarks.gpu_check.report import (
 )
 from benchmarks.gpu_check.shared_gpu import LINE
 from models.experts import GROUPED_MM_FLOPS
-from tests.conftest import CHILD_ENV, ROOT
+from tests.helpers import CHILD_ENV, ROOT
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the check runs for real (make gpu-check)")
@@ -102,6 +102,7 @@ def test_numerics_section_code_runs_on_cpu():
     ]
 
 
+@pytest.mark.slow
 def test_16b_stage_flop_count_is_six_times_active_parameters_per_token():
     """The counted FLOPs of a 16B-shaped MoE layer (short sequences: attention scores negligible) are 6 x its
     active parameters per token (norm scales aside): the routed experts' grouped GEMMs are counted
@@ -116,6 +117,7 @@ def test_16b_stage_flop_count_is_six_times_active_parameters_per_token():
     assert 0.99 < counter.get_total_flops() / (6 * active * x.shape[0] * x.shape[1]) < 1.02
 
 
+@pytest.mark.slow
 def test_shared_gpu_collectives_run_on_two_gloo_processes():
     """Section 5's worker on CPU (plain gloo): the same trainer functions, two real processes."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]

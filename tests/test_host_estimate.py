@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from moevement.recovery.live_state import save_live_state
-from tests.conftest import DEBUG_CONFIG, run_cli, stepped_operators
+from moevement.recovery.live_state import keep_in_memory, save_kept
+from tests.helpers import DEBUG_CONFIG, run_cli, stepped_operators
 from trainer.config import load_config
 from trainer.run import host_estimate
 
@@ -42,6 +42,7 @@ def printed_buffers(args: list[str]) -> dict[int, float]:
     ],
     ids=["pp2", "dp2-ep2-bf16"],
 )
+@pytest.mark.slow
 def test_dry_run_bounds_the_host_directory_of_a_real_run(tmp_path, layout, nproc):
     host_dir = tmp_path / "shm"
     moevement = "--checkpoint.strategy moevement --checkpoint.window 3 --model.n_layers 4".split()
@@ -62,7 +63,7 @@ def test_live_state_estimate_bounds_a_saved_live_state(tmp_path):
     """A survivor's live state (FP32 state, no upstream log at pp=1), written by the trainer's own function."""
     cfg = load_config(DEBUG_CONFIG, ["--checkpoint.strategy", "moevement", "--checkpoint.window", "3"])
     ops, optimizer = stepped_operators(cfg)
-    save_live_state(tmp_path, ops, optimizer, None, {}, 2, 1, {"rank": 0})
+    save_kept(tmp_path, keep_in_memory(ops, optimizer, None, {}, 2, 1, {}, {"rank": 0}))
     actual = allocated(tmp_path)
     bound = host_estimate.stage_footprint(cfg, 0).live_state(0)
     assert actual <= bound <= LOOSEST * actual, (actual, bound)

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import DEBUG_CONFIG, ROOT, RUN_OUTPUTS, final_line, run_cli, step_losses
+from moevement.recovery.report import RecoveryReport
+from tests.helpers import DEBUG_CONFIG, ROOT, RUN_OUTPUTS, final_line, recoveries, run_cli, step_losses
 
 BASE = [
     "--config",
@@ -30,11 +31,12 @@ BASE = [
     "--checkpoint.window",
     "2",
 ]
-RESTART = re.compile(
-    r"^recovery step=(\d+) ranks=\S+ scope=\S+ rollback_to=(\d+) replayed=(\d+) .* restart=global "
-    r"snapshots_from=\"([^\"]*)\"",
-    re.M,
-)
+
+
+def whole_job_restarts(out: str) -> list[RecoveryReport]:
+    """MoEvement's recovery lines of a whole-job restart (`restart=global snapshots_from="..."`) a run recorded."""
+    return [r for r in recoveries(out) if r.restart == "global" and r.strategy is None and r.snapshots_from is not None]
+
 
 _references: dict[tuple[str, ...], str] = {}
 
@@ -57,6 +59,7 @@ def host(tmp_path: Path, *extra: str) -> list[str]:
     return [*extra, "--checkpoint.host_dir", str(tmp_path / "shm"), "--job.name", "safety"]
 
 
+@pytest.mark.slow
 def test_relaunch_resumes_and_foreign_state_is_refused(tmp_path):
     """A crashed job relaunched with the same config resumes from its persisted window (bit-exact); one
     with another learning rate refuses the window, naming the file and the key, and starts afresh."""
@@ -74,13 +77,15 @@ def test_relaunch_resumes_and_foreign_state_is_refused(tmp_path):
     # that run finished cleanly: its state is gone, so crash again and relaunch with the same config
     crash(*args, "--fault.crash", "8:0")
     resumed = run_cli(*BASE, *args).stdout
-    m = RESTART.search(resumed)
-    assert m and m.groups() == ("8", "5", "2", "rank0: local shared memory"), resumed
+    m = whole_job_restarts(resumed)
+    restart = [(r.step, r.rollback_to, r.replayed, "; ".join(r.snapshots_from)) for r in m[:1]]
+    assert restart == [(8, 5, 2, "rank0: local shared memory")], resumed
     assert final_line(resumed) == final_line(reference())
 
 
 def test_restart_falls_back_window_by_window(tmp_path):
-    """Only persisted windows are used; a corrupted newest window (every copy) falls back to the older
+    """Guarantee: No data loss (a restart falls back window by window); nothing stale is restored.
+    Only persisted windows are used; a corrupted newest window (every copy) falls back to the older
     disk window, and a truncated header is named, not a traceback.
 
     The crash at 10 finds window 7 persisted and window 9 in flight. Window 5 is on disk for sure (the
@@ -104,8 +109,8 @@ def test_restart_falls_back_window_by_window(tmp_path):
     rejected_disk = r"^restart: rank 0 rejected disk .*window-00000007/rank00000: .*checksum mismatch"
     assert bool(re.search(rejected_disk, out, re.M)) == on_disk, out
     assert "restart: window 7 has no intact copy on rank(s) 0; falling back to the next older window" in out
-    m = RESTART.search(out)
-    assert m and m.groups()[1:3] == ("5", "2") and "disk" in m[4], out
+    m = whole_job_restarts(out)
+    assert m and (m[0].rollback_to, m[0].replayed) == (5, 2) and "disk" in "; ".join(m[0].snapshots_from), out
     assert final_line(out) == final_line(reference())
     assert step_losses(out) == {t: v for t, v in step_losses(reference()).items() if t >= 7}  # trained from t0+W
 
@@ -154,6 +159,7 @@ def test_unsafe_host_directories_are_refused(tmp_path, case):
     assert victim.read_bytes() == b"precious"
 
 
+@pytest.mark.slow
 def test_one_ranks_clean_error_under_torchrun_is_one_line_for_the_job(tmp_path):
     """pp=2 under torchrun: only rank 1's lock is a planted symlink. Rank 1 stops with one `error:` line;
     rank 0, whose collective then fails, learns from torchrun's store that its peer stopped with an error
@@ -193,6 +199,7 @@ def test_a_refused_pin_finds_the_loaded_runtime_library_to_clear_its_error():
     assert loaded_library("libmoevement-no-such-library") is None
 
 
+@pytest.mark.slow
 def test_second_live_job_is_refused_and_clean_keeps_it(tmp_path):
     """While a job runs, a second run of the same job exits with one line and leaves the first intact; the
     clean tool keeps a live job's state and removes a dead one's."""
@@ -245,6 +252,7 @@ def _wait_for_line(proc: subprocess.Popen, prefix: str, timeout: float = 300) ->
     raise AssertionError(f"no {prefix!r} within {timeout} s")
 
 
+@pytest.mark.slow
 def test_sigterm_to_torchrun_then_relaunch_resumes(tmp_path):
     """SIGTERM to the torchrun agent (a scheduler's preemption notice): the workers exit at once saying the
     state is kept; relaunching the same command resumes from the newest persisted window, bit-exact."""
@@ -283,9 +291,9 @@ def test_sigterm_to_torchrun_then_relaunch_resumes(tmp_path):
             os.killpg(agent.pid, signal.SIGKILL)
     assert re.search(r"^preempted: rank \d received SIGTERM at step \d+; host state kept", out, re.M), out
     relaunched = run_cli(*BASE, *pp2, *host(tmp_path), nproc=2).stdout
-    m = RESTART.search(relaunched)
+    m = whole_job_restarts(relaunched)
     assert m, relaunched
-    assert int(m[2]) >= 5  # a persisted window after the profile, not the initial state
+    assert m[0].rollback_to >= 5  # a persisted window after the profile, not the initial state
     assert final_line(relaunched) == final_line(reference(*pp2, nproc=2))
 
 
@@ -318,7 +326,8 @@ def test_removal_never_follows_a_symlinked_parent(tmp_path):
 
 
 def test_a_fresh_checkfreq_run_leaves_a_symlinked_window_alone(tmp_path):
-    """A fresh CheckFreq run removes its rank's old disk windows; a `window-*` link planted in its persist
+    """Guarantee: No data loss (nothing deleted through a symlink).
+    A fresh CheckFreq run removes its rank's old disk windows; a `window-*` link planted in its persist
     directory is neither followed nor deleted, and the directory it points to keeps its files."""
     from moevement.storage.host_memory import make_private_dirs
 
@@ -334,6 +343,7 @@ def test_a_fresh_checkfreq_run_leaves_a_symlinked_window_alone(tmp_path):
     assert (job / "window-00000001").is_symlink()
 
 
+@pytest.mark.slow
 def test_clean_keeps_a_job_whose_torchrun_agent_lives(tmp_path):
     """Between a worker's death and torchrun's next generation no worker holds a lock, but the agent lives
     and will restart it: `moevement.clean` keeps the job's state then (naming the agent), and the restarted
@@ -366,7 +376,7 @@ def test_clean_keeps_a_job_whose_torchrun_agent_lives(tmp_path):
         if agent.poll() is None:
             agent.kill()
     assert agent.returncode == 0
-    [rollback_to] = [int(m[2]) for m in RESTART.finditer(out)]
+    [rollback_to] = [r.rollback_to for r in whole_job_restarts(out)]
     assert rollback_to > 1, out  # resumed from the kept state, not retrained from step 1
     (tmp_path / "reference").mkdir()
     fault_free = reference("--training.steps", "40", *host(tmp_path / "reference"))
@@ -425,7 +435,8 @@ def test_a_full_host_dir_commit_is_one_error_naming_the_directory(small_disk):
 
 
 def test_a_changed_header_value_is_a_rejected_copy(tmp_path):
-    """One digit of the learning rate in a snapshot's commit record (a scalar the replay uses) is changed in
+    """Guarantee: No code runs from saved state (every header hashed); bit-exact whole-job restart.
+    One digit of the learning rate in a snapshot's commit record (a scalar the replay uses) is changed in
     host memory: the header's hash refuses that copy, naming the file, and the run never uses it (it ends with
     the fault-free run's state)."""
     args = host(tmp_path)

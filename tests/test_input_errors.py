@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from moevement.failures import FaultPlan, FaultSpecError, KillEvent, read_trace
-from tests.conftest import DEBUG_CONFIG, ROOT, run_cli
+from tests.helpers import DEBUG_CONFIG, ROOT, run_cli
 from trainer.config import ConfigError, load_config
 from trainer.data.batches import build_data
 from trainer.data.corpus import DataConfig, DataError, load_tokens
@@ -121,6 +121,7 @@ def test_cli_empty_or_binary_data_file_is_one_line(tmp_path, name, content, why)
     assert why in line and "An error occurred" not in line
 
 
+@pytest.mark.slow
 def test_cli_missing_text_field_and_missing_dir_are_one_line(tmp_path):
     path = write(tmp_path / "data" / "valid.jsonl", '{"body": "hello"}\n')
     line = train_error("--data.dataset", str(path.parent), "--data.cache_dir", str(tmp_path / "cache"))
@@ -315,7 +316,8 @@ def test_cli_unwritable_output_dir_is_one_line(tmp_path):
 
 
 def test_a_config_error_under_torchrun_is_said_once_per_job():
-    """Every rank reads the same config: a bad key is one `error:` line for the job, not one per rank."""
+    """Guarantee: Bad input is one line (a config error under torchrun).
+    Every rank reads the same config: a bad key is one `error:` line for the job, not one per rank."""
     proc = run_cli("--config", DEBUG_CONFIG, *QUIET, "--training.steps", "0", nproc=2, check=False)
     assert proc.returncode != 0
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "error: config key" in line]

@@ -1,4 +1,4 @@
-"""A death after the job has finished (trainer/run/job_end.py, docs/design.md §4 in-place replacement 7).
+"""A death after the job has finished (trainer/lifecycle/job_end.py, docs/design.md §4 in-place replacement 7).
 
 Real torchrun jobs (pp=2, a rank shell per slot, no torchrun restart allowed) in which a worker SIGKILLs itself
 at the end of the run: each exits 0 within seconds of the death, prints the fault-free `final` line once, and
@@ -17,14 +17,11 @@ import pytest
 import torch.distributed as dist
 
 from parallelisms import distributed
-from tests.conftest import run_cli
-from tests.test_rank_shell import run_shell
-from tests.test_recovery import BASE, MOEVEMENT, baseline
-from trainer.run import job_end
+from tests.helpers import BASE, MOEVEMENT, PP2, baseline, run_cli, run_events, run_shell
+from trainer.lifecycle import job_end
+from trainer.run.event_lines import FinalLine
 
-PP2 = ["--parallelism.pp", "2"]
 LAST = 12  # BASE's training.steps
-FINAL = re.compile(r"^final step=.*$", re.M)
 KILLED = re.compile(r"^fault: rank (\d) killed \(SIGKILL\) in the (\w+) phase of step \d+ at unix=(\S+)$", re.M)
 
 
@@ -48,11 +45,17 @@ def end_run(tmp_path, kill: str, *extra: str) -> tuple[str, float]:
     return out, ended - float(killed[3])
 
 
+def finals(out: str) -> list[FinalLine]:
+    """The `final` lines a run recorded."""
+    return [e for e in run_events(out) if isinstance(e, FinalLine)]
+
+
 def assert_finished_once(out: str) -> None:
     """One `final` line, the fault-free run's."""
-    assert FINAL.findall(out) == FINAL.findall(baseline(PP2, 2)), out
+    assert finals(out) == finals(baseline(PP2, 2)), out
 
 
+@pytest.mark.slow
 def test_a_death_before_the_job_records_its_end_is_replaced_and_the_replacement_gives_up(tmp_path):
     """Rank 1 dies right after the accounting line, before it knows the job finished: its shell replaces it,
     and the replacement, waiting for a generation nobody else will join, sees the job's end and exits 0."""
@@ -64,7 +67,8 @@ def test_a_death_before_the_job_records_its_end_is_replaced_and_the_replacement_
 
 
 def test_a_death_after_the_job_finished_is_not_replaced(tmp_path):
-    """Rank 1 dies once it knows the job finished (after rank 0's `final` line): its shell says so and exits 0."""
+    """Guarantee: A finished job stays finished (a death after it is nothing to recover).
+    Rank 1 dies once it knows the job finished (after rank 0's `final` line): its shell says so and exits 0."""
     out, seconds = end_run(tmp_path, f"{LAST}:1:final")
     assert_finished_once(out)
     pattern = rf"^shell: rank 1: trainer pid \d+ died \(signal SIGKILL\) after the job finished at step {LAST}; "
@@ -72,6 +76,7 @@ def test_a_death_after_the_job_finished_is_not_replaced(tmp_path):
     assert seconds < 30, f"{seconds:.1f} s from the death to the job's exit"
 
 
+@pytest.mark.slow
 def test_a_death_during_save_final_after_publication_leaves_the_checkpoint(tmp_path):
     """Rank 0 dies right after publishing `checkpoint.save_final`, before telling rank 1: rank 1's wait fails,
     it sees the job's end and exits 0; rank 0's shell replaces nobody; the checkpoint loads to the same digest."""
@@ -82,7 +87,7 @@ def test_a_death_during_save_final_after_publication_leaves_the_checkpoint(tmp_p
     assert re.search(rf"^shell: rank 0: trainer pid \d+ died .* after the job finished at step {LAST}; ", out, re.M)
     assert "replaces it" not in out and seconds < 30, (seconds, out)
     loaded = run_cli(*BASE, "--checkpoint.load", str(target)).stdout  # training.steps = the saved step
-    assert FINAL.findall(loaded) == FINAL.findall(out), loaded
+    assert finals(loaded) == finals(out), loaded
 
 
 def test_a_shell_whose_trainer_finished_replaces_nobody(tmp_path):
@@ -142,7 +147,7 @@ def test_an_error_of_a_c10d_operator_is_a_communication_failure():
     raised it, never by the message. Another operator's error is not a communication failure."""
     import torch
 
-    from trainer.run.survival import communication_failure
+    from trainer.lifecycle.peer_failure import communication_failure
 
     with pytest.raises(RuntimeError) as c10d:
         torch.ops._c10d_functional.all_reduce(torch.zeros(2), "sum", "no-such-group")

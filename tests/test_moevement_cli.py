@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from moevement.storage.host_memory import map_bytes, read_header
-from tests.conftest import DEBUG_CONFIG, final_line, run_cli
+from tests.helpers import DEBUG_CONFIG, final_line, run_cli
 
 QUIET = ["--metrics.tensorboard", "false", "--metrics.log_every", "1", "--training.val_every", "0"]
 LAYOUT = ["--parallelism.pp", "2", "--parallelism.dp", "2", "--parallelism.ep", "2"]
@@ -26,6 +26,7 @@ def committed(directory: Path) -> dict[tuple[int, int], tuple[dict, Path]]:
     return out
 
 
+@pytest.mark.slow
 def test_sparse_checkpointing_under_pp_dp_ep(tmp_path):
     """Replicas copied from a same-node peer's shared memory (auto) and sent over gloo (network)."""
     steps = ["--training.steps", "10"]

@@ -11,65 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from models import ModelArgs, build_model
-from moevement.checkpoint.checkpointer import SparseCheckpointer, Topology, persisted_snapshots
-from moevement.checkpoint.options import SparseOptions
+from moevement.checkpoint.checkpointer import persisted_snapshots
 from moevement.storage.host_memory import map_bytes, read_header
 from moevement.storage.persistence import read_window, window_dir
 from moevement.storage.snapshot import SnapshotError, SnapshotHeader, read_entries
 from parallelisms.pipeline import lm_loss
-from trainer.checkpoint.state import named_training_state
-from trainer.run.fault_tolerance import stacked_operators
+from tests.tiny_moe import full_state, tiny_engine
 from trainer.step import take_expert_load
-
-ARGS = dict(
-    family="deepseek",
-    vocab_size=64,
-    dim=32,
-    n_layers=3,
-    n_heads=4,
-    n_dense_layers=1,
-    dense_hidden_dim=64,
-    n_routed_experts=4,
-    n_shared_experts=1,
-    expert_hidden_dim=16,
-    shared_expert_hidden_dim=16,
-    top_k=2,
-    max_seq_len=32,
-    aux_loss_coef=0.01,
-)
-
-
-def options(**overrides) -> SparseOptions:
-    """The tests' sparse options: W = 3, two replicas, host state kept, `overrides` on top."""
-    return SparseOptions(**{"window": 3, "keep_host_state": True, **overrides})
-
-
-def full_state(model, optimizer) -> dict[str, torch.Tensor]:
-    """A synchronous copy of every parameter and optimizer tensor, named as snapshot entries are."""
-    return {name: t.clone() for name, t in named_training_state(model, optimizer).items()}
-
-
-def tiny_engine(
-    rank_dir: Path, compute_dtype=torch.float32, topology: Topology | None = None, rank_dirs=None, **opts
-) -> tuple[torch.nn.Module, torch.optim.Optimizer, SparseCheckpointer]:
-    """The tiny MoE (seed 0), its AdamW and a checkpointer of it with `options(**opts)`: of one rank, or of
-    this rank of `topology` (`rank_dirs(r)`: rank r's host directory, for same-node replicas)."""
-    torch.manual_seed(0)
-    model = build_model(ModelArgs(**ARGS))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
-    engine = SparseCheckpointer(
-        options(**opts),
-        model,
-        optimizer,
-        stacked=stacked_operators(model),
-        compute_dtype=compute_dtype,
-        device=torch.device("cpu"),
-        rank_dir=rank_dir,
-        topology=topology or Topology.single(),
-        rank_dirs=rank_dirs,
-    )
-    return model, optimizer, engine
 
 
 def train(

@@ -21,7 +21,8 @@ from moevement.checkpoint.schedule import (
     snapshot_sizes,
 )
 from moevement.operators import OPTIMIZER_KEYS, build_registry
-from trainer.run.fault_tolerance import stacked_operators
+from tests.tiny_moe import ARGS as TINY_ARGS
+from trainer.run.strategy_factory import stacked_operators
 
 L1, L2 = "layers.1.moe", "layers.2.moe"
 
@@ -262,23 +263,7 @@ def test_end_window_reorders_on_large_changes_only():
 
 
 def tiny(family):
-    return build_model(
-        ModelArgs(
-            family=family,
-            vocab_size=64,
-            dim=32,
-            n_layers=3,
-            n_heads=4,
-            n_dense_layers=1,
-            dense_hidden_dim=64,
-            n_routed_experts=4,
-            n_shared_experts=1,
-            expert_hidden_dim=16,
-            shared_expert_hidden_dim=16,
-            top_k=2,
-            max_seq_len=64,
-        )
-    )
+    return build_model(ModelArgs(**{**TINY_ARGS, "family": family, "max_seq_len": 64}))
 
 
 @pytest.mark.parametrize("family", ["deepseek", "qwen"])

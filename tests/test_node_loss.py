@@ -13,9 +13,20 @@ import time
 from contextlib import suppress
 from pathlib import Path
 
-from tests.conftest import CHILD_ENV, ROOT, RUN_OUTPUTS, final_line, run_cli, step_losses
-from tests.test_real_deaths import PP2
-from tests.test_recovery import BASE, MOEVEMENT, baseline
+import pytest
+
+from tests.helpers import (
+    BASE,
+    CHILD_ENV,
+    MOEVEMENT,
+    PP2,
+    ROOT,
+    RUN_OUTPUTS,
+    baseline,
+    final_line,
+    run_cli,
+    step_losses,
+)
 
 # windows of 6 iterations (3-8, 9-14), so that stage 0 has an empty slot (its persisted `s5.bin` has 0 bytes);
 # the window 3-8 is persisted by iteration 12
@@ -75,6 +86,7 @@ def launch_and_lose_the_node(args: list[str]) -> str:
     return "".join(seen)
 
 
+@pytest.mark.slow
 def test_a_relaunch_after_a_whole_node_loss_resumes_from_disk_bit_exactly(tmp_path):
     args = [
         *BASE,

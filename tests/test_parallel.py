@@ -9,28 +9,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import DEBUG_CONFIG, final_line, run_cli, step_losses
+from tests.helpers import base_args, final_line, run_cli, step_losses
 
 STEPS = 10
 BASE = [
-    "--config",
-    DEBUG_CONFIG,
-    "--metrics.tensorboard",
-    "false",
-    "--metrics.log_every",
-    "1",
-    "--training.val_every",
-    "0",
-    "--training.steps",
-    str(STEPS),
-    "--model.n_layers",
-    "4",
-    "--training.batch_size",
-    "16",
-    "--training.micro_batches",
-    "4",
-    "--training.seq_len",
-    "64",
+    *base_args(steps=STEPS),
+    *("--training.batch_size", "16", "--training.micro_batches", "4", "--training.seq_len", "64"),
 ]
 
 LAYOUTS = {
@@ -65,6 +49,7 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.parametrize("layout", [pytest.param(k, marks=pytest.mark.slow) if k in SLOW else k for k in LAYOUTS])
+@pytest.mark.slow
 def test_layout_matches_single_process(layout, reference, tmp_path):
     ref_losses, ref_ckpt = reference
     nproc, args = LAYOUTS[layout]
@@ -84,6 +69,7 @@ def test_layout_matches_single_process(layout, reference, tmp_path):
         assert diff < 1e-5, (name, float(diff))
 
 
+@pytest.mark.slow
 def test_checkpoint_from_one_layout_loads_into_another(tmp_path):
     """Saved by pp=2/dp=2/ep=2 in bf16, loaded into one process: the same state and digest."""
     ckpt = tmp_path / "ckpt"
@@ -98,12 +84,17 @@ def test_checkpoint_from_one_layout_loads_into_another(tmp_path):
     "args, key",
     [
         (["--parallelism.pp", "2"], "parallelism.pp"),  # 2 stages x 1 rank != 1 process
-        (["--parallelism.dp", "2", "--parallelism.ep", "4"], "parallelism.ep"),
-        (["--parallelism.pp", "8"], "parallelism.pp"),  # more stages than layers
-        (["--parallelism.schedule", "ZeroBubble"], "parallelism.schedule"),
-        (
-            ["--parallelism.pp", "2", "--training.micro_batches", "1", "--training.batch_size", "4"],
-            "training.micro_batches",
+        *(
+            pytest.param(*case, marks=pytest.mark.slow)
+            for case in (
+                (["--parallelism.dp", "2", "--parallelism.ep", "4"], "parallelism.ep"),
+                (["--parallelism.pp", "8"], "parallelism.pp"),  # more stages than layers
+                (["--parallelism.schedule", "ZeroBubble"], "parallelism.schedule"),
+                (
+                    ["--parallelism.pp", "2", "--training.micro_batches", "1", "--training.batch_size", "4"],
+                    "training.micro_batches",
+                ),
+            )
         ),
     ],
 )

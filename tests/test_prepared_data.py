@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import CHILD_ENV, DEBUG_CONFIG, ROOT, final_line, run_cli
+from tests.helpers import CHILD_ENV, DEBUG_CONFIG, ROOT, final_line, recoveries, run_cli
 from trainer.data import corpus
 from trainer.data import prepare as prepare_data
 from trainer.data.batches import build_data, make_loader
@@ -150,6 +150,7 @@ def test_interrupted_preparation_resumes_to_identical_shards(tmp_path, prepared_
 
 
 @needs_wiki
+@pytest.mark.slow
 def test_killed_preparation_resumes_to_identical_shards(tmp_path):
     """A real SIGKILL wherever it lands, then the same command again."""
     text = (WIKI / "valid.txt").read_text() * 8
@@ -287,6 +288,7 @@ def test_training_from_a_prepared_corpus_ends_with_the_in_memory_digest(prepared
 
 
 @needs_wiki
+@pytest.mark.slow
 def test_two_ranks_recover_in_place_from_a_prepared_corpus(prepared_wiki, tmp_path):
     """dp=2 from memory-mapped shards with a failure of rank 1 recovered by MoEvement ends with the digest of
     the fault-free dp=2 run on the in-memory path: every rank reads batch t again after recovery."""
@@ -303,12 +305,13 @@ def test_two_ranks_recover_in_place_from_a_prepared_corpus(prepared_wiki, tmp_pa
         str(prepared_wiki),
         nproc=2,
     )
-    assert "recovery step=" in recovered.stdout
+    assert recoveries(recovered.stdout)
     assert final_line(recovered.stdout) == final_line(fault_free.stdout)
 
 
 @needs_wiki
 @pytest.mark.parametrize("workers", [0, 1])
+@pytest.mark.slow
 def test_token_ids_outside_the_vocabulary_are_one_line_naming_the_shard(tmp_path, prepared_wiki, workers):
     """Every token of the training split overwritten with id 65535 (same sizes, so the corpus opens): the run
     stops with one line naming a shard and the token's position, also from a loader worker process."""

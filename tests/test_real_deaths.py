@@ -21,30 +21,50 @@ import sys
 import pytest
 
 from moevement.failures import TRAINING_PHASES
-from tests.conftest import (
+from moevement.recovery.report import RecoveryReport
+from tests.helpers import (
+    BASE,
     CHILD_ENV,
+    INTERLEAVED,
+    MOEVEMENT,
+    PP2,
+    PP2_DP2_EP2_BF16,
+    PP4,
     ROOT,
     RUN_OUTPUTS,
+    after,
+    baseline,
     communicate_bounded,
     final_line,
+    recoveries,
+    recovery_work,
     run_cli,
+    run_events,
     start_session,
     step_losses,
 )
-from tests.test_recovery import BASE, INTERLEAVED, MOEVEMENT, PP2_DP2_EP2_BF16, PP4, WORK, baseline
 
-PP2 = ["--parallelism.pp", "2"]
-REJOIN = re.compile(
-    r"^recovery step=(\d+) ranks=(\S+) scope=(\S+) rollback_to=(\d+) replayed=(\d+) seconds=\S+ "
-    r"\(keep=\S+ (?:restart=\S+ setup|join=\S+ rebuild)=\S+ fetch=\S+ convert=\S+ catchup=\S+\) "
-    r"restart=(?:local|replaced) detected_by=",
-    re.M,
-)
-BASELINE_RESTART = re.compile(
-    r"^recovery step=(\d+) ranks=(\S+) scope=0-1 rollback_to=(\d+) replayed=(\d+) seconds=\S+ "
-    r"\(fetch=\S+ convert=0\.000 catchup=0\.000\) strategy=(\w+) snapshots_from=\"([^\"]*)\"(.*) restart=global$",
-    re.M,
-)
+RESTART_STAGES = (["keep", "restart", "setup"], ["keep", "join", "rebuild"])  # torchrun's restart, in place
+
+
+def rejoins(events: list) -> list[RecoveryReport]:
+    """The recovery lines among a run's `events` of a rejoin after a real death: restarted locally or replaced
+    in place, with the restart's stages and the survivors' detection."""
+    return [
+        e
+        for e in events
+        if isinstance(e, RecoveryReport)
+        and e.restart in ("local", "replaced")
+        and [stage for stage, _ in e.restart_seconds] in RESTART_STAGES
+        and e.detected_by is not None
+    ]
+
+
+def baseline_restarts(out: str) -> list[RecoveryReport]:
+    """An interval baseline's recovery lines after torchrun's restart: both stages rolled back, none converted."""
+    found = [r for r in recoveries(out) if r.strategy is not None and r.restart == "global"]
+    assert all(r.scope == (0, 1) and r.convert == r.catchup == 0.0 for r in found), found
+    return found
 
 
 FALLBACK = ("--fault.max_replacements", "0")  # no rank shell: torchrun restarts every worker
@@ -74,23 +94,27 @@ def fault_count(fault: tuple[str, ...]) -> int:
     return sum(len(v.split(",")) for v in values)
 
 
-def assert_local_and_exact(out: str, reference: str, dead: str, scope: str) -> list[tuple]:
+def assert_local_and_exact(
+    out: str, reference: str, dead: tuple[int, ...], scope: tuple[int, ...]
+) -> list[RecoveryReport]:
     """The recoveries are local (dead ranks `dead`, stages `scope` of the first), healthy stages re-execute
     nothing, and the training after each recovery equals the fault-free run's."""
-    recoveries = REJOIN.findall(out)
-    assert recoveries and recoveries[0][1:3] == (dead, scope), out
-    work = WORK.findall(out)
-    healthy = [(f, b) for _, role, f, b in work if role == "healthy"]
-    assert healthy and all(fb == ("0", "0") for fb in healthy), work
-    after = out[[m.end() for m in REJOIN.finditer(out)][-1] :]
-    assert final_line(after) == final_line(reference)
-    resumed = step_losses(after)
+    events = run_events(out)
+    found = rejoins(events)
+    assert found and (found[0].ranks, found[0].scope) == (dead, scope), out
+    work = recovery_work(out)
+    healthy = [(w.forwards, w.backwards) for w in work if w.role == "healthy"]
+    assert healthy and all(fb == (0, 0) for fb in healthy), work
+    last = len(events) - 1 - events[::-1].index(found[-1])
+    assert final_line(events[last:]) == final_line(reference)
+    resumed = step_losses(after(out, found[-1]))
     assert resumed and resumed == {s: v for s, v in step_losses(reference).items() if s in resumed}
-    return recoveries
+    return found
 
 
 def test_sigkill_in_backward_is_replaced_in_place(tmp_path):
-    """pp=2: rank 1 SIGKILLs itself in the backward pass of step 9. Its rank shell starts the warm standby as
+    """Guarantee: Bit-exact recovery (a real SIGKILL, replaced in place).
+    pp=2: rank 1 SIGKILLs itself in the backward pass of step 9. Its rank shell starts the warm standby as
     rank 1; rank 0's process lives on with its state in memory (no torchrun restart: `--max-restarts 0`) and
     replays nothing; the run ends with the fault-free digest."""
     out = death_run(tmp_path, PP2, 2, "--fault.kill", "9:1:backward")
@@ -106,14 +130,15 @@ def test_sigkill_in_backward_is_replaced_in_place(tmp_path):
         r"^shell: rank 1: trainer pid \d+ died \(signal SIGKILL\) .* replaces it in generation 1 ", out, re.M
     )
     assert "shell: rank 0" not in out  # rank 0 is the process that ran before the death
-    [(step, *_)] = assert_local_and_exact(out, baseline(PP2, 2), "1", "1")
-    assert step == "9" and re.search(r"^recovery step=9 .* restart=replaced ", out, re.M), out
+    [found] = assert_local_and_exact(out, baseline(PP2, 2), (1,), (1,))
+    assert found.step == 9 and found.restart == "replaced", out
     acct = re.search(r"^accounting wall_s=(\S+) iterations=(\d+) .* recovery_s=(\S+) failures=(\d+) ", out, re.M)
     assert acct[2] == str(final_line(out)[0]) and acct[4] == "1", acct[0]  # carried across the generations
 
 
 def test_sigkill_with_torchrun_restarting_every_worker(tmp_path):
-    """The fallback (`fault.max_replacements = 0`: no rank shell): torchrun restarts every process; rank 0
+    """Guarantee: Bit-exact recovery (a real SIGKILL, torchrun's restart of every worker).
+    The fallback (`fault.max_replacements = 0`: no rank shell): torchrun restarts every process; rank 0
     keeps its state in shared memory across the restart and replays nothing."""
     out = death_run(tmp_path, PP2, 2, "--fault.kill", "9:1:backward", fallback=True)
     assert "fault: rank 1 killed (SIGKILL) in the backward phase of step 9" in out
@@ -122,8 +147,8 @@ def test_sigkill_with_torchrun_restarting_every_worker(tmp_path):
         r"|preempted: rank 0 received SIGTERM at step 9; host state kept \()"
     )
     assert re.search(kept + r"live state of iteration 9, ", out, re.M), out
-    [(step, *_)] = assert_local_and_exact(out, baseline(PP2, 2), "1", "1")
-    assert step == "9"
+    [found] = assert_local_and_exact(out, baseline(PP2, 2), (1,), (1,))
+    assert found.step == 9
     assert re.search(
         r"^restart timeline rank=0: exec=\S+ python=\S+ imports=\S+ process_group=\S+ model=\S+ "
         r"strategy=\S+ restored=\S+$",
@@ -131,7 +156,7 @@ def test_sigkill_with_torchrun_restarting_every_worker(tmp_path):
         re.M,
     ), out
     acct = re.search(r"^accounting wall_s=(\S+) iterations=(\d+) .* recovery_s=(\S+) failures=(\d+) ", out, re.M)
-    recovery_s = float(re.search(r"^recovery step=9 .* seconds=(\S+) ", out, re.M)[1])
+    recovery_s = next(r.seconds for r in recoveries(out) if r.step == 9)
     assert acct[2] == str(final_line(out)[0]) and acct[4] == "1", acct[0]  # carried across the restart
     assert float(acct[3]) >= recovery_s and float(acct[1]) > float(acct[3]), acct[0]
 
@@ -142,6 +167,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_a_replacement_on_another_node_fetches_its_snapshots_over_the_network(tmp_path):
     """Two nodes (two torchrun agents, each with its own shared-memory directory): the replacement of the dead
     rank finds no copy of its snapshots on its node and receives them from its replica holder on the other
@@ -159,31 +185,34 @@ def test_a_replacement_on_another_node_fetches_its_snapshots_over_the_network(tm
     agents = [agent(0), agent(1)]
     outs = [communicate_bounded(a)[0] for a in agents]
     assert all(a.returncode == 0 for a in agents), "\n".join(outs)
-    (out,) = [o for o in outs if REJOIN.search(o)]  # rank 0's agent prints the recovery and the steps
-    [(step, *_)] = assert_local_and_exact(out, baseline(PP2, 2), "1", "1")
-    assert step == "9"
-    assert re.search(r"^recovery work rank=1 role=failed .* snapshots_from=rank0:network ", out, re.M), out
+    (out,) = [o for o in outs if rejoins(run_events(o))]  # rank 0's agent prints the recovery and the steps
+    [found] = assert_local_and_exact(out, baseline(PP2, 2), (1,), (1,))
+    assert found.step == 9
+    work = [(w.rank, w.role, w.snapshots_from) for w in recovery_work(out)]
+    assert (1, "failed", "rank0:network") in work, out
 
 
+@pytest.mark.slow
 def test_real_crash_recovers_locally(tmp_path):
     """`--fault.crash` makes rank 1 (stage 0, with rank 0) exit at the start of step 8; its standby replaces
     it; ranks 2 and 3 (stage 1) keep their state and serve logs while stage 0 replays."""
     reference = baseline(PP2_DP2_EP2_BF16, 4)
     out = death_run(tmp_path, PP2_DP2_EP2_BF16, 4, "--fault.crash", "8:1")
     assert "fault: rank 1 crashes at step 8" in out
-    assert_local_and_exact(out, reference, "1", "0")
-    roles = {int(r): role for r, role, _, _ in WORK.findall(out)}
+    assert_local_and_exact(out, reference, (1,), (0,))
+    roles = {w.rank: w.role for w in recovery_work(out)}
     assert roles == {0: "rolled-back", 1: "failed", 2: "healthy", 3: "healthy"}
 
 
+@pytest.mark.slow
 def test_second_death_right_after_a_rejoin_recovers_locally(tmp_path):
     """pp=2: rank 1 dies at 9; the next generation rejoins at 9 and keeps the window it replayed from as its
     persisted checkpoint; rank 1 dies again at 10, before the job persisted a window of its own: the second
     replacement still replays only stage 1, from that window."""
     out = death_run(tmp_path, PP2, 2, "--fault.kill", "9:1:backward,10:1:forward")
-    recoveries = assert_local_and_exact(out, baseline(PP2, 2), "1", "1")
-    assert [r[:3] for r in recoveries] == [("9", "1", "1"), ("10", "1", "1")]
-    assert recoveries[0][3] == recoveries[1][3]  # the same rollback point
+    found = assert_local_and_exact(out, baseline(PP2, 2), (1,), (1,))
+    assert [(r.step, r.ranks, r.scope) for r in found] == [(9, (1,), (1,)), (10, (1,), (1,))]
+    assert found[0].rollback_to == found[1].rollback_to  # the same rollback point
 
 
 @pytest.mark.slow
@@ -193,8 +222,8 @@ def test_death_during_a_rejoin_keeps_the_survivors_state(tmp_path):
     and stage 1 still replays alone."""
     out = death_run(tmp_path, PP2, 2, "--fault.kill", "9:1:backward,7:1:replay")
     assert "fault: rank 1 killed (SIGKILL) in the replay phase of step 7" in out
-    [(step, *_)] = assert_local_and_exact(out, baseline(PP2, 2), "1", "1")
-    assert step == "9"
+    [found] = assert_local_and_exact(out, baseline(PP2, 2), (1,), (1,))
+    assert found.step == 9
 
 
 @pytest.mark.slow
@@ -203,7 +232,7 @@ def test_death_in_the_last_iteration_keeps_the_final_state(tmp_path):
     final state while the job gathers it; the next generation replays stage 1 up to 13, has nothing left to
     train, and prints the fault-free run's final line (the loss of 12 comes from the scalar log)."""
     out = death_run(tmp_path, PP2, 2, "--fault.kill", "12:1:optimizer")
-    assert [r[:3] for r in REJOIN.findall(out)] == [("13", "1", "1")], out
+    assert [(r.step, r.ranks, r.scope) for r in rejoins(run_events(out))] == [(13, (1,), (1,))], out
     assert final_line(out) == final_line(baseline(PP2, 2))
 
 
@@ -217,7 +246,7 @@ def test_a_death_during_the_final_digest_keeps_the_survivors_state(tmp_path):
     assert "Traceback" not in out and "fault: rank 3 killed (SIGKILL) in the digest phase of step 12" in out, out
     for rank in (0, 1, 2):
         assert re.search(rf"^survivor: rank {rank} pid \d+ .* kept live state of iteration 13 in memory", out, re.M)
-    assert [r[:3] for r in REJOIN.findall(out)] == [("13", "3", "1")], out
+    assert [(r.step, r.ranks, r.scope) for r in rejoins(run_events(out))] == [(13, (3,), (1,))], out
     assert final_line(out) == final_line(baseline(PP2_DP2_EP2_BF16, 4))
 
 
@@ -229,21 +258,21 @@ def test_pp2_dp2_ep2_bf16_sigkill_in_each_phase(tmp_path, phase):
     T: either way the stage of rank 2 alone replays, bit-exact."""
     out = death_run(tmp_path, PP2_DP2_EP2_BF16, 4, "--fault.kill", f"8:2:{phase}")
     assert f"fault: rank 2 killed (SIGKILL) in the {phase} phase of step 8" in out
-    [(step, *_)] = assert_local_and_exact(out, baseline(PP2_DP2_EP2_BF16, 4), "2", "1")
-    assert step == ("9" if phase in ("optimizer", "replication") else "8")
+    [found] = assert_local_and_exact(out, baseline(PP2_DP2_EP2_BF16, 4), (2,), (1,))
+    assert found.step == (9 if phase in ("optimizer", "replication") else 8)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("fault", "dead", "scope"),
     [
-        (("--fault.kill", "8:2:backward"), "2", "2"),  # a middle stage
+        (("--fault.kill", "8:2:backward"), (2,), (2,)),  # a middle stage
         # two deaths at once (both at the start of the iteration: a death inside it stops the others
         # before they reach a later phase): non-adjacent stages, then adjacent ones
-        (("--fault.crash", "8:0,8:2"), "0+2", "0,2"),
+        (("--fault.crash", "8:0,8:2"), (0, 2), (0, 2)),
         # (rank 2 holds rank 1's replicas: a replica holder dies with the rank it backs up)
-        (("--fault.crash", "8:1,8:2"), "1+2", "1-2"),
-        (("--fault.kill", "2:1:backward"), "1", "1"),  # inside the first window: the initial state
+        (("--fault.crash", "8:1,8:2"), (1, 2), (1, 2)),
+        (("--fault.kill", "2:1:backward"), (1,), (1,)),  # inside the first window: the initial state
     ],
 )
 def test_pp4_real_deaths(tmp_path, fault, dead, scope):
@@ -256,8 +285,8 @@ def test_interleaved_1f1b_and_two_deaths_in_a_row(tmp_path):
     the job persisted a window of its own), each replaced in place."""
     layout = [*INTERLEAVED, "--training.steps", "18"]
     out = death_run(tmp_path, layout, 2, "--fault.kill", "6:1:backward,15:0:forward")
-    recoveries = assert_local_and_exact(out, baseline(layout, 2), "1", "1,3")
-    assert [r[1:3] for r in recoveries] == [("1", "1,3"), ("0", "0,2")]
+    found = assert_local_and_exact(out, baseline(layout, 2), (1,), (1, 3))
+    assert [(r.ranks, r.scope) for r in found] == [((1,), (1, 3)), ((0,), (0, 2))]
 
 
 @pytest.mark.slow
@@ -276,7 +305,7 @@ def test_a_hung_worker_is_detected_by_the_timeout(tmp_path):
     assert "fault: rank 1 stopped (SIGSTOP) in the backward phase of step 9" in out
     assert re.search(r"^survivor: rank 0 pid \d+ .* at step 9: a collective failed \(Timed out\)", out, re.M), out
     assert "restart: generation 1 was not joined by every rank within 2 x fault.timeout_s=10 s" in out
-    assert_local_and_exact(out, baseline(PP2, 2), "1", "1")
+    assert_local_and_exact(out, baseline(PP2, 2), (1,), (1,))
 
 
 @pytest.mark.slow
@@ -296,12 +325,12 @@ def test_a_hang_is_detected_in_every_process_group(tmp_path):
     assert "fault: rank 2 stopped (SIGSTOP) in the backward phase of step 9" in out
     timed_out = r"^survivor: rank [013] pid \d+ .* at step 9: a collective failed \(Timed out\)"
     assert re.search(timed_out, out, re.M), out
-    assert_local_and_exact(out, reference, "2", "1")
+    assert_local_and_exact(out, reference, (2,), (1,))
 
 
-def baseline_death_run(tmp_path, strategy: str, *extra: str) -> tuple[str, tuple]:
+def baseline_death_run(tmp_path, strategy: str, *extra: str) -> tuple[str, RecoveryReport]:
     """pp=2 under `checkpoint.strategy`: rank 1 SIGKILLs itself in the backward pass of step 9; returns the
-    output and the fields of the restarted job's recovery line."""
+    output and the restarted job's recovery line."""
     out = run_cli(
         *BASE,
         *PP2,
@@ -318,7 +347,7 @@ def baseline_death_run(tmp_path, strategy: str, *extra: str) -> tuple[str, tuple
         torchrun=("--max-restarts=1",),
     ).stdout
     assert "fault: rank 1 killed (SIGKILL) in the backward phase of step 9" in out
-    [recovery] = BASELINE_RESTART.findall(out)
+    [recovery] = baseline_restarts(out)
     return out, recovery
 
 
@@ -329,35 +358,33 @@ def baseline_death_run(tmp_path, strategy: str, *extra: str) -> tuple[str, tuple
         pytest.param("checkfreq", "rank1: disk ", id="checkfreq", marks=pytest.mark.slow),
     ],
 )
+@pytest.mark.slow
 def test_a_baseline_restarts_from_its_newest_checkpoint(tmp_path, strategy, source):
     """After the torchrun restart every rank rolls back to the baseline's newest complete checkpoint (gemini:
     the dead rank takes its copy from the replica on its peer, not from its own host memory; checkfreq:
     from disk) and recomputes from there: the same losses and final state as the fault-free run."""
-    out, (step, ranks, rollback_to, replayed, name, sources, _) = baseline_death_run(
-        tmp_path, strategy, "--checkpoint.interval", "3"
-    )
-    assert (step, ranks, name) == ("9", "1", strategy) and sources.startswith(source), out
-    assert 1 < int(rollback_to) < 9 and int(replayed) == 9 - int(rollback_to)
-    after = out[BASELINE_RESTART.search(out).end() :]
+    out, recovery = baseline_death_run(tmp_path, strategy, "--checkpoint.interval", "3")
+    sources, rollback_to = "; ".join(recovery.snapshots_from), recovery.rollback_to
+    assert (recovery.step, recovery.ranks, recovery.strategy) == (9, (1,), strategy) and sources.startswith(source)
+    assert 1 < rollback_to < 9 and recovery.replayed == 9 - rollback_to
+    events = run_events(out)
     reference = baseline(PP2, 2)
-    resumed = step_losses(after)
-    assert min(resumed) == int(rollback_to) and resumed == {
-        s: v for s, v in step_losses(reference).items() if s >= int(rollback_to)
+    resumed = step_losses(after(out, recovery))
+    assert min(resumed) == rollback_to and resumed == {
+        s: v for s, v in step_losses(reference).items() if s >= rollback_to
     }
-    assert final_line(after) == final_line(reference)
+    assert final_line(events[events.index(recovery) :]) == final_line(reference)
 
 
 @pytest.mark.slow
 def test_moc_restarts_from_its_checkpoints_and_loses_tokens(tmp_path):
     """MoC restores every operator from its newest save on disk (experts stale) and accounts the tokens
     lost, as its in-place recovery does; not exact by design."""
-    out, (step, ranks, rollback_to, replayed, name, sources, tail) = baseline_death_run(
-        tmp_path, "moc", "--checkpoint.interval", "2", "--checkpoint.moc_experts", "2"
-    )
-    assert (step, ranks, rollback_to, name) == ("9", "1", "7", "moc") and sources.startswith("rank1: disk ")
-    lost = dict(kv.split("=") for kv in tail.split())
-    assert float(lost["lost_tokens"]) > 0 and 0 < float(lost["plt"]) < 1
-    assert re.search(rf"^accounting .* lost_tokens={lost['lost_tokens']} ", out, re.M), out
+    out, r = baseline_death_run(tmp_path, "moc", "--checkpoint.interval", "2", "--checkpoint.moc_experts", "2")
+    assert (r.step, r.ranks, r.rollback_to, r.strategy) == (9, (1,), 7, "moc")
+    assert "; ".join(r.snapshots_from).startswith("rank1: disk ")
+    assert r.lost_tokens > 0 and 0 < r.plt < 1
+    assert re.search(rf"^accounting .* lost_tokens={r.lost_tokens} ", out, re.M), out
     final_line(out)
 
 
@@ -403,11 +430,12 @@ def test_a_restarted_baseline_refuses_a_window_of_another_run(tmp_path):
         assert re.search(
             rf"^restart: rank {rank} refused {planted}/rank0000{rank}: .*(run_id|job\.seed).*; removed it$", out, re.M
         ), out
-    [(step, ranks, rollback_to, *_)] = BASELINE_RESTART.findall(out)
-    assert (step, ranks, rollback_to) == ("9", "1", "6") and not list(planted.glob("rank*"))
+    [r] = baseline_restarts(out)
+    assert (r.step, r.ranks, r.rollback_to) == (9, (1,), 6) and not list(planted.glob("rank*"))
     assert final_line(out) == final_line(baseline(PP2, 2))
 
 
+@pytest.mark.slow
 def test_a_death_during_validation_loses_no_validation_line(tmp_path):
     """Rank 1 dies in the validation after iteration 6: the restarted job resumes after 6 and runs that
     validation again, so the run's validation lines equal the fault-free run's, every one of them."""
@@ -427,8 +455,8 @@ def test_a_survivor_dies_while_the_next_generation_replays(tmp_path):
     out = death_run(tmp_path, PP2_DP2_EP2_BF16, 4, "--fault.kill", "8:2:backward,7:3:replay")
     assert "fault: rank 3 killed (SIGKILL) in the replay phase of step 7" in out
     assert re.search(r"^shell: rank 3: .* replaces it in generation 2 ", out, re.M), out
-    recoveries = assert_local_and_exact(out, baseline(PP2_DP2_EP2_BF16, 4), "2+3", "1")
-    assert [r[0] for r in recoveries] == ["8"]
+    found = assert_local_and_exact(out, baseline(PP2_DP2_EP2_BF16, 4), (2, 3), (1,))
+    assert [r.step for r in found] == [8]
 
 
 @pytest.mark.slow
@@ -443,8 +471,8 @@ def test_a_survivor_dies_while_joining_the_next_generation(tmp_path):
     out = death_run(tmp_path, PP2_DP2_EP2_BF16, 4, *kills, "--fault.timeout_s", "30")
     assert "fault: rank 3 killed (SIGKILL) in the join phase of step 8" in out
     assert re.search(r"^shell: rank 3: .* replaces it in generation 2 ", out, re.M), out
-    recoveries = assert_local_and_exact(out, baseline(PP2_DP2_EP2_BF16, 4), "2+3", "1")
-    assert [r[0] for r in recoveries] == ["8"]
+    found = assert_local_and_exact(out, baseline(PP2_DP2_EP2_BF16, 4), (2, 3), (1,))
+    assert [r.step for r in found] == [8]
 
 
 @pytest.mark.slow
@@ -455,6 +483,6 @@ def test_more_deaths_than_replacements_fall_back_to_torchrun(tmp_path):
         tmp_path, PP2, 2, "--fault.kill", "9:1:backward,10:1:forward", "--fault.max_replacements", "1", restarts=1
     )
     assert re.search(r"^shell: rank 1: trainer pid \d+ died \(signal SIGKILL\); replacements spent", out, re.M), out
-    recoveries = assert_local_and_exact(out, baseline(PP2, 2), "1", "1")
-    assert [r[:3] for r in recoveries] == [("9", "1", "1"), ("10", "1", "1")]
-    assert re.search(r"^recovery step=10 .* restart=local ", out, re.M), out
+    found = assert_local_and_exact(out, baseline(PP2, 2), (1,), (1,))
+    assert [(r.step, r.ranks, r.scope) for r in found] == [(9, (1,), (1,)), (10, (1,), (1,))]
+    assert any(r.step == 10 and r.restart == "local" for r in recoveries(out)), out

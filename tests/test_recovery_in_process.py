@@ -21,21 +21,24 @@ import torch.multiprocessing as mp
 
 from moevement.failures import FaultEvent
 from moevement.recovery.localized import Recovery
-from moevement.recovery.report import RecoveryFigures
+from moevement.recovery.report import RecoveryFigures, RecoveryReport, RecoveryWork
 from moevement.recovery.restart import find_restart_checkpoint
 from moevement.topology import Topology
-from tests.test_conversion import (
+from tests.tiny_moe import (
     FAILED,
     Run,
     conversion_of,
     differences,
     frozen_by_iteration,
     recording_hooks,
-    train,
+    tiny_engine,
+    train_run,
 )
-from tests.test_moevement_engine import tiny_engine
 
-RECOVERY_LINE = "recovery step=11 ranks=0 scope=0 rollback_to=6 replayed=5 seconds="
+
+def recorded(said: list) -> list:
+    """What `Recovery` said through its line callable: the events as their records (JSON), lines as text."""
+    return [out if isinstance(out, str) else out.record() for out in said]
 
 
 def _fail_rank0_of_two(rank: int, root: str, init: str) -> None:
@@ -45,21 +48,22 @@ def _fail_rank0_of_two(rank: int, root: str, init: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     base = Path(root)
     topology = Topology(rank, [0, 0], [0, 1], [0, 0], [[0]])
-    run = train(base / f"rank{rank:05d}", FAILED - 1, topology=topology, rank_dirs=lambda r: base / f"rank{r:05d}")
+    run = train_run(base / f"rank{rank:05d}", FAILED - 1, topology=topology, rank_dirs=lambda r: base / f"rank{r:05d}")
     try:
         seen: dict[int, list[str]] = {}
-        lines: list[str] = []
+        lines: list = []
         hooks = recording_hooks(run, frozen_by_iteration(run.engine), seen)
         recovery = Recovery(run.engine, None, topology, 1, conversion_of(run, hooks, topology), lines.append)
         recovery.recover(FAILED, [FaultEvent(FAILED, (0,))])
         seen[FAILED] = differences(run.engine.ops, run.optimizer, run.states[FAILED], set())
-        report = {"seen": seen, "lines": lines, "figures": dataclasses.asdict(recovery.figures)}
+        report = {"seen": seen, "lines": recorded(lines), "figures": dataclasses.asdict(recovery.figures)}
         (base / f"rank{rank}.json").write_text(json.dumps(report))
     finally:
         run.engine.close()
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_a_failed_rank_recovers_from_its_peers_replicas_exact_operator_by_operator(tmp_path):
     """Rank 0's operators, optimizer state and host copies are wiped; it fetches window 6-8 from rank 1's
     replicas and the scalar log from rank 1, and its stage's group (both ranks) converts 6..8 and catches
@@ -73,10 +77,13 @@ def test_a_failed_rank_recovers_from_its_peers_replicas_exact_operator_by_operat
         figures = RecoveryFigures(**{**report["figures"], "ranks": tuple(report["figures"]["ranks"])})
         assert (figures.step, figures.ranks, figures.scope_ranks, figures.replayed) == (FAILED, (0,), 2, 5), rank
     line, *work = reports[0]["lines"]
-    assert line.startswith(RECOVERY_LINE) and "fetch=" in line and "catchup=" in line, line
-    assert work[0].startswith("recovery work rank=0 role=failed ") and " snapshots_from=rank1" in work[0], work
-    assert work[1].startswith("recovery work rank=1 role=rolled-back "), work
-    assert len(reports[1]["lines"]) == 1 and reports[1]["lines"][0].startswith(RECOVERY_LINE)  # its own seconds
+    report, work = RecoveryReport.from_record(line), [RecoveryWork.from_record(w) for w in work]
+    assert (report.step, report.ranks, report.scope, report.rollback_to, report.replayed) == (11, (0,), (0,), 6, 5)
+    assert (work[0].rank, work[0].role, work[0].snapshots_from) == (0, "failed", "rank1"), work
+    assert (work[1].rank, work[1].role) == (1, "rolled-back"), work
+    [own] = reports[1]["lines"]  # its own seconds
+    own = RecoveryReport.from_record(own)
+    assert (own.step, own.ranks, own.scope, own.rollback_to, own.replayed) == (11, (0,), (0,), 6, 5)
 
 
 @pytest.fixture
@@ -93,9 +100,9 @@ def test_a_whole_job_restart_converts_the_persisted_window_exact_operator_by_ope
     and optimizer) finds window 6-8 and `Recovery.restart` converts it: at the start of 6, 7 and 8 every
     operator is exactly state_t, at the end state_9, and training goes on with iteration 9."""
     rank_dir = tmp_path / "job" / "rank00000"
-    died = train(rank_dir, FAILED - 1)
+    died = train_run(rank_dir, FAILED - 1)
     died.engine.close()  # keep_host_state: what the dead process committed stays in its directory
-    lines: list[str] = []
+    lines: list = []
     found = find_restart_checkpoint(tmp_path / "job", None, lambda header, source: None, lines.append)
     assert found is not None and (found.window_start, found.window, found.last_iteration) == (6, 3, 10)
     model, optimizer, engine = tiny_engine(rank_dir)
@@ -108,7 +115,8 @@ def test_a_whole_job_restart_converts_the_persisted_window_exact_operator_by_ope
     assert recovery.restart(found) == 9
     seen[9] = differences(engine.ops, optimizer, died.states[9], set())
     assert sorted(seen) == [6, 7, 8, 9] and {t: diffs for t, diffs in seen.items() if diffs} == {}
-    assert lines[-1].startswith("recovery step=11 ranks=0 scope=0 rollback_to=6 replayed=3 "), lines
-    assert lines[-1].endswith('snapshots_from="rank0: local shared memory"'), lines[-1]
+    report = lines[-1]
+    assert (report.step, report.ranks, report.scope, report.rollback_to, report.replayed) == (11, (0,), (0,), 6, 3)
+    assert report.snapshots_from == ("rank0: local shared memory",), report
     assert recovery.figures == RecoveryFigures(11, (0,), 1, 6, recovery.figures.seconds)
     engine.close()

@@ -1,41 +1,50 @@
-"""The `recovery step=` console line (docs/design.md §5): one formatter for every strategy, whose bytes the
-tests' and benchmarks' parsers read."""
+"""The `recovery step=` and `recovery work` console lines (docs/design.md §5): one formatter for every strategy,
+whose bytes are a contract, and the run record's JSON object of each line, which reads back into the same
+line."""
 
 from __future__ import annotations
 
-import re
+import dataclasses
+import json
 
 from benchmarks.ablation import recovery_seconds
-from benchmarks.variants import RECOVERY_LINE
-from moevement.recovery.report import RecoveryReport, quoted, rank_list, stage_ranges
-from tests.test_baselines import RECOVERY as BASELINE_RECOVERY
-from tests.test_recovery import RECOVERY as LOCALIZED_RECOVERY
+from moevement.recovery.report import RecoveryReport, RecoveryWork, rank_list, stage_ranges
+from trainer.run.event_lines import FaultStrike, FinalLine
+
+
+def read_back(event):
+    """`event` as a reader of events.jsonl gets it: its record through JSON, read back."""
+    return type(event).from_record(json.loads(json.dumps(event.record())))
 
 
 def test_localized_recovery_line():
-    report = RecoveryReport(10, rank_list({3, 1}), stage_ranges({5, 0, 1, 2}), 7, 3, 1.23456, 0.1, 0.2049, 0.3)
+    report = RecoveryReport(10, (1, 3), (0, 1, 2, 5), 7, 3, 1.23456, 0.1, 0.2049, 0.3)
     line = report.line()
     assert line == (
         "recovery step=10 ranks=1+3 scope=0-2,5 rollback_to=7 replayed=3 seconds=1.235 "
         "(fetch=0.100 convert=0.205 catchup=0.300)"
     )
-    assert LOCALIZED_RECOVERY.match(line).groups() == ("10", "1+3", "0-2,5", "7", "3")
-    assert RECOVERY_LINE.match(line).groups() == ("1.235", "fetch=0.100 convert=0.205 catchup=0.300")
+    record = report.record()
+    assert (record["kind"], record["step"], record["ranks"], record["scope"]) == ("recovery", 10, [1, 3], [0, 1, 2, 5])
+    assert (record["rollback_to"], record["replayed"], record["seconds"]) == (7, 3, 1.235)
+    assert (record["fetch"], record["convert"], record["catchup"], record["restart"]) == (0.1, 0.205, 0.3, None)
+    assert read_back(report).line() == line
 
 
 def test_rejoin_line_puts_the_restart_stages_before_fetch():
     report = RecoveryReport(
         step=9,
-        ranks=rank_list([1]),
-        scope=stage_ranges([1]),
+        ranks=(1,),
+        scope=(1,),
         rollback_to=4,
         replayed=5,
         seconds=6.0,
         fetch=0.5,
         convert=3.0,
         catchup=1.0,
-        restart_seconds="keep=0.250 restart=0.500 setup=0.750",
-        fields=("restart=local", quoted("detected_by", ["rank0: SIGTERM", "rank2: gloo error"])),
+        restart_seconds=(("keep", 0.25), ("restart", 0.5), ("setup", 0.75)),
+        restart="local",
+        detected_by=("rank0: SIGTERM", "rank2: gloo error"),
     )
     line = report.line()
     assert line == (
@@ -43,25 +52,84 @@ def test_rejoin_line_puts_the_restart_stages_before_fetch():
         'setup=0.750 fetch=0.500 convert=3.000 catchup=1.000) restart=local detected_by="rank0: SIGTERM; '
         'rank2: gloo error"'
     )
-    assert (
-        RECOVERY_LINE.match(line).groups()[1]
-        == "keep=0.250 restart=0.500 setup=0.750 fetch=0.500 convert=3.000 catchup=1.000"
-    )
-    assert re.search(r"^recovery step=9 .* restart=local ", line)
-    assert recovery_seconds({"recoveries": [line, line.replace("seconds=6.000", "seconds=8.000")]}) == (7.0, 3.0, 1.0)
+    assert report.parts() == {"keep": 0.25, "restart": 0.5, "setup": 0.75, "fetch": 0.5, "convert": 3.0, "catchup": 1.0}
+    record = report.record()
+    assert record["restart_seconds"] == {"keep": 0.25, "restart": 0.5, "setup": 0.75}
+    assert (record["restart"], record["detected_by"]) == ("local", ["rank0: SIGTERM", "rank2: gloo error"])
+    assert read_back(report).line() == line
+    later = dataclasses.replace(report, seconds=8.0)
+    assert recovery_seconds({"recoveries": [report, later]}) == (7.0, 3.0, 1.0)
 
 
 def test_baseline_line_with_no_failed_rank_and_lost_tokens():
-    fields = ("strategy=moc", quoted("snapshots_from", []), "lost_tokens=12 plt=0.0100 k_pec=2", "restart=global")
-    report = RecoveryReport(6, rank_list([]) or "none", "0-0", 4, 2, 0.5, 0.25, 0.0, fields=fields)
+    report = RecoveryReport(
+        6, (), (0,), 4, 2, 0.5, 0.25, 0.0, strategy="moc", snapshots_from=(), lost_tokens=12.4, plt=0.01, k_pec=2
+    )
+    report = dataclasses.replace(report, restart="global")
     line = report.line()
     assert line == (
         "recovery step=6 ranks=none scope=0-0 rollback_to=4 replayed=2 seconds=0.500 "
         '(fetch=0.250 convert=0.000 catchup=0.000) strategy=moc snapshots_from="" '
         "lost_tokens=12 plt=0.0100 k_pec=2 restart=global"
     )
-    found = BASELINE_RECOVERY.match(line).groups()
-    assert found == ("6", "none", "0-0", "4", "2", "moc", "", " lost_tokens=12 plt=0.0100 k_pec=2 restart=global")
+    record = report.record()
+    assert (record["ranks"], record["scope"], record["strategy"], record["snapshots_from"]) == ([], [0], "moc", [])
+    assert (record["lost_tokens"], record["plt"], record["k_pec"], record["restart"]) == (12, 0.01, 2, "global")
+    assert read_back(report).line() == line
+
+
+def test_whole_job_restart_line_names_every_ranks_copy():
+    copies = ("rank0: local shared memory", "rank1: replica on rank0")
+    report = RecoveryReport(9, (0, 1), (0, 1), 6, 3, 2.0, 0.5, 1.5, restart="global", snapshots_from=copies)
+    line = report.line()
+    assert line == (
+        "recovery step=9 ranks=0+1 scope=0-1 rollback_to=6 replayed=3 seconds=2.000 (fetch=0.500 convert=1.500 "
+        'catchup=0.000) restart=global snapshots_from="rank0: local shared memory; rank1: replica on rank0"'
+    )
+    assert read_back(report).line() == line
+
+
+def test_recovery_work_lines():
+    failed = RecoveryWork(1, "failed", 8, 8, 3, "rank0", (("load", 0.123), ("forward", 1.0), ("optimizer", 0.004)))
+    assert failed.line() == (
+        "recovery work rank=1 role=failed forwards=8 backwards=8 threads=3 snapshots_from=rank0 "
+        "replay_s=load:0.12,forward:1.00,optimizer:0.00"
+    )
+    assert failed.record()["replay_s"] == {"load": 0.12, "forward": 1.0, "optimizer": 0.0}
+    healthy = RecoveryWork(0, "healthy", 0, 0)
+    assert healthy.line() == "recovery work rank=0 role=healthy forwards=0 backwards=0"
+    assert healthy.record() == {
+        "kind": "recovery_work",
+        "rank": 0,
+        "role": "healthy",
+        "forwards": 0,
+        "backwards": 0,
+        "threads": 0,
+        "snapshots_from": None,
+        "replay_s": {},
+    }
+    assert [read_back(w).line() for w in (failed, healthy)] == [failed.line(), healthy.line()]
+
+
+def test_fault_and_final_lines():
+    crash = FaultStrike(1, 8)
+    assert crash.line() == "fault: rank 1 crashes at step 8"
+    kill = FaultStrike(0, 9, "SIGKILL", "backward", 1795649689.5104)
+    assert kill.line() == "fault: rank 0 killed (SIGKILL) in the backward phase of step 9 at unix=1795649689.510"
+    hang = FaultStrike(2, 9, "SIGSTOP", "backward", 12.0)
+    assert hang.line() == "fault: rank 2 stopped (SIGSTOP) in the backward phase of step 9 at unix=12.000"
+    assert kill.record() == {
+        "kind": "fault",
+        "rank": 0,
+        "step": 9,
+        "how": "SIGKILL",
+        "phase": "backward",
+        "unix": 1795649689.51,
+    }
+    final = FinalLine(60, 2.6161334, "b0" * 32)
+    assert final.line() == f"final step=60 loss=2.616133 state_digest={'b0' * 32}"
+    assert final.record() == {"kind": "final", "step": 60, "loss": 2.616133, "state_digest": "b0" * 32}
+    assert [read_back(e).line() for e in (crash, kill, hang, final)] == [e.line() for e in (crash, kill, hang, final)]
 
 
 def test_range_lists():

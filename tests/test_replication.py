@@ -70,7 +70,7 @@ def _replicate_one_snapshot_then_drop_it(rank: int, root: str, init: str, slow_c
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("slow_copier", [0, 1])
+@pytest.mark.parametrize("slow_copier", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_a_same_node_peer_links_before_the_sender_lets_go_of_its_buffer(tmp_path, slow_copier):
     """A sender's round ends only when its same-node peers hold the bytes, so `close` (or `drain`) may
     be followed at once by removing or wiping the buffer, even in a window that never completes

@@ -8,7 +8,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.conftest import DEBUG_CONFIG, ROOT, run_cli
+from tests.helpers import DEBUG_CONFIG, ROOT, recoveries, run_cli, run_events
 from trainer.config import load_config
 
 QUIET = ["--metrics.log_every", "1", "--training.val_every", "0"]
@@ -20,6 +20,7 @@ def events(folder):
     return accumulator
 
 
+@pytest.mark.slow
 def test_two_runs_of_one_job_write_two_folders_with_a_config_that_loads_back(tmp_path):
     overrides = ["--training.steps", "2", "--training.lr", "0.002", "--job.output_dir", str(tmp_path)]
     outs = [run_cli("--config", DEBUG_CONFIG, *QUIET, *overrides).stdout for _ in range(2)]
@@ -36,6 +37,7 @@ def test_two_runs_of_one_job_write_two_folders_with_a_config_that_loads_back(tmp
         assert [e.step for e in events(folder).Scalars("train/loss")] == [1, 2]  # each run its own steps
 
 
+@pytest.mark.slow
 def test_tensorboard_shows_every_stage_and_a_normal_run_warns_about_nothing(tmp_path):
     """pp=2: rank 0's events hold the expert load of both stages' MoE layers (layers 1 and 2 of the debug
     model, one per stage) as per-layer scalars and a heatmap, and each stage's snapshot figures."""
@@ -68,6 +70,7 @@ def test_tensorboard_shows_every_stage_and_a_normal_run_warns_about_nothing(tmp_
 
 
 @pytest.mark.parametrize(("strategy", "scope_ranks"), [("moevement", 1), ("gemini", 2)])
+@pytest.mark.slow
 def test_tensorboard_marks_each_recovery_at_the_step_it_struck(tmp_path, strategy, scope_ranks):
     """pp=2, rank 1 fails before iteration 6: rank 0's events hold one `fault/` point per figure at step 6,
     with the figures of the printed recovery line (MoEvement rolls back stage 1's one rank, gemini both)."""
@@ -80,9 +83,9 @@ def test_tensorboard_marks_each_recovery_at_the_step_it_struck(tmp_path, strateg
         *("--checkpoint.host_dir", str(tmp_path / "shm"), "--job.output_dir", str(tmp_path)),
         nproc=2,
     )
-    recovery = r"^recovery step=(\d+) ranks=(\S+) .*rollback_to=(\d+) replayed=(\d+) seconds=(\S+)"
-    line = re.search(recovery, proc.stdout, re.M)
-    assert line, proc.stdout
+    found = recoveries(proc.stdout)
+    assert found, proc.stdout
+    line = found[0]
     wall = float(re.search(r"^accounting .* recovery_s=(\S+)", proc.stdout, re.M)[1])  # the loop's time of it
     (folder,) = (tmp_path / "debug_moe").iterdir()
     tb = events(folder)
@@ -90,18 +93,19 @@ def test_tensorboard_marks_each_recovery_at_the_step_it_struck(tmp_path, strateg
     assert {key: [(e.step, e.value) for e in points] for key, points in fault.items()} == {
         "ranks_failed": [(6, 1)],
         "scope_ranks": [(6, scope_ranks)],
-        "rollback_to": [(6, int(line[3]))],
-        "replayed": [(6, int(line[4]))],
+        "rollback_to": [(6, line.rollback_to)],
+        "replayed": [(6, line.replayed)],
     }, proc.stdout
-    assert (line[1], line[2]) == ("6", "1") and int(line[3]) < 6
+    assert (line.step, line.ranks) == (6, (1,)) and line.rollback_to < 6
     (seconds,) = tb.Scalars("fault/recovery_s")
     # the line's seconds (printed to 1 ms), within the loop's time of the recovery
-    assert seconds.step == 6 and abs(seconds.value - float(line[5])) <= 5e-4, (seconds, proc.stdout)
+    assert seconds.step == 6 and abs(seconds.value - line.seconds) <= 5e-4, (seconds, proc.stdout)
     assert seconds.value <= wall + 5e-4, (seconds, wall)
     scalars = tb.Tags()["scalars"]
     assert "memory/pp1/rss_mb" in scalars and "memory/pp1/cuda_max_allocated_mb" not in scalars  # a CPU run
 
 
+@pytest.mark.slow
 def test_tensorboard_marks_a_real_death_replaced_in_place(tmp_path):
     """pp=2 under torchrun: rank 1 SIGKILLs itself in the backward pass of step 5 and its standby replaces it;
     the next generation's rejoin is marked on rank 0's events at the step its recovery line names."""
@@ -115,10 +119,34 @@ def test_tensorboard_marks_a_real_death_replaced_in_place(tmp_path):
         nproc=2,
         torchrun=("--max-restarts=0",),
     )
-    line = re.search(r"^recovery step=(\d+) ranks=1 scope=1 rollback_to=(\d+) .* restart=replaced ", proc.stdout, re.M)
-    assert line, proc.stdout
+    replaced = [r for r in recoveries(proc.stdout) if (r.ranks, r.scope, r.restart) == ((1,), (1,), "replaced")]
+    assert replaced, proc.stdout
     (folder,) = (tmp_path / "debug_moe").iterdir()
     tb = events(folder)
-    step, rollback_to = int(line[1]), int(line[2])
+    step, rollback_to = replaced[0].step, replaced[0].rollback_to
     points = {key: [(e.step, e.value) for e in tb.Scalars(f"fault/{key}")] for key in ("ranks_failed", "rollback_to")}
     assert points == {"ranks_failed": [(step, 1)], "rollback_to": [(step, rollback_to)]}, proc.stdout
+
+
+def test_rank_0s_event_lines_are_recorded_beside_them_across_generations(tmp_path):
+    """pp=2: rank 0 SIGKILLs itself in the forward pass of step 4 and its standby replaces it in place,
+    continuing the run folder. `events.jsonl` holds, in print order, one whole JSON line for each `fault:` line
+    rank 0 printed and each `recovery`, `recovery work` and `final` line, each reading back into the printed
+    line byte for byte."""
+    proc = run_cli(
+        "--config",
+        DEBUG_CONFIG,
+        *QUIET,
+        *("--training.steps", "6", "--parallelism.pp", "2", "--fault.kill", "4:0:forward"),
+        *("--checkpoint.strategy", "moevement", "--checkpoint.window", "2", "--metrics.tensorboard", "false"),
+        *("--checkpoint.host_dir", str(tmp_path / "shm"), "--job.output_dir", str(tmp_path)),
+        nproc=2,
+        torchrun=("--max-restarts=0",),
+    )
+    (folder,) = (tmp_path / "debug_moe").iterdir()  # the replacement continued the folder
+    recorded = run_events(folder)
+    printed = [line for line in proc.stdout.splitlines() if line.startswith(("fault: rank 0 ", "recovery ", "final "))]
+    assert [e.line() for e in recorded] == printed, proc.stdout
+    kinds = [json.loads(line)["kind"] for line in (folder / "events.jsonl").read_text().splitlines()]
+    assert kinds == ["fault", "recovery", "recovery_work", "recovery_work", "final"], kinds
+    assert (recorded[1].restart, recorded[1].ranks, recorded[-1].step) == ("replaced", (0,), 6)

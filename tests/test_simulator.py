@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 from dataclasses import replace
 
 import pytest
@@ -340,11 +341,14 @@ def test_cli_preset_lines(capsys):
     assert lines[1].split()[1].startswith("ettr=") and "window=" in lines[1] and "interval=-" in lines[1]
 
 
-def test_cli_paper_prints_tables_and_writes_the_figure(tmp_path, capsys):
-    figure = tmp_path / "ettr.png"
-    main(["--paper", "--figure", str(figure)])
+def test_cli_paper_prints_tables_and_writes_them_and_the_figure_under_out(tmp_path, capsys):
+    run = tmp_path / "new" / "run"
+    main(["--paper", "--out", str(run)])
     out = capsys.readouterr().out
-    assert figure.stat().st_size > 0
+    table, figure = run / "scale_study.md", run / "simulated_ettr_vs_mtbf.png"
+    assert out.splitlines()[-2:] == [f"wrote: {table}", f"wrote: {figure}"]
+    assert figure.stat().st_size > 0 and table.read_text() in out
+    assert all(d.stat().st_mode & 0o777 == 0o700 for d in (run, run.parent))
     assert "| 671B-16384 | 671.0 | 16384 | 64 x 32 x 8 | 60 |" in out
     cells = [[c.strip() for c in ln.strip("|").split("|")] for ln in out.splitlines() if ln.startswith("| ")]
     study = [(c[0], float(c[1])) for c in cells if len(c) == 10 and c[0] in PAPER_PRESETS]
@@ -352,9 +356,12 @@ def test_cli_paper_prints_tables_and_writes_the_figure(tmp_path, capsys):
     assert "moevement 0.86 / gemini 0.55" in out
 
 
-def test_cli_sensitivity(capsys):
-    main(["--sensitivity", "--json"])
-    out = json.loads(capsys.readouterr().out)
+def test_cli_sensitivity(tmp_path, capsys):
+    main(["--sensitivity", "--json", "--out", str(tmp_path)])
+    printed = capsys.readouterr()
+    out = json.loads(printed.out)
+    assert printed.err == f"wrote: {tmp_path / 'sensitivity.json'}\n"
+    assert json.loads((tmp_path / "sensitivity.json").read_text()) == out
     assert out["rows"][0]["input"] == "as assumed"
     assert {b["strategy"] for b in out["break_even"]} == {"moevement", "gemini"}
     assert out["best_speedup"]["speedup"] == pytest.approx(
@@ -382,7 +389,6 @@ def test_cli_list_labels_paper_and_extra(capsys):
         (["--preset", "nope", "--mtbf-min", "10"], "671B-16384"),
         (["--preset", "32B-512", "--mtbf-min", "10", "--strategies", "moevement,bogus"], "checkfreq"),
         (["--preset", "32B-512", "--mtbf-min", "10", "--window", "0"], "--window"),
-        (["--paper", "--figure", "/nonexistent-dir/x.png"], "--figure"),
     ],
 )
 def test_cli_bad_input_exits_2_with_one_line(argv, named, capsys):
@@ -391,3 +397,30 @@ def test_cli_bad_input_exits_2_with_one_line(argv, named, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("error: ") and named in err
+
+
+@pytest.mark.parametrize("kind", ["file", "symlink", "under a file"])
+@pytest.mark.parametrize("mode", ["--paper", "--paper-tables", "--sensitivity"])
+def test_cli_out_that_is_not_a_directory_is_refused_in_one_line(tmp_path, capsys, kind, mode):
+    (tmp_path / "file").write_text("kept")
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "symlink").symlink_to(tmp_path / "dir")
+    out = {"file": "file", "symlink": "symlink", "under a file": "file/sub"}[kind]
+    with pytest.raises(SystemExit) as exc:
+        main([mode, "--out", str(tmp_path / out)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: --out ") and out in err
+    assert (tmp_path / "file").read_text() == "kept" and not any((tmp_path / "dir").iterdir())
+
+
+def test_cli_without_out_writes_under_outputs_simulator_timestamped(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    main(["--paper", "--no-figure"])
+    main(["--paper", "--no-figure"])
+    runs = sorted((tmp_path / "outputs" / "simulator").iterdir())
+    assert len(runs) == 2 and re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d(-1)?", runs[-1].name)
+    assert [sorted(p.name for p in run.iterdir()) for run in runs] == [["scale_study.md"]] * 2
+    folders = [tmp_path / "outputs", tmp_path / "outputs" / "simulator", *runs]
+    assert all(d.stat().st_mode & 0o777 == 0o700 for d in folders)
+    assert capsys.readouterr().out.count("wrote: outputs/simulator/") == 2

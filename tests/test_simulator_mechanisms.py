@@ -24,6 +24,7 @@ from simulator.run import closed_form, finite, moc_run
 from simulator.setting import Operator, Setting, gradient_exchange_bytes, pipeline_send_bytes
 from simulator.skew import alpha_for_skew, expected_skew, popularity, round_robin_staleness
 from simulator.testbed import MoEShape, iteration_from_cells
+from tests.helpers import ROOT
 
 GB = 1e9
 # No interference, 10 GB/s line rate x 0.5 = 5 GB/s for checkpoints, restarts 10 s local / 100 s global.
@@ -208,9 +209,11 @@ def test_coordinate_search_and_coordinates_round_trip():
     assert back.nic_efficiency == pytest.approx(0.5) and back.global_restart_s == pytest.approx(100.0)
 
 
-def test_cli_paper_tables_prints_every_section_and_the_held_out_errors(capsys):
-    main(["--paper-tables", "--no-figure"])
+def test_cli_paper_tables_prints_every_section_and_the_held_out_errors(tmp_path, capsys):
+    main(["--paper-tables", "--no-figure", "--out", str(tmp_path)])
     out = capsys.readouterr().out
+    assert out.endswith(f"\n\nwrote: {tmp_path / 'paper_tables.txt'}\n")
+    assert (tmp_path / "paper_tables.txt").read_text() in out
     for section in (
         "table3 ettr",
         "table4 sim-measured %",
@@ -221,8 +224,25 @@ def test_cli_paper_tables_prints_every_section_and_the_held_out_errors(capsys):
         "own table4 (measured)",
     ):
         assert f"## {section}\n" in out
-    summary = out.split("## held-out Table 3 ETTR per strategy")[1].strip().splitlines()[1:]
+    summary = out.split("## held-out Table 3 ETTR per strategy")[1].strip().splitlines()[1:5]
     assert [line.split()[0] for line in summary] == ["checkfreq", "gemini", "moc", "moevement"]
+
+
+def test_cli_paper_tables_writes_its_figure_under_out_and_nothing_in_the_repository(tmp_path, monkeypatch, capsys):
+    """The figure that once went to docs/figures/ by default goes to --out; the tracked figures stay as they are
+    and nothing lands in the working directory."""
+    figures = ROOT / "docs" / "figures"
+    before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in figures.iterdir()}
+    cwd, out = tmp_path / "cwd", tmp_path / "out"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    main(["--paper-tables", "--out", str(out)])
+    printed = capsys.readouterr().out.splitlines()
+    figure = out / "paper_fig11_simulated.png"
+    assert printed[-2:] == [f"wrote: {out / 'paper_tables.txt'}", f"wrote: {figure}"]
+    assert figure.read_bytes().startswith(b"\x89PNG") and sorted(out.iterdir()) == [figure, out / "paper_tables.txt"]
+    assert not any(cwd.iterdir())
+    assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in figures.iterdir()} == before
 
 
 def test_zero1_shards_the_state_over_data_parallel_ranks():
@@ -234,6 +254,16 @@ def test_zero1_shards_the_state_over_data_parallel_ranks():
     assert whole.node_state_bytes == pytest.approx(4 * sharded.node_state_bytes)
     assert [o.fp32 for o in whole.operators] == pytest.approx([4 * o.fp32 for o in sharded.operators])
     assert whole.cluster_state_bytes == sharded.cluster_state_bytes == 12 * tb.shape.total_params()
+
+
+def test_fit_command_prints_and_writes_fit_txt_under_out(tmp_path, capsys):
+    from simulator.fit import main as fit_main
+
+    fit_main(["--sweeps", "1", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    written = (tmp_path / "fit.txt").read_text()
+    assert written.startswith("fitted on Table 3 rows 2H, 1H (32 ETTR cells)\n") and written in out
+    assert out.endswith(f"\n\nwrote: {tmp_path / 'fit.txt'}\n")
 
 
 def test_recorded_constants_are_what_the_fit_prints():

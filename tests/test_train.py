@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from tests.conftest import DEBUG_CONFIG, final_line, run_cli, step_losses
+from tests.helpers import DEBUG_CONFIG, final_line, run_cli, step_losses
 
 QUIET = ["--metrics.tensorboard", "false", "--metrics.log_every", "1", "--training.val_every", "0"]
 
@@ -53,6 +53,7 @@ def test_save_resume_gives_identical_continuation(tmp_path):
     assert final_line(again) == final_line(first)
 
 
+@pytest.mark.slow
 def test_bad_checkpoints_fail_with_one_clear_line(tmp_path):
     ckpt = tmp_path / "ckpt"
     train("--training.steps", "1", "--checkpoint.save_final", str(ckpt))
@@ -73,6 +74,7 @@ def test_bad_config_is_one_error_line():
     assert proc.stderr.strip().count("\n") == 0 and "training.steps" in proc.stderr
 
 
+@pytest.mark.slow
 def test_bf16_mixed_precision_is_deterministic_and_differs_from_fp32():
     args = ("--training.steps", "3", "--training.mixed_precision", "bf16", "--model.dropout", "0.1")
     a, b = final_line(train(*args).stdout), final_line(train(*args).stdout)
@@ -81,6 +83,7 @@ def test_bf16_mixed_precision_is_deterministic_and_differs_from_fp32():
     assert fp32[2] != a[2]
 
 
+@pytest.mark.slow
 def test_cpu_cost_line_accounts_for_every_checkpointing_activity(tmp_path):
     """Each rank of a pipeline run with snapshots, replication, upstream logs and disk persistence reports
     CPU time for every activity, and the activities fit inside the process's CPU time. A normal run warns
@@ -118,6 +121,7 @@ def test_cpu_cost_line_accounts_for_every_checkpointing_activity(tmp_path):
     assert "cpu_cost" not in train("--training.steps", "2").stdout  # off by default
 
 
+@pytest.mark.slow
 def test_validation_leaves_the_sharded_state_as_training_does(tmp_path):
     """dp=2 (FSDP2): a validation (forward only) as the last iteration and before a failure's snapshots
     changes nothing of the state: the run finishes, saves, and its digest is the run's without validation."""

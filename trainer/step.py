@@ -137,7 +137,7 @@ def train_step(
     inputs, labels = inputs.to(dims.device, non_blocking=True), labels.to(dims.device, non_blocking=True)
     loss = forward_backward(model, inputs, labels, cfg.micro_batches)
     # Every collective of the iteration ends with the gradient-norm all-reduce: after it a rank only updates
-    # its own state, so a rank that passed it can finish the iteration alone (trainer/run/survival.py).
+    # its own state, so a rank that passed it can finish the iteration alone (trainer/lifecycle/survival.py).
     mean_loss, aux_loss = _global_mean_loss(loss, dims), _aux_loss(model, dims)
     params = [p for p in model.view.parameters() if p.requires_grad]
     if before_clip is not None:

@@ -15,11 +15,12 @@ all-reduce and the recovery totals.
 
 from __future__ import annotations
 
-import re
-
 from benchmarks.gpu_check.report import Check, Section
-from benchmarks.gpu_check.runs import Workspace, train
+from benchmarks.gpu_check.runs import ROOT, Workspace, train
 from benchmarks.overhead import parse_steps
+from moevement.recovery.report import RecoveryReport
+from trainer.run.event_lines import FinalLine
+from trainer.run.event_log import run_events
 
 CONFIG = "train_configs/debug_moe.toml"
 STEPS = "14"
@@ -29,7 +30,6 @@ DEATHS = (  # (job name, what the checks say, flags)
 )
 RUN_TIMEOUT_S = 120
 RESTART = ("--max-restarts", "1")
-FINAL = re.compile(r"^final step=.* state_digest=[0-9a-f]+.*$", re.M)  # the whole line is compared
 LAYOUT = ["--training.mixed_precision", "bf16", "--checkpoint.strategy", "moevement", "--checkpoint.window", "3"]
 
 
@@ -51,10 +51,11 @@ def run(section: Section) -> None:
 
 def check_recovered(section: Section, name: str, reference: str, faulty: str) -> None:
     """The faulty run restarted, recovered, and matched the reference's losses and final line exactly."""
-    recovered = [line for line in faulty.splitlines() if line.startswith("recovery step=")]
+    events = {run: run_events(out, ROOT) for run, out in (("reference", reference), ("faulty", faulty))}
+    recovered = [e.line() for e in events["faulty"] if isinstance(e, RecoveryReport)]
     section.checks.append(Check(f"{name}: restart happened", bool(recovered), (recovered or ["no recovery line"])[0]))
     same_losses = bool(losses(reference)) and losses(faulty) == losses(reference)
     section.checks.append(Check(f"{name}: step losses equal", same_losses, f"{len(losses(reference))} steps"))
-    finals = [FINAL.findall(out) for out in (reference, faulty)]
+    finals = [[e.line() for e in events[run] if isinstance(e, FinalLine)] for run in ("reference", "faulty")]
     same = len(finals[0]) == 1 and finals[0] == finals[1]
     section.checks.append(Check(f"{name}: final state_digest equal", same, (finals[0] or ["no final line"])[0]))

@@ -4,10 +4,12 @@ When a worker really dies, the torchrun agent stops every other worker (SIGTERM)
 again. A survivor notices (the signal, or a collective that fails because its peer is gone), stops at a
 consistent point and writes `<rank_dir>/live.{bin,json}` in node-local shared memory: the FP32 state of
 every operator (weights, buffers, optimizer state), the upstream log and the scalar log, all checksummed,
-with `next_iteration` (the first iteration its state has not applied) and the job's identity and restart
-generation in the header. The restarted process reads it back; a missing, foreign or corrupt file means
-the rank counts as failed (its stage replays). The file stays until the rank trains on, so a generation
-that dies while it starts up (setup, rejoin) leaves it to the next one.
+with `next_iteration` (the first iteration its state has not applied) and the job's identity and torchrun
+attempt in the header (the strategy's `keep_live_state`: `keep_in_memory`, then `save_kept`; a survivor
+replaced in place keeps it in memory and writes it only if it cannot rejoin). The restarted process reads
+it back; a missing, foreign or corrupt file means the rank counts as failed (its stage replays). The file
+stays until the rank trains on, so an attempt that dies while it starts up (setup, rejoin) leaves it to
+the next one.
 
 Training thread only (the survivor has stopped training when it saves).
 """
@@ -72,7 +74,7 @@ class LiveHeader:
     log_from: int  # the first iteration whose upstream log and scalars it holds
     entries: list[Entry]
     nbytes: int
-    meta: dict  # the job's identity, "generation", "scalars" {iteration: ...}, "detected"
+    meta: dict  # the job's identity, "attempt", "scalars" {iteration: ...}, "detected"
     checksums: list[list]  # [first entry, end entry, XXH3-64] per chunk
     checksum_format: str = CHECKSUM_FORMAT
 
@@ -91,10 +93,10 @@ class LiveHeader:
 
 @dataclass(frozen=True)
 class Rejoin:
-    """This process's place in a torchrun run: its generation, and what it kept from the previous one
-    (decided once, before the strategy is built: `trainer/run/fault_tolerance.py`)."""
+    """This process's place in a torchrun run: its attempt, and what it kept from the previous one
+    (decided once, before the strategy is built: `trainer/run/strategy_factory.py`)."""
 
-    name: dict  # {"run_id": TORCHELASTIC_RUN_ID, "generation": TORCHELASTIC_RESTART_COUNT}
+    name: dict  # {"run_id": TORCHELASTIC_RUN_ID, "attempt": TORCHELASTIC_RESTART_COUNT}
     live: LiveState | None = None  # this rank's kept state (None: it died, or kept nothing usable)
     survivors: bool = False  # some rank of the job kept its state: rejoin instead of a whole-job restart
     timeline: dict[str, float] = field(default_factory=dict)  # unix time this process reached each set-up stage
@@ -149,28 +151,11 @@ def save_kept(rank_dir: Path, live: LiveState) -> int:
     return nbytes
 
 
-def save_live_state(
-    rank_dir: Path,
-    ops: list[Operator],
-    optimizer: torch.optim.Optimizer,
-    log: UpstreamLog | None,
-    scalars: dict[int, dict],
-    next_iteration: int,
-    log_from: int,
-    meta: dict,
-) -> int:
-    """Write state_{next_iteration} of this rank with its logs of `log_from..next_iteration-1` (`meta`: the
-    job's identity and how the death was detected); returns bytes."""
-    detected = meta.get("detected", {})
-    live = keep_in_memory(ops, optimizer, log, scalars, next_iteration, log_from, detected, meta)
-    return save_kept(rank_dir, live)
-
-
-def load_live_state(rank_dir: Path, expect: dict, generation: int) -> tuple[LiveState | None, str]:
+def load_live_state(rank_dir: Path, expect: dict, attempt: int) -> tuple[LiveState | None, str]:
     """This rank's live state if it is intact, of this job (`expect`: header meta keys and their required
-    values) and kept by an earlier generation than `generation`; (None, why) otherwise.
+    values) and kept by an earlier torchrun attempt than `attempt`; (None, why) otherwise.
 
-    An older generation's state is as good as the last one's: a process removes what its predecessors
+    An older attempt's state is as good as the last one's: a process removes what its predecessors
     left once it trains on (`SparseCheckpointer.drop_leftovers`), so a state still here is the newest
     this rank holds."""
     path = rank_dir / LIVE
@@ -180,11 +165,11 @@ def load_live_state(rank_dir: Path, expect: dict, generation: int) -> tuple[Live
             return None, "no live state"
         header = LiveHeader.from_json(raw)
         differ = sorted(k for k, v in expect.items() if header.meta.get(k) != v)
-        kept_by = header.meta.get("generation")
-        if not (type(kept_by) is int and 0 <= kept_by < generation):
-            differ.append("generation")
+        kept_by = header.meta.get("attempt")  # an older version's header names it "generation": refused
+        if not (type(kept_by) is int and 0 <= kept_by < attempt):
+            differ.append("attempt")
         if differ:
-            return None, f"{path}.json belongs to another run or generation ({', '.join(differ)})"
+            return None, f"{path}.json belongs to another run or attempt ({', '.join(differ)})"
         tensors = read_entries(map_bytes(path), header, source=f"{path}.bin")
         scalars = {int(t): s for t, s in header.meta["scalars"].items()}
     except (HostMemoryError, SnapshotError, OSError, KeyError, TypeError, ValueError, AttributeError) as e:

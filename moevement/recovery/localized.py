@@ -36,7 +36,7 @@ from moevement.recovery.fetch import (
 )
 from moevement.recovery.live_state import Rejoin, Survival, restore_live_state
 from moevement.recovery.replay import wipe_operators
-from moevement.recovery.report import RecoveryFigures, RecoveryReport, quoted, rank_list, stage_ranges
+from moevement.recovery.report import RecoveryFigures, RecoveryReport, RecoveryWork
 from moevement.recovery.restart import RestartPoint
 from moevement.recovery.upstream_log import UpstreamLog
 from moevement.topology import Topology
@@ -54,11 +54,11 @@ class Recovery:
         layout: Topology,
         micro_batches: int,
         conversion: Conversion,
-        line: Callable[[str], None],
+        line: Callable[[str | RecoveryReport | RecoveryWork], None],
         global_rollback: bool = False,
     ):
         self.ck, self.log, self.layout, self.micro = checkpointer, log, layout, micro_batches
-        self.conversion, self.line = conversion, line
+        self.conversion, self.line = conversion, line  # prints on rank 0; a report's record goes beside its line
         self.figures: RecoveryFigures | None = None  # of the newest `recover` (the loop reads them after it)
         self.global_rollback = global_rollback  # every stage rolls back and replays (the baseline to compare with)
         self.me, self.world = dist.get_rank(), dist.get_world_size()
@@ -81,9 +81,11 @@ class Recovery:
         seconds = time.perf_counter() - started
         pps = self._rolled_back(failed)
         t0 = self.ck.persisted.rollback_point()
-        scope = stage_ranges(self.layout.stages_of(pps))
+        scope = _stages_of(self.layout, pps)
         self._report(
-            RecoveryReport(step, rank_list(failed), scope, t0, step - t0, seconds, fetch, convert, catchup), failed, pps
+            RecoveryReport(step, tuple(sorted(failed)), scope, t0, step - t0, seconds, fetch, convert, catchup),
+            failed,
+            pps,
         )
         self.report_work(failed, pps, work_before, stats)
 
@@ -91,18 +93,13 @@ class Recovery:
         """Rank 0 prints every rank's `recovery work` line: its role and the forwards/backwards it ran."""
         forwards, backwards = (a - b for a, b in zip(self.log.work() if self.log else (0, 0), work_before))
         role = "failed" if self.me in failed else ("rolled-back" if self.layout.pp_of[self.me] in pps else "healthy")
-        source = f" snapshots_from={stats.sources[self.me]}" if self.me in stats.sources else ""
-        threads = f" threads={stats.threads}" if stats.threads else ""
-        phases = ",".join(f"{k}:{v:.2f}" for k, v in stats.phases.items())
-        source += f" replay_s={phases}" if phases else ""
-        work = [None] * self.world if self.me == 0 else None
-        collectives.gather_object(
-            f"recovery work rank={self.me} role={role} forwards={forwards} backwards={backwards}{threads}{source}",
-            work,
-            dst=0,
+        mine = RecoveryWork(
+            self.me, role, forwards, backwards, stats.threads, stats.sources.get(self.me), tuple(stats.phases.items())
         )
-        for text in work or []:
-            self.line(text)
+        work = [None] * self.world if self.me == 0 else None
+        collectives.gather_object(mine, work, dst=0)
+        for line in work or []:
+            self.line(line)
 
     def rejoin(self, found: RestartPoint | None, rejoin: Rejoin) -> tuple[int, int]:
         """After a torchrun restart with survivors: the stages of the ranks that kept no live state replay
@@ -135,8 +132,8 @@ class Recovery:
         how = "replaced" if rejoin.in_place else "global-replay" if self.global_rollback else "local"
         report = RecoveryReport(
             step=target,
-            ranks=rank_list(failed),
-            scope=stage_ranges(self.layout.stages_of(pps)),
+            ranks=tuple(sorted(failed)),
+            scope=_stages_of(self.layout, pps),
             rollback_to=t0,
             replayed=target - t0,
             seconds=time.time() - detected,
@@ -144,7 +141,8 @@ class Recovery:
             fetch=fetch,
             convert=convert,
             catchup=catchup,
-            fields=(f"restart={how}", quoted("detected_by", _how(kept))),
+            restart=how,
+            detected_by=tuple(_how(kept)),
         )
         self._report(report, failed, pps)
         self.line(f"restart timeline rank={self.me}: {_stages(timeline)}")
@@ -186,21 +184,22 @@ class Recovery:
         fetch, convert = _slowest(stats.fetch, stats.convert)
         report = RecoveryReport(
             step=found.last_iteration + 1,
-            ranks=rank_list(range(self.world)),
-            scope=stage_ranges(every_stage),
+            ranks=tuple(range(self.world)),
+            scope=tuple(sorted(every_stage)),
             rollback_to=t0,
             replayed=window,
             seconds=time.perf_counter() - started + found.seconds,
             fetch=fetch,
             convert=convert,
-            fields=("restart=global", quoted("snapshots_from", (f"rank{r}: {s}" for r, s in enumerate(found.sources)))),
+            restart="global",
+            snapshots_from=tuple(f"rank{r}: {s}" for r, s in enumerate(found.sources)),
         )
         self._report(report, set(range(self.world)), set(self.layout.pp_of))
         return t0 + window
 
     def _report(self, report: RecoveryReport, failed: set[int], pps: set[int]) -> None:
-        """Rank 0 prints the recovery line; every rank keeps its figures for the loop (`figures`)."""
-        self.line(report.line())
+        """Rank 0 prints the recovery line (and records it); every rank keeps its figures for the loop (`figures`)."""
+        self.line(report)
         self.figures = RecoveryFigures.of(report, failed, sum(p in pps for p in self.layout.pp_of))
 
     def _rolled_back(self, failed: set[int]) -> set[int]:
@@ -260,7 +259,14 @@ def _slowest(*seconds: float) -> list[float]:
     return totals.tolist()
 
 
-def _restart_seconds(rejoin: Rejoin, timeline: dict[str, float], detected: float, rebuilt: float) -> str:
+def _stages_of(layout: Topology, pps: set[int]) -> tuple[int, ...]:
+    """The stages the pipeline ranks `pps` run, ascending."""
+    return tuple(sorted(layout.stages_of(pps)))
+
+
+def _restart_seconds(
+    rejoin: Rejoin, timeline: dict[str, float], detected: float, rebuilt: float
+) -> tuple[tuple[str, float], ...]:
     """The seconds from the first detection of the death to the rejoin's replay, by stage. In place: keep
     (until the last survivor kept its state in memory and left its groups), join (the next generation's
     process group), rebuild (data, model, strategy). After a torchrun restart: keep (state to shared
@@ -269,9 +275,9 @@ def _restart_seconds(rejoin: Rejoin, timeline: dict[str, float], detected: float
     kept = timeline["kept"]
     if rejoin.in_place:
         joined = timeline.get("process_group", kept)
-        return f"keep={kept - detected:.3f} join={joined - kept:.3f} rebuild={rebuilt - joined:.3f}"
+        return ("keep", kept - detected), ("join", joined - kept), ("rebuild", rebuilt - joined)
     exec_at = timeline.get("exec", rebuilt)
-    return f"keep={kept - detected:.3f} restart={exec_at - kept:.3f} setup={rebuilt - exec_at:.3f}"
+    return ("keep", kept - detected), ("restart", exec_at - kept), ("setup", rebuilt - exec_at)
 
 
 def _stages(timeline: dict[str, float]) -> str:

@@ -1,46 +1,172 @@
-"""The `recovery step=...` console line (docs/design.md §5), one format for every strategy.
+"""The `recovery step=...` and `recovery work ...` console lines (docs/design.md §5), one format for every
+strategy, and the records rank 0 keeps of them in the run's `events.jsonl` (`trainer/run/event_log.py`).
 
-Tests and benchmarks parse the line with regular expressions, so its bytes are a contract:
+The line's bytes are a contract:
 
     recovery step=<T> ranks=<ranks> scope=<stages> rollback_to=<t0> replayed=<n> seconds=<x>
         ([<stage seconds> ]fetch=<x> convert=<x> catchup=<x>)[ <field>...]
 
 (one line; `<x>` with 3 decimals). MoEvement's localized recovery, its whole-job restart and rejoin, and
-the interval baselines all print it through `RecoveryReport.line`.
+the interval baselines all print it through `RecoveryReport.line`. A record (`record()`) holds the same
+fields as typed JSON values, numbers rounded as the line prints them, so `from_record(record).line()` is the
+printed line again.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import ClassVar
+
+
+def _printed(value: float, decimals: int) -> float:
+    """`value` as the line prints it with `decimals` decimals (the record's number)."""
+    return float(f"{value:.{decimals}f}")
 
 
 @dataclass(frozen=True)
 class RecoveryReport:
     """What one recovery did, as rank 0 prints it. Plain values: building one needs no collective (the
-    caller has already taken every rank's slowest `fetch`, `convert` and `catchup`)."""
+    caller has already taken every rank's slowest `fetch`, `convert` and `catchup`).
+
+    The fields after the parenthesis are None when the line leaves them out. An interval baseline's report
+    (`strategy` set) writes no failed rank as `ranks=none` and its scope, every stage, as `0-<S-1>` even for
+    one stage; then `strategy`, `snapshots_from`, MoC's `lost_tokens plt k_pec`, and `restart`. MoEvement's
+    writes `restart` first, then `snapshots_from` (a whole-job restart) or `detected_by` (a rejoin)."""
+
+    KIND: ClassVar[str] = "recovery"
 
     step: int  # the iteration training goes on with
-    ranks: str  # the ranks that lost their state, as `rank_list` writes them (the baselines: "none" for none)
-    scope: str  # the stages that rolled back, as `stage_ranges` writes them (the baselines: "0-<S-1>", always)
+    ranks: tuple[int, ...]  # the ranks that lost their state, ascending
+    scope: tuple[int, ...]  # the stages that rolled back, ascending
     rollback_to: int  # the iteration the rolled-back stages restarted from
     replayed: int  # iterations replayed (or, for the baselines, to be run again)
     seconds: float  # the whole recovery, as the strategy measures it
     fetch: float
     convert: float
     catchup: float = 0.0
-    restart_seconds: str = ""  # a restart's seconds by stage, before `fetch` ("keep=<x> restart=<x> setup=<x>")
-    fields: tuple[str, ...] = ()  # what follows the parenthesis, in order, each after a space: `key=value`...
+    restart_seconds: tuple[tuple[str, float], ...] = ()  # a restart's seconds by stage, before `fetch`
+    restart: str | None = None  # how the job restarted: global, local, replaced, global-replay
+    strategy: str | None = None  # an interval baseline's name
+    snapshots_from: tuple[str, ...] | None = None  # "rank<r>: <copy>" per rank named
+    detected_by: tuple[str, ...] | None = None  # "rank<r>: <how>" per survivor, earliest first
+    lost_tokens: float | None = None  # MoC's tokens lost by this recovery, with its `plt` and `k_pec`
+    plt: float | None = None
+    k_pec: int | None = None
 
     def line(self) -> str:
         """The console line, byte for byte the format above."""
-        parts = [self.restart_seconds] if self.restart_seconds else []
+        parts = [f"{name}={s:.3f}" for name, s in self.restart_seconds]
         parts += [f"fetch={self.fetch:.3f}", f"convert={self.convert:.3f}", f"catchup={self.catchup:.3f}"]
         return (
-            f"recovery step={self.step} ranks={self.ranks} scope={self.scope} rollback_to={self.rollback_to} "
+            f"recovery step={self.step} ranks={self._ranks()} scope={self._scope()} rollback_to={self.rollback_to} "
             f"replayed={self.replayed} seconds={self.seconds:.3f} ({' '.join(parts)})"
-            + "".join(f" {field}" for field in self.fields)
+            + "".join(f" {field}" for field in self._fields())
         )
+
+    def _ranks(self) -> str:
+        return rank_list(self.ranks) or ("none" if self.strategy is not None else "")
+
+    def _scope(self) -> str:
+        if self.strategy is not None:  # every stage, written as a range even when there is one
+            return f"0-{self.scope[-1]}"
+        return stage_ranges(self.scope)
+
+    def _fields(self) -> list[str]:
+        """What follows the parenthesis, in the order of the class docstring."""
+        restart = [f"restart={self.restart}"] if self.restart is not None else []
+        if self.strategy is not None:
+            out = [f"strategy={self.strategy}", quoted("snapshots_from", self.snapshots_from or ())]
+            if self.lost_tokens is not None:
+                out.append(f"lost_tokens={self.lost_tokens:.0f} plt={self.plt:.4f} k_pec={self.k_pec}")
+            return out + restart
+        named = [("snapshots_from", self.snapshots_from), ("detected_by", self.detected_by)]
+        return restart + [quoted(name, parts) for name, parts in named if parts is not None]
+
+    def parts(self) -> dict[str, float]:
+        """The seconds in the parenthesis by name, rounded as printed: the restart's stages, fetch, convert,
+        catchup."""
+        named = [*self.restart_seconds, ("fetch", self.fetch), ("convert", self.convert), ("catchup", self.catchup)]
+        return {name: _printed(s, 3) for name, s in named}
+
+    def record(self) -> dict:
+        """The run record's JSON object of this line."""
+        return {
+            "kind": self.KIND,
+            "step": self.step,
+            "ranks": list(self.ranks),
+            "scope": list(self.scope),
+            "rollback_to": self.rollback_to,
+            "replayed": self.replayed,
+            "seconds": _printed(self.seconds, 3),
+            "fetch": _printed(self.fetch, 3),
+            "convert": _printed(self.convert, 3),
+            "catchup": _printed(self.catchup, 3),
+            "restart_seconds": {name: _printed(s, 3) for name, s in self.restart_seconds},
+            "restart": self.restart,
+            "strategy": self.strategy,
+            "snapshots_from": None if self.snapshots_from is None else list(self.snapshots_from),
+            "detected_by": None if self.detected_by is None else list(self.detected_by),
+            "lost_tokens": None if self.lost_tokens is None else int(_printed(self.lost_tokens, 0)),
+            "plt": None if self.plt is None else _printed(self.plt, 4),
+            "k_pec": self.k_pec,
+        }
+
+    @classmethod
+    def from_record(cls, record: dict) -> RecoveryReport:
+        """The report of a record `record()` wrote (KeyError, TypeError or ValueError if it is not one)."""
+        fields = {k: v for k, v in record.items() if k != "kind"}
+        for name in ("ranks", "scope", "snapshots_from", "detected_by"):
+            fields[name] = None if fields[name] is None else tuple(fields[name])
+        fields["restart_seconds"] = tuple(fields["restart_seconds"].items())
+        return cls(**fields)
+
+
+@dataclass(frozen=True)
+class RecoveryWork:
+    """One rank's `recovery work` line (rank 0 prints one per rank after each MoEvement recovery line):
+
+        recovery work rank=<r> role=failed|rolled-back|healthy forwards=<n> backwards=<n>[ threads=<n>]
+            [ snapshots_from=<source>][ replay_s=<phase>:<s>,...]
+
+    (one line; `<s>` with 2 decimals). A healthy rank ran nothing: 0 forwards and 0 backwards."""
+
+    KIND: ClassVar[str] = "recovery_work"
+
+    rank: int
+    role: str  # failed, rolled-back or healthy
+    forwards: int  # stage forwards this rank ran for the recovery
+    backwards: int
+    threads: int = 0  # intra-op threads it replayed with (0: it did not replay; the line leaves it out)
+    snapshots_from: str | None = None  # where a failed rank's snapshots came from ("rank<q>", ...)
+    replay_s: tuple[tuple[str, float], ...] = ()  # a replaying rank's seconds per replay phase, in order
+
+    def line(self) -> str:
+        """The console line, byte for byte the format above."""
+        text = f"recovery work rank={self.rank} role={self.role} forwards={self.forwards} backwards={self.backwards}"
+        text += f" threads={self.threads}" if self.threads else ""
+        text += f" snapshots_from={self.snapshots_from}" if self.snapshots_from is not None else ""
+        phases = ",".join(f"{phase}:{s:.2f}" for phase, s in self.replay_s)
+        return text + (f" replay_s={phases}" if phases else "")
+
+    def record(self) -> dict:
+        """The run record's JSON object of this line."""
+        return {
+            "kind": self.KIND,
+            "rank": self.rank,
+            "role": self.role,
+            "forwards": self.forwards,
+            "backwards": self.backwards,
+            "threads": self.threads,
+            "snapshots_from": self.snapshots_from,
+            "replay_s": {phase: _printed(s, 2) for phase, s in self.replay_s},
+        }
+
+    @classmethod
+    def from_record(cls, record: dict) -> RecoveryWork:
+        """The line of a record `record()` wrote (KeyError, TypeError or ValueError if it is not one)."""
+        fields = {k: v for k, v in record.items() if k != "kind"}
+        return cls(**{**fields, "replay_s": tuple(fields["replay_s"].items())})
 
 
 @dataclass(frozen=True)

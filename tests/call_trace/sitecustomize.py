@@ -41,7 +41,7 @@ if OUT:
             rows.append(f"{caller}\t{callee}\t{frame.f_code.co_name}")
 
     def _write() -> None:
-        if rows:  # a rank shell (trainer/run/rank_shell.py) and its standby trace nothing: the trainer's file stays
+        if rows:  # a rank shell and its standby trace nothing: the trainer's file stays
             Path(OUT, f"rank{os.environ.get('RANK', '0')}.tsv").write_text("\n".join(rows))
 
     sys.setprofile(_profile)

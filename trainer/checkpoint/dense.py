@@ -13,7 +13,7 @@ before anything parses it, then read with safetensors, and every rank takes the 
 slice of FSDP-sharded ones), so a checkpoint saved in any parallel layout loads into any other. A
 `moevement-dense-v2` checkpoint (`model.safetensors` and `optim.safetensors`, one writer's files) loads
 the same way; the old DCP format (`moevement-dense-v1`, whose `.metadata` is a pickle) is refused
-without being read. An imported checkpoint (`python -m models.hf import`) has `"run": null`, an
+without being read. An imported checkpoint (`python -m trainer.hf import`) has `"run": null`, an
 `imported` record, step 0 and no optimizer file: loading it sets the weights and leaves the optimizer fresh.
 """
 

@@ -9,7 +9,7 @@ is recomputation (lost work). At the end, rank 0 prints one line that `benchmark
 A run survives a torchrun restart: a worker that stops because another died writes its accounting
 (`<host job dir>/accounting-rank<r>.json`) and the restarted job carries it on (`carry_on`), counting the
 time from the detection of the death to training going on again as recovery. Its wall time is then the
-time from the start of the first generation's training to the end of the last iteration or recovery:
+time from the start of the first attempt's training to the end of the last iteration or recovery:
 gathering the final state for the digest and shutting down are not training (they took 7-14 s at the
 end of a 100-iteration `bench_moe` run, which ETTR would otherwise count as lost).
 """
@@ -36,7 +36,7 @@ class RunAccounting:
         self.high_water = first_step - 1  # newest iteration completed so far
         self.productive_s = self.recompute_s = self.recovery_s = 0.0
         self.failures = self.recomputed = 0
-        self.started_unix = time.time()  # when the run (its first generation) started training
+        self.started_unix = time.time()  # when the run (its first attempt) started training
         self.trained_unix = self.started_unix  # when its newest iteration or recovery ended
         self.last_recovery_end = 0.0  # perf_counter() when the newest recovery finished
 
@@ -59,14 +59,14 @@ class RunAccounting:
         self.last_recovery_end = time.perf_counter()
         self.trained_unix = time.time()
 
-    def carry_on(self, generation: dict, kept: dict | None = None, in_place: bool = False) -> None:
+    def carry_on(self, name: dict, kept: dict | None = None, in_place: bool = False) -> None:
         """After a death: go on with the newest accounting any rank kept (collective), counting the time from
         its stop to now as recovery. `in_place`: survivors kept theirs in memory (`kept`, from `record`);
-        otherwise, after a torchrun restart, in files named by the run and an earlier generation. A first
-        generation instead removes this rank's file, an earlier launch's."""
+        otherwise, after a torchrun restart, in files named by the run and an earlier attempt (`name`:
+        `StartPlan.name()`). A first attempt instead removes this rank's file, an earlier launch's."""
         if self.path is None:
             return
-        kept = _newest_in_memory(kept) if in_place else _newest_kept(self.path, generation)
+        kept = _newest_in_memory(kept) if in_place else _newest_kept(self.path, name)
         if kept is None:
             return
         for key in COUNTERS:
@@ -79,13 +79,13 @@ class RunAccounting:
         kept = {key: getattr(self, key) for key in COUNTERS}
         return {**kept, "started_unix": self.started_unix, "stopped_unix": stopped_unix}
 
-    def keep(self, generation: dict, stopped_unix: float) -> None:
-        """This worker stops (another died): keep the accounting, named by torchrun run and generation,
-        owner-only and atomic. It stays until the run finishes (`drop`), so a generation that dies before
+    def keep(self, name: dict, stopped_unix: float) -> None:
+        """This worker stops (another died): keep the accounting, named by torchrun run and attempt (`name`),
+        owner-only and atomic. It stays until the run finishes (`drop`), so an attempt that dies before
         keeping its own leaves the older one to the next."""
         if self.path is None:
             return
-        write_json_atomic(self.path, {**generation, "accounting": self.record(stopped_unix)})
+        write_json_atomic(self.path, {**name, "accounting": self.record(stopped_unix)})
 
     def drop(self) -> None:
         """The run finished: remove this rank's kept accounting (written by this program)."""
@@ -112,23 +112,24 @@ def _newest_in_memory(mine: dict | None) -> dict | None:
     return max(found, key=lambda g: g["high_water"]) if found else None
 
 
-def _newest_kept(path: Path, generation: dict) -> dict | None:
-    """The newest accounting kept by an earlier generation of this run, over every rank's file (collective
-    after a restart; a first generation only removes this rank's file, an earlier launch's)."""
-    if generation["generation"] == 0:  # the same on every rank
+def _newest_kept(path: Path, name: dict) -> dict | None:
+    """The newest accounting kept by an earlier attempt of this run, over every rank's file (collective
+    after a restart; a first attempt only removes this rank's file, an earlier launch's)."""
+    if name["attempt"] == 0:  # the same on every rank
         path.unlink(missing_ok=True)
         return None
-    mine = _read_kept(path, generation)
+    mine = _read_kept(path, name)
     gathered: list = [mine]
     if dist.is_initialized():
         gathered = [None] * dist.get_world_size()
         collectives.all_gather_object(gathered, mine)
     found = [g for g in gathered if g is not None]
-    return max(found, key=lambda g: (g["generation"], g["accounting"]["high_water"]))["accounting"] if found else None
+    return max(found, key=lambda g: (g["attempt"], g["accounting"]["high_water"]))["accounting"] if found else None
 
 
-def _read_kept(path: Path, generation: dict) -> dict | None:
-    """The record at `path` if it is of this run, of an earlier generation, and well-formed (else None)."""
+def _read_kept(path: Path, name: dict) -> dict | None:
+    """The record at `path` if it is of this run, of an earlier attempt, and well-formed (else None; a
+    record of an older version, which named the attempt "generation", is of another run)."""
     try:
         record = read_header(path.with_suffix(""))
     except HostMemoryError as e:
@@ -136,15 +137,15 @@ def _read_kept(path: Path, generation: dict) -> dict | None:
         return None
     if record is None:
         return None
-    kept, era = record.get("accounting"), record.get("generation")
+    kept, era = record.get("accounting"), record.get("attempt")
     fields = (*COUNTERS, "started_unix", "stopped_unix")
     if (
-        record.get("run_id") != generation["run_id"]
+        record.get("run_id") != name["run_id"]
         or not isinstance(era, int)
-        or not 0 <= era < generation["generation"]
+        or not 0 <= era < name["attempt"]
         or not isinstance(kept, dict)
         or not all(isinstance(kept.get(k), int | float) and math.isfinite(kept[k]) for k in fields)
     ):
         print(f"restart: accounting not carried on: {path} is of another run or malformed", flush=True)
         return None
-    return {"generation": era, "accounting": kept}
+    return {"attempt": era, "accounting": kept}

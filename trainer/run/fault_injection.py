@@ -10,7 +10,7 @@ start-up (a rejoin or a whole-job restart) replays T; `join`, in a survivor that
 after it joined the process groups of the in-place generation that follows the death at T. At the end of a
 run whose last iteration is T: `digest` as this rank starts the final state digest (its peers wait for it
 there), `accounting` right after the point where rank 0 prints the accounting line
-(before the job records its end: trainer/run/job_end.py), `saved` once `checkpoint.save_final` is published
+(before the job records its end: trainer/lifecycle/job_end.py), `saved` once `checkpoint.save_final` is published
 (rank 0 before it tells the others), `final` once this rank knows the job finished (rank 0 after its `final`
 line, the others once they see rank 0's record). The kills fire in
 the order given, each once per job (`FaultPlan.kill_of`: the n-th distinct kill once n have fired), whether
@@ -23,22 +23,39 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 
 import torch
 
 from moevement.failures import END_PHASES, FaultPlan, KillEvent
 from parallelisms.distributed import torchrun_store
 from parallelisms.parallelize import ModelParts
-from trainer.run.survival import StopGuard
+from trainer.lifecycle.stop_guard import StopGuard
+from trainer.run.event_lines import FaultStrike
 from trainer.step import DropoutSeeder
+
+
+def print_strike(strike: FaultStrike) -> None:
+    """A `fault:` line printed only (no run record to keep it in)."""
+    print(strike.line(), flush=True)
 
 
 class KillSwitch:
     """This rank's kill of this generation (if any). Forward, backward, optimizer and replay fire from
-    module and optimizer hooks; the training loop names the other points with `at(phase)`."""
+    module and optimizer hooks; the training loop names the other points with `at(phase)`. `say` prints the
+    `fault:` line (rank 0's `MetricsLogger.line(..., every_rank=True)` also records it)."""
 
-    def __init__(self, kill: KillEvent | None, rank: int, guard: StopGuard, seeder: DropoutSeeder, how: str):
+    def __init__(
+        self,
+        kill: KillEvent | None,
+        rank: int,
+        guard: StopGuard,
+        seeder: DropoutSeeder,
+        how: str,
+        say: Callable[[FaultStrike], None] = print_strike,
+    ):
         self.kill, self.rank, self.guard, self.seeder, self.how = kill, rank, guard, seeder, how
+        self.say = say
 
     def due(self, phase: str) -> bool:
         kill, guard = self.kill, self.guard
@@ -52,16 +69,12 @@ class KillSwitch:
 
     def at(self, phase: str) -> None:
         if self.due(phase):
-            strike(self.kill, self.rank, self.how)
+            strike(self.kill, self.rank, self.how, self.say)
 
 
-def strike(kill: KillEvent, rank: int, how: str) -> None:
-    """`kill` strikes this process now: the line, the store's record, the signal."""
-    verb = "killed" if how == "SIGKILL" else "stopped"
-    print(
-        f"fault: rank {rank} {verb} ({how}) in the {kill.phase} phase of step {kill.step} at unix={time.time():.3f}",
-        flush=True,
-    )
+def strike(kill: KillEvent, rank: int, how: str, say: Callable[[FaultStrike], None] = print_strike) -> None:
+    """`kill` strikes this process now: the line (through `say`), the store's record, the signal."""
+    say(FaultStrike(rank, kill.step, how, kill.phase, time.time()))
     record_fired(kill.key)
     os.kill(os.getpid(), getattr(signal, how))
 
@@ -90,7 +103,8 @@ def kills_fired(plan: FaultPlan) -> int:
 
 def kill_if_joining(plan: FaultPlan, rank: int, kept_step: int | None, how: str) -> None:
     """Setup, right after this process joined a generation's process groups: a survivor that kept its state of
-    iteration `kept_step` (None: not a survivor) and has a `join` kill of that step due dies now."""
+    iteration `kept_step` (None: not a survivor) and has a `join` kill of that step due dies now. Its line is
+    printed only: this generation has no run record open yet."""
     kill = plan.kill_of(rank, kills_fired(plan)) if kept_step is not None else None
     if kill is not None and kill.phase == "join" and kill.step == kept_step:
         strike(kill, rank, how)
@@ -104,10 +118,12 @@ def arm_kill(
     guard: StopGuard,
     seeder: DropoutSeeder,
     how: str = "SIGKILL",
+    say: Callable[[FaultStrike], None] = print_strike,
 ) -> KillSwitch:
     """Install this rank's kill of this generation, if any. `how`: SIGKILL (a death) or SIGSTOP (a hang:
-    the process stays, holding its connections, until its peers' collectives time out)."""
-    switch = KillSwitch(plan.kill_of(rank, kills_fired(plan)), rank, guard, seeder, how)
+    the process stays, holding its connections, until its peers' collectives time out); `say` prints its
+    `fault:` line on any rank (`MetricsLogger.line(..., every_rank=True)`, which records it on rank 0)."""
+    switch = KillSwitch(plan.kill_of(rank, kills_fired(plan)), rank, guard, seeder, how, say)
     if switch.kill is None:
         return switch
 

@@ -1,4 +1,5 @@
-"""Console lines and progress bar (rank 0), TensorBoard events (rank 0 writes, every rank contributes)."""
+"""Console lines and progress bar (rank 0), the run record's events.jsonl (rank 0), TensorBoard events (rank 0
+writes, every rank contributes)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,16 @@ from tqdm import tqdm
 
 from moevement.recovery.report import RecoveryFigures
 from trainer.config import Config
+from trainer.run.event_log import Event, append_event
 from trainer.run.tensorboard import StageGather, TensorBoardEvents
 
 
 class MetricsLogger:
-    """Prints the `step=` lines checks parse and mirrors them to TensorBoard.
+    """Prints the `step=` lines checks parse and mirrors them to TensorBoard; records the event lines (`line`).
 
     `run_dir` (rank 0's run folder, None elsewhere) receives the events; `continued` when it continues an
-    earlier torchrun generation's folder, whose events from the first iteration this process runs on are
-    then dropped (TensorBoard's purge)."""
+    earlier torchrun attempt's folder, whose events from the first iteration this process runs on are
+    then dropped (TensorBoard's purge). Training thread only."""
 
     def __init__(self, cfg: Config, rank: int, stage: int, run_dir: Path | None, continued: bool = False):
         self.cfg, self.stage = cfg, stage
@@ -50,12 +52,31 @@ class MetricsLogger:
                 snapshots=cfg.checkpoint.strategy != "none",
             )
 
-    def line(self, text: str) -> None:
-        if self.enabled:
-            if self.bar.disable:
-                print(text, flush=True)
-            else:
-                self.bar.write(text)
+    def line(self, out: str | Event, every_rank: bool = False) -> None:
+        """Print `out`: on rank 0, or on any rank with `every_rank` (a dying rank's `fault:` line). An event (a
+        `recovery`, `recovery work`, `fault` or `final` line: `line()` and `record()`) is first appended to the
+        run's events.jsonl where this process keeps the run record (rank 0), so a printed line always has its
+        record. Another rank's event stays printed only: rank 0 could record it only through a collective, and
+        a rank that is about to kill itself holds none."""
+        if not (self.enabled or every_rank):
+            return
+        if isinstance(out, str):
+            text = out
+        else:
+            text = out.line()
+            if self.run_dir is not None:
+                self._record(out)
+        if self.bar.disable:
+            print(text, flush=True)
+        else:
+            self.bar.write(text)
+
+    def _record(self, event: Event) -> None:
+        """Append `event`'s record; a run folder that cannot take it costs the record, not the run (one line)."""
+        try:
+            append_event(self.run_dir, event)
+        except OSError as e:
+            print(f"run record: {self.run_dir}: cannot record the event ({e}); it is printed only", flush=True)
 
     def step(
         self,

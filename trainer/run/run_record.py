@@ -17,7 +17,7 @@ import torch
 
 from trainer.config import Config, ConfigError
 from trainer.config_help import to_toml
-from trainer.run.rank_shell import torchrun_agent_pid
+from trainer.lifecycle.rank_shell import torchrun_agent_pid
 
 RECORD = "run.json"
 CONFIG = "config.toml"
@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def launch_identity() -> dict:
-    """What a torchrun restart of this launch shares with its first generation: the agent (this worker's
+    """What a torchrun restart of this launch shares with its first attempt: the agent (this worker's
     parent process on this host) and torchrun's run id."""
     return {
         "host": socket.gethostname(),

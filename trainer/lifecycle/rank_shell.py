@@ -20,7 +20,7 @@ when torchrun stops it (SIGTERM, forwarded to the child). It dies with torchrun'
 with it (`PR_SET_PDEATHSIG`).
 
 Messages from the trainer child reach the shell on a pipe (`SHELL_FD`), one line each: `generation <g>`
-when it starts joining generation g, `finished <step>` once it knows the job finished (trainer/run/job_end.py):
+when it starts joining generation g, `finished <step>` once it knows the job finished (trainer/lifecycle/job_end.py):
 a trainer that dies after that is nothing to recover, and the shell exits with success, replacing nobody.
 """
 
@@ -36,12 +36,14 @@ import sys
 import time
 import tomllib
 
+from trainer.lifecycle import exit_codes
+from trainer.lifecycle.exit_codes import describe
+from trainer.lifecycle.verdict import ShellVerdict, after_child_exit
+
 ROLE = "MOEVEMENT_ROLE"  # "trainer" or "standby" in the shell's children; unset elsewhere
 SHELL_FD = "MOEVEMENT_SHELL_FD"  # the trainer child's end of the report pipe
 AGENT_PID = "MOEVEMENT_AGENT_PID"  # torchrun's agent, the shell's parent
 GENERATION = "MOEVEMENT_GENERATION"  # set in an activated standby: the generation it joins
-FALLBACK = 75  # exit status: leave the recovery to torchrun's restart of every worker
-_CLEAN_EXITS = (0, 2, FALLBACK, 143)  # done, a clean error, a fallback asked for, stopped by SIGTERM
 _PR_SET_PDEATHSIG = 1
 DEFAULT_MAX_REPLACEMENTS = 4  # `fault.max_replacements`'s default (trainer/config.py)
 
@@ -145,15 +147,16 @@ class RankShell:
                 self._read_reports(0.1)
                 self._keep_a_standby()
             self._read_reports(0)
-            if code not in _CLEAN_EXITS and self.finished_at is not None and not self.stopping:
+            verdict = after_child_exit(code, self.finished_at is not None, self.stopping)
+            if verdict is ShellVerdict.DONE:
                 print(
-                    f"shell: rank {self.rank}: trainer pid {self.child.pid} died ({_how(code)}) after the job "
+                    f"shell: rank {self.rank}: trainer pid {self.child.pid} died ({describe(code)}) after the job "
                     f"finished at step {self.finished_at}; nothing to recover",
                     flush=True,
                 )
                 self._stop_standby()
-                return 0
-            if code in _CLEAN_EXITS or self.stopping or not self._replace(code):
+                return exit_codes.DONE
+            if verdict is ShellVerdict.HAND_BACK or not self._replace(code):
                 self._stop_standby()
                 return code if code >= 0 else 128 - code
 
@@ -165,20 +168,22 @@ class RankShell:
             return
         dead, code = self.standby.pid, self.standby.returncode
         if self.standbys_lost >= self.max_replacements:
-            print(f"shell: rank {self.rank}: standby pid {dead} died ({_how(code)}); none left to start", flush=True)
+            print(
+                f"shell: rank {self.rank}: standby pid {dead} died ({describe(code)}); none left to start", flush=True
+            )
             self.standby = None
             return
         self.standbys_lost += 1
         self.standby = self._spawn("standby", stdin=subprocess.PIPE)
         print(
-            f"shell: rank {self.rank}: standby pid {dead} died ({_how(code)}); standby pid {self.standby.pid} "
+            f"shell: rank {self.rank}: standby pid {dead} died ({describe(code)}); standby pid {self.standby.pid} "
             f"takes its place ({self.standbys_lost} of {self.max_replacements})",
             flush=True,
         )
 
     def _replace(self, code: int) -> bool:
         """The trainer child died with `code`: start the standby as the same rank in the next generation."""
-        how = _how(code)
+        how = describe(code)
         if self.standby is None or self.standby.poll() is not None or self.replacements >= self.max_replacements:
             why = "no standby" if self.standby is None or self.standby.poll() is not None else "replacements spent"
             print(f"shell: rank {self.rank}: trainer pid {self.child.pid} died ({how}); {why}: torchrun restarts")
@@ -195,11 +200,6 @@ class RankShell:
         )
         self.standby = self._spawn("standby", stdin=subprocess.PIPE)
         return True
-
-
-def _how(code: int) -> str:
-    """How a child with this `Popen.returncode` ended."""
-    return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
 
 
 def run_shell(argv: list[str]) -> int:

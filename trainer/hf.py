@@ -1,4 +1,4 @@
-"""Hugging Face weights in and out: ``python -m models.hf import HF_DIR CKPT_DIR`` and ``export CKPT_DIR HF_DIR``.
+"""Hugging Face weights in and out: ``python -m trainer.hf import HF_DIR CKPT_DIR`` and ``export CKPT_DIR HF_DIR``.
 
 ``import`` reads a local Hugging Face model directory (``config.json`` and ``model.safetensors`` or a
 sharded ``model.safetensors.index.json``; a pickled ``pytorch_model.bin`` is refused unread) of
@@ -14,7 +14,7 @@ and written one tensor at a time (host memory: the largest tensor, not the model
 or, for the byte tokenizer, an equivalent byte-level ``tokenizer.json``, with a ``tokenizer_config.json``.
 Nothing is downloaded; the target must be new or empty, and is written under a temporary name, then renamed.
 
-This module sits at the top of the package layers (it writes the trainer's checkpoint format);
+It lives in the trainer layer because it writes and reads the trainer's checkpoint format;
 :mod:`models.hf_mapping` holds the pure name and config correspondence.
 """
 
@@ -311,7 +311,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m models.hf", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m trainer.hf", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     imp = sub.add_parser("import", help="Hugging Face model directory -> step-0 checkpoint")
     imp.add_argument("hf_dir", metavar="HF_DIR")

@@ -3,7 +3,7 @@
 A process starts its rank fresh (a new job, or a relaunch of the job from its persisted state: attempt 0),
 rejoins after torchrun restarted every worker (attempt > 0: survivors kept their state in node-local shared
 memory), or joins the next *generation* of its attempt in place: a rank shell replaced a dead worker by a
-warm standby (`trainer/run/rank_shell.py`) while the survivors kept their state in memory and stayed alive.
+warm standby (`trainer/lifecycle/rank_shell.py`) while the survivors kept their state in memory and stayed alive.
 The generation numbers the process groups (`parallelisms.distributed.join_generation`); every death
 starts a new one, as does every torchrun restart (counted by `attempt`).
 """
@@ -11,10 +11,12 @@ starts a new one, as does every torchrun restart (counted by `attempt`).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from moevement.recovery.live_state import LiveState
-from trainer.run.rank_shell import GENERATION
+from trainer.lifecycle.process_state import ProcessState
+from trainer.lifecycle.rank_shell import GENERATION
+from trainer.lifecycle.startup import STARTUP
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,7 @@ class StartPlan:
     generation: int = 0  # in-place generations of this attempt before this one
     kept: LiveState | None = None  # a survivor's state, kept in memory from the previous generation
     accounting: dict | None = None  # a survivor's run accounting, likewise
+    process: ProcessState = field(default_factory=lambda: ProcessState(STARTUP), compare=False)  # outlives the plan
 
     @property
     def restarted(self) -> bool:
@@ -38,7 +41,7 @@ class StartPlan:
 
     def name(self) -> dict:
         """The run and attempt that files kept across a torchrun restart are named by."""
-        return {"run_id": self.run_id, "generation": self.attempt}
+        return {"run_id": self.run_id, "attempt": self.attempt}
 
     def next_generation(self, kept: LiveState | None, accounting: dict | None) -> StartPlan:
         """A survivor's plan for the generation after this one, with what it kept in memory."""

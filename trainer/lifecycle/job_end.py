@@ -26,7 +26,7 @@ import os
 import torch.distributed as dist
 
 from parallelisms.distributed import torchrun_store, torchrun_store_client
-from trainer.run import rank_shell
+from trainer.lifecycle import rank_shell
 
 _STORE_ERRORS = (RuntimeError, dist.DistError)
 

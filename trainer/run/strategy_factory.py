@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 import socket
 from collections.abc import Callable
 from pathlib import Path
@@ -32,7 +31,7 @@ from moevement.recovery.localized import Recovery
 from moevement.recovery.replay import PipelineReplay, StageRef
 from moevement.recovery.restart import CheckHeader, RestartPoint, find_restart_checkpoint, snapshot_identity_check
 from moevement.recovery.upstream_log import UpstreamLog
-from moevement.storage.host_memory import JobLock, default_host_dir, make_private_dirs, private_subdirs, remove_tree
+from moevement.storage.host_memory import JobLock, private_subdirs, remove_tree
 from moevement.strategy import CheckpointStrategy, MoEvement, NoCheckpointing
 from moevement.topology import Topology
 from parallelisms import collectives
@@ -42,9 +41,8 @@ from parallelisms.parallelize import ModelParts, initial_parameters
 from parallelisms.pipeline import local_stage_ids
 from trainer.checkpoint.identity import RunIdentity
 from trainer.config import Config, expected_mtbf_iters
-from trainer.run.rank_shell import torchrun_agent_pid
-from trainer.run.start_plan import StartPlan
-from trainer.run.startup import STARTUP
+from trainer.lifecycle.start_plan import StartPlan
+from trainer.run.host_paths import claim_host_state, host_job_dir, host_rank_dir, persist_root
 from trainer.step import DropoutSeeder, forward_backward, replay_update
 
 
@@ -68,24 +66,6 @@ def gather_topology(dims: ParallelDims, host_dir: Path) -> Topology:
     )
 
 
-def host_job_dir(cfg: Config) -> Path:
-    """`<host_dir>/<job.name>`: this job's host state on this node (host_dir: per user by default)."""
-    return Path(cfg.checkpoint.host_dir or default_host_dir()) / cfg.job.name
-
-
-def host_rank_dir(cfg: Config, rank: int) -> Path:
-    return host_job_dir(cfg) / f"rank{rank:05d}"
-
-
-def persist_root(cfg: Config, default: str = "") -> Path | None:
-    """`<persist_dir>/<job.name>`, created owner-only (None: no disk persistence)."""
-    directory = cfg.checkpoint.persist_dir or default
-    if not directory:
-        return None
-    Path(directory).parent.mkdir(parents=True, exist_ok=True)
-    return make_private_dirs(Path(directory), cfg.job.name)
-
-
 def _same_node_dirs(cfg: Config):
     """Where the ranks of this node keep host state, for shared-memory replication (None: network only)."""
     return (lambda rank: host_rank_dir(cfg, rank)) if cfg.checkpoint.replication == "auto" else None
@@ -96,28 +76,15 @@ def _rejoin(rank_dir: Path, job_meta: dict, plan: StartPlan) -> Rejoin:
     survived a death in place, in its host directory after a torchrun restart; none at attempt 0) and
     whether any rank kept one."""
     name, live = plan.name(), plan.kept
-    if not plan.in_place and name["generation"] > 0:
-        live, why = load_live_state(rank_dir, {**job_meta, "run_id": name["run_id"]}, name["generation"])
+    if not plan.in_place and name["attempt"] > 0:
+        live, why = load_live_state(rank_dir, {**job_meta, "run_id": name["run_id"]}, name["attempt"])
         if live is None and why != "no live state":
             print(f"restart: rank {dist.get_rank()} cannot use its live state: {why}", flush=True)
     kept = torch.tensor([int(live is not None)])
     if dist.is_initialized():
         collectives.all_reduce(kept)
-    return Rejoin(name, live, bool(kept.item()), STARTUP.marks, plan.in_place)  # marks: still being taken
-
-
-_LOCKS: dict[Path, JobLock] = {}  # the locks this process holds: a later generation of it keeps them
-
-
-def claim_host_state(cfg: Config, rank: int) -> JobLock:
-    """Lock this rank's place in the job's host directory for the process's lifetime (refused while another
-    live process holds it)."""
-    job_dir = host_job_dir(cfg)
-    path = make_private_dirs(job_dir.parent, job_dir.name) / f"rank{rank:05d}.lock"
-    if path not in _LOCKS:
-        agent = torchrun_agent_pid() if "TORCHELASTIC_RUN_ID" in os.environ else None  # starts the next attempt
-        _LOCKS[path] = JobLock(path, agent)
-    return _LOCKS[path]
+    marks = plan.process.startup.marks  # still being taken
+    return Rejoin(name, live, bool(kept.item()), marks, plan.in_place)
 
 
 def build_strategy(
@@ -140,7 +107,7 @@ def build_strategy(
     strategy = cfg.checkpoint.strategy
     if strategy == "none":
         return NoCheckpointing()
-    lock = claim_host_state(cfg, dist.get_rank() if dist.is_initialized() else 0)
+    lock = claim_host_state(cfg, dist.get_rank() if dist.is_initialized() else 0, plan.process.locks)
     topo = gather_topology(dims, host_job_dir(cfg))
     rank_dir = host_rank_dir(cfg, topo.rank)
     identity = RunIdentity.of_sparse(cfg)

@@ -1,0 +1,289 @@
+"""What the tests share: the repository's paths, running train.py (and a rank shell) as real processes, the
+command lines of the end-to-end cases and their fault-free runs, and reading a run's output: its `step=`
+lines from stdout, its recovery, fault and final lines from the run record's events (`run_events`).
+
+No test module imports another: what two of them need lives here (or in tests/tiny_moe.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+from moevement.recovery.report import RecoveryReport, RecoveryWork
+from trainer.run.event_lines import FinalLine
+from trainer.run.event_log import RunEvent, read_events
+from trainer.run.event_log import run_events as _run_events
+
+ROOT = Path(__file__).resolve().parent.parent
+DEBUG_CONFIG = "train_configs/debug_moe.toml"
+# what every child process of the tests runs with: nothing downloaded, one intra-op thread per process
+CHILD_ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+# Run records of the suite's runs (`job.output_dir`, unless a test names its own): outside the checkout
+# (removed at the session's end: tests/conftest.py).
+RUN_OUTPUTS = Path(tempfile.mkdtemp(prefix="moevement-test-runs-"))
+RUN_TIMEOUT_S = 540  # below the suite's per-test budget, so a hung run is reported with its stacks
+
+# ---- command lines of the end-to-end cases ----------------------------------------------------------------
+
+
+def base_args(steps: int = 12) -> list[str]:
+    """`debug_moe` at 4 layers for `steps` iterations, a `step=` line every iteration, no validation, no
+    TensorBoard: the command line the end-to-end cases build on."""
+    return [
+        *("--config", DEBUG_CONFIG, "--metrics.tensorboard", "false", "--metrics.log_every", "1"),
+        *("--training.val_every", "0", "--training.steps", str(steps), "--model.n_layers", "4"),
+    ]
+
+
+BASE = base_args()
+MOEVEMENT = ["--checkpoint.strategy", "moevement", "--checkpoint.window", "3"]
+PP2 = ["--parallelism.pp", "2"]
+PP2_DP2_EP2_BF16 = [
+    "--parallelism.pp",
+    "2",
+    "--parallelism.dp",
+    "2",
+    "--parallelism.ep",
+    "2",
+    "--training.mixed_precision",
+    "bf16",
+    "--training.max_grad_norm",
+    "0.5",
+]
+PP4 = ["--parallelism.pp", "4", "--training.micro_batches", "4"]
+INTERLEAVED = [
+    "--parallelism.pp",
+    "2",
+    "--parallelism.schedule",
+    "Interleaved1F1B",
+    "--parallelism.stages_per_rank",
+    "2",
+]
+
+_baselines: dict[tuple[str, ...], str] = {}
+
+
+def baseline(layout: list[str], nproc: int) -> str:
+    """stdout of the fault-free run of `BASE` with `layout` (run once per session)."""
+    key = tuple(layout)
+    if key not in _baselines:
+        _baselines[key] = run_cli(*BASE, *layout, nproc=nproc).stdout
+    return _baselines[key]
+
+
+# ---- running train.py ---------------------------------------------------------------------------------
+
+
+def run_cli(
+    *args: str,
+    cwd: Path = ROOT,
+    check: bool = True,
+    nproc: int = 1,
+    torchrun: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess:
+    """Run `train.py` (under torchrun, with `torchrun` options, when nproc > 1) and return the finished process.
+
+    `env` adds to (or overrides) the inherited environment. Run records go to RUN_OUTPUTS unless `args`
+    name a `job.output_dir`."""
+    if not any(a.startswith("--job.output_dir") for a in args):
+        args = (*args, "--job.output_dir", str(RUN_OUTPUTS))
+    env = {**CHILD_ENV, **(env or {})}
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *torchrun]
+    else:
+        cmd = [sys.executable]
+    proc = run_bounded([*cmd, "train.py", *args], cwd=cwd, env=env)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"train.py failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def run_bounded(cmd: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """Run `cmd` in its own session (`communicate_bounded`) and return the finished process."""
+    proc = start_session(cmd, cwd, env)
+    out, err = communicate_bounded(proc)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def start_session(cmd: list[str], cwd: Path, env: dict[str, str], stderr=subprocess.PIPE) -> subprocess.Popen:
+    """`cmd` started in a session of its own, its output piped (stderr: `stderr`)."""
+    return subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True
+    )
+
+
+def communicate_bounded(proc: subprocess.Popen, timeout_s: float = RUN_TIMEOUT_S) -> tuple[str, str | None]:
+    """The output of `proc` (started by `start_session`) once it ends. Still going after `timeout_s` is a hang:
+    every `train.py` process of its session (trainers, rank shells, standbys) prints each thread's Python
+    stack (the trainer's SIGUSR1 handler), then the whole session is killed and the test fails with the
+    output, stacks included."""
+    try:
+        return proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        for pid in session_trainers(proc.pid):
+            os.kill(pid, signal.SIGUSR1)
+        time.sleep(3)
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"hung for {timeout_s} s, stacks at the end:\n{out}\n{err}") from None
+
+
+def session_trainers(session: int) -> list[int]:
+    """The pids of session `session`'s `train.py` processes."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            sid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[3])
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except (ValueError, OSError, IndexError):
+            continue
+        if sid == session and b"train.py" in argv and b"torch.distributed.run" not in argv:
+            pids.append(int(entry.name))
+    return pids
+
+
+# ---- what a run printed and recorded ----------------------------------------------------------------------
+
+
+def step_losses(stdout: str) -> dict[int, float]:
+    return {int(m[1]): float(m[2]) for m in re.finditer(r"^step=(\d+) loss=(\S+)", stdout, re.M)}
+
+
+def run_events(run: str | Path, cwd: Path = ROOT) -> list[RunEvent]:
+    """The one reader of a run's recorded events (`recovery`, `recovery work`, `fault`, `final`), in order:
+    `run` is its stdout (the folders its `run: <dir>` lines name, relative ones against `cwd`) or its run
+    folder."""
+    return read_events(run) if isinstance(run, Path) else _run_events(run, cwd)
+
+
+def recoveries(run: str | Path) -> list[RecoveryReport]:
+    """The `recovery step=...` lines of a run, as recorded."""
+    return [e for e in run_events(run) if isinstance(e, RecoveryReport)]
+
+
+def recovery_work(run: str | Path) -> list[RecoveryWork]:
+    """The `recovery work ...` lines of a run, as recorded."""
+    return [e for e in run_events(run) if isinstance(e, RecoveryWork)]
+
+
+def final_line(run: str | Path | list[RunEvent]) -> tuple[int, float, str]:
+    """(step, loss, state_digest) of the first `final` line among a run's events (`run`: as `run_events`
+    takes it, or events already read)."""
+    events = run if isinstance(run, list) else run_events(run)
+    finals = [e for e in events if isinstance(e, FinalLine)]
+    assert finals, f"no final line recorded for:\n{run}"
+    return finals[0].step, finals[0].loss, finals[0].state_digest
+
+
+def after(stdout: str, event: RunEvent) -> str:
+    """`stdout` after the last printing of `event`'s line."""
+    line = event.line() + "\n"
+    assert line in stdout, f"{line!r} not printed in:\n{stdout}"
+    return stdout[stdout.rindex(line) + len(line) :]
+
+
+def stepped_operators(cfg) -> tuple[list, object]:
+    """(operators, optimizer) of `cfg`'s model (seed 0) after one optimizer step on random tokens: every
+    operator with FP32 weights and optimizer state, built in this process."""
+    import torch
+
+    from models import build_model
+    from moevement.operators import build_registry
+    from trainer.optim import build_optimizer
+    from trainer.run.strategy_factory import stacked_operators
+
+    torch.manual_seed(0)
+    model = build_model(cfg.model)
+    optimizer = build_optimizer(model, cfg.training)
+    model(torch.randint(0, 256, (2, 16))).float().mean().backward()
+    optimizer.step()
+    return build_registry(model, stacked_operators(model)), optimizer
+
+
+# ---- the repository's Python files -------------------------------------------------------------------------
+
+
+def python_files(root: Path = ROOT) -> list[Path]:
+    """Every .py file under `root`, outside hidden folders (.venv, .git) and caches."""
+    return sorted(
+        p
+        for p in root.rglob("*.py")
+        if not any(part.startswith(".") or part in ("__pycache__", "outputs") for part in p.relative_to(root).parts)
+    )
+
+
+def module_name(path: Path, root: Path = ROOT) -> str:
+    """Dotted module name of a file relative to `root` (a package's ``__init__`` is the package)."""
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+# ---- a rank shell over a scripted child (trainer/lifecycle/rank_shell.py) ------------------------------------------
+
+SHELL_CHILD = textwrap.dedent(
+    """
+    import json, os, signal, sys, time
+    sys.path.insert(0, {root!r})
+    from trainer.lifecycle import rank_shell
+    log = open({log!r}, "a")
+    role = os.environ[rank_shell.ROLE]
+    if role == "standby":
+        log.write(json.dumps({{"standby": os.getpid()}}) + "\\n")
+        log.flush()
+        activation = rank_shell.await_activation()
+        if activation is None:
+            sys.exit(0)
+        log.write(json.dumps({{"activated": activation, "role": os.environ[rank_shell.ROLE]}}) + "\\n")
+        log.flush()
+    generation = int(os.environ.get(rank_shell.GENERATION, "0"))
+    rank_shell.report(f"generation {{generation}}")
+    log.write(json.dumps({{"trainer": os.getpid(), "generation": generation}}) + "\\n")
+    log.flush()
+    ending = {endings!r}[min(generation, len({endings!r}) - 1)]
+    if ending == "finished-die":
+        rank_shell.report("finished 7")
+    if ending == "standby-killed-die":  # kill the standby, wait for the shell's new one, die
+        def standbys():
+            return [json.loads(line)["standby"] for line in open({log!r}) if '"standby"' in line]
+        while not standbys():
+            time.sleep(0.05)
+        os.kill(standbys()[0], signal.SIGKILL)
+        while len(standbys()) < 2:
+            time.sleep(0.05)
+    if ending.endswith("die"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    sys.exit(int(ending))
+    """
+)
+
+
+def run_shell(tmp_path, endings: list[str], max_replacements: int) -> tuple[int, list[dict], str]:
+    """A shell over the child script whose trainer of generation g ends as `endings[g]` ("die": SIGKILL,
+    "finished-die": SIGKILL after reporting the job finished at step 7, "standby-killed-die": SIGKILL once it
+    killed the standby and the shell started another, or an exit status); returns (the shell's status, the
+    children's records, the shell's output)."""
+    from trainer.lifecycle import rank_shell
+
+    log = tmp_path / "log.jsonl"
+    script = tmp_path / "child.py"
+    script.write_text(SHELL_CHILD.format(root=str(ROOT), log=str(log), endings=endings))
+    driver = (
+        f"import sys; sys.path.insert(0, {str(ROOT)!r}); from trainer.lifecycle.rank_shell import RankShell; "
+        f"sys.exit(RankShell([sys.executable, {str(script)!r}], {max_replacements}).run())"
+    )
+    env = {k: v for k, v in os.environ.items() if k != rank_shell.ROLE}
+    env.update(RANK="1", WORLD_SIZE="2")
+    proc = subprocess.run([sys.executable, "-c", driver], env=env, capture_output=True, text=True, timeout=120)
+    records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    return proc.returncode, records, proc.stdout + proc.stderr

@@ -1,0 +1,64 @@
+"""A trainer process from its start to its exit status: what each way of ending means for torchrun.
+
+`run_process` runs the process's work and maps how it ended to one exit status
+(`trainer/lifecycle/exit_codes.py`) and at most one line: a clean error is said once (rank 0 says a config
+error every rank meets alike); a state the job reached (finished, a generation that cannot form) is said
+by the rank that met it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from collections.abc import Callable
+
+from moevement.recovery.fetch import RecoveryError
+from moevement.storage.host_memory import HostMemoryError
+from moevement.storage.snapshot import SnapshotError
+from parallelisms.distributed import announce_clean_stop, said_once_for_the_job, shutdown_distributed
+from trainer.checkpoint.dense import CheckpointError
+from trainer.checkpoint.identity import IdentityError
+from trainer.config import ConfigError
+from trainer.data.batches import DataError
+from trainer.error_line import error_line
+from trainer.lifecycle import exit_codes, job_end
+from trainer.lifecycle.generations import GenerationNotJoined, NothingToRecover, PeerStopped
+
+# The errors that end a rank with one `error:` line (exit status 2), announced to the other ranks.
+CLEAN_ERRORS = (CheckpointError, DataError, HostMemoryError, IdentityError, SnapshotError, RecoveryError)
+
+
+def run_process(work: Callable[[], None]) -> int:
+    """Run `work` (load the config, train); the exit status for how it ended. An error of no kind named
+    here propagates (a traceback, exit status 1: a bug, or a failure nothing classifies)."""
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        work()
+    except ConfigError as e:
+        announce_clean_stop(rank)
+        said_once_for_the_job(functools.partial(print_error, e))  # every rank reads the same config
+        return exit_codes.CLEAN_ERROR
+    except (GenerationNotJoined, job_end.PeersLeft) as e:
+        print(e, flush=True)
+        return exit_codes.FALLBACK
+    except (job_end.JobFinished, NothingToRecover) as e:
+        print(e, flush=True)
+        return exit_codes.DONE
+    except PeerStopped:
+        return exit_codes.CLEAN_ERROR  # the peer said the job's error
+    except CLEAN_ERRORS as e:
+        announce_clean_stop(rank)
+        print_error(e)
+        return exit_codes.CLEAN_ERROR
+    finally:
+        shutdown_distributed()
+    return exit_codes.DONE
+
+
+def print_error(error: Exception) -> None:
+    """The `error:` line, written whole in one call: ranks that share torchrun's stderr pipe never interleave
+    inside a line (a write of up to PIPE_BUF bytes to a pipe is atomic)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.write(sys.stderr.fileno(), (error_line(error) + "\n").encode())

@@ -1,0 +1,21 @@
+"""What one trainer process carries across its generations: everything else is rebuilt in each one.
+
+A survivor of a death replaced in place builds a new job (groups, model, strategy) for the next
+generation in the same process (`trainer/lifecycle/generations.py`); what must outlive those jobs is
+here, in one object the start plan carries (`StartPlan.process`). Training thread only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from moevement.storage.host_memory import JobLock
+from trainer.lifecycle.startup import Startup
+
+
+@dataclass(eq=False)
+class ProcessState:
+    startup: Startup  # when the process started and reached each stage of this generation's set-up
+    sigterm_at: float | None = None  # SIGTERM reached the process: every later generation's guard stops at once
+    locks: dict[Path, JobLock] = field(default_factory=dict)  # host-state locks held for the process's lifetime
