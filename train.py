@@ -55,7 +55,7 @@ from trainer.run.event_lines import FaultStrike, FinalLine
 from trainer.run.fault_injection import KillSwitch, arm_kill, fired, kill_if_joining, record_fired
 from trainer.run.host_paths import host_job_dir
 from trainer.run.metrics import MetricsLogger
-from trainer.run.run_record import open_run_record
+from trainer.run.run_record import open_run_record, publish_run_folder, tell_the_shell_the_run_folder
 from trainer.run.strategy_factory import build_strategy
 from trainer.step import DropoutSeeder, evaluate, set_aux_grad_scale, take_expert_load, train_step
 
@@ -210,7 +210,7 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
     if cfg.checkpoint.save_final:
         check_save_target(cfg.checkpoint.save_final)
     configure_determinism(cfg)
-    dims = build_mesh(cfg.parallelism, device_type())
+    dims = build_mesh(cfg.parallelism, device_type(), cfg.fault.timeout_s)
     if dims.device.type == "cpu" and cfg.training.cpu_reuse_memory:
         reuse_freed_host_memory()
     tokenizer, train_batches, val_batches = build_data(
@@ -225,10 +225,9 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
     plan.process.startup.mark("model")
     seeder = DropoutSeeder(model, cfg.job.seed, dims.dp_rank)
     step, loss = resume_dense(cfg, model, optimizer, rank)
-    run_dir, continued = open_run_record(cfg, world, sys.argv, plan.restarted) if rank == 0 else (None, False)
-    logger = MetricsLogger(cfg, rank, dims.pp_rank, run_dir, continued)
-    logger.line(f"run: {run_dir}" + (" (continued by a later generation of the run)" if continued else ""))
+    logger = open_logger(cfg, rank, world, dims, plan)
     ft = build_strategy(cfg, model, optimizer, dims, seeder, train_batches, logger.line, plan)
+    tell_the_shell_the_run_folder()  # past the strategy's collectives: rank 0 has named it
     plan.process.startup.mark("strategy")
     optimizer.register_step_pre_hook(guard.optimizer_step_begins)  # after the checkpointer's copy wait
     say = functools.partial(logger.line, every_rank=True)  # a dying rank's `fault:` line (rank 0 records it)
@@ -255,6 +254,17 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
         plan,
     )
     return job, step, loss
+
+
+def open_logger(cfg: Config, rank: int, world: int, dims: ParallelDims, plan: StartPlan) -> MetricsLogger:
+    """The run's console lines and records: rank 0 opens the run record (a new folder, or the folder of the
+    run a restarted generation continues) and names it for the rank shells."""
+    run_dir, continued = open_run_record(cfg, world, sys.argv, plan.restarted) if rank == 0 else (None, False)
+    if run_dir is not None:
+        publish_run_folder(run_dir)
+    logger = MetricsLogger(cfg, rank, dims.pp_rank, run_dir, continued)
+    logger.line(f"run: {run_dir}" + (" (continued by a later generation of the run)" if continued else ""))
+    return logger
 
 
 def validation_data(cfg: Config, val_batches: TokenBatches | None, dims: ParallelDims) -> list:

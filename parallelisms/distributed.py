@@ -30,8 +30,6 @@ def default_backend(device: str) -> str:
     return "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
 
 
-_TIMEOUT: datetime.timedelta | None = None  # the bound `init_distributed` was given
-
 NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 # ProcessGroupNCCL's ErrorHandlingMode: 0 NoHandling, 1 TearDown, 2 CleanUpOnly, 3 SkipCleanUp
 _NCCL_MODES = {"0": "NoHandling", "1": "TearDown", "2": "CleanUpOnly", "3": "SkipCleanUp"}
@@ -72,20 +70,19 @@ def init_distributed(
 
     `timeout_s`: a collective or point-to-point operation that makes no progress for this long fails
     (a hung or stopped peer is detected, not waited for); None keeps PyTorch's default. Groups created
-    later get the same bound and backend (`bounded_backend`). `backend`: None for `default_backend` of
-    this machine; another string serving both devices (`cpu:gloo,cuda:gloo`: two processes sharing one
-    GPU, which nccl refuses) only for checks. `generation`: under torchrun, the in-place generation this
-    process joins (`join_generation`, polling `watch` meanwhile when it is a later one)."""
-    global _TIMEOUT
+    later are given the same bound by their creator (`bounded_backend`, the device mesh). `backend`: None
+    for `default_backend` of this machine; another string serving both devices (`cpu:gloo,cuda:gloo`: two
+    processes sharing one GPU, which nccl refuses) only for checks. `generation`: under torchrun, the
+    in-place generation this process joins (`join_generation`, polling `watch` meanwhile when it is a later
+    one)."""
     if not dist.is_initialized():
-        _TIMEOUT = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         backend = backend or default_backend(device_type())
         if "RANK" in os.environ:  # launched by torchrun
             if "nccl" in backend:
                 configure_nccl_error_handling()
             if device_type() == "cuda":
                 torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-            join_generation(generation, backend, watch)
+            join_generation(generation, backend, watch, timeout_s)
         else:
             if device_type() == "cuda":
                 torch.cuda.init()  # the current device, chosen before DeviceMesh would guess one (and warn)
@@ -98,7 +95,12 @@ LATER_GENERATION_JOIN_FACTOR = 2  # a later generation's join is bounded by this
 _WATCH_S = 0.5  # how often a later generation's join asks whether the generation can still form
 
 
-def join_generation(generation: int, backend: str | None = None, watch: Callable[[], None] | None = None) -> None:
+def join_generation(
+    generation: int,
+    backend: str | None = None,
+    watch: Callable[[], None] | None = None,
+    timeout_s: float | None = None,
+) -> None:
     """Start the default group of in-place generation `generation` of this torchrun attempt, with every rank
     of the job under its own number (collective: it returns once all have joined, or raises after the bound).
 
@@ -115,13 +117,14 @@ def join_generation(generation: int, backend: str | None = None, watch: Callable
         _TORCHRUN_STORE = next(dist.rendezvous("env://"))[0]
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     store = dist.PrefixStore(f"attempt{attempt}/generation{generation}", _TORCHRUN_STORE)
-    limit = {} if _TIMEOUT is None else {"timeout": _TIMEOUT * (LATER_GENERATION_JOIN_FACTOR if generation else 1)}
+    bound = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+    limit = {} if bound is None else {"timeout": bound * (LATER_GENERATION_JOIN_FACTOR if generation else 1)}
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     backend = backend or default_backend(device_type())
     join = functools.partial(dist.init_process_group, backend, store=store, rank=rank, world_size=world, **limit)
     _on_a_thread(join, watch if generation else None)
-    if _TIMEOUT is not None and generation > 0:
-        dist.distributed_c10d._set_pg_timeout(_TIMEOUT)
+    if bound is not None and generation > 0:
+        dist.distributed_c10d._set_pg_timeout(bound)
 
 
 def _on_a_thread(call, watch: Callable[[], None] | None = None) -> None:
@@ -250,19 +253,19 @@ def leave_generation() -> None:
     gc.collect()
 
 
-def bounded_backend() -> tuple[str, object] | None:
-    """(backend, options) under which a device mesh's new group gets the default group's backend and bound
-    (its groups are otherwise created with PyTorch's 30-minute default, and gloo reads its receive timeout at
-    creation); None without a bound or in a one-process run.
+def bounded_backend(timeout_s: float | None) -> tuple[str, object] | None:
+    """(backend, options) under which a device mesh's new group gets the default group's backend and the
+    bound `timeout_s` (`fault.timeout_s`; its groups are otherwise created with PyTorch's 30-minute default,
+    and gloo reads its receive timeout at creation); None without a bound or in a one-process run.
 
     torch 2.13's `init_device_mesh` takes the timeout only from the options (`_timeout`) and passes it to
     `new_group(timeout=)`, which gives it to every backend of a `cpu:gloo,cuda:nccl` group; the options
     themselves reach the nccl backend only (which requires its own class), gloo's is built from the timeout."""
-    if _TIMEOUT is None or dist.get_world_size() == 1:
+    if timeout_s is None or dist.get_world_size() == 1:
         return None
     backend = dist.get_backend()
     options = dist.ProcessGroupNCCL.Options() if "nccl" in backend else dist.ProcessGroupGloo._Options()
-    options._timeout = _TIMEOUT
+    options._timeout = datetime.timedelta(seconds=timeout_s)
     return backend, options
 
 

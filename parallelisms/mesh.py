@@ -50,15 +50,16 @@ class ParallelDims:
         return (self.dp_mesh if dim == "dp" else self.mesh[dim]).get_group()
 
 
-def build_mesh(cfg: ParallelismConfig, device_type: str) -> ParallelDims:
-    """A 3-D mesh (pp, edp, ep) with the flattened dp = (edp, ep) dimension; every group it made is bounded
-    by the default group's timeout."""
+def build_mesh(cfg: ParallelismConfig, device_type: str, timeout_s: float | None = None) -> ParallelDims:
+    """A 3-D mesh (pp, edp, ep) with the flattened dp = (edp, ep) dimension; every group it makes is bounded
+    by `timeout_s` (`fault.timeout_s`, the default group's bound; None: PyTorch's default)."""
     dims = ("pp", "edp", "ep")
-    bounded = {dim: bounded_backend() for dim in dims} if bounded_backend() else None
+    override = bounded_backend(timeout_s)
+    bounded = {dim: override for dim in dims} if override else None
     mesh = init_device_mesh(
         device_type, (cfg.pp, cfg.dp // cfg.ep, cfg.ep), mesh_dim_names=dims, backend_override=bounded
     )
     # torch 2.13 has no public flatten; TorchTitan uses the same private call.
-    dp_mesh = mesh["edp", "ep"]._flatten("dp", backend_override=bounded_backend())
+    dp_mesh = mesh["edp", "ep"]._flatten("dp", backend_override=override)
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     return ParallelDims(mesh, dp_mesh, cfg, device)

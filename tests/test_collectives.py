@@ -151,7 +151,7 @@ def _groups_follow_the_rule(rank: int, backend: str | None, root: str) -> None:
 
     init_distributed(timeout_s=7, backend=backend)
     expected = backend or default_backend("cpu")
-    dims = build_mesh(ParallelismConfig(pp=1, dp=2, ep=2), "cpu")
+    dims = build_mesh(ParallelismConfig(pp=1, dp=2, ep=2), "cpu", timeout_s=7)
     topology = Topology(rank, [0, 0], [0, 1], [0, 0], [[0]])
     replicator = start_replication(
         topology, 1, ReplicaStore(Path(root) / f"rank{rank}"), lambda w: None, None, "normal", 7

@@ -27,7 +27,16 @@ from trainer.lifecycle.process_state import ProcessState
 from trainer.lifecycle.start_plan import StartPlan
 from trainer.lifecycle.startup import Startup
 from trainer.lifecycle.stop_guard import StopGuard
-from trainer.lifecycle.verdict import Happened, OnSigterm, ShellVerdict, Verdict, after_child_exit, decide, on_sigterm
+from trainer.lifecycle.verdict import (
+    Happened,
+    OnSigterm,
+    ShellVerdict,
+    Verdict,
+    after_child_exit,
+    decide,
+    on_sigterm,
+    runs_a_shell,
+)
 
 FACTS = ("peer_failure", "sigterm", "job_finished", "peer_said_error", "under_shell", "training", "in_a_group")
 
@@ -169,7 +178,7 @@ def _two_generations(rank: int, port: int, results) -> None:
     sums = []
     for generation in (0, 1):
         if generation:
-            join_generation(generation)
+            join_generation(generation, timeout_s=60)
         value = torch.tensor([float(rank + 1) * 10**generation])
         collectives.all_reduce(value)
         sums.append(float(value))
@@ -202,7 +211,7 @@ def _joins_alone(rank: int, port: int, results) -> None:
         return
     store.wait(["rank1/left"])
     try:
-        join_generation(1)
+        join_generation(1, timeout_s=1)
         results.put("joined")
     except Exception as error:
         facts = happened(error, training=False)
@@ -240,3 +249,19 @@ def test_what_a_rank_shell_does_when_its_trainer_ends(returncode, finished, stop
         assert verdict is ShellVerdict.HAND_BACK
     else:
         assert verdict is (ShellVerdict.DONE if finished else ShellVerdict.REPLACE)
+
+
+@pytest.mark.parametrize(
+    ("facts", "shell"),
+    [
+        ((True, 2, False, False, "moevement", 4), True),
+        ((False, 2, False, False, "moevement", 4), False),  # not under torchrun
+        ((True, 1, False, False, "moevement", 4), False),  # one worker: nobody survives a death
+        ((True, 2, True, False, "moevement", 4), False),  # a shell's own child
+        ((True, 2, False, True, "moevement", 4), False),  # --dry-run, --print-config, --help
+        ((True, 2, False, False, "none", 4), False),  # no strategy to rejoin with
+        ((True, 2, False, False, "gemini", 0), False),  # replacements not allowed
+    ],
+)
+def test_when_train_py_starts_as_a_rank_shell(facts, shell):
+    assert runs_a_shell(*facts) is shell

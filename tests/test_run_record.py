@@ -131,8 +131,8 @@ def test_tensorboard_marks_a_real_death_replaced_in_place(tmp_path):
 def test_rank_0s_event_lines_are_recorded_beside_them_across_generations(tmp_path):
     """pp=2: rank 0 SIGKILLs itself in the forward pass of step 4 and its standby replaces it in place,
     continuing the run folder. `events.jsonl` holds, in print order, one whole JSON line for each `fault:` line
-    rank 0 printed and each `recovery`, `recovery work` and `final` line, each reading back into the printed
-    line byte for byte."""
+    rank 0 printed, its shell's `shell:` line and each `recovery`, `recovery work` and `final` line, each
+    reading back into the printed line byte for byte."""
     proc = run_cli(
         "--config",
         DEBUG_CONFIG,
@@ -145,8 +145,10 @@ def test_rank_0s_event_lines_are_recorded_beside_them_across_generations(tmp_pat
     )
     (folder,) = (tmp_path / "debug_moe").iterdir()  # the replacement continued the folder
     recorded = run_events(folder)
-    printed = [line for line in proc.stdout.splitlines() if line.startswith(("fault: rank 0 ", "recovery ", "final "))]
+    kinds_printed = ("fault: rank 0 ", "shell: ", "recovery ", "final ")
+    printed = [line for line in proc.stdout.splitlines() if line.startswith(kinds_printed)]
     assert [e.line() for e in recorded] == printed, proc.stdout
     kinds = [json.loads(line)["kind"] for line in (folder / "events.jsonl").read_text().splitlines()]
-    assert kinds == ["fault", "recovery", "recovery_work", "recovery_work", "final"], kinds
-    assert (recorded[1].restart, recorded[1].ranks, recorded[-1].step) == ("replaced", (0,), 6)
+    assert kinds == ["fault", "shell", "recovery", "recovery_work", "recovery_work", "final"], kinds
+    assert (recorded[1].what, recorded[1].rank, recorded[1].generation) == ("replaced", "0", 1)
+    assert (recorded[2].restart, recorded[2].ranks, recorded[-1].step) == ("replaced", (0,), 6)

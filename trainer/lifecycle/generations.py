@@ -76,14 +76,21 @@ def happened(error: BaseException, training: bool) -> Happened:
     )
 
 
-def after_training_failure(job, error: BaseException) -> NoReturn:
-    """The training loop of `job` ended with `error` (the stop guard stopped the rank): carry out its
-    verdict. A survivor replaced in place raises `Rejoining`; one restarted by torchrun exits here."""
-    verdict = decide(happened(error, training=True))
+def _verdict(error: BaseException, training: bool) -> Verdict:
+    """The verdict on `error`; the two that end the job's work quietly (`DONE`, `PEER_STOPPED`) are raised
+    here, the same wherever the failure struck."""
+    verdict = decide(happened(error, training))
     if verdict is Verdict.DONE:
         raise NothingToRecover(job_end.finished_step()) from None
     if verdict is Verdict.PEER_STOPPED:
         raise PeerStopped from None
+    return verdict
+
+
+def after_training_failure(job, error: BaseException) -> NoReturn:
+    """The training loop of `job` ended with `error` (the stop guard stopped the rank): carry out its
+    verdict. A survivor replaced in place raises `Rejoining`; one restarted by torchrun exits here."""
+    verdict = _verdict(error, training=True)
     if verdict is Verdict.REJOIN:
         raise Rejoining(survive_in_place(job, error)) from None
     if verdict is Verdict.EXIT_FOR_TORCHRUN:
@@ -113,11 +120,7 @@ def train_generations(cfg, plan: StartPlan, generation: Callable[[StartPlan], No
 
 def _after_generation_failure(cfg, plan: StartPlan, error: BaseException) -> StartPlan:
     """A generation failed outside its training loop: the next generation's plan, or the verdict's raise."""
-    verdict = decide(happened(error, training=False))
-    if verdict is Verdict.DONE:
-        raise NothingToRecover(job_end.finished_step()) from None
-    if verdict is Verdict.PEER_STOPPED:
-        raise PeerStopped from None
+    verdict = _verdict(error, training=False)
     if verdict is Verdict.FALLBACK:
         keep_for_torchrun_restart(cfg, plan)
         raise GenerationNotJoined(plan.generation, cfg.fault.timeout_s) from None

@@ -20,8 +20,10 @@ when torchrun stops it (SIGTERM, forwarded to the child). It dies with torchrun'
 with it (`PR_SET_PDEATHSIG`).
 
 Messages from the trainer child reach the shell on a pipe (`SHELL_FD`), one line each: `generation <g>`
-when it starts joining generation g, `finished <step>` once it knows the job finished (trainer/lifecycle/job_end.py):
-a trainer that dies after that is nothing to recover, and the shell exits with success, replacing nobody.
+when it starts joining generation g, `run <dir>` once it knows the run folder (the shell records its
+`shell:` lines in its events.jsonl), `finished <step>` once it knows the job finished
+(trainer/lifecycle/job_end.py): a trainer that dies after that is nothing to recover, and the shell exits
+with success, replacing nobody. What the shell does when its trainer ends is `verdict.after_child_exit`.
 """
 
 from __future__ import annotations
@@ -35,10 +37,20 @@ import subprocess
 import sys
 import time
 import tomllib
+from pathlib import Path
 
 from trainer.lifecycle import exit_codes
 from trainer.lifecycle.exit_codes import describe
-from trainer.lifecycle.verdict import ShellVerdict, after_child_exit
+from trainer.lifecycle.shell_lines import (
+    AFTER_THE_END,
+    HANDED_BACK,
+    REPLACED,
+    STANDBY_LOST,
+    STANDBY_RESPAWNED,
+    ShellLine,
+)
+from trainer.lifecycle.verdict import ShellVerdict, after_child_exit, runs_a_shell
+from trainer.run.event_log import append_event
 
 ROLE = "MOEVEMENT_ROLE"  # "trainer" or "standby" in the shell's children; unset elsewhere
 SHELL_FD = "MOEVEMENT_SHELL_FD"  # the trainer child's end of the report pipe
@@ -54,17 +66,15 @@ def torchrun_agent_pid() -> int:
 
 
 def wanted(argv: list[str]) -> bool:
-    """Whether this process, started as `train.py argv`, is to be a rank shell: under torchrun with more
-    than one worker, a checkpoint strategy and replacements allowed, and not itself a shell's child."""
+    """Whether this process, started as `train.py argv`, is to be a rank shell (`verdict.runs_a_shell`, from
+    torchrun's environment and what the command line and config file say)."""
     env = os.environ
-    if "RANK" not in env or ROLE in env or int(env.get("WORLD_SIZE", "1")) < 2:
-        return False
-    if {"--dry-run", "--print-config", "-h", "--help"} & set(argv):
-        return False
     try:
-        return _strategy(argv) != "none" and _max_replacements(argv) > 0
-    except (OSError, TypeError, ValueError, tomllib.TOMLDecodeError):
+        strategy, budget = _strategy(argv), _max_replacements(argv)
+    except (OSError, TypeError, ValueError, AttributeError, tomllib.TOMLDecodeError):
         return False  # the trainer reports a bad config itself, without a shell
+    one_shot = bool({"--dry-run", "--print-config", "-h", "--help"} & set(argv))
+    return runs_a_shell("RANK" in env, int(env.get("WORLD_SIZE", "1")), ROLE in env, one_shot, strategy, budget)
 
 
 def _strategy(argv: list[str]) -> str:
@@ -106,6 +116,7 @@ class RankShell:
         self.generation, self.replacements, self.stopping = 0, 0, False
         self.finished_at: int | None = None  # the step the job finished at, once the trainer said so
         self.standbys_lost = 0  # standbys that died idle and were started again
+        self.run_dir: Path | None = None  # the run record's folder, once the trainer named it (`run <dir>`)
         self.reports, report_end = os.pipe()
         self.env = {**os.environ, AGENT_PID: str(os.getppid()), SHELL_FD: str(report_end)}
         self.child = self._spawn("trainer")
@@ -139,6 +150,18 @@ class RankShell:
                 self.generation = max(self.generation, int(value))
             elif word == "finished" and value.isdigit():
                 self.finished_at = int(value)
+            elif word == "run" and value:
+                self.run_dir = Path(value)
+
+    def _say(self, line: ShellLine) -> None:
+        """Print `line` and record it in the run's events.jsonl when the run folder is on this host (a shell
+        on another node than rank 0, without a shared file system, keeps its lines printed only)."""
+        if self.run_dir is not None and self.run_dir.is_dir():
+            try:
+                append_event(self.run_dir, line)
+            except OSError as e:
+                print(f"run record: {self.run_dir}: cannot record the event ({e}); it is printed only", flush=True)
+        print(line.line(), flush=True)
 
     def run(self) -> int:
         """Supervise until the slot's work ends; returns the exit status for torchrun."""
@@ -149,11 +172,7 @@ class RankShell:
             self._read_reports(0)
             verdict = after_child_exit(code, self.finished_at is not None, self.stopping)
             if verdict is ShellVerdict.DONE:
-                print(
-                    f"shell: rank {self.rank}: trainer pid {self.child.pid} died ({describe(code)}) after the job "
-                    f"finished at step {self.finished_at}; nothing to recover",
-                    flush=True,
-                )
+                self._say(ShellLine(AFTER_THE_END, self.rank, self.child.pid, describe(code), step=self.finished_at))
                 self._stop_standby()
                 return exit_codes.DONE
             if verdict is ShellVerdict.HAND_BACK or not self._replace(code):
@@ -168,36 +187,28 @@ class RankShell:
             return
         dead, code = self.standby.pid, self.standby.returncode
         if self.standbys_lost >= self.max_replacements:
-            print(
-                f"shell: rank {self.rank}: standby pid {dead} died ({describe(code)}); none left to start", flush=True
-            )
+            self._say(ShellLine(STANDBY_LOST, self.rank, dead, describe(code)))
             self.standby = None
             return
         self.standbys_lost += 1
         self.standby = self._spawn("standby", stdin=subprocess.PIPE)
-        print(
-            f"shell: rank {self.rank}: standby pid {dead} died ({describe(code)}); standby pid {self.standby.pid} "
-            f"takes its place ({self.standbys_lost} of {self.max_replacements})",
-            flush=True,
-        )
+        count, limit = self.standbys_lost, self.max_replacements
+        self._say(ShellLine(STANDBY_RESPAWNED, self.rank, dead, describe(code), self.standby.pid, count, limit))
 
     def _replace(self, code: int) -> bool:
         """The trainer child died with `code`: start the standby as the same rank in the next generation."""
         how = describe(code)
         if self.standby is None or self.standby.poll() is not None or self.replacements >= self.max_replacements:
             why = "no standby" if self.standby is None or self.standby.poll() is not None else "replacements spent"
-            print(f"shell: rank {self.rank}: trainer pid {self.child.pid} died ({how}); {why}: torchrun restarts")
+            self._say(ShellLine(HANDED_BACK, self.rank, self.child.pid, how, why=why))
             return False
         dead, self.child, self.generation = self.child.pid, self.standby, self.generation + 1
         self.replacements += 1
         self.child.stdin.write(json.dumps({"generation": self.generation, "died": dead}).encode() + b"\n")
         self.child.stdin.close()
-        print(
-            f"shell: rank {self.rank}: trainer pid {dead} died ({how}) at unix={time.time():.3f}; standby pid "
-            f"{self.child.pid} replaces it in generation {self.generation} "
-            f"(replacement {self.replacements} of {self.max_replacements})",
-            flush=True,
-        )
+        count, limit = self.replacements, self.max_replacements
+        line = ShellLine(REPLACED, self.rank, dead, how, self.child.pid, count, limit, self.generation, time.time())
+        self._say(line)
         self.standby = self._spawn("standby", stdin=subprocess.PIPE)
         return True
 

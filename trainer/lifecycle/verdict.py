@@ -1,8 +1,9 @@
-"""Every decision of a process's life after a death, as three tables (docs/design.md §4, lifecycle):
+"""Every decision of a process's life around a death, as four tables (docs/design.md §4, lifecycle):
 
 - `decide`: what a trainer does once an exception ended its work (below);
 - `on_sigterm`: what SIGTERM does in each phase of the stop guard (`trainer/lifecycle/survival.py`);
-- `after_child_exit`: what a rank shell does when its trainer child ends (`trainer/lifecycle/rank_shell.py`).
+- `after_child_exit`: what a rank shell does when its trainer child ends (`trainer/lifecycle/rank_shell.py`);
+- `runs_a_shell`: whether `train.py` starts as a rank shell at all (`trainer/lifecycle/entry.py`).
 
 The rest of the lifecycle gathers the facts and carries the verdicts out. Imports nothing but the exit
 codes (the rank shell, which never imports torch, asks it too), so it is tested as tables.
@@ -94,3 +95,14 @@ def after_child_exit(returncode: int, job_finished: bool, stopping: bool) -> She
     if job_finished:
         return ShellVerdict.DONE
     return ShellVerdict.REPLACE
+
+
+def runs_a_shell(
+    under_torchrun: bool, world: int, shell_child: bool, one_shot: bool, strategy: str, max_replacements: int
+) -> bool:
+    """Whether `train.py` starts as a rank shell (the trainer then runs as its child, beside a warm standby):
+    under torchrun with more than one worker, not itself a shell's child, not a one-shot command
+    (`--dry-run`, `--print-config`, `--help`), with a checkpoint strategy to rejoin with and replacements
+    allowed (`fault.max_replacements` > 0)."""
+    launched = under_torchrun and world > 1 and not shell_child and not one_shot
+    return launched and strategy != "none" and max_replacements > 0

@@ -14,9 +14,12 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed
 
+from parallelisms.distributed import torchrun_store
 from trainer.config import Config, ConfigError
 from trainer.config_help import to_toml
+from trainer.lifecycle import rank_shell
 from trainer.lifecycle.rank_shell import torchrun_agent_pid
 
 RECORD = "run.json"
@@ -138,3 +141,27 @@ def _open(cfg: Config, world: int, argv: list[str], restarted: bool) -> tuple[Pa
     }
     _write(folder / RECORD, json.dumps(record, indent=2) + "\n")
     return folder, False
+
+
+def _folder_key() -> str:
+    return f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/run-folder"
+
+
+def publish_run_folder(run_dir: Path) -> None:
+    """Rank 0, its run folder open: name it on torchrun's store for the other ranks' shells (under rank shells
+    only; before the strategy's first collective, so every rank finds it after that one)."""
+    store = torchrun_store()
+    if store is not None and os.environ.get(rank_shell.ROLE) == "trainer":
+        store.set(_folder_key(), str(run_dir.resolve()))
+
+
+def tell_the_shell_the_run_folder() -> None:
+    """Every rank under a rank shell, past a collective after rank 0's `publish_run_folder`: tell its shell the
+    run folder, where the shell records its `shell:` lines beside rank 0's events."""
+    store = torchrun_store()
+    if store is None or os.environ.get(rank_shell.ROLE) != "trainer":
+        return
+    try:
+        rank_shell.report(f"run {store.get(_folder_key()).decode()}")
+    except (RuntimeError, torch.distributed.DistError):
+        pass  # rank 0 named none (it could not open one): the shell's lines stay printed only

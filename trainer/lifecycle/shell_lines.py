@@ -1,0 +1,77 @@
+"""A rank shell's `shell:` lines (docs/design.md §5), typed: what happened to its trainer or its standby.
+
+`line()` is the console line byte for byte; `record()` is the JSON object the run record keeps of it
+(`trainer/run/event_log.py`), `from_record(record).line()` the printed line again. Imports no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import ClassVar
+
+REPLACED = "replaced"  # the trainer died; the standby replaces it in the next generation
+HANDED_BACK = "handed_back"  # the trainer died with no standby or no replacement left: torchrun restarts
+AFTER_THE_END = "after_the_end"  # the trainer died after the job finished: nothing to recover
+STANDBY_RESPAWNED = "standby_respawned"  # the idle standby died and a new one was started
+STANDBY_LOST = "standby_lost"  # the idle standby died and none is left to start
+
+
+@dataclass(frozen=True)
+class ShellLine:
+    """One `shell: rank <r>: ...` line:
+
+        trainer pid <p> died (<how>) at unix=<t>; standby pid <s> replaces it in generation <g>
+            (replacement <n> of <limit>)                                                       (REPLACED)
+        trainer pid <p> died (<how>); <why>: torchrun restarts                                 (HANDED_BACK)
+        trainer pid <p> died (<how>) after the job finished at step <n>; nothing to recover    (AFTER_THE_END)
+        standby pid <p> died (<how>); standby pid <s> takes its place (<n> of <limit>)         (STANDBY_RESPAWNED)
+        standby pid <p> died (<how>); none left to start                                       (STANDBY_LOST)
+
+    (`<t>` with 3 decimals; `<how>`: `signal SIGKILL` or `exit status <n>`)."""
+
+    KIND: ClassVar[str] = "shell"
+
+    what: str
+    rank: str  # the slot's RANK ("?" if torchrun named none)
+    pid: int  # the child that died
+    how: str
+    standby: int | None = None  # the standby that replaces it or takes the dead standby's place
+    count: int | None = None  # replacements (or respawned standbys) so far, this one included
+    limit: int | None = None  # fault.max_replacements
+    generation: int | None = None  # REPLACED: the generation the replacement joins
+    unix: float | None = None  # REPLACED: when the shell saw the death
+    step: int | None = None  # AFTER_THE_END: the step the job finished at
+    why: str | None = None  # HANDED_BACK: "no standby" or "replacements spent"
+
+    def line(self) -> str:
+        """The console line, byte for byte the formats above."""
+        head = f"shell: rank {self.rank}: "
+        died = f"pid {self.pid} died ({self.how})"
+        if self.what == REPLACED:
+            return (
+                f"{head}trainer {died} at unix={self.unix:.3f}; standby pid {self.standby} replaces it in "
+                f"generation {self.generation} (replacement {self.count} of {self.limit})"
+            )
+        if self.what == HANDED_BACK:
+            return f"{head}trainer {died}; {self.why}: torchrun restarts"
+        if self.what == AFTER_THE_END:
+            return f"{head}trainer {died} after the job finished at step {self.step}; nothing to recover"
+        if self.what == STANDBY_RESPAWNED:
+            return f"{head}standby {died}; standby pid {self.standby} takes its place ({self.count} of {self.limit})"
+        if self.what == STANDBY_LOST:
+            return f"{head}standby {died}; none left to start"
+        raise ValueError(f"unknown shell line {self.what!r}")
+
+    def record(self) -> dict:
+        """The run record's JSON object of this line."""
+        record = {"kind": self.KIND, **asdict(self)}
+        if self.unix is not None:
+            record["unix"] = float(f"{self.unix:.3f}")
+        return record
+
+    @classmethod
+    def from_record(cls, record: dict) -> ShellLine:
+        """The line of a record `record()` wrote (KeyError, TypeError or ValueError if it is not one)."""
+        line = cls(**{k: v for k, v in record.items() if k != "kind"})
+        line.line()  # an unknown `what` is not a record this program wrote
+        return line
