@@ -21,11 +21,12 @@ import pytest
 import torch
 
 from tests.helpers import CHILD_ENV, DEBUG_CONFIG, ROOT, final_line, recoveries, run_cli
-from trainer.data import corpus
+from trainer.data import corpus, token_shards
 from trainer.data import prepare as prepare_data
 from trainer.data.batches import build_data, make_loader
 from trainer.data.corpus import DataConfig, DataError, load_tokens
-from trainer.data.token_shards import INDEX_NAME, PROGRESS_NAME, verify_prepared
+from trainer.data.token_shards import INDEX_NAME, PROGRESS_NAME, file_sha256, open_split, seal_of, verify_prepared
+from trainer.data.tokenizer import build_tokenizer
 
 WIKI = corpus.SHARED_WIKITEXT2
 needs_wiki = pytest.mark.skipif(not (WIKI / "valid.txt").is_file(), reason=f"{WIKI} not present")
@@ -203,7 +204,11 @@ def _copy(src: Path, dst: Path) -> Path:
             lambda d: _edit_index(d, tokenizer={"kind": "HFTokenizer"}),
             r"^data\.tokenizer: .*token_index\.json.*HFTokenizer",
         ),
-        (lambda d: _edit_index(d, version=2), r"token_index\.json' is not a moevement-token-shards version 1 index"),
+        (lambda d: _edit_index(d, version=3), r"token_index\.json' is not a moevement-token-shards version 2 index"),
+        (lambda d: _edit_index(d, version=1), r"token_index\.json' was written by an older version \(index version 1"),
+        (lambda d: _edit_index(d, reseal=False, shard_tokens=10008), r"token_index\.json' does not match its seal"),
+        (lambda d: _swap_shards(d, reseal=False), r"token_index\.json' does not match its seal"),
+        (lambda d: _swap_shards(d), r"shard 'valid-00001\.bin' is listed at position 0 of split 'valid'"),
         (lambda d: (d / INDEX_NAME).write_text("{"), r"token_index\.json' is not readable JSON"),
         (lambda d: _rename_shard(d, "../valid-00000.bin"), r"shard name '\.\./valid-00000\.bin' .* not a plain"),
     ],
@@ -226,31 +231,78 @@ def _symlink(path: Path, target: Path) -> None:
     path.symlink_to(target)
 
 
-def _edit_index(d: Path, **changes) -> None:
+def _write_index(d: Path, index: dict, reseal: bool = True) -> None:
+    """Write `index`, sealed again as the preparation seals it (`reseal`: an edit that knows the seal)."""
+    if reseal:
+        index["seal"] = seal_of(index)
+    (d / INDEX_NAME).write_text(json.dumps(index))
+
+
+def _edit_index(d: Path, reseal: bool = True, **changes) -> None:
     index = json.loads((d / INDEX_NAME).read_text())
     for key, value in changes.items():
         index[key] = {**index[key], **value} if isinstance(value, dict) else value
-    (d / INDEX_NAME).write_text(json.dumps(index))
+    _write_index(d, index, reseal)
 
 
 def _rename_shard(d: Path, name: str) -> None:
     index = json.loads((d / INDEX_NAME).read_text())
     index["splits"]["valid"]["shards"][0]["file"] = name
-    (d / INDEX_NAME).write_text(json.dumps(index))
+    _write_index(d, index)
+
+
+def _swap_shards(d: Path, reseal: bool = True) -> None:
+    """The first two shard entries of the training split swapped: each still names its own file and hash."""
+    index = json.loads((d / INDEX_NAME).read_text())
+    shards = index["splits"]["valid"]["shards"]
+    shards[0], shards[1] = shards[1], shards[0]
+    _write_index(d, index, reseal)
+
+
+def _rehash(d: Path) -> None:
+    """Every shard's sha256 in the index made to match its bytes, and the index sealed again."""
+    index = json.loads((d / INDEX_NAME).read_text())
+    for entry in index["splits"].values():
+        for shard in entry["shards"]:
+            shard["sha256"] = file_sha256(d / shard["file"])
+    _write_index(d, index)
 
 
 @needs_wiki
-def test_content_damage_is_found_by_verify(tmp_path, prepared_wiki):
-    """Opening checks sizes only (milliseconds at any size); --verify reads every byte."""
+def test_content_damage_is_found_before_its_tokens_train(tmp_path, prepared_wiki):
+    """Two bytes flipped inside a shard (same size): a small split is hashed whole when it opens, and
+    --verify reads every byte; each names the shard."""
     d = _copy(prepared_wiki, tmp_path / "flipped")
     with open(d / "test-00003.bin", "r+b") as f:
         f.seek(100)
         f.write(b"\xff\xff")
-    build_data(DataConfig(dataset=str(d)), 64, 8, 2, 0)  # same size: opens
-    with pytest.raises(DataError, match=r"shard '.*test-00003\.bin' does not match its sha256"):
+    damaged = r"shard '.*test-00003\.bin' does not match its sha256 in token_index\.json"
+    with pytest.raises(DataError, match=damaged):
+        build_data(DataConfig(dataset=str(d)), 64, 8, 2, 0)
+    with pytest.raises(DataError, match=damaged):
         verify_prepared(d)
     with pytest.raises(DataError, match=r"^data\.val_split: split 'nope' is not in .*prepared: \['test', 'valid'\]"):
         build_data(DataConfig(dataset=str(d), val_split="nope"), 64, 8, 2, 0)
+
+
+@needs_wiki
+def test_a_large_splits_damaged_shard_stops_before_its_tokens_train_twice(tmp_path, prepared_wiki, monkeypatch):
+    """Above the size hashed at opening, a shard is hashed in the background from its first read: that read
+    goes on, the next one of the shard is refused, naming it; an intact shard reads on."""
+    monkeypatch.setattr(token_shards, "VERIFY_AT_OPEN_BYTES", 0)
+    d = _copy(prepared_wiki, tmp_path / "flipped")
+    with open(d / "valid-00001.bin", "r+b") as f:
+        f.seek(100)
+        f.write(b"\x41\x00")  # a valid id ('A'): only the hash can tell
+    tokens = open_split(d, "valid", build_tokenizer("byte"), "data.train_split")
+    row = np.empty(64, dtype=np.int64)
+    tokens.read(0, row)
+    tokens.read(64, row)  # shard 0 is intact: its second read passes its check
+    tokens.read(SHARD + 5, row)  # shard 1's first read: its hash starts
+    with pytest.raises(DataError, match=r"shard '.*valid-00001\.bin' does not match its sha256"):
+        tokens.read(SHARD + 200, row)
+    worker = pickle.loads(pickle.dumps(tokens))  # a spawned loader worker: what is verified travels
+    assert worker.check.verified == {0}
 
 
 def test_prepare_refuses_a_foreign_directory_and_other_keys(tmp_path, capsys):
@@ -318,6 +370,7 @@ def test_token_ids_outside_the_vocabulary_are_one_line_naming_the_shard(tmp_path
     d = _copy(prepared_wiki, tmp_path / "ids")
     for shard in d.glob("valid-*.bin"):
         shard.write_bytes(b"\xff" * shard.stat().st_size)
+    _rehash(d)  # an index that vouches for these bytes: the ids themselves are out of range
     args = ("--training.steps", "2", "--data.dataset", str(d), "--data.num_workers", str(workers))
     proc = run_cli("--config", DEBUG_CONFIG, *args, check=False)
     lines = proc.stderr.strip().splitlines()

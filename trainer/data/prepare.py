@@ -43,6 +43,7 @@ from trainer.data.token_shards import (
     VERSION,
     file_sha256,
     read_json,
+    seal_of,
     shard_dtype,
     tokenizer_identity,
     verify_prepared,
@@ -217,6 +218,7 @@ def prepare(cfg: DataConfig, out: Path, shard_tokens: int, max_shards: int | Non
     for split, key in splits:
         if not record["splits"].get(split, {}).get("done"):
             budget = prepare_split(cfg, tok, out, record, split, key, budget)
+    record["seal"] = seal_of(record)
     write_atomically(out / INDEX_NAME, (json.dumps(record, indent=1) + "\n").encode())
     (out / PROGRESS_NAME).unlink()
     return [

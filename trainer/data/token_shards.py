@@ -5,7 +5,7 @@ files ``<split>-NNNNN.bin`` (little-endian ``uint16`` when the tokenizer's vocab
 else ``uint32``; no header; every shard but a split's last holds exactly ``shard_tokens`` tokens) and
 one index, ``token_index.json``, written last::
 
-    {"format": "moevement-token-shards", "version": 1,
+    {"format": "moevement-token-shards", "version": 2, "seal": "<sha256 of the rest>",
      "tokenizer": {"kind": "ByteTokenizer", "vocab_size": 257, "eos_id": 256},   # + "sha256" of a tokenizer.json
      "dtype": "uint16", "shard_tokens": 134217728, "documents": DOCUMENTS,
      "splits": {"valid": {"source": "...", "num_tokens": N, "num_documents": D,
@@ -14,12 +14,13 @@ one index, ``token_index.json``, written last::
 The tokens of a split are exactly what :func:`trainer.data.corpus.load_tokens` packs in memory from the same
 source and tokenizer, so both paths serve identical batches.
 
-What is checked when: :func:`open_split` checks what costs no reading -- the index's format, the
-tokenizer's identity, each shard's name, that it is a regular file (not a symlink) and its size -- so a
-start or a restart opens any corpus in milliseconds. The sha256 of every byte is checked by
-:func:`verify_prepared` (``prepare_data --verify``) and when an interrupted preparation resumes over its
-finished shards: hashing a pretraining corpus takes minutes per terabyte-scale read, which every
-recovery's set-up would pay again.
+What is checked when: :func:`read_index` checks the index's seal (a sha256 over all of it, so the shards'
+order, counts and hashes are bound to the preparation; a hash, not a signature); :func:`open_split` checks
+what costs no reading -- the tokenizer's identity, each shard's name and position, that it is a regular file
+(not a symlink) and its size -- so a start or a restart opens any corpus in milliseconds. The sha256 of every
+byte is checked by `trainer/data/shard_check.py` before a shard's tokens can train twice (a small split at
+its opening, a large one on a background thread from its first read), by :func:`verify_prepared`
+(``prepare --verify``), and when an interrupted preparation resumes over its finished shards.
 """
 
 from __future__ import annotations
@@ -36,16 +37,16 @@ import numpy as np
 import torch
 
 from trainer.data.corpus import DataError
+from trainer.data.shard_check import VERIFY_AT_OPEN_BYTES, ShardCheck, file_sha256
 from trainer.data.tokenizer import Tokenizer
 
 INDEX_NAME = "token_index.json"
 PROGRESS_NAME = "prepare_progress.jsonl"  # an unfinished preparation's record (trainer.data.prepare)
 FORMAT = "moevement-token-shards"
-VERSION = 1
+VERSION = 2  # 2: sealed (version 1 indexes are refused: prepare again)
 DOCUMENTS = "one eos_id between consecutive documents, none after the last (as trainer.data.corpus packs them)"
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 _SHARD_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*-\d{5,}\.bin$")
-_HASH_CHUNK = 1 << 24
 
 
 def shard_dtype(vocab_size: int) -> str:
@@ -53,12 +54,11 @@ def shard_dtype(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 1 << 16 else "uint32"
 
 
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
+def seal_of(index: dict) -> str:
+    """The index's seal: the sha256 of its canonical JSON without the seal (binds every field, the shards'
+    order and hashes included, so a damaged or edited index is refused; a hash, not a signature)."""
+    body = {key: value for key, value in index.items() if key != "seal"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def tokenizer_identity(tok: Tokenizer) -> dict:
@@ -100,8 +100,15 @@ def read_index(directory: Path) -> dict:
             "with the same settings and --out again to finish it"
         )
     index = read_json(index_path)
+    if index.get("format") == FORMAT and index.get("version") == 1:
+        raise DataError(
+            f"{where}: {str(index_path)!r} was written by an older version (index version 1, not sealed); "
+            "prepare it again with python -m trainer.data.prepare and a new --out"
+        )
     if index.get("format") != FORMAT or index.get("version") != VERSION:
         raise DataError(f"{where}: {str(index_path)!r} is not a {FORMAT} version {VERSION} index")
+    if index.get("seal") != seal_of(index):
+        raise DataError(f"{where}: {str(index_path)!r} does not match its seal (edited or damaged)")
     if index.get("dtype") not in DTYPES or not isinstance(index.get("splits"), dict):
         raise DataError(f"{where}: {str(index_path)!r} has no valid dtype or splits")
     return index
@@ -120,19 +127,22 @@ class ShardedTokens:
     """One split of a prepared corpus as one read-only 1-D token sequence over memory-mapped shards.
 
     Opening maps the files and reads no tokens; :meth:`sequences` copies rows out (those that cross a
-    shard boundary are joined), every token id checked against the tokenizer's `vocab_size` (a damaged
-    shard is one DataError naming it, not an index error inside the model). Pickling (a spawned loader
-    worker) carries the paths and maps them again.
+    shard boundary are joined), each shard's bytes checked against its sha256 before they can train twice
+    (`check`, trainer/data/shard_check.py) and every token id against the tokenizer's `vocab_size` (a
+    damaged shard is one DataError naming it, not an index error inside the model). Pickling (a spawned
+    loader worker) carries the paths, hashes and what is verified, and maps the files again.
     """
 
-    def __init__(self, files: list[Path], counts: list[int], dtype: str, name: str, vocab_size: int):
+    def __init__(self, files: list[Path], counts: list[int], dtype: str, name: str, vocab_size: int, check: ShardCheck):
         self.files, self.counts, self.dtype, self.name, self.vocab_size = files, counts, dtype, name, vocab_size
         self.ends = np.cumsum(counts).tolist()
         self.num_tokens = int(self.ends[-1]) if counts else 0
         self.maps = [_map_shard(f, n, DTYPES[dtype]) for f, n in zip(files, counts, strict=True)]
+        self.check = check
 
     def __reduce__(self):
-        return (ShardedTokens, (self.files, self.counts, self.dtype, self.name, self.vocab_size))
+        check = ShardCheck(self.check.files, self.check.digests, self.check.index_name, frozenset(self.check.verified))
+        return (ShardedTokens, (self.files, self.counts, self.dtype, self.name, self.vocab_size, check))
 
     def read(self, start: int, out: np.ndarray) -> None:
         """Fill ``out`` with tokens ``start .. start + len(out) - 1`` (which may span shards)."""
@@ -142,6 +152,7 @@ class ShardedTokens:
             if k >= len(self.maps):
                 raise IndexError(f"tokens {start}..{start + len(out) - 1} of {self.name}: past its {self.num_tokens}")
             offset = start + done - (self.ends[k - 1] if k else 0)
+            self.check.before_read(k)
             piece = self.maps[k][offset : offset + len(out) - done]
             self._check_ids(k, offset, piece)
             out[done : done + len(piece)] = piece
@@ -207,6 +218,12 @@ def _split_shards(index: dict, directory: Path, split: str, key: str) -> tuple[l
     bad = next((n for n in names if not _SHARD_NAME.match(n)), None)
     if bad is not None:
         raise DataError(f"{where}: shard name {bad!r} of split {split!r} is not a plain shard file name")
+    moved = next((i for i, n in enumerate(names) if n != f"{split}-{i:05d}.bin"), None)
+    if moved is not None:
+        raise DataError(
+            f"{where}: shard {names[moved]!r} is listed at position {moved} of split {split!r}, where the "
+            f"preparation wrote {split}-{moved:05d}.bin (the shards' order is not the preparation's)"
+        )
     full = all(c == per_shard for c in counts[:-1])
     if not shards or sum(counts) != total or not full or not 0 < counts[-1] <= per_shard:
         raise DataError(f"{where}: token counts of split {split!r} do not add up")
@@ -219,9 +236,13 @@ def open_split(directory: Path, split: str, tok: Tokenizer, key: str) -> Sharded
     Cheap checks only (see the module docstring); ``key`` names the split's config key in errors."""
     index = read_index(directory)
     check_tokenizer(index, tok, directory)
-    files, counts, _ = _split_shards(index, directory, split, key)
+    files, counts, digests = _split_shards(index, directory, split, key)
     name = f"{str(directory)!r} split {split!r} ({key}={split!r})"
-    return ShardedTokens(files, counts, index["dtype"], name, int(tok.vocab_size))
+    check = ShardCheck(files, digests, INDEX_NAME)
+    tokens = ShardedTokens(files, counts, index["dtype"], name, int(tok.vocab_size), check)
+    if sum(counts) * DTYPES[index["dtype"]].itemsize <= VERIFY_AT_OPEN_BYTES:
+        check.all_now()
+    return tokens
 
 
 def verify_prepared(directory: Path) -> list[str]:
@@ -231,9 +252,8 @@ def verify_prepared(directory: Path) -> list[str]:
     lines = []
     for split in index["splits"]:
         files, counts, digests = _split_shards(index, directory, split, "split")
-        ShardedTokens(files, counts, index["dtype"], split, 0)  # names, types and sizes first (no ids read)
-        for path, digest in zip(files, digests, strict=True):
-            if file_sha256(path) != digest:
-                raise DataError(f"data.dataset: shard {str(path)!r} does not match its sha256 in {INDEX_NAME}")
+        check = ShardCheck(files, digests, INDEX_NAME)
+        ShardedTokens(files, counts, index["dtype"], split, 0, check)  # names, types and sizes first
+        check.all_now()
         lines.append(f"{split}: {sum(counts)} tokens in {len(files)} shards, sha256 ok")
     return lines
