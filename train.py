@@ -119,7 +119,8 @@ def stop_guard(cfg: Config, rank: int, plan: StartPlan) -> StopGuard:
     keep = None
     if plan.kept is not None or plan.accounting is not None:
         keep = functools.partial(keep_for_torchrun_restart, cfg, plan)
-    return StopGuard(rank, preempted_line, plan.process, keep)
+    held = plan.kept.next_iteration - 1 if plan.kept is not None else 0  # a survivor holds a later state
+    return StopGuard(rank, preempted_line, plan.process, keep, step=held)
 
 
 def inject_failures(job: Job, step: int, elapsed_s: float) -> int:

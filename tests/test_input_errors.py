@@ -315,10 +315,12 @@ def test_cli_unwritable_output_dir_is_one_line(tmp_path):
     assert "job.output_dir" in line and str(blocker) in line
 
 
-def test_a_config_error_under_torchrun_is_said_once_per_job():
+@pytest.mark.parametrize("strategy", ["none", "moevement"])  # moevement: each rank's trainer under a rank shell
+def test_a_config_error_under_torchrun_is_said_once_per_job(strategy):
     """Guarantee: Bad input is one line (a config error under torchrun).
     Every rank reads the same config: a bad key is one `error:` line for the job, not one per rank."""
-    proc = run_cli("--config", DEBUG_CONFIG, *QUIET, "--training.steps", "0", nproc=2, check=False)
+    args = ("--training.steps", "0", "--checkpoint.strategy", strategy)
+    proc = run_cli("--config", DEBUG_CONFIG, *QUIET, *args, nproc=2, check=False)
     assert proc.returncode != 0
     errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "error: config key" in line]
     assert errors == ["error: config key 'training.steps' must be positive, got 0"], proc.stderr

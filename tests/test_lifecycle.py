@@ -131,21 +131,22 @@ from trainer.lifecycle.start_plan import plan_start
 from trainer.lifecycle.stop_guard import StopGuard
 process = plan_start().process
 process.sigterm_at = {earlier}  # a SIGTERM that reached an earlier generation of this process, if any
-guard = StopGuard(3, lambda step, kept: f"preempted: rank 3 at step {{step}}; kept {{kept}}", process)
+guard = StopGuard(3, lambda step, kept: f"preempted: rank 3 at step {{step}}; kept {{kept}}", process, step={step})
 os.kill(os.getpid(), signal.SIGTERM)
 print("not reached")
 """
 
 
-@pytest.mark.parametrize("earlier", [None, 1.0])
-def test_sigterm_before_training_exits_at_once_with_the_preempted_line(earlier):
+@pytest.mark.parametrize(("earlier", "held"), [(None, 0), (1.0, 0), (1.0, 29)])
+def test_sigterm_before_training_exits_at_once_with_the_preempted_line(earlier, held):
     """In the set-up phase SIGTERM exits at once; so does a later generation's guard of a process that
-    SIGTERM reached before (it exits as soon as it is built)."""
+    SIGTERM reached before (it exits as soon as it is built). The line names the step the rank's state holds
+    (a survivor that kept state_30 in memory: 29)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    script = GUARD.format(earlier=earlier)
+    script = GUARD.format(earlier=earlier, step=held)
     proc = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
-    assert proc.stdout == "preempted: rank 3 at step 0; kept nothing new to keep\n"
+    assert proc.stdout == f"preempted: rank 3 at step {held}; kept nothing new to keep\n"
 
 
 def test_a_survivor_and_a_replacement_agree_on_the_next_generation():

@@ -30,11 +30,13 @@ class StopGuard:
     `step` to its `end`; SIGTERM waits), "recovering", "stopping" (SIGTERM is ignored; `stopped_in` is the
     phase it stopped in). `applied`: the last iteration whose update is done. `keep_at_setup`: what a
     SIGTERM in the setup phase keeps first (a survivor's state kept in memory), returning what it kept.
-    `process`: where the process records SIGTERM for its later generations' guards."""
+    `process`: where the process records SIGTERM for its later generations' guards. `step`: the last
+    iteration the rank's state has applied before training starts (a survivor's kept state: the iteration
+    before its next; 0 otherwise), which a SIGTERM in the setup phase names."""
 
-    def __init__(self, rank: int, preempted_line, process: ProcessState, keep_at_setup=None):
+    def __init__(self, rank: int, preempted_line, process: ProcessState, keep_at_setup=None, step: int = 0):
         self.rank, self.preempted_line, self.keep_at_setup = rank, preempted_line, keep_at_setup
-        self.phase, self.stopped_in, self.step, self.applied = "setup", "", 0, 0
+        self.phase, self.stopped_in, self.step, self.applied = "setup", "", step, step
         self.process, self.sigterm_at = process, None
         signal.signal(signal.SIGTERM, self._on_sigterm)
         if process.sigterm_at is not None:  # torchrun stopped the job while the previous generation was left
