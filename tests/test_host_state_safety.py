@@ -208,7 +208,7 @@ def test_second_live_job_is_refused_and_clean_keeps_it(tmp_path):
     cmd = [sys.executable, "train.py", *BASE, *host(tmp_path), *long_run, "--job.output_dir", str(RUN_OUTPUTS)]
     first = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        _wait_for_line(first, "step=3 ")
+        head = "".join(_wait_for_line(first, "step=3 "))  # holds the `run:` line naming the run's records
         second = run_cli(*BASE, *host(tmp_path), *long_run, check=False)
         assert second.returncode == 2 and re.search(
             r"^error: .*rank00000\.lock: held by a live process \(pid "
@@ -221,7 +221,7 @@ def test_second_live_job_is_refused_and_clean_keeps_it(tmp_path):
     finally:
         out, err = first.communicate(timeout=300)
     assert first.returncode == 0, err
-    assert final_line(out) == final_line(reference(*long_run))
+    assert final_line(head + out) == final_line(reference(*long_run))
     crash(*host(tmp_path), "--fault.crash", "6:0")
     assert list((tmp_path / "shm" / "safety" / "rank00000" / "local").glob("*.bin"))
     assert re.search(r"^removed .*shm/safety \(\d+\.\d MB\)$", _clean(tmp_path), re.M)
