@@ -342,6 +342,7 @@ def test_gemini_poisson_failures_roll_every_rank_back_and_recompute_exactly(tmp_
     assert final_line(out) == final_line(reference())
 
 
+@pytest.mark.slow
 def test_checkfreq_recovers_from_disk_exactly(tmp_path):
     trace = tmp_path / "trace.csv"
     trace.write_text("iteration,rank\n9,0\n")

@@ -315,7 +315,7 @@ def test_cli_unwritable_output_dir_is_one_line(tmp_path):
     assert "job.output_dir" in line and str(blocker) in line
 
 
-@pytest.mark.parametrize("strategy", ["none", "moevement"])  # moevement: each rank's trainer under a rank shell
+@pytest.mark.parametrize("strategy", [pytest.param("none", marks=pytest.mark.slow), "moevement"])  # moevement: shells
 def test_a_config_error_under_torchrun_is_said_once_per_job(strategy):
     """Guarantee: Bad input is one line (a config error under torchrun).
     Every rank reads the same config: a bad key is one `error:` line for the job, not one per rank."""

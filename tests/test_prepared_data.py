@@ -331,6 +331,7 @@ def test_cli_damaged_shard_is_one_line(tmp_path, prepared_wiki):
 
 
 @needs_wiki
+@pytest.mark.slow
 def test_training_from_a_prepared_corpus_ends_with_the_in_memory_digest(prepared_wiki):
     args = ("--config", DEBUG_CONFIG, "--training.steps", "3", "--training.val_every", "3")
     args += ("--metrics.tensorboard", "false")
