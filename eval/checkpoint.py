@@ -2,9 +2,9 @@
 
 The directory holds the model files ``model-NNNNN.safetensors`` (every parameter by global name, each in
 one file), the optimizer files ``optim-NNNNN.safetensors`` and ``meta.json`` (format, model shape, step,
-sha256 of every file; see :mod:`trainer.checkpoint.dense`; a ``moevement-dense-v2`` checkpoint's single
-``model.safetensors`` is read the same way).
-:func:`load_checkpoint` checks the format (the old pickled DCP format is refused unread), the model
+sha256 of every file, sealed; see :mod:`trainer.checkpoint.dense`).
+:func:`load_checkpoint` checks the format and the seal (older formats are refused, the pickled DCP one
+unread), the model
 shape and the sha256 of every model file before parsing it, builds the whole model on one device
 with :func:`models.build_model` and reads only the model tensors (not the AdamW state) with
 safetensors, by global name: nothing is unpickled, and a checkpoint saved from any parallel layout

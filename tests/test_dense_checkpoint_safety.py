@@ -20,6 +20,7 @@ import pytest
 
 from tests.helpers import CHILD_ENV, DEBUG_CONFIG, ROOT, RUN_OUTPUTS, final_line, run_cli, step_losses
 from trainer.config import load_config
+from trainer.sealed_json import sealed
 
 QUIET = ["--metrics.tensorboard", "false", "--metrics.log_every", "1", "--training.val_every", "0"]
 
@@ -235,7 +236,7 @@ def test_damaged_checkpoint_is_one_line_naming_the_file(saved, tmp_path):
             (ckpt / name).write_bytes(b"\xff" * 8 + b"not a header")
             meta = json.loads((ckpt / "meta.json").read_text())
             meta["files"][name] = sha256(ckpt / name)
-            (ckpt / "meta.json").write_text(json.dumps(meta))
+            (ckpt / "meta.json").write_text(json.dumps(sealed(meta)))
         one_error(train("--training.steps", "1", "--checkpoint.load", str(ckpt), check=False), str(ckpt / name), what)
         if case != "optim":  # evaluation reads only the model tensors
             with pytest.raises(EvalError, match=f"{re.escape(str(ckpt / name))}.*{what}"):
@@ -244,55 +245,61 @@ def test_damaged_checkpoint_is_one_line_naming_the_file(saved, tmp_path):
 
 @pytest.mark.parametrize("flip", [0, 1], ids=["step-1-to-0", "step-1-to-3"])
 def test_a_flipped_step_in_meta_json_is_refused(saved, tmp_path, flip):
-    """One bit of `"step": 1` flipped in meta.json: refused naming the optimizer file and meta.json, whose
-    steps disagree (not trained on from another step)."""
+    """One bit of `"step": 1` flipped in meta.json: refused by its seal. Sealed again (a hash is not a
+    signature), it is still refused: the optimizer's step count disagrees (never trained on from another step)."""
     ckpt = tmp_path / "ckpt"
     shutil.copytree(saved[0], ckpt)
     raw = (ckpt / "meta.json").read_bytes()
     at = raw.index(b'"step": 1') + len(b'"step": ')
     (ckpt / "meta.json").write_bytes(raw[:at] + bytes([raw[at] ^ (1 << flip)]) + raw[at + 1 :])
     proc = train("--training.steps", "3", "--checkpoint.load", str(ckpt), check=False)
+    one_error(proc, str(ckpt / "meta.json"), "does not match its seal")
+    (ckpt / "meta.json").write_text(json.dumps(sealed(json.loads((ckpt / "meta.json").read_text()))))
+    proc = train("--training.steps", "3", "--checkpoint.load", str(ckpt), check=False)
     one_error(proc, "optim-00000.safetensors", str(ckpt / "meta.json"), "(one of them was changed)")
 
 
 @pytest.mark.parametrize("keep_file", [True, False], ids=["file-kept", "file-deleted"])
 def test_an_optimizer_file_missing_from_meta_json_is_refused(saved, tmp_path, keep_file):
-    """The optimizer file's entry deleted from meta.json (with or without the file): refused naming meta.json
-    and the parameter without optimizer state, instead of training on fresh AdamW state."""
+    """The optimizer file's entry deleted from a resealed meta.json (with or without the file): refused naming
+    meta.json and the parameter without optimizer state, instead of training on fresh AdamW state. Saying
+    `weights_only` does not pass either: only an imported step-0 checkpoint is weights-only."""
     ckpt = tmp_path / "ckpt"
     shutil.copytree(saved[0], ckpt)
     meta = json.loads((ckpt / "meta.json").read_text())
     del meta["files"]["optim-00000.safetensors"]
-    (ckpt / "meta.json").write_text(json.dumps(meta))
+    (ckpt / "meta.json").write_text(json.dumps(sealed(meta)))
     if not keep_file:
         (ckpt / "optim-00000.safetensors").unlink()
     proc = train("--training.steps", "3", "--checkpoint.load", str(ckpt), check=False)
     one_error(proc, str(ckpt / "meta.json"), "no optimizer state for", "no optimizer file): one is missing")
+    (ckpt / "meta.json").write_text(json.dumps(sealed({**meta, "weights_only": True})))
+    proc = train("--training.steps", "3", "--checkpoint.load", str(ckpt), check=False)
+    one_error(proc, str(ckpt / "meta.json"), "a weights-only checkpoint is of step 0")
 
 
-@pytest.mark.slow
-def test_v2_single_file_checkpoint_loads_and_file_names_are_checked(saved, tmp_path):
-    """A `moevement-dense-v2` checkpoint (one model.safetensors, one optim.safetensors) is one writer's files:
-    train.py resumes it with the saved digest and evaluation loads it. A meta.json listing a file by any other
-    name (here one outside the directory) is refused naming meta.json."""
+def test_older_unsealed_formats_are_refused_and_file_names_are_checked(saved, tmp_path):
+    """A checkpoint of an older version (v3: these files, meta.json unsealed; v2: one model.safetensors and
+    one optim.safetensors) is refused in one line naming its format, by train.py and evaluation. A sealed
+    meta.json listing a file by any other name (here one outside the directory) is refused naming 'files'."""
     from eval.checkpoint import load_checkpoint
+    from eval.errors import EvalError
 
-    ckpt, stdout = saved
-    meta = json.loads((ckpt / "meta.json").read_text())
-    v2 = tmp_path / "v2"
-    v2.mkdir()
-    for kind in ("model", "optim"):
-        shutil.copy(ckpt / f"{kind}-00000.safetensors", v2 / f"{kind}.safetensors")
-    files = {f"{kind}.safetensors": meta["files"][f"{kind}-00000.safetensors"] for kind in ("model", "optim")}
-    (v2 / "meta.json").write_text(json.dumps({**meta, "format": "moevement-dense-v2", "files": files}))
-    loaded = train("--training.steps", "1", "--checkpoint.load", str(v2)).stdout
-    assert step_losses(loaded) == {} and final_line(loaded) == final_line(stdout)
-    assert load_checkpoint(v2).step == 1
+    ckpt, _ = saved
+    meta = {k: v for k, v in json.loads((ckpt / "meta.json").read_text()).items() if k != "seal"}
+    for old, files in (("v3", meta["files"]), ("v2", {"model.safetensors": "0" * 64, "optim.safetensors": "0" * 64})):
+        older = tmp_path / old
+        shutil.copytree(ckpt, older)
+        (older / "meta.json").write_text(json.dumps({**meta, "format": f"moevement-dense-{old}", "files": files}))
+        proc = train("--training.steps", "1", "--checkpoint.load", str(older), check=False)
+        one_error(proc, str(older / "meta.json"), f"moevement-dense-{old} of an older version", "not sealed")
+        with pytest.raises(EvalError, match="not sealed"):
+            load_checkpoint(older)
     outside = tmp_path / "outside"
     shutil.copytree(ckpt, outside)
     shutil.copy(ckpt / "model-00000.safetensors", tmp_path / "model-00001.safetensors")
     files = {**meta["files"], "../model-00001.safetensors": meta["files"]["model-00000.safetensors"]}
-    (outside / "meta.json").write_text(json.dumps({**meta, "files": files}))
+    (outside / "meta.json").write_text(json.dumps(sealed({**meta, "files": files})))
     one_error(train("--training.steps", "1", "--checkpoint.load", str(outside), check=False), "meta.json", "files")
 
 

@@ -1,20 +1,23 @@
 """Dense save/resume of the whole training state, written and read by every rank in parallel.
 
-A checkpoint (format `moevement-dense-v3`) is a directory holding, for each rank `r` that owns tensors,
+A checkpoint (format `moevement-dense-v4`) is a directory holding, for each rank `r` that owns tensors,
 `model-<r:05d>.safetensors` (parameters by global name) and `optim-<r:05d>.safetensors` (the AdamW
 tensors, named `optim.<param>.<key>`), each tensor whole and in exactly one file, and `meta.json`:
 format, step, loss, model shape, tokenizer, the run identity (`RunIdentity.of_dense`) and a sha256 per
-file. Each rank writes the tensors it owns (`trainer.checkpoint.state`: FSDP shards assembled within their group one
-tensor at a time), so no rank holds more than the largest tensor beyond its own state; rank 0 gathers
-only the file names and checksums, and publishes the directory atomically (`trainer.checkpoint.publish`).
+file, sealed (`trainer.sealed_json`: the sha256 of all the rest, checked before anything in it is used).
+Each rank writes the tensors it owns (`trainer.checkpoint.state`: FSDP shards assembled within their
+group one tensor at a time), so no rank holds more than the largest tensor beyond its own state; rank 0
+gathers only the file names and checksums, and publishes the directory atomically
+(`trainer.checkpoint.publish`).
 
 Nothing is unpickled on load: each file is checked against its sha256 (the files spread over the ranks)
 before anything parses it, then read with safetensors, and every rank takes the tensors it holds (its
 slice of FSDP-sharded ones), so a checkpoint saved in any parallel layout loads into any other. A
-`moevement-dense-v2` checkpoint (`model.safetensors` and `optim.safetensors`, one writer's files) loads
-the same way; the old DCP format (`moevement-dense-v1`, whose `.metadata` is a pickle) is refused
-without being read. An imported checkpoint (`python -m trainer.hf import`) has `"run": null`, an
-`imported` record, step 0 and no optimizer file: loading it sets the weights and leaves the optimizer fresh.
+checkpoint of a run must hold optimizer state for every parameter, with AdamW's step count equal to
+`step`. Older formats are refused with one line: v2 and v3 (`meta.json` not sealed), and the DCP format
+v1 (whose `.metadata` is a pickle) without being read. An imported checkpoint (`python -m trainer.hf
+import`) says `"weights_only": true` (with `"run": null`, an `imported` record and step 0) and has no
+optimizer file: loading it sets the weights and leaves the optimizer fresh.
 """
 
 from __future__ import annotations
@@ -41,8 +44,7 @@ from trainer.checkpoint.publish import (
     META,
     OLD_FORMAT,
     SHARD_FILE,
-    V2_FILES,
-    V2_FORMAT,
+    UNSEALED_FORMATS,
     CheckpointError,
     begin,
     check_target,
@@ -54,6 +56,7 @@ from trainer.checkpoint.publish import (
 from trainer.checkpoint.rank0 import all_records, from_rank0, gather_to_rank0, is_rank0
 from trainer.checkpoint.safetensors_stream import SafetensorsWriter, Spec, write_safetensors
 from trainer.checkpoint.state import OPTIM_PREFIX, owned_tensors, training_plan
+from trainer.sealed_json import seal_holds, sealed
 
 KEY = "checkpoint.save_final"
 KINDS = ("model", "optim")
@@ -177,7 +180,7 @@ def _finish(tmp: Path, path: Path, old_files: list[str], meta: dict, records: li
         if errors:
             return errors[0]
         files = {name: sha for part, _ in records for name, sha in part.items()}
-        publish(tmp, path, old_files, {**meta, "files": dict(sorted(files.items()))})
+        publish(tmp, path, old_files, sealed({**meta, "files": dict(sorted(files.items()))}))
         return None
     except OSError as e:
         return f"{key}: cannot save to {path} ({e})"
@@ -216,7 +219,14 @@ def save_imported(directory: str, model: Tensors, model_args: ModelArgs, origin:
     """Save the model tensors `model` taken from elsewhere (`origin`: where from) as a step-0 checkpoint with
     no optimizer state and no run identity: `checkpoint.load` starts a run from its weights with a fresh
     optimizer. `key` names the argument in error messages. Single process."""
-    meta = {"format": FORMAT, "step": 0, "model": dataclasses.asdict(model_args), "run": None, "imported": origin}
+    meta = {
+        "format": FORMAT,
+        "step": 0,
+        "model": dataclasses.asdict(model_args),
+        "run": None,
+        "imported": origin,
+        "weights_only": True,
+    }
     if origin.get("tokenizer"):
         meta["tokenizer"] = origin["tokenizer"]
     name = shard_file("model", 0)
@@ -228,15 +238,17 @@ def save_imported(directory: str, model: Tensors, model_args: ModelArgs, origin:
 
 
 def is_imported(meta: dict) -> bool:
-    """A checkpoint written by `save_imported` (weights only, from outside any run)."""
-    return isinstance(meta.get("imported"), dict) and meta.get("run") is None
+    """A checkpoint written by `save_imported`: weights only, from outside any run (`open_meta` checked
+    that such a checkpoint is of step 0 and lists no optimizer file)."""
+    return meta.get("weights_only") is True
 
 
 # ---------------------------------------------------------------- reading
 
 
 def open_meta(directory: str) -> dict:
-    """The parsed `meta.json` of a checkpoint in this format (or v2). The old DCP format is refused unread."""
+    """The checked `meta.json` of a checkpoint in this format: sealed, its files named as this program
+    names them, its step and loss numbers. Older formats are refused (the DCP one unread)."""
     path = Path(directory)
     meta_path = path / META
     old = (
@@ -245,8 +257,9 @@ def open_meta(directory: str) -> dict:
     )
     if os.path.lexists(path / ".metadata"):
         raise CheckpointError(old)
-    if not meta_path.is_file():
-        raise CheckpointError(f"{meta_path}: missing; '{directory}' is not a complete MoEvement checkpoint")
+    if meta_path.is_symlink() or not meta_path.is_file():
+        why = "a symlink (refused, never followed)" if meta_path.is_symlink() else "missing"
+        raise CheckpointError(f"{meta_path}: {why}; '{directory}' is not a complete MoEvement checkpoint")
     try:
         meta = json.loads(meta_path.read_text())
     except (OSError, ValueError, RecursionError) as e:
@@ -255,33 +268,40 @@ def open_meta(directory: str) -> dict:
         raise CheckpointError(f"{meta_path}: not a JSON object")
     if meta.get("format") == OLD_FORMAT:
         raise CheckpointError(old)
-    if meta.get("format") not in (FORMAT, V2_FORMAT):
+    if meta.get("format") in UNSEALED_FORMATS:
+        raise CheckpointError(
+            f"{meta_path}: format {meta['format']} of an older version (meta.json not sealed); not loaded: "
+            f"load it with that version and save it again with --checkpoint.save_final"
+        )
+    if meta.get("format") != FORMAT:
         raise CheckpointError(f"{meta_path}: format {meta.get('format')!r}, expected {FORMAT!r}")
-    _check_files(meta, meta_path)
+    if not seal_holds(meta):
+        raise CheckpointError(f"{meta_path}: does not match its seal (edited or damaged); not loaded")
+    _check_fields(meta, meta_path)
+    return meta
+
+
+def _check_fields(meta: dict, meta_path: Path) -> None:
+    """`files` maps this format's file names to sha256 strings, with a model file; `step` is an integer
+    >= 0 and `loss` a number; a weights-only checkpoint is of step 0 and lists no optimizer file."""
+    files = meta.get("files")
+    if not isinstance(files, dict) or not all(isinstance(n, str) and SHARD_FILE.match(n) for n in files):
+        raise CheckpointError(f"{meta_path}: 'files' must map model-NNNNN.safetensors / optim-NNNNN.safetensors")
+    if not all(isinstance(sha, str) for sha in files.values()) or not files_of(meta, "model"):
+        raise CheckpointError(f"{meta_path}: 'files' must give a sha256 per file and hold a model file")
     step = meta.get("step")
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise CheckpointError(f"{meta_path}: 'step' must be an integer >= 0, got {step!r}")
     if not isinstance(meta.get("loss", 0.0), (int, float)) or isinstance(meta.get("loss"), bool):
         raise CheckpointError(f"{meta_path}: 'loss' must be a number, got {meta.get('loss')!r}")
-    return meta
-
-
-def _check_files(meta: dict, meta_path: Path) -> None:
-    """`files` maps plain file names of this format to sha256 strings, with at least one model file."""
-    files = meta.get("files")
-    if meta["format"] == V2_FORMAT:
-        if not isinstance(files, dict) or set(files) != set(V2_FILES.values()):
-            raise CheckpointError(f"{meta_path}: 'files' must list exactly {' and '.join(V2_FILES.values())}")
-    elif not isinstance(files, dict) or not all(isinstance(n, str) and SHARD_FILE.match(n) for n in files):
-        raise CheckpointError(f"{meta_path}: 'files' must map model-NNNNN.safetensors / optim-NNNNN.safetensors")
-    if not all(isinstance(sha, str) for sha in files.values()) or not files_of(meta, "model"):
-        raise CheckpointError(f"{meta_path}: 'files' must give a sha256 per file and hold a model file")
+    if meta.get("weights_only", False) not in (True, False):
+        raise CheckpointError(f"{meta_path}: 'weights_only' must be true or false")
+    if meta.get("weights_only") and (step != 0 or files_of(meta, "optim") or meta.get("run") is not None):
+        raise CheckpointError(f"{meta_path}: a weights-only checkpoint is of step 0 with no run and no optimizer file")
 
 
 def files_of(meta: dict, kind: str) -> list[str]:
     """The names of the checkpoint's `kind` ("model" or "optim") files (`open_meta` checked them)."""
-    if meta["format"] == V2_FORMAT:
-        return [V2_FILES[kind]]
     return sorted(name for name in meta["files"] if SHARD_FILE.match(name)[1] == kind)
 
 

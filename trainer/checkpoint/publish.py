@@ -28,13 +28,14 @@ class CheckpointError(RuntimeError):
     """A missing, corrupted, mismatched or unsafe checkpoint or target; the message names the path."""
 
 
-FORMAT = "moevement-dense-v3"  # one model and one optimizer file per writing rank
-V2_FORMAT = "moevement-dense-v2"  # model.safetensors and optim.safetensors: read as one writer's files
+FORMAT = "moevement-dense-v4"  # one model and one optimizer file per writing rank; meta.json sealed
+# formats of older versions, refused on load (re-save with this version); a save may replace them
+UNSEALED_FORMATS = ("moevement-dense-v3", "moevement-dense-v2")  # meta.json not sealed
 OLD_FORMAT = "moevement-dense-v1"  # torch DCP with a pickled .metadata: refused unread
 META = "meta.json"
 PARTIAL = ".moevement-partial"  # marks a temporary directory written by this program
 SHARD_FILE = re.compile(r"^(model|optim)-(\d{5})\.safetensors$")
-V2_FILES = {"model": "model.safetensors", "optim": "optim.safetensors"}
+V2_FILES = ("model.safetensors", "optim.safetensors")  # what a v2 checkpoint holds (replaceable)
 
 
 def shard_file(kind: str, rank: int) -> str:
@@ -44,7 +45,7 @@ def shard_file(kind: str, rank: int) -> str:
 
 def written_by_us(name: str) -> bool:
     """A file name this program writes into a checkpoint directory (any format)."""
-    return bool(SHARD_FILE.match(name)) or name in (META, f"{META}.tmp", PARTIAL, *V2_FILES.values())
+    return bool(SHARD_FILE.match(name)) or name in (META, f"{META}.tmp", PARTIAL, *V2_FILES)
 
 
 def own_file(path: Path) -> bool:
@@ -82,7 +83,7 @@ def _old_checkpoint_files(path: Path, key: str) -> list[str]:
         files, fmt = meta["files"], meta["format"]
     except (OSError, ValueError, RecursionError, TypeError, KeyError):
         files, fmt = {}, None
-    if fmt not in (FORMAT, V2_FORMAT, OLD_FORMAT) or not isinstance(files, dict):
+    if fmt not in (FORMAT, *UNSEALED_FORMATS, OLD_FORMAT) or not isinstance(files, dict):
         raise CheckpointError(
             f"{key}: {path} is a non-empty directory that is not a MoEvement checkpoint; "
             f"not replaced (choose a new or empty directory)"

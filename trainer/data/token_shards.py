@@ -25,7 +25,6 @@ its opening, a large one on a background thread from its first read), by :func:`
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -39,6 +38,7 @@ import torch
 from trainer.data.corpus import DataError
 from trainer.data.shard_check import VERIFY_AT_OPEN_BYTES, ShardCheck, file_sha256
 from trainer.data.tokenizer import Tokenizer
+from trainer.sealed_json import seal_holds, seal_of  # noqa: F401 (seal_of: what prepare writes)
 
 INDEX_NAME = "token_index.json"
 PROGRESS_NAME = "prepare_progress.jsonl"  # an unfinished preparation's record (trainer.data.prepare)
@@ -52,13 +52,6 @@ _SHARD_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*-\d{5,}\.bin$")
 def shard_dtype(vocab_size: int) -> str:
     """``uint16`` when every token id fits in 16 bits, else ``uint32``."""
     return "uint16" if vocab_size <= 1 << 16 else "uint32"
-
-
-def seal_of(index: dict) -> str:
-    """The index's seal: the sha256 of its canonical JSON without the seal (binds every field, the shards'
-    order and hashes included, so a damaged or edited index is refused; a hash, not a signature)."""
-    body = {key: value for key, value in index.items() if key != "seal"}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def tokenizer_identity(tok: Tokenizer) -> dict:
@@ -107,7 +100,7 @@ def read_index(directory: Path) -> dict:
         )
     if index.get("format") != FORMAT or index.get("version") != VERSION:
         raise DataError(f"{where}: {str(index_path)!r} is not a {FORMAT} version {VERSION} index")
-    if index.get("seal") != seal_of(index):
+    if not seal_holds(index):
         raise DataError(f"{where}: {str(index_path)!r} does not match its seal (edited or damaged)")
     if index.get("dtype") not in DTYPES or not isinstance(index.get("splits"), dict):
         raise DataError(f"{where}: {str(index_path)!r} has no valid dtype or splits")
