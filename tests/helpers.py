@@ -247,6 +247,7 @@ SHELL_CHILD = textwrap.dedent(
         log.write(json.dumps({{"activated": activation, "role": os.environ[rank_shell.ROLE]}}) + "\\n")
         log.flush()
     generation = int(os.environ.get(rank_shell.GENERATION, "0"))
+    rank_shell.start_heartbeat()
     rank_shell.report(f"generation {{generation}}")
     log.write(json.dumps({{"trainer": os.getpid(), "generation": generation}}) + "\\n")
     log.flush()
@@ -261,6 +262,11 @@ SHELL_CHILD = textwrap.dedent(
         os.kill(standbys()[0], signal.SIGKILL)
         while len(standbys()) < 2:
             time.sleep(0.05)
+    if ending == "freeze":  # a hang: the whole process stops, its heartbeat with it
+        os.kill(os.getpid(), signal.SIGSTOP)
+    if ending == "busy-0":  # busy for 4 s, its heartbeat going on (as in a long collective)
+        time.sleep(4)
+        ending = "0"
     if ending.endswith("die"):
         os.kill(os.getpid(), signal.SIGKILL)
     sys.exit(int(ending))
@@ -268,11 +274,14 @@ SHELL_CHILD = textwrap.dedent(
 )
 
 
-def run_shell(tmp_path, endings: list[str], max_replacements: int) -> tuple[int, list[dict], str]:
-    """A shell over the child script whose trainer of generation g ends as `endings[g]` ("die": SIGKILL,
-    "finished-die": SIGKILL after reporting the job finished at step 7, "standby-killed-die": SIGKILL once it
-    killed the standby and the shell started another, or an exit status); returns (the shell's status, the
-    children's records, the shell's output)."""
+def run_shell(
+    tmp_path, endings: list[str], max_replacements: int, timeout_s: float = 600.0
+) -> tuple[int, list[dict], str]:
+    """A shell (`fault.timeout_s` = `timeout_s`) over the child script whose trainer of generation g ends as
+    `endings[g]` ("die": SIGKILL, "finished-die": SIGKILL after reporting the job finished at step 7,
+    "standby-killed-die": SIGKILL once it killed the standby and the shell started another, "freeze":
+    SIGSTOP, "busy-0": exit 0 after 4 s, or an exit status); returns (the shell's status, the children's
+    records, the shell's output)."""
     from trainer.lifecycle import rank_shell
 
     log = tmp_path / "log.jsonl"
@@ -280,7 +289,7 @@ def run_shell(tmp_path, endings: list[str], max_replacements: int) -> tuple[int,
     script.write_text(SHELL_CHILD.format(root=str(ROOT), log=str(log), endings=endings))
     driver = (
         f"import sys; sys.path.insert(0, {str(ROOT)!r}); from trainer.lifecycle.rank_shell import RankShell; "
-        f"sys.exit(RankShell([sys.executable, {str(script)!r}], {max_replacements}).run())"
+        f"sys.exit(RankShell([sys.executable, {str(script)!r}], {max_replacements}, {timeout_s}).run())"
     )
     env = {k: v for k, v in os.environ.items() if k != rank_shell.ROLE}
     env.update(RANK="1", WORLD_SIZE="2")

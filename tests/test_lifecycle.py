@@ -21,6 +21,8 @@ import torch.multiprocessing as mp
 
 from parallelisms import collectives
 from parallelisms.distributed import init_distributed, join_generation, leave_generation, torchrun_store
+from trainer.config import Config
+from trainer.lifecycle import shell_argv
 from trainer.lifecycle.generations import happened
 from trainer.lifecycle.peer_failure import WorkerStopped, peer_failure
 from trainer.lifecycle.process_state import ProcessState
@@ -32,6 +34,7 @@ from trainer.lifecycle.verdict import (
     OnSigterm,
     ShellVerdict,
     Verdict,
+    a_frozen_child,
     after_child_exit,
     decide,
     on_sigterm,
@@ -266,3 +269,29 @@ def test_what_a_rank_shell_does_when_its_trainer_ends(returncode, finished, stop
 )
 def test_when_train_py_starts_as_a_rank_shell(facts, shell):
     assert runs_a_shell(*facts) is shell
+
+
+@pytest.mark.parametrize(
+    ("silent_s", "stopping", "frozen"),
+    [(0.5, False, False), (10.0, False, False), (10.5, False, True), (60.0, True, False)],
+)
+def test_when_a_rank_shell_kills_a_silent_trainer(silent_s, stopping, frozen):
+    """Silent longer than `fault.timeout_s` (here 10 s) is frozen, unless torchrun is stopping the job."""
+    assert a_frozen_child(silent_s, 10.0, stopping) is frozen
+
+
+def test_the_shell_reads_the_trainers_settings_and_defaults(tmp_path):
+    """The shell reads `fault.*` and `checkpoint.strategy` as the trainer does (command line over config
+    file over the default), and its defaults are the trainer's."""
+    defaults = Config()
+    for key, value in shell_argv.DEFAULTS.items():
+        section, name = key.split(".")
+        assert getattr(getattr(defaults, section), name) == value, key
+    config = tmp_path / "job.toml"
+    config.write_text('[fault]\ntimeout_s = 42\n[checkpoint]\nstrategy = "gemini"\n')
+    argv = ["--config", str(config), "--fault.max_replacements=2"]
+    assert shell_argv.setting(argv, "fault.timeout_s", float) == 42.0
+    assert shell_argv.setting([*argv, "--fault.timeout_s", "7", "--fault.timeout_s=5"], "fault.timeout_s", float) == 5
+    assert shell_argv.setting(argv, "fault.max_replacements", int) == 2
+    assert shell_argv.setting(argv, "checkpoint.strategy", str) == "gemini"
+    assert shell_argv.setting([], "fault.timeout_s", float) == 600.0

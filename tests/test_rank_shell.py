@@ -51,3 +51,23 @@ def test_a_dead_standby_is_respawned_and_replaces_the_next_death(tmp_path):
     assert re.search(rf"^shell: rank 1: standby pid {first} died \(signal SIGKILL\); standby pid {second} ", out, re.M)
     assert [r["generation"] for r in records if "trainer" in r] == [0, 1], records
     assert "replaces it in generation 1" in out, out
+
+
+def test_a_frozen_trainer_is_killed_and_replaced(tmp_path):
+    """The trainer stops (SIGSTOP: a hang, its heartbeat thread stopped with it) and says nothing for longer
+    than `fault.timeout_s`: the shell kills it (one line) and the standby replaces it, as after a death."""
+    status, records, out = run_shell(tmp_path, ["freeze", "0"], max_replacements=4, timeout_s=1.5)
+    assert status == 0, out
+    frozen = [r["trainer"] for r in records if "trainer" in r][0]
+    said = re.search(rf"^shell: rank 1: trainer pid {frozen} said nothing for ([\d.]+) s \(more than ", out, re.M)
+    assert said and 1.5 <= float(said[1]) < 10, out
+    assert re.search(rf"trainer pid {frozen} died \(signal SIGKILL\) .* replaces it in generation 1", out), out
+    assert [r["generation"] for r in records if "trainer" in r] == [0, 1], records
+
+
+def test_a_busy_trainer_whose_heartbeat_goes_on_is_not_killed(tmp_path):
+    """A trainer busy (or waiting) for twice `fault.timeout_s` but not frozen keeps saying `alive`: the shell
+    leaves it alone and the slot ends with its exit status."""
+    status, records, out = run_shell(tmp_path, ["busy-0"], max_replacements=4, timeout_s=2)
+    assert status == 0 and "said nothing" not in out, out
+    assert [r["generation"] for r in records if "trainer" in r] == [0], records

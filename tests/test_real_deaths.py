@@ -289,22 +289,31 @@ def test_interleaved_1f1b_and_two_deaths_in_a_row(tmp_path):
     assert [(r.ranks, r.scope) for r in found] == [((1,), (1, 3)), ((0,), (0, 2))]
 
 
+FROZEN = r"^shell: rank {r}: trainer pid \d+ said nothing for [\d.]+ s \(more than fault.timeout_s=5 s\): frozen"
+
+
+def assert_a_hang_replaced_in_place(out: str, rank: int) -> None:
+    """Rank `rank` stopped at step 9: its shell killed it as frozen, its standby replaced it in generation 1,
+    and no rank waited for torchrun's restart."""
+    assert f"fault: rank {rank} stopped (SIGSTOP) in the backward phase of step 9" in out
+    assert re.search(FROZEN.format(r=rank), out, re.M), out
+    assert re.search(rf"^shell: rank {rank}: trainer pid \d+ died \(signal SIGKILL\) .* generation 1 ", out, re.M)
+    assert "not joined" not in out and [r.restart for r in rejoins(run_events(out))][:1] == ["replaced"], out
+
+
 @pytest.mark.slow
-def test_a_hung_worker_is_detected_by_the_timeout(tmp_path):
-    """pp=2: rank 1 stops (SIGSTOP) in its backward pass, keeping its connections open; rank 0's receive
-    fails after `fault.timeout_s` and it keeps its state in memory. No shell sees the stopped process die,
-    so generation 1 is not joined in time: rank 0 writes its kept state to its host directory and torchrun
-    restarts every worker, which recovers locally from there."""
+def test_a_hung_worker_is_killed_by_its_shell_and_replaced_in_place(tmp_path):
+    """pp=2: rank 1 stops (SIGSTOP) in its backward pass, keeping its connections open. Its heartbeat stops
+    with it: after `fault.timeout_s` its shell kills it and the standby replaces it, while rank 0 (whose
+    receive failed) keeps its state in memory: the hang is recovered in place, like a death."""
     out = death_run(
         tmp_path,
         PP2,
         2,
         *("--fault.kill", "9:1:backward", "--fault.kill_signal", "SIGSTOP", "--fault.timeout_s", "5"),
-        restarts=1,
     )
-    assert "fault: rank 1 stopped (SIGSTOP) in the backward phase of step 9" in out
-    assert re.search(r"^survivor: rank 0 pid \d+ .* at step 9: a collective failed \(Timed out\)", out, re.M), out
-    assert "restart: generation 1 was not joined by every rank within 2 x fault.timeout_s=10 s" in out
+    assert_a_hang_replaced_in_place(out, 1)
+    assert re.search(r"^survivor: rank 0 pid \d+ .* at step 9: a collective failed", out, re.M), out
     assert_local_and_exact(out, baseline(PP2, 2), (1,), (1,))
 
 
@@ -312,19 +321,16 @@ def test_a_hung_worker_is_detected_by_the_timeout(tmp_path):
 def test_a_hang_is_detected_in_every_process_group(tmp_path):
     """pp2/dp2/ep2: rank 2 stops in its backward pass. Its peers wait for it in the pipeline, expert and
     data-parallel groups of the device mesh (created after the default group, with PyTorch's 30-minute
-    default): every group is bounded by `fault.timeout_s`, so the job recovers in seconds, locally (through
-    torchrun's restart, as above)."""
+    default): every group is bounded by `fault.timeout_s`, and its shell replaces it after that bound, so
+    the job recovers in seconds, locally and in place."""
     reference = baseline(PP2_DP2_EP2_BF16, 4)
     out = death_run(
         tmp_path,
         PP2_DP2_EP2_BF16,
         4,
         *("--fault.kill", "9:2:backward", "--fault.kill_signal", "SIGSTOP", "--fault.timeout_s", "5"),
-        restarts=1,
     )
-    assert "fault: rank 2 stopped (SIGSTOP) in the backward phase of step 9" in out
-    timed_out = r"^survivor: rank [013] pid \d+ .* at step 9: a collective failed \(Timed out\)"
-    assert re.search(timed_out, out, re.M), out
+    assert_a_hang_replaced_in_place(out, 2)
     assert_local_and_exact(out, reference, (2,), (1,))
 
 

@@ -30,10 +30,11 @@ def become_shell_if_wanted(argv: list[str]) -> None:
 
 
 def await_standby_activation() -> None:
-    """In a shell's standby (imports done): wait for the shell to activate it, then return to train as the
-    dead trainer's rank in the generation the shell names; exit with success when the shell ends first."""
-    if os.environ.get(rank_shell.ROLE) != "standby":
-        return
-    if rank_shell.await_activation() is None:
-        sys.exit(exit_codes.DONE)
-    STARTUP.marks.clear()  # its start-up cost was paid before the death
+    """Once train.py's imports are done. In a shell's standby: wait for the shell to activate it, then return
+    to train as the dead trainer's rank in the generation the shell names; exit with success when the shell
+    ends first. In a shell's trainer (the first, or an activated standby): start its heartbeat."""
+    if os.environ.get(rank_shell.ROLE) == "standby":
+        if rank_shell.await_activation() is None:
+            sys.exit(exit_codes.DONE)
+        STARTUP.marks.clear()  # its start-up cost was paid before the death
+    rank_shell.start_heartbeat()

@@ -19,11 +19,14 @@ or a replacement that could not join in time); when `fault.max_replacements` rep
 when torchrun stops it (SIGTERM, forwarded to the child). It dies with torchrun's agent, and its children
 with it (`PR_SET_PDEATHSIG`).
 
-Messages from the trainer child reach the shell on a pipe (`SHELL_FD`), one line each: `generation <g>`
-when it starts joining generation g, `run <dir>` once it knows the run folder (the shell records its
-`shell:` lines in its events.jsonl), `finished <step>` once it knows the job finished
-(trainer/lifecycle/job_end.py): a trainer that dies after that is nothing to recover, and the shell exits
-with success, replacing nobody. What the shell does when its trainer ends is `verdict.after_child_exit`.
+Messages from the trainer child reach the shell on a pipe (`SHELL_FD`), one line each: `alive` every
+second from a thread of its own once its imports are done (a trainer silent for longer than
+`fault.timeout_s` is frozen, stopped or stuck: the shell kills it and its standby replaces it, so a hang
+is recovered in place like a death), `generation <g>` when it starts joining generation g, `run <dir>`
+once it knows the run folder (the shell records its `shell:` lines in its events.jsonl), `finished
+<step>` once it knows the job finished (trainer/lifecycle/job_end.py): a trainer that dies after that is
+nothing to recover, and the shell exits with success, replacing nobody. What the shell does when its
+trainer ends is `verdict.after_child_exit`.
 """
 
 from __future__ import annotations
@@ -35,21 +38,23 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
-import tomllib
 from pathlib import Path
 
 from trainer.lifecycle import exit_codes
 from trainer.lifecycle.exit_codes import describe
+from trainer.lifecycle.shell_argv import ERRORS, setting
 from trainer.lifecycle.shell_lines import (
     AFTER_THE_END,
+    FROZEN,
     HANDED_BACK,
     REPLACED,
     STANDBY_LOST,
     STANDBY_RESPAWNED,
     ShellLine,
 )
-from trainer.lifecycle.verdict import ShellVerdict, after_child_exit, runs_a_shell
+from trainer.lifecycle.verdict import ShellVerdict, a_frozen_child, after_child_exit, runs_a_shell
 from trainer.run.event_log import append_event
 
 ROLE = "MOEVEMENT_ROLE"  # "trainer" or "standby" in the shell's children; unset elsewhere
@@ -57,7 +62,7 @@ SHELL_FD = "MOEVEMENT_SHELL_FD"  # the trainer child's end of the report pipe
 AGENT_PID = "MOEVEMENT_AGENT_PID"  # torchrun's agent, the shell's parent
 GENERATION = "MOEVEMENT_GENERATION"  # set in an activated standby: the generation it joins
 _PR_SET_PDEATHSIG = 1
-DEFAULT_MAX_REPLACEMENTS = 4  # `fault.max_replacements`'s default (trainer/config.py)
+HEARTBEAT_S = 1.0  # how often a shell's trainer child says it is alive
 
 
 def torchrun_agent_pid() -> int:
@@ -70,37 +75,12 @@ def wanted(argv: list[str]) -> bool:
     torchrun's environment and what the command line and config file say)."""
     env = os.environ
     try:
-        strategy, budget = _strategy(argv), _max_replacements(argv)
-    except (OSError, TypeError, ValueError, AttributeError, tomllib.TOMLDecodeError):
+        strategy = setting(argv, "checkpoint.strategy", str)
+        budget = setting(argv, "fault.max_replacements", int)
+    except ERRORS:
         return False  # the trainer reports a bad config itself, without a shell
     one_shot = bool({"--dry-run", "--print-config", "-h", "--help"} & set(argv))
     return runs_a_shell("RANK" in env, int(env.get("WORLD_SIZE", "1")), ROLE in env, one_shot, strategy, budget)
-
-
-def _strategy(argv: list[str]) -> str:
-    """`checkpoint.strategy` as the command line and the config file name it (the trainer checks it again)."""
-    for i, arg in enumerate(argv):
-        if arg.startswith("--checkpoint.strategy="):
-            return arg.split("=", 1)[1]
-        if arg == "--checkpoint.strategy" and i + 1 < len(argv):
-            return argv[i + 1]
-    path = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"), None)
-    try:
-        with open(path, "rb") as f:
-            return str(tomllib.load(f).get("checkpoint", {}).get("strategy", "none"))
-    except (OSError, TypeError, tomllib.TOMLDecodeError, AttributeError):
-        return "none"  # the trainer reports a bad config itself, without a shell
-
-
-def _max_replacements(argv: list[str]) -> int:
-    for i, arg in enumerate(argv):
-        if arg.startswith("--fault.max_replacements="):
-            return int(arg.split("=", 1)[1])
-        if arg == "--fault.max_replacements" and i + 1 < len(argv):
-            return int(argv[i + 1])
-    path = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"), None)
-    with open(path, "rb") as f:
-        return int(tomllib.load(f).get("fault", {}).get("max_replacements", DEFAULT_MAX_REPLACEMENTS))
 
 
 def _die_with_parent() -> None:
@@ -110,13 +90,14 @@ def _die_with_parent() -> None:
 class RankShell:
     """One torchrun slot: the trainer child, its standby, and the generation the trainer last joined."""
 
-    def __init__(self, command: list[str], max_replacements: int):
-        self.command, self.max_replacements = command, max_replacements
+    def __init__(self, command: list[str], max_replacements: int, timeout_s: float):
+        self.command, self.max_replacements, self.timeout_s = command, max_replacements, timeout_s
         self.rank = os.environ.get("RANK", "?")
         self.generation, self.replacements, self.stopping = 0, 0, False
         self.finished_at: int | None = None  # the step the job finished at, once the trainer said so
         self.standbys_lost = 0  # standbys that died idle and were started again
         self.run_dir: Path | None = None  # the run record's folder, once the trainer named it (`run <dir>`)
+        self.heard: float | None = None  # when the trainer last said anything (None: not since it started)
         self.reports, report_end = os.pipe()
         self.env = {**os.environ, AGENT_PID: str(os.getppid()), SHELL_FD: str(report_end)}
         self.child = self._spawn("trainer")
@@ -144,7 +125,10 @@ class RankShell:
         ready, _, _ = select.select([self.reports], [], [], timeout)
         if not ready:
             return
-        for line in os.read(self.reports, 4096).decode().splitlines():
+        data = os.read(self.reports, 4096)
+        if data:
+            self.heard = time.monotonic()
+        for line in data.decode().splitlines():
             word, _, value = line.partition(" ")
             if word == "generation" and value.isdigit():
                 self.generation = max(self.generation, int(value))
@@ -169,6 +153,7 @@ class RankShell:
             while (code := self.child.poll()) is None:
                 self._read_reports(0.1)
                 self._keep_a_standby()
+                self._kill_if_frozen()
             self._read_reports(0)
             verdict = after_child_exit(code, self.finished_at is not None, self.stopping)
             if verdict is ShellVerdict.DONE:
@@ -195,6 +180,19 @@ class RankShell:
         count, limit = self.standbys_lost, self.max_replacements
         self._say(ShellLine(STANDBY_RESPAWNED, self.rank, dead, describe(code), self.standby.pid, count, limit))
 
+    def _kill_if_frozen(self) -> None:
+        """A trainer that said nothing, not even its heartbeat, for longer than `fault.timeout_s` since it
+        first spoke (`verdict.a_frozen_child`: stopped, or stuck holding the interpreter) is killed: its
+        peers' collectives fail at once, and its end is a death the standby replaces. Counting starts
+        with its first word, once its imports are done (`start_heartbeat`)."""
+        if self.heard is None:
+            return
+        silent = time.monotonic() - self.heard
+        if a_frozen_child(silent, self.timeout_s, self.stopping):
+            self._say(ShellLine(FROZEN, self.rank, self.child.pid, "frozen", silent_s=silent, timeout_s=self.timeout_s))
+            self.child.kill()
+            self.child.wait()
+
     def _replace(self, code: int) -> bool:
         """The trainer child died with `code`: start the standby as the same rank in the next generation."""
         how = describe(code)
@@ -203,6 +201,7 @@ class RankShell:
             self._say(ShellLine(HANDED_BACK, self.rank, self.child.pid, how, why=why))
             return False
         dead, self.child, self.generation = self.child.pid, self.standby, self.generation + 1
+        self.heard = None  # the replacement's heartbeat starts once it is activated
         self.replacements += 1
         self.child.stdin.write(json.dumps({"generation": self.generation, "died": dead}).encode() + b"\n")
         self.child.stdin.close()
@@ -220,7 +219,8 @@ def run_shell(argv: list[str]) -> int:
     _die_with_parent()
     if os.getppid() != agent:  # the agent died before the request took effect
         return 1
-    return RankShell([sys.executable, *sys.argv[:1], *argv], _max_replacements(argv)).run()
+    budget, timeout_s = setting(argv, "fault.max_replacements", int), setting(argv, "fault.timeout_s", float)
+    return RankShell([sys.executable, *sys.argv[:1], *argv], budget, timeout_s).run()
 
 
 def await_activation() -> dict | None:
@@ -243,3 +243,18 @@ def report(message: str) -> None:
             os.write(int(fd), (message + "\n").encode())
         except OSError:
             pass  # the shell is gone: this process dies with it
+
+
+def start_heartbeat() -> None:
+    """In a shell's trainer child, once its imports are done: say `alive` to the shell every `HEARTBEAT_S`
+    from a daemon thread, so that the shell tells a frozen trainer from a busy or waiting one (nothing
+    outside a shell)."""
+    if os.environ.get(ROLE) != "trainer" or SHELL_FD not in os.environ:
+        return
+
+    def beat() -> None:
+        while True:
+            report("alive")
+            time.sleep(HEARTBEAT_S)
+
+    threading.Thread(target=beat, name="moevement-heartbeat", daemon=True).start()

@@ -14,6 +14,7 @@ HANDED_BACK = "handed_back"  # the trainer died with no standby or no replacemen
 AFTER_THE_END = "after_the_end"  # the trainer died after the job finished: nothing to recover
 STANDBY_RESPAWNED = "standby_respawned"  # the idle standby died and a new one was started
 STANDBY_LOST = "standby_lost"  # the idle standby died and none is left to start
+FROZEN = "frozen"  # the trainer said nothing for longer than fault.timeout_s: killed (then replaced)
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class ShellLine:
         trainer pid <p> died (<how>) after the job finished at step <n>; nothing to recover    (AFTER_THE_END)
         standby pid <p> died (<how>); standby pid <s> takes its place (<n> of <limit>)         (STANDBY_RESPAWNED)
         standby pid <p> died (<how>); none left to start                                       (STANDBY_LOST)
+        trainer pid <p> said nothing for <s> s (more than fault.timeout_s=<T> s): frozen; killed   (FROZEN)
 
     (`<t>` with 3 decimals; `<how>`: `signal SIGKILL` or `exit status <n>`)."""
 
@@ -42,6 +44,8 @@ class ShellLine:
     unix: float | None = None  # REPLACED: when the shell saw the death
     step: int | None = None  # AFTER_THE_END: the step the job finished at
     why: str | None = None  # HANDED_BACK: "no standby" or "replacements spent"
+    silent_s: float | None = None  # FROZEN: how long the trainer said nothing
+    timeout_s: float | None = None  # FROZEN: fault.timeout_s
 
     def line(self) -> str:
         """The console line, byte for byte the formats above."""
@@ -60,6 +64,11 @@ class ShellLine:
             return f"{head}standby {died}; standby pid {self.standby} takes its place ({self.count} of {self.limit})"
         if self.what == STANDBY_LOST:
             return f"{head}standby {died}; none left to start"
+        if self.what == FROZEN:
+            return (
+                f"{head}trainer pid {self.pid} said nothing for {self.silent_s:.1f} s (more than "
+                f"fault.timeout_s={self.timeout_s:g} s): frozen; killed"
+            )
         raise ValueError(f"unknown shell line {self.what!r}")
 
     def record(self) -> dict:
@@ -67,6 +76,8 @@ class ShellLine:
         record = {"kind": self.KIND, **asdict(self)}
         if self.unix is not None:
             record["unix"] = float(f"{self.unix:.3f}")
+        if self.silent_s is not None:
+            record["silent_s"] = float(f"{self.silent_s:.1f}")
         return record
 
     @classmethod

@@ -2,7 +2,8 @@
 
 - `decide`: what a trainer does once an exception ended its work (below);
 - `on_sigterm`: what SIGTERM does in each phase of the stop guard (`trainer/lifecycle/survival.py`);
-- `after_child_exit`: what a rank shell does when its trainer child ends (`trainer/lifecycle/rank_shell.py`);
+- `after_child_exit`: what a rank shell does when its trainer child ends (`trainer/lifecycle/rank_shell.py`),
+  and `a_frozen_child`: when it ends a trainer that stopped saying anything;
 - `runs_a_shell`: whether `train.py` starts as a rank shell at all (`trainer/lifecycle/entry.py`).
 
 The rest of the lifecycle gathers the facts and carries the verdicts out. Imports nothing but the exit
@@ -95,6 +96,15 @@ def after_child_exit(returncode: int, job_finished: bool, stopping: bool) -> She
     if job_finished:
         return ShellVerdict.DONE
     return ShellVerdict.REPLACE
+
+
+def a_frozen_child(silent_s: float, timeout_s: float, stopping: bool) -> bool:
+    """Whether a rank shell kills its trainer child as frozen: since its imports the child says `alive`
+    every second from a thread of its own, and it said nothing for longer than `timeout_s`
+    (`fault.timeout_s`, the bound its peers' collectives give it too): the process is stopped (SIGSTOP) or
+    stuck holding the interpreter. Not while torchrun stops the job (`stopping`). The killed child is then
+    a death like any other (`after_child_exit`)."""
+    return not stopping and silent_s > timeout_s
 
 
 def runs_a_shell(
