@@ -7,8 +7,10 @@
 
 The tasks are the lm-eval task files of ``eval/lm_eval_tasks/`` (what ``lm_eval --include_path
 eval/lm_eval_tasks`` loads), over local data only. Prints one line per task, ``task=<t> acc=<x>
-acc_norm=<x> n=<items>``, and writes lm-eval's results JSON to ``--output`` (default
-``<checkpoint>/eval_results.json``). A bad checkpoint or task name is one line ``error: ...`` on
+acc_norm=<x> n=<items>``, and writes lm-eval's results JSON to ``--output`` (default: a new folder
+``outputs/eval/<checkpoint name>/<UTC timestamp>/eval_results.json`` under the current directory; never
+inside the checkpoint, which ``--checkpoint.save_final`` refuses to overwrite once it holds anything
+else). A bad checkpoint or task name is one line ``error: ...`` on
 stderr and exit status 2; a task whose data is missing is one such line, the other tasks still run
 and print, and the exit status is 2.
 """
@@ -35,6 +37,7 @@ from eval.errors import EvalError  # noqa: E402
 from eval.tasks import TASKS, parse_task_names  # noqa: E402
 
 RESULTS_FILE = "eval_results.json"
+EVAL_OUTPUTS = Path("outputs") / "eval"  # the default --output's root, under the current directory
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -58,7 +61,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "(default: $MOEVEMENT_PIQA_DIR, else ../shared/data/piqa)",
     )
     p.add_argument("--batch-size", type=int, default=32, help="windows per forward pass (default: 32)")
-    p.add_argument("--output", default=None, help=f"results JSON (default: <checkpoint>/{RESULTS_FILE})")
+    p.add_argument(
+        "--output",
+        default=None,
+        help=f"results JSON (default: {EVAL_OUTPUTS}/<checkpoint name>/<UTC timestamp>/{RESULTS_FILE} under the "
+        "current directory, never inside the checkpoint)",
+    )
     p.add_argument("--config", default=None, help="training TOML: checks the model shape, picks data.tokenizer")
     p.add_argument("--tokenizer", default=None, help="'byte' or a tokenizer.json (default: config, else byte)")
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
@@ -109,13 +117,37 @@ def task_line(task: str, results: dict[str, Any]) -> str:
     return f"task={task} acc={metrics['acc,none']:.4f} acc_norm={metrics['acc_norm,none']:.4f} n={n}"
 
 
+def default_output(checkpoint: str) -> Path:
+    """``outputs/eval/<checkpoint name>/<UTC timestamp>/eval_results.json`` under the current directory, in a
+    folder made here (suffixed ``-1``, ``-2``, ... when another evaluation of that checkpoint took that second).
+    Not in the checkpoint: ``--checkpoint.save_final`` to it would then be refused."""
+    parent = EVAL_OUTPUTS / (Path(checkpoint).resolve().name or "checkpoint")
+    stamp = time.strftime("%Y-%m-%d_%H-%M-%S", time.gmtime())
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        for n in range(1000):
+            folder = parent / (stamp if n == 0 else f"{stamp}-{n}")
+            try:
+                folder.mkdir()
+                return folder / RESULTS_FILE
+            except FileExistsError:
+                continue
+    except OSError as e:
+        raise EvalError(f"--output: cannot make a results folder under {str(parent)!r}: {e.strerror or e}") from None
+    raise EvalError(f"--output: no free results folder for {stamp} under {str(parent)!r}")
+
+
 def write_results(results: dict[str, Any], path: Path) -> None:
+    """The results JSON at ``path`` (written under a temporary name, then renamed); EvalError if it cannot be."""
     from lm_eval.utils import handle_non_serializable
 
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False))
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False))
+        os.replace(tmp, path)
+    except OSError as e:
+        raise EvalError(f"--output: cannot write {str(path)!r}: {e.strerror or e}") from None
 
 
 def run_tasks(
@@ -177,7 +209,7 @@ def evaluate(args: argparse.Namespace, rank: int) -> dict[str, Any] | None:
 
 def report(results: dict[str, Any], args: argparse.Namespace) -> None:
     """Rank 0: one line per scored task on stdout, the results JSON, a summary line on stderr."""
-    output = Path(args.output) if args.output else Path(args.checkpoint) / RESULTS_FILE
+    output = Path(args.output) if args.output else default_output(args.checkpoint)
     for task in parse_task_names(args.tasks):
         if task in results["results"]:
             print(task_line(task, results), flush=True)

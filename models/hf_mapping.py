@@ -4,8 +4,9 @@ Two layouts are understood, each the one its public checkpoint uses:
 
 * ``qwen2_moe`` (Qwen1.5-MoE-A2.7B; loads with ``transformers``' ``Qwen2MoeForCausalLM``): one shared
   expert ``mlp.shared_expert`` scaled by ``sigmoid(mlp.shared_expert_gate)``, bias on q/k/v.
-* ``deepseek`` (deepseek-moe-16b-base; loads with the ``DeepseekForCausalLM`` code shipped in that
-  repository, ``trust_remote_code=True``): the ``n_shared_experts`` shared experts fused into one MLP
+* ``deepseek`` (deepseek-moe-16b-base; ``transformers`` has no class for it: it loads with
+  ``trust_remote_code=True`` and the ``DeepseekForCausalLM`` code of ``auto_map``, which an export ships,
+  ``trainer/hf_modeling/``): the ``n_shared_experts`` shared experts fused into one MLP
   ``mlp.shared_experts`` of ``n_shared_experts * moe_intermediate_size`` hidden units, as this project's
   ``moe.shared_experts`` is.
 
@@ -201,7 +202,7 @@ def _deepseek_config(args: ModelArgs) -> dict:
         )
     return {
         "model_type": "deepseek",
-        # the original's code files, copied beside the weights, load this layout (trust_remote_code=True)
+        # the modeling files the export ships beside the weights (trainer/hf_modeling/; trust_remote_code=True)
         "auto_map": {
             "AutoConfig": "configuration_deepseek.DeepseekConfig",
             "AutoModel": "modeling_deepseek.DeepseekModel",

@@ -317,6 +317,85 @@ def test_local_directory_of_json_jsonl_parquet(tmp_path, hf_cache):
         )
 
 
+# ----------------------------------------------------------------------------- datasets saved with save_to_disk
+
+
+def _saved_corpus(root):
+    """The same two splits as a jsonl directory, a saved DatasetDict and (train alone) a saved Dataset."""
+    import datasets
+
+    docs = {
+        "train": [f"train document {i}: {'lobster ' * (i % 5)}" for i in range(60)],
+        "validation": [f"validation document {i}" for i in range(30)],
+    }
+    jsonl = root / "jsonl"
+    jsonl.mkdir()
+    for split, texts in docs.items():
+        (jsonl / f"{split}.jsonl").write_text(
+            "".join(json.dumps({"id": i, "body": t}) + "\n" for i, t in enumerate(texts))
+        )
+    saved = datasets.DatasetDict(
+        {split: datasets.Dataset.from_dict({"id": list(range(len(t))), "body": t}) for split, t in docs.items()}
+    )
+    saved.save_to_disk(str(root / "dict"))
+    saved["train"].save_to_disk(str(root / "single"))
+    return jsonl, root / "dict", root / "single"
+
+
+def _batches(batches: TokenBatches, steps: int = 6) -> list[list[list[int]]]:
+    return [t.tolist() for step in range(steps) for t in batches.local_batch(step, 1, 2)]
+
+
+def test_save_to_disk_dataset_dict_and_dataset_give_the_jsonl_batches(tmp_path, hf_cache):
+    """data.dataset naming a save_to_disk directory is read with load_from_disk: a DatasetDict's split is the one
+    the split key names, a Dataset is every split; batches (in memory and prepared) are the jsonl's."""
+    from trainer.data import prepare
+
+    jsonl, saved_dict, saved_one = _saved_corpus(tmp_path)
+    common = dict(text_field="body", train_split="train", cache_dir=hf_cache)
+    _, want_train, want_val = build_data(DataConfig(dataset=str(jsonl), val_split="validation", **common), 15, 4, 2, 0)
+    _, train, val = build_data(DataConfig(dataset=str(saved_dict), val_split="validation", **common), 15, 4, 2, 0)
+    assert _batches(train) == _batches(want_train)
+    assert val.num_batches == want_val.num_batches >= 1
+    assert val.val_batch(0, 0, 2)[0].tolist() == want_val.val_batch(0, 0, 2)[0].tolist()
+    assert train.name.startswith(repr(str(saved_dict / "train")))
+    _, single, _ = build_data(DataConfig(dataset=str(saved_one), val_split="", **common), 15, 4, 2, 0)
+    assert _batches(single) == _batches(want_train)
+
+    out = tmp_path / "prepared"
+    overrides = ["--data.text_field", "body", "--data.train_split", "train", "--data.val_split", "validation"]
+    assert prepare.main(["--out", str(out), "--data.dataset", str(saved_dict), *overrides]) == 0
+    _, prepared, _ = build_data(DataConfig(dataset=str(out), val_split="validation", **common), 15, 4, 2, 0)
+    assert _batches(prepared) == _batches(want_train)
+
+
+def test_saved_dataset_and_unreadable_directory_errors_are_one_line(tmp_path, hf_cache, capsys):
+    from trainer.data import prepare
+
+    _, saved_dict, saved_one = _saved_corpus(tmp_path)
+    with pytest.raises(
+        DataError,
+        match=r"^data\.train_split: no split 'valid' in the DatasetDict saved at .*dict' \(splits: \['train', 'valid",
+    ):
+        build_data(DataConfig(dataset=str(saved_dict), text_field="body", cache_dir=hf_cache), 15, 4, 2, 0)
+    for arrow in saved_one.glob("*.arrow"):
+        arrow.unlink()
+    with pytest.raises(DataError, match=r"^data\.dataset: could not read the dataset saved at .*single' with datasets"):
+        build_data(DataConfig(dataset=str(saved_one), val_split="", cache_dir=hf_cache), 15, 4, 2, 0)
+
+    junk = tmp_path / "junk"
+    junk.mkdir()
+    (junk / "weights.bin").write_bytes(b"\0")
+    (junk / "notes").mkdir()
+    (junk / "notes" / "train.jsonl").write_text("{}\n")  # not the split's sub-directory: not data
+    capsys.readouterr()  # save_to_disk's progress bars
+    assert prepare.main(["--out", str(tmp_path / "out"), "--data.dataset", str(junk)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: data.dataset: directory "), err
+    assert "holds no data for data.train_split='valid'" in err and "found: ['notes/', 'weights.bin']" in err
+    assert not (tmp_path / "out").exists()
+
+
 # ----------------------------------------------------------------------------- StatefulDataLoader
 
 

@@ -251,11 +251,35 @@ def test_hellaswag_fixture_end_to_end(checkpoint, toy_hellaswag, tmp_path, capsy
     assert [task.doc_to_target(d) for d in task.validation_docs()] == [0, 0, 1, 0]
 
 
-def test_default_output_is_in_checkpoint_dir(checkpoint, capsys):
-    assert harness.main(["--checkpoint", checkpoint, "--tasks", "piqa_local", "--limit", "2"]) == 0
-    assert LINE.search(capsys.readouterr().out)
-    results = json.loads((Path(checkpoint) / harness.RESULTS_FILE).read_text())
-    assert results["n-samples"]["piqa_local"]["effective"] == 2
+def test_default_output_is_outside_the_checkpoint(checkpoint, tmp_path, monkeypatch, capsys):
+    """The results go to outputs/eval/<checkpoint name>/<timestamp>/ under the current directory, a new folder
+    each time; the checkpoint is left as it was, so --checkpoint.save_final to it is still accepted."""
+    from trainer.checkpoint.dense import check_save_target
+
+    monkeypatch.chdir(tmp_path)
+    before = sorted(p.name for p in Path(checkpoint).iterdir())
+    for _ in range(2):
+        assert harness.main(["--checkpoint", checkpoint, "--tasks", "piqa_local", "--limit", "2"]) == 0
+    captured = capsys.readouterr()
+    assert LINE.search(captured.out)
+    written = sorted((tmp_path / "outputs" / "eval" / Path(checkpoint).name).glob(f"*/{harness.RESULTS_FILE}"))
+    assert len(written) == 2 and f"results -> {written[0].relative_to(tmp_path)}" in captured.err
+    assert json.loads(written[0].read_text())["n-samples"]["piqa_local"]["effective"] == 2
+    assert sorted(p.name for p in Path(checkpoint).iterdir()) == before
+    check_save_target(checkpoint)  # raises CheckpointError for a directory holding anything but a checkpoint
+    with pytest.raises(SystemExit):
+        harness.parse_args(["--help"])
+    assert "outputs/eval/<checkpoint name>/<UTC timestamp>/eval_results.json" in " ".join(
+        capsys.readouterr().out.split()
+    )
+
+
+def test_unwritable_output_is_one_line(checkpoint, tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    argv = ["--checkpoint", checkpoint, "--limit", "1", "--output", str(tmp_path / "file" / "r.json")]
+    assert harness.main(argv) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: --output: cannot write ") and "file/r.json" in errors[0]
 
 
 def _error(capsys, *argv) -> str:

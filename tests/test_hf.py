@@ -5,8 +5,10 @@ moevement`` and lm-eval's own ``hf`` model."""
 
 from __future__ import annotations
 
+import ast
 import json
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,11 +18,15 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
 from transformers.models.llama.modeling_llama import LlamaMLP
 
 from eval.checkpoint import load_checkpoint
+from models import build_model
+from models.args import ModelArgs
+from models.experts import named_tensors
 from tests.helpers import CHILD_ENV, DEBUG_CONFIG, ROOT, final_line, recoveries, run_cli
+from trainer.checkpoint.dense import Tensors, save_imported
 from trainer.data.tokenizer import ByteTokenizer
 from trainer.hf import byte_level_tokenizer, main
 
@@ -198,6 +204,120 @@ def test_deepseek_v1_import_gives_its_logits_and_export_gives_back_its_tensors(t
         k: v for k, v in DEEPSEEK_CONFIG.items() if k != "architectures"
     }
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_deepseek.DeepseekForCausalLM"
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(tokens).logits, expected, rtol=0, atol=1e-5)
+
+
+# ---------------------------------------------------------------- the deepseek export's own modeling code
+
+
+@pytest.fixture(autouse=True)
+def _modules_cache(tmp_path_factory, monkeypatch):
+    """transformers copies remote code into a private modules cache (not ~/.cache), one for the session."""
+    import transformers.dynamic_module_utils as dynamic_modules
+
+    cache = tmp_path_factory.getbasetemp() / "hf_modules"
+    monkeypatch.setattr(dynamic_modules, "HF_MODULES_CACHE", str(cache))
+
+
+def _no_network(monkeypatch) -> None:
+    def refuse(*args, **kwargs):
+        raise AssertionError("the test tried to reach the network")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+
+
+def _deepseek_checkpoint(path: Path, **shape) -> None:
+    """A step-0 checkpoint of this project's deepseek-family model, randomised well away from its init (so that
+    routing decisions are clear-cut)."""
+    torch.manual_seed(0)
+    args = ModelArgs(
+        **{
+            "family": "deepseek",
+            "vocab_size": 300,
+            "dim": 32,
+            "n_layers": 3,
+            "n_heads": 4,
+            "n_dense_layers": 1,
+            "dense_hidden_dim": 48,
+            "n_routed_experts": 6,
+            "n_shared_experts": 2,
+            "expert_hidden_dim": 16,
+            "shared_expert_hidden_dim": 16,
+            "top_k": 2,
+            "max_seq_len": 128,
+        }
+        | shape
+    )
+    model = build_model(args)
+    _randomise(model, 5)
+    tensors = {name: t.detach() for name, t in named_tensors(model)}
+    specs = {name: (torch.float32, tuple(t.shape)) for name, t in tensors.items()}
+    save_imported(str(path), Tensors(specs, tensors.__getitem__), args, {"source": "test"}, key="CKPT_DIR")
+
+
+DEEPSEEK_SHAPES = {
+    "mha-shared-untied": {},
+    "gqa-tied-routed-only": {"n_kv_heads": 2, "tie_embeddings": True, "n_shared_experts": 0, "top_k": 3},
+    "all-moe-normalised": {"n_dense_layers": 0, "norm_topk_prob": True, "rope_theta": 500.0},
+}
+
+
+@pytest.mark.parametrize("shape", DEEPSEEK_SHAPES.values(), ids=DEEPSEEK_SHAPES.keys())
+def test_deepseek_export_loads_offline_with_its_own_code_and_gives_the_project_s_logits(tmp_path, monkeypatch, shape):
+    _deepseek_checkpoint(tmp_path / "ckpt", **shape)
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 0
+    _no_network(monkeypatch)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True).eval()
+    assert type(hf).__name__ == "DeepseekForCausalLM"
+    ours = load_checkpoint(tmp_path / "ckpt").model
+    tokens = torch.randint(0, 300, (3, 40), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        diff = (hf(tokens).logits - ours(tokens)).abs().max().item()
+    assert diff <= 1e-5, diff
+
+
+def test_deepseek_export_generates_with_a_kv_cache_and_left_padding(tmp_path):
+    """generate's cached decoding is the project's greedy decoding; a left-padded row gives its unpadded logits."""
+    _deepseek_checkpoint(tmp_path / "ckpt", n_kv_heads=2)
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 0
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True).eval()
+    ours = load_checkpoint(tmp_path / "ckpt").model
+    prompt = torch.randint(0, 300, (1, 6), generator=torch.Generator().manual_seed(7))
+    greedy = prompt
+    with torch.no_grad():
+        for _ in range(10):
+            greedy = torch.cat([greedy, ours(greedy)[:, -1:].argmax(-1)], dim=1)
+    generated = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10, do_sample=False)
+    assert generated.tolist() == greedy.tolist()
+
+    longer = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(8))
+    batch = torch.cat([torch.cat([torch.zeros(1, 3, dtype=torch.long), prompt], dim=1), longer])
+    mask = torch.tensor([[0] * 3 + [1] * 6, [1] * 9])
+    with torch.no_grad():
+        padded = hf(batch, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+        torch.testing.assert_close(padded[0, 3:], ours(prompt)[0], rtol=0, atol=1e-5)
+        torch.testing.assert_close(padded[1], ours(longer)[0], rtol=0, atol=1e-5)
+
+
+def test_deepseek_export_code_is_self_contained(tmp_path):
+    """The shipped code imports only torch, transformers and itself: nothing of this repository."""
+    _deepseek_checkpoint(tmp_path / "ckpt")
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 0
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    shipped = {f"{ref.split('.')[0]}.py" for ref in config["auto_map"].values()}
+    assert shipped == {"configuration_deepseek.py", "modeling_deepseek.py"}
+    for name in shipped:
+        tree = ast.parse((tmp_path / "out" / name).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                roots = {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                roots = {"." + node.module if node.level else node.module.split(".")[0]}
+            else:
+                continue
+            assert roots <= {"__future__", "torch", "transformers", ".configuration_deepseek"}, (name, roots)
 
 
 @pytest.mark.parametrize(
@@ -275,7 +395,10 @@ def test_import_train_with_a_failure_export_and_score_with_lm_eval(tmp_path):
 
     n = 40
     harness = subprocess.run(
-        [sys.executable, "-m", "eval.harness", "--checkpoint", str(tmp_path / "trained"), "--limit", str(n)],
+        [
+            *(sys.executable, "-m", "eval.harness", "--checkpoint", str(tmp_path / "trained"), "--limit", str(n)),
+            *("--output", str(tmp_path / "eval_results.json")),
+        ],
         cwd=ROOT,
         env=CHILD_ENV,
         capture_output=True,

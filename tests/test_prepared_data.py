@@ -25,8 +25,9 @@ from trainer.data import corpus, token_shards
 from trainer.data import prepare as prepare_data
 from trainer.data.batches import build_data, make_loader
 from trainer.data.corpus import DataConfig, DataError, load_tokens
-from trainer.data.token_shards import INDEX_NAME, PROGRESS_NAME, file_sha256, open_split, seal_of, verify_prepared
+from trainer.data.token_shards import INDEX_NAME, PROGRESS_NAME, file_sha256, open_split, verify_prepared
 from trainer.data.tokenizer import build_tokenizer
+from trainer.sealed_json import seal_of
 
 WIKI = corpus.SHARED_WIKITEXT2
 needs_wiki = pytest.mark.skipif(not (WIKI / "valid.txt").is_file(), reason=f"{WIKI} not present")

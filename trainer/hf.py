@@ -12,6 +12,9 @@ and written one tensor at a time (host memory: the largest tensor, not the model
 ``export`` writes what the original's class loads (see :mod:`models.hf_mapping`): ``config.json``,
 ``model.safetensors`` (``--dtype``, float32 by default), and the tokenizer: the run's ``tokenizer.json``
 or, for the byte tokenizer, an equivalent byte-level ``tokenizer.json``, with a ``tokenizer_config.json``.
+A family ``transformers`` has no class for (deepseek) also gets this project's modeling code
+(:mod:`trainer.hf_modeling`, named by ``config.json``'s ``auto_map``), with which
+``AutoModelForCausalLM.from_pretrained(HF_DIR, trust_remote_code=True)`` loads the export offline.
 Nothing is downloaded; the target must be new or empty, and is written under a temporary name, then renamed.
 
 It lives in the trainer layer because it writes and reads the trainer's checkpoint format;
@@ -46,6 +49,7 @@ from trainer.checkpoint.dense import (
 )
 from trainer.checkpoint.safetensors_stream import write_safetensors
 from trainer.data.tokenizer import ByteTokenizer, HFTokenizer, TokenizerError, build_tokenizer
+from trainer.hf_modeling import remote_code_files
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MODEL_FILE = "model.safetensors"
@@ -238,6 +242,8 @@ def export_hf(ckpt_dir: str, hf_dir: str, dtype: str = "float32") -> Path:
         eos = _write_tokenizer(tmp, meta.get("tokenizer") or "byte", args)
         config["eos_token_id"] = eos
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for code in remote_code_files(args.family):
+            shutil.copyfile(code, tmp / code.name)
         if target.exists():
             target.rmdir()  # empty, checked above
         os.rename(tmp, target)

@@ -4,15 +4,19 @@
 * ``"wikitext-2"``: ``<repo>/../shared/data/wikitext-2`` when it exists (split ``valid`` ->
   ``valid.txt``), else the hub's ``Salesforce/wikitext`` / ``wikitext-2-raw-v1`` (split names
   ``valid``/``val`` -> ``validation``).
+* a directory written by `datasets`' ``save_to_disk`` (read with ``datasets.load_from_disk``): a
+  ``DatasetDict``'s split is the one the split key names; a ``Dataset`` is every split, as a single
+  file is (:mod:`trainer.data.saved_dataset`).
 * a local directory: a split is a file stem -- ``<split>.txt|.text|.json|.jsonl|.parquet``,
-  also shards ``<split>-<digit>*.<ext>`` / ``<split>_<digit>*.<ext>`` or the files of a
-  ``<split>/`` sub-directory.
+  also shards ``<split>-<digit>*.<ext>`` / ``<split>_<digit>*.<ext>``, the files of a
+  ``<split>/`` sub-directory, or a ``<split>/`` sub-directory written by ``Dataset.save_to_disk``.
+  A directory with none of these (nor a prepared corpus) is refused, naming what it holds.
 * a single local file: that file, whatever the split name.
 * anything else that looks like ``name`` or ``owner/name``: a hub dataset id
   (``data.hub_config`` is its config name, the split names are the hub's).
 Relative paths are resolved against the repository root first, then the CWD.
 
-Documents: each row of a json/jsonl/parquet/hub dataset (column ``data.text_field``) is a
+Documents: each row of a json/jsonl/parquet/hub/saved dataset (column ``data.text_field``) is a
 document. Plain-text files are read line by line with line breaks kept, and a WikiText
 article heading line (`` = Title = ``) starts a new document. Documents are joined with
 the tokenizer's ``eos_id`` between them; results are cached in-process.
@@ -31,6 +35,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from trainer.data.saved_dataset import (
+    SavedDatasetError,
+    fingerprint,
+    is_saved_dataset,
+    is_saved_dataset_dict,
+    open_saved,
+    saved_splits,
+)
 from trainer.data.tokenizer import REPO_ROOT, Tokenizer, encode_documents, resolve_path
 
 SHARED_WIKITEXT2 = REPO_ROOT.parent / "shared" / "data" / "wikitext-2"
@@ -68,10 +80,11 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Source:
-    kind: str  # "local" | "hub"
-    # local
+    kind: str  # "local" | "hub" | "saved" (a save_to_disk directory)
+    # local: the data files; saved: the directory load_from_disk reads
     builder: str = ""  # "text" | "json" | "parquet"
     files: tuple[str, ...] = ()
+    saved_split: str = ""  # saved: the split of a DatasetDict ("": a Dataset)
     # hub
     hub_id: str = ""
     hub_config: str = ""
@@ -79,12 +92,20 @@ class Source:
     lines_are_rows: bool = False  # hub wikitext: rows are lines of text -> group into articles
 
     def describe(self) -> str:
+        if self.kind == "saved":
+            return str(Path(self.files[0]) / self.saved_split) if self.saved_split else self.files[0]
         if self.kind == "local":
             return self.files[0] if len(self.files) == 1 else f"{len(self.files)} files in {Path(self.files[0]).parent}"
         cfg = f" ({self.hub_config})" if self.hub_config else ""
         return f"hub dataset {self.hub_id}{cfg} split {self.hub_split!r}"
 
     def cache_key(self) -> tuple:
+        if self.kind == "saved":
+            directory = Path(self.describe())  # a DatasetDict's split lives in its <split>/ sub-directory
+            try:
+                return ("saved", self.files[0], self.saved_split, fingerprint(directory))
+            except SavedDatasetError as e:
+                raise DataError(f"data.dataset: {e}") from None
         if self.kind == "local":
             stats = []
             for f in self.files:
@@ -124,12 +145,49 @@ def _find_split_files(directory: Path, split: str, key: str) -> list[Path]:
         cands = sorted(f for f in sub.rglob("*") if f.is_file() and f.suffix.lower() in _FORMATS)
     if not cands:
         present = sorted(f.name for f in directory.iterdir() if f.suffix.lower() in _FORMATS)
+        if not present:
+            raise DataError(
+                f"data.dataset: directory {str(directory)!r} holds no data for {key}={split!r}: expected "
+                f"text/json/jsonl/parquet files, a prepared corpus (token_index.json) or a datasets save_to_disk "
+                f"directory (dataset_dict.json, or state.json with dataset_info.json); found: {_listing(directory)}"
+            )
         raise DataError(
             f"{key}: no file for split {split!r} in data.dataset directory {str(directory)!r} "
             f"(looked for {split}{{{','.join(sorted(_FORMATS))}}}, shards {split}-NNNN*.*, {split}/; "
-            f"found: {present or 'no data files'})"
+            f"found: {present})"
         )
     return cands
+
+
+_LISTED = 10
+
+
+def _listing(directory: Path) -> str:
+    """What ``directory`` holds, for an error line: the first entries by name (directories with a "/")."""
+    entries = sorted(f.name + ("/" if f.is_dir() else "") for f in directory.iterdir())
+    if not entries:
+        return "nothing (an empty directory)"
+    more = f" and {len(entries) - _LISTED} more" if len(entries) > _LISTED else ""
+    return f"{entries[:_LISTED]}{more}"
+
+
+def _directory_source(path: Path, split: str, key: str) -> Source:
+    """Split ``split`` (config key ``key``) of the local directory ``path``: a saved ``Dataset`` (whatever the
+    split), a saved ``DatasetDict``'s split, a ``<split>/`` saved ``Dataset``, else the split's data files."""
+    if is_saved_dataset(path):
+        return Source("saved", files=(str(path),))
+    if is_saved_dataset_dict(path):
+        try:
+            splits = saved_splits(path)
+        except SavedDatasetError as e:
+            raise DataError(f"data.dataset: {e}") from None
+        if split not in splits:
+            raise DataError(f"{key}: no split {split!r} in the DatasetDict saved at {str(path)!r} (splits: {splits})")
+        return Source("saved", files=(str(path),), saved_split=split)
+    if is_saved_dataset(path / split):
+        return Source("saved", files=(str(path / split),))
+    files = _split_files(path, split, key)
+    return Source("local", builder=_format_of(files, str(path)), files=tuple(map(str, files)))
 
 
 def resolve_source(cfg: DataConfig, split: str, key: str) -> Source:
@@ -154,8 +212,7 @@ def resolve_source(cfg: DataConfig, split: str, key: str) -> Source:
 
     path = resolve_path(ds)
     if path.is_dir():
-        files = _split_files(path, split, key)
-        return Source("local", builder=_format_of(files, str(path)), files=tuple(map(str, files)))
+        return _directory_source(path, split, key)
     if path.is_file():
         if path.suffix.lower() not in _FORMATS:
             raise DataError(
@@ -299,11 +356,17 @@ def read_text_lines(files: Sequence[str]) -> Iterator[str]:
 
 
 def _open_dataset(src: Source, cfg: DataConfig, where: str):
-    """The Arrow-backed (memory-mapped, not loaded) `datasets.Dataset` of a json/jsonl/parquet or hub ``src``."""
+    """The Arrow-backed (memory-mapped, not loaded) `datasets.Dataset` of a json/jsonl/parquet, saved or hub
+    ``src``."""
     import datasets
 
     cache_dir = cfg.cache_dir or None
     with _quiet_datasets():
+        if src.kind == "saved":
+            try:
+                return open_saved(src.files[0], src.saved_split)
+            except SavedDatasetError as e:
+                raise DataError(f"data.dataset: {e} {where}") from e
         if src.kind == "local":
             return _load_local(src, cache_dir, where)
         try:

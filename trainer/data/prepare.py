@@ -43,13 +43,13 @@ from trainer.data.token_shards import (
     VERSION,
     file_sha256,
     read_json,
-    seal_of,
     shard_dtype,
     tokenizer_identity,
     verify_prepared,
 )
 from trainer.data.tokenizer import Tokenizer, TokenizerError, build_tokenizer, encode_documents
 from trainer.error_line import error_line
+from trainer.sealed_json import sealed
 
 DEFAULT_SHARD_TOKENS = 1 << 27  # 256 MiB of uint16 per shard
 CHUNK_CHARS = 1 << 24  # documents tokenized together: bounds the text and tokens held at once
@@ -218,8 +218,7 @@ def prepare(cfg: DataConfig, out: Path, shard_tokens: int, max_shards: int | Non
     for split, key in splits:
         if not record["splits"].get(split, {}).get("done"):
             budget = prepare_split(cfg, tok, out, record, split, key, budget)
-    record["seal"] = seal_of(record)
-    write_atomically(out / INDEX_NAME, (json.dumps(record, indent=1) + "\n").encode())
+    write_atomically(out / INDEX_NAME, (json.dumps(sealed(record), indent=1) + "\n").encode())
     (out / PROGRESS_NAME).unlink()
     return [
         f"{split}: {e['num_tokens']} tokens, {e['num_documents']} documents, {len(e['shards'])} shards "

@@ -38,7 +38,7 @@ import torch
 from trainer.data.corpus import DataError
 from trainer.data.shard_check import VERIFY_AT_OPEN_BYTES, ShardCheck, file_sha256
 from trainer.data.tokenizer import Tokenizer
-from trainer.sealed_json import seal_holds, seal_of  # noqa: F401 (seal_of: what prepare writes)
+from trainer.sealed_json import seal_holds
 
 INDEX_NAME = "token_index.json"
 PROGRESS_NAME = "prepare_progress.jsonl"  # an unfinished preparation's record (trainer.data.prepare)
