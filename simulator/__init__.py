@@ -1,2 +1,2 @@
-"""ETTR of checkpointing strategies under failures: the paper's evaluation (`--paper-tables`) and an exploratory
-per-GPU model (`python -m simulator`, docs/simulator.md)."""
+"""ETTR of checkpointing strategies under failures: one calibrated model (`simulator.model`) behind every
+command of `python -m simulator` (docs/simulator.md)."""

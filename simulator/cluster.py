@@ -64,7 +64,7 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class Hardware:
-    """Per-GPU rates (bytes/s, FLOP/s) and the restart constant (seconds); sources in `simulator.paper`."""
+    """Per-GPU rates (bytes/s, FLOP/s) of the iteration model; `simulator.scale` puts the testbed's A100 node here."""
 
     peak_flops: float = 989e12  # H100/H800 dense BF16
     mfu: float = 0.35
@@ -75,11 +75,6 @@ class Hardware:
     gpus_per_node: int = 8
     dp_alpha_s: float = 50e-6
     dp_bw: float = 40 * GB
-    host_bw: float = 25 * GB  # GPU -> pinned host memory over PCIe, effective
-    snapshot_cap_bw: float = math.inf  # cap on checkpoint copies during training only (not on recovery)
-    nic_bw: float = 50 * GB  # what replication / peer fetch may use when the NIC is idle
-    disk_bw: float = 1 * GB  # per-GPU share of the node's persistent storage
-    restart_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -92,7 +87,6 @@ class ClusterShape:
     micro_batches: int
     micro_batch_seqs: int = 1
     seq_len: int = 4096
-    replicas: int = 2  # peers each snapshot is replicated to
 
     @property
     def dp(self) -> int:
@@ -111,13 +105,12 @@ class ClusterShape:
 
 @dataclass(frozen=True)
 class Preset:
-    """A model on a cluster; `moc_k_pec` is MoC's experts per MoE layer per checkpoint (0: experts // 8)."""
+    """A model on a cluster."""
 
     name: str
     model: ModelShape
     layout: ClusterShape
     hw: Hardware = field(default_factory=Hardware)
-    moc_k_pec: int = 0
 
 
 def collective_s(alpha_s: float, nbytes: float, bandwidth: float) -> float:
@@ -157,11 +150,6 @@ class StageModel:
     @property
     def iteration_s(self) -> float:
         return pipeline_s([self.t_f + self.t_b] * self.stages, self.micro_batches) + self.dp_s + self.update_s
-
-    def replay_s(self, frozen: float = 0.0) -> float:
-        """One iteration of one stage without the bubble; `frozen` FLOP fraction skips weight grads."""
-        fwd_bwd = self.t_f + self.t_b - self.compute_s * frozen / 3
-        return self.micro_batches * fwd_bwd + self.dp_s + self.update_s
 
 
 def stage_model(preset: Preset) -> StageModel:

@@ -4,23 +4,21 @@
     python -m simulator --paper [--no-figure] [--json] [--out DIR]           the paper's scale study
     python -m simulator --sensitivity [--preset P] [--mtbf-min M] [--json] [--out DIR]   what moves one result
     python -m simulator --preset 671B-16384 --mtbf-min 10 [--strategies ...] [--interval K] [--window W] [--json]
-    python -m simulator --list | --profile profile.json
+    python -m simulator --list | --profile profile.json | --window-profile gpu.json
 
 `python -m simulator.ettr` is the same command. `--paper-tables`, `--paper` and `--sensitivity` print
 their tables and write them, with their figures, under `--out DIR` (default
 `outputs/simulator/<UTC timestamp>/`; `simulator.output`), then print one `wrote: PATH` line per file
 (on stderr with `--json`, so that stdout stays one JSON document).
 
-`--paper-tables` is the calibrated model of the paper's evaluation: `simulator.testbed` (§5.1
-cluster, Table 2 models), `simulator.setting`, `simulator.mechanisms` (each strategy's checkpoint and
-recovery), `simulator.run` (12-hour run, closed form, MoC's Dynamic-K), `simulator.calibrated` /
-`simulator.fit` (constants fitted on Table 3's 2H and 1H rows), `simulator.paper_tables` (the
-comparison). The other modes use the exploratory per-GPU model; `--host-gbs X`, `--snapshot-cap-gbs X`
-and `--restart-s S` change its hardware in any mode but --profile and --paper-tables. That model:
-`simulator.cluster` (iteration time), `simulator.strategies` (overhead and loss per failure),
-`simulator.formula` (the paper's ETTR), `simulator.presets` (the clusters); the assumptions not in the
-paper are listed in `simulator.paper`. `simulator.calibration` is the finite-run model that
-`benchmarks.ettr` compares its measurements with (`--profile`).
+Every mode but --profile runs one model (`simulator.model`): `simulator.testbed` (§5.1 cluster,
+Table 2 models), `simulator.setting` / `simulator.scale` (one node's view of a testbed or a preset),
+`simulator.profile` (the bandwidth Algorithm 1 sees), `simulator.mechanisms` (each strategy's
+checkpoint and recovery), `simulator.run` (12-hour run with Poisson failures, closed form, MoC's
+Dynamic-K), `simulator.calibrated` / `simulator.fit` (constants fitted on Table 3's 2H and 1H rows).
+`--host-gbs X`, `--nic-gbps X`, `--snapshot-cap-gbs X` and `--restart-s S` change its hardware and
+fixed restart in --preset, --paper and --sensitivity. `simulator.calibration` is the finite-run
+model that `benchmarks.ettr` compares its measurements with (`--profile`).
 """
 
 from __future__ import annotations
@@ -30,21 +28,30 @@ import json
 import math
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from simulator.calibrated import FITTED
 from simulator.calibration import MeasuredProfile, predict_from_profile
 from simulator.cluster import GB, Preset
+from simulator.model import STRATEGIES, Overrides, predict, preset_setting
 from simulator.output import OutputError, output_dir, write_figure, write_text
-from simulator.paper import PAPER_REPORTED, STUDY_FIGURE, layout_table, plot_study, scale_study, study_table
+from simulator.paper import (
+    FIG11_FIGURE,
+    PAPER_REPORTED,
+    STUDY_FIGURE,
+    layout_table,
+    plot_fig11,
+    plot_study,
+    scale_study,
+    study_table,
+)
 from simulator.paper_numbers import FIG11_671B_10M, FIG11_MIN_MOEVEMENT_1H
 from simulator.paper_tables import all_cells, render
 from simulator.presets import PAPER_PRESETS, PRESETS
-from simulator.scale import FIG11_FIGURE, plot_fig11
+from simulator.profile import WindowProfile, snapshot_bandwidth
 from simulator.sensitivity import best_speedup, break_even, break_even_lines, sensitivity, sensitivity_table
-from simulator.strategies import STRATEGIES, Scenario, simulate
 
 SENSITIVITY_PRESET, SENSITIVITY_MTBF_MIN = "671B-16384", 10.0
 
@@ -84,12 +91,14 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated subset")
     ap.add_argument("--interval", type=int, help="fix gemini/checkfreq/moc checkpoint interval k")
     ap.add_argument("--window", type=int, help="fix moevement's window W instead of Algorithm 1's")
-    ap.add_argument("--host-gbs", type=float, help="override GPU->host snapshot bandwidth, GB/s")
-    ap.add_argument("--snapshot-cap-gbs", type=float, help="cap snapshot copies during training, GB/s")
-    ap.add_argument("--restart-s", type=float, help="override the restart constant, seconds")
+    ap.add_argument("--host-gbs", type=float, help="override GPU->host copy bandwidth, GB/s")
+    ap.add_argument("--nic-gbps", type=float, help="override a node's NIC line rate, Gb/s")
+    ap.add_argument("--snapshot-cap-gbs", type=float, help="cap snapshot copies during training, GB/s per GPU")
+    ap.add_argument("--restart-s", type=float, help="override the fixed (scope-independent) restart, seconds")
     ap.add_argument("--json", action="store_true", help="JSON instead of lines and tables")
     ap.add_argument("--list", action="store_true", help="list the presets")
     ap.add_argument("--profile", help="measured profile JSON: print predicted ETTR per strategy")
+    ap.add_argument("--window-profile", help="profiled GPU JSON (simulator.profile): print Algorithm 1's W")
     return ap.parse_args(argv)
 
 
@@ -109,6 +118,16 @@ def _run_profile(path: str, as_json: bool) -> None:
         print(f"strategy={s} predicted_ettr={e:.4f} steady_ettr={profile.steady_ettr(s):.4f}")
 
 
+def _run_window_profile(path: str) -> None:
+    try:
+        with open(path) as f:
+            profile = WindowProfile.from_json(f.read())
+    except (OSError, ValueError, TypeError) as err:
+        _fail(f"--window-profile {path}: {err}")
+    window, o_active = profile.window()
+    print(f"window={window} o_active={o_active} bandwidth_gbs={profile.bandwidth() / GB:.4f}")
+
+
 def _list() -> None:
     for p in PRESETS.values():
         lay = p.layout
@@ -119,22 +138,18 @@ def _list() -> None:
         )
 
 
-def _with_overrides(preset: Preset, args: argparse.Namespace) -> Preset:
-    """The preset with --host-gbs / --restart-s applied (validated)."""
-    hw = preset.hw
-    if args.host_gbs is not None:
-        if not args.host_gbs > 0:
-            _fail("--host-gbs: needs a positive number of GB/s")
-        hw = replace(hw, host_bw=args.host_gbs * GB)
-    if args.snapshot_cap_gbs is not None:
-        if not args.snapshot_cap_gbs > 0:
-            _fail("--snapshot-cap-gbs: needs a positive number of GB/s")
-        hw = replace(hw, snapshot_cap_bw=args.snapshot_cap_gbs * GB)
-    if args.restart_s is not None:
-        if not args.restart_s >= 0:
-            _fail("--restart-s: needs a number of seconds >= 0")
-        hw = replace(hw, restart_s=args.restart_s)
-    return replace(preset, hw=hw)
+def _overrides(args: argparse.Namespace) -> Overrides:
+    """--host-gbs / --nic-gbps / --snapshot-cap-gbs / --restart-s, validated."""
+    for flag, value in (
+        ("--host-gbs", args.host_gbs),
+        ("--nic-gbps", args.nic_gbps),
+        ("--snapshot-cap-gbs", args.snapshot_cap_gbs),
+    ):
+        if value is not None and not value > 0:
+            _fail(f"{flag}: needs a positive number")
+    if args.restart_s is not None and not args.restart_s >= 0:
+        _fail("--restart-s: needs a number of seconds >= 0")
+    return Overrides(args.host_gbs, args.nic_gbps, args.snapshot_cap_gbs, args.restart_s)
 
 
 def _tables(folder: Path, name: str, text: str) -> list[Path]:
@@ -153,9 +168,9 @@ def _said_written(paths: list[Path], as_json: bool) -> None:
 
 
 def _run_paper(args: argparse.Namespace) -> None:
-    presets = [_with_overrides(p, args) for p in PAPER_PRESETS.values()]
+    presets, overrides = list(PAPER_PRESETS.values()), _overrides(args)
     folder = output_dir(args.out)
-    rows = scale_study(presets)
+    rows = scale_study(presets, overrides=overrides)
     if args.json:
         text = json.dumps([{**asdict(r), "speedup": r.speedup} for r in rows])
     else:
@@ -177,10 +192,10 @@ def _run_paper_tables(args: argparse.Namespace) -> None:
 
 
 def _run_sensitivity(preset: Preset, mtbf_min: float, args: argparse.Namespace) -> None:
-    folder, as_json = output_dir(args.out), args.json
-    rows = sensitivity(preset, mtbf_min * 60)
+    folder, as_json, ov = output_dir(args.out), args.json, _overrides(args)
+    rows = sensitivity(preset, mtbf_min * 60, ov)
     targets = PAPER_REPORTED.get((preset.name, mtbf_min), {})
-    points, best = break_even(preset, mtbf_min * 60, targets), best_speedup(preset, mtbf_min * 60)
+    points, best = break_even(preset, mtbf_min * 60, targets, ov), best_speedup(preset, mtbf_min * 60, ov)
     if as_json:
         rows_json = [asdict(r) for r in rows]
         text = json.dumps({"rows": rows_json, "break_even": [asdict(b) for b in points], "best_speedup": asdict(best)})
@@ -209,7 +224,7 @@ def _checked(args: argparse.Namespace) -> tuple[Preset, list[str]]:
     for flag, value in (("--interval", args.interval), ("--window", args.window)):
         if value is not None and value < 1:
             _fail(f"{flag}: needs an integer >= 1")
-    return _with_overrides(PRESETS[args.preset], args), strategies
+    return PRESETS[args.preset], strategies
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -227,6 +242,8 @@ def _dispatch(args: argparse.Namespace) -> None:
         return _list()
     if args.profile:
         return _run_profile(args.profile, args.json)
+    if args.window_profile:
+        return _run_window_profile(args.window_profile)
     if args.paper_tables:
         return _run_paper_tables(args)
     if args.paper:
@@ -241,8 +258,9 @@ def _dispatch(args: argparse.Namespace) -> None:
 
 
 def _report(preset: Preset, mtbf_s: float, strategies: Sequence[str], args: argparse.Namespace) -> None:
-    sc, lay = Scenario.of(preset), preset.layout
-    results = simulate(preset, mtbf_s, strategies, args.interval, args.window)
+    overrides, lay = _overrides(args), preset.layout
+    s = preset_setting(preset, overrides)
+    results = predict(preset, mtbf_s, strategies, args.interval, args.window, overrides)
     head = {
         "preset": preset.name,
         "gpus": lay.gpus,
@@ -251,21 +269,22 @@ def _report(preset: Preset, mtbf_s: float, strategies: Sequence[str], args: argp
         "pipelines": lay.pipelines,
         "ep": lay.ep,
         "micro_batches": lay.micro_batches,
-        "iter_s": sc.iteration_s,
-        "snapshot_gbs": sc.snapshot_bw / GB,
-        "dense_gb_per_gpu": sc.dense_bytes / GB,
+        "iter_s": s.iteration_s,
+        "snapshot_gbs": snapshot_bandwidth(s) / GB,
+        "node_state_gb": s.node_state_bytes / GB,
         "mtbf_min": mtbf_s / 60,
     }
     if args.json:
         rows = {r.strategy: {k: _finite(v) for k, v in asdict(r).items()} for r in results}
-        print(json.dumps({**head, "strategies": rows}))
+        print(json.dumps({**{k: _finite(v) for k, v in head.items()}, "strategies": rows}))
         return
     print(" ".join(f"{k}={_fmt(v)}" for k, v in head.items()))
     for r in results:
         print(
-            f"strategy={r.strategy} ettr={_fmt(r.ettr)} overhead={_fmt(r.overhead)} "
-            f"recovery_s={_fmt(r.recovery_s)} interval={_fmt(r.interval)} window={_fmt(r.window)} "
-            f"plt={_fmt(r.plt)}"
+            f"strategy={r.strategy} ettr={_fmt(r.ettr)} ettr_closed={_fmt(r.ettr_closed)} overhead={_fmt(r.overhead)} "
+            f"zero_loss={_fmt(r.zero_loss)} recovery_s={_fmt(r.recovery_s)} fixed_s={_fmt(r.fixed_s)} "
+            f"interval={_fmt(r.interval)} "
+            f"window={_fmt(r.window)} plt={_fmt(r.plt)}"
         )
 
 

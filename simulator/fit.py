@@ -2,7 +2,8 @@
 
     python -m simulator.fit [--sweeps N] [--out DIR]
 
-Least squares over the 32 calibration cells (4 models x 2 MTBFs x 4 strategies, finite-run ETTR),
+Least squares over the 32 calibration cells (4 models x 2 MTBFs x 4 strategies, ETTR over the run),
+each residual in units of its strategy's tolerance (`TOLERANCE`),
 by a coordinate search in transformed coordinates (log for positive constants, logit for the NIC
 efficiency) over `--sweeps` sweeps of shrinking grids; it prints the constants and every
 calibration cell's residual, and writes the same to `fit.txt` under `--out DIR` (default
@@ -18,15 +19,18 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, fields
 
-from simulator.calibrated import Calibration
+from simulator.calibrated import PLAUSIBLE, Calibration
+from simulator.model import run_all
 from simulator.output import OutputError, output_dir, write_text
 from simulator.paper_numbers import CALIBRATION_ROWS, MTBFS_MIN, STRATEGIES, TABLE3_ETTR
-from simulator.run import run_all
 from simulator.setting import from_testbed
 from simulator.testbed import TESTBEDS
 
 NAMES = [f.name for f in fields(Calibration)]
-START = (0.5, 1.0, 0.2, 30.0, 120.0, 20.0)
+# Each strategy's accepted rms error (issue 57's targets): a residual counts in units of its strategy's
+# tolerance, so MoC's large 1H misses do not outweigh MoEvement's small ones.
+TOLERANCE = {"checkfreq": 0.07, "gemini": 0.04, "moc": 0.10, "moevement": 0.02}
+START = Calibration(0.5, 0.2, 30.0, 20.0, 0.02, 0.02, 0.02, 0.02, 10.0)
 
 
 def to_calibration(x: Sequence[float]) -> Calibration:
@@ -52,7 +56,8 @@ def residuals(cal: Calibration, rows: Sequence[str] = CALIBRATION_ROWS) -> list[
 
 
 def loss(x: Sequence[float]) -> float:
-    return sum(r[3] ** 2 for r in residuals(to_calibration(x)))
+    """Sum of squared residuals, each over its strategy's tolerance (`TOLERANCE`)."""
+    return sum((r[3] / TOLERANCE[r[2]]) ** 2 for r in residuals(to_calibration(x)))
 
 
 def coordinate_search(f: Callable[[Sequence[float]], float], x0: Sequence[float], sweeps: int = 6, points: int = 17):
@@ -72,7 +77,7 @@ def coordinate_search(f: Callable[[Sequence[float]], float], x0: Sequence[float]
 
 def fit(sweeps: int = 6) -> tuple[Calibration, float]:
     """Coordinate search from START (transformed coordinates)."""
-    x, fx = coordinate_search(loss, to_coordinates(Calibration(*START)), sweeps)
+    x, fx = coordinate_search(loss, to_coordinates(START), sweeps)
     return to_calibration(x), fx
 
 
@@ -80,8 +85,11 @@ def report(cal: Calibration, value: float) -> str:
     """The fitted constants, the rms and every calibration cell's residual, one per line."""
     cells = residuals(cal)
     lines = [f"fitted on Table 3 rows {', '.join(CALIBRATION_ROWS)} ({len(cells)} ETTR cells)"]
-    lines += [f"{k} = {v:.6g}" for k, v in asdict(cal).items()]
-    lines.append(f"rms = {math.sqrt(value / len(cells)):.4f}")
+    for k, v in asdict(cal).items():
+        lo, hi = PLAUSIBLE[k]
+        lines.append(f"{k} = {v:.6g}" + ("" if lo <= v <= hi else f"  (outside its plausible {lo:g}-{hi:g})"))
+    lines.append(f"rms = {math.sqrt(sum(c[3] ** 2 for c in cells) / len(cells)):.4f}")
+    lines.append(f"rms in tolerances = {math.sqrt(value / len(cells)):.4f}")
     lines += [f"  {model} {row} {strategy}: simulated - paper = {d:+.3f}" for model, row, strategy, d in cells]
     return "\n".join(lines)
 

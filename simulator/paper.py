@@ -1,36 +1,12 @@
-"""The paper's scale study (§5.4, Appendix C): every strategy's ETTR on the paper's four clusters.
+"""The paper's scale study (§5.4, Figure 11): every strategy's ETTR on the paper's four clusters.
 
     python -m simulator --paper [--no-figure] [--json] [--out DIR]
 
-From the paper: the four clusters (`simulator.presets`: stages x pipelines x 8-way expert
-parallelism, models of 32B-671B parameters), the ETTR formula (`simulator.formula`), the iteration
-model (`simulator.cluster`), MTBFs of 60, 30 and 10 minutes and the figures compared against
-(671B, 10 minutes: MoEvement 0.86, Gemini 0.55; MoEvement at least 0.91 at a 1-hour MTBF at every
-scale). Everything else is an assumption of this simulator:
-
-- model shapes (`simulator.presets`): DeepSeekMoE 145B and DeepSeek-V3 (671B) as published; 32B
-  and 67B grown from DeepSeekMoE 16B's recipe, as no public DeepSeek-MoE model has those sizes.
-- micro-batches M = global batch / (pipelines x ep), one 4096-token sequence each: 15360 sequences
-  (DeepSeek-V3's batch) for 671B, 4608 (DeepSeekMoE's 4.5K) for the others.
-- per-GPU state: 12 B/param (FP32 master + Adam m, v) of every parameter a GPU holds, not sharded
-  over data parallelism (DeepSpeed pipeline + expert parallelism without ZeRO); the paper gives no
-  per-GPU size. 19.7 GB per GPU for 671B.
-- layer placement: every stage costs the bottleneck's ceil(layers / stages) layers; embeddings and
-  the output head sit on no stage (simplification).
-- host link: 25 GB/s GPU -> pinned host per GPU. PCIe Gen5 x16 carries 64 GB/s a direction; about
-  25 when a node's 8 GPUs copy at once (estimate).
-- network: a 400 Gb/s NIC per GPU (50 GB/s, collectives at 40 GB/s, ~80%); all-to-all inside the
-  NVLink domain at 150 GB/s (estimates for H100/H800 nodes).
-- collective latency alpha: 30 us (all-to-all) and 50 us (data parallel) for any group size, where
-  the paper has alpha(p); the bandwidth terms dominate at these message sizes.
-- compute: 989 TFLOP/s dense BF16 at 35% MFU; HBM 3.35 TB/s for the optimizer step (H100/H800 SXM
-  peaks; the MFU is an estimate for large MoE training).
-- restart: 60 s per failure for every strategy (relaunch, communicator set-up, reload: an
-  estimate; the paper states none).
-- replication: each snapshot goes to 2 peers in the NIC's idle time (Gemini-style redundancy).
-- CheckFreq's disk: 1 GB/s per GPU; MoC's K_pec: experts / 8 (estimates).
-- E[R] of an interval strategy counts one iteration more than the paper's half interval (see
-  `simulator.formula`).
+The clusters are `simulator.presets.PAPER_PRESETS` (32B-671B on 512-16,384 GPUs); each runs through
+the one calibrated model (`simulator.model`: the testbed's node, the mechanisms and constants fitted
+on Table 3's 2H and 1H rows, a 12-hour run with Poisson failures) at MTBFs of 60, 30 and 10 minutes.
+The paper's figures compared against: 671B at 10 minutes, MoEvement 0.86 and Gemini 0.55; MoEvement
+at least 0.91 at a 1-hour MTBF at every scale. `--paper-tables` prints the same rows beside them.
 """
 
 from __future__ import annotations
@@ -39,17 +15,21 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from simulator.calibrated import FITTED, Calibration
 from simulator.cluster import GB, Preset
 from simulator.colours import colour
+from simulator.model import NO_OVERRIDES, STRATEGIES, Overrides, predict_setting, preset_setting, speedup
 from simulator.panels import ettr_panels, save_panels
 from simulator.presets import PAPER_PRESETS
-from simulator.strategies import Scenario, simulate
+from simulator.profile import snapshot_bandwidth
 
 MTBFS_MIN = (60.0, 30.0, 10.0)
-STUDY_STRATEGIES = ("moevement", "gemini", "checkfreq", "moc")
+CURVE_MTBFS_MIN = (120.0, 90.0, 60.0, 45.0, 30.0, 20.0, 15.0, 10.0)
+STUDY_STRATEGIES = STRATEGIES
 PAPER_REPORTED: dict[tuple[str, float], dict[str, float]] = {("671B-16384", 10.0): {"moevement": 0.86, "gemini": 0.55}}
 PAPER_MIN_ETTR_1H = 0.91  # MoEvement at a 1-hour MTBF, every scale
 STUDY_FIGURE = "simulated_ettr_vs_mtbf.png"  # its file name in the run's output directory
+FIG11_FIGURE = "paper_fig11_simulated.png"
 
 
 @dataclass(frozen=True)
@@ -57,6 +37,8 @@ class StudyRow:
     """One preset at one MTBF: ETTR per strategy, MoEvement's window and Gemini's interval."""
 
     preset: str
+    gpus: int
+    iteration_s: float
     mtbf_min: float
     ettr: dict[str, float]
     window: int
@@ -64,32 +46,38 @@ class StudyRow:
 
     @property
     def speedup(self) -> float:
-        """MoEvement's training speed over Gemini's: the ratio of their ETTRs."""
-        return self.ettr["moevement"] / self.ettr["gemini"] if self.ettr["gemini"] > 0 else float("inf")
+        return speedup(self.ettr["moevement"], self.ettr["gemini"])
 
 
-def scale_study(presets: Iterable[Preset] = PAPER_PRESETS.values(), mtbfs_min=MTBFS_MIN) -> list[StudyRow]:
-    """Every preset at every MTBF."""
-    rows = []
+def scale_study(
+    presets: Iterable[Preset] = PAPER_PRESETS.values(),
+    mtbfs_min=MTBFS_MIN,
+    cal: Calibration = FITTED,
+    overrides: Overrides = NO_OVERRIDES,
+) -> list[StudyRow]:
+    """Every preset at every MTBF through `simulator.model`."""
+    rows, cal = [], overrides.calibration(cal)
     for preset in presets:
+        s = preset_setting(preset, overrides)
         for mtbf in mtbfs_min:
-            res = {r.strategy: r for r in simulate(preset, mtbf * 60, STUDY_STRATEGIES)}
-            ettr = {s: r.ettr for s, r in res.items()}
-            rows.append(StudyRow(preset.name, mtbf, ettr, res["moevement"].window, res["gemini"].interval))
+            res = {r.strategy: r for r in predict_setting(s, mtbf * 60, cal=cal)}
+            ettr = {name: r.ettr for name, r in res.items()}
+            window, k = res["moevement"].window, res["gemini"].interval
+            rows.append(StudyRow(preset.name, s.gpus, s.iteration_s, mtbf, ettr, window, k))
     return rows
 
 
 def layout_table(presets: Iterable[Preset] = PAPER_PRESETS.values()) -> str:
-    """Markdown: each preset's layout, iteration time and per-GPU state."""
+    """Markdown: each preset's layout, iteration time, per-node state and MoEvement's snapshot bandwidth."""
     columns = ["preset", "params (B)", "GPUs", "stages x pipelines x ep", "M", "iteration (s)"]
-    columns += ["FP32 state/GPU (GB)", "dense copy (s)"]
+    columns += ["FP32 state/node (GB)", "snapshot B/GPU (GB/s)"]
     lines = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
     for p in presets:
-        sc, lay = Scenario.of(p), p.layout
+        s, lay = preset_setting(p), p.layout
         lines.append(
             f"| {p.name} | {p.model.total_params() / 1e9:.1f} | {lay.gpus} | {lay.pp} x {lay.pipelines} x {lay.ep} "
-            f"| {lay.micro_batches} | {sc.iteration_s:.2f} | {sc.dense_bytes / GB:.1f} "
-            f"| {sc.dense_bytes / sc.snapshot_bw:.2f} |"
+            f"| {lay.micro_batches} | {s.iteration_s:.2f} | {s.node_state_bytes / GB:.1f} "
+            f"| {snapshot_bandwidth(s) / GB:.3f} |"
         )
     return "\n".join(lines)
 
@@ -127,3 +115,22 @@ def plot_study(rows: Sequence[StudyRow], path: Path) -> None:
         ax.set_xticks(range(len(mine)), [f"{r.mtbf_min:g}" for r in mine])
         ax.set_title(name, fontsize=10)
     save_panels(fig, axes, "simulated ETTR", str(path), 0.08)
+
+
+def plot_fig11(cal: Calibration, path: str, paper: dict[str, float], min_1h: float) -> None:
+    """One panel per cluster: ETTR against MTBF for MoEvement and Gemini; the paper's 671B / 10-minute
+    points as black crosses and its 1-hour MoEvement floor as a dotted line."""
+    rows = scale_study(mtbfs_min=CURVE_MTBFS_MIN, cal=cal)
+    presets = list(dict.fromkeys(r.preset for r in rows))
+    fig, axes = ettr_panels(len(presets), 3.3)
+    for ax, name in zip(axes, presets):
+        mine = [r for r in rows if r.preset == name]
+        for s in ("moevement", "gemini"):
+            ax.plot([r.mtbf_min for r in mine], [r.ettr[s] for r in mine], "o-", color=colour(s), label=s, ms=3)
+        if name == "671B-16384":
+            ax.plot([10.0, 10.0], [paper["moevement"], paper["gemini"]], "kx", ms=8, label="paper (671B, 10 min)")
+        ax.axhline(min_1h, color="tab:blue", ls=":", lw=1)
+        ax.set_xscale("log")
+        ax.set_xticks([10, 20, 30, 60, 120], ["10", "20", "30", "60", "120"])
+        ax.set_title(f"{name} (T {mine[0].iteration_s:.0f} s)", fontsize=9)
+    save_panels(fig, axes, "simulated ETTR", path, 0.1)

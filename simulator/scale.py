@@ -7,24 +7,18 @@ direction, A100 peaks), its MFU is the one DeepSeek-MoE's stated T implies on th
 (`simulator.testbed`), and checkpoints and failures follow the calibrated mechanisms
 (`simulator.mechanisms`, `simulator.calibrated`), ZeRO-1 sharding the FP32 state over pipelines.
 The iteration time is `simulator.cluster.stage_model`'s (1F1B, all-to-all inside the node,
-gradient exchange over the NIC). ETTR is the closed form (the paper's simulator).
+gradient exchange over the NIC). `simulator.model` runs every strategy on the setting.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-from simulator.calibrated import Calibration
 from simulator.cluster import Hardware, Preset, stage_model
-from simulator.colours import colour
-from simulator.mechanisms import gemini_cost, moevement_cost
-from simulator.panels import ettr_panels, save_panels
-from simulator.presets import PAPER_PRESETS
 from simulator.setting import Setting, gpu_operators, gradient_exchange_bytes, pipeline_send_bytes
 from simulator.testbed import A100_PEAK_FLOPS, FP32_STATE_BYTES, GPUS_PER_NODE, NODE_NIC_BW, TESTBEDS
 
-MTBFS_MIN = (60.0, 30.0, 10.0)
 A100_HBM_BW = 2.0e12  # A100 80 GB
 A100_NVLINK_BW = 300e9  # 600 GB/s both directions
 
@@ -79,51 +73,3 @@ def from_preset(preset: Preset) -> Setting:
         nic_train_bytes=sends + gradient_exchange_bytes(lay.pipelines, stage_params),
         log_bytes_gpu=sends / GPUS_PER_NODE,
     )
-
-
-@dataclass(frozen=True)
-class ScaleRow:
-    preset: str
-    gpus: int
-    iteration_s: float
-    mtbf_min: float
-    moevement: float
-    gemini: float
-    window: int
-    gemini_interval: int
-
-
-def scale_study(cal: Calibration, mtbfs_min=MTBFS_MIN) -> list[ScaleRow]:
-    """MoEvement and Gemini (closed form) on every scale preset at every MTBF."""
-    rows = []
-    for preset in PAPER_PRESETS.values():
-        s = from_preset(preset)
-        mev = moevement_cost(s, cal)
-        for mtbf in mtbfs_min:
-            gem = gemini_cost(s, cal, mtbf * 60)
-            closed = [1 / ((1 + c.overhead) * (1 + c.recovery_s / (mtbf * 60))) for c in (mev, gem)]
-            rows.append(ScaleRow(preset.name, s.gpus, s.iteration_s, mtbf, *closed, mev.window, gem.interval))
-    return rows
-
-
-CURVE_MTBFS_MIN = (120.0, 90.0, 60.0, 45.0, 30.0, 20.0, 15.0, 10.0)
-FIG11_FIGURE = "paper_fig11_simulated.png"  # its file name in the run's output directory
-
-
-def plot_fig11(cal: Calibration, path: str, paper: dict[str, float], min_1h: float) -> None:
-    """One panel per cluster: ETTR against MTBF for MoEvement and Gemini; the paper's 671B / 10-minute
-    points as black crosses and its 1-hour MoEvement floor as a dotted line."""
-    rows = scale_study(cal, CURVE_MTBFS_MIN)
-    presets = list(dict.fromkeys(r.preset for r in rows))
-    fig, axes = ettr_panels(len(presets), 3.3)
-    for ax, name in zip(axes, presets):
-        mine = [r for r in rows if r.preset == name]
-        for s in ("moevement", "gemini"):
-            ax.plot([r.mtbf_min for r in mine], [getattr(r, s) for r in mine], "o-", color=colour(s), label=s, ms=3)
-        if name == "671B-16384":
-            ax.plot([10.0, 10.0], [paper["moevement"], paper["gemini"]], "kx", ms=8, label="paper (671B, 10 min)")
-        ax.axhline(min_1h, color="tab:blue", ls=":", lw=1)
-        ax.set_xscale("log")
-        ax.set_xticks([10, 20, 30, 60, 120], ["10", "20", "30", "60", "120"])
-        ax.set_title(f"{name} (T {mine[0].iteration_s:.0f} s)", fontsize=9)
-    save_panels(fig, axes, "simulated ETTR (closed form)", path, 0.1)

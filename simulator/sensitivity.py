@@ -2,34 +2,37 @@
 
     python -m simulator --sensitivity [--preset 671B-16384] [--mtbf-min 10] [--json]
 
-Inputs: the host link bandwidth (snapshot copies and recovery fetches), a cap on snapshot copies
-during training only (as `benchmarks.ettr` caps them; also the cap at which a dense copy takes 3
-iterations, the benchmarks' `--dense-snapshot-iters 3`), the restart constant, the number of
-pipeline stages (GPUs, expert parallelism and global batch kept: pipelines and micro-batches
-follow; only splits that divide evenly and leave every stage a layer), MoEvement's window W
-(forced instead of Algorithm 1's) and the micro-batch count M (the global batch changes with it).
+The model is `simulator.model`'s (the calibrated one every command runs). Inputs: the GPU-to-host
+copy bandwidth, the node's NIC line rate, a cap on snapshot copies while training runs, the fixed
+restart, every fitted constant at -20% and +20% (no refit), the number of pipeline stages (GPUs,
+expert parallelism and global batch kept; only splits that divide evenly and leave every stage a
+layer), MoEvement's window W (forced instead of Algorithm 1's) and the micro-batch count M.
 
 Then where the paper's figures would be reached, by bisection (ETTR is monotone in each input):
-the host link or snapshot cap at which Gemini reaches its figure, the restart constant at which
-Gemini or MoEvement does; and the largest MoEvement / Gemini ratio over snapshot caps.
+the NIC line rate at which Gemini reaches its figure, the fixed restart at which Gemini or MoEvement
+does (not MoEvement's NIC: W steps with it, so its ETTR is not monotone); and the
+largest MoEvement / Gemini ratio over snapshot caps.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
-from simulator.cluster import GB, Preset
+from simulator.calibrated import FITTED, Calibration
+from simulator.cluster import Preset
+from simulator.model import NO_OVERRIDES, Overrides, predict_setting, preset_setting, speedup
 from simulator.presets import layout_for
-from simulator.strategies import Scenario, simulate
 
 HOST_GBS = (100.0, 5.0, 1.0, 0.25)
-CAP_GBS = (2.0, 1.0, 0.5)
-SPEEDUP_CAPS_GBS = tuple(10 ** (-1 + i / 20) for i in range(61))  # 0.1 to 100 GB/s
+NIC_GBPS = (400.0, 200.0, 40.0)
+CAP_GBS = (2.0, 1.0, 0.5, 0.1)
+SPEEDUP_CAPS_GBS = tuple(10 ** (-2 + i / 20) for i in range(61))  # 0.01 to 10 GB/s
 RESTART_S = (0.0, 30.0, 120.0, 300.0)
 WINDOWS = (1, 2, 4, 8, 16)
 MICRO_BATCH_FACTORS = (0.5, 2.0)
+PERTURBATION = 0.2
 
 
 @dataclass(frozen=True)
@@ -58,14 +61,15 @@ class BreakEven:
     other_ettr: float | None
 
 
-def _row(name: str, value: str, preset: Preset, mtbf_s: float, window: int | None = None) -> SensitivityRow:
-    res = {r.strategy: r for r in simulate(preset, mtbf_s, ("moevement", "gemini"), window=window)}
-    m, g = res["moevement"], res["gemini"]
-    return SensitivityRow(name, value, m.ettr, g.ettr, m.window, g.interval, Scenario.of(preset).iteration_s)
+def _pair(preset: Preset, mtbf_s: float, ov: Overrides, cal: Calibration = FITTED, window: int | None = None):
+    s = preset_setting(preset, ov)
+    m, g = predict_setting(s, mtbf_s, ("moevement", "gemini"), window=window, cal=ov.calibration(cal))
+    return s, m, g
 
 
-def _with_hw(preset: Preset, **changes: float) -> Preset:
-    return replace(preset, hw=replace(preset.hw, **changes))
+def _row(name: str, value: str, preset: Preset, mtbf_s: float, ov: Overrides, **kw) -> SensitivityRow:
+    s, m, g = _pair(preset, mtbf_s, ov, **kw)
+    return SensitivityRow(name, value, m.ettr, g.ettr, m.window, g.interval, s.iteration_s)
 
 
 def stage_variants(preset: Preset) -> list[Preset]:
@@ -83,27 +87,35 @@ def stage_variants(preset: Preset) -> list[Preset]:
     return out
 
 
-def _bandwidth_rows(preset: Preset, mtbf_s: float) -> list[SensitivityRow]:
-    sc = Scenario.of(preset)
-    three = sc.dense_bytes / (3 * sc.iteration_s)  # the benchmarks' regime: a dense copy takes 3 iterations
-    caps = [(f"{g:g}", g * GB) for g in CAP_GBS] + [(f"{three / GB:.2f} (dense copy 3 T)", three)]
-    rows = [_row("host link (GB/s)", f"{g:g}", _with_hw(preset, host_bw=g * GB), mtbf_s) for g in HOST_GBS]
-    return rows + [_row("snapshot cap (GB/s)", v, _with_hw(preset, snapshot_cap_bw=bw), mtbf_s) for v, bw in caps]
+def _hardware_rows(preset: Preset, mtbf_s: float, ov: Overrides) -> list[SensitivityRow]:
+    rows = [_row("host link (GB/s)", f"{g:g}", preset, mtbf_s, replace(ov, host_gbs=g)) for g in HOST_GBS]
+    rows += [_row("NIC (Gb/s)", f"{g:g}", preset, mtbf_s, replace(ov, nic_gbps=g)) for g in NIC_GBPS]
+    rows += [_row("snapshot cap (GB/s)", f"{g:g}", preset, mtbf_s, replace(ov, snapshot_cap_gbs=g)) for g in CAP_GBS]
+    return rows + [_row("restart (s)", f"{r:g}", preset, mtbf_s, replace(ov, restart_s=r)) for r in RESTART_S]
 
 
-def sensitivity(preset: Preset, mtbf_s: float) -> list[SensitivityRow]:
+def _constant_rows(preset: Preset, mtbf_s: float, ov: Overrides) -> list[SensitivityRow]:
+    rows = []
+    for name, value in asdict(FITTED).items():
+        for f in (1 - PERTURBATION, 1 + PERTURBATION):
+            changed = replace(FITTED, **{name: min(1.0, value * f) if name == "nic_efficiency" else value * f})
+            rows.append(_row(f"fitted {name}", f"{f:.1f}x", preset, mtbf_s, ov, cal=changed))
+    return rows
+
+
+def sensitivity(preset: Preset, mtbf_s: float, ov: Overrides = NO_OVERRIDES) -> list[SensitivityRow]:
     """The baseline row, then one row per changed input."""
-    hw, lay = preset.hw, preset.layout
-    rows = [_row("as assumed", f"host {hw.host_bw / GB:g} GB/s, restart {hw.restart_s:g} s", preset, mtbf_s)]
-    rows += _bandwidth_rows(preset, mtbf_s)
-    rows += [_row("restart (s)", f"{r:g}", _with_hw(preset, restart_s=r), mtbf_s) for r in RESTART_S]
+    rows = [_row("as assumed", "fitted constants, stated hardware", preset, mtbf_s, ov)]
+    rows += _hardware_rows(preset, mtbf_s, ov) + _constant_rows(preset, mtbf_s, ov)
     for p in stage_variants(preset):
         value = f"{p.layout.pp} (pipelines {p.layout.pipelines}, M {p.layout.micro_batches})"
-        rows.append(_row("stages", value, p, mtbf_s))
-    rows += [_row("window W", f"{w}", preset, mtbf_s, window=w) for w in WINDOWS]
+        rows.append(_row("stages", value, p, mtbf_s, ov))
+    rows += [_row("window W", f"{w}", preset, mtbf_s, ov, window=w) for w in WINDOWS]
+    lay = preset.layout
     for f in MICRO_BATCH_FACTORS:
         m = max(1, round(lay.micro_batches * f))
-        rows.append(_row("micro-batches M", f"{m}", replace(preset, layout=replace(lay, micro_batches=m)), mtbf_s))
+        changed = replace(preset, layout=replace(lay, micro_batches=m))
+        rows.append(_row("micro-batches M", f"{m}", changed, mtbf_s, ov))
     return rows
 
 
@@ -122,45 +134,42 @@ def bisect(f: Callable[[float], float], lo: float, hi: float, target: float, ste
     return (lo + hi) / 2
 
 
-def _ettr(preset: Preset, mtbf_s: float, strategy: str) -> float:
-    return simulate(preset, mtbf_s, (strategy,))[0].ettr
-
-
 @dataclass(frozen=True)
 class Search:
-    """Move `field` of `Hardware` (in units of `unit`) over [lo, hi] until `strategy` reaches its target."""
+    """Move `field` of `Overrides` over [lo, hi] until `strategy` reaches its target; `assumed` is its value."""
 
     strategy: str
     input: str
     field: str
-    unit: float
     lo: float
     hi: float
+    assumed: float
 
 
 SEARCHES = (
-    Search("gemini", "host link (GB/s)", "host_bw", GB, 0.01, 1000.0),
-    Search("gemini", "snapshot cap (GB/s)", "snapshot_cap_bw", GB, 0.01, 1000.0),
-    Search("gemini", "restart (s)", "restart_s", 1.0, 0.0, 86400.0),
-    Search("moevement", "restart (s)", "restart_s", 1.0, 0.0, 86400.0),
+    Search("gemini", "NIC (Gb/s)", "nic_gbps", 1.0, 10000.0, 80.0),
+    Search("gemini", "restart (s)", "restart_s", 0.0, 86400.0, FITTED.restart_s),
+    Search("moevement", "restart (s)", "restart_s", 0.0, 86400.0, FITTED.restart_s),
 )
 
 
-def _search(preset: Preset, mtbf_s: float, target: float, search: Search) -> BreakEven:
+def _search(preset: Preset, mtbf_s: float, target: float, search: Search, ov: Overrides) -> BreakEven:
     other = "moevement" if search.strategy == "gemini" else "gemini"
 
     def at(x: float, strategy: str = search.strategy) -> float:
-        return _ettr(_with_hw(preset, **{search.field: x * search.unit}), mtbf_s, strategy)
+        _, m, g = _pair(preset, mtbf_s, replace(ov, **{search.field: x}))
+        return m.ettr if strategy == "moevement" else g.ettr
 
     value = bisect(at, search.lo, search.hi, target)
     other_ettr = None if value is None else at(value, other)
-    assumed = getattr(preset.hw, search.field) / search.unit
-    return BreakEven(search.strategy, target, search.input, value, assumed, other, other_ettr)
+    return BreakEven(search.strategy, target, search.input, value, search.assumed, other, other_ettr)
 
 
-def break_even(preset: Preset, mtbf_s: float, targets: dict[str, float]) -> list[BreakEven]:
+def break_even(
+    preset: Preset, mtbf_s: float, targets: dict[str, float], ov: Overrides = NO_OVERRIDES
+) -> list[BreakEven]:
     """Where each strategy of `targets` reaches its target ETTR, moving one input of `SEARCHES`."""
-    return [_search(preset, mtbf_s, targets[s.strategy], s) for s in SEARCHES if s.strategy in targets]
+    return [_search(preset, mtbf_s, targets[s.strategy], s, ov) for s in SEARCHES if s.strategy in targets]
 
 
 @dataclass(frozen=True)
@@ -173,13 +182,12 @@ class BestSpeedup:
     gemini: float
 
 
-def best_speedup(preset: Preset, mtbf_s: float) -> BestSpeedup:
+def best_speedup(preset: Preset, mtbf_s: float, ov: Overrides = NO_OVERRIDES) -> BestSpeedup:
     """Sweep the snapshot cap over `SPEEDUP_CAPS_GBS` and keep the largest MoEvement / Gemini ratio."""
     candidates = []
     for cap in SPEEDUP_CAPS_GBS:
-        at = _with_hw(preset, snapshot_cap_bw=cap * GB)
-        m, g = (r.ettr for r in simulate(at, mtbf_s, ("moevement", "gemini")))
-        candidates.append(BestSpeedup(cap, m / g if g > 0 else math.inf, m, g))
+        _, m, g = _pair(preset, mtbf_s, replace(ov, snapshot_cap_gbs=cap))
+        candidates.append(BestSpeedup(cap, speedup(m.ettr, g.ettr), m.ettr, g.ettr))
     return max(candidates, key=lambda c: c.speedup)
 
 

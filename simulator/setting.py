@@ -21,10 +21,13 @@ from dataclasses import dataclass
 
 from simulator.testbed import (
     ACT_BYTES,
+    BLOB_BW,
     COMPUTE_BYTES,
     FP32_STATE_BYTES,
     GPUS_PER_NODE,
     MICRO_BATCH_SEQS,
+    NODE_NIC_BW,
+    PCIE_BW,
     SEQ_LEN,
     Testbed,
 )
@@ -57,7 +60,11 @@ class Setting:
     operators: tuple[Operator, ...]  # one GPU's, routed experts first
     nic_train_bytes: float  # what the node's NIC sends for training per iteration
     log_bytes_gpu: float  # what one GPU's upstream log copies to host per iteration
-    moc_start_overhead: float | None = None  # MoC's overhead at its first K (a testbed input); None: not modelled
+    moc_start_overhead: float | None = None  # MoC's overhead at its first K (a testbed input); None: derived
+    pcie_bw: float = PCIE_BW  # bytes/s, one GPU to host memory
+    node_nic_bw: float = NODE_NIC_BW  # bytes/s, one node's line rate, shared by its GPUs
+    blob_bw: float = BLOB_BW  # bytes/s, the whole cluster to persistent storage
+    snapshot_cap_bw: float = math.inf  # bytes/s per GPU: a cap on snapshot copies while training runs
 
     @property
     def nodes(self) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from simulator.calibrated import Calibration
-from simulator.run import run_all
+from simulator.model import run_all
 from simulator.setting import Setting
 from simulator.skew import alpha_for_skew, measured_skew, popularity
 

@@ -11,11 +11,10 @@ from baselines.intervals import checkfreq_interval, checkfreq_overhead, ettr, or
 from simulator.calibration import MeasuredProfile, predict_from_profile
 from simulator.cluster import ClusterShape, Hardware, ModelShape, Preset, StageModel, pipeline_s, stage_model
 from simulator.ettr import main
-from simulator.formula import best_interval, interval_ettr, paper_ettr
+from simulator.model import Overrides, predict, predict_setting, preset_setting
 from simulator.paper import MTBFS_MIN, scale_study
 from simulator.presets import EXTRA_PRESETS, PAPER_PRESETS, PRESETS
 from simulator.sensitivity import SEARCHES, bisect, break_even, sensitivity, stage_variants
-from simulator.strategies import Scenario, simulate
 
 # One MoE layer, h=1000, 2 routed experts of 3e6 params (top-1), attention 4e6, router 2000;
 # 2 GPUs: 1 stage x 1 pipeline x ep=2 (one expert per GPU, expert data-parallel degree 1); one
@@ -33,35 +32,12 @@ TINY = Preset(
         a2a_bw=1e9,
         dp_alpha_s=0.0,
         dp_bw=1e9,
-        host_bw=1e9,
-        nic_bw=1e15,
-        disk_bw=1e9,
-        restart_s=10.0,
         gpus_per_node=1,
     ),
 )  # one GPU per node: the all-to-all crosses the network
 
 
-# ---- the paper's ETTR formula ---------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "overhead, recovery_s, mtbf_s, expected",
-    [
-        (0.25, 60.0, 600.0, 1 / (1.25 * 1.1)),  # 0.727
-        (0.0, 30.0, 600.0, 1 / 1.05),
-        (0.1, 700.0, 600.0, 1 / (1.1 * (1 + 7 / 6))),  # recovery longer than MTBF: small, never negative
-        (0.25, 60.0, math.inf, 0.8),  # no failures: only the overhead
-    ],
-)
-def test_paper_ettr_hand_cases(overhead, recovery_s, mtbf_s, expected):
-    assert paper_ettr(overhead, recovery_s, mtbf_s) == pytest.approx(expected)
-
-
-def test_interval_ettr_hand_case():
-    # k=4, stall 2 s, T=10 s: overhead 2/40 = 0.05; E[R] = 60 + (4/2 + 1) * 10 = 90 s
-    assert interval_ettr(4, 2.0, 10.0, 60.0, 600.0) == pytest.approx(1 / (1.05 * 1.15))
-
+# ---- the trainer's interval policies (used by the calibrated model) -------------------------------
 
 # (stall_s, iteration_s, fixed_s, mtbf_s): interval choices checked against a brute-force search
 INTERVAL_CASES = [
@@ -75,12 +51,10 @@ INTERVAL_CASES = [
 
 
 @pytest.mark.parametrize("case", INTERVAL_CASES)
-@pytest.mark.parametrize("choose, value", [(best_interval, interval_ettr), (oracle_interval, periodic_ettr)])
-def test_interval_choice_is_the_brute_force_optimum(case, choose, value):
-    """`best_interval` (the paper's formula) and the trainer's `oracle_interval` (1 - R/MTBF) each pick
-    the k that maximises their own ETTR."""
-    best = max(range(1, 20_000), key=lambda k: value(k, *case))
-    assert choose(*case) == best
+def test_oracle_interval_is_the_brute_force_optimum(case):
+    """The trainer's `oracle_interval` (Gemini's, 1 - R/MTBF) picks the k that maximises its own ETTR."""
+    best = max(range(1, 20_000), key=lambda k: periodic_ettr(k, *case))
+    assert oracle_interval(*case) == best
 
 
 # ---- iteration time -------------------------------------------------------------------------------
@@ -91,8 +65,6 @@ def test_pipeline_1f1b_hand_cases():
     assert pipeline_s([1.0, 2.0, 3.0], 4) == pytest.approx(15.0)  # 1+2+3 fill/drain + 3 * 3 steady
     st = StageModel((), 0, 0, 0.3, t_f=0.15, t_b=0.25, dp_s=0.1, update_s=0.05, nic_s=0.0, stages=4, micro_batches=8)
     assert st.iteration_s == pytest.approx((8 + 4 - 1) * 0.4 + 0.1 + 0.05)  # + T_sync + T_update
-    assert st.replay_s() == pytest.approx(8 * 0.4 + 0.1 + 0.05)  # one stage, no bubble
-    assert st.replay_s(frozen=1.0) == pytest.approx(8 * (0.4 - 0.1) + 0.1 + 0.05)  # weight grads = 1/3
 
 
 def test_stage_model_hand_case():
@@ -143,52 +115,55 @@ def test_micro_batches_share_the_global_batch():
     assert {p.layout.batch_seqs for n, p in PAPER_PRESETS.items() if n != "671B-16384"} == {4608}
 
 
-# ---- strategies -----------------------------------------------------------------------------------
+# ---- one model behind every command -----------------------------------------------------------------
 
 
-def test_moevement_window_and_recovery_hand_case():
-    # Budget = T * B = 0.060016 s * 1 GB/s = 60.016 MB. Order: expert, attention, router.
-    # O_active=3: SS0 = 12*(7.002e6) = 84.0 MB, too big; O_active=2: SS0 = 12*7e6 + 2*2000 > budget;
-    # O_active=1: SS0 = 36e6 + 2*(4e6 + 2000), SS1 = 48e6 + 4000, SS2 = 24000 all fit -> W = 3.
-    (res,) = simulate(TINY, 600.0, ["moevement"])
-    assert res.window == 3 and res.overhead == 0.0
-    t, fwd_bwd, compute, dp = 0.060016, 0.052012, 0.048012, 0.008004
-    fetch = (44_004_000 + 48_004_000 + 24_000) / 1e9
-    conversion = 3 * (fwd_bwd - compute * (1 / 3) / 3 + dp)  # (W-1)/(2W) = 1/3 frozen on average
-    catch_up = (3 - 1) / 2 * (fwd_bwd + dp)
-    assert res.recovery_s == pytest.approx(10.0 + fetch + conversion + catch_up + t / 2)
-    assert res.ettr == pytest.approx(1 / (1 + res.recovery_s / 600.0))
+def test_preset_prediction_is_the_scale_studys_and_the_paper_tables():
+    """`--preset`, `--paper` and `--paper-tables`' Figure 11 are one model: the same numbers for the same point."""
+    from simulator.calibrated import FITTED
+    from simulator.paper_tables import all_cells
+
+    preset = PAPER_PRESETS["671B-16384"]
+    direct = {r.strategy: r.ettr for r in predict(preset, 600.0)}
+    study = next(r for r in scale_study() if (r.preset, r.mtbf_min) == ("671B-16384", 10.0))
+    assert study.ettr == direct
+    fig11 = {
+        c.label.split()[2]: c.simulated
+        for c in all_cells(FITTED)
+        if c.section == "fig11" and c.label.startswith("671B-16384 10min ")
+    }
+    assert fig11 == {"moevement": direct["moevement"], "gemini": direct["gemini"]}
 
 
-def test_forced_window_slots_and_replay():
-    # W = 1: one slot, one dense snapshot of 12 * 7.002e6 B > the 60 MB budget: it stalls
-    (res,) = simulate(TINY, 600.0, ["moevement"], window=1)
-    t = 0.060016
-    assert res.window == 1 and res.overhead == pytest.approx((0.084024 - t) / t)
-    assert res.recovery_s == pytest.approx(10.0 + 0.084024 + (0.052012 + 0.008004) + t / 2)
+def test_documented_commands_agree(tmp_path, capsys):
+    """docs/simulator.md's `--preset 671B-16384 --mtbf-min 10`, `--paper` and `--paper-tables` print the same ETTRs."""
+    main(["--preset", "671B-16384", "--mtbf-min", "10", "--json"])
+    preset = {s: r["ettr"] for s, r in json.loads(capsys.readouterr().out)["strategies"].items()}
+    main(["--paper", "--json", "--no-figure", "--out", str(tmp_path / "paper")])
+    rows = json.loads(capsys.readouterr().out)
+    paper = next(r for r in rows if (r["preset"], r["mtbf_min"]) == ("671B-16384", 10.0))["ettr"]
+    main(["--paper-tables", "--no-figure", "--out", str(tmp_path / "tables")])
+    tables = capsys.readouterr().out
+    assert preset == pytest.approx(paper, abs=0) and set(preset) == {"moevement", "gemini", "checkfreq", "moc"}
+    for s in ("moevement", "gemini"):
+        line = next(ln for ln in tables.splitlines() if ln.startswith(f"671B-16384 10min {s} "))
+        assert line.endswith("held out") and float(line.split()[-5]) == pytest.approx(preset[s], abs=5e-4)
 
 
-def test_gemini_uses_the_ettr_optimal_interval():
-    (res,) = simulate(TINY, 600.0, ["gemini"])
-    t, stall, fixed = 0.060016, 0.084024 - 0.060016, 10.0 + 0.084024  # dense copy 84 MB at 1 GB/s
-    best = max(range(1, 5000), key=lambda k: interval_ettr(k, stall, t, fixed, 600.0))
-    assert res.interval == best > 1
-    assert res.recovery_s == pytest.approx(fixed + (best / 2 + 1) * t)
-    assert res.ettr == pytest.approx(interval_ettr(best, stall, t, fixed, 600.0))
+def test_overrides_change_hardware_and_restart_only_where_asked():
+    preset = PAPER_PRESETS["32B-512"]
+    base = preset_setting(preset)
+    changed = preset_setting(preset, Overrides(host_gbs=2.0, nic_gbps=40.0, snapshot_cap_gbs=0.1))
+    assert (changed.pcie_bw, changed.node_nic_bw, changed.snapshot_cap_bw) == (2e9, 5e9, 1e8)
+    assert changed.node_state_bytes == base.node_state_bytes and changed.iteration_s == base.iteration_s
+    slower, faster = (predict(preset, 600.0, ("gemini",), overrides=Overrides(restart_s=r))[0] for r in (300.0, 0.0))
+    assert slower.recovery_s - faster.recovery_s == pytest.approx(300.0) and slower.ettr < faster.ettr
 
 
-def test_snapshot_cap_slows_copies_not_fetches():
-    capped = Scenario.of(replace(TINY, hw=replace(TINY.hw, snapshot_cap_bw=0.5e9)))
-    assert (capped.snapshot_bw, capped.fetch_bw) == (0.5e9, 1e9)
-
-
-def test_slow_snapshots_stall_gemini_and_widen_the_window():
-    preset = PRESETS["671B-16384"]
-    slow = replace(preset, hw=Hardware(host_bw=1e9))  # 1 GB/s: a dense copy takes ~20 s, 3 iterations
-    results = {r.strategy: r for r in simulate(slow, 600.0)}
-    assert results["gemini"].interval > 1 and results["gemini"].overhead > 0
-    assert results["moevement"].window > 1 and results["moevement"].overhead == 0.0
-    assert results["moevement"].ettr > results["gemini"].ettr
+def test_forced_window_and_interval():
+    s = preset_setting(PAPER_PRESETS["32B-512"])
+    mev, gem, cf = predict_setting(s, 600.0, ("moevement", "gemini", "checkfreq"), interval=7, window=4)
+    assert (mev.window, gem.interval, cf.interval) == (4, 7, 7)
 
 
 # ---- baselines.intervals: CheckFreq's policy (used here), the trainer's Gemini policy and steady ETTR ----
@@ -248,11 +223,12 @@ def test_moevement_at_one_hour_meets_the_papers_statement():
 def test_sensitivity_rows_change_one_input():
     preset = PAPER_PRESETS["671B-16384"]
     rows = sensitivity(preset, 600.0)
-    base = {r.strategy: r for r in simulate(preset, 600.0, ("moevement", "gemini"))}
+    base = {r.strategy: r for r in predict(preset, 600.0, ("moevement", "gemini"))}
     assert (rows[0].moevement, rows[0].gemini) == (base["moevement"].ettr, base["gemini"].ettr)
-    inputs = {"host link (GB/s)", "snapshot cap (GB/s)", "restart (s)", "stages", "window W", "micro-batches M"}
-    assert {r.input for r in rows[1:]} == inputs
-    assert [r.window for r in rows if r.input == "window W"] == [1, 2, 4, 8, 16]
+    inputs = {r.input for r in rows[1:]}
+    assert {"host link (GB/s)", "NIC (Gb/s)", "snapshot cap (GB/s)", "restart (s)", "stages", "window W"} <= inputs
+    assert "fitted rejoin_s" in inputs and "micro-batches M" in inputs
+    assert [r.window for r in rows if r.input == "window W"][:2] == [1, 2]
     restarts = [r for r in rows if r.input == "restart (s)"]
     assert all(a.moevement > b.moevement and a.gemini > b.gemini for a, b in zip(restarts, restarts[1:]))
 
@@ -276,8 +252,11 @@ def test_break_even_points_reach_their_targets():
     points = break_even(preset, 600.0, {"moevement": 0.86, "gemini": 0.55})
     assert len(points) == len(SEARCHES)
     for b, search in zip(points, SEARCHES):
-        at = replace(preset, hw=replace(preset.hw, **{search.field: b.value * search.unit}))
-        assert simulate(at, 600.0, (b.strategy,))[0].ettr == pytest.approx(b.target, abs=1e-3)
+        if b.value is None:  # not reachable by that input: said so, not faked
+            continue
+        (at,) = predict(preset, 600.0, (b.strategy,), overrides=Overrides(**{search.field: b.value}))
+        assert at.ettr == pytest.approx(b.target, abs=1e-3)
+    assert any(b.value is not None for b in points)
 
 
 # ---- calibration: the finite-run model against a recorded benchmark ---------------------------------

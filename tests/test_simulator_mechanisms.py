@@ -2,11 +2,12 @@
 mechanisms, run, skew, frozen, fit, own_table4). None of these checks uses the paper's results."""
 
 import math
+import re
 from dataclasses import replace
 
 import pytest
 
-from baselines.intervals import checkfreq_overhead, oracle_interval
+from baselines.intervals import checkfreq_overhead
 from simulator.calibrated import MOC_PLT_BUDGET, Calibration
 from simulator.ettr import main
 from simulator.fit import coordinate_search, to_calibration, to_coordinates
@@ -19,30 +20,35 @@ from simulator.mechanisms import (
     network_stall_s,
     node_network,
 )
+from simulator.oracle import oracle_interval
 from simulator.own_table4 import moevement_window
-from simulator.run import closed_form, finite, moc_run
+from simulator.run import closed_form, finite, lost_per_failure, moc_run
 from simulator.setting import Operator, Setting, gradient_exchange_bytes, pipeline_send_bytes
 from simulator.skew import alpha_for_skew, expected_skew, popularity, round_robin_staleness
 from simulator.testbed import MoEShape, iteration_from_cells
 from tests.helpers import ROOT
 
 GB = 1e9
-# No interference, 10 GB/s line rate x 0.5 = 5 GB/s for checkpoints, restarts 10 s local / 100 s global.
+# No interference, 10 GB/s line rate x 0.5 = 5 GB/s for bulk copies; restart 10 s + 30 s x log2(relaunched
+# nodes): 10 s localized (one node), 130 s global (16 nodes); no failure-independent loss.
 CAL = Calibration(
     nic_efficiency=0.5,
-    copy_interference=0.0,
     persist_interference=0.0,
-    local_restart_s=10.0,
-    global_restart_s=100.0,
+    restart_s=10.0,
+    rejoin_s=30.0,
+    zero_loss_checkfreq=0.0,
+    zero_loss_gemini=0.0,
+    zero_loss_moc=0.0,
+    zero_loss_moevement=0.0,
     moc_loss_scale=1.0,
 )
-# 96 GPUs = 12 nodes; 4 stages, M = 12 (a stage iteration is 12/15 of T = 2 s); 20 GB of state per node,
+# 128 GPUs = 16 nodes; 4 stages, M = 12 (a stage iteration is 12/15 of T = 2 s); 20 GB of state per node,
 # 80% in experts; training sends 10 GB a node per iteration: busy 10 GB / (10 GB/s x 2 s) = 0.5.
 OPS = (Operator(12 * GB, 2 * GB, 1.0, (0, 0)), Operator(12 * GB, 2 * GB, 1.0, (0, 1)), Operator(6 * GB, 1 * GB, 2.0))
 SETTING = Setting(
     name="hand",
     iteration_s=2.0,
-    gpus=96,
+    gpus=128,
     stages=4,
     micro_batches=12,
     experts=8,
@@ -94,22 +100,21 @@ def test_node_network_shares_the_nic_with_training():
 
 
 def test_gemini_oracle_interval_and_global_recovery():
-    # 20 GB: 5 GB overlapped, 15 GB at 5 GB/s -> 3 s stall; fixed = 100 s restart + 20 GB / 5 GB/s
+    # 20 GB: 5 GB overlapped, 15 GB at 5 GB/s -> 3 s stall; fixed = 130 s restart + 20 GB / 5 GB/s
     cost = gemini_cost(SETTING, CAL, 600.0)
-    k = oracle_interval(3.0, 2.0, 104.0, 600.0)
+    k = oracle_interval(3.0, 2.0, 134.0, 600.0)
     assert cost.stall_s == pytest.approx(3.0) and cost.interval == k
     assert cost.overhead == pytest.approx(3.0 / (k * 2.0))
-    assert cost.recovery_s == pytest.approx(104.0 + (k / 2 + 1) * 2.0)
+    assert cost.recovery_s == pytest.approx(134.0 + (k / 2 + 1) * 2.0) and cost.restart_s == 10.0
     every = gemini_cost(SETTING, CAL, 600.0, interval=1)
     assert 1 + every.overhead == pytest.approx(2.5)  # (T + 3 s) / T
 
 
-def test_global_restart_grows_with_ranks_localized_does_not():
-    assert CAL.global_restart_at(96) == pytest.approx(100.0)
-    assert CAL.global_restart_at(96 * 96) == pytest.approx(10.0 + 2 * 90.0)  # log2(96^2) / log2(96) = 2
-    big = replace(SETTING, gpus=96 * 96)
+def test_global_restart_grows_with_relaunched_nodes_localized_does_not():
+    assert CAL.restart_at(1) == pytest.approx(10.0) and CAL.restart_at(16) == pytest.approx(130.0)
+    big = replace(SETTING, gpus=128 * 16)  # 256 nodes: log2 = 8, 4 more than 16 nodes
     assert gemini_cost(big, CAL, 600.0, 10).recovery_s - gemini_cost(SETTING, CAL, 600.0, 10).recovery_s == (
-        pytest.approx(90.0)
+        pytest.approx(120.0)
     )
     assert moevement_cost(big, CAL).recovery_s == pytest.approx(moevement_cost(SETTING, CAL).recovery_s)
 
@@ -119,7 +124,7 @@ def test_checkfreq_interval_caps_overhead_at_three_percent():
     cost = checkfreq_cost(SETTING, CAL)
     assert cost.interval == 24  # the smallest k with max(0, 48 - 2k) / (2k) <= 3%: k >= 48 / 2.06 = 23.3
     assert cost.overhead == pytest.approx(checkfreq_overhead(24, 0.0, 48.0, 2.0))
-    assert cost.recovery_s == pytest.approx(100.0 + 48.0 + (24 / 2 + 1) * 2.0 + 48.0)
+    assert cost.recovery_s == pytest.approx(130.0 + 48.0 + (24 / 2 + 1) * 2.0 + 48.0)
 
 
 def test_moc_overhead_scales_with_the_experts_it_saves():
@@ -128,10 +133,12 @@ def test_moc_overhead_scales_with_the_experts_it_saves():
     assert moc_overhead(SETTING, 1.0) == pytest.approx((20 / (6 / 2.2) - 2.0) / 2.0)
     with pytest.raises(ValueError, match="first K"):
         moc_overhead(replace(SETTING, moc_start_overhead=None), 1.0)
+    # no stated first-K overhead (a scale preset): the NIC's bulk rate, 5 GB/s: 20 GB take 4 s, 2 s over T
+    assert moc_overhead(replace(SETTING, moc_start_overhead=None), 1.0, CAL) == pytest.approx(1.0)
 
 
 def test_moevement_window_stall_and_localized_recovery():
-    # per-GPU bandwidth = idle 2.5 GB/s / 8 GPUs; budget 0.625 GB per 2 s iteration: even one operator
+    # per-GPU bandwidth = idle line rate 5 GB/s / (8 GPUs x 2 replicas); budget 0.625 GB per 2 s: even one operator
     # per slot (12 GB + 3 GB of frozen weights) does not fit, so W = 3 slots of one and snapshots stall
     cost = moevement_cost(SETTING, CAL)
     assert cost.window == 3
@@ -143,7 +150,7 @@ def test_moevement_window_stall_and_localized_recovery():
     fetch = sum(sizes) * GB * 8 / (5 * GB)
     assert cost.recovery_s == pytest.approx(10.0 + fetch + replay + 1.0)
     ablated = moevement_cost(SETTING, CAL, ablation=Ablation(skip_bweight=False, localized=False))
-    assert ablated.recovery_s == pytest.approx(100.0 + fetch + 3 * 2.0 + 2.0 + 1.0)
+    assert ablated.recovery_s == pytest.approx(130.0 + fetch + 3 * 2.0 + 2.0 + 1.0)
 
 
 # ---- runs ------------------------------------------------------------------------------------------
@@ -152,9 +159,20 @@ def test_moevement_window_stall_and_localized_recovery():
 def test_finite_and_closed_forms_hand_case():
     from simulator.mechanisms import Cost
 
-    res = finite(Cost("x", 0.25, 60.0), 600.0, run_s=6000.0)  # 10 failures of 60 s in 6000 s
-    assert res.ettr == pytest.approx((1 - 600 / 6000) / 1.25)
+    res = finite(Cost("x", 0.25, 60.0), 600.0, run_s=6000.0)  # Poisson failures, 60 s recoveries, MTBF 600 s
+    assert res.ettr == pytest.approx(math.exp(-0.1) / 1.25)
+    assert res.recovery_total_s == pytest.approx(6000.0 * (1 - math.exp(-0.1)))  # < 10 x 60 s: some overlap
     assert res.ettr_closed == pytest.approx(closed_form(0.25, 60.0, 600.0)) == pytest.approx(1 / (1.25 * 1.1))
+    lossy = finite(Cost("x", 0.25, 60.0, zero_loss=0.02), 600.0, run_s=6000.0)
+    assert lossy.ettr == pytest.approx(0.98 * res.ettr)
+    assert finite(Cost("x", 0.25, 60.0), math.inf).ettr == pytest.approx(0.8)
+
+
+def test_failures_during_recovery_hand_cases():
+    # E[min(X, R)] for X ~ Exp(MTBF): MTBF (1 - exp(-R / MTBF))
+    assert lost_per_failure(60.0, 600.0) == pytest.approx(600.0 * (1 - math.exp(-0.1)))
+    assert lost_per_failure(6000.0, 600.0) == pytest.approx(600.0, rel=1e-4)  # never more than the MTBF
+    assert lost_per_failure(60.0, math.inf) == 0.0
 
 
 def test_moc_dynamic_k_doubles_once_plt_passes_the_budget():
@@ -206,7 +224,7 @@ def test_coordinate_search_and_coordinates_round_trip():
     x, fx = coordinate_search(lambda v: (v[0] - 1.3) ** 2 + (v[1] + 0.7) ** 2, [0.0, 0.0], sweeps=12)
     assert x == pytest.approx([1.3, -0.7], abs=1e-2) and fx < 1e-4
     back = to_calibration(to_coordinates(CAL))
-    assert back.nic_efficiency == pytest.approx(0.5) and back.global_restart_s == pytest.approx(100.0)
+    assert back.nic_efficiency == pytest.approx(0.5) and back.rejoin_s == pytest.approx(30.0)
 
 
 def test_cli_paper_tables_prints_every_section_and_the_held_out_errors(tmp_path, capsys):
@@ -221,7 +239,7 @@ def test_cli_paper_tables_prints_every_section_and_the_held_out_errors(tmp_path,
         "fig11",
         "fig13",
         "fig16",
-        "own table4 (measured)",
+        "own table4 (measured at f30faf3, 2026-11-25)",
     ):
         assert f"## {section}\n" in out
     summary = out.split("## held-out Table 3 ETTR per strategy")[1].strip().splitlines()[1:5]
@@ -282,9 +300,9 @@ def test_ablation_steps_hand_case():
     fetch, t, stage = 34 * 8 / 5, 2.0, 2.0 * 12 / 15  # W = 3 snapshots of 15 + 13 + 6 GB at 5 GB/s
     frozen = (3 / 4, 2 / 4, 0.0)
     expected = [
-        100.0 + fetch + 3 * t + t + t / 2,  # sparse only: global restart, every stage replays with the bubble
-        100.0 + fetch + sum(t * (1 - f / 3) for f in frozen) + t + t / 2,
-        100.0 + fetch + sum(t * (1 - f / 3) for f in frozen) + t + t / 2,  # uniform popularity: same order
+        130.0 + fetch + 3 * t + t + t / 2,  # sparse only: global restart, every stage replays with the bubble
+        130.0 + fetch + sum(t * (1 - f / 3) for f in frozen) + t + t / 2,
+        130.0 + fetch + sum(t * (1 - f / 3) for f in frozen) + t + t / 2,  # uniform popularity: same order
         10.0 + fetch + sum(stage * (1 - f / 3) for f in frozen) + stage + t / 2,  # localized
     ]
     assert [r.recovery_s for r in rows] == pytest.approx(expected)
@@ -299,3 +317,96 @@ def test_skew_moves_moevement_and_moc_not_the_dense_baselines():
         assert rows[0].ettr[s] == rows[1].ettr[s]
     assert rows[0].moc_plt != rows[1].moc_plt
     assert rows[1].ettr["moevement"] != rows[0].ettr["moevement"]
+
+
+# ---- the profile, the failure-independent term and the constants' ranges ------------------------------
+
+
+def test_snapshot_bandwidth_is_the_idle_nic_share_over_two_replicas_capped():
+    from simulator.profile import snapshot_bandwidth
+
+    assert snapshot_bandwidth(SETTING) == pytest.approx(10 * GB * 0.5 / 16)  # line rate x idle / (8 GPUs x 2)
+    assert snapshot_bandwidth(replace(SETTING, pcie_bw=0.1 * GB)) == pytest.approx(0.1 * GB)
+    assert snapshot_bandwidth(replace(SETTING, snapshot_cap_bw=0.2 * GB)) == pytest.approx(0.2 * GB)
+
+
+def test_window_comes_from_the_profile_not_the_fitted_constants():
+    """Algorithm 1 sees stated bandwidths only: W does not move when a fitted constant does."""
+    from simulator.setting import from_testbed
+    from simulator.testbed import TESTBEDS
+
+    other = replace(CAL, nic_efficiency=0.9, restart_s=100.0)
+    for tb in TESTBEDS.values():
+        s = from_testbed(tb)
+        assert moevement_cost(s, CAL).window == moevement_cost(s, other).window
+
+
+def test_zero_loss_is_failure_independent_and_per_strategy():
+    lossy = replace(CAL, zero_loss_gemini=0.03)
+    for mtbf in (600.0, 7200.0, math.inf):
+        a, b = finite(gemini_cost(SETTING, CAL, mtbf), mtbf), finite(gemini_cost(SETTING, lossy, mtbf), mtbf)
+        assert b.ettr == pytest.approx(0.97 * a.ettr) and b.recovery_s == a.recovery_s
+    assert finite(checkfreq_cost(SETTING, lossy), 600.0).ettr == finite(checkfreq_cost(SETTING, CAL), 600.0).ettr
+
+
+def test_moc_persist_interval_hand_case():
+    from simulator.moc_loss import persist_interval
+
+    # 240 GB over Blob's 5 GB/s = 48 s = 24 iterations of 2 s
+    assert persist_interval(SETTING) == pytest.approx(24.0)
+
+
+def test_every_fitted_constant_lies_in_its_stated_range():
+    from dataclasses import asdict
+
+    from simulator.calibrated import FITTED, PLAUSIBLE
+
+    assert set(PLAUSIBLE) == set(asdict(FITTED))
+    for name, value in asdict(FITTED).items():
+        lo, hi = PLAUSIBLE[name]
+        assert lo <= value <= hi, name
+
+
+@pytest.mark.parametrize(
+    "case", [(30.0, 2.0, 60.0, 600.0), (5.0, 1.0, 60.0, 3600.0), (100.0, 3.0, 30.0, 1800.0), (500.0, 0.5, 10.0, 7200.0)]
+)
+def test_gemini_oracle_maximises_the_run_models_own_ettr(case):
+    from simulator.oracle import oracle_interval, poisson_ettr
+
+    best = max(range(1, 20_000), key=lambda k: poisson_ettr(k, *case))
+    assert oracle_interval(*case) == best
+    assert oracle_interval(0.0, 2.0, 60.0, 600.0) == 1  # a free checkpoint is taken every iteration
+
+
+def test_window_profile_runs_algorithm_1_on_its_own_numbers(tmp_path, capsys):
+    from simulator.profile import WindowProfile
+
+    # 4 operators of 12 GB FP32 / 2 GB compute; 1 s iterations; 80 Gb/s = 10 GB/s, half busy, 1 GPU, 1 replica:
+    # 5 GB/s -> budget 5 GB; a slot of one operator carries 12 GB: nothing fits, so W = 4 (one per slot)
+    d = {"iteration_s": 1.0, "fp32_bytes": [12e9] * 4, "compute_bytes": [2e9] * 4, "copy_gbs": 100.0}
+    d |= {"nic_gbps": 80.0, "nic_busy": 0.5, "gpus_per_node": 1, "replicas": 1}
+    p = WindowProfile.from_json(d)
+    assert p.bandwidth() == pytest.approx(5e9) and p.window() == (4, 1)
+    # no NIC: the 100 GB/s copy alone -> budget 100 GB holds all 48 GB: W = 1
+    assert WindowProfile.from_json({**d, "nic_gbps": None}).window() == (1, 4)
+    with pytest.raises(ValueError, match="copy_gbs"):
+        WindowProfile.from_json({k: v for k, v in d.items() if k != "copy_gbs"})
+    path = tmp_path / "gpu.json"
+    path.write_text(__import__("json").dumps(d))
+    main(["--window-profile", str(path)])
+    assert capsys.readouterr().out == "window=4 o_active=1 bandwidth_gbs=5.0000\n"
+
+
+def test_paper_tables_label_what_derives_from_the_calibration_rows_as_fitted():
+    from simulator.calibrated import FITTED
+    from simulator.paper_tables import all_cells
+
+    cells = all_cells(FITTED)
+    table3 = [c for c in cells if c.section == "table3 ettr"]
+    assert all((c.status == "fitted") == (c.label.split()[1] in ("2H", "1H")) for c in table3)
+    fig13 = [c for c in cells if c.section == "fig13" and "upstream logging (" in c.label]
+    assert len(fig13) == 4 and {c.status for c in fig13} == {"fitted"}  # the 1H row itself
+    zero = [c for c in cells if c.section == "table3 zero failures"]
+    assert {c.status for c in zero if " moc " not in c.label} == {"fitted"}
+    windows = [re.search(r", W (\d+) vs (\d+)\)$", c.label) for c in table3 if " moevement " in c.label]
+    assert len(windows) == 20 and all(w and int(w.group(2)) in (3, 5, 6) for w in windows)  # W beside every row
