@@ -38,7 +38,9 @@ from parallelisms.mesh import ParallelDims, build_mesh
 from parallelisms.parallelize import ModelParts, parallelize
 from trainer.allocator import reuse_freed_host_memory
 from trainer.checkpoint.dense import check_save_target, is_imported, load_dense, save_dense
+from trainer.checkpoint.periodic import PeriodicCheckpoints
 from trainer.checkpoint.state import training_state_digest
+from trainer.checkpoint.step_folder import load_directory
 from trainer.config import Config, ConfigError, check_world_size, fault_plan, load_config
 from trainer.config_help import help_text, to_toml
 from trainer.data.batches import TokenBatches, build_data, make_loader
@@ -166,30 +168,34 @@ class Job:
     guard: StopGuard  # where SIGTERM may stop this rank, and what state it then holds
     accounting: RunAccounting
     plan: StartPlan  # how this process took its place in the job
+    periodic: PeriodicCheckpoints  # `checkpoint.dense_interval`'s saves
 
 
 def resume_dense(cfg: Config, model: ModelParts, optimizer: torch.optim.Optimizer, rank: int) -> tuple[int, float]:
-    """(last iteration done, its loss) of `checkpoint.load`, loaded into the model; (0, nan) without one."""
-    if not cfg.checkpoint.load:
+    """(last iteration done, its loss) of `checkpoint.load` (or `checkpoint.load_step`), loaded into the
+    model, with one line saying so; (0, nan) without one."""
+    directory = load_directory(cfg)
+    if not directory:
         return 0, float("nan")
-    meta, differ = load_dense(cfg.checkpoint.load, model.view, optimizer, cfg)
+    meta, differ = load_dense(directory, model.view, optimizer, cfg)
     step, loss = meta["step"], meta.get("loss", float("nan"))
     if is_imported(meta) and rank == 0:
         print(
-            f"checkpoint: {cfg.checkpoint.load} holds imported weights ({meta['imported'].get('source')}): "
+            f"checkpoint: {directory} holds imported weights ({meta['imported'].get('source')}): "
             "model initialised from them, fresh optimizer, starting at step 1",
             flush=True,
         )
+    elif rank == 0:
+        print(f"checkpoint: loaded step {step} from {directory} (loss {loss:.6f})", flush=True)
     if differ and rank == 0:
         print(
-            f"checkpoint: {cfg.checkpoint.load} was saved under another config (checkpoint.load_other_config): "
+            f"checkpoint: {directory} was saved under another config (checkpoint.load_other_config): "
             f"{'; '.join(differ)}",
             flush=True,
         )
     if step > cfg.training.steps:
         raise ConfigError(
-            f"config key 'training.steps' ({cfg.training.steps}) is below the "
-            f"checkpoint's step ({step}) in {cfg.checkpoint.load}"
+            f"config key 'training.steps' ({cfg.training.steps}) is below the checkpoint's step ({step}) in {directory}"
         )
     return step, loss
 
@@ -253,6 +259,7 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
         guard,
         run_accounting(cfg, rank, step, plan),
         plan,
+        PeriodicCheckpoints(cfg, kill.during_dense_save),
     )
     return job, step, loss
 
@@ -305,6 +312,7 @@ def iteration(job: Job, step: int, inputs: torch.Tensor, labels: torch.Tensor, s
     job.kill.at("replication")
     job.logger.step(step, scalars, ft.metrics(), tokens, elapsed, job.accounting.elapsed())
     validate_if_due(job, step)
+    job.periodic.after_iteration(step, result.loss, job.model.view, job.optimizer)
     return result.loss
 
 
@@ -376,6 +384,7 @@ def finish(job: Job, step: int, loss: float, digest: str | None) -> None:
     rank writes its part), and record the job's end (trainer/lifecycle/job_end.py): rank 0 once its results are out
     (before its `final` line, or once the checkpoint is published), every rank once past the last collective."""
     cfg = job.cfg
+    job.periodic.close()
     totals = job.ft.close()
     job.logger.line(job.accounting.line(totals, totals.get("lost_tokens", 0.0)))
     job.accounting.drop()

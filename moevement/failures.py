@@ -59,8 +59,9 @@ TRAINING_PHASES = ("forward", "backward", "clip", "optimizer", "snapshot", "repl
 # published, `final` once the job has finished
 END_PHASES = ("digest", "accounting", "saved", "final")
 # `validation`: during the validation of an iteration that runs one; `replay`: of a restart; `join`: a
-# survivor's join of the in-place generation that follows a death
-KILL_PHASES = (*TRAINING_PHASES, "validation", "replay", "join", *END_PHASES)
+# survivor's join of the in-place generation that follows a death; `dense_save`: while the periodic dense
+# checkpoint of the iteration is written in the background (after this rank's first file)
+KILL_PHASES = (*TRAINING_PHASES, "validation", "replay", "join", "dense_save", *END_PHASES)
 
 
 @dataclass(frozen=True)

@@ -208,8 +208,9 @@ def test_checkpoint_of_another_config_needs_load_other_config(saved, tmp_path):
     error = one_error(train(*other, check=False), str(ckpt / "meta.json"), "training.lr")
     assert "job.name" not in error
     allowed = train(*other, "--checkpoint.load_other_config", "true").stdout
-    [line] = [line for line in allowed.splitlines() if line.startswith("checkpoint:")]
+    [line] = [line for line in allowed.splitlines() if line.startswith("checkpoint:") and "another config" in line]
     assert "training.lr" in line and "job.name" not in line
+    assert f"checkpoint: loaded step 1 from {ckpt} (loss " in allowed
     assert step_losses(allowed) == {} and final_line(allowed) == final_line(stdout)
 
 

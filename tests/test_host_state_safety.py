@@ -115,6 +115,33 @@ def test_restart_falls_back_window_by_window(tmp_path):
     assert step_losses(out) == {t: v for t, v in step_losses(reference()).items() if t >= 7}  # trained from t0+W
 
 
+@pytest.mark.slow
+def test_a_damaged_linked_pair_falls_back_to_the_disk_copy(tmp_path):
+    """Guarantee: No data loss (one corruption of a same-node replica's shared bytes).
+    pp=2 on one node: rank 1's replicas on rank 0 are hard links to its own buffers, so one flipped byte
+    spoils both names. Rank 1 crashes at 10; every buffer it holds in shared memory is then damaged in
+    place. The relaunch rejects both names of each window and loads rank 1's window from persist_dir
+    instead of the initial state, ending with the fault-free digest."""
+    disk = tmp_path / "disk"
+    args = [*host(tmp_path, "--checkpoint.persist_dir", str(disk)), "--parallelism.pp", "2"]
+    args += ["--fault.max_replacements", "0"]  # no rank shell: the crash ends the job
+    crashed = run_cli(*BASE, *args, "--fault.crash", "10:1", nproc=2, torchrun=("--max-restarts=0",), check=False)
+    assert crashed.returncode != 0 and "fault: rank 1 crashes at step 10" in crashed.stdout, crashed.stdout
+    job = tmp_path / "shm" / "safety"
+    local = sorted((job / "rank00001" / "local").glob("w*-s*.bin"))
+    linked = {p.stat().st_ino for p in (job / "rank00000" / "replicas" / "from1").glob("w*-s*.bin")}
+    assert local and {p.stat().st_ino for p in local} & linked, "no replica shares a buffer with its sender"
+    for path in local:
+        if path.stat().st_size > 100:
+            _flip_byte(path)  # in place: the linked replica changes with it
+    out = run_cli(*BASE, *args, nproc=2).stdout
+    rejected = re.findall(r"^restart: rank 1 rejected (local shared memory|replica on rank00000)\b", out, re.M)
+    assert {"local shared memory", "replica on rank00000"} <= set(rejected), out
+    [found] = whole_job_restarts(out)
+    assert found.rollback_to > 0 and "rank1: disk" in "; ".join(found.snapshots_from), out
+    assert final_line(out) == final_line(reference("--parallelism.pp", "2", nproc=2))
+
+
 def _flip_byte(path: Path, offset: int = 100) -> None:
     data = bytearray(path.read_bytes())
     data[offset] ^= 0xFF

@@ -75,6 +75,11 @@ class CheckpointConfig(SparseOptions):
     strategy: Strategy = "none"  # none | moevement | gemini | checkfreq | moc
     save_final: str = ""  # directory for a dense checkpoint (safetensors + meta.json) at the end of training
     load: str = ""  # directory of a dense checkpoint to resume from (an imported one: its weights, a fresh optimizer)
+    # a dense checkpoint after every N-th iteration, as <folder>/step-<N>, written in the background (0: none)
+    dense_interval: int = 0
+    keep_latest: int = 0  # periodic dense checkpoints kept in folder: the newest N (0: all)
+    folder: str = ""  # where periodic dense checkpoints go ("": <job.output_dir>/<job.name>/checkpoints)
+    load_step: int = 0  # resume from <folder>/step-<N> (-1: the newest there; 0: checkpoint.load or nothing)
     # load a dense checkpoint saved under another training config (fine-tuning); the differences are printed
     load_other_config: bool = False
     # auto: peers on this node copy from shared memory | network: all via the process group
@@ -346,6 +351,14 @@ def _validate_checkpoint(c: CheckpointConfig) -> None:
         f"must be a positive integer or one of {', '.join(INTERVAL_POLICIES)}, got {c.interval!r}",
     )
     _check(c.moc_experts >= 1, "checkpoint.moc_experts", f"must be >= 1, got {c.moc_experts}")
+    for name in ("dense_interval", "keep_latest"):
+        _check(getattr(c, name) >= 0, f"checkpoint.{name}", f"must be >= 0, got {getattr(c, name)}")
+    _check(c.load_step >= -1, "checkpoint.load_step", f"must be >= 1, or -1 (the newest), got {c.load_step}")
+    _check(
+        not (c.load_step and c.load),
+        "checkpoint.load_step",
+        f"names a periodic checkpoint, and checkpoint.load ({c.load!r}) another: give one of them",
+    )
     _check(0 < c.moc_plt_threshold < 1, "checkpoint.moc_plt_threshold", f"must be in (0, 1), got {c.moc_plt_threshold}")
 
 
@@ -377,6 +390,13 @@ def _validate_fault(cfg: Config) -> None:
             kill.phase != "saved" or bool(cfg.checkpoint.save_final),
             "fault.kill",
             "kills in the saved phase of checkpoint.save_final, which this run does not set",
+        )
+        interval = cfg.checkpoint.dense_interval
+        _check(
+            kill.phase != "dense_save" or (interval and kill.step % interval == 0),
+            "fault.kill",
+            f"kills while the periodic checkpoint of step {kill.step} is written, which this run does not save "
+            f"(checkpoint.dense_interval={interval})",
         )
     if plan:
         given = {"fault.at": f.at, "fault.crash": f.crash, "fault.kill": f.kill, "fault.mtbf_iters": f.mtbf_iters}

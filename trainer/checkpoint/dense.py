@@ -100,13 +100,13 @@ def _kind(name: str) -> str:
     return "optim" if name.startswith(OPTIM_PREFIX) else "model"
 
 
-def _write_owned(
+def write_owned(
     tmp: Path | None, rank: int, tensors: Iterator[tuple[str, torch.Tensor]], specs: dict
 ) -> dict[str, str]:
     """Write this rank's files into `tmp` from `tensors` (in `specs`' order); {file: sha256}.
 
-    `tensors` is a collective walk: without a directory to write to (None), or on an error, it is drained
-    (before the error is raised), so that no other rank waits for this one."""
+    `tensors` may be a collective walk: without a directory to write to (None), or on an error, it is
+    drained (before the error is raised), so that no other rank waits for this one."""
     if tmp is None:
         for _ in tensors:
             pass
@@ -139,22 +139,10 @@ def _save(
     file's sha256 and renames it into place; every rank raises the same CheckpointError, if any.
     `published`, once the checkpoint is in place: on rank 0 right after the rename, before it tells the
     others; on every other rank once told. Collective."""
-    tmp, old_files, error = None, [], None
-    if is_rank0():
-        try:
-            tmp, old_files = begin(path, key)
-        except CheckpointError as e:
-            error = str(e)
-    where, error = from_rank0((None if tmp is None else str(tmp), error))
-    if error is not None:
-        raise CheckpointError(error)
-    files, error = {}, None
+    tmp, old_files, where, error = open_temporary(path, key)
+    files = {}
     try:
-        trusted_temporary(Path(where), key)
-    except CheckpointError as e:
-        error = str(e)
-    try:
-        files = write(None if error else Path(where))
+        files = write(None if error else where)
     except (OSError, ValueError) as e:
         error = f"{key}: cannot save to {path} ({e})"
     except BaseException:  # nothing half-written stays behind, whatever stopped the writing
@@ -163,7 +151,7 @@ def _save(
         raise
     records = gather_to_rank0((files, error))
     if records is not None:
-        error = _finish(tmp, path, old_files, meta, records, key)
+        error = publish_records(tmp, path, old_files, meta, records, key)
         if error is None and published is not None:
             published()
     error = from_rank0(error)
@@ -173,8 +161,30 @@ def _save(
         published()
 
 
-def _finish(tmp: Path, path: Path, old_files: list[str], meta: dict, records: list, key: str) -> str | None:
-    """Rank 0: publish `tmp` with the ranks' file `records`, or remove it; the error line, if any."""
+def open_temporary(path: Path, key: str) -> tuple[Path | None, list[str], Path, str | None]:
+    """Rank 0 makes the fresh temporary directory of a save to `path` (`publish.begin`), every rank learns
+    where it is and checks it (`trusted_temporary`). Collective. Returns (rank 0's temporary, None
+    elsewhere; the old checkpoint's files it replaces; the temporary; this rank's reason not to write
+    into it, or None). CheckpointError on every rank when rank 0 could not make it."""
+    tmp, old_files, error = None, [], None
+    if is_rank0():
+        try:
+            tmp, old_files = begin(path, key)
+        except CheckpointError as e:
+            error = str(e)
+    where, error = from_rank0((None if tmp is None else str(tmp), error))
+    if error is not None:
+        raise CheckpointError(error)
+    try:
+        trusted_temporary(Path(where), key)
+    except CheckpointError as e:
+        error = str(e)
+    return tmp, old_files, Path(where), error
+
+
+def publish_records(tmp: Path, path: Path, old_files: list[str], meta: dict, records: list, key: str) -> str | None:
+    """Rank 0: publish `tmp` with the ranks' `records` ((files, error) of each), or remove it; the error
+    line, if any."""
     errors = [error for _, error in records if error is not None]
     try:
         if errors:
@@ -201,7 +211,16 @@ def save_dense(
     """Save this job's training state (`model`'s parameters and their `optimizer` state, on every rank)
     after `step` iterations (`loss`: that iteration's) as a checkpoint of the run `cfg`. Collective.
     `published`: called on every rank once the checkpoint is in place (see `_save`)."""
-    meta = {
+    plan = training_plan(model, optimizer)
+    specs = owned_specs(plan)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    meta = dense_meta(step, loss, cfg)
+    _save(Path(directory), KEY, meta, lambda tmp: write_owned(tmp, rank, owned_tensors(plan), specs), published)
+
+
+def dense_meta(step: int, loss: float, cfg) -> dict:
+    """`meta.json` of the training state after `step` iterations of the run `cfg`, but its files and seal."""
+    return {
         "format": FORMAT,
         "step": step,
         "loss": loss,
@@ -209,10 +228,11 @@ def save_dense(
         "run": RunIdentity.of_dense(cfg).to_json(),
         **({"tokenizer": cfg.data.tokenizer} if cfg.data.tokenizer else {}),
     }
-    plan = training_plan(model, optimizer)
-    specs = {name: (dtype, shape) for unit in plan if unit.owner for name, dtype, shape in unit.specs()}
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    _save(Path(directory), KEY, meta, lambda tmp: _write_owned(tmp, rank, owned_tensors(plan), specs), published)
+
+
+def owned_specs(plan: list) -> dict[str, Spec]:
+    """{stored name: (dtype, shape)} of the tensors this rank owns in `plan` (`training_plan`)."""
+    return {name: (dtype, shape) for unit in plan if unit.owner for name, dtype, shape in unit.specs()}
 
 
 def save_imported(directory: str, model: Tensors, model_args: ModelArgs, origin: dict, key: str) -> None:

@@ -43,9 +43,12 @@ def shard_file(kind: str, rank: int) -> str:
     return f"{kind}-{rank:05d}.safetensors"
 
 
+RANK_RECORD = re.compile(r"^\.rank-\d{5}\.done(\.tmp)?$")  # a rank's files, in a periodic save's temporary
+
+
 def written_by_us(name: str) -> bool:
-    """A file name this program writes into a checkpoint directory (any format)."""
-    return bool(SHARD_FILE.match(name)) or name in (META, f"{META}.tmp", PARTIAL, *V2_FILES)
+    """A file name this program writes into a checkpoint directory (any format) or its temporary."""
+    return bool(SHARD_FILE.match(name) or RANK_RECORD.match(name)) or name in (META, f"{META}.tmp", PARTIAL, *V2_FILES)
 
 
 def own_file(path: Path) -> bool:
@@ -68,7 +71,7 @@ def write_owner_only(path: Path, data: bytes) -> None:
 # ---------------------------------------------------------------- the target
 
 
-def _old_checkpoint_files(path: Path, key: str) -> list[str]:
+def replaceable_files(path: Path, key: str) -> list[str]:
     """Entries of the existing directory `path` that replacing it deletes ([] if empty).
 
     Refuses anything but a checkpoint of this project that holds only its own files."""
@@ -106,7 +109,7 @@ def check_target(path: Path, key: str) -> list[str]:
         raise CheckpointError(f"{key}: {path} is a symlink; refused, never followed")
     if path.exists() and not path.is_dir():
         raise CheckpointError(f"{key}: {path} exists and is not a directory; not replaced")
-    old_files = _old_checkpoint_files(path, key) if path.exists() else []
+    old_files = replaceable_files(path, key) if path.exists() else []
     ancestor = path.parent
     while not ancestor.exists() and ancestor != ancestor.parent:
         ancestor = ancestor.parent
@@ -149,11 +152,13 @@ def remove_temporary(tmp: Path) -> None:
         tmp.rmdir()  # fails, leaving it, if it holds anything else
 
 
-def _remove_stale_temporaries(path: Path) -> None:
-    """Clean up the marked temporaries an interrupted save to `path` left behind (nothing else)."""
-    prefix = f".{path.name}.tmp-"
-    for entry in os.scandir(path.parent):
-        if entry.name.startswith(prefix) and entry.is_dir(follow_symlinks=False) and _stale_temporary(Path(entry.path)):
+def remove_stale_temporaries(directory: Path, of_target: re.Pattern) -> None:
+    """Clean up the marked temporaries that interrupted saves to targets in `directory` whose names match
+    `of_target` left behind (nothing else)."""
+    for entry in os.scandir(directory):
+        name, _, _ = entry.name[1:].partition(".tmp-")
+        candidate = entry.name.startswith(".") and ".tmp-" in entry.name and of_target.fullmatch(name)
+        if candidate and entry.is_dir(follow_symlinks=False) and _stale_temporary(Path(entry.path)):
             remove_temporary(Path(entry.path))
 
 
@@ -163,7 +168,7 @@ def begin(path: Path, key: str) -> tuple[Path, list[str]]:
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        _remove_stale_temporaries(path)
+        remove_stale_temporaries(path.parent, re.compile(re.escape(path.name)))
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
         write_owner_only(tmp / PARTIAL, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode())
     except OSError as e:

@@ -85,15 +85,16 @@ def training_plan(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> l
     return [unit for _, unit in units]
 
 
-def owned_tensors(plan: list[Unit]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(stored name, full CPU tensor) of every tensor this rank owns, in plan order, one unit at a time.
+def owned_tensors(plan: list[Unit], copy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(stored name, full CPU tensor) of every tensor this rank owns, in plan order, one unit at a time;
+    with `copy`, tensors of their own (else a CPU parameter comes as itself, and changes with it).
 
     Collective: every rank walks its whole plan (drain it even when it stops using the tensors), since
     each sharded unit is assembled by all the ranks of its mesh."""
     for unit in plan:
         full = unit.tensor.full_tensor() if isinstance(unit.tensor, DTensor) else unit.tensor
         if unit.owner:
-            yield from _stored(unit, full.detach().cpu())
+            yield from _stored(unit, full.detach().to("cpu", copy=copy))
         del full
 
 

@@ -4,10 +4,11 @@ Phases of iteration T: `forward` (the first forward of this rank's stages), `bac
 backward), `clip` (just before the gradient-norm all-reduce, so no rank gets T's clip coefficient),
 `optimizer` (after that all-reduce, before the update), `snapshot` (while this iteration's snapshot is
 being copied to host memory), `replication` (after T is applied, while its snapshot is being sent to the
-replica peers), `validation` (in the validation after T, where one runs); these fire only in normal
-training. `replay` fires while a restarted generation's
-start-up (a rejoin or a whole-job restart) replays T; `join`, in a survivor that kept its state of T, right
-after it joined the process groups of the in-place generation that follows the death at T. At the end of a
+replica peers), `validation` (in the validation after T, where one runs), `dense_save` (in the background
+writer of T's periodic dense checkpoint, after its first tensor); these fire only in normal training.
+`replay` fires while a restarted generation's start-up (a rejoin or a whole-job restart) replays T;
+`join`, in a survivor that kept its state of T, right after it joined the process groups of the in-place
+generation that follows the death at T. At the end of a
 run whose last iteration is T: `digest` as this rank starts the final state digest (its peers wait for it
 there), `accounting` right after the point where rank 0 prints the accounting line
 (before the job records its end: trainer/lifecycle/job_end.py), `saved` once `checkpoint.save_final` is published
@@ -69,6 +70,11 @@ class KillSwitch:
 
     def at(self, phase: str) -> None:
         if self.due(phase):
+            strike(self.kill, self.rank, self.how, self.say)
+
+    def during_dense_save(self, step: int) -> None:
+        """In the background writer of iteration `step`'s periodic dense checkpoint, after its first tensor."""
+        if self.kill is not None and self.kill.phase == "dense_save" and self.kill.step == step:
             strike(self.kill, self.rank, self.how, self.say)
 
 
