@@ -31,7 +31,7 @@ import torch
 from models import count_params
 from moevement.failures import FaultPlan
 from moevement.storage.cpu_cost import CpuMark
-from moevement.strategy import CheckpointStrategy
+from moevement.strategy import CheckpointStrategy, MoEvement
 from parallelisms import collectives
 from parallelisms.distributed import device_type, init_distributed
 from parallelisms.mesh import ParallelDims, build_mesh
@@ -59,6 +59,7 @@ from trainer.run.host_paths import host_job_dir
 from trainer.run.metrics import MetricsLogger
 from trainer.run.run_record import open_run_record, publish_run_folder, tell_the_shell_the_run_folder
 from trainer.run.strategy_factory import build_strategy
+from trainer.run.window_profile import write_window_profile
 from trainer.step import DropoutSeeder, evaluate, set_aux_grad_scale, take_expert_load, train_step
 
 STARTUP.mark("imports")
@@ -96,6 +97,8 @@ def build_training(cfg: Config, dims: ParallelDims):
         dims.device,
         t.cpu_bf16_gemm,
         t.loss_chunk_tokens,
+        t.activation_checkpoint,
+        t.compile,
     )
     # A pipeline schedule divides all gradients by the micro-batch count itself.
     set_aux_grad_scale(model.view, 1.0 if model.schedule is not None else 1.0 / t.micro_batches)
@@ -270,7 +273,7 @@ def open_logger(cfg: Config, rank: int, world: int, dims: ParallelDims, plan: St
     run_dir, continued = open_run_record(cfg, world, sys.argv, plan.restarted) if rank == 0 else (None, False)
     if run_dir is not None:
         publish_run_folder(run_dir)
-    logger = MetricsLogger(cfg, rank, dims.pp_rank, run_dir, continued)
+    logger = MetricsLogger(cfg, rank, dims.pp_rank, run_dir, continued, dims.device)
     logger.line(f"run: {run_dir}" + (" (continued by a later generation of the run)" if continued else ""))
     return logger
 
@@ -342,6 +345,7 @@ def run(job: Job, step: int, loss: float) -> tuple[int, float, str | None]:
                 print(CpuMark.now().line_since(cpu, job.rank, step - first), flush=True)
             job.kill.at("digest")
             digest = training_state_digest(job.model.view, job.optimizer)
+            save_final_if_asked(job, step, loss, digest)
             job.guard.phase = "setup"  # finishing: SIGTERM exits at once again
             return step, loss, digest
         except BaseException:
@@ -349,6 +353,27 @@ def run(job: Job, step: int, loss: float) -> tuple[int, float, str | None]:
             raise
     except BaseException as error:
         after_training_failure(job, error)  # the verdict: rejoin in place, exit for torchrun, or raise
+
+
+def save_final_if_asked(job: Job, step: int, loss: float, digest: str | None) -> None:
+    """`checkpoint.save_final` after the last iteration `step`, every rank writing its part (collective),
+    under the training loop's survival rules: a peer's death before the publication leaves this rank its
+    state of `step` to rejoin with, and the next generation saves again. Once the checkpoint is published,
+    rank 0 prints the `final` line (`digest`: the state's) and records the job's end, before it tells the
+    others (trainer/lifecycle/job_end.py): the line is printed once, whoever dies when."""
+    target = job.cfg.checkpoint.save_final
+    if not target:
+        return
+    job.kill.at("save")
+
+    def published() -> None:
+        if job.rank == 0:
+            job.logger.line(FinalLine(step, loss, digest))
+            job_end.record_finished(step)
+        job.kill.at("saved")
+
+    save_dense(target, job.model.view, job.optimizer, step, loss, job.cfg, published)
+    job.logger.line(f"saved checkpoint step={step} dir={target}")
 
 
 def train_loop(job: Job, step: int, loss: float) -> tuple[int, float]:
@@ -380,28 +405,24 @@ def train_loop(job: Job, step: int, loss: float) -> tuple[int, float]:
 
 
 def finish(job: Job, step: int, loss: float, digest: str | None) -> None:
-    """Close the checkpointer, print the accounting and final lines, save a dense checkpoint if asked (every
-    rank writes its part), and record the job's end (trainer/lifecycle/job_end.py): rank 0 once its results are out
-    (before its `final` line, or once the checkpoint is published), every rank once past the last collective."""
+    """Close the periodic saves and the checkpointer, print the accounting and final lines, and record the
+    job's end (trainer/lifecycle/job_end.py): rank 0 once its results are out (before its `final` line; with
+    `checkpoint.save_final`, both already happened at its publication), every rank once past the last
+    collective."""
     cfg = job.cfg
     job.periodic.close()
+    if cfg.metrics.profile and job.rank == 0 and isinstance(job.ft, MoEvement):
+        inputs = job.ft.checkpointer.planner.last_inputs
+        job.logger.line(write_window_profile(cfg.metrics.profile, inputs, cfg.checkpoint.replicas))
     totals = job.ft.close()
     job.logger.line(job.accounting.line(totals, totals.get("lost_tokens", 0.0)))
     job.accounting.drop()
     job.kill.at("accounting")
-    if job.rank == 0 and not cfg.checkpoint.save_final:
-        job_end.record_finished(step)
-    if digest is not None:
-        job.logger.line(FinalLine(step, loss, digest))
-    if cfg.checkpoint.save_final:
-
-        def published() -> None:
-            if job.rank == 0:
-                job_end.record_finished(step)
-            job.kill.at("saved")
-
-        save_dense(cfg.checkpoint.save_final, job.model.view, job.optimizer, step, loss, cfg, published)
-        job.logger.line(f"saved checkpoint step={step} dir={cfg.checkpoint.save_final}")
+    if not cfg.checkpoint.save_final:  # else both happened once the checkpoint was published
+        if job.rank == 0:
+            job_end.record_finished(step)
+        if digest is not None:
+            job.logger.line(FinalLine(step, loss, digest))
     job_end.record_left(job.rank, step)
     if job.rank != 0:
         job_end.await_finished(cfg.fault.timeout_s)
@@ -430,6 +451,9 @@ def main(argv: list[str] | None = None) -> int:
         elif args.dry_run:
             total, active = count_params(cfg.model)
             print(f"params total={total} active={active}")
+            from trainer.run import memory_report  # the dry run's own: meta-device traces
+
+            print("\n".join(memory_report.report(cfg)))
             print("\n".join(host_estimate.report(cfg)))
         else:
             train_generations(cfg, plan_start(), functools.partial(one_generation, cfg))

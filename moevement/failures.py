@@ -54,10 +54,10 @@ def parse_events(spec: str, key: str) -> list[FaultEvent]:
 
 
 TRAINING_PHASES = ("forward", "backward", "clip", "optimizer", "snapshot", "replication")  # of every iteration
-# At the end of a run, after its last iteration: `digest` as the final state digest starts, `accounting` right
-# after the accounting line (the job has not recorded its end yet), `saved` once `checkpoint.save_final` is
-# published, `final` once the job has finished
-END_PHASES = ("digest", "accounting", "saved", "final")
+# At the end of a run, after its last iteration: `digest` as the final state digest starts, `save` as
+# `checkpoint.save_final` starts, `saved` once it is published, `accounting` right after the accounting line
+# (without `save_final`, the job has not recorded its end yet), `final` once the job has finished
+END_PHASES = ("digest", "save", "saved", "accounting", "final")
 # `validation`: during the validation of an iteration that runs one; `replay`: of a restart; `join`: a
 # survivor's join of the in-place generation that follows a death; `dense_save`: while the periodic dense
 # checkpoint of the iteration is written in the background (after this rank's first file)

@@ -2,7 +2,8 @@
 
 Order: build on meta -> cut pipeline stages -> keep this rank's experts -> materialise
 and initialise (each parameter's init depends only on the seed and its global name, so
-every layout starts from the same weights) -> FSDP2 -> pipeline schedule.
+every layout starts from the same weights) -> activation checkpointing -> torch.compile -> FSDP2 ->
+pipeline schedule (TorchTitan's order).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from torch import nn
 
 from models import ModelArgs, Transformer
 from models.experts import named_tensors
+from parallelisms.activation_checkpoint import apply_activation_checkpoint
+from parallelisms.compile import apply_compile
 from parallelisms.expert_parallel import apply_expert_parallel
 from parallelisms.fsdp import DTYPES, apply_fsdp
 from parallelisms.mesh import ParallelDims
@@ -70,12 +73,17 @@ def parallelize(
     device: torch.device,
     cpu_bf16_gemm: str = "auto",
     loss_chunk_tokens: int = 0,
+    activation_checkpoint: str = "none",
+    compile_blocks: bool = False,
 ) -> ModelParts:
     """Build this rank's parts of the model described by `args` in the layout `dims`.
 
     `cpu_bf16_gemm` (auto | native | fp32): how bf16 products run on CPU (`parallelisms.precision`).
     `loss_chunk_tokens` > 0: the last stage returns normalised hidden states and its loss forms the logits
-    that many tokens at a time (`Transformer.loss`)."""
+    that many tokens at a time (`Transformer.loss`).
+    `activation_checkpoint` (none | full | selective): which blocks recompute their forward in backward
+    (`parallelisms.activation_checkpoint`); `compile_blocks`: torch.compile the blocks' dense parts
+    (`parallelisms.compile`)."""
     args.validate()
     cfg = dims.cfg
     with torch.device("meta"):
@@ -87,6 +95,9 @@ def parallelize(
         part.to_empty(device=device)
         torch.manual_seed(seed)
         part.init_weights()
+        apply_activation_checkpoint(part, activation_checkpoint)
+        if compile_blocks:
+            apply_compile(part)
         if cfg.dp > 1 or mixed_precision != "fp32":
             apply_fsdp(part, dims, mixed_precision)
         if (

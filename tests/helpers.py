@@ -6,6 +6,7 @@ No test module imports another: what two of them need lives here (or in tests/ti
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -296,3 +297,19 @@ def run_shell(
     proc = subprocess.run([sys.executable, "-c", driver], env=env, capture_output=True, text=True, timeout=120)
     records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     return proc.returncode, records, proc.stdout + proc.stderr
+
+
+@contextlib.contextmanager
+def one_rank_group():
+    """A real one-rank gloo process group for the duration (the conversion asks the group for its rank);
+    the test is skipped when this process already has a group."""
+    import pytest
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("needs its own one-rank process group")
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

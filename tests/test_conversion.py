@@ -14,12 +14,12 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch.distributed as dist
 
 from moevement.recovery.conversion import ReplayPlan, ReplayStats
 from moevement.recovery.fetch import RecoveryError
 from moevement.recovery.replay import wipe_operators
 from moevement.topology import Topology
+from tests import helpers
 from tests.tiny_moe import (
     FAILED,
     Run,
@@ -34,11 +34,8 @@ from tests.tiny_moe import (
 @pytest.fixture(scope="module", autouse=True)
 def one_rank_group():
     """The conversion asks the process group for its rank (replay threads): a real one-rank gloo group."""
-    if dist.is_initialized():
-        pytest.skip("needs its own one-rank process group")
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+    with helpers.one_rank_group():
+        yield
 
 
 def replay_after_failure(

@@ -76,3 +76,20 @@ def test_no_host_state_without_a_strategy_and_dense_baselines_hold_no_live_state
     checkfreq = host_estimate.estimate(load_config(DEBUG_CONFIG, ["--checkpoint.strategy", "checkfreq"]))
     assert gemini[0].live_state == checkfreq[0].live_state == 0
     assert gemini[0].snapshots == checkfreq[0].snapshots > 0  # one dense slot, two parities
+
+
+def test_node_lines_sum_the_ranks_of_each_node_of_eight():
+    """16 ranks (pp=2, dp=8): two nodes of eight consecutive ranks; replicas prefer other nodes."""
+    layout = ["--parallelism.pp", "2", "--parallelism.dp", "8", "--training.batch_size", "16"]
+    moevement = ["--checkpoint.strategy", "moevement", "--checkpoint.window", "2", "--checkpoint.replicas", "1"]
+    cfg = load_config(DEBUG_CONFIG, [*layout, *moevement])
+    ranks = host_estimate.estimate(cfg)
+    lines = host_estimate.node_lines(ranks, host_estimate.RANKS_PER_NODE)
+    assert "8 ranks per node assumed" in lines[0] and len(lines) == 3
+    for node, line in enumerate(lines[1:]):
+        members = ranks[8 * node : 8 * node + 8]
+        host_dir = sum(r.host_dir for r in members)
+        assert line.startswith(f"host_memory node={node} ranks={8 * node}-{8 * node + 7} ")
+        assert f"host_dir={host_estimate.gb(host_dir)} " in line and host_dir > 0
+    one_node = host_estimate.estimate(cfg, ranks_per_node=16)
+    assert sum(r.replicas for r in ranks) == sum(r.replicas for r in one_node)  # the same bytes, placed elsewhere

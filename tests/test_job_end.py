@@ -77,6 +77,22 @@ def test_a_death_after_the_job_finished_is_not_replaced(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_death_as_save_final_starts_keeps_the_survivors_state(tmp_path):
+    """Rank 1 dies as `checkpoint.save_final` starts, before anything is published: rank 0's collective
+    fails as in an iteration, it keeps `state_13` in memory and the standby replaces rank 1; the next
+    generation saves again, and the one checkpoint loads to the fault-free digest."""
+    target = tmp_path / "final"
+    out, _ = end_run(tmp_path, f"{LAST}:1:save", "--checkpoint.save_final", str(target))
+    assert_finished_once(out)
+    assert re.search(r"^survivor: rank 0 pid \d+ .* kept live state of iteration 13 in memory", out, re.M), out
+    assert re.search(r"^shell: rank 1: trainer pid \d+ died .* replaces it in generation 1 ", out, re.M), out
+    assert out.count(f"saved checkpoint step={LAST} dir={target}") == 1 and "Traceback" not in out, out
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".final")] == []  # no temporary left
+    loaded = run_cli(*BASE, "--checkpoint.load", str(target)).stdout
+    assert finals(loaded) == finals(out), loaded
+
+
+@pytest.mark.slow
 def test_a_death_during_save_final_after_publication_leaves_the_checkpoint(tmp_path):
     """Rank 0 dies right after publishing `checkpoint.save_final`, before telling rank 1: rank 1's wait fails,
     it sees the job's end and exits 0; rank 0's shell replaces nobody; the checkpoint loads to the same digest."""

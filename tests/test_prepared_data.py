@@ -288,20 +288,24 @@ def test_content_damage_is_found_before_its_tokens_train(tmp_path, prepared_wiki
 
 @needs_wiki
 def test_a_large_splits_damaged_shard_stops_before_its_tokens_train_twice(tmp_path, prepared_wiki, monkeypatch):
-    """Above the size hashed at opening, a shard is hashed in the background from its first read: that read
-    goes on, the next one of the shard is refused, naming it; an intact shard reads on."""
+    """Above the size hashed at opening, a shard is hashed in the background from its first read: the reads of
+    that batch go on, the next batch that reads the shard is refused, naming it; an intact shard reads on."""
     monkeypatch.setattr(token_shards, "VERIFY_AT_OPEN_BYTES", 0)
     d = _copy(prepared_wiki, tmp_path / "flipped")
     with open(d / "valid-00001.bin", "r+b") as f:
         f.seek(100)
         f.write(b"\x41\x00")  # a valid id ('A'): only the hash can tell
     tokens = open_split(d, "valid", build_tokenizer("byte"), "data.train_split")
-    row = np.empty(64, dtype=np.int64)
-    tokens.read(0, row)
-    tokens.read(64, row)  # shard 0 is intact: its second read passes its check
-    tokens.read(SHARD + 5, row)  # shard 1's first read: its hash starts
+
+    def batch(*starts: int) -> torch.Tensor:
+        return tokens.sequences(torch.tensor([s // 64 for s in starts]), 64)
+
+    batch(0, 64)  # shard 0's hash starts, and its second read of the batch goes on
+    batch(128)  # shard 0 is intact: the next batch's read passes its check
+    shard1 = SHARD // 64 * 64 + 128
+    batch(shard1, shard1 + 64)  # shard 1's first batch: its hash starts, both reads go on
     with pytest.raises(DataError, match=r"shard '.*valid-00001\.bin' does not match its sha256"):
-        tokens.read(SHARD + 200, row)
+        batch(shard1 + 128)
     worker = pickle.loads(pickle.dumps(tokens))  # a spawned loader worker: what is verified travels
     assert worker.check.verified == {0}
 

@@ -279,6 +279,41 @@ def test_pp4_real_deaths(tmp_path, fault, dead, scope):
     assert_local_and_exact(death_run(tmp_path, PP4, 4, *fault), baseline(PP4, 4), dead, scope)
 
 
+FULL_AC = ["--training.activation_checkpoint", "full"]
+COMPILED = ["--training.compile", "true", *FULL_AC]
+
+
+@pytest.mark.parametrize(
+    ("layout", "nproc", "kill", "dead"),
+    [
+        pytest.param(PP2, 2, "9:1:backward", (1,), id="pp2"),  # about 20 s
+        pytest.param(PP2_DP2_EP2_BF16, 4, "8:2:backward", (2,), id="pp2_dp2_ep2_bf16", marks=pytest.mark.slow),
+    ],
+)
+def test_sigkill_under_activation_checkpointing_ends_with_the_digest_of_the_run_without(
+    tmp_path, layout, nproc, kill, dead
+):
+    """Guarantee: Bit-exact recovery with activation checkpointing (parallelisms/activation_checkpoint.py).
+    Every block recomputes its forward in backward (`--training.activation_checkpoint full`): in training, in
+    the dead stage's replay (frozen operators skip their weight gradients) and, with expert parallelism, with the
+    all-to-all and FSDP2 inside the recomputation. A rank SIGKILLed in backward is replaced in place, its stage
+    alone replays, and the run ends with the digest of the fault-free run without checkpointing."""
+    out = death_run(tmp_path, [*layout, *FULL_AC], nproc, "--fault.kill", kill)
+    [found] = assert_local_and_exact(out, baseline(layout, nproc), dead, (1,))
+    assert found.restart == "replaced", out
+
+
+@pytest.mark.slow
+def test_sigkill_with_compiled_blocks_ends_with_the_digest_of_the_compiled_fault_free_run(tmp_path):
+    """Compiled blocks (`--training.compile`, parallelisms/compile.py) may differ from eager ones in the last
+    bits, so the reference is the fault-free compiled run: the replacement compiles its parts again (and once
+    more without weight gradients for the replay's frozen operators) and the run ends with that run's digest."""
+    layout = [*PP2, *COMPILED]
+    out = death_run(tmp_path, layout, 2, "--fault.kill", "9:1:backward", "--fault.timeout_s", "300")
+    [found] = assert_local_and_exact(out, baseline(layout, 2), (1,), (1,))
+    assert found.restart == "replaced", out
+
+
 @pytest.mark.slow
 def test_interleaved_1f1b_and_two_deaths_in_a_row(tmp_path):
     """Interleaved1F1B (pipeline rank 1 runs stages 1 and 3); rank 1 dies at 6, then rank 0 at 15 (after

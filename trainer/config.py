@@ -66,6 +66,12 @@ class TrainingConfig:
     val_every: int = 0  # validation loss every N iterations (0: none)
     val_batches: int = 4  # batches per validation
     deterministic: bool = True  # deterministic algorithms (bit-exact recovery needs them)
+    # blocks that keep only their inputs and recompute their forward in backward: none | full (every block) |
+    # selective (blocks with an even layer id); the same bits as none (parallelisms/activation_checkpoint.py)
+    activation_checkpoint: Literal["none", "full", "selective"] = "none"
+    # torch.compile each block's attention and dense or shared-expert FFN (routed experts stay eager); compiled
+    # kernels may differ from eager in the last bits: compare a run with compiled runs (parallelisms/compile.py)
+    compile: bool = False
 
 
 @dataclass
@@ -123,6 +129,12 @@ class MetricsConfig:
     tensorboard_every: int = 10  # every N iterations, every stage's expert load and snapshot figures
     progress: bool = True  # progress bar on an interactive console
     cpu_cost: bool = False  # each rank prints the CPU seconds of its checkpointing activities at the end
+    # JSON file: Algorithm 1's last inputs on rank 0 (T, per-operator bytes, copy bandwidth, W), written at the
+    # end for `python -m simulator --window-profile` (checkpoint.strategy = moevement)
+    profile: str = ""
+    # the device's dense bf16 peak, TFLOP/s, that the step line's mfu= divides by (0: the peak of a known GPU;
+    # none on CPU, where the step line has no mfu=)
+    peak_tflops: float = 0.0
 
 
 @dataclass
@@ -319,8 +331,15 @@ def validate(cfg: Config) -> None:
     _validate_checkpoint(cfg.checkpoint)
     _validate_fault(cfg)
     _check(cfg.metrics.log_every >= 1, "metrics.log_every", f"must be >= 1, got {cfg.metrics.log_every}")
+    _check(
+        not cfg.metrics.profile or cfg.checkpoint.strategy == "moevement",
+        "metrics.profile",
+        f"writes MoEvement's window profile: needs checkpoint.strategy = moevement, got {cfg.checkpoint.strategy!r}",
+    )
     every = cfg.metrics.tensorboard_every
     _check(every >= 1, "metrics.tensorboard_every", f"must be >= 1, got {every}")
+    peak = cfg.metrics.peak_tflops
+    _check(peak >= 0, "metrics.peak_tflops", f"must be >= 0 (0: the known peak of the device), got {peak}")
 
 
 def safe_job_name(text: str) -> str:
@@ -387,9 +406,9 @@ def _validate_fault(cfg: Config) -> None:
             f"kills in the {kill.phase} phase at the end of a run, whose last step is {last}, not {kill.step}",
         )
         _check(
-            kill.phase != "saved" or bool(cfg.checkpoint.save_final),
+            kill.phase not in ("save", "saved") or bool(cfg.checkpoint.save_final),
             "fault.kill",
-            "kills in the saved phase of checkpoint.save_final, which this run does not set",
+            f"kills in the {kill.phase} phase of checkpoint.save_final, which this run does not set",
         )
         interval = cfg.checkpoint.dense_interval
         _check(

@@ -11,21 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-# Dense bf16 peak of one GPU without sparsity, FLOP/s, by a part of its device name (the first match wins;
-# the PCIe and NVL H100 boards run at lower clocks than the SXM module).
-BF16_PEAK_FLOPS: tuple[tuple[str, float], ...] = (
-    ("H100 PCIe", 756e12),
-    ("H100 NVL", 835e12),
-    ("H200", 989e12),
-    ("H100", 989e12),  # SXM: "NVIDIA H100 80GB HBM3"
-    ("H800", 989e12),
-    ("A100", 312e12),
-)
-
-
-def bf16_peak_flops(device_name: str) -> float | None:
-    """The dense bf16 peak of the GPU called `device_name`, or None for a GPU not in the table."""
-    return next((peak for part, peak in BF16_PEAK_FLOPS if part in device_name), None)
+from trainer.flops import bf16_peak_flops  # the peak table the trainer's step line uses too
 
 
 def throughput_fields(flops: float, tokens: int, seconds: float, device_name: str) -> str:

@@ -70,6 +70,19 @@ def same_tensors(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
+@dataclass(frozen=True)
+class WindowInputs:
+    """What Algorithm 1 planned a window with on this rank: the iteration time it overlaps (s), each
+    operator's FP32-state and compute-weight bytes in schedule order, the copy bandwidth (bytes/s), and
+    the W the ranks agreed on (or the fixed one)."""
+
+    iteration_s: float
+    fp32_bytes: tuple[int, ...]
+    compute_bytes: tuple[int, ...]
+    bandwidth: float
+    window: int
+
+
 class WindowPlanner:
     """Plans windows over this rank's operators with `cfg`'s window, max_window, slots, ordering, ema_decay,
     bandwidth_gbps and reprofile_every."""
@@ -101,6 +114,7 @@ class WindowPlanner:
         self._laid_out: tuple[tuple[frozenset[str], ...], WindowLayouts] | None = None
         self._sizes: tuple[list[torch.Tensor], dict[str, tuple[int, int]]] | None = None
         self._fixed: tuple[list[str], dict, tuple[tuple[str, ...], ...]] | None = None  # a fixed W's last slots
+        self.last_inputs: WindowInputs | None = None  # what Algorithm 1 last planned a window with
 
     def reset_popularity(self) -> None:
         """Forget the popularity history and return to registry order (applied at the next window)."""
@@ -191,6 +205,7 @@ class WindowPlanner:
             window = self.cfg.window or min(most, self._agree(byte_window_size(fp32, compute, t, bandwidth)))
             return byte_slots(self.order, fp32, compute, window)
         window = self.cfg.window or min(most, self._agree(find_window_size(fp32, compute, t, bandwidth)[0]))
+        self.last_inputs = WindowInputs(t, tuple(fp32), tuple(compute), bandwidth, window)
         return generate_schedule(self.order, slot_size_for(len(self.order), window), window)
 
     def _interval_checkpoint(self, iteration: int) -> tuple[tuple[str, ...]]:

@@ -142,14 +142,15 @@ def _save(
     tmp, old_files, where, error = open_temporary(path, key)
     files = {}
     try:
-        files = write(None if error else where)
-    except (OSError, ValueError) as e:
-        error = f"{key}: cannot save to {path} ({e})"
-    except BaseException:  # nothing half-written stays behind, whatever stopped the writing
+        try:
+            files = write(None if error else where)
+        except (OSError, ValueError) as e:
+            error = f"{key}: cannot save to {path} ({e})"
+        records = gather_to_rank0((files, error))
+    except BaseException:  # nothing half-written stays behind, whatever stopped the save (a peer's death)
         if tmp is not None:
             remove_temporary(tmp)
         raise
-    records = gather_to_rank0((files, error))
     if records is not None:
         error = publish_records(tmp, path, old_files, meta, records, key)
         if error is None and published is not None:
@@ -172,7 +173,12 @@ def open_temporary(path: Path, key: str) -> tuple[Path | None, list[str], Path, 
             tmp, old_files = begin(path, key)
         except CheckpointError as e:
             error = str(e)
-    where, error = from_rank0((None if tmp is None else str(tmp), error))
+    try:
+        where, error = from_rank0((None if tmp is None else str(tmp), error))
+    except BaseException:  # a peer's death: the temporary goes with the save
+        if tmp is not None:
+            remove_temporary(tmp)
+        raise
     if error is not None:
         raise CheckpointError(error)
     try:

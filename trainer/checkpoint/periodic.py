@@ -152,7 +152,12 @@ class PeriodicCheckpoints:
         target = step_dir(self.folder, step)
         tmp, old_files, where, refused = open_temporary(target, KEY)
         plan = training_plan(model, optimizer)
-        tensors = list(owned_tensors(plan, copy=True))
+        try:
+            tensors = list(owned_tensors(plan, copy=True))
+        except BaseException:  # a peer's death in the walk: the step is not saved, its temporary goes
+            if tmp is not None:
+                remove_temporary(tmp)
+            raise
         work = SaveWork(
             step, rank, world, where, refused, tensors, owned_specs(plan), target, dense_meta(step, loss, self.cfg),
             old_files, self.cfg.checkpoint.keep_latest, self.cfg.fault.timeout_s, self.strike,

@@ -164,8 +164,10 @@ class ShardedTokens:
             )
 
     def sequences(self, indices: torch.Tensor, row: int) -> torch.Tensor:
-        """``LongTensor[len(indices), row]``: row ``i`` is tokens ``indices[i] * row`` onwards."""
+        """``LongTensor[len(indices), row]``: row ``i`` is tokens ``indices[i] * row`` onwards; one batch
+        for the shard check (its reads never wait for a hash this batch started)."""
         out = np.empty((len(indices), row), dtype=np.int64)
+        self.check.next_batch()
         for i, seq in enumerate(indices.tolist()):
             self.read(seq * row, out[i])
         return torch.from_numpy(out)

@@ -8,12 +8,12 @@ replica peers), `validation` (in the validation after T, where one runs), `dense
 writer of T's periodic dense checkpoint, after its first tensor); these fire only in normal training.
 `replay` fires while a restarted generation's start-up (a rejoin or a whole-job restart) replays T;
 `join`, in a survivor that kept its state of T, right after it joined the process groups of the in-place
-generation that follows the death at T. At the end of a
-run whose last iteration is T: `digest` as this rank starts the final state digest (its peers wait for it
-there), `accounting` right after the point where rank 0 prints the accounting line
-(before the job records its end: trainer/lifecycle/job_end.py), `saved` once `checkpoint.save_final` is published
-(rank 0 before it tells the others), `final` once this rank knows the job finished (rank 0 after its `final`
-line, the others once they see rank 0's record). The kills fire in
+generation that follows the death at T. At the end of a run whose last iteration is T: `digest` as this
+rank starts the final state digest (its peers wait for it there), `save` as it starts
+`checkpoint.save_final`, `saved` once that is published (rank 0 before it tells the others),
+`accounting` right after the point where rank 0 prints the accounting line (without `save_final`,
+before the job records its end: trainer/lifecycle/job_end.py), `final` once this rank knows the job
+finished (rank 0 after its `final` line, the others once they see rank 0's record). The kills fire in
 the order given, each once per job (`FaultPlan.kill_of`: the n-th distinct kill once n have fired), whether
 the job goes on in place or restarted by torchrun: the kills that fired are recorded on torchrun's store
 (`fired`).

@@ -10,7 +10,7 @@ What a rank keeps in its host directory (`checkpoint.host_dir`, by default in /d
   expert goes where does not change a size). An interval baseline's snapshot is one slot of every
   operator's FP32 state (dense; MoC's partial ones are smaller).
 - replicas: the same buffers of the ranks whose snapshots it holds (`checkpoint.replicas` peers each,
-  chosen as `moevement.topology` chooses them, all ranks taken to share one node).
+  chosen as `moevement.topology` chooses them, consecutive ranks sharing a node, `RANKS_PER_NODE` each).
 - live state: what a survivor of a peer's death keeps for a torchrun restart (MoEvement): its FP32 state
   and its upstream log.
 - bandwidth probe: the scratch buffer of the copy-bandwidth measurement (start-up, reprofiling).
@@ -59,6 +59,9 @@ HEADER_ENTRY_BYTES = (
     320  # a commit record's JSON per entry: operator, name, dtype, shape, offsets (and chunk checksums)
 )
 HEADER_BASE_BYTES = 16 << 10  # and its fixed part: the job's identity, the iteration's scalars
+# Ranks (GPUs) per node of the launch layout: the config has no key for it (torchrun's --nproc_per_node sets
+# it at launch), so the estimate assumes a node of 8, as on DGX/HGX H100 machines, and says so.
+RANKS_PER_NODE = 8
 
 
 def pages(nbytes: int) -> int:
@@ -200,14 +203,16 @@ def stage_footprint(cfg: Config, pp_rank: int) -> Stage:
     return stage
 
 
-def estimate(cfg: Config) -> list[RankEstimate]:
-    """Every rank's host memory under `cfg` (ranks laid out as `parallelisms.mesh` lays them out)."""
+def estimate(cfg: Config, ranks_per_node: int = RANKS_PER_NODE) -> list[RankEstimate]:
+    """Every rank's host memory under `cfg` (ranks laid out as `parallelisms.mesh` lays them out, node n
+    running ranks n * ranks_per_node ..)."""
     p, ck = cfg.parallelism, cfg.checkpoint
     stages = [stage_footprint(cfg, pp) for pp in range(p.pp)]
     world = p.pp * p.dp
     pp_of = [r // p.dp for r in range(world)]
     stages_of_pp = [local_stage_ids(p, q) for q in range(p.pp)]
-    topo = Topology(0, pp_of, [r % p.dp for r in range(world)], [0] * world, stages_of_pp)
+    nodes = [r // ranks_per_node for r in range(world)]
+    topo = Topology(0, pp_of, [r % p.dp for r in range(world)], nodes, stages_of_pp)
     peers = topo.replica_peers(0 if ck.strategy in ("checkfreq", "moc") else ck.replicas)
     own = [2 * sum(stage.slot_bytes) for stage in stages]  # both window parities
     moevement = ck.strategy == "moevement"
@@ -260,7 +265,23 @@ def report(cfg: Config) -> list[str]:
         f"the sum over the ranks it runs (container: --shm-size of at least that, e.g. {-(-total // 2**30) + 1}g "
         f"for all {len(ranks)} ranks on one node); upstream_log is process memory (pinned on GPU), not in it"
     )
-    return lines + hashing_lines(ranks, host_dir)
+    return lines + node_lines(ranks, RANKS_PER_NODE) + hashing_lines(ranks, host_dir)
+
+
+def node_lines(ranks: list[RankEstimate], per_node: int) -> list[str]:
+    """Per node of the launch layout (`per_node` consecutive ranks): the sum of its ranks' host bytes."""
+    lines = [
+        f"host memory per node, GB ({per_node} ranks per node assumed: no config key names it, torchrun's "
+        "--nproc_per_node does; replicas placed for that layout):"
+    ]
+    for node in range(-(-len(ranks) // per_node)):
+        members = ranks[node * per_node : (node + 1) * per_node]
+        host_dir, log = sum(r.host_dir for r in members), sum(r.upstream_log for r in members)
+        lines.append(
+            f"host_memory node={node} ranks={members[0].rank}-{members[-1].rank} host_dir={gb(host_dir)} "
+            f"upstream_log={gb(log)} total={gb(host_dir + log)}"
+        )
+    return lines
 
 
 def hashing_lines(ranks: list[RankEstimate], host_dir: str) -> list[str]:

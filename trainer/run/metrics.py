@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from moevement.recovery.report import RecoveryFigures
 from trainer.config import Config
+from trainer.flops import device_peak_flops, flops_per_token, step_throughput
 from trainer.run.event_log import Event, append_event
 from trainer.run.tensorboard import StageGather, TensorBoardEvents
 
@@ -20,10 +21,22 @@ class MetricsLogger:
 
     `run_dir` (rank 0's run folder, None elsewhere) receives the events; `continued` when it continues an
     earlier torchrun attempt's folder, whose events from the first iteration this process runs on are
-    then dropped (TensorBoard's purge). Training thread only."""
+    then dropped (TensorBoard's purge). `device`: where this rank computes (the peak its MFU divides by,
+    `trainer.flops.device_peak_flops`). Training thread only."""
 
-    def __init__(self, cfg: Config, rank: int, stage: int, run_dir: Path | None, continued: bool = False):
+    def __init__(
+        self,
+        cfg: Config,
+        rank: int,
+        stage: int,
+        run_dir: Path | None,
+        continued: bool = False,
+        device: torch.device | None = None,
+    ):
         self.cfg, self.stage = cfg, stage
+        t = cfg.training
+        self.flops_per_step = flops_per_token(cfg.model, t.seq_len) * t.batch_size * t.seq_len
+        self.peak = device_peak_flops(device or torch.device("cpu"), cfg.metrics.peak_tflops)
         self.run_dir, self.continued = run_dir, continued
         self.enabled = rank == 0
         self.log_every = cfg.metrics.log_every
@@ -88,10 +101,12 @@ class MetricsLogger:
         wall_s: float,
     ) -> None:
         """Log iteration `step` (1-based), which took `elapsed_s`, `wall_s` into the run:
-        `step=<n> loss=<float> ...` with the training scalars, this rank's snapshot figures, `tok_per_s` and
-        `wall_s`. Every rank calls it (the TensorBoard gather is collective)."""
-        t = self.cfg.training
-        rates = {"tok_per_s": t.batch_size * t.seq_len / elapsed_s, "wall_s": wall_s}
+        `step=<n> loss=<float> ...` with the training scalars, this rank's snapshot figures, `tok_per_s`,
+        `tflops` (model TFLOP/s per device), `mfu` (only where the device's peak is known) and `wall_s` (last:
+        checks read the line's end). Every rank calls it (the TensorBoard gather is collective)."""
+        t, p = self.cfg.training, self.cfg.parallelism
+        throughput = step_throughput(self.flops_per_step, elapsed_s, p.pp * p.dp, self.peak)
+        rates = {"tok_per_s": t.batch_size * t.seq_len / elapsed_s, **throughput, "wall_s": wall_s}
         if self.events is not None:
             self.events.step(step, {**scalars, **rates}, tokens, snapshot)
         if not self.enabled:
