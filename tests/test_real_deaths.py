@@ -286,7 +286,7 @@ COMPILED = ["--training.compile", "true", *FULL_AC]
 @pytest.mark.parametrize(
     ("layout", "nproc", "kill", "dead"),
     [
-        pytest.param(PP2, 2, "9:1:backward", (1,), id="pp2"),  # about 20 s
+        pytest.param(PP2, 2, "9:1:backward", (1,), id="pp2", marks=pytest.mark.slow),  # about 40 s
         pytest.param(PP2_DP2_EP2_BF16, 4, "8:2:backward", (2,), id="pp2_dp2_ep2_bf16", marks=pytest.mark.slow),
     ],
 )
