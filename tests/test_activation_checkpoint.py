@@ -141,6 +141,7 @@ def test_a_replay_with_frozen_operators_in_checkpointed_blocks_rebuilds_the_stat
     assert {t: diffs for t, diffs in seen.items() if diffs} == {}
 
 
+@pytest.mark.slow
 def test_a_run_with_checkpointed_blocks_ends_with_the_digest_of_the_run_without():
     """train.py end to end (`--training.activation_checkpoint full`, dropout on): the same `step=` losses and
     the same final state digest as the run without."""

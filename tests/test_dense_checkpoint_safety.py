@@ -245,7 +245,7 @@ def test_damaged_checkpoint_is_one_line_naming_the_file(saved, tmp_path):
                 load_checkpoint(ckpt)
 
 
-@pytest.mark.parametrize("flip", [0, 1], ids=["step-1-to-0", "step-1-to-3"])
+@pytest.mark.parametrize("flip", [0, pytest.param(1, marks=pytest.mark.slow)], ids=["step-1-to-0", "step-1-to-3"])
 def test_a_flipped_step_in_meta_json_is_refused(saved, tmp_path, flip):
     """One bit of `"step": 1` flipped in meta.json: refused by its seal. Sealed again (a hash is not a
     signature), it is still refused: the optimizer's step count disagrees (never trained on from another step)."""
@@ -261,7 +261,9 @@ def test_a_flipped_step_in_meta_json_is_refused(saved, tmp_path, flip):
     one_error(proc, "optim-00000.safetensors", str(ckpt / "meta.json"), "(one of them was changed)")
 
 
-@pytest.mark.parametrize("keep_file", [True, False], ids=["file-kept", "file-deleted"])
+@pytest.mark.parametrize(
+    "keep_file", [pytest.param(True, marks=pytest.mark.slow), False], ids=["file-kept", "file-deleted"]
+)
 def test_an_optimizer_file_missing_from_meta_json_is_refused(saved, tmp_path, keep_file):
     """The optimizer file's entry deleted from a resealed meta.json (with or without the file): refused naming
     meta.json and the parameter without optimizer state, instead of training on fresh AdamW state. Saying
@@ -280,6 +282,7 @@ def test_an_optimizer_file_missing_from_meta_json_is_refused(saved, tmp_path, ke
     one_error(proc, str(ckpt / "meta.json"), "a weights-only checkpoint is of step 0")
 
 
+@pytest.mark.slow
 def test_older_unsealed_formats_are_refused_and_file_names_are_checked(saved, tmp_path):
     """A checkpoint of an older version (v3: these files, meta.json unsealed; v2: one model.safetensors and
     one optim.safetensors) is refused in one line naming its format, by train.py and evaluation. A sealed

@@ -98,6 +98,7 @@ def test_the_step_line_and_tensorboard_get_tflops_and_mfu_only_with_a_peak(tmp_p
         assert {t for t in events.Tags()["scalars"] if t in ("train/tflops", "train/mfu")} == tags
 
 
+@pytest.mark.slow
 def test_train_prints_tflops_on_every_step_line():
     """train.py end to end on CPU: every `step=` line has a positive `tflops=` and no `mfu=`."""
     out = run_cli(*base_args(2)).stdout

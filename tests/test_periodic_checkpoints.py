@@ -36,6 +36,7 @@ def test_a_periodic_checkpoint_killed_mid_write_leaves_the_previous_ones_loadabl
     assert sorted(os.listdir(folder)) == ["step-4", "step-6"]  # the stale temporary went, step 2 was pruned
 
 
+@pytest.mark.slow
 def test_load_step_errors_are_one_line(tmp_path):
     """A step the folder does not hold, `load_step` beside `load`, and a `dense_save` kill on a step that is
     not saved: one `error:` line each, naming the key."""
