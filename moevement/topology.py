@@ -2,19 +2,29 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-
-def choose_peers(rank: int, world: int, replicas: int, stage_of: list[int], node_of: list[int]) -> list[int]:
-    """The ranks holding `rank`'s replicas: other pipeline stages first, then other nodes, then nearest."""
-    others = [c for c in range(world) if c != rank]
-    others.sort(key=lambda c: (stage_of[c] == stage_of[rank], node_of[c] == node_of[rank], (c - rank) % world))
-    return others[: min(replicas, world - 1)]
+from dataclasses import dataclass, field
 
 
 def peer_map(world: int, replicas: int, stage_of: list[int], node_of: list[int]) -> list[list[int]]:
-    """peers[rank] for every rank (every rank computes the same map)."""
-    return [choose_peers(r, world, replicas, stage_of, node_of) for r in range(world)]
+    """peers[rank]: the ranks holding `rank`'s replicas, in fetch order (every rank computes the same map).
+
+    Rank by rank, each takes `replicas` peers: of another pipeline stage first (a stage's recovery then
+    finds its replicas outside the stage), then of another node, then the peers holding the fewest
+    replicas so far, then the nearest after it. The load term spreads the replicas evenly (`replicas` per
+    rank when the preferred peers are as many as the ranks choosing them): by distance alone, every rank
+    of a stage would put its replicas on the same first ranks of the next one."""
+    held = [0] * world
+    peers = []
+    for rank in range(world):
+        others = [c for c in range(world) if c != rank]
+        others.sort(
+            key=lambda c: (stage_of[c] == stage_of[rank], node_of[c] == node_of[rank], held[c], (c - rank) % world)
+        )
+        chosen = others[: min(replicas, world - 1)]
+        for c in chosen:
+            held[c] += 1
+        peers.append(chosen)
+    return peers
 
 
 @dataclass
@@ -26,6 +36,7 @@ class Topology:
     dp_of: list[int]
     node_of: list[int]
     stages_of_pp: list[list[int]]
+    _peers: dict[int, list[list[int]]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def single(cls, stages: list[int] | None = None) -> Topology:
@@ -53,9 +64,13 @@ class Topology:
         return {s for p in pp_ranks for s in self.stages_of_pp[p]}
 
     def replica_peers(self, replicas: int) -> list[list[int]]:
-        """peers[r]: the ranks holding rank r's replicas, in fetch order."""
-        return peer_map(self.world, replicas, self.pp_of, self.node_of) if self.world > 1 else [[]]
+        """peers[r]: the ranks holding rank r's replicas, in fetch order (`peer_map`, computed once)."""
+        if self.world == 1:
+            return [[]]
+        if replicas not in self._peers:
+            self._peers[replicas] = peer_map(self.world, replicas, self.pp_of, self.node_of)
+        return self._peers[replicas]
 
     def replica_holders(self, rank: int, replicas: int) -> list[int]:
         """The ranks holding `rank`'s replicas, in fetch order."""
-        return choose_peers(rank, self.world, replicas, self.pp_of, self.node_of) if self.world > 1 else []
+        return self.replica_peers(replicas)[rank] if self.world > 1 else []
