@@ -21,7 +21,8 @@ import time
 
 import torch
 
-from moevement.storage.snapshot import BLOCK, Entry, EntryViews, checksum
+from moevement.storage.snapshot import BLOCK, Entry, checksum, entry_view
+from moevement.storage.snapshot_copy import CopyPlan
 
 
 def layout(total_mb: int, count: int, seed: int = 0) -> tuple[torch.Tensor, list[Entry]]:
@@ -39,14 +40,14 @@ def layout(total_mb: int, count: int, seed: int = 0) -> tuple[torch.Tensor, list
     return buffer, entries
 
 
-def per_entry(buffer: torch.Tensor, entries: list[Entry], _views: EntryViews) -> None:
+def per_entry(buffer: torch.Tensor, entries: list[Entry], _plan: CopyPlan) -> None:
     whole = memoryview(buffer.numpy())
     for e in entries:
         checksum(whole[e.offset : e.offset + e.nbytes])
 
 
-def per_chunk(_buffer: torch.Tensor, _entries: list[Entry], views: EntryViews) -> None:
-    for group in views.groups:
+def per_chunk(_buffer: torch.Tensor, _entries: list[Entry], plan: CopyPlan) -> None:
+    for group in plan.groups:
         checksum(group.raw)
 
 
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     buffer, entries = layout(args.mb, args.entries)
-    views = EntryViews.of(buffer, entries)
+    plan = CopyPlan.of(buffer, entries, [entry_view(buffer, e) for e in entries])
     variants = {"per_entry": per_entry, "per_chunk": per_chunk}
     alone: list[float] = []
     slowdown: dict[str, list[float]] = {name: [] for name in variants}
@@ -96,12 +97,12 @@ def main(argv: list[str] | None = None) -> None:
         alone.append(launch_bound_ms(args.ops))
         for name, fn in variants.items():
             start = time.thread_time()
-            fn(buffer, entries, views)
+            fn(buffer, entries, plan)
             hash_ms[name].append((time.thread_time() - start) * 1e3)
-            ms, _ = beside(fn, (buffer, entries, views), args.ops)
+            ms, _ = beside(fn, (buffer, entries, plan), args.ops)
             slowdown[name].append(ms / alone[-1] - 1)
-    calls = {"per_entry": len(entries), "per_chunk": len(views.groups)}
-    print(f"snapshot mb={buffer.numel() / 1e6:.1f} entries={len(entries)} chunks={len(views.groups)}")
+    calls = {"per_entry": len(entries), "per_chunk": len(plan.groups)}
+    print(f"snapshot mb={buffer.numel() / 1e6:.1f} entries={len(entries)} chunks={len(plan.groups)}")
     for name in variants:
         s = slowdown[name]
         print(

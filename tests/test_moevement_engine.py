@@ -223,7 +223,8 @@ def test_snapshot_checksums_are_xxh3_of_each_chunk():
     `verify_entries` accepts the result, and refuses a flipped byte, a dropped chunk or a shifted one."""
     import xxhash
 
-    from moevement.storage.snapshot import BLOCK, Entry, Throttle, copy_entries, verify_entries
+    from moevement.storage.snapshot import BLOCK, Entry, verify_entries
+    from moevement.storage.snapshot_copy import Throttle, copy_entries
 
     g = torch.Generator().manual_seed(0)
     sizes = (1, 300, 0, 1000, (1 << 20) + 3, 7, 4096)  # the large one (float32) ends a chunk

@@ -21,8 +21,9 @@ import torch
 
 from moevement.checkpoint.handoff import SnapshotHandoff
 from moevement.storage.host_memory import HostBuffer, read_header
-from moevement.storage.snapshot import EncodedHeader, SnapshotHeader, Throttle
+from moevement.storage.snapshot import EncodedHeader, SnapshotHeader
 from moevement.storage.snapshot_buffers import SnapshotBuffers
+from moevement.storage.snapshot_copy import Throttle
 
 
 @dataclass

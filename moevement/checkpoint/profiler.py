@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from moevement.storage.host_memory import HostBuffer
-from moevement.storage.snapshot import Throttle
+from moevement.storage.snapshot_copy import Throttle
 
 PROBE_BYTES = 32 << 20
 

@@ -17,8 +17,9 @@ from pathlib import Path
 from moevement.checkpoint.handoff import SnapshotHandoff
 from moevement.checkpoint.persisted import MANIFEST
 from moevement.storage.host_memory import HostBuffer
-from moevement.storage.snapshot import SnapshotHeader, Throttle, copy_entries
+from moevement.storage.snapshot import SnapshotHeader
 from moevement.storage.snapshot_buffers import SnapshotBuffers
+from moevement.storage.snapshot_copy import Throttle, copy_entries
 
 
 def adopt_window(

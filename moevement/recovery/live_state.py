@@ -31,12 +31,11 @@ from moevement.storage.snapshot import FORMAT as CHECKSUM_FORMAT
 from moevement.storage.snapshot import (
     Entry,
     SnapshotError,
-    Throttle,
-    copy_entries,
     entries_of,
     layout_of,
     read_entries,
 )
+from moevement.storage.snapshot_copy import Throttle, copy_entries
 
 LIVE = "live"
 

@@ -1,4 +1,5 @@
-"""Snapshot `SS_t`: layout in a flat byte buffer, throttled copy, per-chunk checksums, reading back.
+"""Snapshot `SS_t`: layout in a flat byte buffer, per-chunk checksums, reading back (the copy itself:
+`moevement.storage.snapshot_copy`).
 
 `SS_t` (docs/design.md §2) is taken of `state_t` during iteration t and holds, for slot `i = t - t0`,
 the FP32 master weights, buffers and optimizer state (with step counters) of the slot's operators
@@ -6,7 +7,8 @@ the FP32 master weights, buffers and optimizer state (with step counters) of the
 cast to the compute dtype while copying), plus the iteration's metadata. The header is
 self-describing JSON: every entry's operator, name, dtype, shape and byte range, and the checksum of
 every *chunk*: consecutive entries of about `CHUNK_BYTES` (padding included), copied with one call and
-hashed with one. A checksum per chunk instead of per entry keeps the copy thread's calls, and so its
+hashed with one. Entries lie in storage order: the slices of a stacked tensor one after another, so that
+they are copied as one run. A checksum per chunk instead of per entry keeps the copy thread's calls, and so its
 hand-overs of the GIL to a training thread that takes it at every kernel launch, proportional to the
 snapshot's bytes rather than to its thousands of small entries.
 """
@@ -23,12 +25,12 @@ import torch
 import xxhash
 
 from moevement.operators import LocalViews, Operator
-from moevement.storage.cpu_cost import measure
 from moevement.storage.host_memory import encode_json
 
 BLOCK = 1024  # entries start on block boundaries (aligned copies; zeroed padding)
 CHUNK_BYTES = 4 << 20  # copy and hash granularity on CPU; the bandwidth cap is enforced between chunks
-CUDA_CHUNK_BYTES = 64 << 20  # from a GPU: one synchronisation and one hash per 64 MB
+CUDA_CHUNK_BYTES = 64 << 20  # from a GPU: one gather, one device-to-host copy and one hash per 64 MB
+STAGING_SLOTS = 2  # a GPU snapshot gathers its chunks into a device ring of this many CUDA_CHUNK_BYTES slots
 FORMAT = "chunk-xxh3"  # what a header's `checksums` are: XXH3-64 per chunk (older headers: one per entry)
 
 
@@ -186,32 +188,35 @@ def layout_of(
     items: Iterable[tuple[str, str, str, torch.Tensor, torch.dtype]],
 ) -> tuple[list[Entry], list[torch.Tensor], int]:
     """Entries for (operator, tensor name, role, source, stored dtype) items, laid out one after another;
-    their source tensors; the total byte size."""
+    their source tensors; the total byte size.
+
+    Entries of one role whose sources share a storage lie together, in storage order (the slices of a stacked
+    tensor, and a step counter every slice names, as consecutive runs); roles and storages keep the order in
+    which `items` first name them, so a layout does not depend on where tensors happen to live."""
     entries, sources, offset = [], [], 0
-    for op, name, role, src, dtype in items:
+    for op, name, role, src, dtype in _storage_order(list(items)):
         nbytes = src.numel() * dtype.itemsize
         entries.append(Entry(op, name, role, _dtype_name(dtype), list(src.shape), offset, nbytes))
         sources.append(src)
-        offset += _padded(nbytes)
+        offset += padded(nbytes)
     return entries, sources, offset
 
 
-class Throttle:
-    """Caps the copy rate at `bytes_per_s` (0: unlimited) by sleeping between chunks."""
+def _storage_order(items: list[tuple[str, str, str, torch.Tensor, torch.dtype]]) -> list:
+    """`items` grouped by role, then by source storage, each group in storage-offset order (stable)."""
+    first_seen: dict[tuple[str, int], int] = {}
+    for i, (_, _, role, src, _) in enumerate(items):
+        first_seen.setdefault((role, src.untyped_storage().data_ptr()), i)
+    roles = list(dict.fromkeys(role for _, _, role, _, _ in items))
 
-    def __init__(self, bytes_per_s: float = 0.0):
-        self.rate = bytes_per_s
-        self.start, self.done = time.perf_counter(), 0
+    def key(indexed):
+        i, (_, _, role, src, _) = indexed
+        return roles.index(role), first_seen[(role, src.untyped_storage().data_ptr())], src.storage_offset(), i
 
-    def consume(self, nbytes: int) -> None:
-        self.done += nbytes
-        if self.rate > 0:
-            ahead = self.done / self.rate - (time.perf_counter() - self.start)
-            if ahead > 0:
-                time.sleep(ahead)
+    return [item for _, item in sorted(enumerate(items), key=key)]
 
 
-def _padded(nbytes: int) -> int:
+def padded(nbytes: int) -> int:
     return -(-nbytes // BLOCK) * BLOCK
 
 
@@ -220,91 +225,19 @@ def entry_bytes(buffer: torch.Tensor, entry: Entry) -> torch.Tensor:
     return buffer[entry.offset : entry.offset + entry.nbytes]
 
 
+def stored_dtype(entry: Entry) -> torch.dtype:
+    """The dtype an entry is stored in (SnapshotError for a name that is not one)."""
+    return _dtype(entry.dtype)
+
+
 def entry_view(buffer: torch.Tensor, entry: Entry) -> torch.Tensor:
     """The entry's tensor inside `buffer`, without copying."""
-    return entry_bytes(buffer, entry).view(_dtype(entry.dtype)).view(entry.shape)
+    return entry_bytes(buffer, entry).view(stored_dtype(entry)).view(entry.shape)
 
 
-@dataclass(frozen=True)
-class CopyGroup:
-    """Consecutive entries `start:stop` of a layout, about one chunk together, in one buffer: copied with one
-    foreach copy and hashed with one call over `raw`, their bytes and padding (contiguous in the buffer)."""
-
-    start: int
-    stop: int
-    targets: list[torch.Tensor]  # each entry's typed tensor in the buffer
-    pads: list[torch.Tensor]  # the non-empty padding after them
-    raw: memoryview  # the chunk's bytes, padding included, as the hash reads them
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class EntryViews:
-    """Where a layout's entries lie in one buffer, chunk by chunk. Resolving these costs a few tensor
-    dispatches per entry; a snapshot of a layout the buffer has held before reuses them
-    (`SnapshotBuffers._resolved`), so the copy thread does no Python work per entry: every moment it holds
-    the GIL is one the training thread may wait for."""
-
-    groups: list[CopyGroup]
-
-    @classmethod
-    def of(cls, buffer: torch.Tensor, entries: list[Entry], chunk_bytes: int = CHUNK_BYTES) -> EntryViews:
-        whole = memoryview(buffer.numpy())
-        groups, start = [], 0
-        for stop in _chunk_ends(entries, chunk_bytes):
-            part = entries[start:stop]
-            targets = [entry_view(buffer, e) for e in part]
-            pads = [buffer[e.offset + e.nbytes : e.offset + _padded(e.nbytes)] for e in part if e.nbytes % BLOCK]
-            lo, hi = _span(entries, start, stop)
-            groups.append(CopyGroup(start, stop, targets, pads, whole[lo:hi], sum(e.nbytes for e in part)))
-            start = stop
-        return cls(groups)
-
-
-def copy_entries(
-    buffer: torch.Tensor,
-    entries: list[Entry],
-    sources: list[torch.Tensor],
-    throttle: Throttle,
-    stream: torch.cuda.Stream | None = None,
-    views: EntryViews | None = None,
-) -> list[list]:
-    """Copy (and cast) each source into its entry, zero the padding, and return the checksum of every chunk,
-    `[first entry, end entry, XXH3-64]` (a header's `checksums`; `entries` are not changed: a layout's
-    entries serve many snapshots).
-
-    Chunk by chunk (`EntryViews`): one foreach copy (on `stream`, device to host, when given), then one hash
-    of the chunk's bytes while they are still in cache; the bandwidth cap is enforced between chunks.
-    `views`: the entries' views of `buffer`, if already resolved."""
-    views = views or EntryViews.of(buffer, entries)
-    sums: list[list] = []
-    for group in views.groups:
-        with measure("copy"):
-            torch._foreach_copy_(group.targets, sources[group.start : group.stop], non_blocking=stream is not None)
-            if stream is not None:
-                stream.synchronize()
-            if group.pads:
-                torch._foreach_zero_(group.pads)
-        with measure("checksum"):
-            sums.append([group.start, group.stop, checksum(group.raw)])
-        throttle.consume(group.nbytes)
-    return sums
-
-
-def _chunk_ends(entries: list[Entry], chunk_bytes: int) -> list[int]:
-    """Indices ending consecutive chunks of entries of about `chunk_bytes` each."""
-    ends, size = [], 0
-    for i, entry in enumerate(entries):
-        size += entry.nbytes
-        if size >= chunk_bytes or i == len(entries) - 1:
-            ends.append(i + 1)
-            size = 0
-    return ends
-
-
-def _span(entries: list[Entry], start: int, stop: int) -> tuple[int, int]:
+def span(entries: list[Entry], start: int, stop: int) -> tuple[int, int]:
     """The bytes of entries `start:stop` (laid out one after another) with their padding."""
-    return entries[start].offset, entries[stop - 1].offset + _padded(entries[stop - 1].nbytes)
+    return entries[start].offset, entries[stop - 1].offset + padded(entries[stop - 1].nbytes)
 
 
 def checksum(data: memoryview) -> str:
@@ -335,7 +268,7 @@ def verify_entries(buffer: torch.Tensor, header: EntryTable, source: str = "snap
     for entry in entries:
         if entry.offset % BLOCK or entry.offset < end:
             raise SnapshotError(f"{source}: entry {entry.name} is not aligned after the one before it")
-        end = entry.offset + _padded(entry.nbytes)
+        end = entry.offset + padded(entry.nbytes)
         if end > header.nbytes:
             raise SnapshotError(f"{source}: entry {entry.name} lies outside the snapshot")
     whole, covered = memoryview(buffer.numpy()), 0
@@ -345,7 +278,7 @@ def verify_entries(buffer: torch.Tensor, header: EntryTable, source: str = "snap
         start, stop, value = chunk
         if stop > len(entries):
             raise SnapshotError(f"{source}: a checksum covers tensors beyond the {len(entries)} it holds")
-        lo, hi = _span(entries, start, stop)
+        lo, hi = span(entries, start, stop)
         if checksum(whole[lo:hi]) != value:
             first, last = entries[start], entries[stop - 1]
             which = first.name if stop - start == 1 else f"{first.name} .. {last.name}"

@@ -26,14 +26,13 @@ from moevement.storage.host_memory import HostBuffer, HostMemoryError, make_priv
 from moevement.storage.snapshot import (
     CHUNK_BYTES,
     CUDA_CHUNK_BYTES,
+    STAGING_SLOTS,
     EncodedHeader,
     Entry,
-    EntryViews,
     SnapshotHeader,
-    Throttle,
-    copy_entries,
     encode_entries,
 )
+from moevement.storage.snapshot_copy import CopyPlan, Throttle, copy_entries
 
 
 def local_buffer(rank_dir: Path, parity: int, slot: int) -> Path:
@@ -47,9 +46,17 @@ class SnapshotBuffers:
         self.local_dir = make_private_dir(rank_dir / "local")
         self.lock = threading.Lock()
         self.buffers: dict[tuple[int, int], HostBuffer] = {}
-        self._cache: dict[Path, tuple[torch.Tensor, list[Entry], EntryViews, bytes]] = {}  # copy thread
+        self._cache: dict[
+            Path, tuple[torch.Tensor, list[Entry], list[torch.Tensor], CopyPlan, bytes]
+        ] = {}  # copy thread
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.chunk_bytes = CUDA_CHUNK_BYTES if device.type == "cuda" else CHUNK_BYTES
+        # on a GPU, chunks of many small tensors are gathered here first: one device-to-host copy per chunk
+        self.staging = (
+            torch.empty(STAGING_SLOTS * CUDA_CHUNK_BYTES, dtype=torch.uint8, device=device)
+            if device.type == "cuda"
+            else None
+        )
         self.copier = ThreadPoolExecutor(
             1, thread_name_prefix="moevement-copy", initializer=enter_background, initargs=(background_priority,)
         )
@@ -107,26 +114,30 @@ class SnapshotBuffers:
         (`header.entries` are its layout's, unchanged)."""
         buffer.invalidate()
         data = buffer.ensure(max(header.nbytes, 1))
-        views, encoded = self._resolved(buffer, data, header.entries)
+        plan, encoded = self._resolved(buffer, data, header.entries, sources)
         if self.stream is None:
-            header.checksums = copy_entries(data, header.entries, sources, throttle, views=views)
+            header.checksums = copy_entries(data, header.entries, sources, throttle, plan=plan)
         else:
             if ready is not None:
                 self.stream.wait_event(ready)
             with torch.cuda.stream(self.stream):
-                header.checksums = copy_entries(data, header.entries, sources, throttle, self.stream, views)
+                header.checksums = copy_entries(data, header.entries, sources, throttle, self.stream, plan)
         with measure("header"):
             return header.encode_without_meta(encoded)
 
-    def _resolved(self, buffer: HostBuffer, data: torch.Tensor, entries: list[Entry]) -> tuple[EntryViews, bytes]:
-        """Copy thread: the views of `entries` in `data` and their encoding, reused while the buffer holds the
-        same mapping and the same layout (one list of entries per slot serves every window a plan repeats)."""
+    def _resolved(
+        self, buffer: HostBuffer, data: torch.Tensor, entries: list[Entry], sources: list[torch.Tensor]
+    ) -> tuple[CopyPlan, bytes]:
+        """Copy thread: the copy plan of `entries` (from `sources`) in `data` and their encoding, reused while
+        the buffer holds the same mapping and the same layout (one layout per slot serves every window a plan
+        repeats)."""
         cached = self._cache.get(buffer.path)
-        if cached is not None and cached[0] is data and cached[1] is entries:
-            return cached[2], cached[3]
-        views, encoded = EntryViews.of(data, entries, self.chunk_bytes), encode_entries(entries)
-        self._cache[buffer.path] = (data, entries, views, encoded)
-        return views, encoded
+        if cached is not None and cached[0] is data and cached[1] is entries and cached[2] is sources:
+            return cached[3], cached[4]
+        plan = CopyPlan.of(data, entries, sources, self.chunk_bytes, self.staging)
+        encoded = encode_entries(entries)
+        self._cache[buffer.path] = (data, entries, sources, plan, encoded)
+        return plan, encoded
 
     def submit(self, fn, *args) -> Future:
         return self.copier.submit(fn, *args)

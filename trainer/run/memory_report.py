@@ -59,8 +59,8 @@ def report(cfg: Config) -> list[str]:
         "come on top; docs/guide.md 'Memory before renting a GPU')"
     )
     lines.append(
-        f"accel_moevement per_rank_max={gb(max(r.moevement for r in ranks))}: no device-side staging buffers "
-        "(snapshots copy from the device straight into pinned host buffers); counted: the copy-bandwidth "
+        f"accel_moevement per_rank_max={gb(max(r.moevement for r in ranks))}: the snapshot staging ring "
+        "(chunks gathered on the device, then one copy each into pinned host buffers), the copy-bandwidth "
         "probe's source and, with bf16, the device-side cast of the largest frozen-operator weight"
     )
     return lines
