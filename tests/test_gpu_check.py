@@ -1,18 +1,21 @@
 """The prepared GPU check (benchmarks/gpu_check) stays alive without a GPU: it exits 0 saying so, and the
-parts that run on CPU (report arithmetic, the numerics and throughput code, the shared-GPU collectives on
-gloo) are exercised here."""
+parts that run on CPU (report arithmetic, the numerics and throughput code, section 2's overhead figures from
+given step lines, the shared-GPU collectives on gloo, section 6's SIGKILL and in-place replacement on gloo)
+are exercised here."""
 
 from __future__ import annotations
 
 import re
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from benchmarks.gpu_check import numerics, throughput
+from benchmarks.gpu_check import numerics, overhead, replacement, throughput
+from benchmarks.gpu_check.__main__ import SECTIONS
 from benchmarks.gpu_check.report import (
     Check,
     Section,
@@ -24,6 +27,7 @@ from benchmarks.gpu_check.report import (
 )
 from benchmarks.gpu_check.shared_gpu import LINE
 from models.experts import GROUPED_MM_FLOPS
+from parallelisms.distributed import default_backend
 from tests.helpers import CHILD_ENV, ROOT
 
 
@@ -36,6 +40,48 @@ def test_without_cuda_the_check_says_so_in_one_line_and_exits_0():
     assert proc.stdout.strip().splitlines() == [
         "gpu-check: no CUDA device (torch.cuda.is_available() is False): nothing to check here, exiting 0"
     ]
+
+
+def test_six_sections_within_seven_minutes_the_sixth_the_in_place_replacement():
+    assert [number for number, *_ in SECTIONS] == [1, 2, 3, 4, 5, 6]
+    assert sum(budget for _, _, budget, _ in SECTIONS) == 7 * 60
+    assert SECTIONS[5][3] is replacement.run
+
+
+def test_section_6_skips_with_its_reason_while_the_trainer_joins_nccl_on_cuda():
+    """Today's trainer: its CUDA default group names nccl, so section 6 says why in one line and runs nothing."""
+    assert "nccl" in default_backend("cuda")
+    section = run_section(Section(6, "replacement", 5), replacement.run)
+    assert section.status == "SKIP" and not section.checks
+    assert len(section.lines()) == 2 and section.lines()[-1].startswith("  SKIP train.py cannot run two ranks")
+    assert replacement.blocker("cpu:gloo,cuda:gloo") == ""
+    assert summary([section], 0.1) == "gpu-check PASS: [6]=SKIP (0 failed) in 0 s"
+
+
+def test_overhead_fields_median_and_spread_of_the_rounds():
+    line = overhead.overhead_fields([1.05, 1.01, 1.10, 1.02, 1.04])
+    assert line == "overhead=+0.0400 (median of 5 interleaved rounds, min +0.0100, max +0.1000)"
+
+
+def test_overhead_section_alternates_the_order_and_reports_every_round(monkeypatch):
+    """Section 2's figures from given step lines (no train.py): none and moevement alternate which runs first,
+    and the line shows the median and spread of all five rounds (moevement 10% slower in each)."""
+    order = []
+
+    def fake_train(args: list[str], timeout_s: float) -> str:
+        strategy = args[args.index("--checkpoint.strategy") + 1]
+        order.append(strategy)
+        ms, mb = (110.0, 5.0) if strategy == "moevement" else (100.0, 0.0)
+        tok_per_s = overhead.BATCH * overhead.SEQ_LEN / ms * 1e3
+        lines = [f"step={t} loss=1 tok_per_s={tok_per_s} window=1 stall_ms=0.1 ckpt_mb={mb}" for t in range(1, 19)]
+        return "\n".join(lines)
+
+    monkeypatch.setattr(overhead, "train", fake_train)
+    section = Section(2, "overhead", 10)
+    checks = overhead.overhead_checks(SimpleNamespace(common=lambda job: []), section)
+    assert order == ["none", "moevement", "moevement", "none"] * 2 + ["none", "moevement"]
+    assert [c.ok for c in checks] == [True]
+    assert "overhead=+0.1000 (median of 5 interleaved rounds, min +0.1000, max +0.1000)" in section.notes[0]
 
 
 @pytest.mark.parametrize(
@@ -133,3 +179,13 @@ def test_shared_gpu_collectives_run_on_two_gloo_processes():
     found = sorted((int(rank), name, ok) for rank, name, ok, _ in LINE.findall(proc.stdout))
     names = ("boundary_logs", "scalars", "tensorboard")
     assert found == [(rank, name, "1") for rank in (0, 1) for name in names], proc.stdout
+
+
+@pytest.mark.slow
+def test_replacement_section_runs_on_two_gloo_processes(monkeypatch):
+    """Section 6's real runs on CPU (plain gloo): rank 1 SIGKILLed in backward, its standby replaces it in
+    place, and the run ends with the fault-free digest (45-100 s on two shared CPU cores)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    section = run_section(Section(6, "replacement", 600), replacement.run_replacement)
+    assert section.status == "PASS", "\n".join(section.lines())
+    assert len(section.checks) == 5

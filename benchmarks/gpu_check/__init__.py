@@ -12,6 +12,10 @@ and the others still run), then one summary line:
   3. recovery      a crash and torchrun restart on CUDA ending with the fault-free digest (recovery.py)
   4. throughput    forward+backward of a DeepSeek-MoE-16B-shaped stage in bf16: tokens/s, MFU (throughput.py)
   5. shared GPU    two processes on the GPU run the trainer's control-tensor collectives (shared_gpu.py)
+  6. replacement   two processes on the GPU run train.py at pp=2, rank 1 SIGKILLed and replaced in place by
+                   its rank shell's standby, ending with the fault-free digest; SKIP with the reason while
+                   the trainer cannot put two ranks on one GPU                             (replacement.py)
 
-Without CUDA it says so in one line and exits 0.
+A section that knows it cannot run says SKIP and why (not a failure). Without CUDA the check says so in one
+line and exits 0.
 """

@@ -4,7 +4,10 @@ per iteration, and the overhead against `checkpoint.strategy none`, runs interle
 In process: a snapshot buffer is page-locked (pinned) on CUDA, a snapshot of CUDA tensors copied into it by
 the checkpointer's own copy path (`SnapshotBuffers.copy`: side stream, checksums) reads back bit for bit, and
 the copy bandwidth the profiler measures. Then `train.py` runs on the GPU, `none` and `moevement` alternating
-for `ROUNDS` rounds; figures over the steady-state iterations (`benchmarks.overhead`'s definition).
+for `ROUNDS` rounds; figures over the steady-state iterations (`benchmarks.overhead`'s definition). The
+overhead is each round's moevement median against the same round's `none` median, printed as the median
+over the rounds with the lowest and highest round beside it (`overhead_fields`): with five rounds a single
+round's drift shows as spread instead of moving the median.
 """
 
 from __future__ import annotations
@@ -19,13 +22,14 @@ from benchmarks.gpu_check.runs import Workspace, train
 from benchmarks.overhead import common_start, parse_steps, steady_ms, steady_records
 from moevement.checkpoint.profiler import measure_copy_bandwidth
 from moevement.storage.host_memory import make_private_dirs
-from moevement.storage.snapshot import SnapshotHeader, Throttle, layout_of, read_entries
+from moevement.storage.snapshot import SnapshotHeader, layout_of, read_entries
 from moevement.storage.snapshot_buffers import SnapshotBuffers
+from moevement.storage.snapshot_copy import Throttle
 
 CONFIG = "train_configs/bench_moe.toml"
 BATCH, SEQ_LEN = 16, 512
 SHAPE = ["--training.batch_size", str(BATCH), "--training.seq_len", str(SEQ_LEN), "--training.mixed_precision", "bf16"]
-STEPS, ROUNDS, PROFILE_ITERS = 30, 2, 2
+STEPS, ROUNDS, PROFILE_ITERS = 18, 5, 2  # 10 runs; steady from iteration 5 at W=1
 RUN_TIMEOUT_S = 60
 
 
@@ -61,14 +65,25 @@ def bandwidth(workspace: Workspace, device: torch.device, section: Section) -> l
 
 
 def interleaved_runs(workspace: Workspace) -> dict[str, list[dict[int, dict[str, float]]]]:
-    """Every round: `none`, then `moevement` (same config, same GPU)."""
+    """Every round runs `none` and `moevement` (same config, same GPU), in alternating order (none first in
+    even rounds), so a drift of the machine does not favour one of them."""
     runs: dict[str, list] = {"none": [], "moevement": []}
-    for _ in range(ROUNDS):
-        for strategy in runs:
+    for round_ in range(ROUNDS):
+        for strategy in list(runs)[:: 1 if round_ % 2 == 0 else -1]:
             args = ["--config", CONFIG, *workspace.common(f"gpu_check_{strategy}"), *SHAPE]
             args += ["--training.steps", str(STEPS), "--checkpoint.strategy", strategy]
             runs[strategy].append(parse_steps(train(args, RUN_TIMEOUT_S)))
     return runs
+
+
+def overhead_fields(ratios: list[float]) -> str:
+    """`overhead=<median> (median of N interleaved rounds, min <x>, max <x>)` of the per-round ratios
+    moevement/none (each minus 1: +0.05 is 5% slower than `none`)."""
+    over = [r - 1 for r in ratios]
+    return (
+        f"overhead={statistics.median(over):+.4f} (median of {len(over)} interleaved rounds, "
+        f"min {min(over):+.4f}, max {max(over):+.4f})"
+    )
 
 
 def overhead_checks(workspace: Workspace, section: Section) -> list[Check]:
@@ -85,8 +100,8 @@ def overhead_checks(workspace: Workspace, section: Section) -> list[Check]:
     none_ms, moevement_ms = statistics.median(per_round["none"]), statistics.median(per_round["moevement"])
     windows = ",".join(sorted({str(int(rec["window"])) for rec in steady}))
     section.notes.append(
-        f"iter_ms none={none_ms:.1f} moevement={moevement_ms:.1f} overhead={statistics.median(ratios) - 1:+.4f} "
-        f"(median of {ROUNDS} interleaved rounds) stall_ms median={statistics.median(stalls):.2f} "
+        f"iter_ms none={none_ms:.1f} moevement={moevement_ms:.1f} {overhead_fields(ratios)} "
+        f"stall_ms median={statistics.median(stalls):.2f} "
         f"max={max(stalls):.2f} snapshot_mb_per_iter={snapshot_mb:.1f} window={windows}"
     )
     every = all(rec["ckpt_mb"] > 0 for rec in steady)

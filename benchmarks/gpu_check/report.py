@@ -69,7 +69,8 @@ def guarded(section: Section, name: str, fn: Callable[[], list[Check]]) -> None:
 
 @dataclass
 class Section:
-    """A numbered part of the check: its checks and informational lines, or the error that stopped it."""
+    """A numbered part of the check: its checks and informational lines, or the error that stopped it, or
+    why it did not run (`skipped`: SKIP, not a failure; a section that knows it cannot run says so)."""
 
     number: int
     title: str
@@ -77,12 +78,15 @@ class Section:
     checks: list[Check] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     error: str = ""
+    skipped: str = ""
     seconds: float = 0.0
 
     @property
     def status(self) -> str:
         if self.error or not all(c.ok for c in self.checks):
             return "FAIL"
+        if self.skipped:
+            return "SKIP"
         return "PASS" if self.checks else "INFO"
 
     def lines(self) -> list[str]:
@@ -90,6 +94,8 @@ class Section:
         out = [head, *(c.line() for c in self.checks), *(f"  {n}" for n in self.notes)]
         if self.error:
             out.append(f"  FAIL error: {self.error}")
+        elif self.skipped:
+            out.append(f"  SKIP {self.skipped}")
         return out
 
 
