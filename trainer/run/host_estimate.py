@@ -17,6 +17,14 @@ What a rank keeps in its host directory (`checkpoint.host_dir`, by default in /d
 - upstream log (process memory, pinned on GPU): the activations and gradients a pipeline stage sends,
   kept from the persisted window's first iteration: up to 2W + 1 iterations.
 
+What a GPU run needs beyond those bytes (`gpu_lines`): page-locked host memory (its own snapshot buffers
+of both parities and the probe, `HostBuffer(pin=True)`; the upstream log, PyTorch's pinned allocations,
+each rounded up to a power of two by its caching host allocator; replicas and the live state are not
+pinned) and a device staging ring of `STAGING_SLOTS` x `CUDA_CHUNK_BYTES` per rank. Per node: its ranks'
+bytes against the node's memory and its host directory's file system. A replica held on the sender's node
+(`checkpoint.replication` auto) is a hard link to the sender's buffer file: its node counts only its
+commit records.
+
 Every size comes from the functions the trainer sizes things with: the model built on meta and cut as
 `parallelisms` cuts it (data-parallel rank 0's shards, the largest), the registry of operators, the
 snapshot layout (entries padded to blocks), the window schedule and the pipeline's boundary shapes. Files
@@ -27,6 +35,7 @@ Upper bounds: the test holds them against a real run's host directory.
 from __future__ import annotations
 
 import mmap
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +55,7 @@ from moevement.checkpoint.schedule import (
 )
 from moevement.operators import Operator, build_registry
 from moevement.storage.host_memory import default_host_dir
-from moevement.storage.snapshot import checksum_gbps, entry_layout, layout_of
+from moevement.storage.snapshot import CUDA_CHUNK_BYTES, STAGING_SLOTS, checksum_gbps, entry_layout, layout_of
 from moevement.topology import Topology
 from parallelisms.expert_parallel import shard_experts
 from parallelisms.fsdp import DTYPES, largest_shard_on_meta
@@ -76,6 +85,8 @@ class Stage:
     slot_bytes: list[int]  # per slot: its largest buffer, in pages, commit record included (one parity)
     fp32: tuple[int, int]  # (bytes, entries) of every operator's FP32 state laid out as one snapshot
     log: tuple[int, int, int]  # one iteration's upstream log: (bytes, bytes laid out as a snapshot, entries)
+    log_pinned: int = 0  # one iteration's upstream log as PyTorch pins it (each tensor's size a power of two)
+    record: int = 0  # pages of the largest commit record a slot may have (every entry of the stage)
 
     def dense_slot(self) -> int:
         """A dense snapshot (an interval baseline's slot), in pages, commit record included."""
@@ -85,10 +96,25 @@ class Stage:
         """A survivor's live state: its FP32 state and `log_iterations` iterations of upstream log."""
         return _file(self.fp32[0] + self.log[1] * log_iterations, self.fp32[1] + self.log[2] * log_iterations)
 
+    def linked_replica(self) -> int:
+        """A replica of this stage's buffers (both parities) held on the sender's node: hard links to the
+        sender's files, so only its commit records take pages of their own."""
+        return 2 * len(self.slot_bytes) * self.record
+
+
+def _record(entries: int) -> int:
+    """Pages of a commit record of `entries` entries."""
+    return pages(HEADER_BASE_BYTES + HEADER_ENTRY_BYTES * entries)
+
 
 def _file(nbytes: int, entries: int) -> int:
     """Pages of a buffer of `nbytes` (at least 1) and of its commit record of `entries` entries."""
-    return pages(max(nbytes, 1)) + pages(HEADER_BASE_BYTES + HEADER_ENTRY_BYTES * entries)
+    return pages(max(nbytes, 1)) + _record(entries)
+
+
+def pinned_size(nbytes: int) -> int:
+    """Bytes PyTorch's caching host allocator pins for `nbytes` (its default: the next power of two)."""
+    return 1 << max(nbytes - 1, 0).bit_length()
 
 
 @dataclass
@@ -103,11 +129,23 @@ class RankEstimate:
     probe: int
     upstream_log: int  # process memory, not in the host directory
     snapshot_per_iteration: int = 0  # the largest snapshot it copies and hashes in one iteration
+    linked: int = 0  # of `replicas`: bytes that are hard links to a same-node sender's buffer files
+    pinned_log: int = 0  # `upstream_log` as PyTorch pins it on GPU
 
     @property
     def host_dir(self) -> int:
         """Bytes this rank may hold in its host directory at once."""
         return self.snapshots + self.replicas + self.live_state + self.probe
+
+    @property
+    def node_share(self) -> int:
+        """What this rank adds to its node's memory: `host_dir` without the pages it links, its upstream log."""
+        return self.host_dir - self.linked + self.upstream_log
+
+    @property
+    def pinned(self) -> int:
+        """Page-locked host bytes on GPU: its snapshot buffers, the probe, the upstream log's pinned blocks."""
+        return self.snapshots + self.probe + self.pinned_log
 
 
 def rank_model(cfg: Config, pp_rank: int) -> tuple[nn.Module, list[int]]:
@@ -173,14 +211,14 @@ def window_slot_bytes(ops: list[Operator], sizes: dict[str, list[int]], ck) -> l
     return largest
 
 
-def boundary_log(cfg: Config, stage_ids: list[int]) -> tuple[int, int, int]:
+def boundary_log(cfg: Config, stage_ids: list[int]) -> tuple[int, int, int, int]:
     """One iteration of the upstream log on a rank running `stage_ids` (none without pipelining): every
     micro-batch's activations sent downstream and gradients sent upstream, as `UpstreamLog` keeps them.
-    (bytes, bytes laid out as a live state lays them out, entries)."""
+    (bytes, bytes laid out as a live state lays them out, entries, bytes pinned on GPU: `pinned_size` each)."""
     p, t = cfg.parallelism, cfg.training
     n_stages = p.pp * p.stages_per_rank
     if n_stages == 1:
-        return 0, 0, 0
+        return 0, 0, 0, 0
     micro_batch = (t.batch_size // (t.micro_batches * p.dp), t.seq_len)
     shapes = stage_shapes(cfg.model, micro_batch, DTYPES[t.mixed_precision], n_stages, t.loss_chunk_tokens > 0)
     sent = []
@@ -189,15 +227,19 @@ def boundary_log(cfg: Config, stage_ids: list[int]) -> tuple[int, int, int]:
         sent += ([outputs] if stage != n_stages - 1 else []) + ([inputs] if stage != 0 else [])
     tensors = sent * t.micro_batches
     laid_out = layout_of([("", str(i), "log", x, x.dtype) for i, x in enumerate(tensors)])[2]
-    return sum(x.numel() * x.element_size() for x in tensors), laid_out, len(tensors)
+    sizes = [x.numel() * x.element_size() for x in tensors]
+    return sum(sizes), laid_out, len(tensors), sum(pinned_size(n) for n in sizes)
 
 
 def stage_footprint(cfg: Config, pp_rank: int) -> Stage:
+    """What pipeline rank `pp_rank`'s operators and boundaries need under `cfg` (see `Stage`)."""
     model, stage_ids = rank_model(cfg, pp_rank)
     optimizer = adamw_state_on_meta(model)
     ops = build_registry(model, stacked_operators(model))
     sizes = operator_sizes(ops, optimizer, DTYPES[cfg.training.mixed_precision])
-    stage = Stage([], (sum(sizes["fp32"]), sum(sizes["fp32_entries"])), boundary_log(cfg, stage_ids))
+    *log, log_pinned = boundary_log(cfg, stage_ids)
+    entries = sum(sizes["fp32_entries"]) + sum(sizes["compute_entries"])
+    stage = Stage([], (sum(sizes["fp32"]), sum(sizes["fp32_entries"])), tuple(log), log_pinned, _record(entries))
     moevement = cfg.checkpoint.strategy == "moevement"
     stage.slot_bytes = window_slot_bytes(ops, sizes, cfg.checkpoint) if moevement else [stage.dense_slot()]
     return stage
@@ -205,7 +247,8 @@ def stage_footprint(cfg: Config, pp_rank: int) -> Stage:
 
 def estimate(cfg: Config, ranks_per_node: int = RANKS_PER_NODE) -> list[RankEstimate]:
     """Every rank's host memory under `cfg` (ranks laid out as `parallelisms.mesh` lays them out, node n
-    running ranks n * ranks_per_node ..)."""
+    running ranks n * ranks_per_node ..; replicas whose sender shares the node are links under
+    `checkpoint.replication` auto)."""
     p, ck = cfg.parallelism, cfg.checkpoint
     stages = [stage_footprint(cfg, pp) for pp in range(p.pp)]
     world = p.pp * p.dp
@@ -220,12 +263,17 @@ def estimate(cfg: Config, ranks_per_node: int = RANKS_PER_NODE) -> list[RankEsti
     out = []
     for rank in range(world):
         stage = stages[pp_of[rank]]
-        held = sum(own[pp_of[src]] for src in range(world) if rank in peers[src])
-        log = stage.log[0] * log_iters if moevement else 0
-        live = stage.live_state(log_iters) if moevement else 0
-        per_iteration = max(stage.slot_bytes, default=0)
+        sources = [src for src in range(world) if rank in peers[src]]
+        held = sum(own[pp_of[src]] for src in sources)
+        local = [src for src in sources if nodes[src] == nodes[rank] and ck.replication == "auto"]
+        linked = sum(own[pp_of[src]] - stages[pp_of[src]].linked_replica() for src in local)
+        log, live = (stage.log[0] * log_iters, stage.live_state(log_iters)) if moevement else (0, 0)
+        pinned_log = stage.log_pinned * log_iters if moevement else 0
+        own_bytes, per_iteration = own[pp_of[rank]], max(stage.slot_bytes, default=0)
         out.append(
-            RankEstimate(rank, pp_of[rank], own[pp_of[rank]], held, live, pages(PROBE_BYTES), log, per_iteration)
+            RankEstimate(
+                rank, pp_of[rank], own_bytes, held, live, pages(PROBE_BYTES), log, per_iteration, linked, pinned_log
+            )
         )
     return out
 
@@ -260,44 +308,111 @@ def report(cfg: Config) -> list[str]:
             f"upstream_log={gb(r.upstream_log)}"
         )
     most, total = max(r.host_dir for r in ranks), sum(r.host_dir for r in ranks)
+    node_most = max(sum(r.host_dir - r.linked for r in members) for members in nodes_of(ranks, RANKS_PER_NODE))
     lines.append(
         f"host_memory per_rank_max={gb(most)} all_{len(ranks)}_ranks={gb(total)}: a node's {host_dir} must hold "
-        f"the sum over the ranks it runs (container: --shm-size of at least that, e.g. {-(-total // 2**30) + 1}g "
-        f"for all {len(ranks)} ranks on one node); upstream_log is process memory (pinned on GPU), not in it"
+        "the sum over the ranks it runs less the replicas that link a same-node sender's files, its host_dir "
+        f"below (container: --shm-size of at least the largest, e.g. {-(-node_most // 2**30) + 1}g); "
+        "upstream_log is process memory (pinned on GPU), not in it"
     )
-    return lines + node_lines(ranks, RANKS_PER_NODE) + hashing_lines(ranks, host_dir)
+    limits = node_memory(), host_dir_limit(host_dir)
+    return lines + gpu_lines(ranks) + node_lines(ranks, RANKS_PER_NODE, *limits) + hashing_lines(ranks, RANKS_PER_NODE)
 
 
-def node_lines(ranks: list[RankEstimate], per_node: int) -> list[str]:
-    """Per node of the launch layout (`per_node` consecutive ranks): the sum of its ranks' host bytes."""
+def gpu_lines(ranks: list[RankEstimate]) -> list[str]:
+    """What a GPU run's snapshots pin in host memory, per pipeline rank (its data-parallel ranks, consecutive,
+    share the figures), and the device staging ring every rank allocates."""
+    lines = [
+        "pinned host memory per rank on GPU, GB (page-locked, part of host_memory above: its snapshot buffers "
+        "of both window parities and the bandwidth probe, HostBuffer(pin=True) in the host directory, and the "
+        "upstream log, PyTorch's pinned blocks of a power of two each; replicas and live state are not pinned):"
+    ]
+    for pp in sorted({r.pp_rank for r in ranks}):
+        members = [r for r in ranks if r.pp_rank == pp]
+        first, last, r = members[0].rank, members[-1].rank, members[0]
+        lines.append(
+            f"pinned_host pp={pp} ranks={first}{f'-{last}' if last > first else ''} snapshots={gb(r.snapshots)} "
+            f"probe={gb(r.probe)} upstream_log={gb(r.pinned_log)} pinned={gb(r.pinned)}"
+        )
+    lines.append(
+        f"staging_ring per_rank={gb(STAGING_SLOTS * CUDA_CHUNK_BYTES)} GB of accelerator memory: STAGING_SLOTS="
+        f"{STAGING_SLOTS} x CUDA_CHUNK_BYTES={CUDA_CHUNK_BYTES >> 20} MiB (a GPU snapshot gathers each chunk into "
+        "this device ring, then makes one device-to-host copy of it into its pinned buffer)"
+    )
+    return lines
+
+
+@dataclass
+class Limit:
+    """What a node's bytes are held against: a size in bytes and where that figure comes from."""
+
+    nbytes: int
+    source: str
+
+
+def node_memory() -> Limit:
+    """A node's memory: this machine's MemTotal (/proc/meminfo; elsewhere its physical pages), since no
+    config key or flag names the memory of the nodes a job is launched on."""
+    why = "no config key names a node's memory"
+    meminfo = Path("/proc/meminfo")
+    if meminfo.is_file():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return Limit(int(line.split()[1]) * 1024, f"this machine's MemTotal in /proc/meminfo: {why}")
+    return Limit(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), f"this machine's memory: {why}")
+
+
+def host_dir_limit(host_dir: str) -> Limit | None:
+    """The size of the file system `host_dir` lives on, on this machine (the first directory of `host_dir`,
+    its parent and /dev/shm that exists; None if none does)."""
+    shm = next((d for d in (Path(host_dir), Path(host_dir).parent, Path("/dev/shm")) if d.is_dir()), None)
+    return None if shm is None else Limit(shutil.disk_usage(shm).total, f"the file system of {shm} on this machine")
+
+
+def nodes_of(ranks: list[RankEstimate], per_node: int) -> list[list[RankEstimate]]:
+    """`ranks` cut into nodes of `per_node` consecutive ranks (the last may have fewer)."""
+    return [ranks[i : i + per_node] for i in range(0, len(ranks), per_node)]
+
+
+def node_lines(ranks: list[RankEstimate], per_node: int, memory: Limit, host_fs: Limit | None) -> list[str]:
+    """Per node of the launch layout (`per_node` consecutive ranks): its ranks' host bytes (host directory
+    without same-node replica links, upstream log, their total, the pinned part), and a WARNING where the
+    total exceeds `memory` or the host-directory bytes exceed `host_fs`."""
+    fs = f"; host dir file system {gb(host_fs.nbytes)} ({host_fs.source})" if host_fs else ""
     lines = [
         f"host memory per node, GB ({per_node} ranks per node assumed: no config key names it, torchrun's "
-        "--nproc_per_node does; replicas placed for that layout):"
+        "--nproc_per_node does; replicas placed for that layout, those from the same node are links to the "
+        f"sender's files; pinned: page-locked on GPU, part of total; node memory {gb(memory.nbytes)} "
+        f"({memory.source}){fs}):"
     ]
-    for node in range(-(-len(ranks) // per_node)):
-        members = ranks[node * per_node : (node + 1) * per_node]
-        host_dir, log = sum(r.host_dir for r in members), sum(r.upstream_log for r in members)
+    for node, members in enumerate(nodes_of(ranks, per_node)):
+        total, log = sum(r.node_share for r in members), sum(r.upstream_log for r in members)
+        host_dir, pinned = total - log, sum(r.pinned for r in members)
         lines.append(
             f"host_memory node={node} ranks={members[0].rank}-{members[-1].rank} host_dir={gb(host_dir)} "
-            f"upstream_log={gb(log)} total={gb(host_dir + log)}"
+            f"upstream_log={gb(log)} total={gb(total)} pinned={gb(pinned)}"
         )
+        if total > memory.nbytes:
+            lines.append(
+                f"WARNING: node {node} needs {gb(total)} GB of host memory ({gb(pinned)} GB of it "
+                f"page-locked on GPU), more than its {gb(memory.nbytes)} GB ({memory.source})"
+            )
+        if host_fs is not None and host_dir > host_fs.nbytes:
+            lines.append(
+                f"WARNING: node {node} keeps {gb(host_dir)} GB in its host directory, more than the "
+                f"{gb(host_fs.nbytes)} GB of {host_fs.source} (container: raise --shm-size)"
+            )
     return lines
 
 
-def hashing_lines(ranks: list[RankEstimate], host_dir: str) -> list[str]:
-    """What checksumming the snapshots costs a rank's CPU per iteration (XXH3-64 measured on this machine's
-    CPU, one core), and a warning when this machine's shared memory could not hold every rank's host state."""
+def hashing_lines(ranks: list[RankEstimate], per_node: int) -> list[str]:
+    """What checksumming the snapshots costs per iteration (XXH3-64 measured on one core of this machine's
+    CPU): a rank's copy thread at most, and a node's `per_node` consecutive ranks' at most."""
     gbps = checksum_gbps()
     most = max(r.snapshot_per_iteration for r in ranks)
-    lines = [
+    node = max(sum(r.snapshot_per_iteration for r in members) for members in nodes_of(ranks, per_node))
+    return [
         f"snapshot_hash per_rank_max_gb_per_iteration={gb(most)} core_s_per_iteration={most / 1e9 / gbps:.3f} "
-        f"(XXH3-64 at {gbps:.1f} GB/s on one core of this CPU, on the copy thread beside training)"
+        f"node_max_core_s_per_iteration={node / 1e9 / gbps:.3f} (XXH3-64 at {gbps:.1f} GB/s on one core of this "
+        "CPU, on each rank's copy thread beside training)"
     ]
-    shm = next((d for d in (Path(host_dir), Path(host_dir).parent, Path("/dev/shm")) if d.is_dir()), None)
-    total = sum(r.host_dir for r in ranks)
-    if shm is not None and shutil.disk_usage(shm).total < total:
-        lines.append(
-            f"warning: {shm} holds {gb(shutil.disk_usage(shm).total)} GB on this machine, less than the "
-            f"{gb(total)} GB of all {len(ranks)} ranks: a node needs at least its ranks' share"
-        )
-    return lines
