@@ -455,6 +455,9 @@ def main(argv: list[str] | None = None) -> int:
 
             print("\n".join(memory_report.report(cfg)))
             print("\n".join(host_estimate.report(cfg)))
+            from trainer.run import placement_report  # the replicas' placement under node losses
+
+            print(placement_report.line(cfg))
         else:
             train_generations(cfg, plan_start(), functools.partial(one_generation, cfg))
 
