@@ -36,9 +36,14 @@ As each strategy finishes it also prints where its wall time beyond the referenc
 
 (seconds; `lost_time` says what each part is; `--target-ettr`, 0.9 by default, names the wall time a
 target ETTR needs.)
-It writes `<out>/ettr.csv`, `<out>/profile.json` (the measured profile `simulator.ettr
---profile` reads; the simulator's prediction is printed beside the measurement) and the plots
-`ettr_vs_mtbf.png`, `goodput.png` and `moc_k_pec.png`.
+It writes `<out>/ettr.csv` (per strategy its summary and the primitives the simulator reads:
+`simulator.measured.COLUMNS`), `<out>/profile.json` (the measured costs `python -m simulator --profile`
+reads) and the plots `ettr_vs_mtbf.png`, `goodput.png` and `moc_k_pec.png`. Beside each measurement it
+prints the simulator's column: `predicted_ettr`, the one calibrated model's mechanisms on the run's
+primitives (`simulator.measured.predict`: T, the cap, restart, fetch and replay seconds measured; overhead,
+W, intervals and replayed iterations predicted; none for CheckFreq), and `replayed_ettr`, the same failure
+law on the measured overhead and loss per failure. `python -m simulator --paper-tables --measured
+<out>/ettr.csv` compares the same rows (our own Table 4).
 """
 
 from __future__ import annotations
@@ -59,7 +64,8 @@ from benchmarks.variants import QUIET, variant_flags
 from models import count_params
 from moevement.failures import TRAINING_PHASES, poisson_events
 from moevement.recovery.report import RecoveryReport
-from simulator.ettr import MeasuredProfile, predict_from_profile
+from simulator.calibration import MeasuredProfile
+from simulator.measured import from_row, predict, replayed
 from trainer.config import Config, load_config
 from trainer.run.event_lines import FinalLine
 from trainer.run.event_log import RunEvent, run_events
@@ -272,17 +278,47 @@ def strategies_under_failures(spec: str) -> list[str]:
     return strategies
 
 
+def dense_rank_gbit(cfg: Config, pp: int) -> float:
+    """Gbit of a dense snapshot of one stage: FP32 master + AdamW moments (12 B/param)."""
+    return 12 * count_params(cfg.model)[0] / pp * 8 / 1e9
+
+
 def snapshot_cap(args: argparse.Namespace, cfg: Config, none_iteration_s: float) -> float:
     """Snapshot bandwidth cap in Gbit/s (`--bandwidth-gbps`, else the one under which a dense snapshot of
     a stage takes `--dense-snapshot-iters` iterations); prints it with the reference iteration time."""
-    dense_rank_bytes = 12 * count_params(cfg.model)[0] / args.pp  # FP32 master + AdamW moments, per stage
-    cap = args.bandwidth_gbps or dense_rank_bytes * 8 / 1e9 / (args.dense_snapshot_iters * none_iteration_s)
+    dense = dense_rank_gbit(cfg, args.pp)
+    cap = args.bandwidth_gbps or dense / (args.dense_snapshot_iters * none_iteration_s)
     print(
         f"none iteration_s={none_iteration_s:.3f} bandwidth_gbps={cap:.4f} "
-        f"dense_snapshot_iters={dense_rank_bytes * 8 / 1e9 / cap / none_iteration_s:.2f}",
+        f"dense_snapshot_iters={dense / cap / none_iteration_s:.2f}",
         flush=True,
     )
     return cap
+
+
+def primitives(run: dict, reference_s: float, tokens: int, args: argparse.Namespace, cfg: Config, cap: float) -> dict:
+    """What `simulator.measured` reads of one strategy's run beside its summary (`simulator.measured.COLUMNS`):
+    T, the cap as iterations per dense snapshot, restart (with resume), fetch and replay seconds, iterations
+    replayed or recomputed, the warm-up, and the model's expert share and MoC's first K."""
+    lost = lost_time(run, reference_s, tokens, args.target_ettr)
+    total, active = count_params(cfg.model)
+    experts, top_k = cfg.model.n_routed_experts, cfg.model.top_k
+    return {
+        "run": f"seed {args.seed} pp={args.pp}",
+        "reference_s": reference_s,
+        "mtbf_iters": args.mtbf_iters,
+        "pp": args.pp,
+        "micro_batches": cfg.training.micro_batches,
+        "dense_snapshot_iters": dense_rank_gbit(cfg, args.pp) / cap / reference_s,
+        "restart_s": lost["restart"] + lost["resume"],
+        "fetch_s": lost["fetch"],
+        "replay_s": lost["convert"] + lost["catchup"],
+        "replayed": sum(r.replayed for r in run["recoveries"]),
+        "warmup_s": lost["warmup"],
+        "expert_share": (total - active) * experts / (experts - top_k) / total if experts > top_k else 0.0,
+        "experts": experts,
+        "moc_experts": cfg.checkpoint.moc_experts,
+    }
 
 
 def fault_flags(args: argparse.Namespace, cap: float) -> tuple[list[str], int]:
@@ -354,25 +390,47 @@ def measured_profile(results: dict, none_iteration_s: float, mtbf_iters: float, 
     }
 
 
-def write_csv(path: Path, results: dict, predicted: dict, steady: dict) -> None:
-    """One row per strategy: its summary, the simulator's predicted and steady-state ETTR (empty for `none`)."""
+SIMULATED = ("predicted_ettr", "replayed_ettr", "steady_ettr")
+
+
+def write_csv(path: Path, results: dict, measured: dict, simulated: dict) -> None:
+    """One row per strategy: its summary, its primitives (`primitives`; empty for `none`) and the simulator's
+    columns (`SIMULATED`; empty for `none` and where the model predicts nothing)."""
+    columns = ["strategy", *results["none"]]
+    columns += list(dict.fromkeys(c for m in measured.values() for c in m if c not in columns))
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=["strategy", *results["none"], "predicted_ettr", "steady_ettr"])
+        writer = csv.DictWriter(f, fieldnames=[*columns, *SIMULATED], restval="")
         writer.writeheader()
         for s, r in results.items():
-            writer.writerow(
-                {"strategy": s, **r, "predicted_ettr": predicted.get(s, ""), "steady_ettr": steady.get(s, "")}
-            )
+            sim = {k: "" if v is None else v for k, v in simulated.get(s, {}).items()}
+            writer.writerow({"strategy": s, **r, **measured.get(s, {}), **sim})
 
 
-def print_results(results: dict, predicted: dict, steady: dict) -> None:
-    """The `strategy=<s> ettr=<x> ...` line of every strategy, the simulator's prediction beside it."""
+def simulate(results: dict, measured: dict, profile: dict) -> dict:
+    """Per strategy under failures: the simulator's `SIMULATED` columns (`simulator.measured`; `steady_ettr`:
+    1/(1+o) (1 - R/MTBF) on the measured costs at the nominal MTBF)."""
+    steady = MeasuredProfile.from_json(profile)
+    out = {}
+    for s, extra in measured.items():
+        run = from_row({"strategy": s, **results[s], **extra})
+        out[s] = {"predicted_ettr": predict(run), "replayed_ettr": replayed(run), "steady_ettr": steady.steady_ettr(s)}
+    return out
+
+
+def print_results(results: dict, simulated: dict) -> None:
+    """The `strategy=<s> ettr=<x> ...` line of every strategy, the simulator's columns beside it."""
     for s, r in results.items():
+        sim = simulated.get(s, {})
+        predicted = sim.get("predicted_ettr")
         note = (
             " (fault-free reference: cannot recover)"
             if s == "none"
-            else f" predicted_ettr={predicted[s]:.4f} error={abs(predicted[s] / r['ettr'] - 1):.4f} "
-            f"steady_ettr={steady[s]:.4f}"
+            else (
+                " predicted_ettr=- "
+                if predicted is None
+                else f" predicted_ettr={predicted:.4f} error={abs(predicted / r['ettr'] - 1):.4f} "
+            )
+            + f"replayed_ettr={sim['replayed_ettr']:.4f} steady_ettr={sim['steady_ettr']:.4f}"
         )
         print(
             f"strategy={s} ettr={r['ettr']:.4f} overhead={r['overhead']:.4f} recovery_s={r['recovery_s']:.3f} "
@@ -381,13 +439,12 @@ def print_results(results: dict, predicted: dict, steady: dict) -> None:
         )
 
 
-def report(out: Path, results: dict, profile: dict) -> None:
+def report(out: Path, results: dict, measured: dict, profile: dict) -> None:
     """Write `profile.json` and `ettr.csv` to `out` and print every strategy's line."""
     (out / "profile.json").write_text(json.dumps(profile, indent=1))
-    predicted = predict_from_profile(profile)
-    steady = {s: MeasuredProfile.from_json(profile).steady_ettr(s) for s in profile["strategies"]}
-    write_csv(out / "ettr.csv", results, predicted, steady)
-    print_results(results, predicted, steady)
+    simulated = simulate(results, measured, profile)
+    write_csv(out / "ettr.csv", results, measured, simulated)
+    print_results(results, simulated)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -399,7 +456,8 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
     references = [reference_run(args, extra, out, tokens, 0)]
-    faults, restarts = fault_flags(args, snapshot_cap(args, cfg, references[0][1]))
+    cap = snapshot_cap(args, cfg, references[0][1])
+    faults, restarts = fault_flags(args, cap)
     runs, bracket = {"none": references[0][0]}, {}
     for i, strategy in enumerate(strategies):
         stdout = launch(args.config, strategy, args.steps, args.pp, [*extra, *faults], args.threads, restarts)
@@ -412,7 +470,8 @@ def main(argv: list[str] | None = None) -> None:
 
     results = {"none": {**summarize(runs["none"], references[0][1], tokens), "ettr": 1.0}}  # the first reference
     results.update({s: summarize(runs[s], statistics.fmean(bracket[s]), tokens) for s in strategies})
-    report(out, results, measured_profile(results, none_iteration_s, args.mtbf_iters, args.steps))
+    measured = {s: primitives(runs[s], statistics.fmean(bracket[s]), tokens, args, cfg, cap) for s in strategies}
+    report(out, results, measured, measured_profile(results, none_iteration_s, args.mtbf_iters, args.steps))
     plot(out, results, runs, none_iteration_s, args.mtbf_iters, batch)
     print(
         f"wrote {out / 'ettr.csv'}, {out / 'profile.json'}, {out / 'ettr_vs_mtbf.png'}, {out / 'goodput.png'}"

@@ -1,6 +1,6 @@
 """ETTR simulator's command line: checkpointing strategies under failures at cluster scale.
 
-    python -m simulator --paper-tables [--no-figure] [--out DIR]             every compared cell of the paper
+    python -m simulator --paper-tables [--measured ettr.csv ...] [--no-figure] [--out DIR]   every compared cell
     python -m simulator --paper [--no-figure] [--json] [--out DIR]           the paper's scale study
     python -m simulator --sensitivity [--preset P] [--mtbf-min M] [--json] [--out DIR]   what moves one result
     python -m simulator --preset 671B-16384 --mtbf-min 10 [--strategies ...] [--interval K] [--window W] [--json]
@@ -17,8 +17,9 @@ Table 2 models), `simulator.setting` / `simulator.scale` (one node's view of a t
 checkpoint and recovery), `simulator.run` (12-hour run with Poisson failures, closed form, MoC's
 Dynamic-K), `simulator.calibrated` / `simulator.fit` (constants fitted on Table 3's 2H and 1H rows).
 `--host-gbs X`, `--nic-gbps X`, `--snapshot-cap-gbs X` and `--restart-s S` change its hardware and
-fixed restart in --preset, --paper and --sensitivity. `simulator.calibration` is the finite-run
-model that `benchmarks.ettr` compares its measurements with (`--profile`).
+fixed restart in --preset, --paper and --sensitivity. `simulator.measured` runs the same mechanisms on
+a run measured by `benchmarks.ettr` (its `simulator` column; `--paper-tables --measured ettr.csv`);
+`--profile` puts a run's measured costs through the same failure law (`simulator.calibration`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from typing import Any
 from simulator.calibrated import FITTED
 from simulator.calibration import MeasuredProfile, predict_from_profile
 from simulator.cluster import GB, Preset
+from simulator.measured import read_csv
 from simulator.model import STRATEGIES, Overrides, predict, preset_setting
 from simulator.output import OutputError, output_dir, write_figure, write_text
 from simulator.paper import (
@@ -78,6 +80,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--paper", action="store_true", help="the paper's scale study: 4 presets x MTBF 60/30/10 min")
     ap.add_argument(
         "--paper-tables", action="store_true", help="Table 3, Table 4, Figs. 1a, 11, 13, 16 beside the paper's numbers"
+    )
+    ap.add_argument(
+        "--measured",
+        action="append",
+        help="--paper-tables: an ETTR benchmark's ettr.csv for our own Table 4 or, if its strategies are Figure "
+        "13's variants, our own Figure 13 (repeatable; default: the committed records)",
     )
     ap.add_argument("--no-figure", action="store_true", help="--paper, --paper-tables: write the tables only")
     ap.add_argument(
@@ -182,8 +190,14 @@ def _run_paper(args: argparse.Namespace) -> None:
 
 
 def _run_paper_tables(args: argparse.Namespace) -> None:
+    for path in args.measured or ():
+        try:
+            read_csv(path)
+        except (OSError, ValueError) as err:
+            _fail(f"--measured {path}: {err}")
     folder = output_dir(args.out)
-    written = _tables(folder, "paper_tables.txt", render(all_cells(FITTED, zero1=not args.no_zero1)).lstrip("\n"))
+    cells = all_cells(FITTED, zero1=not args.no_zero1, measured=args.measured)
+    written = _tables(folder, "paper_tables.txt", render(cells).lstrip("\n"))
     if not args.no_figure:
         written.append(
             write_figure(folder, FIG11_FIGURE, lambda p: plot_fig11(FITTED, p, FIG11_671B_10M, FIG11_MIN_MOEVEMENT_1H))

@@ -81,6 +81,29 @@ def network_stall_s(nbytes: float, net: NodeNetwork, iteration_s: float) -> floa
     return max(0.0, (nbytes - net.idle * iteration_s) / net.full)
 
 
+MOC_REPLAY_ITERATIONS = 1.5  # MoC's recomputation per failure: one iteration plus half an aborted one
+
+
+def periodic_recovery_s(fixed_s: float, interval: int, iteration_s: float) -> float:
+    """A periodic checkpoint's loss per failure: the fixed part and (k/2 + 1) iterations of global rollback."""
+    return fixed_s + (interval / 2 + 1) * iteration_s
+
+
+def moevement_recovery_s(
+    restart_s: float, fetch_s: float, frozen: list[float], replay_s: float, iteration_s: float
+) -> float:
+    """MoEvement's loss per failure: the restart, fetching the snapshots, W = len(frozen) conversion
+    iterations (a frozen share f of an iteration's operators skips its weight gradient, 1/3 of their
+    FLOPs), (W - 1) / 2 catch-up iterations, each `replay_s`, and half an aborted iteration."""
+    conversion = sum(replay_s * (1 - f / 3) for f in frozen)
+    return restart_s + fetch_s + conversion + (len(frozen) - 1) / 2 * replay_s + iteration_s / 2
+
+
+def overlapped_stall_s(copy_s: float, iteration_s: float) -> float:
+    """Stall of a checkpoint copy that takes `copy_s` alone and overlaps one iteration of training."""
+    return max(0.0, copy_s - iteration_s)
+
+
 def global_restart_s(s: Setting, cal: Calibration) -> float:
     return cal.restart_at(s.nodes)
 
@@ -91,7 +114,7 @@ def gemini_cost(s: Setting, cal: Calibration, mtbf_s: float, interval: int | Non
     per_ckpt = stall
     fixed = global_restart_s(s, cal) + s.node_state_bytes / net.full
     k = interval or oracle_interval(per_ckpt, t, fixed, mtbf_s)
-    recovery = fixed + (k / 2 + 1) * t
+    recovery = periodic_recovery_s(fixed, k, t)
     return Cost("gemini", per_ckpt / (k * t), recovery, k, None, stall, cal.zero_loss_gemini, cal.restart_s)
 
 
@@ -101,7 +124,7 @@ def checkfreq_cost(s: Setting, cal: Calibration, interval: int | None = None) ->
     stall = max(0.0, gpu_bytes / s.pcie_bw - t) + cal.persist_interference * persist
     k = interval or checkfreq_interval(stall, persist, t, CHECKFREQ_CAP)
     overhead = (stall + max(0.0, persist - k * t)) / (k * t)
-    recovery = global_restart_s(s, cal) + persist + (k / 2 + 1) * t + min(persist, k * t)
+    recovery = periodic_recovery_s(global_restart_s(s, cal) + persist, k, t) + min(persist, k * t)
     return Cost("checkfreq", overhead, recovery, k, None, stall, cal.zero_loss_checkfreq, cal.restart_s)
 
 
@@ -124,11 +147,12 @@ def moc_overhead(s: Setting, fraction: float, cal: Calibration | None = None) ->
     if s.moc_start_overhead is None and cal is None:
         raise ValueError(f"{s.name}: MoC needs its overhead at the first K or a calibration")
     bandwidth = moc_bandwidth(s, cal)  # type: ignore[arg-type]
-    return max(0.0, moc_bytes(s, fraction) / bandwidth - s.iteration_s) / s.iteration_s
+    return overlapped_stall_s(moc_bytes(s, fraction) / bandwidth, s.iteration_s) / s.iteration_s
 
 
 def moc_recovery_s(s: Setting, cal: Calibration) -> float:
-    return global_restart_s(s, cal) + s.node_state_bytes / node_network(s, cal).full + 1.5 * s.iteration_s
+    fixed = global_restart_s(s, cal) + s.node_state_bytes / node_network(s, cal).full
+    return fixed + MOC_REPLAY_ITERATIONS * s.iteration_s
 
 
 def moevement_cost(
@@ -158,7 +182,6 @@ def moevement_cost(
     )
     replay_t = s.stage_iteration_s if ablation.localized else t
     restart = cal.restart_at(1) if ablation.localized else global_restart_s(s, cal)
-    conversion = sum(replay_t * (1 - f / 3) for f in frozen)
     fetch = sum(sizes) * GPUS_PER_NODE / net.full
-    recovery = restart + fetch + conversion + (window - 1) / 2 * replay_t + t / 2
+    recovery = moevement_recovery_s(restart, fetch, list(frozen), replay_t, t)
     return Cost("moevement", stall / t, recovery, None, window, stall, cal.zero_loss_moevement, cal.restart_s)

@@ -6,22 +6,32 @@ that were (`fitted`: Table 3's 2H and 1H ETTR rows, the zero-failure intercepts 
 first-K cost), is compared only (`held out`), or is printed without a score (`shown`: cells the paper
 contradicts, see docs/simulator.md; Table 3's one overhead percentage per model stands beside the 2H
 row). Table 3 uses the 12-hour run with Poisson failures (`simulator.run`); the closed form is printed
-beside it, and MoEvement's W beside every MoEvement row.
+beside it, and MoEvement's W beside every MoEvement row. Our own Table 4 and Figure 13 put the same
+mechanisms on runs measured here (`simulator.measured`), read from the ETTR benchmark's CSVs (`--measured`;
+by default the committed records in simulator/measurements/), beside their measured ETTR.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from moevement.checkpoint.schedule import find_window_size
 from simulator import paper_numbers as pn
 from simulator.ablation import ablation
 from simulator.calibrated import Calibration
+from simulator.measured import (
+    RECORDED_ABLATION_CSV,
+    RECORDED_CSV,
+    MeasuredRun,
+    ablation_of,
+    predict,
+    predicted_cost,
+    read_csv,
+)
 from simulator.mechanisms import gemini_cost
 from simulator.model import run_all
-from simulator.own_table4 import RECORDED, predicted
 from simulator.paper import scale_study
 from simulator.profile import snapshot_bandwidth
 from simulator.run import RunResult
@@ -194,15 +204,38 @@ def _skew_cells(ds, cal: Calibration) -> Iterator[Cell]:
             yield Cell("fig16", label, v, ref, "held out" if ref is not None else "shown")
 
 
-def own_table4_cells() -> Iterator[Cell]:
-    for r in RECORDED:
-        overhead, recovery, ettr = predicted(r)
-        label = f"bench_moe seed {r.seed} {r.strategy} (o {overhead:.3f}, R {recovery:.1f} s)"
-        yield Cell("own table4 (measured at f30faf3, 2026-11-25)", label, ettr, r.measured_ettr, "held out")
+def own_table4_cells(runs: list[MeasuredRun], source: str) -> Iterator[Cell]:
+    """The model on each measured run's primitives (`simulator.measured`) against its measured ETTR; the
+    runs of Figure 13's variants (`fault.scope=global`) form our own Figure 13, with the measured gain of
+    upstream logging beside the predicted one."""
+    ablation = any(not ablation_of(r.strategy)[1].localized for r in runs)
+    section = f"own {'fig13' if ablation else 'table4'} ({source})"
+    predicted = {}
+    for r in runs:
+        cost, ettr = predicted_cost(r), predict(r)
+        if cost is None or ettr is None:
+            continue
+        predicted[r.run] = (ettr, r.ettr)
+        base, kept = ablation_of(r.strategy)
+        dropped = [n for n, on in (("global", kept.localized), ("frozen B_w", kept.skip_bweight)) if not on]
+        dropped += [] if kept.reorder else ["model order"]
+        name = f"{base} [{', '.join(dropped)}]" if dropped else base
+        label = f"{r.run} {name} (o {cost.overhead:.3f}, R {cost.recovery_s:.1f} s"
+        label += f", W {cost.window}" if cost.window else f", k {cost.interval}"
+        label += f"; not recorded: {', '.join(r.missing)})" if r.missing else ")"
+        yield Cell(section, label, ettr, r.ettr, "held out")
+    if ablation and len(predicted) >= 2:
+        (p3, m3), (p4, m4) = list(predicted.values())[-2:]
+        yield Cell(
+            section, "gain of upstream logging (last step over the one before)", p4 / p3 - 1, m4 / m3 - 1, "held out"
+        )
 
 
-def all_cells(cal: Calibration, zero1: bool = True) -> list[Cell]:
-    """Every compared cell; `zero1=False` keeps every data-parallel rank's FP32 state unsharded."""
+def all_cells(cal: Calibration, zero1: bool = True, measured: Sequence[str] | None = None) -> list[Cell]:
+    """Every compared cell; `zero1=False` keeps every data-parallel rank's FP32 state unsharded; `measured`:
+    the benchmark's ettr.csv files for our own Table 4 and Figure 13 (default: the committed records,
+    `simulator.measured.RECORDED_CSV` and `RECORDED_ABLATION_CSV`)."""
+    paths = list(measured or (RECORDED_CSV, RECORDED_ABLATION_CSV))
     st = testbed_settings(zero1)
     return [
         *table3_cells(cal, st),
@@ -210,8 +243,17 @@ def all_cells(cal: Calibration, zero1: bool = True) -> list[Cell]:
         *gemini_range_cells(cal, st),
         *table4_cells(cal, st),
         *figure_cells(cal, st),
-        *own_table4_cells(),
+        *(cell for path in paths for cell in own_table4_cells(read_csv(path), _source(path))),
     ]
+
+
+def _source(path) -> str:
+    """The section's name for a measured CSV: a committed record by its commit, another by its path."""
+    recorded = {
+        str(RECORDED_CSV): "recorded bench_moe, commit fbc45b1, 2026-11-26",
+        str(RECORDED_ABLATION_CSV): "recorded bench_moe ablation, commit 8c3d74d, 2026-11-26",
+    }
+    return recorded.get(str(path), f"measured: {path}")
 
 
 def held_out_errors(cells: list[Cell], closed: bool = False) -> dict[str, tuple[float, float, int]]:
@@ -232,7 +274,8 @@ def render(cells: list[Cell]) -> str:
     for c in sorted(cells, key=lambda c: sections.index(c.section)):
         if c.section != section:
             section = c.section
-            lines.append(f"\n## {section}\n{'cell':<78} {'simulated':>10} {'paper':>8} {'diff':>8}  status")
+            ref = "measured" if section.startswith("own ") else "paper"
+            lines.append(f"\n## {section}\n{'cell':<78} {'simulated':>10} {ref:>8} {'diff':>8}  status")
         paper = "-" if c.paper is None else f"{c.paper:.3f}"
         diff = "-" if c.diff is None else f"{c.diff:+.3f}"
         lines.append(f"{c.label:<78} {c.simulated:>10.3f} {paper:>8} {diff:>8}  {c.status}")

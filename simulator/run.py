@@ -17,6 +17,9 @@ of lost tokens (PLT: iterations' worth of expert updates lost / iterations train
 failure (run / MTBF of them, at their expected times); once PLT has passed its budget, the expert
 fraction f doubles at that and every later failure ("reiterated until checkpointing all experts").
 Its closed form uses the run's time-averaged overhead.
+
+A benchmark injects a fixed schedule of failures instead (`scheduled_ettr`: wall = useful (1 + o) + F R),
+the law `simulator.measured` applies to a measured run.
 """
 
 from __future__ import annotations
@@ -80,6 +83,13 @@ def finite(cost: Cost, mtbf_s: float, run_s: float = RUN_S) -> RunResult:
         zero_loss=cost.zero_loss,
         fixed_s=cost.restart_s,
     )
+
+
+def scheduled_ettr(cost: Cost, failures: int, useful_s: float) -> float:
+    """A run with a fixed number of failures (a benchmark's injected schedule) instead of Poisson ones:
+    useful time over useful (1 + o) + F R, times (1 - zero_loss). `useful_s`: the iterations' fault-free time."""
+    wall = useful_s * (1 + cost.overhead) + failures * cost.recovery_s
+    return (1 - cost.zero_loss) * useful_s / wall if wall > 0 else 0.0
 
 
 def moc_run(

@@ -293,6 +293,8 @@ RECORDED = {
 
 
 def test_finite_run_model_predicts_the_recorded_benchmark_within_5_percent():
+    """The failure law the one model applies to a benchmark (`simulator.run.scheduled_ettr`), on the recorded
+    run's measured costs, reproduces its measured ETTRs: the law and the accounting agree."""
     profile = {
         "iteration_s": 0.200,
         "mtbf_s": 100 * 0.200,
@@ -302,6 +304,111 @@ def test_finite_run_model_predicts_the_recorded_benchmark_within_5_percent():
     predicted = predict_from_profile(profile)
     for strategy, (_, _, measured) in RECORDED.items():
         assert predicted[strategy] == pytest.approx(measured, rel=0.05)
+
+
+# ---- the ETTR benchmark's simulator column: the one model on a measured run (simulator.measured) -----
+
+MEASURED = {
+    "run": "hand",
+    "iterations": 100,
+    "failures": 2,
+    "reference_s": 2.0,
+    "mtbf_iters": 100,
+    "pp": 2,
+    "micro_batches": 2,
+    "dense_snapshot_iters": 3,
+    "restart_s": 4.0,
+    "fetch_s": 2.0,
+    "overhead": 0.05,
+    "recovery_per_failure_s": 10.0,
+}
+
+
+def test_measured_prediction_runs_the_models_mechanisms_hand_case():
+    from simulator.measured import from_row, predict, predicted_cost, replayed, window_at_cap
+    from simulator.oracle import oracle_interval
+
+    mev = from_row({**MEASURED, "strategy": "moevement", "ettr": 0.8, "replay_s": 99.0, "replayed": 99})
+    # W = 6 slots of 12, 12, 12, 12, 12 and 4 equal operators at a 3-iteration dense snapshot; per failure:
+    # restart 2 + fetch 1 + 6 conversion iterations (frozen share after slot j: 52/64 ... 4/64, 0, skipping
+    # 1/3 of it) + 2.5 catch-up iterations, each one stage's share T M / (M + S - 1) = 4/3 s (the recorded
+    # replay is not read), + T/2; no stall; wall = 200 + 2 R
+    stage, frozen = 2.0 * 2 / 3, [52 / 64, 40 / 64, 28 / 64, 16 / 64, 4 / 64, 0.0]
+    recovery = 2 + 1 + sum(stage * (1 - f / 3) for f in frozen) + 2.5 * stage + 1.0
+    assert window_at_cap(3) == 6 and predicted_cost(mev).recovery_s == pytest.approx(recovery)
+    assert predict(mev) == pytest.approx(200 / (200 + 2 * recovery))
+    assert replayed(mev) == pytest.approx(200 / (200 * 1.05 + 2 * 10.0))  # the law on the measured costs
+    step1 = from_row({**MEASURED, "strategy": "moevement@fault.scope=global@fault.frozen_weight_grad=true", "ettr": 0})
+    assert predicted_cost(step1).recovery_s == pytest.approx(2 + 1 + 6 * 2.0 + 2.5 * 2.0 + 1.0)  # T, nothing skipped
+    gem = from_row({**MEASURED, "strategy": "gemini", "ettr": 0.7})
+    k = oracle_interval(4.0, 2.0, 3.0, 200.0)  # stall: 3 iterations' copy overlapping one
+    cost = predicted_cost(gem)
+    assert (cost.interval, cost.overhead) == (k, pytest.approx(4.0 / (2.0 * k)))
+    assert predict(gem) == pytest.approx(200 / (200 * (1 + 4.0 / (2.0 * k)) + 2 * (3.0 + (k / 2 + 1) * 2.0)))
+    assert predict(from_row({**MEASURED, "strategy": "checkfreq", "ettr": 0.7})) is None  # no persist measured
+    with pytest.raises(ValueError, match="reference_s"):
+        from_row({k: v for k, v in MEASURED.items() if k != "reference_s"} | {"strategy": "moc", "ettr": 0.5})
+
+
+def test_benchmark_csv_is_what_the_paper_tables_read(tmp_path, capsys):
+    """`benchmarks.ettr` writes its simulator column with `simulator.measured`; `--paper-tables --measured` reads
+    the same CSV back and prints the same predictions beside the same measured ETTRs (our own Table 4)."""
+    from benchmarks.ettr import simulate, write_csv
+    from simulator.calibrated import FITTED
+    from simulator.measured import COLUMNS, predict, predicted_cost, read_csv
+    from simulator.paper_tables import all_cells
+
+    summary = {"ettr": 0.8, "overhead": 0.05, "recovery_s": 20.0, "failures": 2, "recovery_per_failure_s": 10.0}
+    summary |= {"iterations": 100}
+    results = {
+        "none": {**summary, "ettr": 1.0, "failures": 0},
+        "moevement": summary,
+        "gemini": {**summary, "ettr": 0.6},
+    }
+    prims = {k: v for k, v in MEASURED.items() if k not in summary}
+    measured = {"moevement": {**prims, "replay_s": 18.0, "replayed": 18, "warmup_s": 3.0}, "gemini": prims}
+    profile = {"iteration_s": 2.0, "mtbf_s": 200.0, "steps": 100, "strategies": {}}
+    profile["strategies"] = {s: {"overhead": 0.05, "recovery_s": 10.0, "failures": 2} for s in measured}
+    simulated = simulate(results, measured, profile)
+    write_csv(tmp_path / "ettr.csv", results, measured, simulated)
+    runs = read_csv(tmp_path / "ettr.csv")
+    header = set((tmp_path / "ettr.csv").read_text().splitlines()[0].split(","))
+    assert [r.strategy for r in runs] == ["moevement", "gemini"]
+    assert set(COLUMNS) - {"expert_share", "experts", "moc_experts"} <= header  # bench_moe's MoC fields: not given
+    assert [simulated[r.strategy]["predicted_ettr"] for r in runs] == [predict(r) for r in runs]
+    cost = predicted_cost(runs[0])
+    assert runs[0].warmup_s == 3.0 and predict(runs[0]) == pytest.approx(200 / (200 + 2 * cost.recovery_s + 3.0))
+    cells = [c for c in all_cells(FITTED, measured=[str(tmp_path / "ettr.csv")]) if c.section.startswith("own ")]
+    assert [(c.simulated, c.paper) for c in cells] == [(predict(r), r.ettr) for r in runs]
+    main(["--paper-tables", "--no-figure", "--measured", str(tmp_path / "ettr.csv"), "--out", str(tmp_path / "t")])
+    out = capsys.readouterr().out
+    assert f"## own table4 (measured: {tmp_path / 'ettr.csv'})" in out
+    for s in ("moevement", "gemini"):  # the documented command prints the benchmark's column
+        line = next(ln for ln in out.splitlines() if ln.startswith(f"hand {s} ("))
+        assert float(line.split()[-5]) == pytest.approx(simulated[s]["predicted_ettr"], abs=5e-4)  # "held out"
+
+
+def test_fit_exclude_is_a_diagnostic_that_names_itself(tmp_path, capsys):
+    from simulator.fit import main as fit_main
+
+    fit_main(["--sweeps", "1", "--exclude", "moc", "--out", str(tmp_path)])
+    assert capsys.readouterr().out.startswith("diagnostic: without moc's cells\n")
+    with pytest.raises(SystemExit):
+        fit_main(["--exclude", "bogus", "--out", str(tmp_path / "x")])
+
+
+def test_own_table4_and_figure13_read_the_recorded_measurements():
+    """Without --measured, our own Table 4 and Figure 13 compare with docs/benchmarks.md's current bench_moe
+    records (fbc45b1, the ETTR table; 8c3d74d, the ablation), read from their CSVs."""
+    from simulator.calibrated import FITTED
+    from simulator.paper_tables import all_cells
+
+    cells = [c for c in all_cells(FITTED) if c.section.startswith("own table4")]
+    assert all("fbc45b1" in c.section and c.status == "held out" for c in cells)
+    assert [c.paper for c in cells if " moevement " in c.label] == [0.802, 0.829, 0.861]
+    fig13 = [c for c in all_cells(FITTED) if c.section.startswith("own fig13")]
+    assert all("8c3d74d" in c.section for c in fig13)
+    assert [c.paper for c in fig13][:4] == [0.549, 0.535, 0.546, 0.671]  # the measured ablation's four steps
 
 
 def test_profile_missing_key_is_named():

@@ -1,5 +1,5 @@
 """The paper-evaluation simulator's mechanisms on hand-computed cases (simulator/: testbed, setting,
-mechanisms, run, skew, frozen, fit, own_table4). None of these checks uses the paper's results."""
+mechanisms, run, skew, frozen, fit, measured). None of these checks uses the paper's results."""
 
 import math
 import re
@@ -12,6 +12,7 @@ from simulator.calibrated import MOC_PLT_BUDGET, Calibration
 from simulator.ettr import main
 from simulator.fit import coordinate_search, to_calibration, to_coordinates
 from simulator.frozen import Ablation, frozen_fractions, ordered_operators
+from simulator.measured import window_at_cap
 from simulator.mechanisms import (
     checkfreq_cost,
     gemini_cost,
@@ -21,7 +22,6 @@ from simulator.mechanisms import (
     node_network,
 )
 from simulator.oracle import oracle_interval
-from simulator.own_table4 import moevement_window
 from simulator.run import closed_form, finite, lost_per_failure, moc_run
 from simulator.setting import Operator, Setting, gradient_exchange_bytes, pipeline_send_bytes
 from simulator.skew import alpha_for_skew, expected_skew, popularity, round_robin_staleness
@@ -214,7 +214,7 @@ def test_frozen_fractions_and_popularity_order():
 
 def test_own_table4_window_from_the_cap():
     # a dense snapshot takes 3 iterations: slot of a operators of 64: 12a + 2(64 - a) <= 12 * 64 / 3 -> a <= 12.8
-    assert moevement_window() == math.ceil(64 / 12)
+    assert window_at_cap(3) == math.ceil(64 / 12)
 
 
 # ---- the fit and the command line --------------------------------------------------------------------
@@ -239,7 +239,7 @@ def test_cli_paper_tables_prints_every_section_and_the_held_out_errors(tmp_path,
         "fig11",
         "fig13",
         "fig16",
-        "own table4 (measured at f30faf3, 2026-11-25)",
+        "own table4 (recorded bench_moe, commit fbc45b1, 2026-11-26)",
     ):
         assert f"## {section}\n" in out
     summary = out.split("## held-out Table 3 ETTR per strategy")[1].strip().splitlines()[1:5]
