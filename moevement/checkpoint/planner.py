@@ -121,9 +121,15 @@ class WindowPlanner:
         self.tracker = PopularityTracker(self.cfg.ordering, self.cfg.ema_decay)
         self.order = list(self.registry_order)
 
+    @property
+    def one_slot(self) -> bool:
+        """Whether every window is one slot holding every operator (a fixed W=1): their order cannot matter."""
+        return self.cfg.window == 1 and self.policy is None
+
     def observe(self, tokens: dict[str, torch.Tensor], gate_probs: dict[str, torch.Tensor]) -> None:
-        """An iteration's router statistics."""
-        self.tracker.observe(tokens, gate_probs)
+        """An iteration's router statistics (not kept where the order cannot matter)."""
+        if not self.one_slot:
+            self.tracker.observe(tokens, gate_probs)
 
     def due(self, iteration: int) -> bool:
         """Whether `iteration` takes a snapshot (always for MoEvement; by the policy for a baseline)."""
@@ -133,7 +139,7 @@ class WindowPlanner:
         """Window number `window_index`, starting at `iteration` (collective: W is agreed across ranks).
         The copy bandwidth is measured for a process's first window (not at its start, where a replacement's
         peers would wait for it) and again every `reprofile_every` windows, never right after a recovery."""
-        if self.cfg.window == 1 and self.policy is None:  # one slot holds every operator: order changes nothing
+        if self.one_slot:
             self.tracker.drop_window()
         elif self.tracker.end_window():
             self.order = order_operators(self.registry_order, self.is_expert, self.tracker.popularity())

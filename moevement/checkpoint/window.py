@@ -33,6 +33,7 @@ class CurrentWindow:
         self.plan: WindowPlan | None = None
         self.layouts: WindowLayouts | None = None  # the plan's snapshot layouts
         self.index = -1
+        self.started_at = -1  # the iteration that started the window (its layouts are current then)
 
     def ended_by(self, iteration: int) -> bool:
         """Whether no window is open or `iteration` lies beyond it: a snapshot at `iteration` starts a window."""
@@ -44,6 +45,7 @@ class CurrentWindow:
         self.index += 1
         self.plan = self.planner.plan(iteration, self.index, follows, self.rank_dir)
         self.layouts = self.planner.layouts(self.plan)
+        self.started_at = iteration
         # Buffers grow on the training thread at the window boundary: grown by the copy thread, their
         # pages would fault in at idle priority while the copy is due, and the step would stall.
         self.buffers.reserve(self.index % 2, [max(nbytes, 1) for _, _, nbytes in self.layouts.slots])
@@ -51,7 +53,7 @@ class CurrentWindow:
     def snapshot(self, iteration: int) -> tuple[SnapshotHeader, list[torch.Tensor], HostBuffer]:
         """SS_iteration's header (no checksums yet), source tensors and buffer. The window's snapshots are
         laid out again if the optimizer's state tensors changed (a first optimizer step inside the window)."""
-        if not self.layouts.current(self.planner.optimizer):
+        if iteration != self.started_at and not self.layouts.current(self.planner.optimizer):
             self.layouts = self.planner.layouts(self.plan)
         slot = self.plan.slot_at(iteration)
         header, sources = _snapshot_header(self.plan, iteration, self.rank, self.layouts.slots[slot], self.job_meta)
