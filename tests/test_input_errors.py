@@ -107,11 +107,11 @@ def test_good_tokenizer_file_still_loads(tmp_path):
 
 @pytest.mark.parametrize(
     "name, content, why",
-    [
-        ("valid.txt", b"", "is empty"),
+    [  # the empty files in-process: test_bad_data_file_names_file_and_cause
+        pytest.param("valid.txt", b"", "is empty", marks=pytest.mark.slow),
         ("valid.txt", GARBAGE, "is binary, not text"),
         ("valid.txt", b"caf\xe9 au lait\n" * 50, "is not UTF-8 text (invalid byte 0xe9 near offset 3)"),
-        ("valid.jsonl", b"", "is empty"),
+        pytest.param("valid.jsonl", b"", "is empty", marks=pytest.mark.slow),
     ],
 )
 def test_cli_empty_or_binary_data_file_is_one_line(tmp_path, name, content, why):
