@@ -42,9 +42,10 @@ def test_without_cuda_the_check_says_so_in_one_line_and_exits_0():
     ]
 
 
-def test_six_sections_within_seven_minutes_the_sixth_the_in_place_replacement():
+def test_six_sections_within_nine_minutes_the_sixth_the_in_place_replacement():
+    """Every section's budget together stays under the 10 minutes one command may run on a lent GPU."""
     assert [number for number, *_ in SECTIONS] == [1, 2, 3, 4, 5, 6]
-    assert sum(budget for _, _, budget, _ in SECTIONS) == 7 * 60
+    assert sum(budget for _, _, budget, _ in SECTIONS) <= 9 * 60
     assert SECTIONS[5][3] is replacement.run
 
 

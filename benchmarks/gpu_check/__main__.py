@@ -10,14 +10,15 @@ import torch
 from benchmarks.gpu_check import numerics, overhead, recovery, replacement, shared_gpu, throughput
 from benchmarks.gpu_check.report import Section, run_section, summary
 
-# (number, title, budget in seconds, body): the budgets sum to 7 minutes, under the 8 a GPU machine is given.
+# (number, title, budget in seconds, body): the budgets sum to under 9 minutes, within the 10 one command may run
+# on a lent GPU machine. Section 2's ten train.py start-ups are unmeasured on a GPU: its budget leaves them 20 s each.
 # Section 2 runs ten train.py processes (five rounds); section 6 SKIPs today (its real runs: 45-100 s on 2 CPU cores).
 SECTIONS = (
     (1, "CUDA against CPU: debug model fp32/bf16, grouped GEMM", 40, numerics.run),
-    (2, "MoEvement on one GPU: pinned snapshots, stall, overhead against none", 190, overhead.run),
+    (2, "MoEvement on one GPU: pinned snapshots, stall, overhead against none", 260, overhead.run),
     (3, "crash and SIGKILL, restart on CUDA: fault-free digest", 90, recovery.run),
-    (4, "DeepSeek-MoE-16B-shaped stage, bf16 forward+backward", 55, throughput.run),
-    (5, "two processes on one GPU (cpu:gloo,cuda:gloo): control-tensor collectives", 40, shared_gpu.run),
+    (4, "DeepSeek-MoE-16B-shaped stage, bf16 forward+backward", 60, throughput.run),
+    (5, "two processes on one GPU (cpu:gloo,cuda:gloo): control-tensor collectives", 80, shared_gpu.run),
     (6, "two processes on one GPU: train.py pp=2, SIGKILL, replaced in place: fault-free digest", 5, replacement.run),
 )
 
