@@ -22,7 +22,7 @@ train: $(VENV)/.installed
 	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node 2 --max-restarts 1 \
 		train.py --config $(CONFIG) --parallelism.pp 2 --checkpoint.strategy moevement --fault.kill 30:1:backward
 
-# One machine with one NVIDIA GPU, under 8 minutes: CUDA numerics, MoEvement snapshots and recovery on CUDA,
+# One machine with one NVIDIA GPU, under 9 minutes: CUDA numerics, MoEvement snapshots and recovery on CUDA,
 # a 16B-shaped stage's MFU, collectives of two processes sharing the GPU (benchmarks/gpu_check/).
 gpu-check: $(VENV)/.installed
 	$(PY) -m benchmarks.gpu_check

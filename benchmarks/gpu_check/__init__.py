@@ -1,4 +1,4 @@
-"""The prepared GPU check: one command that one machine with one NVIDIA GPU runs in under 8 minutes.
+"""The prepared GPU check: one command that one machine with one NVIDIA GPU runs in under 9 minutes.
 
     make gpu-check        # or: python -m benchmarks.gpu_check [--only 1,4] [--verbose]
 
