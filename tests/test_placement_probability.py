@@ -48,12 +48,16 @@ def random_peers(world: int, replicas: int, seed: int) -> list[list[int]]:
     return [rng.sample([c for c in range(world) if c != r], replicas) for r in range(world)]
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_exact_probabilities_match_brute_force_on_peer_map(shape):
+def placed(shape: str) -> tuple[list[list[int]], list[int], int, int]:
+    """(peer map, node of each rank, replicas, nodes) of one of SHAPES as `peer_map` places it."""
     world, replicas, pp, per_node = SHAPES[shape]
     stage_of, node_of = layout(world, pp, per_node)
-    peers = peer_map(world, replicas, stage_of, node_of)
-    n = len(set(node_of))
+    return peer_map(world, replicas, stage_of, node_of), node_of, replicas, len(set(node_of))
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_exact_probabilities_match_brute_force_on_peer_map(shape):
+    peers, node_of, _, n = placed(shape)
     exact = recovery_probabilities(peers, node_of, list(range(0, n + 2)))
     assert sorted(exact) == list(range(1, n + 1))
     assert exact == {k: brute_force(peers, node_of, k) for k in range(1, n + 1)}
@@ -82,10 +86,7 @@ def test_inclusion_exclusion_matches_enumeration(monkeypatch):
 
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_any_replicas_node_losses_leave_every_rank_a_copy_when_nodes_suffice(shape):
-    world, replicas, pp, per_node = SHAPES[shape]
-    stage_of, node_of = layout(world, pp, per_node)
-    peers = peer_map(world, replicas, stage_of, node_of)
-    n = len(set(node_of))
+    peers, node_of, replicas, n = placed(shape)
     guaranteed = min(replicas, n - 1)
     for r, held_by in enumerate(peers):  # distinct other nodes first
         nodes = [node_of[p] for p in held_by[:guaranteed]]

@@ -204,16 +204,16 @@ def layout_of(
 
 def _storage_order(items: list[tuple[str, str, str, torch.Tensor, torch.dtype]]) -> list:
     """`items` grouped by role, then by source storage, each group in storage-offset order (stable)."""
+    groups = [(role, src.untyped_storage().data_ptr()) for _, _, role, src, _ in items]
     first_seen: dict[tuple[str, int], int] = {}
-    for i, (_, _, role, src, _) in enumerate(items):
-        first_seen.setdefault((role, src.untyped_storage().data_ptr()), i)
-    roles = list(dict.fromkeys(role for _, _, role, _, _ in items))
-
-    def key(indexed):
-        i, (_, _, role, src, _) = indexed
-        return roles.index(role), first_seen[(role, src.untyped_storage().data_ptr())], src.storage_offset(), i
-
-    return [item for _, item in sorted(enumerate(items), key=key)]
+    for i, group in enumerate(groups):
+        first_seen.setdefault(group, i)
+    roles = {role: n for n, role in enumerate(dict.fromkeys(role for role, _ in groups))}
+    order = sorted(
+        range(len(items)),
+        key=lambda i: (roles[groups[i][0]], first_seen[groups[i]], items[i][3].storage_offset(), i),
+    )
+    return [items[i] for i in order]
 
 
 def padded(nbytes: int) -> int:

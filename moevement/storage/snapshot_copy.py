@@ -103,10 +103,10 @@ class CopyPlan:
         fits a slot is gathered there, slots taken in turn."""
         whole = memoryview(buffer.numpy())
         slots = staging.chunk(STAGING_SLOTS) if staging is not None else ()
-        groups, start = [], 0
+        groups, start, staged = [], 0, 0
         for stop in chunk_ends(entries, chunk_bytes, sources):
-            staged_before = sum(g.staged is not None for g in groups)
-            groups.append(_group(buffer, whole, entries, sources, start, stop, slots, staged_before))
+            groups.append(_group(buffer, whole, entries, sources, start, stop, slots, staged))
+            staged += groups[-1].staged is not None
             start = stop
         pads = [buffer[e.offset + e.nbytes : e.offset + padded(e.nbytes)] for e in entries if e.nbytes % BLOCK]
         if pads:

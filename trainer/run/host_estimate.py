@@ -245,25 +245,45 @@ def stage_footprint(cfg: Config, pp_rank: int) -> Stage:
     return stage
 
 
+def replicas_in_memory(cfg: Config) -> int:
+    """Peers holding a copy of each rank's snapshots in memory (CheckFreq and MoC keep none)."""
+    ck = cfg.checkpoint
+    return 0 if ck.strategy in ("none", "checkfreq", "moc") else ck.replicas
+
+
+def dry_run_topology(cfg: Config, ranks_per_node: int = RANKS_PER_NODE) -> Topology:
+    """Rank 0's topology of `cfg`'s layout: ranks laid out as `parallelisms.mesh` lays them out, node n running
+    ranks n * ranks_per_node .. (no config key names a node's size)."""
+    p = cfg.parallelism
+    world = p.pp * p.dp
+    return Topology(
+        0,
+        [r // p.dp for r in range(world)],
+        [r % p.dp for r in range(world)],
+        [r // ranks_per_node for r in range(world)],
+        [local_stage_ids(p, q) for q in range(p.pp)],
+    )
+
+
 def estimate(cfg: Config, ranks_per_node: int = RANKS_PER_NODE) -> list[RankEstimate]:
     """Every rank's host memory under `cfg` (ranks laid out as `parallelisms.mesh` lays them out, node n
     running ranks n * ranks_per_node ..; replicas whose sender shares the node are links under
     `checkpoint.replication` auto)."""
     p, ck = cfg.parallelism, cfg.checkpoint
     stages = [stage_footprint(cfg, pp) for pp in range(p.pp)]
-    world = p.pp * p.dp
-    pp_of = [r // p.dp for r in range(world)]
-    stages_of_pp = [local_stage_ids(p, q) for q in range(p.pp)]
-    nodes = [r // ranks_per_node for r in range(world)]
-    topo = Topology(0, pp_of, [r % p.dp for r in range(world)], nodes, stages_of_pp)
-    peers = topo.replica_peers(0 if ck.strategy in ("checkfreq", "moc") else ck.replicas)
+    topo = dry_run_topology(cfg, ranks_per_node)
+    world, pp_of, nodes = topo.world, topo.pp_of, topo.node_of
+    holds_for: list[list[int]] = [[] for _ in range(world)]  # the ranks whose replicas each rank holds
+    for src, held_by in enumerate(topo.replica_peers(replicas_in_memory(cfg))):
+        for rank in held_by:
+            holds_for[rank].append(src)
     own = [2 * sum(stage.slot_bytes) for stage in stages]  # both window parities
     moevement = ck.strategy == "moevement"
     log_iters = 2 * (ck.window or ck.max_window) + 1
     out = []
     for rank in range(world):
         stage = stages[pp_of[rank]]
-        sources = [src for src in range(world) if rank in peers[src]]
+        sources = holds_for[rank]
         held = sum(own[pp_of[src]] for src in sources)
         local = [src for src in sources if nodes[src] == nodes[rank] and ck.replication == "auto"]
         linked = sum(own[pp_of[src]] - stages[pp_of[src]].linked_replica() for src in local)

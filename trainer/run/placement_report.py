@@ -12,16 +12,9 @@ from fractions import Fraction
 from moevement.placement_probability import always_survived, recovery_probabilities
 from moevement.topology import peer_map, replica_rings
 from trainer.config import Config
-from trainer.run.host_estimate import RANKS_PER_NODE
+from trainer.run.host_estimate import RANKS_PER_NODE, dry_run_topology, replicas_in_memory
 
 NODE_LOSSES = (1, 2, 3)
-
-
-def replicas_in_memory(cfg: Config) -> int:
-    """Peers holding a copy of each rank's snapshots in memory (none for strategies that keep no replicas,
-    as `host_estimate` counts them)."""
-    ck = cfg.checkpoint
-    return 0 if ck.strategy in ("none", "checkfreq", "moc") else ck.replicas
 
 
 def probability_text(p: Fraction) -> str:
@@ -34,10 +27,8 @@ def probability_text(p: Fraction) -> str:
 def line(cfg: Config, ranks_per_node: int = RANKS_PER_NODE) -> str:
     """One line: the placement (ranks, nodes, replicas, rings of nodes), the node losses always survived in
     memory, and the recovery probability from memory for each of NODE_LOSSES nodes lost at once."""
-    p = cfg.parallelism
-    world = p.pp * p.dp
-    stage_of = [r // p.dp for r in range(world)]
-    node_of = [r // ranks_per_node for r in range(world)]
+    topo = dry_run_topology(cfg, ranks_per_node)
+    world, stage_of, node_of = topo.world, topo.pp_of, topo.node_of
     nodes = len(set(node_of))
     replicas = min(replicas_in_memory(cfg), world - 1)
     peers = peer_map(world, replicas, stage_of, node_of)
