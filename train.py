@@ -34,6 +34,7 @@ from moevement.storage.cpu_cost import CpuMark
 from moevement.strategy import CheckpointStrategy, MoEvement
 from parallelisms import collectives
 from parallelisms.distributed import device_type, init_distributed
+from parallelisms.elastic import fitting_worlds
 from parallelisms.mesh import ParallelDims, build_mesh
 from parallelisms.parallelize import ModelParts, parallelize
 from trainer.allocator import reuse_freed_host_memory
@@ -41,7 +42,7 @@ from trainer.checkpoint.dense import check_save_target, is_imported, load_dense,
 from trainer.checkpoint.periodic import PeriodicCheckpoints
 from trainer.checkpoint.state import training_state_digest
 from trainer.checkpoint.step_folder import load_directory
-from trainer.config import Config, ConfigError, check_world_size, fault_plan, load_config
+from trainer.config import Config, ConfigError, fault_plan, fit_world, load_config
 from trainer.config_help import help_text, to_toml
 from trainer.data.batches import TokenBatches, build_data, make_loader
 from trainer.lifecycle import exit_codes, job_end, rank_shell
@@ -203,6 +204,33 @@ def resume_dense(cfg: Config, model: ModelParts, optimizer: torch.optim.Optimize
     return step, loss
 
 
+def fit_layout(cfg: Config, world: int, rank: int) -> Config:
+    """The config this rank trains with on `world` processes (`fit_world`); an elastic job says its layout
+    in one line."""
+    fitted = fit_world(cfg, world)
+    if cfg.parallelism.elastic and rank == 0:
+        p, configured = fitted.parallelism, cfg.parallelism
+        print(
+            f"elastic: {world} processes: pp={p.pp} dp={p.dp} ep={p.ep} micro_batches={fitted.training.micro_batches}"
+            f" (configured dp={configured.dp} micro_batches={cfg.training.micro_batches})",
+            flush=True,
+        )
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
+            print(
+                "WARNING: elastic: the workers share their torchrun agent's store, which a node that comes back "
+                "cannot join (torch 2.13): launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
+                flush=True,
+            )
+    return fitted
+
+
+def elastic_worlds_line(cfg: Config) -> str:
+    """The dry run's line for an elastic job: the process counts it can shrink to, and each one's layout."""
+    fits = fitting_worlds(cfg.parallelism, cfg.training.micro_batches)
+    worlds = ", ".join(f"{world} (dp={fit.parallelism.dp} micro_batches={fit.micro_batches})" for world, fit in fits)
+    return f"elastic: runs on {worlds} processes"
+
+
 def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
     """Process group, data, model, optimizer, optional resume and fault tolerance; (job, last step done, its loss).
 
@@ -214,7 +242,7 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
     watch = job_end.GenerationWatch(plan.generation)  # a later generation may not form: the job has ended
     rank, world = init_distributed(cfg.fault.timeout_s, generation=plan.generation, watch=watch)
     plan.process.startup.mark("process_group")
-    check_world_size(cfg, world)
+    cfg = fit_layout(cfg, world, rank)
     faults = fault_plan(cfg, world)
     kill_if_joining(faults, rank, plan.kept.next_iteration if plan.kept else None, cfg.fault.kill_signal)
     if cfg.checkpoint.save_final:
@@ -458,6 +486,8 @@ def main(argv: list[str] | None = None) -> int:
             from trainer.run import placement_report  # the replicas' placement under node losses
 
             print(placement_report.line(cfg))
+            if cfg.parallelism.elastic:
+                print(elastic_worlds_line(cfg))
         else:
             train_generations(cfg, plan_start(), functools.partial(one_generation, cfg))
 

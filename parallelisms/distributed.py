@@ -90,6 +90,19 @@ def init_distributed(
     return dist.get_rank(), dist.get_world_size()
 
 
+def store_round() -> str:
+    """The prefix of this torchrun round's keys on the workers' store, the same on every rank of the round.
+
+    By default torchrun's workers share their agent's store, which keeps the keys of earlier rounds: a round
+    is named by torchrun's restart count. Where every round's workers get a store of their own
+    (`TORCHELASTIC_USE_AGENT_STORE` false, as `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` makes it: an elastic
+    job a node comes back to needs it, `parallelisms/elastic.py`), nothing of an earlier round is there, and
+    restart counts name nothing: a node that joined later counts fewer restarts than the others."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(False):
+        return "round"
+    return f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
 _TORCHRUN_STORE: dist.Store | None = None  # torchrun's store (its agent's), kept for later generations
 LATER_GENERATION_JOIN_FACTOR = 2  # a later generation's join is bounded by this many times the bound
 _WATCH_S = 0.5  # how often a later generation's join asks whether the generation can still form
@@ -115,8 +128,7 @@ def join_generation(
     global _TORCHRUN_STORE
     if _TORCHRUN_STORE is None:
         _TORCHRUN_STORE = next(dist.rendezvous("env://"))[0]
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    store = dist.PrefixStore(f"attempt{attempt}/generation{generation}", _TORCHRUN_STORE)
+    store = dist.PrefixStore(f"{store_round()}/generation{generation}", _TORCHRUN_STORE)
     bound = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
     limit = {} if bound is None else {"timeout": bound * (LATER_GENERATION_JOIN_FACTOR if generation else 1)}
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -159,7 +171,7 @@ def torchrun_store() -> dist.Store | None:
 
 
 def _stop_key() -> str:
-    return f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/stopped-with-an-error"
+    return f"{store_round()}/stopped-with-an-error"
 
 
 def announce_clean_stop(rank: int) -> None:
@@ -193,7 +205,7 @@ def said_once_for_the_job(say: Callable[[], None], wait_s: float = 10.0) -> None
         say()
     if "MASTER_ADDR" not in os.environ or "TORCHELASTIC_RUN_ID" not in os.environ:
         return
-    key = f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/error-said"
+    key = f"{store_round()}/error-said"
     try:
         store = torchrun_store_client(wait_s)
         if rank == 0:

@@ -4,17 +4,13 @@ checkpoints it persisted to `checkpoint.persist_dir` and ends with the fault-fre
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
-from contextlib import suppress
-from pathlib import Path
 
 import pytest
 
+from benchmarks.emulated_nodes import kill_all, process_tree
 from tests.helpers import (
     BASE,
     CHILD_ENV,
@@ -32,34 +28,6 @@ from tests.helpers import (
 # the window 3-8 is persisted by iteration 12
 LAYOUT = [*PP2, "--training.steps", "16"]
 KILL_AFTER = "step=12 "
-
-
-def process_tree(pid: int) -> list[int]:
-    """`pid` and all its descendants (torchrun starts each worker in a session of its own)."""
-    tree, i = [pid], 0
-    while i < len(tree):
-        for task in Path(f"/proc/{tree[i]}/task").glob("*"):
-            with suppress(OSError):
-                tree += [int(c) for c in (task / "children").read_text().split()]
-        i += 1
-    return tree
-
-
-def kill_all(pids: list[int]) -> None:
-    """SIGKILL every process of `pids` at once and wait until none of them runs any more."""
-    for pid in pids:
-        with suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 60
-    while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
-def _running(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def launch_and_lose_the_node(args: list[str]) -> str:

@@ -19,6 +19,7 @@ from typing import Literal
 from models.args import ModelArgs
 from moevement.checkpoint.options import SparseOptions
 from moevement.failures import END_PHASES, FaultPlan, FaultSpecError
+from parallelisms.elastic import ElasticError, elastic_layout
 from parallelisms.mesh import ParallelismConfig
 from trainer.data.batches import DataConfig
 
@@ -460,6 +461,8 @@ def fault_plan(cfg: Config, world: int) -> FaultPlan:
 
 def _validate_parallelism(cfg: Config) -> None:
     p, t, m = cfg.parallelism, cfg.training, cfg.model
+    if p.elastic:
+        _validate_elastic(cfg)
     for name in ("pp", "dp", "ep", "stages_per_rank"):
         _check(getattr(p, name) >= 1, f"parallelism.{name}", f"must be >= 1, got {getattr(p, name)}")
     _check(p.dp % p.ep == 0, "parallelism.ep", f"({p.ep}) must divide parallelism.dp ({p.dp})")
@@ -514,6 +517,43 @@ def _validate_parallelism(cfg: Config) -> None:
             f"must be {n_stages - 1} increasing layer ids in (0, {m.n_layers}), "
             f"comma-separated, got {p.split_points!r}",
         )
+
+
+def fit_world(cfg: Config, world_size: int) -> Config:
+    """The config this run trains with on `world_size` processes: `cfg` itself where pp x dp is the world;
+    with `parallelism.elastic`, the layout `parallelisms.elastic` gives that world (ConfigError naming the key
+    when none fits). Fault ranks must exist."""
+    p = cfg.parallelism
+    if p.elastic and p.pp * p.dp != world_size:
+        try:
+            layout = elastic_layout(p, cfg.training.micro_batches, world_size)
+        except ElasticError as e:
+            raise ConfigError(f"config key 'parallelism.elastic': {e}") from None
+        training = dataclasses.replace(cfg.training, micro_batches=layout.micro_batches)
+        cfg = dataclasses.replace(cfg, parallelism=layout.parallelism, training=training)
+    check_world_size(cfg, world_size)
+    return cfg
+
+
+def _validate_elastic(cfg: Config) -> None:
+    """An elastic job resumes from its newest periodic dense checkpoint, the one state every layout loads."""
+    c = cfg.checkpoint
+    _check(
+        c.dense_interval > 0,
+        "parallelism.elastic",
+        "resumes from periodic dense checkpoints: set checkpoint.dense_interval (iterations between them)",
+    )
+    _check(
+        c.strategy == "none",
+        "parallelism.elastic",
+        f"resumes from dense checkpoints; checkpoint.strategy {c.strategy!r} keeps sparse state of one layout, "
+        "which is not re-laid onto another yet: use 'none'",
+    )
+    _check(
+        not c.load_step,
+        "checkpoint.load_step",
+        "is chosen by parallelism.elastic (the newest checkpoint in checkpoint.folder): leave it 0",
+    )
 
 
 def check_world_size(cfg: Config, world_size: int) -> None:

@@ -73,8 +73,13 @@ class RunIdentity:
 
     @classmethod
     def of_dense(cls, cfg) -> RunIdentity:
-        """For dense checkpoints: layout-independent, and `training.steps` may grow."""
+        """For dense checkpoints: layout-independent, and `training.steps` may grow. An elastic job
+        (`parallelism.elastic`) changes its micro-batches per rank with its data-parallel degree and keeps
+        their rows, which it is named by instead."""
         fields = {k: v for k, v in _fields(cfg, STATE_KEYS).items() if k not in DENSE_EXCLUDED}
+        if cfg.parallelism.elastic:
+            shares = fields.pop("training.micro_batches") * cfg.parallelism.dp
+            fields["training.micro_batch_rows"] = cfg.training.batch_size // shares
         return cls(cfg.job.name, fields)
 
     @property

@@ -57,8 +57,13 @@ def published_steps(folder: Path) -> list[int]:
 
 def load_directory(cfg) -> str:
     """The dense checkpoint a run resumes from: `checkpoint.load`, or `<folder>/step-<load_step>` (-1: the
-    newest published there); "" for none. CheckpointError naming the folder when it has no such step."""
+    newest published there); "" for none. CheckpointError naming the folder when it has no such step.
+    An elastic job (`parallelism.elastic`) resumes from the newest published in its folder, at every start
+    and whatever its layout, and from `checkpoint.load` (or nothing) before it saved one."""
     c = cfg.checkpoint
+    if cfg.parallelism.elastic:
+        steps = published_steps(checkpoint_folder(cfg))
+        return str(step_dir(checkpoint_folder(cfg), steps[-1])) if steps else c.load
     if not c.load_step:
         return c.load
     folder = checkpoint_folder(cfg)

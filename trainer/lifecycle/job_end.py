@@ -25,7 +25,7 @@ import os
 
 import torch.distributed as dist
 
-from parallelisms.distributed import torchrun_store, torchrun_store_client
+from parallelisms.distributed import store_round, torchrun_store, torchrun_store_client
 from trainer.lifecycle import rank_shell
 
 _STORE_ERRORS = (RuntimeError, dist.DistError)
@@ -53,16 +53,12 @@ class PeersLeft(Exception):  # noqa: N818 (a state reached, not an error)
         )
 
 
-def _attempt() -> str:
-    return f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-
-
 def _finished_key() -> str:
-    return f"{_attempt()}/finished"
+    return f"{store_round()}/finished"
 
 
 def _left_key(rank: int) -> str:
-    return f"{_attempt()}/left/{rank}"
+    return f"{store_round()}/left/{rank}"
 
 
 def record_finished(step: int) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed
 
-from parallelisms.distributed import torchrun_store
+from parallelisms.distributed import store_round, torchrun_store
 from trainer.config import Config, ConfigError
 from trainer.config_help import to_toml
 from trainer.lifecycle import rank_shell
@@ -144,7 +144,7 @@ def _open(cfg: Config, world: int, argv: list[str], restarted: bool) -> tuple[Pa
 
 
 def _folder_key() -> str:
-    return f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/run-folder"
+    return f"{store_round()}/run-folder"
 
 
 def publish_run_folder(run_dir: Path) -> None:

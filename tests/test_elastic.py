@@ -1,0 +1,132 @@
+"""A node lost for good (`parallelism.elastic`, parallelisms/elastic.py): the job keeps training on the nodes
+that remain and grows back when the node returns, in the layout the world allows, and ends with the state
+of the reference that stops, saves and relaunches each layout from that checkpoint."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from benchmarks.emulated_nodes import Output, free_port, start_node
+from parallelisms.distributed import store_round
+from parallelisms.elastic import ElasticError, elastic_layout, fitting_worlds
+from parallelisms.mesh import ParallelismConfig
+from tests.helpers import CHILD_ENV, base_args, final_line, run_cli, step_losses
+from trainer.checkpoint.identity import RunIdentity
+from trainer.config import Config, ConfigError, fit_world, load_config
+
+CONFIGURED = ["--parallelism.pp", "2", "--parallelism.dp", "2", "--parallelism.elastic"]
+ELASTIC = [*base_args(40), *CONFIGURED, "--checkpoint.dense_interval", "4", "--job.name", "elastic"]
+
+
+@pytest.mark.parametrize(
+    ("world", "dp", "micro_batches"),
+    [(8, 4, 2), (4, 2, 4), (2, 1, 8)],
+)
+def test_the_rule_keeps_the_pipeline_and_the_rows_of_a_micro_batch(world, dp, micro_batches):
+    layout = elastic_layout(ParallelismConfig(pp=2, dp=2), micro_batches=4, world=world)
+    assert (layout.parallelism.pp, layout.parallelism.dp, layout.micro_batches) == (2, dp, micro_batches)
+
+
+@pytest.mark.parametrize(
+    ("configured", "world", "why"),
+    [
+        (ParallelismConfig(pp=2, dp=2), 3, "cannot hold parallelism.pp = 2"),
+        (ParallelismConfig(pp=1, dp=4, ep=4), 2, "parallelism.ep = 4 does not divide"),
+        (ParallelismConfig(pp=1, dp=2), 3, "cannot split the 4 micro-batch shares"),
+        (ParallelismConfig(pp=2, dp=2), 8, "fewer than the pipeline's 2 stages"),
+    ],
+)
+def test_a_world_no_layout_fits_is_refused_with_why(configured, world, why):
+    with pytest.raises(ElasticError, match=why):
+        elastic_layout(configured, micro_batches=2, world=world)
+
+
+def test_the_worlds_a_job_can_shrink_to_are_those_a_layout_fits():
+    """pp=2, dp=4, 2 micro-batches: 8 shares per iteration, which 3 data-parallel ranks cannot split."""
+    fits = fitting_worlds(ParallelismConfig(pp=2, dp=4), micro_batches=2)
+    assert [(world, fit.parallelism.dp, fit.micro_batches) for world, fit in fits] == [(2, 1, 8), (4, 2, 4), (8, 4, 2)]
+
+
+def _elastic_config(*extra: str) -> Config:
+    return load_config("train_configs/debug_moe.toml", [*CONFIGURED, "--checkpoint.dense_interval", "4", *extra])
+
+
+def test_a_fitted_config_names_its_checkpoints_as_the_configured_one_does():
+    configured = _elastic_config()
+    fitted = fit_world(configured, 2)
+    assert (fitted.parallelism.dp, fitted.training.micro_batches) == (1, 4)
+    assert configured.parallelism.dp == 2  # the configured layout is left as it was
+    assert RunIdentity.of_dense(fitted).mismatch(RunIdentity.of_dense(configured).to_json()) == []
+    other_rows = fit_world(_elastic_config("--training.micro_batches", "4"), 4)
+    assert RunIdentity.of_dense(other_rows).mismatch(RunIdentity.of_dense(configured).to_json())
+
+
+@pytest.mark.parametrize(
+    ("extra", "key"),
+    [
+        (["--checkpoint.dense_interval", "0"], "parallelism.elastic"),
+        (["--checkpoint.strategy", "moevement"], "parallelism.elastic"),
+        (["--checkpoint.load_step", "-1"], "checkpoint.load_step"),
+    ],
+)
+def test_an_elastic_job_needs_dense_checkpoints_to_resume_from(extra, key):
+    with pytest.raises(ConfigError, match=f"config key '{key}'"):
+        _elastic_config(*extra)
+
+
+def test_a_round_is_named_alike_on_nodes_that_count_different_restarts(monkeypatch):
+    """Where every torchrun round's workers get a store of their own, a node that came back (0 restarts)
+    and one that stayed (1 restart) meet on the same keys; on the agent's shared store, restarts name rounds."""
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+    names = set()
+    for restarts in ("0", "1"):
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", restarts)
+        names.add(store_round())
+    assert len(names) == 1
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    assert store_round() == "attempt1"
+
+
+def _reference(tmp_path, segments: list[tuple[int, int]]) -> str:
+    """stdout of the reference's last run: each (processes, last iteration) segment launched from the
+    checkpoint the one before saved at its end, in a folder of its own."""
+    load: list[str] = []
+    for i, (nproc, last) in enumerate(segments):
+        saved = tmp_path / f"reference-{i}"
+        out = run_cli(
+            *ELASTIC,
+            *("--job.output_dir", str(tmp_path / f"reference-runs-{i}")),
+            *("--training.stop_at", str(last), "--checkpoint.save_final", str(saved), *load),
+            nproc=nproc,
+        ).stdout
+        load = ["--checkpoint.load", str(saved)]
+    return out
+
+
+@pytest.mark.slow
+def test_a_node_lost_for_good_shrinks_the_job_and_its_return_grows_it_back(tmp_path):
+    output, port, job = Output(), free_port(), f"elastic-{os.getpid()}"
+    args = [*ELASTIC, "--job.output_dir", str(tmp_path / "runs")]
+    second = start_node(1, port, job, 2, args, CHILD_ENV, output)  # waits for the first's store
+    first = start_node(0, port, job, 2, args, CHILD_ENV, output)
+    _, at = output.wait_for(r"elastic: 4 processes: pp=2 dp=2 ")
+    _, at = output.wait_for(r"step=10 ", at)
+    second.lose()
+
+    _, at = output.wait_for(r"elastic: 2 processes: pp=2 dp=1 ep=1 micro_batches=4 ", at)
+    shrunk, at = output.wait_for(r"checkpoint: loaded step (\d+) ", at)
+    saved, at = output.wait_for(r"checkpoint: saved step (\d+) ", at)  # trained on, on one node
+    back = start_node(1, port, job, 2, args, CHILD_ENV, output)
+    _, at = output.wait_for(r"elastic: 4 processes: pp=2 dp=2 ", at)
+    grown, at = output.wait_for(r"checkpoint: loaded step (\d+) ", at)
+    assert first.wait(300) == 0 and back.wait(300) == 0, output.text()
+
+    t1, t2 = int(shrunk[1]), int(grown[1])
+    assert 8 <= t1 <= 10 and t1 < int(saved[1]) <= t2, output.text()
+    reference = _reference(tmp_path, [(4, t1), (2, t2), (4, 40)])
+    elastic = output.text()
+    assert final_line(elastic) == final_line(reference)
+    last_segment = {s: v for s, v in step_losses(elastic[elastic.rindex("checkpoint: loaded step") :]).items()}
+    assert last_segment == {s: v for s, v in step_losses(reference).items() if s > t2}
