@@ -48,7 +48,7 @@ from trainer.data.batches import TokenBatches, build_data, make_loader
 from trainer.lifecycle import exit_codes, job_end, rank_shell
 from trainer.lifecycle.generations import after_training_failure, train_generations
 from trainer.lifecycle.process import run_process
-from trainer.lifecycle.start_plan import StartPlan, plan_start
+from trainer.lifecycle.start_plan import StartPlan, agree_on_attempt, plan_start
 from trainer.lifecycle.stop_guard import StopGuard
 from trainer.lifecycle.survival import keep_for_torchrun_restart
 from trainer.optim import build_optimizer
@@ -241,6 +241,7 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
     guard = stop_guard(cfg, int(os.environ.get("RANK", "0")), plan)
     watch = job_end.GenerationWatch(plan.generation)  # a later generation may not form: the job has ended
     rank, world = init_distributed(cfg.fault.timeout_s, generation=plan.generation, watch=watch)
+    plan = agree_on_attempt(plan)
     plan.process.startup.mark("process_group")
     cfg = fit_layout(cfg, world, rank)
     faults = fault_plan(cfg, world)

@@ -5,6 +5,7 @@
     python -m simulator --sensitivity [--preset P] [--mtbf-min M] [--json] [--out DIR]   what moves one result
     python -m simulator --preset 671B-16384 --mtbf-min 10 [--strategies ...] [--interval K] [--window W] [--json]
     python -m simulator --list | --profile profile.json | --window-profile gpu.json
+    python -m simulator --node-loss      a node lost for good: three policies' goodput (simulator.node_loss)
 
 `python -m simulator.ettr` is the same command. `--paper-tables`, `--paper` and `--sensitivity` print
 their tables and write them, with their figures, under `--out DIR` (default
@@ -38,6 +39,7 @@ from simulator.calibration import MeasuredProfile, predict_from_profile
 from simulator.cluster import GB, Preset
 from simulator.measured import read_csv
 from simulator.model import STRATEGIES, Overrides, predict, preset_setting
+from simulator.node_loss import report as node_loss_report
 from simulator.output import OutputError, output_dir, write_figure, write_text
 from simulator.paper import (
     FIG11_FIGURE,
@@ -107,6 +109,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--list", action="store_true", help="list the presets")
     ap.add_argument("--profile", help="measured profile JSON: print predicted ETTR per strategy")
     ap.add_argument("--window-profile", help="profiled GPU JSON (simulator.profile): print Algorithm 1's W")
+    ap.add_argument(
+        "--node-loss",
+        action="store_true",
+        help="a node lost for good: elastic vs wait vs relaunch (simulator.node_loss)",
+    )
     return ap.parse_args(argv)
 
 
@@ -254,6 +261,8 @@ def _dispatch(args: argparse.Namespace) -> None:
     inputs are checked and before it computes anything."""
     if args.list:
         return _list()
+    if args.node_loss:
+        return print(node_loss_report())
     if args.profile:
         return _run_profile(args.profile, args.json)
     if args.window_profile:

@@ -67,7 +67,8 @@ def test_a_fitted_config_names_its_checkpoints_as_the_configured_one_does():
     ("extra", "key"),
     [
         (["--checkpoint.dense_interval", "0"], "parallelism.elastic"),
-        (["--checkpoint.strategy", "moevement"], "parallelism.elastic"),
+        (["--checkpoint.strategy", "gemini"], "parallelism.elastic"),
+        (["--checkpoint.strategy", "moevement", "--checkpoint.persist_dir", "/tmp/x"], "checkpoint.persist_dir"),
         (["--checkpoint.load_step", "-1"], "checkpoint.load_step"),
     ],
 )
@@ -106,9 +107,14 @@ def _reference(tmp_path, segments: list[tuple[int, int]]) -> str:
 
 
 @pytest.mark.slow
-def test_a_node_lost_for_good_shrinks_the_job_and_its_return_grows_it_back(tmp_path):
+@pytest.mark.parametrize("strategy", ["none", "moevement"])
+def test_a_node_lost_for_good_shrinks_the_job_and_its_return_grows_it_back(tmp_path, strategy):
+    """With MoEvement, the rank shells' survivors first wait for replacements that never come (2 x
+    `fault.timeout_s`), then torchrun restarts them; the reference is the same chain without checkpointing."""
     output, port, job = Output(), free_port(), f"elastic-{os.getpid()}"
-    args = [*ELASTIC, "--job.output_dir", str(tmp_path / "runs")]
+    args = [*ELASTIC, "--job.output_dir", str(tmp_path / "runs"), "--checkpoint.strategy", strategy]
+    if strategy == "moevement":
+        args += ["--checkpoint.window", "3", "--fault.timeout_s", "10", "--checkpoint.host_dir", str(tmp_path / "shm")]
     second = start_node(1, port, job, 2, args, CHILD_ENV, output)  # waits for the first's store
     first = start_node(0, port, job, 2, args, CHILD_ENV, output)
     _, at = output.wait_for(r"elastic: 4 processes: pp=2 dp=2 ")

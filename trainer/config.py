@@ -544,10 +544,16 @@ def _validate_elastic(cfg: Config) -> None:
         "resumes from periodic dense checkpoints: set checkpoint.dense_interval (iterations between them)",
     )
     _check(
-        c.strategy == "none",
+        c.strategy in ("none", "moevement"),
         "parallelism.elastic",
-        f"resumes from dense checkpoints; checkpoint.strategy {c.strategy!r} keeps sparse state of one layout, "
-        "which is not re-laid onto another yet: use 'none'",
+        f"resumes from dense checkpoints; checkpoint.strategy {c.strategy!r} restores its own checkpoints after "
+        "a torchrun restart, of one layout: use 'none' or 'moevement'",
+    )
+    _check(
+        not c.persist_dir,
+        "checkpoint.persist_dir",
+        "is never read by an elastic job (each torchrun round starts from the newest dense checkpoint; "
+        "MoEvement recovers in place from memory): leave it unset",
     )
     _check(
         not c.load_step,

@@ -13,7 +13,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 
+import torch
+import torch.distributed as dist
+
 from moevement.recovery.live_state import LiveState
+from parallelisms import collectives
 from trainer.lifecycle.process_state import ProcessState
 from trainer.lifecycle.rank_shell import GENERATION
 from trainer.lifecycle.startup import STARTUP
@@ -46,6 +50,18 @@ class StartPlan:
     def next_generation(self, kept: LiveState | None, accounting: dict | None) -> StartPlan:
         """A survivor's plan for the generation after this one, with what it kept in memory."""
         return replace(self, generation=self.generation + 1, kept=kept, accounting=accounting)
+
+
+def agree_on_attempt(plan: StartPlan) -> StartPlan:
+    """`plan` with the job's attempt: the most torchrun restarts any rank's agent counted (collective, once
+    the default group is up). Agents count their own restarts: a node that joined later (it came back to an
+    elastic job, or replaced a lost one) counts fewer than the others, and a restart of every worker because
+    a node joined counts on none; what a rank does on a restart must not differ between nodes."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return plan
+    attempt = torch.tensor([plan.attempt])
+    collectives.all_reduce(attempt, op=dist.ReduceOp.MAX)
+    return replace(plan, attempt=int(attempt.item()))
 
 
 def plan_start() -> StartPlan:

@@ -71,11 +71,13 @@ def _same_node_dirs(cfg: Config):
     return (lambda rank: host_rank_dir(cfg, rank)) if cfg.checkpoint.replication == "auto" else None
 
 
-def _rejoin(rank_dir: Path, job_meta: dict, plan: StartPlan) -> Rejoin:
-    """This process's place in the run (collective): the live state this rank kept (in memory when it
-    survived a death in place, in its host directory after a torchrun restart; none at attempt 0) and
-    whether any rank kept one."""
+def _rejoin(rank_dir: Path, job_meta: dict, plan: StartPlan, from_dense: bool) -> Rejoin:
+    """This process's place in the run (collective unless `from_dense`): the live state this rank kept (in
+    memory when it survived a death in place, in its host directory after a torchrun restart; none at
+    attempt 0, nor when the start is `from_dense`) and whether any rank kept one."""
     name, live = plan.name(), plan.kept
+    if from_dense:
+        return Rejoin(name, None, False, plan.process.startup.marks, False)
     if not plan.in_place and name["attempt"] > 0:
         live, why = load_live_state(rank_dir, {**job_meta, "run_id": name["run_id"]}, name["attempt"])
         if live is None and why != "no live state":
@@ -100,7 +102,10 @@ def build_strategy(
     """`checkpoint.strategy` on this rank (collective over all ranks).
 
     MoEvement first looks for a persisted sparse checkpoint of this job to restart from (a torchrun
-    restart, or a relaunch of the same job) and the live state this rank kept; the rank's host directory
+    restart, or a relaunch of the same job) and the live state this rank kept, except in an elastic job
+    (`parallelism.elastic`), whose every torchrun round starts from the dense checkpoint train.py loaded
+    (earlier rounds' sparse state may be of another layout, or older): only its in-place generations
+    recover from sparse state. The rank's host directory
     stays as it is until training goes on (`MoEvement.begin`), so a death before then loses nothing. An
     interval baseline, after a torchrun restart of this run, restores its newest checkpoint (gemini's from
     host memory) and starts with an empty host directory."""
@@ -113,9 +118,10 @@ def build_strategy(
     identity = RunIdentity.of_sparse(cfg)
     job_meta = _job_meta(cfg, dims, identity, plan.run_id)
     disk = persist_root(cfg)
-    rejoin = _rejoin(rank_dir, job_meta, plan)
+    from_dense = cfg.parallelism.elastic and not plan.in_place
+    rejoin = _rejoin(rank_dir, job_meta, plan, from_dense)
     checks = _identity_checks(dims, identity, rejoin)
-    found = _restart_point(strategy, rank_dir, disk, checks, rejoin, line, plan.restarted)
+    found = None if from_dense else _restart_point(strategy, rank_dir, disk, checks, rejoin, line, plan.restarted)
     if strategy != "moevement":
         if dist.is_initialized():
             collectives.barrier()  # every rank holds its copy before any rank clears its directory
