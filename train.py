@@ -120,6 +120,8 @@ def stop_guard(cfg: Config, rank: int, plan: StartPlan) -> StopGuard:
             "moevement": "a torchrun restart resumes from it, a relaunch from the newest persisted sparse checkpoint",
             "none": "no checkpoint: a restart or relaunch starts over",
         }.get(strategy, f"a torchrun restart resumes from the newest {strategy} checkpoint, a relaunch starts over")
+        if cfg.parallelism.elastic:
+            resumes = "an elastic job's restart or relaunch resumes from the newest periodic dense checkpoint"
         return f"preempted: rank {rank} received SIGTERM at step {step}; host state kept ({kept}): {resumes}"
 
     keep = None

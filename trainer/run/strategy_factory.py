@@ -105,9 +105,8 @@ def build_strategy(
     restart, or a relaunch of the same job) and the live state this rank kept, except in an elastic job
     (`parallelism.elastic`), whose every torchrun round starts from the dense checkpoint train.py loaded
     (earlier rounds' sparse state may be of another layout, or older): only its in-place generations
-    recover from sparse state. The rank's host directory
-    stays as it is until training goes on (`MoEvement.begin`), so a death before then loses nothing. An
-    interval baseline, after a torchrun restart of this run, restores its newest checkpoint (gemini's from
+    recover from sparse state. The rank's host directory stays as it is until training goes on
+    (`MoEvement.begin`), so a death before then loses nothing. An interval baseline, after a torchrun restart of this run, restores its newest checkpoint (gemini's from
     host memory) and starts with an empty host directory."""
     strategy = cfg.checkpoint.strategy
     if strategy == "none":

@@ -1,0 +1,347 @@
+"""Throughput of a job that loses a node for good and gets it back, under three policies, interleaved.
+
+    python -m benchmarks.elastic [--steps 48] [--repair-s 20] [--seed 0] [--policies elastic,wait,restart]
+        [--rounds 1] [--logs DIR]
+
+The job is `debug_moe` at 4 layers on 4 ranks (pp=2 dp=2, a dense checkpoint every 4 iterations,
+`parallelism.elastic` on) as two emulated nodes of 2 workers each (benchmarks/emulated_nodes.py: two
+torchrun agents on this machine). Node 1 is lost for good (its agent and workers SIGKILLed) once the
+iteration drawn for the round (`random.Random(seed)`, between 25% and 50% of the steps) has been logged,
+and comes back `--repair-s` seconds after the loss. The policies:
+
+- `elastic`: `--nnodes 1:2`: the survivors go on alone (pp=2 dp=1) from the newest dense checkpoint, and
+  the job grows back to 4 ranks, again from the newest dense checkpoint, when node 1 returns (a job that
+  finishes on node 0 alone before that ends there: node 1 is not started, or stopped if too late to join);
+- `wait`: `--nnodes 2:2`: the survivors wait in the rendezvous until node 1 returns, then all resume;
+- `restart`: `--nnodes 2:2`, and once a survivor has detected the failure the whole job is stopped (node
+  0 killed too) and launched again, as a fresh rendezvous, when node 1 is back.
+
+Each resumes from the newest dense checkpoint of the same folder. Per run it prints every restart of the
+job's workers (`event`: the world after it; `detect_s` from its cause, the node's loss or return, to the
+first `failure detected`/`preempted` line's unix time; `restart_s` from there to the next generation's
+`elastic:` line; `load_s` to `checkpoint: loaded`; `resume_s` to its first `step=` line; `lost_iters`
+the iterations reached before and done again), then the run's line
+
+    round=<r> policy=<p> tokens_per_s=<x> wall_s=<x> lost_iters=<n> detect_s=<x> restart_s=<x> load_s=<x>
+        resume_s=<x> down_s=<x> shrunk_s=<x> final_step=<n> state_digest=<hex>
+
+tokens = steps x batch_size x seq_len (iterations done again are not counted twice), wall from the first
+agent's start to the end of every agent; the event costs are summed over the run's restarts where
+measured (an event shows nan for a line it lacks: a generation started after the job's last iteration
+runs none, and its `restart_s` counts from its cause where no worker said it stopped), `down_s` is
+their cause to first iteration, `shrunk_s` the time spent on fewer ranks. Times of lines are when
+this harness read them (the workers flush every line). Then one `policy=` line each, the median over
+rounds (with `tokens_per_s_spread=` max - min when rounds > 1), and the ratios of median throughputs
+`elastic/restart=` and `elastic/wait=`. The state digests differ between policies legitimately: their
+iterations ran in different layouts, and the data-parallel reduction order decides some bits (`wait`
+and `restart` run the same layouts from the same checkpoint, and end with the same digest).
+
+Everything is written under a temporary directory, removed at the end (`--logs` keeps each run's lines,
+with their arrival times). On a machine with fewer cores than the 4 workers, the shrunk job's 2 ranks
+are not slower per iteration than 4 ranks: what this measures there is the cost of the restarts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+import re
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from contextlib import suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from benchmarks.emulated_nodes import Node, Output, free_port, start_node
+from trainer.config import load_config
+
+CONFIG = "train_configs/debug_moe.toml"
+OVERRIDES = [
+    *("--metrics.tensorboard", "false", "--metrics.log_every", "1", "--training.val_every", "0"),
+    *("--model.n_layers", "4", "--parallelism.pp", "2", "--parallelism.dp", "2"),
+    *("--checkpoint.dense_interval", "4", "--parallelism.elastic"),
+]
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+POLICIES = ("elastic", "wait", "restart")
+WORKERS_PER_NODE = 2
+RUN_TIMEOUT_S = 900  # for node 0's agent to end once node 1 is back
+JOIN_TIMEOUT_S = 120  # for node 1's agent to end after node 0's
+
+ELASTIC_RE = re.compile(r"^elastic: (\d+) processes")
+DETECTED = r"^(?:failure detected|preempted): .*\(detected at unix=([\d.]+)\)"
+DETECTED_RE = re.compile(DETECTED)
+LOADED_RE = re.compile(r"^checkpoint: loaded step (\d+) ")
+STEP_RE = re.compile(r"^step=(\d+) ")
+FINAL_RE = re.compile(r"^final step=(\d+) loss=\S+ state_digest=(\w+)")
+
+
+@dataclass(frozen=True)
+class Line:
+    at: float  # unix time this harness read it
+    text: str
+
+
+@dataclass
+class StampedOutput(Output):
+    """`Output` that also notes when each line arrived."""
+
+    times: list[float] = field(default_factory=list)
+
+    def add(self, line: str) -> None:
+        with self.arrived:  # a reentrant lock: Output.add takes it again
+            self.times.append(time.time())
+            super().add(line)
+
+    def stamped(self) -> list[Line]:
+        with self.arrived:
+            return [Line(at, text) for at, text in zip(self.times, self.lines, strict=True)]
+
+
+@dataclass(frozen=True)
+class Restart:
+    """One restart of the job's workers, from its cause (a node lost or back) to its first iteration;
+    nan where a line is missing (a generation that starts after the job's last iteration runs none)."""
+
+    world: int  # processes after it
+    detect_s: float  # cause -> the first worker's `detected at unix=`
+    restart_s: float  # -> the new generation's `elastic:` line (from the cause where no worker said it stopped)
+    load_s: float  # -> `checkpoint: loaded`
+    resume_s: float  # -> its first `step=` line
+    down_s: float  # cause -> its first `step=` line
+    lost_iters: int  # iterations reached before it and done again after
+
+    def describe(self) -> str:
+        return (
+            f"world={self.world} detect_s={self.detect_s:.2f} restart_s={self.restart_s:.2f} "
+            f"load_s={self.load_s:.2f} resume_s={self.resume_s:.2f} down_s={self.down_s:.2f} "
+            f"lost_iters={self.lost_iters}"
+        )
+
+
+def _first(lines: list[Line], regex: re.Pattern) -> tuple[Line, re.Match] | None:
+    return next(((line, m) for line in lines if (m := regex.match(line.text))), None)
+
+
+def _restart(previous: list[Line], generation: list[Line], causes: list[float]) -> Restart:
+    """The restart that ended the generation of `previous` lines and began the one of `generation` (its
+    `elastic:` line first), set off by the latest of `causes` before its detection (or its `elastic:` line)."""
+    nan, start = math.nan, generation[0]
+    detected = _first(previous, DETECTED_RE)
+    detected_at = float(detected[1][1]) if detected else nan
+    cause = max((c for c in causes if c <= (detected_at if detected else start.at)), default=nan)
+    loaded, stepped = _first(generation, LOADED_RE), _first(generation, STEP_RE)
+    loaded_at, stepped_at = loaded[0].at if loaded else nan, stepped[0].at if stepped else nan
+    reached = max((int(m[1]) for line in previous if (m := STEP_RE.match(line.text))), default=0)
+    return Restart(
+        world=int(ELASTIC_RE.match(start.text)[1]),
+        detect_s=detected_at - cause,
+        restart_s=start.at - (detected_at if detected else cause),
+        load_s=loaded_at - start.at,
+        resume_s=stepped_at - loaded_at,
+        down_s=stepped_at - cause,
+        lost_iters=max(0, reached - (int(loaded[1][1]) if loaded else 0)),
+    )
+
+
+def restarts(lines: list[Line], causes: list[float]) -> list[Restart]:
+    """Every restart of the job's workers in `lines`: each generation's `elastic:` line after the first,
+    set off by one of `causes` (unix times a node was lost or came back)."""
+    starts = [i for i, line in enumerate(lines) if ELASTIC_RE.match(line.text)] + [len(lines)]
+    return [_restart(lines[a:b], lines[b:c], causes) for a, b, c in zip(starts, starts[1:], starts[2:])]
+
+
+def shrunk_s(lines: list[Line], end: float) -> float:
+    """Seconds the job ran on fewer processes than at its start: from each smaller generation's `elastic:`
+    line to the next one's (or `end`)."""
+    starts = [(line.at, int(m[1])) for line in lines if (m := ELASTIC_RE.match(line.text))]
+    bounds = [at for at, _ in starts[1:]] + [end]
+    return sum(bound - at for (at, world), bound in zip(starts, bounds) if world < starts[0][1])
+
+
+@dataclass(frozen=True)
+class Run:
+    """One policy's run of one round."""
+
+    policy: str
+    tokens: int
+    wall_s: float
+    restarts: list[Restart]
+    shrunk_s: float
+    final_step: int
+    digest: str
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s
+
+    def costs(self) -> dict[str, float]:
+        """The run's numbers, its restarts' summed where measured."""
+        keys = ("lost_iters", "detect_s", "restart_s", "load_s", "resume_s", "down_s")
+        summed = {k: math.fsum(v for r in self.restarts if not math.isnan(v := getattr(r, k))) for k in keys}
+        return {"tokens_per_s": self.tokens_per_s, "wall_s": self.wall_s, **summed, "shrunk_s": self.shrunk_s}
+
+
+def analyse(policy: str, tokens: int, lines: list[Line], causes: list[float], began: float, ended: float) -> Run:
+    """The run of `policy` from its stamped output and the harness's times (its start and end, the causes)."""
+    final = [m for line in lines if (m := FINAL_RE.match(line.text))]
+    step, digest = (int(final[-1][1]), final[-1][2]) if final else (0, "none")
+    wall = ended - began
+    return Run(policy, tokens, wall, restarts(lines, causes), shrunk_s(lines, ended), step, digest)
+
+
+def format_costs(costs: dict[str, float]) -> str:
+    return " ".join(f"{k}={v:.0f}" if k == "lost_iters" else f"{k}={v:.2f}" for k, v in costs.items())
+
+
+@dataclass
+class Job:
+    """The benchmark's job as two emulated nodes: their agents, one output, the current rendezvous."""
+
+    args: list[str]
+    min_nodes: int
+    output: StampedOutput = field(default_factory=StampedOutput)
+    nodes: dict[int, Node] = field(default_factory=dict)
+    port: int = 0
+    launches: int = 0
+
+    def launch(self) -> None:
+        """Both nodes' agents on a fresh rendezvous (node 1 first: it waits for node 0's store)."""
+        self.port, self.launches = free_port(), self.launches + 1
+        for index in (1, 0):
+            self.start(index)
+
+    def start(self, index: int) -> None:
+        job_id = f"elastic-bench-{os.getpid()}-{self.port}-{self.launches}"
+        self.nodes[index] = start_node(
+            index, self.port, job_id, WORKERS_PER_NODE, self.args, ENV, self.output, min_nodes=self.min_nodes
+        )
+
+    def joined_since(self, since: float) -> bool:
+        """Whether a generation of the job's workers started after `since` (unix time)."""
+        return any(ELASTIC_RE.match(line.text) for line in self.output.stamped() if line.at > since)
+
+    def stop(self) -> None:
+        """Kill whatever still runs (after a failure)."""
+        for node in self.nodes.values():
+            if node.proc.poll() is None:
+                node.lose()
+
+
+def train_args(steps: int, folder: Path) -> list[str]:
+    """The job's command line, its run records, checkpoints and host state under `folder`."""
+    return [
+        *("--config", CONFIG, *OVERRIDES, "--training.steps", str(steps), "--job.name", "elastic-bench"),
+        *("--job.output_dir", str(folder / "runs"), "--checkpoint.host_dir", str(folder / "host")),
+    ]
+
+
+def drive(policy: str, job: Job, lose_at: int, repair_s: float) -> list[float]:
+    """Lose node 1 after iteration `lose_at`, bring it back `repair_s` later as `policy` does, wait for the
+    job's end; the causes of its restarts (unix times)."""
+    _, at = job.output.wait_for(rf"step={lose_at} ")
+    lost_at = time.time()
+    job.nodes[1].lose()
+    if policy == "restart":
+        job.output.wait_for(DETECTED, at)
+        job.nodes[0].lose()
+        time.sleep(max(0.0, lost_at + repair_s - time.time()))
+        returned_at = time.time()
+        job.launch()
+    else:
+        with suppress(subprocess.TimeoutExpired):  # an elastic job may end on node 0 alone before
+            job.nodes[0].proc.wait(timeout=max(0.0, lost_at + repair_s - time.time()))
+        returned_at = time.time()
+        if job.nodes[0].proc.poll() is None:
+            job.start(1)
+    if status := job.nodes[0].wait(RUN_TIMEOUT_S):
+        raise AssertionError(f"{policy}: node 0's agent failed (exit status {status})")
+    if not job.joined_since(returned_at):  # an elastic job that ended on node 0 alone, node 1 back too late
+        job.nodes[1].lose()
+        return [lost_at]
+    if status := job.nodes[1].wait(JOIN_TIMEOUT_S):
+        raise AssertionError(f"{policy}: node 1's agent failed (exit status {status})")
+    return [lost_at, returned_at]
+
+
+def run_policy(policy: str, steps: int, lose_at: int, repair_s: float, folder: Path, log: Path | None) -> Run:
+    """One run of `policy` in `folder` (its stamped output also written to `log`, if given)."""
+    job = Job(train_args(steps, folder), min_nodes=1 if policy == "elastic" else 2)
+    began = time.time()
+    try:
+        job.launch()
+        causes = drive(policy, job, lose_at, repair_s)
+        ended = time.time()
+    except AssertionError as e:
+        raise SystemExit(f"{policy} failed: {str(e).splitlines()[0]}\n{''.join(job.output.lines[-60:])}") from None
+    finally:
+        job.stop()
+        if log is not None:
+            log.write_text("".join(f"{line.at:.3f} {line.text}" for line in job.output.stamped()))
+    cfg = load_config(CONFIG, [*OVERRIDES, "--training.steps", str(steps)]).training
+    return analyse(policy, steps * cfg.batch_size * cfg.seq_len, job.output.stamped(), causes, began, ended)
+
+
+def summary(policy: str, runs: list[Run]) -> str:
+    """`policy`'s line: the median of every number over `runs`, the spread of throughput, every digest."""
+    costs = [run.costs() for run in runs]
+    medians = {k: statistics.median(c[k] for c in costs) for k in costs[0]}
+    rates = [run.tokens_per_s for run in runs]
+    spread = f" tokens_per_s_spread={max(rates) - min(rates):.2f}" if len(runs) > 1 else ""
+    digests = ",".join(run.digest for run in runs)
+    return f"policy={policy} {format_costs(medians)}{spread} state_digest={digests}"
+
+
+def run_rounds(args: argparse.Namespace, policies: list[str], folder: Path) -> dict[str, list[Run]]:
+    """Every round's runs, the policies interleaved (each round starts with the next one), printed as they end."""
+    rng, runs = random.Random(args.seed), {p: [] for p in policies}
+    for r in range(1, args.rounds + 1):
+        lose_at = rng.randint(math.ceil(args.steps / 4), args.steps // 2)
+        first = (r - 1) % len(policies)
+        for policy in policies[first:] + policies[:first]:
+            log = args.logs / f"round{r}-{policy}.log" if args.logs else None
+            run = run_policy(policy, args.steps, lose_at, args.repair_s, folder / f"{policy}-{r}", log)
+            for event in run.restarts:
+                print(f"event round={r} policy={policy} {event.describe()}", flush=True)
+            print(
+                f"round={r} policy={policy} lose_at={lose_at} {format_costs(run.costs())} "
+                f"final_step={run.final_step} state_digest={run.digest}",
+                flush=True,
+            )
+            runs[policy].append(run)
+    return runs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=48)
+    parser.add_argument("--repair-s", type=float, default=20.0, help="seconds from node 1's loss to its return")
+    parser.add_argument("--seed", type=int, default=0, help="draws the iteration after which node 1 is lost")
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--logs", type=Path, help="write each run's output here, with unix arrival times")
+    args = parser.parse_args()
+    policies = args.policies.split(",")
+    if unknown := set(policies) - set(POLICIES):
+        parser.error(f"unknown policies {sorted(unknown)}; known: {','.join(POLICIES)}")
+    if args.logs:
+        args.logs.mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix="moevement-elastic-bench-"))
+    try:
+        runs = run_rounds(args, policies, folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    for policy in policies:
+        print(summary(policy, runs[policy]))
+    median = {p: statistics.median(run.tokens_per_s for run in runs[p]) for p in policies}
+    ratios = [f"elastic/{p}={median['elastic'] / median[p]:.3f}" for p in ("restart", "wait") if p in median]
+    if "elastic" in median and ratios:
+        print(" ".join(ratios))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""benchmarks/elastic.py: the costs of a job's restarts read from its stamped lines, and one run of the
+elastic policy end to end."""
+
+from __future__ import annotations
+
+import math
+import re
+import sys
+from dataclasses import asdict
+
+import pytest
+
+from benchmarks.elastic import Line, Restart, analyse
+from tests.helpers import CHILD_ENV, ROOT, run_bounded
+
+
+def _stamped(*timeline: tuple[float, str]) -> list[Line]:
+    return [Line(at, text + "\n") for at, text in timeline]
+
+
+def _steps(first: int, last: int, at: float) -> list[tuple[float, str]]:
+    """`step=` lines of iterations first..last, one a second from `at`."""
+    return [(at + i, f"step={step} loss=1.0 wall_s=0.1") for i, step in enumerate(range(first, last + 1))]
+
+
+FOUR = "elastic: 4 processes: pp=2 dp=2 ep=1 micro_batches=2 (configured dp=2 micro_batches=2)"
+FAILED = "failure detected: rank 2 at step 11 by a collective failed; kept no live state (detected at unix=111.5)"
+# 4 ranks to step 10; node 1 lost at 111; 2 ranks from step 8; node 1 back at 135; 4 ranks from step 12
+ELASTIC_RUN = _stamped(
+    (100.0, FOUR),
+    *_steps(1, 10, 101.0),
+    (111.6, FAILED),
+    (111.7, "failure detected: rank 3 at step 11 by a collective failed; kept no live state (detected at unix=111.6)"),
+    (120.0, "elastic: 2 processes: pp=2 dp=1 ep=1 micro_batches=4 (configured dp=2 micro_batches=2)"),
+    (121.0, "checkpoint: loaded step 8 from /x/checkpoints/step-8 (loss 1.000000)"),
+    *_steps(9, 14, 122.0),
+    (140.3, "preempted: rank 0 received SIGTERM at step 15; host state kept (no live state) (detected at unix=140.2)"),
+    (150.0, FOUR),
+    (151.5, "checkpoint: loaded step 12 from /x/checkpoints/step-12 (loss 1.000000)"),
+    *_steps(13, 20, 152.0),
+    (160.5, "final step=20 loss=0.900000 state_digest=abc123"),
+)
+
+
+def _costs(restarts: list[Restart]) -> list[dict]:
+    return [asdict(r) for r in restarts]
+
+
+def test_each_restart_is_costed_from_its_cause_to_its_first_iteration():
+    run = analyse("elastic", tokens=20 * 1024, lines=ELASTIC_RUN, causes=[111.0, 135.0], began=90.0, ended=170.0)
+    shrink = {"world": 2, "detect_s": 0.5, "restart_s": 8.5, "load_s": 1.0, "resume_s": 1.0, "down_s": 11.0}
+    grow = {"world": 4, "detect_s": 5.2, "restart_s": 9.8, "load_s": 1.5, "resume_s": 0.5, "down_s": 17.0}
+    assert _costs(run.restarts) == [
+        pytest.approx({**shrink, "lost_iters": 2}),
+        pytest.approx({**grow, "lost_iters": 2}),
+    ]
+    assert (run.shrunk_s, run.wall_s, run.tokens_per_s) == pytest.approx((30.0, 80.0, 256.0))
+    assert (run.final_step, run.digest) == (20, "abc123")
+    costs = run.costs()
+    assert (costs["lost_iters"], costs["down_s"]) == pytest.approx((4, 11.0 + 17.0))
+
+
+def test_a_job_that_waited_for_its_node_restarts_once_and_never_shrinks():
+    lines = _stamped(
+        (100.0, FOUR),
+        *_steps(1, 10, 101.0),
+        (111.6, FAILED),
+        (140.0, FOUR),
+        (141.0, "checkpoint: loaded step 8 from /x/checkpoints/step-8 (loss 1.000000)"),
+        *_steps(9, 20, 142.0),
+    )
+    run = analyse("wait", tokens=1, lines=lines, causes=[111.0, 135.0], began=90.0, ended=160.0)
+    waited = {"world": 4, "detect_s": 0.5, "restart_s": 28.5, "load_s": 1.0, "resume_s": 1.0, "down_s": 31.0}
+    assert _costs(run.restarts) == [
+        pytest.approx({**waited, "lost_iters": 2})
+    ]  # the cause of its detection: the loss, not the return
+    assert run.shrunk_s == 0.0
+    assert (run.final_step, run.digest) == (0, "none")  # no final line
+
+
+def test_a_generation_started_after_the_last_iteration_counts_from_its_cause_and_runs_none():
+    """The node came back while the workers were leaving after the final line: torchrun restarted them."""
+    final = [line for line in ELASTIC_RUN if line.at <= 140.0]  # to step 14 on 2 ranks: the last iteration
+    lines = [*final, *_stamped((140.5, "final step=14 loss=1.0 state_digest=abc"), (150.0, FOUR))]
+    lines += _stamped((151.0, "checkpoint: loaded step 14 from /x/checkpoints/step-14 (loss 1.000000)"))
+    run = analyse("elastic", tokens=14, lines=lines, causes=[111.0, 135.0], began=90.0, ended=152.0)
+    after = run.restarts[1]
+    assert (after.world, after.restart_s, after.load_s, after.lost_iters) == (4, 15.0, 1.0, 0)
+    assert math.isnan(after.detect_s) and math.isnan(after.resume_s) and math.isnan(after.down_s)
+    costs = run.costs()  # summed where measured
+    assert (costs["restart_s"], costs["down_s"], run.shrunk_s) == pytest.approx((23.5, 11.0, 30.0))
+
+
+@pytest.mark.slow
+def test_the_benchmark_prints_the_elastic_policy_s_throughput():
+    cmd = [sys.executable, "-m", "benchmarks.elastic", "--steps", "16", "--repair-s", "5", "--policies", "elastic"]
+    proc = run_bounded(cmd, cwd=ROOT, env=CHILD_ENV)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    line = re.search(r"^policy=elastic tokens_per_s=([\d.]+) .* state_digest=\w+$", proc.stdout, re.M)
+    assert line and float(line[1]) > 0, proc.stdout
+    assert re.search(r"^event round=1 policy=elastic world=\d ", proc.stdout, re.M), proc.stdout
+    assert re.search(r"^round=1 policy=elastic .* final_step=16 ", proc.stdout, re.M), proc.stdout
