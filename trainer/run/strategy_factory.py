@@ -106,8 +106,9 @@ def build_strategy(
     (`parallelism.elastic`), whose every torchrun round starts from the dense checkpoint train.py loaded
     (earlier rounds' sparse state may be of another layout, or older): only its in-place generations
     recover from sparse state. The rank's host directory stays as it is until training goes on
-    (`MoEvement.begin`), so a death before then loses nothing. An interval baseline, after a torchrun restart of this run, restores its newest checkpoint (gemini's from
-    host memory) and starts with an empty host directory."""
+    (`MoEvement.begin`), so a death before then loses nothing. An interval baseline, after a torchrun
+    restart of this run, restores its newest checkpoint (gemini's from host memory) and starts with an
+    empty host directory."""
     strategy = cfg.checkpoint.strategy
     if strategy == "none":
         return NoCheckpointing()
