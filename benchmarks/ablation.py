@@ -65,7 +65,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--bandwidth-gbps", type=float, default=0.0, help="snapshot copy cap (0: calibrate)")
     parser.add_argument("--threads", type=int, default=1, help="compute threads per process (OMP_NUM_THREADS)")
     parser.add_argument("--out", default="outputs/ablation")
-    parser.set_defaults(fault_mode="kill", none_steps=0)  # what benchmarks.ettr's runs read
+    parser.set_defaults(fault_mode="kill", none_steps=0, target_ettr=0.9)  # what benchmarks.ettr's runs read
     return parser.parse_known_args(argv)
 
 
@@ -81,35 +81,47 @@ def measure(args: argparse.Namespace, extra: list[str], out: Path) -> list[dict]
     cfg = load_config(args.config, extra)
     tokens = cfg.training.batch_size * cfg.training.seq_len
     references = [ettr.reference_run(args, extra, out, tokens, 0)]
-    faults, restarts = ettr.fault_flags(args, ettr.snapshot_cap(args, cfg, references[0][1]))
+    cap = ettr.snapshot_cap(args, cfg, references[0][1])
+    faults, restarts = ettr.fault_flags(args, cap)
     fault_free = references[0][0]["final"].state_digest
     rows: list[dict] = []
-    for i, (name, spec) in enumerate(STEPS):
+    for i, (_, spec) in enumerate(STEPS):
         stdout = ettr.launch(args.config, spec, args.steps, args.pp, [*extra, *faults], args.threads, restarts)
         (out / f"step{i + 1}.log").write_text(stdout)
         run = ettr.parse_run(stdout, run_events(stdout))
         references.append(ettr.reference_run(args, extra, out, tokens, i + 1))
-        summary = ettr.summarize(run, statistics.fmean([references[i][1], references[i + 1][1]]), tokens)
-        per_failure, convert, catchup = recovery_seconds(run)
-        before = rows[-1]["ettr"] if rows else None
-        rows.append(
-            {
-                "step": i + 1,
-                "name": name,
-                "variant": spec,
-                "ettr": summary["ettr"],
-                "gain": summary["ettr"] / before - 1 if before else 0.0,
-                "recovery_s": summary["recovery_s"],
-                "per_failure_s": per_failure,
-                "convert_s": convert,
-                "catchup_s": catchup,
-                "failures": summary["failures"],
-                "digest": "equal" if run["final"].state_digest == fault_free else "DIFFERS",
-            }
-        )
+        reference_s = statistics.fmean([references[i][1], references[i + 1][1]])
+        summary = ettr.summarize(run, reference_s, tokens)
+        measured = ettr.primitives(run, reference_s, tokens, args, cfg, cap)
+        digest = "equal" if run["final"].state_digest == fault_free else "DIFFERS"
+        rows.append(step_row(i + 1, spec, summary, measured, recovery_seconds(run), digest, rows))
         print(_line(rows[-1]), flush=True)
     ettr.print_references([t for _, t in references])
     return rows
+
+
+def step_row(
+    step: int, spec: str, summary: dict, measured: dict, recovery: tuple[float, float, float], digest: str, rows: list
+) -> dict:
+    """Step `step`'s row of ablation.csv: its name and gain over the step before (`rows`), the recovery
+    lines' means, and the columns of `benchmarks.ettr`'s ettr.csv (`simulator.measured.COLUMNS`: its
+    summary and primitives, the variant as its strategy), which `python -m simulator --paper-tables
+    --measured ablation.csv` reads as our own Figure 13."""
+    per_failure, convert, catchup = recovery
+    before = rows[-1]["ettr"] if rows else None
+    return {
+        "step": step,
+        "name": STEPS[step - 1][0],
+        "strategy": spec,
+        **summary,
+        **measured,
+        "run": f"step {step}",
+        "gain": summary["ettr"] / before - 1 if before else 0.0,
+        "per_failure_s": per_failure,
+        "convert_s": convert,
+        "catchup_s": catchup,
+        "digest": digest,
+    }
 
 
 def _line(row: dict) -> str:
@@ -157,6 +169,14 @@ def plot(path: Path, rows: list[dict]) -> None:
     plt.close(fig)
 
 
+def write_rows(path: Path, rows: list[dict]) -> None:
+    """ablation.csv: one row per step (`step_row`)."""
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
 def main(argv: list[str] | None = None) -> None:
     args, extra = parse_args(argv)
     out = Path(args.out)
@@ -164,10 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = measure(args, extra, out)
     for line in simulated():
         print(line)
-    with open(out / "ablation.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_rows(out / "ablation.csv", rows)
     plot(out / "ablation.png", rows)
     print(f"wrote {out / 'ablation.csv'}, {out / 'ablation.png'}")
 

@@ -411,6 +411,28 @@ def test_own_table4_and_figure13_read_the_recorded_measurements():
     assert [c.paper for c in fig13][:4] == [0.549, 0.535, 0.546, 0.671]  # the measured ablation's four steps
 
 
+def test_the_ablation_benchmark_writes_rows_the_simulator_reads_as_figure13(tmp_path):
+    """`benchmarks.ablation`'s CSV carries `benchmarks.ettr`'s columns (`simulator.measured.COLUMNS`), so
+    `--paper-tables --measured ablation.csv` reads each step as the variant it ran."""
+    from benchmarks.ablation import STEPS, step_row, write_rows
+    from simulator.measured import ablation_of, read_csv
+
+    summary = {"ettr": 0.6, "overhead": 0.05, "recovery_s": 30.0, "failures": 3, "recovery_per_failure_s": 10.0}
+    primitives = {
+        **{"reference_s": 1.8, "mtbf_iters": 20, "pp": 4, "micro_batches": 4, "dense_snapshot_iters": 3.0},
+        **{"restart_s": 7.0, "fetch_s": 0.5, "replay_s": 40.0, "replayed": 12, "warmup_s": 1.0},
+        **{"expert_share": 0.84, "experts": 32, "moc_experts": 1, "run": "seed 1 pp=4"},
+    }
+    rows: list[dict] = []
+    for step, (_, spec) in enumerate(STEPS, start=1):
+        rows.append(step_row(step, spec, {**summary, "iterations": 40}, primitives, (10.0, 4.0, 1.0), "equal", rows))
+    write_rows(tmp_path / "ablation.csv", rows)
+    runs = read_csv(tmp_path / "ablation.csv")
+    assert [r.run for r in runs] == ["step 1", "step 2", "step 3", "step 4"]
+    assert [ablation_of(r.strategy)[0] for r in runs] == ["moevement"] * 4
+    assert all((r.restart_s, r.replay_s, r.recovery_per_failure_s) == (7.0, 40.0, 10.0) for r in runs)
+
+
 def test_profile_missing_key_is_named():
     with pytest.raises(ValueError, match="steps"):
         MeasuredProfile.from_json({k: v for k, v in PROFILE.items() if k != "steps"})
