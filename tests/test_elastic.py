@@ -90,6 +90,25 @@ def test_a_round_is_named_alike_on_nodes_that_count_different_restarts(monkeypat
     assert store_round() == "attempt1"
 
 
+@pytest.mark.slow
+def test_a_death_in_an_elastic_moevement_job_is_replaced_in_place(tmp_path):
+    """Within a torchrun round nothing changes: a SIGKILLed worker's standby takes its place (no torchrun
+    restart is allowed), only its stage replays, and the run ends with the fault-free digest."""
+    layout = [*base_args(16), "--parallelism.pp", "2", "--parallelism.elastic", "--checkpoint.dense_interval", "4"]
+    moevement = ["--checkpoint.strategy", "moevement", "--checkpoint.window", "3"]
+    out = run_cli(
+        *layout,
+        *moevement,
+        *("--checkpoint.host_dir", str(tmp_path / "shm"), "--fault.kill", "9:1:backward"),
+        *("--job.output_dir", str(tmp_path / "killed")),
+        nproc=2,
+        torchrun=("--max-restarts=0",),
+    ).stdout
+    assert "restart=replaced" in out, out
+    reference = run_cli(*layout, "--job.output_dir", str(tmp_path / "reference"), nproc=2).stdout
+    assert final_line(out) == final_line(reference)
+
+
 def _reference(tmp_path, segments: list[tuple[int, int]]) -> str:
     """stdout of the reference's last run: each (processes, last iteration) segment launched from the
     checkpoint the one before saved at its end, in a folder of its own."""
