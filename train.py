@@ -33,7 +33,7 @@ from moevement.failures import FaultPlan
 from moevement.storage.cpu_cost import CpuMark
 from moevement.strategy import CheckpointStrategy, MoEvement
 from parallelisms import collectives
-from parallelisms.distributed import device_type, init_distributed
+from parallelisms.distributed import device_type, init_distributed, workers_share_agent_store
 from parallelisms.elastic import fitting_worlds
 from parallelisms.mesh import ParallelDims, build_mesh
 from parallelisms.parallelize import ModelParts, parallelize
@@ -217,7 +217,7 @@ def fit_layout(cfg: Config, world: int, rank: int) -> Config:
             f" (configured dp={configured.dp} micro_batches={cfg.training.micro_batches})",
             flush=True,
         )
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
+        if "TORCHELASTIC_RUN_ID" in os.environ and workers_share_agent_store():
             print(
                 "WARNING: elastic: the workers share their torchrun agent's store, which a node that comes back "
                 "cannot join (torch 2.13): launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",

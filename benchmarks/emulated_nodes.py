@@ -90,7 +90,7 @@ class Node:
 
 def free_port() -> int:
     with socket.socket() as s:
-        s.bind(("localhost", 0))
+        s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 

@@ -90,6 +90,12 @@ def init_distributed(
     return dist.get_rank(), dist.get_world_size()
 
 
+def workers_share_agent_store() -> bool:
+    """Whether torchrun's workers use their agent's store (its default; `TORCHELASTIC_USE_AGENT_STORE`), which
+    outlives every worker and keeps earlier rounds' keys, rather than a store of each round's own."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(False)
+
+
 def store_round() -> str:
     """The prefix of this torchrun round's keys on the workers' store, the same on every rank of the round.
 
@@ -98,7 +104,7 @@ def store_round() -> str:
     (`TORCHELASTIC_USE_AGENT_STORE` false, as `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` makes it: an elastic
     job a node comes back to needs it, `parallelisms/elastic.py`), nothing of an earlier round is there, and
     restart counts name nothing: a node that joined later counts fewer restarts than the others."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(False):
+    if not workers_share_agent_store():
         return "round"
     return f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 

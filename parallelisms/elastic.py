@@ -31,10 +31,6 @@ class ElasticLayout:
     parallelism: ParallelismConfig  # the configured one with `dp` following the world
     micro_batches: int  # per rank and iteration
 
-    def describe(self) -> str:
-        p = self.parallelism
-        return f"pp={p.pp} dp={p.dp} ep={p.ep} micro_batches={self.micro_batches}"
-
 
 def elastic_layout(configured: ParallelismConfig, micro_batches: int, world: int) -> ElasticLayout:
     """The layout of `world` ranks under the rule above, from the configured layout and its

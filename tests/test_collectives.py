@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ast
 import os
-import socket
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from benchmarks.emulated_nodes import free_port
 from parallelisms import collectives
 from parallelisms.distributed import configure_nccl_error_handling, default_backend, init_distributed
 from parallelisms.mesh import ParallelismConfig, build_mesh
@@ -89,15 +89,9 @@ def test_the_checker_sees_every_spelling():
     ]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _spawn(fn, *args) -> None:
     """Run fn(rank, *args) in two processes, each with torchrun's environment."""
-    mp.spawn(_as_torchrun_worker, args=(fn, _free_port(), *args), nprocs=2)
+    mp.spawn(_as_torchrun_worker, args=(fn, free_port(), *args), nprocs=2)
 
 
 def _as_torchrun_worker(rank: int, fn, port: int, *args) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 import os
 import signal
-import socket
 import subprocess
 import sys
 
@@ -19,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from benchmarks.emulated_nodes import free_port
 from parallelisms import collectives
 from parallelisms.distributed import init_distributed, join_generation, leave_generation, torchrun_store
 from trainer.config import Config
@@ -161,12 +161,6 @@ def test_a_survivor_and_a_replacement_agree_on_the_next_generation():
     assert plan.name() == {"run_id": "r", "attempt": 1}  # files kept across torchrun restarts: by attempt
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _two_generations(rank: int, port: int, results) -> None:
     """Generation 0, then generation 1 of the same attempt in the same process, on torchrun's store."""
     os.environ.update(
@@ -196,7 +190,7 @@ def _two_generations(rank: int, port: int, results) -> None:
 
 def test_a_later_generation_forms_in_the_same_processes_on_its_own_keys():
     results = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_two_generations, args=(_free_port(), results), nprocs=2)
+    mp.spawn(_two_generations, args=(free_port(), results), nprocs=2)
     got = sorted(results.get() for _ in range(2))
     assert [sums for _, sums in got] == [[3.0, 30.0], [3.0, 30.0]]
 
@@ -224,7 +218,7 @@ def _joins_alone(rank: int, port: int, results) -> None:
 
 def test_a_generation_a_peer_never_joins_fails_as_a_peer_failure():
     results = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_joins_alone, args=(_free_port(), results), nprocs=2)
+    mp.spawn(_joins_alone, args=(free_port(), results), nprocs=2)
     assert results.get() == (True, False)  # under a shell: Verdict.FALLBACK, torchrun's restart
 
 

@@ -14,12 +14,12 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 
 import pytest
 
+from benchmarks.emulated_nodes import free_port
 from moevement.failures import TRAINING_PHASES
 from moevement.recovery.report import RecoveryReport
 from tests.helpers import (
@@ -161,18 +161,12 @@ def test_sigkill_with_torchrun_restarting_every_worker(tmp_path):
     assert float(acct[3]) >= recovery_s and float(acct[1]) > float(acct[3]), acct[0]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_a_replacement_on_another_node_fetches_its_snapshots_over_the_network(tmp_path):
     """Two nodes (two torchrun agents, each with its own shared-memory directory): the replacement of the dead
     rank finds no copy of its snapshots on its node and receives them from its replica holder on the other
     node, verified; only its stage replays and the result is the fault-free run's."""
-    port = _free_port()
+    port = free_port()
 
     def agent(node: int) -> subprocess.Popen:
         rdzv = ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "two-nodes"]

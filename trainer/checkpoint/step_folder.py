@@ -60,13 +60,12 @@ def load_directory(cfg) -> str:
     newest published there); "" for none. CheckpointError naming the folder when it has no such step.
     An elastic job (`parallelism.elastic`) resumes from the newest published in its folder, at every start
     and whatever its layout, and from `checkpoint.load` (or nothing) before it saved one."""
-    c = cfg.checkpoint
+    c, folder = cfg.checkpoint, checkpoint_folder(cfg)
     if cfg.parallelism.elastic:
-        steps = published_steps(checkpoint_folder(cfg))
-        return str(step_dir(checkpoint_folder(cfg), steps[-1])) if steps else c.load
+        steps = published_steps(folder)
+        return str(step_dir(folder, steps[-1])) if steps else c.load
     if not c.load_step:
         return c.load
-    folder = checkpoint_folder(cfg)
     steps = published_steps(folder)
     step = (steps[-1] if steps else None) if c.load_step == -1 else c.load_step
     if step is None or step not in steps:
