@@ -47,6 +47,7 @@ from trainer.config_help import help_text, to_toml
 from trainer.data.batches import TokenBatches, build_data, make_loader
 from trainer.lifecycle import exit_codes, job_end, rank_shell
 from trainer.lifecycle.generations import after_training_failure, train_generations
+from trainer.lifecycle.node_presence import NodeWatch, start_node_beat, this_node
 from trainer.lifecycle.process import run_process
 from trainer.lifecycle.start_plan import StartPlan, agree_on_attempt, plan_start
 from trainer.lifecycle.stop_guard import StopGuard
@@ -241,7 +242,8 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
     refused before anything else."""
     rank_shell.report(f"generation {plan.generation}")
     guard = stop_guard(cfg, int(os.environ.get("RANK", "0")), plan)
-    watch = job_end.GenerationWatch(plan.generation)  # a later generation may not form: the job has ended
+    # a later generation may not form: the job has ended, or a node is gone with its ranks
+    watch = job_end.GenerationWatch(plan.generation, NodeWatch(plan.generation, cfg.fault.node_loss_s, *this_node()))
     rank, world = init_distributed(cfg.fault.timeout_s, generation=plan.generation, watch=watch)
     plan = agree_on_attempt(plan)
     plan.process.startup.mark("process_group")
@@ -499,4 +501,5 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     entry.await_standby_activation()  # a rank shell's warm standby: imported, waiting
+    start_node_beat()  # a shell's trainer: its node is there
     sys.exit(main())

@@ -106,12 +106,16 @@ def start_node(
 ) -> Node:
     """Node `index`'s agent for the job `job_id` (node 0 hosts the rendezvous store on `port`), running
     `train.py train_args` in `nproc` workers, its output added to `output`; the job runs on `min_nodes` of
-    its 2 nodes or more (2: a lost node's survivors wait in the rendezvous until it is back)."""
+    its 2 nodes or more (2: a lost node's survivors wait in the rendezvous until it is back).
+
+    Node 0 holds the lowest ranks, rank 0 among them, in every round: the rendezvous orders nodes by their
+    address first, and node 0 gives its agent the address 127.0.0.1, any other node `localhost`."""
     cmd = [
         *(sys.executable, "-m", "torch.distributed.run", "--nnodes", f"{min_nodes}:2", f"--nproc-per-node={nproc}"),
         *("--max-restarts", "3", "--monitor-interval", "0.5", "--rdzv-backend", "c10d"),
         *("--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", job_id),
         *("--rdzv-conf", f"is_host={int(index == 0)},{RDZV_CONF}"),
+        *("--local-addr", "127.0.0.1" if index == 0 else "localhost"),
         *("train.py", *train_args),
     ]
     proc = subprocess.Popen(

@@ -234,7 +234,8 @@ def peer_stopped_with_an_error() -> bool:
 
 def sever_connections() -> int:
     """A peer died and this rank leaves its generation: shut down its TCP connections to the other ranks
-    (not those to torchrun's store, nor listening sockets), so that every operation waiting on them fails at
+    (not those of torchrun's store, on either end: rank 0 hosts it where every round's workers have a store
+    of their own; nor listening sockets), so that every operation waiting on them fails at
     once, on a thread of this process or on a peer; returns how many. gloo has no abort (pytorch issue
     130345) and closes a group's connections only once nothing refers to the group, which a replication
     round blocked on a live peer would delay by `fault.timeout_s`."""
@@ -247,7 +248,8 @@ def sever_connections() -> int:
             continue  # not a socket (or already closed)
         try:
             if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM:
-                if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) and sock.getpeername()[1] != store_port:
+                ends = (sock.getpeername()[1], sock.getsockname()[1])
+                if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN) and store_port not in ends:
                     sock.shutdown(socket.SHUT_RDWR)
                     severed += 1
         except OSError:

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from benchmarks.emulated_nodes import Output, free_port, start_node
+from benchmarks.emulated_nodes import GROWABLE, Output, free_port, start_node
 from parallelisms.distributed import store_round
 from parallelisms.elastic import ElasticError, elastic_layout, fitting_worlds
 from parallelisms.mesh import ParallelismConfig
@@ -67,7 +67,6 @@ def test_a_fitted_config_names_its_checkpoints_as_the_configured_one_does():
     ("extra", "key"),
     [
         (["--checkpoint.dense_interval", "0"], "parallelism.elastic"),
-        (["--checkpoint.strategy", "gemini"], "parallelism.elastic"),
         (["--checkpoint.strategy", "moevement", "--checkpoint.persist_dir", "/tmp/x"], "checkpoint.persist_dir"),
         (["--checkpoint.load_step", "-1"], "checkpoint.load_step"),
     ],
@@ -93,7 +92,8 @@ def test_a_round_is_named_alike_on_nodes_that_count_different_restarts(monkeypat
 @pytest.mark.slow
 def test_a_death_in_an_elastic_moevement_job_is_replaced_in_place(tmp_path):
     """Within a torchrun round nothing changes: a SIGKILLed worker's standby takes its place (no torchrun
-    restart is allowed), only its stage replays, and the run ends with the fault-free digest."""
+    restart is allowed), only its stage replays, and the run ends with the fault-free digest. Every round has
+    a store of its own, hosted by rank 0, as a job that grows back needs: the survivor keeps it serving."""
     layout = [*base_args(16), "--parallelism.pp", "2", "--parallelism.elastic", "--checkpoint.dense_interval", "4"]
     moevement = ["--checkpoint.strategy", "moevement", "--checkpoint.window", "3"]
     out = run_cli(
@@ -103,6 +103,7 @@ def test_a_death_in_an_elastic_moevement_job_is_replaced_in_place(tmp_path):
         *("--job.output_dir", str(tmp_path / "killed")),
         nproc=2,
         torchrun=("--max-restarts=0",),
+        env=GROWABLE,
     ).stdout
     assert "restart=replaced" in out, out
     reference = run_cli(*layout, "--job.output_dir", str(tmp_path / "reference"), nproc=2).stdout
@@ -126,19 +127,24 @@ def _reference(tmp_path, segments: list[tuple[int, int]]) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["none", "moevement"])
+@pytest.mark.parametrize("strategy", ["none", "moevement", "gemini"])
 def test_a_node_lost_for_good_shrinks_the_job_and_its_return_grows_it_back(tmp_path, strategy):
-    """With MoEvement, the rank shells' survivors first wait for replacements that never come (2 x
-    `fault.timeout_s`), then torchrun restarts them; the reference is the same chain without checkpointing."""
+    """With a checkpoint strategy, the rank shells' survivors wait for replacements until node 1 has said
+    nothing for `fault.node_loss_s` (5 s, where a join is bounded by 2 x `fault.timeout_s` = 240 s), then
+    torchrun restarts them; the reference is the same chain without checkpointing."""
     output, port, job = Output(), free_port(), f"elastic-{os.getpid()}"
     args = [*ELASTIC, "--job.output_dir", str(tmp_path / "runs"), "--checkpoint.strategy", strategy]
+    if strategy != "none":
+        args += ["--fault.timeout_s", "120", "--fault.node_loss_s", "5", "--checkpoint.host_dir", str(tmp_path / "shm")]
     if strategy == "moevement":
-        args += ["--checkpoint.window", "3", "--fault.timeout_s", "10", "--checkpoint.host_dir", str(tmp_path / "shm")]
+        args += ["--checkpoint.window", "3"]
     second = start_node(1, port, job, 2, args, CHILD_ENV, output)  # waits for the first's store
     first = start_node(0, port, job, 2, args, CHILD_ENV, output)
     _, at = output.wait_for(r"elastic: 4 processes: pp=2 dp=2 ")
     _, at = output.wait_for(r"step=10 ", at)
     second.lose()
+    if strategy != "none":
+        _, at = output.wait_for(r"restart: generation 1 will not form: node 1 has said nothing", at, timeout_s=60)
 
     _, at = output.wait_for(r"elastic: 2 processes: pp=2 dp=1 ep=1 micro_batches=4 ", at)
     shrunk, at = output.wait_for(r"checkpoint: loaded step (\d+) ", at)

@@ -301,7 +301,11 @@ def test_bad_trace_names_file_and_cause(tmp_path, content, why):
 
 @pytest.mark.parametrize(
     "args, key",
-    [(["--fault.kill_signal", "SIGTERM"], "fault.kill_signal"), (["--fault.timeout_s", "0"], "fault.timeout_s")],
+    [
+        (["--fault.kill_signal", "SIGTERM"], "fault.kill_signal"),
+        (["--fault.timeout_s", "0"], "fault.timeout_s"),
+        (["--fault.node_loss_s", "1"], "fault.node_loss_s"),
+    ],
 )
 def test_bad_fault_detection_settings_name_the_key(args, key):
     with pytest.raises(ConfigError, match=rf"'{key}'"):

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from parallelisms import distributed
 from tests.helpers import BASE, MOEVEMENT, PP2, baseline, run_cli, run_events, run_shell
-from trainer.lifecycle import job_end
+from trainer.lifecycle import job_end, node_presence, rank_shell
 from trainer.run.event_lines import FinalLine
 
 LAST = 12  # BASE's training.steps
@@ -139,6 +139,55 @@ def test_the_generation_watch_gives_up_only_when_the_generation_cannot_form(stor
     with pytest.raises(job_end.JobFinished, match=f"the job finished at step {LAST}; nothing to recover"):
         watch()
     assert job_end.finished_step() == LAST and job_end.await_finished(1.0) == LAST
+
+
+def test_a_node_whose_beat_stops_for_node_loss_s_is_lost_and_the_generation_given_up(store):
+    """Rank 1 of 3 nodes watches node 2 only (ring order); the lapse counts from the last beat it saw."""
+    now = [0.0]
+    nodes = node_presence.NodeWatch(generation=3, node_loss_s=10.0, node=1, nodes=3, clock=lambda: now[0])
+    watch = job_end.GenerationWatch(generation=3, nodes=nodes)
+    watch()  # the first reading
+    now[0] = 9.0
+    store.add(node_presence.beat_key(2), 1)
+    watch()  # it moved: silent since 9 s
+    store.add(node_presence.beat_key(0), 1)  # a node nobody here watches
+    now[0] = 18.5
+    watch()  # silent 9.5 s
+    now[0] = 19.0
+    with pytest.raises(job_end.GenerationCannotForm, match=r"generation 3 will not form: node 2 has said nothing"):
+        watch()
+    alone = node_presence.NodeWatch(generation=3, node_loss_s=10.0, node=0, nodes=1, clock=lambda: 1e9)
+    alone(store)
+    alone(store)  # one node: nothing to watch
+
+
+def test_a_shell_trainer_beats_for_its_node_once_a_second(store, monkeypatch):
+    monkeypatch.setenv(rank_shell.ROLE, "trainer")
+    monkeypatch.setenv("GROUP_RANK", "1")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    stop = node_presence.start_node_beat()
+    try:
+        time.sleep(2.5)
+        beats = store.add(node_presence.beat_key(1), 0)
+    finally:
+        stop.set()
+    assert 2 <= beats <= 4, beats
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "1")
+    assert node_presence.start_node_beat() is None  # one node: nobody to tell
+
+
+def test_a_rank_leaving_its_generation_keeps_the_store_it_hosts(store):
+    """`sever_connections` on rank 0 of a job whose rounds have stores of their own (hosted by rank 0): the
+    store's connections stay, on the server's end too; any other connection is shut."""
+    client = distributed.torchrun_store_client(5)
+    with socket.create_server(("127.0.0.1", 0)) as listening:
+        peer = socket.create_connection(listening.getsockname())
+        accepted, _ = listening.accept()
+        with peer, accepted:
+            assert distributed.sever_connections() >= 2  # both ends of the peer connection
+            assert accepted.recv(1) == b"" and peer.recv(1) == b""
+    client.set("after", "1")
+    assert store.get("after") == b"1"
 
 
 def test_a_watched_join_stops_waiting_when_the_watch_raises():

@@ -99,6 +99,9 @@ class CheckpointConfig(SparseOptions):
     moc_plt_threshold: float = 0.0375  # MoC doubles K_pec when the proportion of lost tokens exceeds this
 
 
+NODE_LOSS_MIN_S = 3.0  # fault.node_loss_s: at least a few of the trainers' 1 s beats
+
+
 @dataclass
 class FaultConfig:
     at: str = ""  # STEP:RANK[+RANK...][,...]: these ranks lose their state at STEP and recover in place
@@ -110,6 +113,9 @@ class FaultConfig:
     # how fault.kill strikes: SIGKILL (a death) | SIGSTOP (a hang)
     kill_signal: Literal["SIGKILL", "SIGSTOP"] = "SIGKILL"
     timeout_s: float = 600.0  # a collective without progress for this long fails: a hung peer counts as dead
+    # under rank shells: a node none of whose trainers said it is there for this long is lost with its ranks;
+    # the survivors stop waiting to replace them in place and hand over to torchrun's restart
+    node_loss_s: float = 60.0
     # under torchrun, dead workers a rank shell replaces in place before torchrun's restart takes over
     max_replacements: int = 4
     # localized: the failed stages roll back | global: every stage does (for comparison)
@@ -391,6 +397,11 @@ def _validate_fault(cfg: Config) -> None:
     )
     plan = fault_plan(cfg, world=2)
     _check(f.timeout_s > 0, "fault.timeout_s", f"must be > 0 seconds, got {f.timeout_s}")
+    _check(
+        f.node_loss_s >= NODE_LOSS_MIN_S,
+        "fault.node_loss_s",
+        f"must be >= {NODE_LOSS_MIN_S:g} seconds (a few of the trainers' 1 s beats), got {f.node_loss_s}",
+    )
     _check(f.max_replacements >= 0, "fault.max_replacements", f"must be >= 0, got {f.max_replacements}")
     _check(f.replay_threads >= 0, "fault.replay_threads", f"must be >= 0 (0: auto), got {f.replay_threads}")
     for kill in plan.kills if plan else ():
@@ -544,16 +555,10 @@ def _validate_elastic(cfg: Config) -> None:
         "resumes from periodic dense checkpoints: set checkpoint.dense_interval (iterations between them)",
     )
     _check(
-        c.strategy in ("none", "moevement"),
-        "parallelism.elastic",
-        f"resumes from dense checkpoints; checkpoint.strategy {c.strategy!r} restores its own checkpoints after "
-        "a torchrun restart, of one layout: use 'none' or 'moevement'",
-    )
-    _check(
         not c.persist_dir,
         "checkpoint.persist_dir",
         "is never read by an elastic job (each torchrun round starts from the newest dense checkpoint; "
-        "MoEvement recovers in place from memory): leave it unset",
+        "a checkpoint strategy recovers in place from memory): leave it unset",
     )
     _check(
         not c.load_step,

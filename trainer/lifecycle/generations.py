@@ -109,7 +109,7 @@ def train_generations(cfg, plan: StartPlan, generation: Callable[[StartPlan], No
             return
         except Rejoining as rejoining:
             plan = rejoining.plan
-        except job_end.PeersLeft:
+        except job_end.GenerationCannotForm:
             keep_for_torchrun_restart(cfg, plan)
             raise
         except BaseException as error:

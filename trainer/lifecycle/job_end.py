@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Callable
 
 import torch.distributed as dist
 
@@ -42,7 +43,12 @@ class JobFinished(Exception):  # noqa: N818 (a state reached, not an error)
         self.step = step
 
 
-class PeersLeft(Exception):  # noqa: N818 (a state reached, not an error)
+class GenerationCannotForm(Exception):  # noqa: N818 (a state reached, not an error)
+    """A generation this process waited to join will not form, and the job did not finish: torchrun's restart
+    of every worker takes over."""
+
+
+class PeersLeft(GenerationCannotForm):
     """A generation this process waited to join will not form: every other rank left the job, which did not
     finish (rank 0 died before recording its end): torchrun's restart of every worker takes over."""
 
@@ -110,11 +116,12 @@ def finished_step() -> int | None:
 
 class GenerationWatch:
     """Polled while this rank waits to join in-place generation `generation`: raises `JobFinished` or
-    `PeersLeft` once the generation can no longer form. It reads the store through a client of its own:
-    the joining thread's client is held by its blocking waits."""
+    `PeersLeft` once the generation can no longer form, or what `nodes` (given the store) raises for a node
+    gone with its ranks (`trainer.lifecycle.node_presence.NodeWatch`). It reads the store through a client
+    of its own: the joining thread's client is held by its blocking waits."""
 
-    def __init__(self, generation: int):
-        self.generation = generation
+    def __init__(self, generation: int, nodes: Callable[[dist.Store], None] | None = None):
+        self.generation, self.nodes = generation, nodes
         self.rank, self.world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
         self.store: dist.Store | None = None
 
@@ -128,6 +135,8 @@ class GenerationWatch:
             others = [_left_key(r) for r in range(self.world) if r != self.rank]
             if others and store.check(others):
                 raise PeersLeft(self.generation)
+            if self.nodes is not None:
+                self.nodes(store)
         except _STORE_ERRORS:
             return  # the store cannot answer now: keep waiting for the generation
 

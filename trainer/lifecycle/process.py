@@ -39,7 +39,7 @@ def run_process(work: Callable[[], None]) -> int:
         announce_clean_stop(rank)
         said_once_for_the_job(functools.partial(print_error, e))  # every rank reads the same config
         return exit_codes.CLEAN_ERROR
-    except (GenerationNotJoined, job_end.PeersLeft) as e:
+    except (GenerationNotJoined, job_end.GenerationCannotForm) as e:
         print(e, flush=True)
         return exit_codes.FALLBACK
     except (job_end.JobFinished, NothingToRecover) as e:

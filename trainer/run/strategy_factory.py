@@ -107,8 +107,8 @@ def build_strategy(
     (earlier rounds' sparse state may be of another layout, or older): only its in-place generations
     recover from sparse state. The rank's host directory stays as it is until training goes on
     (`MoEvement.begin`), so a death before then loses nothing. An interval baseline, after a torchrun
-    restart of this run, restores its newest checkpoint (gemini's from host memory) and starts with an
-    empty host directory."""
+    restart of this run (not of an elastic job), restores its newest checkpoint (gemini's from host memory)
+    and starts with an empty host directory."""
     strategy = cfg.checkpoint.strategy
     if strategy == "none":
         return NoCheckpointing()
@@ -128,7 +128,7 @@ def build_strategy(
         remove_tree(rank_dir, rank_dir.parent)  # loaded, or of no use to any restart
     new_checkpointer = _checkpointer_factory(cfg, model, optimizer, dims, rank_dir, topo, job_meta)
     if strategy != "moevement":
-        restart = RestartState(rejoin.live, found, checks["run"]) if plan.restarted else None
+        restart = RestartState(rejoin.live, found, checks["run"]) if plan.restarted and not from_dense else None
         return _interval_baseline(cfg, model, optimizer, dims, new_checkpointer, line, lock, rejoin, restart)
     checkpointer = new_checkpointer(dataclasses.replace(cfg.checkpoint, persist_dir=str(disk or "")))
     log = UpstreamLog(model.parts, model.stage_ids, model.n_stages) if cfg.parallelism.pp > 1 else None
