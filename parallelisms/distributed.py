@@ -31,6 +31,7 @@ def default_backend(device: str) -> str:
 
 
 NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+KEPT_STORE = "MOEVEMENT_KEPT_STORE"  # set where rank 0's shell keeps the round's store (trainer.lifecycle.store_keeper)
 # ProcessGroupNCCL's ErrorHandlingMode: 0 NoHandling, 1 TearDown, 2 CleanUpOnly, 3 SkipCleanUp
 _NCCL_MODES = {"0": "NoHandling", "1": "TearDown", "2": "CleanUpOnly", "3": "SkipCleanUp"}
 
@@ -92,8 +93,10 @@ def init_distributed(
 
 def workers_share_agent_store() -> bool:
     """Whether torchrun's workers use their agent's store (its default; `TORCHELASTIC_USE_AGENT_STORE`), which
-    outlives every worker and keeps earlier rounds' keys, rather than a store of each round's own."""
-    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(False)
+    outlives every worker and keeps earlier rounds' keys, rather than a store of each round's own (hosted by
+    rank 0, or by rank 0's store keeper: `trainer.lifecycle.store_keeper`, whose clients are told they use an
+    agent's store)."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(False) and KEPT_STORE not in os.environ
 
 
 def store_round() -> str:

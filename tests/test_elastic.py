@@ -90,16 +90,17 @@ def test_a_round_is_named_alike_on_nodes_that_count_different_restarts(monkeypat
 
 
 @pytest.mark.slow
-def test_a_death_in_an_elastic_moevement_job_is_replaced_in_place(tmp_path):
+@pytest.mark.parametrize("killed", [0, 1])
+def test_a_death_in_an_elastic_moevement_job_is_replaced_in_place(tmp_path, killed):
     """Within a torchrun round nothing changes: a SIGKILLed worker's standby takes its place (no torchrun
     restart is allowed), only its stage replays, and the run ends with the fault-free digest. Every round has
-    a store of its own, hosted by rank 0, as a job that grows back needs: the survivor keeps it serving."""
+    a store of its own, as a job that grows back needs, kept by rank 0's shell: rank 0's death leaves it."""
     layout = [*base_args(16), "--parallelism.pp", "2", "--parallelism.elastic", "--checkpoint.dense_interval", "4"]
     moevement = ["--checkpoint.strategy", "moevement", "--checkpoint.window", "3"]
     out = run_cli(
         *layout,
         *moevement,
-        *("--checkpoint.host_dir", str(tmp_path / "shm"), "--fault.kill", "9:1:backward"),
+        *("--checkpoint.host_dir", str(tmp_path / "shm"), "--fault.kill", f"9:{killed}:backward"),
         *("--job.output_dir", str(tmp_path / "killed")),
         nproc=2,
         torchrun=("--max-restarts=0",),

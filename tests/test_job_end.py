@@ -8,6 +8,7 @@ tested in one process (a real TCPStore) and with the rank shell's own protocol."
 from __future__ import annotations
 
 import datetime
+import os
 import re
 import socket
 import threading
@@ -18,7 +19,7 @@ import torch.distributed as dist
 
 from parallelisms import distributed
 from tests.helpers import BASE, MOEVEMENT, PP2, baseline, run_cli, run_events, run_shell
-from trainer.lifecycle import job_end, node_presence, rank_shell
+from trainer.lifecycle import job_end, node_presence, rank_shell, store_keeper
 from trainer.run.event_lines import FinalLine
 
 LAST = 12  # BASE's training.steps
@@ -188,6 +189,32 @@ def test_a_rank_leaving_its_generation_keeps_the_store_it_hosts(store):
             assert accepted.recv(1) == b"" and peer.recv(1) == b""
     client.set("after", "1")
     assert store.get("after") == b"1"
+
+
+def test_rank_0s_shell_keeps_the_store_of_a_round_that_has_its_own(monkeypatch):
+    """The keeper serves MASTER_PORT while its shell lives; the shell's children are told to connect to it,
+    and still name the round as a store of its own does."""
+    own = {"RANK": "0", "TORCHELASTIC_USE_AGENT_STORE": "False", "MASTER_PORT": "1"}
+    assert store_keeper.wanted(own)
+    assert not store_keeper.wanted({**own, "RANK": "1"})
+    assert not store_keeper.wanted({**own, "TORCHELASTIC_USE_AGENT_STORE": "True"})
+    assert store_keeper.KEPT == distributed.KEPT_STORE
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, **own, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    keeper = store_keeper.start_if_needed(env, None)
+    try:
+        assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+        client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=60))
+        client.set("kept", "yes")
+        assert client.get("kept") == b"yes"
+    finally:
+        keeper.terminate()
+        assert keeper.wait(30) == 0
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert not distributed.workers_share_agent_store() and distributed.store_round() == "round"
 
 
 def test_a_watched_join_stops_waiting_when_the_watch_raises():

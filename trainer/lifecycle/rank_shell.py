@@ -42,7 +42,7 @@ import threading
 import time
 from pathlib import Path
 
-from trainer.lifecycle import exit_codes
+from trainer.lifecycle import exit_codes, store_keeper
 from trainer.lifecycle.exit_codes import describe
 from trainer.lifecycle.shell_argv import ERRORS, setting
 from trainer.lifecycle.shell_lines import (
@@ -100,6 +100,7 @@ class RankShell:
         self.heard: float | None = None  # when the trainer last said anything (None: not since it started)
         self.reports, report_end = os.pipe()
         self.env = {**os.environ, AGENT_PID: str(os.getppid()), SHELL_FD: str(report_end)}
+        self.keeper = store_keeper.start_if_needed(self.env, _die_with_parent)  # rank 0's own-store round
         self.child = self._spawn("trainer")
         self.standby = self._spawn("standby", stdin=subprocess.PIPE)
         signal.signal(signal.SIGTERM, self._forward_sigterm)
