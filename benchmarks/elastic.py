@@ -1,7 +1,7 @@
 """Throughput of a job that loses a node for good and gets it back, under three policies, interleaved.
 
     python -m benchmarks.elastic [--steps 48] [--repair-s 20] [--seed 0] [--policies elastic,wait,restart]
-        [--rounds 1] [--logs DIR]
+        [--rounds 1] [--strategy none] [--node-loss-s 10] [--logs DIR]
 
 The job is `debug_moe` at 4 layers on 4 ranks (pp=2 dp=2, a dense checkpoint every 4 iterations,
 `parallelism.elastic` on) as two emulated nodes of 2 workers each (benchmarks/emulated_nodes.py: two
@@ -16,9 +16,11 @@ and comes back `--repair-s` seconds after the loss. The policies:
 - `restart`: `--nnodes 2:2`, and once a survivor has detected the failure the whole job is stopped (node
   0 killed too) and launched again, as a fresh rendezvous, when node 1 is back.
 
-Each resumes from the newest dense checkpoint of the same folder. Per run it prints every restart of the
+Each resumes from the newest dense checkpoint of the same folder. With `--strategy` (moevement, or a baseline)
+the workers run under rank shells: the survivors first wait for replacements, until node 1 has said nothing
+for `--node-loss-s` (`fault.node_loss_s`), and only then exit to torchrun. Per run it prints every restart of the
 job's workers (`event`: the world after it; `detect_s` from its cause, the node's loss or return, to the
-first `failure detected`/`preempted` line's unix time; `restart_s` from there to the next generation's
+first `failure detected`/`preempted`/`survivor` line's unix time; `restart_s` from there to the next generation's
 `elastic:` line; `load_s` to `checkpoint: loaded`; `resume_s` to its first `step=` line; `lost_iters`
 the iterations reached before and done again), then the run's line
 
@@ -73,7 +75,7 @@ RUN_TIMEOUT_S = 900  # for node 0's agent to end once node 1 is back
 JOIN_TIMEOUT_S = 120  # for node 1's agent to end after node 0's
 
 ELASTIC_RE = re.compile(r"^elastic: (\d+) processes")
-DETECTED = r"^(?:failure detected|preempted): .*\(detected at unix=([\d.]+)\)"
+DETECTED = r"^(?:failure detected|preempted|survivor): .*\(detected at unix=([\d.]+)\)"
 DETECTED_RE = re.compile(DETECTED)
 LOADED_RE = re.compile(r"^checkpoint: loaded step (\d+) ")
 STEP_RE = re.compile(r"^step=(\d+) ")
@@ -232,11 +234,13 @@ class Job:
                 node.lose()
 
 
-def train_args(steps: int, folder: Path) -> list[str]:
-    """The job's command line, its run records, checkpoints and host state under `folder`."""
+def train_args(steps: int, folder: Path, strategy: str = "none", node_loss_s: float = 10.0) -> list[str]:
+    """The job's command line, its run records, checkpoints and host state under `folder`, checkpointed by
+    `strategy` (its survivors giving up on a node after `node_loss_s`)."""
     return [
         *("--config", CONFIG, *OVERRIDES, "--training.steps", str(steps), "--job.name", "elastic-bench"),
         *("--job.output_dir", str(folder / "runs"), "--checkpoint.host_dir", str(folder / "host")),
+        *("--checkpoint.strategy", strategy, "--fault.node_loss_s", str(node_loss_s)),
     ]
 
 
@@ -268,9 +272,12 @@ def drive(policy: str, job: Job, lose_at: int, repair_s: float) -> list[float]:
     return [lost_at, returned_at]
 
 
-def run_policy(policy: str, steps: int, lose_at: int, repair_s: float, folder: Path, log: Path | None) -> Run:
-    """One run of `policy` in `folder` (its stamped output also written to `log`, if given)."""
-    job = Job(train_args(steps, folder), min_nodes=1 if policy == "elastic" else 2)
+def run_policy(policy: str, args: argparse.Namespace, lose_at: int, folder: Path, log: Path | None) -> Run:
+    """One run of `policy` with `args`' steps, repair time and strategy in `folder` (its stamped output also
+    written to `log`, if given)."""
+    steps, repair_s = args.steps, args.repair_s
+    folder.mkdir(mode=0o700)  # the host directory's parent (a strategy's host state)
+    job = Job(train_args(steps, folder, args.strategy, args.node_loss_s), min_nodes=1 if policy == "elastic" else 2)
     began = time.time()
     try:
         job.launch()
@@ -304,7 +311,7 @@ def run_rounds(args: argparse.Namespace, policies: list[str], folder: Path) -> d
         first = (r - 1) % len(policies)
         for policy in policies[first:] + policies[:first]:
             log = args.logs / f"round{r}-{policy}.log" if args.logs else None
-            run = run_policy(policy, args.steps, lose_at, args.repair_s, folder / f"{policy}-{r}", log)
+            run = run_policy(policy, args, lose_at, folder / f"{policy}-{r}", log)
             for event in run.restarts:
                 print(f"event round={r} policy={policy} {event.describe()}", flush=True)
             print(
@@ -323,6 +330,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="draws the iteration after which node 1 is lost")
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--strategy", default="none", help="checkpoint.strategy of the job")
+    parser.add_argument("--node-loss-s", type=float, default=10.0, help="fault.node_loss_s (with a strategy)")
     parser.add_argument("--logs", type=Path, help="write each run's output here, with unix arrival times")
     args = parser.parse_args()
     policies = args.policies.split(",")
@@ -338,8 +347,8 @@ def main() -> None:
     for policy in policies:
         print(summary(policy, runs[policy]))
     median = {p: statistics.median(run.tokens_per_s for run in runs[p]) for p in policies}
-    ratios = [f"elastic/{p}={median['elastic'] / median[p]:.3f}" for p in ("restart", "wait") if p in median]
-    if "elastic" in median and ratios:
+    if "elastic" in median:
+        ratios = [f"elastic/{p}={median['elastic'] / median[p]:.3f}" for p in ("restart", "wait") if p in median]
         print(" ".join(ratios))
 
 

@@ -60,6 +60,26 @@ def test_each_restart_is_costed_from_its_cause_to_its_first_iteration():
     assert (costs["lost_iters"], costs["down_s"]) == pytest.approx((4, 11.0 + 17.0))
 
 
+def test_a_survivor_under_a_rank_shell_dates_the_detection_and_its_wait_counts_as_restart():
+    """With a checkpoint strategy the survivors first wait for replacements (`fault.node_loss_s`): the wait
+    lies between the survivor's detection and the smaller generation."""
+    survivor = (
+        "survivor: rank 0 pid 7 (running since unix=90.000) at step 11: a collective failed (Connection reset by "
+        "peer); kept live state of iteration 11 in memory; joins generation 1 (detected at unix=111.4)"
+    )
+    lines = _stamped(
+        (100.0, FOUR),
+        *_steps(1, 10, 101.0),
+        (111.5, survivor),
+        (121.5, "restart: generation 1 will not form: node 1 has said nothing on torchrun's store for 10 s"),
+        (125.0, "elastic: 2 processes: pp=2 dp=1 ep=1 micro_batches=4 (configured dp=2 micro_batches=2)"),
+        (126.0, "checkpoint: loaded step 8 from /x/checkpoints/step-8 (loss 1.000000)"),
+        *_steps(9, 12, 127.0),
+    )
+    (shrink,) = analyse("elastic", tokens=1, lines=lines, causes=[111.0], began=90.0, ended=131.0).restarts
+    assert (shrink.detect_s, shrink.restart_s, shrink.down_s) == pytest.approx((0.4, 13.6, 16.0))
+
+
 def test_a_job_that_waited_for_its_node_restarts_once_and_never_shrinks():
     lines = _stamped(
         (100.0, FOUR),
