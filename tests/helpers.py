@@ -248,6 +248,8 @@ SHELL_CHILD = textwrap.dedent(
         log.write(json.dumps({{"activated": activation, "role": os.environ[rank_shell.ROLE]}}) + "\\n")
         log.flush()
     generation = int(os.environ.get(rank_shell.GENERATION, "0"))
+    if {endings!r}[min(generation, len({endings!r}) - 1)] == "silent-die":  # dies before its first word
+        os.kill(os.getpid(), signal.SIGKILL)
     rank_shell.start_heartbeat()
     rank_shell.report(f"generation {{generation}}")
     log.write(json.dumps({{"trainer": os.getpid(), "generation": generation}}) + "\\n")
@@ -279,7 +281,8 @@ def run_shell(
     tmp_path, endings: list[str], max_replacements: int, timeout_s: float = 600.0
 ) -> tuple[int, list[dict], str]:
     """A shell (`fault.timeout_s` = `timeout_s`) over the child script whose trainer of generation g ends as
-    `endings[g]` ("die": SIGKILL, "finished-die": SIGKILL after reporting the job finished at step 7,
+    `endings[g]` ("die": SIGKILL, "silent-die": SIGKILL before its first word to the shell, "finished-die":
+    SIGKILL after reporting the job finished at step 7,
     "standby-killed-die": SIGKILL once it killed the standby and the shell started another, "freeze":
     SIGSTOP, "busy-0": exit 0 after 4 s, or an exit status); returns (the shell's status, the children's
     records, the shell's output)."""
