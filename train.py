@@ -38,7 +38,8 @@ from parallelisms.elastic import fitting_worlds
 from parallelisms.mesh import ParallelDims, build_mesh
 from parallelisms.parallelize import ModelParts, parallelize
 from trainer.allocator import reuse_freed_host_memory
-from trainer.checkpoint.dense import check_save_target, is_imported, load_dense, save_dense
+from trainer.checkpoint.dense import check_save_target, save_dense
+from trainer.checkpoint.dense_read import is_imported, load_dense
 from trainer.checkpoint.periodic import PeriodicCheckpoints
 from trainer.checkpoint.state import training_state_digest
 from trainer.checkpoint.step_folder import load_directory

@@ -30,7 +30,15 @@ from eval.errors import EvalError
 from models import build_model
 from models.args import ModelArgs
 from models.transformer import Transformer
-from trainer.checkpoint.dense import META, CheckpointError, check_model, files_of, load_model, open_meta, verify_files
+from trainer.checkpoint.dense_read import (
+    META,
+    CheckpointError,
+    check_model,
+    files_of,
+    load_model,
+    open_meta,
+    verify_files,
+)
 from trainer.data.tokenizer import Tokenizer, build_tokenizer
 
 

@@ -38,15 +38,8 @@ from safetensors import SafetensorError, safe_open
 from models import stored_shapes
 from models.args import ModelArgs
 from models.hf_mapping import UnsupportedModel, args_from_hf_config, check_names, hf_config, sources
-from trainer.checkpoint.dense import (
-    CheckpointError,
-    StoredTensors,
-    Tensors,
-    files_of,
-    open_meta,
-    save_imported,
-    verify_files,
-)
+from trainer.checkpoint.dense import CheckpointError, Tensors, save_imported
+from trainer.checkpoint.dense_read import StoredTensors, files_of, open_meta, verify_files
 from trainer.checkpoint.safetensors_stream import write_safetensors
 from trainer.data.tokenizer import ByteTokenizer, HFTokenizer, TokenizerError, build_tokenizer
 from trainer.hf_modeling import remote_code_files
