@@ -5,8 +5,7 @@ checkpoint strategy (not "none"), `fault.max_replacements` > 0 and more than one
 therefore starts as this thin parent, which imports no torch and never touches a GPU. It runs the trainer
 as its child and keeps one warm standby child: a second `train.py` with the interpreter started and torch
 and the project imported, waiting on a pipe for the word to start (on a GPU it holds no CUDA context
-until then). The first standby starts once the trainer has said its first word (its imports done), so
-that the job's start does not wait for two imports at once.
+until then).
 
 A standby that dies while it waits is started again at once (one `shell:` line). When the trainer child
 dies (SIGKILL, a segfault, the OOM killer, an unexpected exit status), the shell
@@ -103,10 +102,7 @@ class RankShell:
         self.env = {**os.environ, AGENT_PID: str(os.getppid()), SHELL_FD: str(report_end)}
         self.keeper = store_keeper.start_if_needed(self.env, _die_with_parent)  # rank 0's own-store round
         self.child = self._spawn("trainer")
-        # the first standby starts once the trainer has spoken (its imports done): started beside it, the two
-        # would import torch at once, and the job's start would wait for both on a machine of few cores
-        self.standby: subprocess.Popen | None = None
-        self.standby_started = False
+        self.standby = self._spawn("standby", stdin=subprocess.PIPE)
         signal.signal(signal.SIGTERM, self._forward_sigterm)
 
     def _spawn(self, role: str, **kwargs) -> subprocess.Popen:
@@ -157,8 +153,6 @@ class RankShell:
         while True:
             while (code := self.child.poll()) is None:
                 self._read_reports(0.1)
-                if not self.standby_started and self.heard is not None:
-                    self._start_standby()
                 self._keep_a_standby()
                 self._kill_if_frozen()
             self._read_reports(0)
@@ -170,9 +164,6 @@ class RankShell:
             if verdict is ShellVerdict.HAND_BACK or not self._replace(code):
                 self._stop_standby()
                 return code if code >= 0 else 128 - code
-
-    def _start_standby(self) -> None:
-        self.standby, self.standby_started = self._spawn("standby", stdin=subprocess.PIPE), True
 
     def _keep_a_standby(self) -> None:
         """A standby that died while the trainer ran (killed, out of memory) is started again at once, so the
@@ -206,8 +197,6 @@ class RankShell:
     def _replace(self, code: int) -> bool:
         """The trainer child died with `code`: start the standby as the same rank in the next generation."""
         how = describe(code)
-        if not self.standby_started:  # died before it spoke: a cold standby replaces it
-            self._start_standby()
         if self.standby is None or self.standby.poll() is not None or self.replacements >= self.max_replacements:
             why = "no standby" if self.standby is None or self.standby.poll() is not None else "replacements spent"
             self._say(ShellLine(HANDED_BACK, self.rank, self.child.pid, how, why=why))
