@@ -31,6 +31,7 @@ def default_backend(device: str) -> str:
 
 
 NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+STORE_ERRORS = (RuntimeError, dist.DistError)  # what a store operation raises when the store is gone or hung
 KEPT_STORE = "MOEVEMENT_KEPT_STORE"  # set where rank 0's shell keeps the round's store (trainer.lifecycle.store_keeper)
 # ProcessGroupNCCL's ErrorHandlingMode: 0 NoHandling, 1 TearDown, 2 CleanUpOnly, 3 SkipCleanUp
 _NCCL_MODES = {"0": "NoHandling", "1": "TearDown", "2": "CleanUpOnly", "3": "SkipCleanUp"}
@@ -189,7 +190,7 @@ def announce_clean_stop(rank: int) -> None:
     if _TORCHRUN_STORE is not None:
         try:
             _TORCHRUN_STORE.set(_stop_key(), str(rank))
-        except (RuntimeError, dist.DistError):
+        except STORE_ERRORS:
             pass  # the store is gone: the job is ending anyway
 
 
@@ -231,7 +232,7 @@ def peer_stopped_with_an_error() -> bool:
         return False
     try:
         return _TORCHRUN_STORE.check([_stop_key()])
-    except (RuntimeError, dist.DistError):
+    except STORE_ERRORS:
         return False
 
 

@@ -26,10 +26,8 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from parallelisms.distributed import store_round, torchrun_store, torchrun_store_client
+from parallelisms.distributed import STORE_ERRORS, store_round, torchrun_store, torchrun_store_client
 from trainer.lifecycle import rank_shell
-
-_STORE_ERRORS = (RuntimeError, dist.DistError)
 
 
 class JobFinished(Exception):  # noqa: N818 (a state reached, not an error)
@@ -74,7 +72,7 @@ def record_finished(step: int) -> None:
     if store is not None:
         try:
             store.set(_finished_key(), str(step))
-        except _STORE_ERRORS:
+        except STORE_ERRORS:
             return  # the store is gone: the job is ending anyway
         rank_shell.report(f"finished {step}")
 
@@ -89,7 +87,7 @@ def await_finished(timeout_s: float) -> int | None:
     try:
         store.wait([_finished_key()], datetime.timedelta(seconds=timeout_s))
         step = int(store.get(_finished_key()))
-    except _STORE_ERRORS:
+    except STORE_ERRORS:
         return None
     rank_shell.report(f"finished {step}")
     return step
@@ -101,7 +99,7 @@ def record_left(rank: int, step: int) -> None:
     if store is not None:
         try:
             store.set(_left_key(rank), str(step))
-        except _STORE_ERRORS:
+        except STORE_ERRORS:
             pass  # the store is gone: the job is ending anyway
 
 
@@ -110,7 +108,7 @@ def finished_step() -> int | None:
     store = torchrun_store()
     try:
         return int(store.get(_finished_key())) if store is not None and store.check([_finished_key()]) else None
-    except _STORE_ERRORS:
+    except STORE_ERRORS:
         return None
 
 
@@ -137,13 +135,13 @@ class GenerationWatch:
                 raise PeersLeft(self.generation)
             if self.nodes is not None:
                 self.nodes(store)
-        except _STORE_ERRORS:
+        except STORE_ERRORS:
             return  # the store cannot answer now: keep waiting for the generation
 
     def _client(self) -> dist.Store | None:
         if self.store is None and "MASTER_ADDR" in os.environ:
             try:
                 self.store = torchrun_store_client(30)
-            except _STORE_ERRORS:
+            except STORE_ERRORS:
                 return None
         return self.store

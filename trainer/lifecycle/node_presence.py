@@ -27,12 +27,11 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from parallelisms.distributed import store_round, torchrun_store_client
+from parallelisms.distributed import STORE_ERRORS, store_round, torchrun_store_client
 from trainer.lifecycle import rank_shell
 from trainer.lifecycle.job_end import GenerationCannotForm
 
 BEAT_S = 1.0  # how often a trainer adds to its node's count
-_STORE_ERRORS = (RuntimeError, dist.DistError)
 
 
 class NodeLost(GenerationCannotForm):
@@ -70,7 +69,7 @@ def start_node_beat() -> threading.Event | None:
             try:
                 store = store or torchrun_store_client(BEAT_S * 5)
                 store.add(key, 1)
-            except _STORE_ERRORS:
+            except STORE_ERRORS:
                 store = None
             stop.wait(BEAT_S)
 
