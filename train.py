@@ -270,7 +270,7 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
     seeder = DropoutSeeder(model, cfg.job.seed, dims.dp_rank)
     step, loss = resume_dense(cfg, model, optimizer, rank)
     logger = open_logger(cfg, rank, world, dims, plan)
-    ft = build_strategy(cfg, model, optimizer, dims, seeder, train_batches, logger.line, plan)
+    ft = build_strategy(cfg, model, optimizer, dims, seeder, train_batches, logger.line, plan, step)
     tell_the_shell_the_run_folder()  # past the strategy's collectives: rank 0 has named it
     plan.process.startup.mark("strategy")
     optimizer.register_step_pre_hook(guard.optimizer_step_begins)  # after the checkpointer's copy wait

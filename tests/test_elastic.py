@@ -5,6 +5,7 @@ of the reference that stops, saves and relaunches each layout from that checkpoi
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 
@@ -18,6 +19,12 @@ from trainer.config import Config, ConfigError, fit_world, load_config
 
 CONFIGURED = ["--parallelism.pp", "2", "--parallelism.dp", "2", "--parallelism.elastic"]
 ELASTIC = [*base_args(40), *CONFIGURED, "--checkpoint.dense_interval", "4", "--job.name", "elastic"]
+# A window re-laid with W > 1 replays W - 1 iterations in the new layout with weights the old one computed: the
+# reduction order moves the losses of the first iterations after it by about 1e-6 of their value; a tensor
+# re-laid wrong or a slot left out moves them by orders more. (Over a hundred iterations later Adam and the
+# router amplify any difference to whole percents of the weights: only the first iterations tell.)
+RELAID_LOSS_RTOL = 1e-4
+RELAID_CHECKED = 5
 
 
 @pytest.mark.parametrize(
@@ -111,20 +118,22 @@ def test_a_death_in_an_elastic_moevement_job_is_replaced_in_place(tmp_path, kill
     assert final_line(out) == final_line(reference)
 
 
-def _reference(tmp_path, segments: list[tuple[int, int]]) -> str:
-    """stdout of the reference's last run: each (processes, last iteration) segment launched from the
-    checkpoint the one before saved at its end, in a folder of its own."""
+def _reference(tmp_path, segments: list[tuple[int, int]], *extra: str) -> list[str]:
+    """stdout of each of the reference's runs: each (processes, last iteration) segment launched from the
+    checkpoint the one before saved at its end, in a folder of its own (`extra`: more arguments)."""
     load: list[str] = []
+    outs = []
     for i, (nproc, last) in enumerate(segments):
         saved = tmp_path / f"reference-{i}"
         out = run_cli(
             *ELASTIC,
             *("--job.output_dir", str(tmp_path / f"reference-runs-{i}")),
-            *("--training.stop_at", str(last), "--checkpoint.save_final", str(saved), *load),
+            *("--training.stop_at", str(last), "--checkpoint.save_final", str(saved), *load, *extra),
             nproc=nproc,
         ).stdout
+        outs.append(out)
         load = ["--checkpoint.load", str(saved)]
-    return out
+    return outs
 
 
 @pytest.mark.slow
@@ -157,8 +166,51 @@ def test_a_node_lost_for_good_shrinks_the_job_and_its_return_grows_it_back(tmp_p
 
     t1, t2 = int(shrunk[1]), int(grown[1])
     assert 8 <= t1 <= 10 and t1 < int(saved[1]) <= t2, output.text()
-    reference = _reference(tmp_path, [(4, t1), (2, t2), (4, 40)])
+    reference = _reference(tmp_path, [(4, t1), (2, t2), (4, 40)])[-1]
     elastic = output.text()
     assert final_line(elastic) == final_line(reference)
     last_segment = {s: v for s, v in step_losses(elastic[elastic.rindex("checkpoint: loaded step") :]).items()}
     assert last_segment == {s: v for s, v in step_losses(reference).items() if s > t2}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("window", [1, 3])
+def test_a_lost_and_returned_node_resume_from_windows_re_laid_from_host_memory(tmp_path, window):
+    """MoEvement resumes each round from the newest window in host memory, re-laid into the round's layout,
+    not from an older dense checkpoint (none is due). Each emulated node keeps its host
+    memory in a directory of its own (a node is a host and its `checkpoint.host_dir`), and the lost node's
+    goes with it: the shrink re-lays the survivors' windows and the replicas they hold of node 1's, the
+    grow-back sends node 1's ranks their parts over the network. The reference chain stops before the
+    iteration each round trains first (t0 + W - 1). With W = 1 nothing is replayed and the run is the
+    reference's bit for bit; with W = 3 the new layout replays two iterations with weights the old one
+    computed, and the losses of the first RELAID_CHECKED iterations after each agree to RELAID_LOSS_RTOL."""
+    output, port, job, steps = Output(), free_port(), f"relaid-{os.getpid()}", 160
+    args = [*ELASTIC, "--job.output_dir", str(tmp_path / "runs"), *("--checkpoint.strategy", "moevement")]
+    args += ["--training.steps", str(steps), "--checkpoint.window", str(window), "--fault.timeout_s", "120"]
+    args += ["--checkpoint.dense_interval", "1000", "--fault.node_loss_s", "5"]
+    shm = [tmp_path / "shm0", tmp_path / "shm1"]
+    second = start_node(1, port, job, 2, [*args, "--checkpoint.host_dir", str(shm[1])], CHILD_ENV, output)
+    first = start_node(0, port, job, 2, [*args, "--checkpoint.host_dir", str(shm[0])], CHILD_ENV, output)
+    _, at = output.wait_for(r"elastic: 4 processes: pp=2 dp=2 ")
+    _, at = output.wait_for(r"step=10 ", at)
+    second.lose()
+    shutil.rmtree(shm[1])
+    relaid = rf"restart: re-laid window (\d+) \(W={window}\) of dp=%d into dp=%d "
+    shrunk, at = output.wait_for(relaid % (2, 1), at, timeout_s=120)
+    back = start_node(1, port, job, 2, [*args, "--checkpoint.host_dir", str(shm[1])], CHILD_ENV, output)
+    grown, at = output.wait_for(relaid % (1, 2), at)
+    assert first.wait(300) == 0 and back.wait(300) == 0, output.text()
+
+    t1, t2 = int(shrunk[1]) + window - 1, int(grown[1]) + window - 1  # the first iteration each round trains
+    assert 7 <= t1 <= 11 and t1 + RELAID_CHECKED < t2 < steps - RELAID_CHECKED, output.text()
+    references = _reference(tmp_path, [(4, t1 - 1), (2, t2 - 1), (4, steps)], "--training.steps", str(steps))
+    elastic = output.text()
+    if window == 1:
+        assert final_line(elastic) == final_line(references[-1])
+        return
+    # the first iterations each re-laid round trains, against the reference's: before chaos amplifies the bits
+    ours = step_losses(elastic)  # the rounds' last lines win: the shrunk and grown rounds' iterations
+    for first, reference in ((t1, references[1]), (t2, references[2])):
+        theirs = step_losses(reference)
+        for t in range(first, first + RELAID_CHECKED):
+            assert ours[t] == pytest.approx(theirs[t], rel=RELAID_LOSS_RTOL), (t, ours[t], theirs[t])

@@ -54,10 +54,16 @@ def full_state(model, optimizer) -> dict[str, torch.Tensor]:
 
 
 def tiny_engine(
-    rank_dir: Path, compute_dtype=torch.float32, topology: Topology | None = None, rank_dirs=None, **opts
+    rank_dir: Path,
+    compute_dtype=torch.float32,
+    topology: Topology | None = None,
+    rank_dirs=None,
+    job_meta: dict | None = None,
+    **opts,
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer, SparseCheckpointer]:
     """The tiny MoE (seed 0), its AdamW and a checkpointer of it with `options(**opts)`: of one rank, or of
-    this rank of `topology` (`rank_dirs(r)`: rank r's host directory, for same-node replicas)."""
+    this rank of `topology` (`rank_dirs(r)`: rank r's host directory, for same-node replicas), its snapshots
+    carrying `job_meta`."""
     torch.manual_seed(0)
     model = build_model(ModelArgs(**ARGS))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
@@ -71,6 +77,7 @@ def tiny_engine(
         rank_dir=rank_dir,
         topology=topology or Topology.single(),
         rank_dirs=rank_dirs,
+        job_meta=job_meta,
     )
     return model, optimizer, engine
 

@@ -557,8 +557,8 @@ def _validate_elastic(cfg: Config) -> None:
     _check(
         not c.persist_dir,
         "checkpoint.persist_dir",
-        "is never read by an elastic job (each torchrun round starts from the newest dense checkpoint; "
-        "a checkpoint strategy recovers in place from memory): leave it unset",
+        "is never read by an elastic job (each torchrun round starts from the newest dense checkpoint, or with "
+        "moevement a newer window in host memory; a strategy recovers in place from memory): leave it unset",
     )
     _check(
         not c.load_step,

@@ -122,7 +122,7 @@ class Conversion:
         """Replay iteration `t` of `plan` (activating its slot first while converting); returns its seconds."""
         start = time.perf_counter()
         if plan.converts(t):
-            self._activate_slot(*plan.slot_snapshot(t - plan.start))
+            self.activate_slot(*plan.slot_snapshot(t - plan.start))
         self.hooks.begin_iteration(t)
         if self.log is not None:
             self.log.begin(t)
@@ -148,7 +148,7 @@ class Conversion:
         me = dist.get_rank()
         return replay_threads(replaying, layout.node_of, me, self.threads, self.training_threads, self.device)
 
-    def _activate_slot(self, header: SnapshotHeader, tensors: dict) -> None:
+    def activate_slot(self, header: SnapshotHeader, tensors: dict) -> None:
         """Load a snapshot: its slot's FP32 state (active) and later slots' compute weights (frozen)."""
         by_name = self.ck.ops_by_name
         missing = [name for name in [*header.active, *header.frozen] if name not in by_name]

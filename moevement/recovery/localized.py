@@ -170,24 +170,31 @@ class Recovery:
     def restart(self, found: RestartPoint) -> int:
         """Whole-job restart: every stage converts `found` by a full-pipeline replay (global rollback).
 
-        Returns the first iteration to train next (t0 + W). The logged scalars come from the headers and are
-        kept, as are the boundary logs the replay writes: every rank holds both from t0 on."""
+        Returns the first iteration to train next: t0 + W, or for a window re-laid from another layout
+        (`found.relaid`) t0 + W - 1. Its last slot makes every operator active, so the new layout trains that
+        iteration as any other, computing its own clip coefficient rather than replaying the old layout's
+        (with W = 1 nothing is replayed: the run is the new layout's from t0 on, bit for bit). The logged scalars
+        of the replayed iterations come from the headers and are kept, as are the boundary logs the replay
+        writes: every rank holds both from t0 on."""
         started = time.perf_counter()
         t0, window = found.window_start, found.window
+        replayed = window - 1 if found.relaid else window
         stats = ReplayStats(fetch=found.seconds)
-        scalars = {header.iteration: header.meta["scalars"] for header, _ in found.snapshots}
+        scalars = {header.iteration: header.meta["scalars"] for header, _ in found.snapshots[:replayed]}
         self.ck.persisted.restore_scalars(scalars)
         every_stage = set(range(self.layout.n_stages))
         self.conversion.replay(
-            ReplayPlan(t0, t0 + window, window, every_stage, found.snapshots.__getitem__, scalars, {}), stats
+            ReplayPlan(t0, t0 + replayed, window, every_stage, found.snapshots.__getitem__, scalars, {}), stats
         )
+        if found.relaid:
+            self.conversion.activate_slot(*found.snapshots[-1])
         fetch, convert = _slowest(stats.fetch, stats.convert)
         report = RecoveryReport(
             step=found.last_iteration + 1,
             ranks=tuple(range(self.world)),
             scope=tuple(sorted(every_stage)),
             rollback_to=t0,
-            replayed=window,
+            replayed=replayed,
             seconds=time.perf_counter() - started + found.seconds,
             fetch=fetch,
             convert=convert,
@@ -195,7 +202,7 @@ class Recovery:
             snapshots_from=tuple(f"rank{r}: {s}" for r, s in enumerate(found.sources)),
         )
         self._report(report, set(range(self.world)), set(self.layout.pp_of))
-        return t0 + window
+        return t0 + replayed
 
     def _report(self, report: RecoveryReport, failed: set[int], pps: set[int]) -> None:
         """Rank 0 prints the recovery line (and records it); every rank keeps its figures for the loop (`figures`)."""

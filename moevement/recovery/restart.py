@@ -56,6 +56,7 @@ class RestartPoint:
     last_iteration: int  # newest iteration any surviving snapshot records (the job died after it)
     seconds: float  # time spent finding and loading
     window_index: int = 0  # the index the restarted job gives it (`SparseCheckpointer.adopt`)
+    relaid: bool = False  # re-laid from another data-parallel layout (`moevement.recovery.relaid_restart`)
 
 
 @dataclass
@@ -78,6 +79,12 @@ class _Survey:
     anything: bool = False  # any state of this job at all (a fresh job finds none and says nothing)
     held: dict[int, dict[int, list[Path]]] = field(default_factory=dict)  # {rank: {start: paths}} held for others
 
+    def add(self, found: HostWindows) -> HostWindows:
+        """Count what a buffer directory showed; returns it."""
+        self.anything |= found.seen
+        self.newest_iteration = max(self.newest_iteration, found.newest_iteration)
+        return found
+
 
 @dataclass
 class _Agreement:
@@ -95,33 +102,45 @@ class _Agreement:
         return start <= self.persisted or start + window <= self.resume_at
 
 
-def _reject(rank: int, source: str, error: Exception) -> None:
+def reject(rank: int, source: str, error: Exception) -> None:
     print(f"restart: rank {rank} rejected {source}: {error}", flush=True)
 
 
-def _host_windows(rank: int, directory: Path, survey: _Survey) -> dict[int, list[Path]]:
-    """{window_start: buffer paths in slot order} of the complete windows in a buffer directory."""
+@dataclass
+class HostWindows:
+    """What one buffer directory holds: its complete windows ({window_start: buffer paths in slot order}),
+    whether it held any commit record at all, and the newest iteration one names."""
+
+    windows: dict[int, list[Path]]
+    seen: bool = False
+    newest_iteration: int = 0
+
+
+def host_windows(rank: int, directory: Path) -> HostWindows:
+    """The complete windows in a buffer directory (a header that cannot be read is rejected, with a line)."""
     slots: dict[int, dict[int, Path]] = defaultdict(dict)
     sizes = {}
+    found = HostWindows({})
     for json_path in sorted(directory.glob("w*-s*.json")):
-        survey.anything = True
+        found.seen = True
         try:
             header = read_header(json_path.with_suffix(""))
             start, slot, window = header["window_start"], header["slot"], header["window"]
-            survey.newest_iteration = max(survey.newest_iteration, int(header["iteration"]))
+            found.newest_iteration = max(found.newest_iteration, int(header["iteration"]))
         except (*UNUSABLE, KeyError, TypeError, ValueError) as e:
-            _reject(rank, str(json_path), e)
+            reject(rank, str(json_path), e)
             continue
         slots[start][slot] = json_path.with_suffix("")
         sizes[start] = window
-    return {
+    found.windows = {
         start: [by_slot[i] for i in range(sizes[start])]
         for start, by_slot in slots.items()
         if set(by_slot) == set(range(sizes[start]))
     }
+    return found
 
 
-def _load_host(paths: list[Path]) -> Loaded:
+def load_host(paths: list[Path]) -> Loaded:
     out = []
     for path in paths:
         header = SnapshotHeader.from_json(read_header(path))
@@ -139,15 +158,16 @@ def _survey(rank: int, job_dir: Path, persist_root: Path | None, own_copies: boo
             survey.persisted, survey.anything = int(manifest["window_start"]), True
             survey.index = int(manifest["window_index"])
     except (*UNUSABLE, KeyError, TypeError, ValueError) as e:
-        _reject(rank, str(own / "persisted.json"), e)
+        reject(rank, str(own / "persisted.json"), e)
     holders = [("local shared memory", own / "local")] if own_copies else []
     holders += [(f"replica on {d.name}", d / "replicas" / f"from{rank}") for d in sorted(job_dir.glob("rank*[0-9]"))]
     for source, directory in holders:
-        for start, paths in _host_windows(rank, directory, survey).items():
+        found = survey.add(host_windows(rank, directory))
+        for start, paths in found.windows.items():
             survey.copies[start].append(
                 _Copy(
                     source,
-                    lambda p=paths: _load_host(p),
+                    lambda p=paths: load_host(p),
                     True,
                     lambda h, p=paths: str(p[h.slot].with_suffix(".bin")),
                     len(paths),
@@ -156,7 +176,7 @@ def _survey(rank: int, job_dir: Path, persist_root: Path | None, own_copies: boo
     for directory in sorted((own / "replicas").glob("from*[0-9]")):
         source = int(directory.name.removeprefix("from"))
         if source != rank:
-            survey.held[source] = _host_windows(rank, directory, survey)
+            survey.held[source] = survey.add(host_windows(rank, directory)).windows
     if persist_root is not None:
         for directory in private_subdirs(persist_root, "window-", f"rank{rank:05d}"):
             survey.anything = True
@@ -181,7 +201,7 @@ def _load_first_intact(rank: int, copies: list[_Copy], check: CheckHeader) -> tu
                 check(header, copy.file_of(header))
             return snapshots, copy.source
         except (*UNUSABLE, RuntimeError, ValueError, KeyError, TypeError) as e:  # any fault of one copy rejects it
-            _reject(rank, copy.source, e)
+            reject(rank, copy.source, e)
     return None
 
 
@@ -309,16 +329,16 @@ def _fetch_over_network(
             if attempt >= len(holders):
                 continue
             if rank == holders[attempt]:
-                _send_window(r, held[r][start])
+                send_window(r, held[r][start])
             elif rank == r and got is None:
-                got = _receive_window(holders[attempt], check)
+                got = receive_window(holders[attempt], check)
         flags: list = [None] * len(sources)
         collectives.all_gather_object(flags, rank not in needing or got is not None)
         needing = [r for r in needing if not flags[r]]
     return got
 
 
-def _send_window(dst: int, paths: list[Path]) -> None:
+def send_window(dst: int, paths: list[Path]) -> None:
     """The number of slots, then each slot (`send_slot`; none for a slot that can no longer be read)."""
     collectives.send(torch.tensor([len(paths)]), dst)
     for path in paths:
@@ -330,8 +350,8 @@ def _send_window(dst: int, paths: list[Path]) -> None:
         send_slot(dst, header, data)
 
 
-def _receive_window(src: int, check: CheckHeader) -> tuple[Loaded, str] | None:
-    """The window `_send_window` sends, every checksum and the run identity verified, and where it came
+def receive_window(src: int, check: CheckHeader) -> tuple[Loaded, str] | None:
+    """The window `send_window` sends, every checksum and the run identity verified, and where it came
     from (`rank<src>:network`); None if rejected."""
     source = f"replica on rank {src}, over the network"
     n_slots = torch.zeros(1, dtype=torch.int64)
@@ -347,7 +367,7 @@ def _receive_window(src: int, check: CheckHeader) -> tuple[Loaded, str] | None:
             loaded.append((parsed, read_entries(data, parsed, source=source)))
         return loaded, f"rank{src}:network"
     except (*UNUSABLE, RuntimeError, ValueError, KeyError, TypeError) as e:
-        _reject(dist.get_rank(), source, e)
+        reject(dist.get_rank(), source, e)
         return None
 
 

@@ -104,8 +104,27 @@ class RunIdentity:
                 differ.append(f"{key} (saved {other!r}, this run {mine!r})")
         return differ
 
+    def elastic_mismatch(self, saved: object) -> list[str]:
+        """`mismatch` for sparse state an elastic job re-lays from another data-parallel degree: `parallelism.dp`
+        and `training.micro_batches` may differ where a micro-batch keeps its rows (`parallelisms.elastic`)."""
+        if not isinstance(saved, dict) or not isinstance(saved.get("fields"), dict):
+            return self.mismatch(saved)
+        mine = RunIdentity(self.job, _rows_not_ranks(self.fields))
+        return mine.mismatch({**saved, "fields": _rows_not_ranks(saved["fields"])})
+
     def check(self, saved: object, source: str, *, check_job: bool = True) -> None:
         """Raise IdentityError naming `source` unless `saved` belongs to this run."""
         differ = self.mismatch(saved, check_job=check_job)
         if differ:
             raise IdentityError(f"{source}: belongs to another run: {'; '.join(differ)}")
+
+
+def _rows_not_ranks(fields: dict[str, object]) -> dict[str, object]:
+    """`fields` with the data-parallel degree and micro-batches per rank replaced by a micro-batch's rows."""
+    out = dict(fields)
+    dp, micro_batches = out.pop("parallelism.dp", None), out.pop("training.micro_batches", None)
+    try:
+        out["training.micro_batch_rows"] = out["training.batch_size"] // (micro_batches * dp)
+    except (KeyError, TypeError, ZeroDivisionError):
+        out["training.micro_batch_rows"] = None
+    return out

@@ -28,6 +28,8 @@ from moevement.operators import Stacked, build_registry
 from moevement.recovery.conversion import Conversion, TrainerHooks
 from moevement.recovery.live_state import Rejoin, load_live_state
 from moevement.recovery.localized import Recovery
+from moevement.recovery.relaid_restart import RelayTarget, find_relaid_window
+from moevement.recovery.relayout import DataParallel, NewPlace, sharding_of
 from moevement.recovery.replay import PipelineReplay, StageRef
 from moevement.recovery.restart import CheckHeader, RestartPoint, find_restart_checkpoint, snapshot_identity_check
 from moevement.recovery.upstream_log import UpstreamLog
@@ -98,17 +100,18 @@ def build_strategy(
     train_batches,
     line,
     plan: StartPlan,
+    dense_step: int = 0,
 ) -> CheckpointStrategy:
     """`checkpoint.strategy` on this rank (collective over all ranks).
 
     MoEvement first looks for a persisted sparse checkpoint of this job to restart from (a torchrun
-    restart, or a relaunch of the same job) and the live state this rank kept, except in an elastic job
-    (`parallelism.elastic`), whose every torchrun round starts from the dense checkpoint train.py loaded
-    (earlier rounds' sparse state may be of another layout, or older): only its in-place generations
-    recover from sparse state. The rank's host directory stays as it is until training goes on
-    (`MoEvement.begin`), so a death before then loses nothing. An interval baseline, after a torchrun
-    restart of this run (not of an elastic job), restores its newest checkpoint (gemini's from host memory)
-    and starts with an empty host directory."""
+    restart, or a relaunch of the same job) and the live state this rank kept. An elastic job
+    (`parallelism.elastic`) starts every torchrun round from the dense checkpoint train.py loaded (at
+    `dense_step`), or from a newer window in host memory re-laid into the round's layout
+    (`find_relaid_window`); its in-place generations recover from sparse state as any job's. The rank's host
+    directory stays as it is until training goes on (`MoEvement.begin`), so a death before then loses
+    nothing. An interval baseline, after a torchrun restart of this run (not of an elastic job), restores
+    its newest checkpoint (gemini's from host memory) and starts with an empty host directory."""
     strategy = cfg.checkpoint.strategy
     if strategy == "none":
         return NoCheckpointing()
@@ -131,6 +134,9 @@ def build_strategy(
         restart = RestartState(rejoin.live, found, checks["run"]) if plan.restarted and not from_dense else None
         return _interval_baseline(cfg, model, optimizer, dims, new_checkpointer, line, lock, rejoin, restart)
     checkpointer = new_checkpointer(dataclasses.replace(cfg.checkpoint, persist_dir=str(disk or "")))
+    if from_dense and dist.is_initialized():
+        target = _relay_target(dims, topo, checkpointer, identity, job_meta, dense_step)
+        found = find_relaid_window(rank_dir.parent, target, line)
     log = UpstreamLog(model.parts, model.stage_ids, model.n_stages) if cfg.parallelism.pp > 1 else None
     hooks = _trainer_hooks(cfg, model, optimizer, dims, seeder, log, topo, train_batches, line)
     conversion = Conversion(
@@ -181,10 +187,25 @@ def _job_meta(cfg: Config, dims: ParallelDims, identity: RunIdentity, run_id: st
         "seed": cfg.job.seed,
         "dp_rank": dims.dp_rank,
         "pp_rank": dims.pp_rank,
+        "layout": {"dp": dims.cfg.dp, "ep": dims.cfg.ep},  # what a window of an elastic job is re-laid from
         "run": identity.to_json(),
         "run_id": run_id,
         "rng": "dropout seed = derive_seed(seed, iteration, micro-batch, stage, dp_rank)",
     }
+
+
+def _relay_target(
+    dims: ParallelDims,
+    topo: Topology,
+    checkpointer: SparseCheckpointer,
+    identity: RunIdentity,
+    job_meta: dict,
+    dense_step: int,
+) -> RelayTarget:
+    """What a window of another layout must become on this rank (`find_relaid_window`)."""
+    place = NewPlace(DataParallel(dims.cfg.dp, dims.cfg.ep), dims.dp_rank, topo.rank)
+    sharding = sharding_of(checkpointer.ops)
+    return RelayTarget(dims.pp_rank, place, sharding, job_meta, identity.elastic_mismatch, dense_step)
 
 
 def _identity_checks(dims: ParallelDims, identity: RunIdentity, rejoin: Rejoin) -> dict[str, CheckHeader]:
