@@ -18,11 +18,14 @@ and comes back `--repair-s` seconds after the loss. The policies:
 
 Each resumes from the newest dense checkpoint of the same folder. With `--strategy` (moevement, or a baseline)
 the workers run under rank shells: the survivors first wait for replacements, until node 1 has said nothing
-for `--node-loss-s` (`fault.node_loss_s`), and only then exit to torchrun. Per run it prints every restart of the
+for `--node-loss-s` (`fault.node_loss_s`), and only then exit to torchrun. Each node keeps its host memory in a
+directory of its own (a node is a host and its `checkpoint.host_dir`), which a lost node takes with it; with
+MoEvement every restart resumes from a newer window in the host memory that remains, re-laid into the new
+layout, where there is one (`restart: re-laid window`). Per run it prints every restart of the
 job's workers (`event`: the world after it; `detect_s` from its cause, the node's loss or return, to the
 first `failure detected`/`preempted`/`survivor` line's unix time; `restart_s` from there to the next generation's
-`elastic:` line; `load_s` to `checkpoint: loaded`; `resume_s` to its first `step=` line; `lost_iters`
-the iterations reached before and done again), then the run's line
+`elastic:` line; `load_s` to `checkpoint: loaded` (or `restart: re-laid window`); `resume_s` to its first
+`step=` line; `lost_iters` the iterations reached before and done again), then the run's line
 
     round=<r> policy=<p> tokens_per_s=<x> wall_s=<x> lost_iters=<n> detect_s=<x> restart_s=<x> load_s=<x>
         resume_s=<x> down_s=<x> shrunk_s=<x> final_step=<n> state_digest=<hex>
@@ -78,6 +81,7 @@ ELASTIC_RE = re.compile(r"^elastic: (\d+) processes")
 DETECTED = r"^(?:failure detected|preempted|survivor): .*\(detected at unix=([\d.]+)\)"
 DETECTED_RE = re.compile(DETECTED)
 LOADED_RE = re.compile(r"^checkpoint: loaded step (\d+) ")
+RELAID_RE = re.compile(r"^restart: re-laid window (\d+) \(W=(\d+)\)")  # MoEvement: the state after t0 + W - 2
 STEP_RE = re.compile(r"^step=(\d+) ")
 FINAL_RE = re.compile(r"^final step=(\d+) loss=\S+ state_digest=(\w+)")
 
@@ -112,7 +116,7 @@ class Restart:
     world: int  # processes after it
     detect_s: float  # cause -> the first worker's `detected at unix=`
     restart_s: float  # -> the new generation's `elastic:` line (from the cause where no worker said it stopped)
-    load_s: float  # -> `checkpoint: loaded`
+    load_s: float  # -> `checkpoint: loaded` (MoEvement: `restart: re-laid window`, where it re-lays one)
     resume_s: float  # -> its first `step=` line
     down_s: float  # cause -> its first `step=` line
     lost_iters: int  # iterations reached before it and done again after
@@ -136,7 +140,7 @@ def _restart(previous: list[Line], generation: list[Line], causes: list[float]) 
     detected = _first(previous, DETECTED_RE)
     detected_at = float(detected[1][1]) if detected else nan
     cause = max((c for c in causes if c <= (detected_at if detected else start.at)), default=nan)
-    loaded, stepped = _first(generation, LOADED_RE), _first(generation, STEP_RE)
+    loaded, stepped = _loaded(generation), _first(generation, STEP_RE)
     loaded_at, stepped_at = loaded[0].at if loaded else nan, stepped[0].at if stepped else nan
     reached = max((int(m[1]) for line in previous if (m := STEP_RE.match(line.text))), default=0)
     return Restart(
@@ -146,8 +150,18 @@ def _restart(previous: list[Line], generation: list[Line], causes: list[float]) 
         load_s=loaded_at - start.at,
         resume_s=stepped_at - loaded_at,
         down_s=stepped_at - cause,
-        lost_iters=max(0, reached - (int(loaded[1][1]) if loaded else 0)),
+        lost_iters=max(0, reached - (loaded[1] if loaded else 0)),
     )
+
+
+def _loaded(generation: list[Line]) -> tuple[Line, int] | None:
+    """The line saying which state a generation resumes from, and the last iteration that state holds: a
+    window re-laid from host memory (MoEvement) where there is one, else the dense checkpoint it loaded."""
+    if relaid := _first(generation, RELAID_RE):
+        return relaid[0], int(relaid[1][1]) + int(relaid[1][2]) - 2
+    if loaded := _first(generation, LOADED_RE):
+        return loaded[0], int(loaded[1][1])
+    return None
 
 
 def restarts(lines: list[Line], causes: list[float]) -> list[Restart]:
@@ -206,6 +220,7 @@ class Job:
 
     args: list[str]
     min_nodes: int
+    host: Path  # node i keeps its host memory in host/node<i> (a node is a host and its host directory)
     output: StampedOutput = field(default_factory=StampedOutput)
     nodes: dict[int, Node] = field(default_factory=dict)
     port: int = 0
@@ -219,9 +234,15 @@ class Job:
 
     def start(self, index: int) -> None:
         job_id = f"elastic-bench-{os.getpid()}-{self.port}-{self.launches}"
+        args = [*self.args, "--checkpoint.host_dir", str(self.host / f"node{index}")]
         self.nodes[index] = start_node(
-            index, self.port, job_id, WORKERS_PER_NODE, self.args, ENV, self.output, min_nodes=self.min_nodes
+            index, self.port, job_id, WORKERS_PER_NODE, args, ENV, self.output, min_nodes=self.min_nodes
         )
+
+    def lose(self, index: int) -> None:
+        """Node `index` is lost for good: its agent and workers are SIGKILLed and its memory goes with it."""
+        self.nodes[index].lose()
+        shutil.rmtree(self.host / f"node{index}", ignore_errors=True)
 
     def joined_since(self, since: float) -> bool:
         """Whether a generation of the job's workers started after `since` (unix time)."""
@@ -235,11 +256,11 @@ class Job:
 
 
 def train_args(steps: int, folder: Path, strategy: str = "none", node_loss_s: float = 10.0) -> list[str]:
-    """The job's command line, its run records, checkpoints and host state under `folder`, checkpointed by
-    `strategy` (its survivors giving up on a node after `node_loss_s`)."""
+    """The job's command line, its run records and checkpoints under `folder`, checkpointed by `strategy` (its
+    survivors giving up on a node after `node_loss_s`); each node adds its host directory (`Job.start`)."""
     return [
         *("--config", CONFIG, *OVERRIDES, "--training.steps", str(steps), "--job.name", "elastic-bench"),
-        *("--job.output_dir", str(folder / "runs"), "--checkpoint.host_dir", str(folder / "host")),
+        *("--job.output_dir", str(folder / "runs")),
         *("--checkpoint.strategy", strategy, "--fault.node_loss_s", str(node_loss_s)),
     ]
 
@@ -249,7 +270,7 @@ def drive(policy: str, job: Job, lose_at: int, repair_s: float) -> list[float]:
     job's end; the causes of its restarts (unix times)."""
     _, at = job.output.wait_for(rf"step={lose_at} ")
     lost_at = time.time()
-    job.nodes[1].lose()
+    job.lose(1)
     if policy == "restart":
         job.output.wait_for(DETECTED, at)
         job.nodes[0].lose()
@@ -276,8 +297,10 @@ def run_policy(policy: str, args: argparse.Namespace, lose_at: int, folder: Path
     """One run of `policy` with `args`' steps, repair time and strategy in `folder` (its stamped output also
     written to `log`, if given)."""
     steps, repair_s = args.steps, args.repair_s
-    folder.mkdir(mode=0o700)  # the host directory's parent (a strategy's host state)
-    job = Job(train_args(steps, folder, args.strategy, args.node_loss_s), min_nodes=1 if policy == "elastic" else 2)
+    folder.mkdir(mode=0o700)
+    (folder / "host").mkdir(mode=0o700)  # the nodes' host directories' parent (a strategy's host state)
+    job_args = train_args(steps, folder, args.strategy, args.node_loss_s)
+    job = Job(job_args, min_nodes=1 if policy == "elastic" else 2, host=folder / "host")
     began = time.time()
     try:
         job.launch()

@@ -80,6 +80,22 @@ def test_a_survivor_under_a_rank_shell_dates_the_detection_and_its_wait_counts_a
     assert (shrink.detect_s, shrink.restart_s, shrink.down_s) == pytest.approx((0.4, 13.6, 16.0))
 
 
+def test_a_window_re_laid_from_host_memory_is_what_a_moevement_generation_resumes_from():
+    """The dense checkpoint loaded first is older: the re-laid window (t0 = 9, W = 3: the state after iteration 10)
+    is the state the generation resumes from, and its line ends the load."""
+    lines = _stamped(
+        (100.0, FOUR),
+        *_steps(1, 12, 101.0),
+        (113.6, FAILED),
+        (120.0, "elastic: 2 processes: pp=2 dp=1 ep=1 micro_batches=4 (configured dp=2 micro_batches=2)"),
+        (121.0, "checkpoint: loaded step 8 from /x/checkpoints/step-8 (loss 1.000000)"),
+        (122.5, "restart: re-laid window 9 (W=3) of dp=2 into dp=1 from host memory"),
+        *_steps(11, 14, 124.0),
+    )
+    (shrink,) = analyse("elastic", tokens=1, lines=lines, causes=[113.0], began=90.0, ended=130.0).restarts
+    assert (shrink.load_s, shrink.resume_s, shrink.lost_iters) == pytest.approx((2.5, 1.5, 2))
+
+
 def test_a_job_that_waited_for_its_node_restarts_once_and_never_shrinks():
     lines = _stamped(
         (100.0, FOUR),
