@@ -240,6 +240,10 @@ def test_accounting_is_carried_across_a_torchrun_restart(tmp_path, monkeypatch, 
     assert (second.failures, second.recovery_s, second.elapsed()) == (1, 6.0, 10.0)
     second.iteration(3, 1.0)
     assert second.recompute_s == 1.0 and path.exists()  # kept until the run finishes
+    second.keep({"run_id": "r", "attempt": 1}, stopped_unix=1012.0)  # a node joins: torchrun counts no restart
+    third = RunAccounting(first_step=3, samples_per_step=8, path=path)
+    third.carry_on({"run_id": "r", "attempt": 1})
+    assert (third.first_step, third.failures, third.recomputed) == (1, 2, 1)
     for name, note in (
         ({"run_id": "other", "attempt": 1}, "of another run"),
         (

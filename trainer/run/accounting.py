@@ -113,7 +113,7 @@ def _newest_in_memory(mine: dict | None) -> dict | None:
 
 
 def _newest_kept(path: Path, name: dict) -> dict | None:
-    """The newest accounting kept by an earlier attempt of this run, over every rank's file (collective
+    """The newest accounting kept by an earlier round of this run, over every rank's file (collective
     after a restart; a first attempt only removes this rank's file, an earlier launch's)."""
     if name["attempt"] == 0:  # the same on every rank
         path.unlink(missing_ok=True)
@@ -128,8 +128,10 @@ def _newest_kept(path: Path, name: dict) -> dict | None:
 
 
 def _read_kept(path: Path, name: dict) -> dict | None:
-    """The record at `path` if it is of this run, of an earlier attempt, and well-formed (else None; a
-    record of an older version, which named the attempt "generation", is of another run)."""
+    """The record at `path` if it is of this run, of this attempt or an earlier one, and well-formed (else
+    None; a record of an older version, which named the attempt "generation", is of another run). A record
+    of this attempt was kept by a round that torchrun restarted because a node joined (an elastic job grows
+    back): a join does not count as a restart."""
     try:
         record = read_header(path.with_suffix(""))
     except HostMemoryError as e:
@@ -142,7 +144,7 @@ def _read_kept(path: Path, name: dict) -> dict | None:
     if (
         record.get("run_id") != name["run_id"]
         or not isinstance(era, int)
-        or not 0 <= era < name["attempt"]
+        or not 0 <= era <= name["attempt"]
         or not isinstance(kept, dict)
         or not all(isinstance(kept.get(k), int | float) and math.isfinite(kept[k]) for k in fields)
     ):
