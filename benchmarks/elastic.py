@@ -1,9 +1,9 @@
 """Throughput of a job that loses a node for good and gets it back, under three policies, interleaved.
 
     python -m benchmarks.elastic [--steps 48] [--repair-s 20] [--seed 0] [--policies elastic,wait,restart]
-        [--rounds 1] [--strategy none] [--node-loss-s 10] [--logs DIR]
+        [--rounds 1] [--strategy none] [--node-loss-s 10] [--dense-interval 4] [--logs DIR]
 
-The job is `debug_moe` at 4 layers on 4 ranks (pp=2 dp=2, a dense checkpoint every 4 iterations,
+The job is `debug_moe` at 4 layers on 4 ranks (pp=2 dp=2, a dense checkpoint every `--dense-interval` iterations,
 `parallelism.elastic` on) as two emulated nodes of 2 workers each (benchmarks/emulated_nodes.py: two
 torchrun agents on this machine). Node 1 is lost for good (its agent and workers SIGKILLed) once the
 iteration drawn for the round (`random.Random(seed)`, between 25% and 50% of the steps) has been logged,
@@ -255,12 +255,15 @@ class Job:
                 node.lose()
 
 
-def train_args(steps: int, folder: Path, strategy: str = "none", node_loss_s: float = 10.0) -> list[str]:
+def train_args(
+    steps: int, folder: Path, strategy: str = "none", node_loss_s: float = 10.0, dense_interval: int = 4
+) -> list[str]:
     """The job's command line, its run records and checkpoints under `folder`, checkpointed by `strategy` (its
-    survivors giving up on a node after `node_loss_s`); each node adds its host directory (`Job.start`)."""
+    survivors giving up on a node after `node_loss_s`) and densely every `dense_interval` iterations; each
+    node adds its host directory (`Job.start`)."""
     return [
         *("--config", CONFIG, *OVERRIDES, "--training.steps", str(steps), "--job.name", "elastic-bench"),
-        *("--job.output_dir", str(folder / "runs")),
+        *("--job.output_dir", str(folder / "runs"), "--checkpoint.dense_interval", str(dense_interval)),
         *("--checkpoint.strategy", strategy, "--fault.node_loss_s", str(node_loss_s)),
     ]
 
@@ -299,7 +302,7 @@ def run_policy(policy: str, args: argparse.Namespace, lose_at: int, folder: Path
     steps, repair_s = args.steps, args.repair_s
     folder.mkdir(mode=0o700)
     (folder / "host").mkdir(mode=0o700)  # the nodes' host directories' parent (a strategy's host state)
-    job_args = train_args(steps, folder, args.strategy, args.node_loss_s)
+    job_args = train_args(steps, folder, args.strategy, args.node_loss_s, args.dense_interval)
     job = Job(job_args, min_nodes=1 if policy == "elastic" else 2, host=folder / "host")
     began = time.time()
     try:
@@ -355,6 +358,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--strategy", default="none", help="checkpoint.strategy of the job")
     parser.add_argument("--node-loss-s", type=float, default=10.0, help="fault.node_loss_s (with a strategy)")
+    parser.add_argument("--dense-interval", type=int, default=4, help="checkpoint.dense_interval of the job")
     parser.add_argument("--logs", type=Path, help="write each run's output here, with unix arrival times")
     args = parser.parse_args()
     policies = args.policies.split(",")
