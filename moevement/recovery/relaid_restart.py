@@ -230,19 +230,17 @@ def _fetch_parts(
     deadlock; a rejected copy is asked of the next holder)."""
     gathered: list = [None] * dist.get_world_size()
     collectives.all_gather_object(gathered, missing)
-    wanted = [(r, tuple(part)) for r, parts in enumerate(gathered) for part in parts]
+    wanted = [(r, tuple(part)) for r, parts in enumerate(gathered) for part in parts if _holders_for(holders, part, r)]
     got: dict[Part, list[Slot]] = {}
     attempt = 0
     while wanted:
         for r, part in wanted:
-            others = [h for h in holders.get(part, []) if h != r]
-            if attempt >= len(others):
-                continue
-            if rank == others[attempt]:
+            holder = _holders_for(holders, part, r)[attempt]
+            if rank == holder:
                 send_window(r, survey.copies[key][part][0][1])
             elif rank == r:
                 check: CheckHeader = lambda h, source, p=part: _check(h, key, p, target, source)  # noqa: E731
-                received = receive_window(others[attempt], check)
+                received = receive_window(holder, check)
                 if received is not None:
                     got[part] = received[0]
         flags: list = [None] * dist.get_world_size()
@@ -251,6 +249,11 @@ def _fetch_parts(
         wanted = [
             (r, part)
             for r, part in wanted
-            if part not in {tuple(p) for p in flags[r]} and attempt < len([h for h in holders.get(part, []) if h != r])
+            if part not in {tuple(p) for p in flags[r]} and attempt < len(_holders_for(holders, part, r))
         ]
     return got
+
+
+def _holders_for(holders: dict[Part, list[int]], part: Part, rank: int) -> list[int]:
+    """The ranks, other than `rank`, that can send `part`, in the order they are asked."""
+    return [h for h in holders.get(part, []) if h != rank]
