@@ -28,7 +28,8 @@ class ParallelismConfig:
     stages_per_rank: int = 1  # virtual stages per rank (Interleaved1F1B needs >= 2)
     split_points: str = ""  # layer ids starting stages 1.. (e.g. "2,4"); "" = balanced
     # under torchrun --nnodes MIN:MAX: take the world a restart gets (dp = world / pp, micro-batches per rank
-    # scaled to keep their rows) and resume from the newest periodic dense checkpoint (parallelisms/elastic.py)
+    # scaled to keep their rows) and resume from the newest periodic dense checkpoint, or with moevement from a
+    # newer window in host memory re-laid into that layout (parallelisms/elastic.py)
     elastic: bool = False
 
 
