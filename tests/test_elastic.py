@@ -21,8 +21,9 @@ CONFIGURED = ["--parallelism.pp", "2", "--parallelism.dp", "2", "--parallelism.e
 ELASTIC = [*base_args(40), *CONFIGURED, "--checkpoint.dense_interval", "4", "--job.name", "elastic"]
 # A window re-laid with W > 1 replays W - 1 iterations in the new layout with weights the old one computed: the
 # reduction order moves the losses of the first iterations after it by about 1e-6 of their value; a tensor
-# re-laid wrong or a slot left out moves them by orders more. (Over a hundred iterations later Adam and the
-# router amplify any difference to whole percents of the weights: only the first iterations tell.)
+# re-laid wrong or a slot left out moves them by orders more (the last slot left out: 5e-2). Later, Adam and
+# the router amplify any difference of bits, by about 100x in 20 iterations here, to whole percents of the
+# weights over a hundred: only the first iterations after a re-lay tell.
 RELAID_LOSS_RTOL = 1e-4
 RELAID_CHECKED = 5
 
@@ -137,17 +138,16 @@ def _reference(tmp_path, segments: list[tuple[int, int]], *extra: str) -> list[s
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["none", "moevement", "gemini"])
+@pytest.mark.parametrize("strategy", ["none", "gemini"])
 def test_a_node_lost_for_good_shrinks_the_job_and_its_return_grows_it_back(tmp_path, strategy):
     """With a checkpoint strategy, the rank shells' survivors wait for replacements until node 1 has said
     nothing for `fault.node_loss_s` (5 s, where a join is bounded by 2 x `fault.timeout_s` = 240 s), then
-    torchrun restarts them; the reference is the same chain without checkpointing."""
+    torchrun restarts them from the newest dense checkpoint; the reference is the same chain without
+    checkpointing. (MoEvement resumes from a newer window where there is one: the test below.)"""
     output, port, job = Output(), free_port(), f"elastic-{os.getpid()}"
     args = [*ELASTIC, "--job.output_dir", str(tmp_path / "runs"), "--checkpoint.strategy", strategy]
     if strategy != "none":
         args += ["--fault.timeout_s", "120", "--fault.node_loss_s", "5", "--checkpoint.host_dir", str(tmp_path / "shm")]
-    if strategy == "moevement":
-        args += ["--checkpoint.window", "3"]
     second = start_node(1, port, job, 2, args, CHILD_ENV, output)  # waits for the first's store
     first = start_node(0, port, job, 2, args, CHILD_ENV, output)
     _, at = output.wait_for(r"elastic: 4 processes: pp=2 dp=2 ")
@@ -183,7 +183,7 @@ def test_a_lost_and_returned_node_resume_from_windows_re_laid_from_host_memory(t
     grow-back sends node 1's ranks their parts over the network. The reference chain stops before the
     iteration each round trains first (t0 + W - 1). With W = 1 nothing is replayed and the run is the
     reference's bit for bit; with W = 3 the new layout replays two iterations with weights the old one
-    computed, and the losses of the first RELAID_CHECKED iterations after each agree to RELAID_LOSS_RTOL."""
+    computed: the losses after each re-lay stay as close to the reference's as before it (below)."""
     output, port, job, steps = Output(), free_port(), f"relaid-{os.getpid()}", 160
     args = [*ELASTIC, "--job.output_dir", str(tmp_path / "runs"), *("--checkpoint.strategy", "moevement")]
     args += ["--training.steps", str(steps), "--checkpoint.window", str(window), "--fault.timeout_s", "120"]
@@ -195,22 +195,27 @@ def test_a_lost_and_returned_node_resume_from_windows_re_laid_from_host_memory(t
     _, at = output.wait_for(r"step=10 ", at)
     second.lose()
     shutil.rmtree(shm[1])
+    _, at = output.wait_for(r"restart: generation 1 will not form: node 1 has said nothing", at, timeout_s=60)
     relaid = rf"restart: re-laid window (\d+) \(W={window}\) of dp=%d into dp=%d "
     shrunk, at = output.wait_for(relaid % (2, 1), at, timeout_s=120)
+    t1 = int(shrunk[1]) + window - 1  # the first iteration the round trains
+    _, at = output.wait_for(rf"step={t1 + RELAID_CHECKED} ", at)  # the iterations compared below ran on 2 ranks
     back = start_node(1, port, job, 2, [*args, "--checkpoint.host_dir", str(shm[1])], CHILD_ENV, output)
     grown, at = output.wait_for(relaid % (1, 2), at)
     assert first.wait(300) == 0 and back.wait(300) == 0, output.text()
 
-    t1, t2 = int(shrunk[1]) + window - 1, int(grown[1]) + window - 1  # the first iteration each round trains
+    t2 = int(grown[1]) + window - 1
     assert 7 <= t1 <= 11 and t1 + RELAID_CHECKED < t2 < steps - RELAID_CHECKED, output.text()
     references = _reference(tmp_path, [(4, t1 - 1), (2, t2 - 1), (4, steps)], "--training.steps", str(steps))
     elastic = output.text()
     if window == 1:
         assert final_line(elastic) == final_line(references[-1])
         return
-    # the first iterations each re-laid round trains, against the reference's: before chaos amplifies the bits
-    ours = step_losses(elastic)  # the rounds' last lines win: the shrunk and grown rounds' iterations
-    for first, reference in ((t1, references[1]), (t2, references[2])):
-        theirs = step_losses(reference)
-        for t in range(first, first + RELAID_CHECKED):
-            assert ours[t] == pytest.approx(theirs[t], rel=RELAID_LOSS_RTOL), (t, ours[t], theirs[t])
+    # The shrunk round starts from the reference's state but for the W - 1 replayed iterations: its first
+    # iterations agree to RELAID_LOSS_RTOL. The grown round starts from a state that already drifted from the
+    # reference's (Adam and the router amplify bits): its re-lay may add no jump to that drift.
+    ours, theirs = step_losses(elastic), {**step_losses(references[1]), **step_losses(references[2])}
+    drift = {t: abs(ours[t] - theirs[t]) / abs(theirs[t]) for t in ours if t in theirs}
+    assert all(drift[t] <= RELAID_LOSS_RTOL for t in range(t1, t1 + RELAID_CHECKED)), drift
+    before = max(drift[t] for t in range(t2 - 3, t2))
+    assert all(drift[t] <= max(RELAID_LOSS_RTOL, 10 * before) for t in range(t2, t2 + 3)), drift
