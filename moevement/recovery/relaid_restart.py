@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from moevement.recovery.relayout import DataParallel, NewPlace, Sharded, Slot, old_ranks_needed, relaid_window
 from moevement.recovery.restart import (
-    UNUSABLE,
+    REJECTS,
     CheckHeader,
     RestartPoint,
     host_windows,
@@ -32,6 +32,7 @@ from moevement.recovery.restart import (
     receive_window,
     reject,
     send_window,
+    snapshot_identity_check,
 )
 from moevement.storage.host_memory import read_header
 from moevement.storage.snapshot import SnapshotError, SnapshotHeader
@@ -39,7 +40,6 @@ from parallelisms import collectives
 
 Part = tuple[int, int]  # an old rank's (pp_rank, dp_rank)
 Copy = tuple[str, list[Path]]  # a copy of a part on this node: where (`rank<q>/replicas/from<r>`), buffers by slot
-FAULTS = (*UNUSABLE, RuntimeError, ValueError, KeyError, TypeError)
 
 
 @dataclass(frozen=True, order=True)
@@ -118,7 +118,7 @@ def survey_node(rank: int, job_dir: Path) -> NodeSurvey:
             if manifest is not None:
                 survey.persisted = max(survey.persisted, int(manifest["window_start"]))
                 survey.index = max(survey.index, int(manifest["window_index"]))
-        except FAULTS as e:
+        except REJECTS as e:
             reject(rank, str(rank_dir / "persisted.json"), e)
         for directory in [rank_dir / "local", *sorted((rank_dir / "replicas").glob("from*[0-9]"))]:
             found = host_windows(rank, directory)
@@ -140,7 +140,7 @@ def _placed(rank: int, first_slot: Path) -> tuple[WindowOf, Part] | None:
             return None
         key = WindowOf(int(header["window_start"]), int(header["window"]), int(layout["dp"]), int(layout["ep"]))
         return key, (int(meta["pp_rank"]), int(meta["dp_rank"]))
-    except FAULTS as e:
+    except REJECTS as e:
         reject(rank, str(first_slot.with_suffix(".json")), e)
         return None
 
@@ -178,7 +178,7 @@ def _relay(
                 loaded[part] = _checked(load_host(paths), key, part, target, str(paths[0].parent))
                 sources.append(where)
                 break
-            except FAULTS as e:
+            except REJECTS as e:
                 reject(rank, str(paths[0].parent), e)
     received = _fetch_parts(rank, key, [p for p in needed if p not in loaded], survey, holders, target)
     loaded.update(received)
@@ -190,7 +190,7 @@ def _relay(
                 {d: loaded[(p, d)] for p, d in needed}, target.sharding, target.place, old, target.meta
             )
             source = f"dp={key.dp}: " + ", ".join(sources)
-        except FAULTS as e:
+        except REJECTS as e:
             reject(rank, f"window {key.start} of dp={key.dp}", e)
     every: list = [None] * dist.get_world_size()
     collectives.all_gather_object(every, source)  # also: no rank re-uses a buffer another still reads
@@ -205,16 +205,11 @@ def _checked(slots: list[Slot], key: WindowOf, part: Part, target: RelayTarget, 
 
 
 def _check(header: SnapshotHeader, key: WindowOf, part: Part, target: RelayTarget, source: str) -> None:
-    meta = header.meta
-    where = (header.window_start, header.window, meta.get("layout"), meta.get("pp_rank"), meta.get("dp_rank"))
-    expected = (key.start, key.window, {"dp": key.dp, "ep": key.ep}, *part)
-    if where != expected:
-        raise SnapshotError(f"{source}: snapshot of iteration {header.iteration} is not part {part} of window {key}")
-    differ = target.run_mismatch(meta.get("run"))
-    if differ:
-        raise SnapshotError(
-            f"{source}: snapshot of iteration {header.iteration} belongs to another run: {'; '.join(differ)}"
-        )
+    """SnapshotError naming `source` unless `header` is of window `key`, part `part`, and this run."""
+    if (header.window_start, header.window) != (key.start, key.window):
+        raise SnapshotError(f"{source}: snapshot of iteration {header.iteration} is not of window {key}")
+    expect = {"layout": {"dp": key.dp, "ep": key.ep}, "pp_rank": part[0], "dp_rank": part[1]}
+    snapshot_identity_check(expect, target.run_mismatch)(header, source)
 
 
 def _fetch_parts(

@@ -43,6 +43,7 @@ from parallelisms import collectives
 Loaded = list[tuple[SnapshotHeader, dict]]  # (header, {(role, name): tensor}) per slot, in slot order
 CheckHeader = Callable[[SnapshotHeader, str], None]  # raises when a snapshot belongs to another run
 UNUSABLE = (SnapshotError, HostMemoryError, OSError)
+REJECTS = (*UNUSABLE, RuntimeError, ValueError, KeyError, TypeError)  # any fault of one copy rejects it
 
 
 @dataclass
@@ -200,7 +201,7 @@ def _load_first_intact(rank: int, copies: list[_Copy], check: CheckHeader) -> tu
             for header, _ in snapshots:
                 check(header, copy.file_of(header))
             return snapshots, copy.source
-        except (*UNUSABLE, RuntimeError, ValueError, KeyError, TypeError) as e:  # any fault of one copy rejects it
+        except REJECTS as e:
             reject(rank, copy.source, e)
     return None
 
@@ -366,7 +367,7 @@ def receive_window(src: int, check: CheckHeader) -> tuple[Loaded, str] | None:
             check(parsed, source)
             loaded.append((parsed, read_entries(data, parsed, source=source)))
         return loaded, f"rank{src}:network"
-    except (*UNUSABLE, RuntimeError, ValueError, KeyError, TypeError) as e:
+    except REJECTS as e:
         reject(dist.get_rank(), source, e)
         return None
 
