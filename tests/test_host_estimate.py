@@ -4,7 +4,7 @@ Bound tested: a real run's bytes in the host directory (whole pages, as tmpfs co
 estimate, and the estimate at most 1.25 times them. With a forced window the estimate differs from a
 fault-free run only in slot 0 under the registry order (the order after a recovery's reset), and in its
 allowance for commit records. The same bound holds for a node (every file counted once: a replica of a
-same-node sender is a link to its buffer). The GPU lines (pinned host memory, the device staging ring, the
+same-node sender is a link to its buffer). The GPU lines (pinned host memory, the
 hash's CPU time, node limits and their warnings) are checked against arithmetic on the debug config.
 """
 
@@ -18,7 +18,6 @@ import pytest
 
 from moevement.checkpoint.profiler import PROBE_BYTES
 from moevement.recovery.live_state import keep_in_memory, save_kept
-from moevement.storage.snapshot import CUDA_CHUNK_BYTES, STAGING_SLOTS
 from tests.helpers import DEBUG_CONFIG, run_cli, stepped_operators
 from trainer.config import load_config
 from trainer.run import host_estimate
@@ -138,8 +137,7 @@ def test_gpu_lines_pin_snapshots_probe_and_power_of_two_log_blocks():
             f"probe={host_estimate.gb(r.probe)} upstream_log={host_estimate.gb(r.pinned_log)} "
             f"pinned={host_estimate.gb(r.pinned)}"
         )
-    assert STAGING_SLOTS * CUDA_CHUNK_BYTES == 2 * (64 << 20)
-    assert lines[3].startswith("staging_ring per_rank=0.134 GB of accelerator memory: STAGING_SLOTS=2 x ")
+    assert len(lines) == 3
 
 
 def test_same_node_replicas_are_links_under_auto_replication_only():

@@ -23,6 +23,8 @@ from moevement.failures import FaultEvent
 from moevement.recovery.localized import Recovery
 from moevement.recovery.report import RecoveryFigures, RecoveryReport, RecoveryWork
 from moevement.recovery.restart import find_restart_checkpoint
+from moevement.storage import word_checksum
+from moevement.storage.snapshot import FORMAT
 from moevement.topology import Topology
 from tests.tiny_moe import (
     FAILED,
@@ -95,16 +97,19 @@ def one_rank_group(tmp_path):
     dist.destroy_process_group()
 
 
-def test_a_whole_job_restart_converts_the_persisted_window_exact_operator_by_operator(tmp_path, one_rank_group):
+@pytest.mark.parametrize("staged", [False, True], ids=["cpu-copy", "gpu-path"])
+def test_a_whole_job_restart_converts_the_persisted_window_exact_operator_by_operator(tmp_path, one_rank_group, staged):
     """The job dies after iteration 10 with its host memory intact; the restarted process (a fresh model
     and optimizer) finds window 6-8 and `Recovery.restart` converts it: at the start of 6, 7 and 8 every
-    operator is exactly state_t, at the end state_9, and training goes on with iteration 9."""
+    operator is exactly state_t, at the end state_9, and training goes on with iteration 9. Alike whether
+    the snapshots were copied by the copy thread (XXH3) or issued as on a GPU (device checksums)."""
     rank_dir = tmp_path / "job" / "rank00000"
-    died = train_run(rank_dir, FAILED - 1)
+    died = train_run(rank_dir, FAILED - 1, staged=staged)
     died.engine.close()  # keep_host_state: what the dead process committed stays in its directory
     lines: list = []
     found = find_restart_checkpoint(tmp_path / "job", None, lambda header, source: None, lines.append)
     assert found is not None and (found.window_start, found.window, found.last_iteration) == (6, 3, 10)
+    assert {header.checksum_format for header, _ in found.snapshots} == {word_checksum.FORMAT if staged else FORMAT}
     model, optimizer, engine = tiny_engine(rank_dir)
     restarted = Run(model, optimizer, engine, died.states, died.initial)
     seen: dict[int, list[str]] = {}

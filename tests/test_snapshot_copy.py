@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from moevement.storage.snapshot import layout_of, read_entries
+from moevement.storage.snapshot import FORMAT, layout_of, read_entries
 from moevement.storage.snapshot_copy import CopyPlan, Throttle, copy_entries
 
 
@@ -76,24 +76,4 @@ def test_layout_order_does_not_depend_on_addresses():
 class _Header:
     def __init__(self, entries, checksums, nbytes):
         self.entries, self.checksums, self.nbytes, self.iteration = entries, checksums, nbytes, 0
-
-
-def test_chunks_gathered_through_a_staging_ring_land_bit_for_bit_with_zero_padding():
-    """The GPU's path, run on CPU: chunks of many runs are gathered into the slots of a staging ring (stale
-    bytes in it) and brought over one span per chunk; a chunk larger than a slot, or of one run, is copied
-    directly. The buffer ends up exactly as the direct copy leaves it."""
-    items = _stacked_items(experts=8, stacks=2)
-    entries, sources, nbytes = layout_of(items)
-    direct = torch.full((nbytes,), 255, dtype=torch.uint8)
-    copy_entries(direct, entries, sources, Throttle())
-    staging = torch.full((2 * 8 * 4096,), 77, dtype=torch.uint8)  # two slots of eight expert slices
-    buffer = torch.full((nbytes,), 255, dtype=torch.uint8)
-    plan = CopyPlan.of(buffer, entries, sources, chunk_bytes=4 * 4096, staging=staging)
-    staged = [g for g in plan.groups if g.staged is not None]
-    assert staged and len(staged) < len(plan.groups)
-    assert {g.staged[0].data_ptr() for g in staged} == {staging.data_ptr(), staging.data_ptr() + 8 * 4096}
-    sums = copy_entries(buffer, entries, sources, Throttle(), plan=plan)
-    assert torch.equal(buffer, direct)
-    assert sums == copy_entries(
-        direct, entries, sources, Throttle(), plan=CopyPlan.of(direct, entries, sources, 4 * 4096)
-    )
+        self.checksum_format = FORMAT

@@ -59,11 +59,13 @@ def tiny_engine(
     topology: Topology | None = None,
     rank_dirs=None,
     job_meta: dict | None = None,
+    staged: bool = False,
     **opts,
 ) -> tuple[torch.nn.Module, torch.optim.Optimizer, SparseCheckpointer]:
     """The tiny MoE (seed 0), its AdamW and a checkpointer of it with `options(**opts)`: of one rank, or of
     this rank of `topology` (`rank_dirs(r)`: rank r's host directory, for same-node replicas), its snapshots
-    carrying `job_meta`."""
+    carrying `job_meta`. `staged`: snapshots take a GPU's path (issued from the training thread through a
+    staging ring, device checksums), run on the CPU."""
     torch.manual_seed(0)
     model = build_model(ModelArgs(**ARGS))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
@@ -79,6 +81,7 @@ def tiny_engine(
         rank_dirs=rank_dirs,
         job_meta=job_meta,
     )
+    engine.buffers.staged = staged
     return model, optimizer, engine
 
 

@@ -24,7 +24,6 @@ from moevement.checkpoint.profiler import measure_copy_bandwidth
 from moevement.storage.host_memory import make_private_dirs
 from moevement.storage.snapshot import SnapshotHeader, layout_of, read_entries
 from moevement.storage.snapshot_buffers import SnapshotBuffers
-from moevement.storage.snapshot_copy import Throttle
 
 CONFIG = "train_configs/bench_moe.toml"
 BATCH, SEQ_LEN = 16, 512
@@ -34,23 +33,35 @@ RUN_TIMEOUT_S = 60
 
 
 def pinned_copy(workspace: Workspace, device: torch.device) -> list[Check]:
-    """A snapshot of CUDA tensors through `SnapshotBuffers.copy` into a pinned buffer, read back."""
+    """A snapshot of CUDA tensors (one larger than a staging chunk) and a host step counter, issued through
+    `SnapshotBuffers.issue` into a pinned buffer, read back with its device checksums recomputed on the CPU."""
     rank_dir = make_private_dirs(workspace.host_root, "pinned-copy")
     buffers = SnapshotBuffers(rank_dir, device, "normal")
     try:
-        sources = [torch.randn(1 << 20, device=device), torch.randn(333, 77, device=device).to(torch.bfloat16)]
+        sources = [
+            torch.randn(1 << 20, device=device),
+            torch.randn(333, 77, device=device).to(torch.bfloat16),
+            torch.randn(21 << 20, device=device),  # 84 MB: a chunk of its own, larger than CUDA_CHUNK_BYTES
+            torch.tensor(5.0),  # a step counter on the host
+        ]
         items = [("op", f"t{i}", "master", t, t.dtype) for i, t in enumerate(sources)]
-        entries, _, nbytes = layout_of(items)
+        entries, ordered, nbytes = layout_of(items)
         header = SnapshotHeader(1, 1, 0, 1, 0, ["op"], [], entries, nbytes)
         buffer = buffers.buffer(0, 0)
-        ready = buffers.sources_ready()  # the copy stream waits for this thread's stream, not its own
-        commit = buffers.submit(buffers.copy, buffer, header, sources, Throttle(), ready).result().with_meta({})
-        committed = SnapshotHeader.from_json(json.loads(commit.encoded))  # the checksums of what was copied
-        back = read_entries(buffer.data, committed, source="pinned copy")
+        issued = buffers.issue(buffer, header, ordered)
+        issued.order_step()
+        commit = issued.result().with_meta({})
+        committed = SnapshotHeader.from_json(json.loads(commit.encoded))  # the device's checksums
+        back = read_entries(buffer.data, committed, source="pinned copy")  # recomputed on the CPU: equal
         same = all(torch.equal(back[("master", f"t{i}")], t.cpu()) for i, t in enumerate(sources))
         return [
             Check("snapshot buffer pinned", buffer.data.is_pinned(), f"{buffer.capacity} bytes, cudaHostRegister"),
-            Check("side-stream copy reads back", same, f"{len(sources)} tensors, checksums verified"),
+            Check(
+                "side-stream copy reads back",
+                same,
+                f"{len(sources)} tensors, {len(committed.checksums)} chunks, {committed.checksum_format} "
+                "checksums of the device recomputed on the CPU",
+            ),
         ]
     finally:
         for buf in buffers.all():

@@ -72,6 +72,13 @@ class SnapshotHandoff:
         elif last:
             self._on_window_replicated(window_index)
 
+    def reusable(self, window_index: int) -> bool:
+        """Training thread: whether window `window_index` may overwrite the buffers of its parity now (what
+        `wait_until_reusable` waits for, without waiting)."""
+        if not self.persisted.is_persisted(window_index - 1):
+            return False
+        return self.disk is None or not self.disk.busy(window_index % 2)
+
     def wait_until_reusable(self, window_index: int) -> None:
         """Copy thread: block until window `window_index` may overwrite the buffers of its parity: the window
         before it is persisted (so the one before that is garbage) and the disk writer has finished reading them."""

@@ -98,6 +98,11 @@ class PersistedCheckpoint:
             self.index, self.window = window_index, (start, window)
             self.cond.notify_all()
 
+    def is_persisted(self, window_index: int) -> bool:
+        """Whether window `window_index` (or a later one) is persisted, without waiting."""
+        with self.cond:
+            return self.index >= window_index
+
     def wait_until_persisted(self, window_index: int, check: Callable[[], None]) -> None:
         """Block until window `window_index` is persisted (`check` raises if it never will be)."""
         with self.cond:

@@ -111,6 +111,11 @@ class DiskWriter:
         self.threads[parity] = thread
         thread.start()
 
+    def busy(self, parity: int) -> bool:
+        """Whether a window of this parity is still being written (its buffers read)."""
+        thread = self.threads.get(parity)
+        return thread is not None and thread.is_alive()
+
     def wait(self, parity: int) -> None:
         thread = self.threads.pop(parity, None)
         if thread is not None:

@@ -25,12 +25,13 @@ import torch
 import xxhash
 
 from moevement.operators import LocalViews, Operator
+from moevement.storage import word_checksum
 from moevement.storage.host_memory import encode_json
 
 BLOCK = 1024  # entries start on block boundaries (aligned copies; zeroed padding)
 CHUNK_BYTES = 4 << 20  # copy and hash granularity on CPU; the bandwidth cap is enforced between chunks
 CUDA_CHUNK_BYTES = 64 << 20  # from a GPU: one gather, one device-to-host copy and one hash per 64 MB
-STAGING_SLOTS = 2  # a GPU snapshot gathers its chunks into a device ring of this many CUDA_CHUNK_BYTES slots
+STAGING_SLOTS = 2  # a GPU snapshot gathers its chunks into a device ring of this many slots (and sums them there)
 FORMAT = "chunk-xxh3"  # what a header's `checksums` are: XXH3-64 per chunk (older headers: one per entry)
 
 
@@ -64,13 +65,16 @@ class EntryTable(Protocol):
     def checksums(self) -> list[list]: ...
 
     @property
+    def checksum_format(self) -> str: ...
+
+    @property
     def nbytes(self) -> int: ...
 
 
 def entries_of(payload: dict, what: str) -> list[Entry]:
     """The entries of a header's JSON `payload` (a `what`), refusing a header of the older format (a
     checksum per entry) with one line."""
-    if payload.get("checksum_format") != FORMAT:
+    if payload.get("checksum_format") not in CHECKSUMS:
         raise SnapshotError(
             f"{what} of an older format (a checksum per tensor, not per chunk): not read; it was written by an "
             "earlier version of the trainer"
@@ -90,8 +94,8 @@ class SnapshotHeader:
     entries: list[Entry]
     nbytes: int
     meta: dict = field(default_factory=dict)  # data position, RNG seeds, scalar log of `iteration`
-    checksums: list[list] = field(default_factory=list)  # [first entry, end entry, XXH3-64] per chunk
-    checksum_format: str = FORMAT
+    checksums: list[list] = field(default_factory=list)  # [first entry, end entry, checksum] per chunk
+    checksum_format: str = FORMAT  # XXH3-64 (a CPU's copy) or word_checksum.FORMAT (a GPU's): `CHECKSUMS`
 
     def to_json(self) -> dict:
         """A JSON-ready copy (`dataclasses.asdict` would deep-copy ~1000 entries: ~25 ms per snapshot)."""
@@ -248,6 +252,9 @@ def checksum(data: memoryview) -> str:
     return xxhash.xxh3_64_hexdigest(data)
 
 
+CHECKSUMS = {FORMAT: checksum, word_checksum.FORMAT: word_checksum.checksum}  # a header's format -> its function
+
+
 def checksum_gbps(nbytes: int = 64 << 20, tries: int = 3) -> float:
     """`checksum`'s throughput on one core of this CPU, in GB/s (the best of `tries` hashes of `nbytes`)."""
     data = memoryview(bytearray(nbytes))
@@ -272,6 +279,9 @@ def verify_entries(buffer: torch.Tensor, header: EntryTable, source: str = "snap
         if end > header.nbytes:
             raise SnapshotError(f"{source}: entry {entry.name} lies outside the snapshot")
     whole, covered = memoryview(buffer.numpy()), 0
+    checksum_of = CHECKSUMS.get(header.checksum_format)
+    if checksum_of is None:
+        raise SnapshotError(f"{source}: unknown checksum format {header.checksum_format!r}")
     for chunk in header.checksums:
         if not (isinstance(chunk, list) and len(chunk) == 3 and chunk[0] == covered and covered < chunk[1]):
             raise SnapshotError(f"{source}: malformed checksum list at tensor {covered}")
@@ -279,7 +289,7 @@ def verify_entries(buffer: torch.Tensor, header: EntryTable, source: str = "snap
         if stop > len(entries):
             raise SnapshotError(f"{source}: a checksum covers tensors beyond the {len(entries)} it holds")
         lo, hi = span(entries, start, stop)
-        if checksum(whole[lo:hi]) != value:
+        if checksum_of(whole[lo:hi]) != value:
             first, last = entries[start], entries[stop - 1]
             which = first.name if stop - start == 1 else f"{first.name} .. {last.name}"
             raise SnapshotError(

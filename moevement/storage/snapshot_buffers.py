@@ -5,10 +5,14 @@ is kept while the next window's snapshots are copied into the other. Buffers onl
 grows a window's set on the training thread at its boundary so that the copy thread never faults
 pages in while a copy is due.
 
-Threads: `buffer` and `reserve` run on the training thread, `invalidate` also on the replication
+On a CPU the copy thread copies and hashes each snapshot (`copy`, submitted with `submit`); on a GPU the
+training thread issues it on a side stream through a device staging ring (`issue`,
+`moevement.storage.device_copy`) and the copy thread only writes snapshots a restart adopts.
+
+Threads: `buffer`, `reserve` and `issue` run on the training thread, `invalidate` also on the replication
 thread, and the copies submitted with `submit` on the copy thread (one worker, background priority:
 see `moevement.storage.background`). The buffer table is guarded by `lock`; a buffer's bytes are
-written only by the copy thread, and only after the window that owned them is garbage.
+written only by one snapshot's copy, and only after the window that owned them is garbage.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 
 from moevement.storage.background import enter_background
 from moevement.storage.cpu_cost import measure
+from moevement.storage.device_copy import DevicePlan, IssuedCopy, slot_bytes
 from moevement.storage.host_memory import HostBuffer, HostMemoryError, make_private_dir
 from moevement.storage.snapshot import (
     CHUNK_BYTES,
@@ -41,22 +46,20 @@ def local_buffer(rank_dir: Path, parity: int, slot: int) -> Path:
 
 
 class SnapshotBuffers:
-    def __init__(self, rank_dir: Path, device: torch.device, background_priority: str):
+    def __init__(self, rank_dir: Path, device: torch.device, background_priority: str, staged: bool | None = None):
+        """`staged`: snapshots are issued through a staging ring on `device` (default: on a GPU; a test may
+        run that path on a CPU, synchronously)."""
         self.rank_dir, self.pin = rank_dir, device.type == "cuda"
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())  # what the sources' `.device` says
+        self.device, self.staged = device, device.type == "cuda" if staged is None else staged
         self.local_dir = make_private_dir(rank_dir / "local")
         self.lock = threading.Lock()
         self.buffers: dict[tuple[int, int], HostBuffer] = {}
-        self._cache: dict[
-            Path, tuple[torch.Tensor, list[Entry], list[torch.Tensor], CopyPlan, bytes]
-        ] = {}  # copy thread
+        self._cache: dict[Path, tuple[torch.Tensor, list[Entry], list[torch.Tensor], object, bytes]] = {}
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.chunk_bytes = CUDA_CHUNK_BYTES if device.type == "cuda" else CHUNK_BYTES
-        # on a GPU, chunks of many small tensors are gathered here first: one device-to-host copy per chunk
-        self.staging = (
-            torch.empty(STAGING_SLOTS * CUDA_CHUNK_BYTES, dtype=torch.uint8, device=device)
-            if device.type == "cuda"
-            else None
-        )
+        self.chunk_bytes = CUDA_CHUNK_BYTES if self.staged else CHUNK_BYTES
+        self.slots: tuple[torch.Tensor, ...] = ()  # the staging ring: grown to the largest chunk a plan needs
         self.copier = ThreadPoolExecutor(
             1, thread_name_prefix="moevement-copy", initializer=enter_background, initargs=(background_priority,)
         )
@@ -91,53 +94,52 @@ class SnapshotBuffers:
         for buf in stale:
             buf.invalidate()
 
-    def sources_ready(self) -> torch.cuda.Event | None:
-        """Training thread, as a snapshot is submitted: an event on its current stream after the work that
-        produced the sources (None on CPU). The copy stream waits for it: the training thread's stream, not the
-        copy thread's current one, orders the copy after the last update of `state_t`."""
-        if self.stream is None:
-            return None
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(self.stream.device))
-        return ready
-
     def copy(
-        self,
-        buffer: HostBuffer,
-        header: SnapshotHeader,
-        sources: list[torch.Tensor],
-        throttle: Throttle,
-        ready: torch.cuda.Event | None = None,
+        self, buffer: HostBuffer, header: SnapshotHeader, sources: list[torch.Tensor], throttle: Throttle
     ) -> EncodedHeader:
-        """Copy thread: copy a snapshot's tensors into `buffer` (on GPU: on the side stream, after `ready`,
-        from `sources_ready`), uncommitted, and encode its header, checksums in, but for `meta`
-        (`header.entries` are its layout's, unchanged)."""
+        """Copy thread (CPU): copy a snapshot's tensors into `buffer`, uncommitted, and encode its header,
+        checksums in, but for `meta` (`header.entries` are its layout's, unchanged)."""
         buffer.invalidate()
         data = buffer.ensure(max(header.nbytes, 1))
         plan, encoded = self._resolved(buffer, data, header.entries, sources)
-        if self.stream is None:
-            header.checksums = copy_entries(data, header.entries, sources, throttle, plan=plan)
-        else:
-            if ready is not None:
-                self.stream.wait_event(ready)
-            with torch.cuda.stream(self.stream):
-                header.checksums = copy_entries(data, header.entries, sources, throttle, self.stream, plan)
+        header.checksums = copy_entries(data, header.entries, sources, throttle, plan=plan)
         with measure("header"):
             return header.encode_without_meta(encoded)
 
+    def issue(self, buffer: HostBuffer, header: SnapshotHeader, sources: list[torch.Tensor]) -> IssuedCopy:
+        """Training thread (`staged`): issue the copy of a snapshot's tensors into `buffer`, uncommitted, after
+        the work already issued on the training stream; the header is encoded once it is done."""
+        buffer.invalidate()
+        data = buffer.ensure(max(header.nbytes, 1))
+        plan, encoded = self._resolved(buffer, data, header.entries, sources)
+        return IssuedCopy(plan, header, encoded, sources, self.stream)
+
     def _resolved(
         self, buffer: HostBuffer, data: torch.Tensor, entries: list[Entry], sources: list[torch.Tensor]
-    ) -> tuple[CopyPlan, bytes]:
-        """Copy thread: the copy plan of `entries` (from `sources`) in `data` and their encoding, reused while
-        the buffer holds the same mapping and the same layout (one layout per slot serves every window a plan
-        repeats)."""
+    ) -> tuple[CopyPlan | DevicePlan, bytes]:
+        """The copy plan of `entries` (from `sources`) in `data` and their encoding, reused while the buffer
+        holds the same mapping and the same layout (one layout per slot serves every window a plan repeats)."""
         cached = self._cache.get(buffer.path)
         if cached is not None and cached[0] is data and cached[1] is entries and cached[2] is sources:
             return cached[3], cached[4]
-        plan = CopyPlan.of(data, entries, sources, self.chunk_bytes, self.staging)
+        if self.staged:
+            plan = DevicePlan.of(data, entries, sources, self.chunk_bytes, self._ring(entries, sources))
+        else:
+            plan = CopyPlan.of(data, entries, sources, self.chunk_bytes)
         encoded = encode_entries(entries)
         self._cache[buffer.path] = (data, entries, sources, plan, encoded)
         return plan, encoded
+
+    def _ring(self, entries: list[Entry], sources: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The staging ring's slots, grown (and the plans on the old ring forgotten) if this layout's largest
+        chunk needs longer ones. The ring lives on the sources' device."""
+        need = slot_bytes(entries, sources, self.chunk_bytes, self.device)
+        if not self.slots or self.slots[0].numel() < need:
+            self._cache.clear()
+            self.slots = ()  # the old ring goes before the new one is allocated
+            ring = torch.zeros(STAGING_SLOTS * max(need, 1), dtype=torch.uint8, device=self.device)
+            self.slots = ring.chunk(STAGING_SLOTS)
+        return self.slots
 
     def submit(self, fn, *args) -> Future:
         return self.copier.submit(fn, *args)
@@ -152,3 +154,4 @@ class SnapshotBuffers:
     def close(self) -> None:
         self.copier.shutdown()
         self._cache.clear()
+        self.slots = ()

@@ -12,7 +12,8 @@ one `copy_` each:
 A `CopyPlan` resolves the runs of a layout in one buffer once; every snapshot of that layout reuses it, so
 the copy thread does no Python work per entry, and the C++ work per call is per run, not per entry.
 Padding is zeroed when a plan is made: copies never write it, and a plan lives only as long as its buffer's
-mapping and layout (`SnapshotBuffers._resolved`).
+mapping and layout (`SnapshotBuffers._resolved`). This is a CPU's snapshot copy (and any synchronous one); a
+GPU's is issued from the training thread through a device staging ring (`moevement.storage.device_copy`).
 """
 
 from __future__ import annotations
@@ -24,16 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from moevement.storage.cpu_cost import measure
-from moevement.storage.snapshot import (
-    BLOCK,
-    CHUNK_BYTES,
-    STAGING_SLOTS,
-    Entry,
-    checksum,
-    padded,
-    span,
-    stored_dtype,
-)
+from moevement.storage.snapshot import BLOCK, CHUNK_BYTES, Entry, checksum, padded, span, stored_dtype
 
 
 class Throttle:
@@ -55,8 +47,7 @@ class Throttle:
 class CopyGroup:
     """Entries `start:stop` of a layout, about one chunk together: copied with one foreach copy of its runs
     (`targets[i]` from `sources[i]`), and hashed with one call over `raw`, the chunk's bytes and padding
-    (contiguous in the buffer). A staged chunk's targets lie in a device staging slot, `staged` = (the slot's
-    span, the buffer's span): gathered on the device, then brought over in one copy."""
+    (contiguous in the buffer)."""
 
     start: int
     stop: int
@@ -64,23 +55,10 @@ class CopyGroup:
     sources: list[torch.Tensor]
     raw: memoryview
     nbytes: int
-    staged: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def issue(self, stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
-        """Copy the chunk: on CPU, done on return (None); on `stream`, asynchronously, done at the event
-        returned. Padding stays zero: a staging slot is zeroed before each gather."""
-        if self.staged is None:
-            torch._foreach_copy_(self.targets, self.sources, non_blocking=stream is not None)
-        else:
-            slot, host = self.staged
-            slot.zero_()
-            torch._foreach_copy_(self.targets, self.sources)
-            host.copy_(slot, non_blocking=stream is not None)
-        if stream is None:
-            return None
-        done = torch.cuda.Event()
-        done.record(stream)
-        return done
+    def issue(self) -> None:
+        """Copy the chunk (done on return). Padding stays zero: the plan zeroed it, copies never write it."""
+        torch._foreach_copy_(self.targets, self.sources)
 
 
 @dataclass(frozen=True)
@@ -96,21 +74,17 @@ class CopyPlan:
         entries: list[Entry],
         sources: list[torch.Tensor],
         chunk_bytes: int = CHUNK_BYTES,
-        staging: torch.Tensor | None = None,
     ) -> CopyPlan:
-        """The plan of `entries` (from `sources`) in `buffer`, its padding zeroed. With `staging` (a byte ring
-        of `STAGING_SLOTS` slots on the sources' device), a chunk of device sources with more than one run that
-        fits a slot is gathered there, slots taken in turn."""
+        """The plan of `entries` (from `sources`) in `buffer`, its padding zeroed."""
         whole = memoryview(buffer.numpy())
-        slots = staging.chunk(STAGING_SLOTS) if staging is not None else ()
-        groups, start, staged = [], 0, 0
+        groups, start = [], 0
         for stop in chunk_ends(entries, chunk_bytes, sources):
-            groups.append(_group(buffer, whole, entries, sources, start, stop, slots, staged))
-            staged += groups[-1].staged is not None
+            lo, hi = span(entries, start, stop)
+            targets, srcs = runs(buffer, entries, sources, start, stop)
+            nbytes = sum(e.nbytes for e in entries[start:stop])
+            groups.append(CopyGroup(start, stop, targets, srcs, whole[lo:hi], nbytes))
             start = stop
-        pads = [buffer[e.offset + e.nbytes : e.offset + padded(e.nbytes)] for e in entries if e.nbytes % BLOCK]
-        if pads:
-            torch._foreach_zero_(pads)
+        zero_padding(buffer, entries)
         return cls(groups)
 
     @property
@@ -119,28 +93,11 @@ class CopyPlan:
         return sum(len(g.targets) for g in self.groups)
 
 
-def _group(
-    buffer: torch.Tensor,
-    whole: memoryview,
-    entries: list[Entry],
-    sources: list[torch.Tensor],
-    start: int,
-    stop: int,
-    slots: tuple[torch.Tensor, ...],
-    staged_before: int,
-) -> CopyGroup:
-    """Entries `start:stop` as one chunk, gathered in the next staging slot in turn when that is worth it: its
-    sources on the ring's device, more than one run, and the chunk no larger than a slot (a GPU's step
-    counters live on the host: copied directly)."""
-    lo, hi = span(entries, start, stop)
-    nbytes = sum(e.nbytes for e in entries[start:stop])
-    if slots and hi - lo <= slots[0].numel() and sources[start].device == slots[0].device:
-        slot = slots[staged_before % len(slots)]
-        targets, srcs = _runs(slot, entries, sources, start, stop, base=lo)
-        if len(targets) > 1:
-            return CopyGroup(start, stop, targets, srcs, whole[lo:hi], nbytes, (slot[: hi - lo], buffer[lo:hi]))
-    targets, srcs = _runs(buffer, entries, sources, start, stop)
-    return CopyGroup(start, stop, targets, srcs, whole[lo:hi], nbytes)
+def zero_padding(buffer: torch.Tensor, entries: list[Entry]) -> None:
+    """Zero the padding after every entry of `buffer` (copies never write it)."""
+    pads = [buffer[e.offset + e.nbytes : e.offset + padded(e.nbytes)] for e in entries if e.nbytes % BLOCK]
+    if pads:
+        torch._foreach_zero_(pads)
 
 
 def copy_entries(
@@ -148,49 +105,37 @@ def copy_entries(
     entries: list[Entry],
     sources: list[torch.Tensor],
     throttle: Throttle,
-    stream: torch.cuda.Stream | None = None,
     plan: CopyPlan | None = None,
 ) -> list[list]:
-    """Copy (and cast) each source into its entry and return the checksum of every chunk, `[first entry, end
-    entry, XXH3-64]` (a header's `checksums`; `entries` are not changed: a layout's entries serve many
-    snapshots).
+    """Copy (and cast) each source into its entry, synchronously, and return the checksum of every chunk,
+    `[first entry, end entry, XXH3-64]` (a header's `checksums`; `entries` are not changed: a layout's entries
+    serve many snapshots).
 
-    Chunk by chunk (`plan`, made here if not given): one foreach copy of its runs, hashed at once on CPU; on
-    `stream` (device to host), a chunk is hashed while the next one copies. The bandwidth cap is enforced
-    between chunks."""
+    Chunk by chunk (`plan`, made here if not given): one foreach copy of its runs, hashed at once. The
+    bandwidth cap is enforced between chunks."""
     plan = plan or CopyPlan.of(buffer, entries, sources)
     sums: list[list] = []
-    copied: tuple[CopyGroup, torch.cuda.Event] | None = None  # on a stream: issued, not yet hashed
     for group in plan.groups:
         with measure("copy"):
-            done = group.issue(stream)
-        if copied is not None:
-            sums.append(_hashed(*copied))
-        copied = (group, done)
-        if done is None:
-            sums.append(_hashed(*copied))
-            copied = None
+            group.issue()
+        with measure("checksum"):
+            sums.append([group.start, group.stop, checksum(group.raw)])
         throttle.consume(group.nbytes)
-    if copied is not None:
-        sums.append(_hashed(*copied))
     return sums
 
 
-def _hashed(group: CopyGroup, done: torch.cuda.Event | None) -> list:
-    """`[first entry, end entry, XXH3-64]` of a copied chunk, once its copy is `done`."""
-    if done is not None:
-        with measure("copy"):
-            done.synchronize()
-    with measure("checksum"):
-        return [group.start, group.stop, checksum(group.raw)]
-
-
-def chunk_ends(entries: list[Entry], chunk_bytes: int, sources: list[torch.Tensor] | None = None) -> list[int]:
-    """Indices ending consecutive chunks of entries of about `chunk_bytes` each; a chunk also ends where the
+def chunk_ends(
+    entries: list[Entry], chunk_bytes: int, sources: list[torch.Tensor] | None = None, at_most: bool = False
+) -> list[int]:
+    """Indices ending consecutive chunks of entries of about `chunk_bytes` each (`at_most`: no more than
+    `chunk_bytes` with their padding, but for an entry larger on its own); a chunk also ends where the
     sources' device changes (a GPU's step counters live on the host)."""
     ends, size = [], 0
     for i, entry in enumerate(entries):
-        size += entry.nbytes
+        if at_most and size and size + padded(entry.nbytes) > chunk_bytes:
+            ends.append(i)
+            size = 0
+        size += padded(entry.nbytes) if at_most else entry.nbytes
         last = i == len(entries) - 1
         if size >= chunk_bytes or last or (sources is not None and sources[i + 1].device != sources[i].device):
             ends.append(i + 1)
@@ -198,7 +143,7 @@ def chunk_ends(entries: list[Entry], chunk_bytes: int, sources: list[torch.Tenso
     return ends
 
 
-def _runs(
+def runs(
     buffer: torch.Tensor, entries: list[Entry], sources: list[torch.Tensor], start: int, stop: int, base: int = 0
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(targets, sources) of the runs that copy entries `start:stop` into `buffer`, where the layout's byte

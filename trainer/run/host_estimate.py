@@ -20,7 +20,7 @@ What a rank keeps in its host directory (`checkpoint.host_dir`, by default in /d
 What a GPU run needs beyond those bytes (`gpu_lines`): page-locked host memory (its own snapshot buffers
 of both parities and the probe, `HostBuffer(pin=True)`; the upstream log, PyTorch's pinned allocations,
 each rounded up to a power of two by its caching host allocator; replicas and the live state are not
-pinned) and a device staging ring of `STAGING_SLOTS` x `CUDA_CHUNK_BYTES` per rank. Per node: its ranks'
+pinned); the device staging ring is accelerator memory (`memory_estimate`). Per node: its ranks'
 bytes against the node's memory and its host directory's file system. A replica held on the sender's node
 (`checkpoint.replication` auto) is a hard link to the sender's buffer file: its node counts only its
 commit records.
@@ -55,7 +55,7 @@ from moevement.checkpoint.schedule import (
 )
 from moevement.operators import Operator, build_registry
 from moevement.storage.host_memory import default_host_dir
-from moevement.storage.snapshot import CUDA_CHUNK_BYTES, STAGING_SLOTS, checksum_gbps, entry_layout, layout_of
+from moevement.storage.snapshot import checksum_gbps, entry_layout, layout_of
 from moevement.topology import Topology
 from parallelisms.expert_parallel import shard_experts
 from parallelisms.fsdp import DTYPES, largest_shard_on_meta
@@ -341,7 +341,7 @@ def report(cfg: Config) -> list[str]:
 
 def gpu_lines(ranks: list[RankEstimate]) -> list[str]:
     """What a GPU run's snapshots pin in host memory, per pipeline rank (its data-parallel ranks, consecutive,
-    share the figures), and the device staging ring every rank allocates."""
+    share the figures)."""
     lines = [
         "pinned host memory per rank on GPU, GB (page-locked, part of host_memory above: its snapshot buffers "
         "of both window parities and the bandwidth probe, HostBuffer(pin=True) in the host directory, and the "
@@ -354,11 +354,6 @@ def gpu_lines(ranks: list[RankEstimate]) -> list[str]:
             f"pinned_host pp={pp} ranks={first}{f'-{last}' if last > first else ''} snapshots={gb(r.snapshots)} "
             f"probe={gb(r.probe)} upstream_log={gb(r.pinned_log)} pinned={gb(r.pinned)}"
         )
-    lines.append(
-        f"staging_ring per_rank={gb(STAGING_SLOTS * CUDA_CHUNK_BYTES)} GB of accelerator memory: STAGING_SLOTS="
-        f"{STAGING_SLOTS} x CUDA_CHUNK_BYTES={CUDA_CHUNK_BYTES >> 20} MiB (a GPU snapshot gathers each chunk into "
-        "this device ring, then makes one device-to-host copy of it into its pinned buffer)"
-    )
     return lines
 
 
@@ -426,13 +421,15 @@ def node_lines(ranks: list[RankEstimate], per_node: int, memory: Limit, host_fs:
 
 
 def hashing_lines(ranks: list[RankEstimate], per_node: int) -> list[str]:
-    """What checksumming the snapshots costs per iteration (XXH3-64 measured on one core of this machine's
-    CPU): a rank's copy thread at most, and a node's `per_node` consecutive ranks' at most."""
+    """What checksumming the snapshots costs per iteration on a CPU run (XXH3-64 measured on one core of this
+    machine's CPU): a rank's copy thread at most, and a node's `per_node` consecutive ranks' at most. A GPU
+    run checksums on the device, beside the copy (`moevement.storage.word_checksum`): no CPU."""
     gbps = checksum_gbps()
     most = max(r.snapshot_per_iteration for r in ranks)
     node = max(sum(r.snapshot_per_iteration for r in members) for members in nodes_of(ranks, per_node))
     return [
         f"snapshot_hash per_rank_max_gb_per_iteration={gb(most)} core_s_per_iteration={most / 1e9 / gbps:.3f} "
         f"node_max_core_s_per_iteration={node / 1e9 / gbps:.3f} (XXH3-64 at {gbps:.1f} GB/s on one core of this "
-        "CPU, on each rank's copy thread beside training)"
+        "CPU, on each rank's copy thread beside training; on a GPU the checksums are computed on the device: no "
+        "CPU)"
     ]

@@ -28,7 +28,7 @@ import torch
 from models import Transformer
 from moevement.checkpoint.profiler import PROBE_BYTES
 from moevement.operators import build_registry
-from moevement.storage.snapshot import CUDA_CHUNK_BYTES, STAGING_SLOTS
+from moevement.storage.device_copy import ring_bytes
 from parallelisms.fsdp import DTYPES
 from trainer.config import Config
 from trainer.run import host_estimate
@@ -83,21 +83,15 @@ def accumulated_bytes(cfg: Config, state: StateBytes) -> int:
 
 def moevement_device_bytes(cfg: Config, pp_rank: int) -> int:
     """MoEvement's accelerator memory: the staging ring snapshots gather their chunks in before one
-    device-to-host copy each (`STAGING_SLOTS` x `CUDA_CHUNK_BYTES`, `moevement.storage.snapshot_copy`), and two
-    transients the caching allocator keeps: the copy-bandwidth probe's FP32 source (`PROBE_BYTES`, at start-up
-    and re-profiling) and, with bf16 compute weights, the cast of a frozen operator's largest local weight (a
-    chunk too large for the ring is copied directly, and a device-to-host copy that changes dtype converts on
-    the device first)."""
+    device-to-host copy each, with the checksum's transient (`moevement.storage.device_copy.ring_bytes`: its
+    slots hold `CUDA_CHUNK_BYTES`, or the largest FP32 entry where that is larger), and the copy-bandwidth
+    probe's FP32 source (`PROBE_BYTES`, at start-up and re-profiling), which the caching allocator keeps."""
     if cfg.checkpoint.strategy != "moevement":
         return 0
-    ring = STAGING_SLOTS * CUDA_CHUNK_BYTES
-    dtype = DTYPES[cfg.training.mixed_precision]
-    if dtype == torch.float32:
-        return ring + PROBE_BYTES
     model, _ = host_estimate.rank_model(cfg, pp_rank)  # data-parallel rank 0's shards, the largest
     ops = build_registry(model, stacked_operators(model))
-    cast = max(t.numel() for op in ops for _, t in op.compute_tensors() if t.is_floating_point())
-    return ring + PROBE_BYTES + cast * dtype.itemsize
+    largest = max(t.numel() for op in ops for _, t in op.compute_tensors() if t.is_floating_point())
+    return ring_bytes(largest * FP32) + PROBE_BYTES
 
 
 def estimate(cfg: Config) -> list[RankMemory]:

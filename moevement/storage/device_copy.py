@@ -1,0 +1,187 @@
+"""A GPU's snapshot copy: issued from the training thread in O(chunks) calls, checksummed on the device.
+
+A launch-bound training thread takes the GIL back at every kernel launch, so any other thread's Python
+(a copy thread walking chunks, a hash call) makes it wait; the cost grows with those hand-overs, not with
+bytes (docs/design.md §2). So on a GPU the training thread issues the whole copy itself, on a side stream,
+and never waits for it on the host:
+
+1. the side stream waits for the training stream (the work that produced `state_t`);
+2. per chunk: the staging slot is zeroed, the chunk's runs gathered into it with one device-to-device
+   foreach copy (the fast path), the slot brought into the pinned buffer with one non-blocking copy, and its
+   checksum (`moevement.storage.word_checksum`) computed on the device; slots are taken in turn, and the
+   stream's order keeps a slot from being gathered into again before its copy to the host is done;
+3. the chunk sums come to pinned host memory with one copy, and one event marks the end;
+4. the optimizer step's pre-hook makes the training stream wait for that event (`IssuedCopy.order_step`);
+5. at commit (after the step is issued) `IssuedCopy.result` waits for the event, normally long passed,
+   and encodes the header with the checksums.
+
+Chunks whose sources live on the host (a GPU optimizer's step counters) are copied and summed on the
+training thread at once; they are a few KB.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from moevement.storage import word_checksum
+from moevement.storage.cpu_cost import measure
+from moevement.storage.snapshot import (
+    CUDA_CHUNK_BYTES,
+    STAGING_SLOTS,
+    EncodedHeader,
+    Entry,
+    SnapshotHeader,
+    padded,
+    span,
+)
+from moevement.storage.snapshot_copy import chunk_ends, runs, zero_padding
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Entries `start:stop`, `nbytes` in the buffer (padding included) at `host`: gathered into `slot` (its
+    whole 64 KiB blocks) with one foreach copy of `targets` from `sources`, or, with `slot` None (host
+    sources), copied straight into `host`."""
+
+    start: int
+    stop: int
+    nbytes: int
+    targets: list[torch.Tensor]
+    sources: list[torch.Tensor]
+    host: torch.Tensor
+    slot: torch.Tensor | None
+
+
+def slot_bytes(entries: list[Entry], sources: list[torch.Tensor], chunk_bytes: int, device: torch.device) -> int:
+    """The staging slot a layout's chunks on `device` need: the largest, in whole 64 KiB blocks."""
+    largest, start = 0, 0
+    for stop in chunk_ends(entries, chunk_bytes, sources, at_most=True):
+        if sources[start].device == device:
+            lo, hi = span(entries, start, stop)
+            largest = max(largest, hi - lo)
+        start = stop
+    return word_checksum.block_rounded(largest)
+
+
+def ring_bytes(largest_entry: int) -> int:
+    """The most device memory a rank's snapshots take, for a largest entry of `largest_entry` bytes: the
+    staging ring (`STAGING_SLOTS` slots of the largest chunk: `CUDA_CHUNK_BYTES`, or that entry alone) and the
+    checksum's transient of one slot."""
+    return (STAGING_SLOTS + 1) * word_checksum.block_rounded(max(CUDA_CHUNK_BYTES, padded(largest_entry)))
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    """How a layout's entries are copied into one pinned buffer from a device, chunk by chunk, with the
+    device sums of its chunks gathered in `sums` (one int64 each) and brought to `sums_host`."""
+
+    chunks: list[Chunk]
+    sums: torch.Tensor
+    sums_host: torch.Tensor
+
+    @classmethod
+    def of(
+        cls,
+        buffer: torch.Tensor,
+        entries: list[Entry],
+        sources: list[torch.Tensor],
+        chunk_bytes: int,
+        slots: tuple[torch.Tensor, ...],
+    ) -> DevicePlan:
+        """The plan of `entries` (from `sources`) in `buffer`, its padding zeroed; the chunks whose sources are on
+        the staging `slots`' device (each slot at least `slot_bytes` long) take the slots in turn, the others
+        (host sources) are copied directly."""
+        chunks, start = [], 0
+        for stop in chunk_ends(entries, chunk_bytes, sources, at_most=True):
+            lo, hi = span(entries, start, stop)
+            staged = sources[start].device == slots[0].device
+            slot = slots[sum(c.slot is not None for c in chunks) % len(slots)] if staged else None
+            into = slot if slot is not None else buffer
+            targets, srcs = runs(into, entries, sources, start, stop, base=lo if staged else 0)
+            if slot is not None:
+                slot = slot[: word_checksum.block_rounded(hi - lo)]
+            chunks.append(Chunk(start, stop, hi - lo, targets, srcs, buffer[lo:hi], slot))
+            start = stop
+        zero_padding(buffer, entries)
+        device = slots[0].device
+        sums = torch.zeros(len(chunks), dtype=torch.int64, device=device)
+        sums_host = torch.zeros(len(chunks), dtype=torch.int64, pin_memory=device.type == "cuda")
+        return cls(chunks, sums, sums_host)
+
+    def issue(self, stream: torch.cuda.Stream | None) -> list[str | None]:
+        """Training thread: issue the copy on `stream` (None: a CPU staging ring, done on return), after the
+        work already issued on the training stream. Returns per chunk its checksum where the host computed it
+        now (host sources), None where the device does (in `sums_host` once the copy is done)."""
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(stream.device))
+        on_host: list[str | None] = []
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            for k, chunk in enumerate(self.chunks):
+                on_host.append(_copy(chunk, self.sums[k : k + 1], non_blocking=stream is not None))
+            self.sums_host.copy_(self.sums, non_blocking=stream is not None)
+        return on_host
+
+    def checksums(self, on_host: list[str | None]) -> list[list]:
+        """A header's `checksums` of the copy `issue` returned `on_host` for, once the copy is done."""
+        device = self.sums_host.tolist()
+        return [
+            [c.start, c.stop, value if value is not None else word_checksum.finish(device[k], c.nbytes)]
+            for k, (c, value) in enumerate(zip(self.chunks, on_host))
+        ]
+
+
+def _copy(chunk: Chunk, out: torch.Tensor, non_blocking: bool) -> str | None:
+    """Copy one chunk; its checksum if summed on the host now, else None (the device writes it into `out`)."""
+    if chunk.slot is None:
+        torch._foreach_copy_(chunk.targets, chunk.sources)
+        return word_checksum.checksum(memoryview(chunk.host.numpy()))
+    chunk.slot.zero_()
+    torch._foreach_copy_(chunk.targets, chunk.sources)
+    chunk.host.copy_(chunk.slot[: chunk.nbytes], non_blocking=non_blocking)
+    word_checksum.sum_into(out, chunk.slot)
+    return None
+
+
+class IssuedCopy:
+    """A snapshot whose copy the training thread issued (`DevicePlan.issue`): done on the device at `done`.
+
+    Threads: the training thread's alone. It keeps the sources alive until the copy is done: a source freed
+    earlier could be reused by the training stream while the copy stream still reads it."""
+
+    def __init__(self, plan: DevicePlan, header: SnapshotHeader, encoded: bytes, sources, stream) -> None:
+        self.plan, self.header, self.encoded, self.sources = plan, header, encoded, sources
+        header.checksum_format = word_checksum.FORMAT
+        with measure("copy"):
+            self.on_host = plan.issue(stream)
+        self.done: torch.cuda.Event | None = None
+        self.device = stream.device if stream is not None else None
+        if stream is not None:
+            self.done = torch.cuda.Event()
+            self.done.record(stream)
+
+    def order_step(self) -> None:
+        """Before the optimizer step: the training stream waits for the copy on the device (no host wait)."""
+        if self.done is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.done)
+
+    def result(self) -> EncodedHeader:
+        """The header, checksums in, but for `meta`, once the copy is done (waits for it on the host)."""
+        if self.done is not None:
+            with measure("copy"):
+                self.done.synchronize()
+        self.sources = None
+        self.header.checksums = self.plan.checksums(self.on_host)
+        with measure("header"):
+            return self.header.encode_without_meta(self.encoded)
+
+    def exception(self) -> BaseException | None:
+        """The copy has ended; its error, if any."""
+        try:
+            if self.done is not None:
+                self.done.synchronize()
+        except Exception as e:  # noqa: BLE001 - a dead peer's or a device error, reported to the caller
+            return e
+        return None

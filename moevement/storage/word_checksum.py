@@ -1,0 +1,99 @@
+"""The chunk checksum a GPU computes beside its snapshot copy, and a CPU recomputes bit for bit.
+
+XXH3 (`snapshot.checksum`) is a CPU hash: on a GPU it would need the copy's bytes back on the host, a
+thread to hash them, and that thread would take the GIL from a training thread that takes it at every
+kernel launch. This checksum is computed on the device, over the staging slot a chunk was gathered in, on
+the copy's stream, in integer arithmetic every device does alike: int64 products and sums wrap modulo
+2^64, and a sum of integers is exact in any order, so the CPU recomputes it with the same code.
+
+For a chunk of n 64-bit words w (its bytes, padding included, zero-extended to whole 64 KiB blocks):
+
+    x_i = w_i XOR (w_i >> 31)                         (arithmetic shift)
+    S_b = sum over the block's words j of x_(bP+j) * K_j   (P = 8192 words; K: odd keys)
+    C   = sum over blocks b of (S_b XOR (S_b >> 29)) * L_b  +  n * L_length      (L: odd keys)
+
+Every word position has its own pair of keys, so swapped words and moved blocks change C; the shift makes
+a flip of a word's top bit (which any odd multiplier maps to 2^63) change its low bits too, so two such
+flips do not cancel; a change of one word alone never cancels (odd keys are invertible modulo 2^64).
+Like XXH3, it detects corruption, not forgery: the sealed records and owner-only directories keep writers
+out (docs/design.md §6).
+"""
+
+from __future__ import annotations
+
+import torch
+
+FORMAT = "chunk-mix64"  # a header's `checksums`, this per chunk (written by a GPU's snapshot copy)
+BLOCK_WORDS = 8192  # 64 KiB blocks
+BLOCK_BYTES = BLOCK_WORDS * 8
+_MASK = (1 << 64) - 1
+_tables: dict[torch.device, torch.Tensor] = {}  # per device: K (BLOCK_WORDS keys), then L (as many as asked)
+
+
+def _splitmix64(seed: int, count: int) -> list[int]:
+    """`count` odd 64-bit keys from SplitMix64 (Steele, Lea and Flood, 2014), as signed int64 values."""
+    keys, state = [], seed
+    for _ in range(count):
+        state = (state + 0x9E3779B97F4A7C15) & _MASK
+        z = state
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+        z = (z ^ (z >> 31)) | 1
+        keys.append(z - (1 << 64) if z >> 63 else z)
+    return keys
+
+
+_LENGTH_KEY = _splitmix64(0x6C656E677468, 1)[0] & _MASK
+
+
+def _keys(device: torch.device, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(K, L[:blocks]) on `device`; the table grows (doubling) when more blocks are asked for."""
+    table = _tables.get(device)
+    if table is None or table.numel() < BLOCK_WORDS + blocks:
+        count = max(blocks, 1024, 2 * (table.numel() - BLOCK_WORDS if table is not None else 0))
+        keys = _splitmix64(0x4D6F45766D656E74, BLOCK_WORDS) + _splitmix64(0x626C6F636B73, count)
+        table = _tables[device] = torch.tensor(keys, dtype=torch.int64, device=device)
+    return table[:BLOCK_WORDS], table[BLOCK_WORDS : BLOCK_WORDS + blocks]
+
+
+def block_rounded(nbytes: int) -> int:
+    """`nbytes` rounded up to whole 64 KiB blocks (what `sum_into` reads of a staging slot)."""
+    return -(-nbytes // BLOCK_BYTES) * BLOCK_BYTES
+
+
+def _block_terms(data: torch.Tensor, first_block: int = 0) -> torch.Tensor:
+    """The sum over the blocks of `data` (a uint8 tensor of whole 64 KiB blocks, block `first_block` of its
+    chunk first) of (S_b XOR (S_b >> 29)) * L_b: one int64 element on `data`'s device and current stream."""
+    words = data.view(torch.int64).view(-1, BLOCK_WORDS)
+    word_keys, block_keys = _keys(data.device, first_block + words.shape[0])
+    mixed = torch.bitwise_right_shift(words, 31)
+    mixed.bitwise_xor_(words).mul_(word_keys)
+    sums = mixed.sum(dim=1)
+    sums.bitwise_xor_(torch.bitwise_right_shift(sums, 29)).mul_(block_keys[first_block:])
+    return sums.sum()
+
+
+def sum_into(out: torch.Tensor, data: torch.Tensor) -> None:
+    """Write the block part of C of `data` (a uint8 tensor of whole 64 KiB blocks: a staging slot, zero
+    past the chunk) into the one-element int64 `out`, on `data`'s device and current stream: no host wait."""
+    out.copy_(_block_terms(data).view_as(out))
+
+
+def finish(block_part: int, nbytes: int) -> str:
+    """C of a chunk of `nbytes` whose `sum_into` gave `block_part`, as 16 hex digits."""
+    return f"{(block_part + (nbytes // 8) * _LENGTH_KEY) & _MASK:016x}"
+
+
+def checksum(data: memoryview) -> str:
+    """C of these bytes (a whole number of 64-bit words), computed on the CPU: what `sum_into` and `finish`
+    give on any device for the same bytes."""
+    if len(data) % 8:
+        raise ValueError(f"{FORMAT} covers whole 64-bit words, not {len(data)} bytes")
+    raw = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
+    whole = raw.numel() - raw.numel() % BLOCK_BYTES
+    total = int(_block_terms(raw[:whole])) if whole else 0
+    if whole < raw.numel():
+        tail = torch.zeros(BLOCK_BYTES, dtype=torch.uint8)
+        tail[: raw.numel() - whole] = raw[whole:]
+        total += int(_block_terms(tail, whole // BLOCK_BYTES))
+    return finish(total, raw.numel())

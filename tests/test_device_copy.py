@@ -1,0 +1,103 @@
+"""A GPU's snapshot copy, run on CPU: chunks gathered through a staging ring land bit for bit, and the checksum
+the device computes over the ring (`word_checksum`) is what the CPU recomputes when it verifies, and catches
+what a sum misses."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from moevement.storage import word_checksum
+from moevement.storage.device_copy import DevicePlan, ring_bytes, slot_bytes
+from moevement.storage.host_memory import make_private_dirs
+from moevement.storage.snapshot import CUDA_CHUNK_BYTES, SnapshotError, SnapshotHeader, layout_of, read_entries
+from moevement.storage.snapshot_buffers import SnapshotBuffers
+from moevement.storage.snapshot_copy import Throttle, copy_entries
+from tests.test_snapshot_copy import _stacked_items
+
+
+def _checksum(t: torch.Tensor) -> str:
+    return word_checksum.checksum(memoryview(t.numpy()))
+
+
+def test_word_checksum_catches_what_a_sum_misses_and_equals_its_device_form():
+    """Compensating changes and two top-bit flips within one block, swapped words, moved blocks and a word
+    more or less all change it; summed over a zero-extended slot (`sum_into`, as the device does) it equals
+    the CPU's checksum of the bytes."""
+    raw = torch.randint(0, 256, (3 * 65536 + 5 * 1024,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    base = _checksum(raw)
+    words = raw[:4096].clone().view(torch.int64)
+    compensating = raw.clone()
+    compensating[:4096].view(torch.int64)[:2] = torch.stack([words[0] + 1, words[1] - 1])
+    swapped = raw.clone()
+    swapped[:4096].view(torch.int64)[:2] = words[:2].flip(0)
+    top_bits = raw.clone()
+    top_bits[:4096].view(torch.int64)[:2] ^= torch.tensor(-(2**63))  # a multiple of 2^63 under any odd key
+    moved = raw.clone()
+    moved[:65536], moved[65536:131072] = raw[65536:131072], raw[:65536]
+    shorter, longer = raw[:-8], torch.cat([raw, torch.zeros(8, dtype=torch.uint8)])
+    variants = [compensating, swapped, top_bits, moved]
+    assert not any(torch.equal(v, raw) for v in variants)
+    assert len({base, *map(_checksum, [*variants, shorter, longer])}) == 7
+    slot = torch.full((word_checksum.block_rounded(raw.numel()),), 0, dtype=torch.uint8)
+    slot[: raw.numel()] = raw
+    out = torch.zeros(1, dtype=torch.int64)
+    word_checksum.sum_into(out, slot)
+    assert word_checksum.finish(int(out), raw.numel()) == base
+    with pytest.raises(ValueError, match="whole 64-bit words"):
+        _checksum(raw[:-1])
+
+
+def test_chunks_gathered_through_a_staging_ring_land_bit_for_bit_and_verify():
+    """Stale bytes in the ring, slots taken in turn: the buffer ends as the direct copy leaves it, padding
+    zero; the header's device checksums verify, and a flipped bit is caught naming its tensor."""
+    items = _stacked_items(experts=8, stacks=2)
+    entries, sources, nbytes = layout_of(items)
+    direct = torch.full((nbytes,), 255, dtype=torch.uint8)
+    copy_entries(direct, entries, sources, Throttle())
+    chunk = 4 * 4096
+    need = slot_bytes(entries, sources, chunk, torch.device("cpu"))
+    assert need == 65536  # no chunk is longer than `chunk`: one 64 KiB block each
+    slots = torch.full((2 * need,), 77, dtype=torch.uint8).chunk(2)
+    buffer = torch.full((nbytes,), 255, dtype=torch.uint8)
+    plan = DevicePlan.of(buffer, entries, sources, chunk, slots)
+    assert len(plan.chunks) > 2 and {c.slot.data_ptr() for c in plan.chunks} == {s.data_ptr() for s in slots}
+    sums = plan.checksums(plan.issue(stream=None))
+    assert torch.equal(buffer, direct)
+    header = SnapshotHeader(3, 3, 0, 1, 0, ["x0"], [], entries, nbytes, checksums=sums)
+    header.checksum_format = word_checksum.FORMAT
+    again = SnapshotHeader.from_json(header.to_json())
+    read = read_entries(buffer, again)
+    assert all(torch.equal(read[(role, name)], src.to(dtype)) for _, name, role, src, dtype in items)
+    buffer[entries[5].offset] ^= 1
+    with pytest.raises(
+        SnapshotError, match=r"checksum mismatch in master tensor\(s\) w0\.4 \.\. w0\.7 \(iteration 3\)"
+    ):
+        read_entries(buffer, again)
+
+
+def test_a_staged_snapshot_issued_by_the_buffers_commits_a_header_that_reads_back(tmp_path):
+    """`SnapshotBuffers.issue` (the training thread's path on a GPU), on CPU: the ring sized to the layout,
+    the committed header of the device checksum format, read back bit for bit from the buffer."""
+    buffers = SnapshotBuffers(make_private_dirs(tmp_path, "rank0"), torch.device("cpu"), "normal", staged=True)
+    try:
+        items = _stacked_items()
+        entries, sources, nbytes = layout_of(items)
+        header = SnapshotHeader(1, 1, 0, 1, 0, ["x0"], [], entries, nbytes)
+        buffer = buffers.buffer(0, 0)
+        issued = buffers.issue(buffer, header, sources)
+        issued.order_step()
+        committed = SnapshotHeader.from_json(json.loads(issued.result().with_meta({}).encoded))
+        assert committed.checksum_format == word_checksum.FORMAT
+        assert buffers.slots[0].numel() == slot_bytes(entries, sources, buffers.chunk_bytes, torch.device("cpu"))
+        largest = max(e.nbytes for e in entries)
+        assert len(buffers.slots) * buffers.slots[0].numel() < ring_bytes(largest) == 3 * CUDA_CHUNK_BYTES
+        assert ring_bytes(CUDA_CHUNK_BYTES + 1) == 3 * (CUDA_CHUNK_BYTES + 65536)  # an entry larger than a chunk
+        read = read_entries(buffer.data, committed)
+        assert all(torch.equal(read[(role, name)], src.to(dtype)) for _, name, role, src, dtype in items)
+    finally:
+        for buf in buffers.all():
+            buf.release()
+        buffers.close()
