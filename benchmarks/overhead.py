@@ -145,6 +145,24 @@ def steady_ms(
     return [tokens / r["tok_per_s"] * 1e3 for r in steady_records(records, profile_iters, start)]
 
 
+def ab_ratios(records: dict[int, dict[str, float]], block: int, start: int, tokens: int) -> list[float]:
+    """One run of `checkpoint.ab_blocks block`: for each block that takes snapshots (`(t // block)` even) from
+    iteration `start` on, the median time of its iterations over the median of the block after it, which takes
+    none: adjacent blocks of one process see the same machine. ValueError if the records disagree (a snapshot
+    in a block without, or an iteration of a block with snapshots that took none)."""
+    ms = {t: tokens / r["tok_per_s"] * 1e3 for t, r in records.items() if t >= start}
+    for t in ms:
+        if (records[t]["ckpt_mb"] > 0) == bool((t // block) % 2):
+            raise ValueError(f"iteration {t}: ckpt_mb={records[t]['ckpt_mb']} does not match blocks of {block}")
+    ratios = []
+    for first in range(-(-start // (2 * block)) * 2 * block, max(ms, default=0) + 1, 2 * block):
+        on = [ms[t] for t in range(first, first + block) if t in ms]
+        off = [ms[t] for t in range(first + block, first + 2 * block) if t in ms]
+        if len(on) == len(off) == block:
+            ratios.append(statistics.median(on) / statistics.median(off))
+    return ratios
+
+
 def common_start(runs: Iterable[dict[int, dict[str, float]]], profile_iters: int) -> int:
     """The first iteration that is steady in every run: strategies are compared over the same iterations.
     An iteration's time depends on its step (its batch, its experts' load: later ones ran up to 10%

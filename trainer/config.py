@@ -370,6 +370,12 @@ def _validate_checkpoint(c: CheckpointConfig) -> None:
     for name in ("persist_every", "profile_iters", "max_window"):
         _check(getattr(c, name) >= 1, f"checkpoint.{name}", f"must be >= 1, got {getattr(c, name)}")
     _check(c.bandwidth_gbps >= 0, "checkpoint.bandwidth_gbps", f"must be >= 0, got {c.bandwidth_gbps}")
+    _check(c.ab_blocks >= 0, "checkpoint.ab_blocks", f"must be >= 0, got {c.ab_blocks}")
+    _check(
+        c.ab_blocks == 0 or c.window == 1,
+        "checkpoint.ab_blocks",
+        f"needs checkpoint.window 1 (its blocks take single snapshots), got window {c.window}",
+    )
     _check(0 < c.ema_decay < 1, "checkpoint.ema_decay", f"must be in (0, 1), got {c.ema_decay}")
     _check(
         c.interval in INTERVAL_POLICIES or (c.interval.isdigit() and int(c.interval) >= 1),

@@ -7,7 +7,10 @@ the copy bandwidth the profiler measures. Then `train.py` runs on the GPU, `none
 for `ROUNDS` rounds; figures over the steady-state iterations (`benchmarks.overhead`'s definition). The
 overhead is each round's moevement median against the same round's `none` median, printed as the median
 over the rounds with the lowest and highest round beside it (`overhead_fields`): with five rounds a single
-round's drift shows as spread instead of moving the median.
+round's drift shows as spread instead of moving the median. Last, one `moevement` run takes snapshots only
+in every other block of `AB_BLOCK` iterations (`checkpoint.ab_blocks`): each block's median against the next
+block's, without snapshots, in the same process, resolves the snapshot's own cost where separate start-ups
+spread by more than it.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 
 from benchmarks.gpu_check.report import Check, Section, guarded
 from benchmarks.gpu_check.runs import Workspace, train
-from benchmarks.overhead import common_start, parse_steps, steady_ms, steady_records
+from benchmarks.overhead import ab_ratios, common_start, parse_steps, steady_ms, steady_records
 from moevement.checkpoint.profiler import measure_copy_bandwidth
 from moevement.storage.host_memory import make_private_dirs
 from moevement.storage.snapshot import SnapshotHeader, layout_of, read_entries
@@ -29,6 +32,7 @@ CONFIG = "train_configs/bench_moe.toml"
 BATCH, SEQ_LEN = 16, 512
 SHAPE = ["--training.batch_size", str(BATCH), "--training.seq_len", str(SEQ_LEN), "--training.mixed_precision", "bf16"]
 STEPS, ROUNDS, PROFILE_ITERS = 18, 5, 2  # 10 runs; steady from iteration 5 at W=1
+AB_BLOCK, AB_STEPS, AB_START = 3, 48, 6  # one run: 7 pairs of blocks (snapshots, none) from iteration 6
 RUN_TIMEOUT_S = 60
 
 
@@ -87,14 +91,23 @@ def interleaved_runs(workspace: Workspace) -> dict[str, list[dict[int, dict[str,
     return runs
 
 
-def overhead_fields(ratios: list[float]) -> str:
+def overhead_fields(ratios: list[float], what: str = "interleaved rounds", name: str = "overhead") -> str:
     """`overhead=<median> (median of N interleaved rounds, min <x>, max <x>)` of the per-round ratios
     moevement/none (each minus 1: +0.05 is 5% slower than `none`)."""
     over = [r - 1 for r in ratios]
     return (
-        f"overhead={statistics.median(over):+.4f} (median of {len(over)} interleaved rounds, "
+        f"{name}={statistics.median(over):+.4f} (median of {len(over)} {what}, "
         f"min {min(over):+.4f}, max {max(over):+.4f})"
     )
+
+
+def in_process_checks(workspace: Workspace, section: Section) -> list[Check]:
+    """One moevement run at W=1 with snapshots in every other block of `AB_BLOCK` iterations."""
+    args = ["--config", CONFIG, *workspace.common("gpu_check_ab"), *SHAPE, "--training.steps", str(AB_STEPS)]
+    args += ["--checkpoint.strategy", "moevement", "--checkpoint.window", "1", "--checkpoint.ab_blocks", str(AB_BLOCK)]
+    ratios = ab_ratios(parse_steps(train(args, RUN_TIMEOUT_S)), AB_BLOCK, AB_START, BATCH * SEQ_LEN)
+    section.notes.append(overhead_fields(ratios, "block pairs in one process", "ab_overhead"))
+    return [Check("in-process block pairs", len(ratios) >= 5, f"{len(ratios)} pairs of {AB_BLOCK} iterations")]
 
 
 def overhead_checks(workspace: Workspace, section: Section) -> list[Check]:
@@ -126,5 +139,6 @@ def run(section: Section) -> None:
         guarded(section, "pinned snapshot copy", lambda: pinned_copy(workspace, device))
         guarded(section, "copy bandwidth", lambda: bandwidth(workspace, device, section))
         guarded(section, "interleaved none/moevement runs", lambda: overhead_checks(workspace, section))
+        guarded(section, "snapshots on and off in one process", lambda: in_process_checks(workspace, section))
     finally:
         workspace.close()

@@ -122,6 +122,8 @@ class SparseCheckpointer:
         self.stats.begin()
         if self.stats.iterations <= self.cfg.profile_iters or not self.planner.due(iteration):
             return
+        if self.cfg.ab_blocks and (iteration // self.cfg.ab_blocks) % 2:
+            return  # a benchmark's block without snapshots
         if self.window.ended_by(iteration):
             with measure("window"):
                 self.window.start(iteration)

@@ -32,3 +32,6 @@ class SparseOptions:
     persist_every: int = 1  # write every N-th persisted checkpoint to persist_dir
     profile_iters: int = 2  # iterations measured before the first window
     reprofile_every: int = 0  # re-measure the copy bandwidth every N windows (0: only at start-up)
+    # benchmarks, with window = 1: snapshots in every other block of this many iterations, none in the blocks
+    # between (0: every iteration), so that one process measures their cost (ckpt_mb says which iterations)
+    ab_blocks: int = 0
