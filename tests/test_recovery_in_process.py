@@ -24,7 +24,8 @@ from moevement.recovery.localized import Recovery
 from moevement.recovery.report import RecoveryFigures, RecoveryReport, RecoveryWork
 from moevement.recovery.restart import find_restart_checkpoint
 from moevement.storage import word_checksum
-from moevement.storage.snapshot import FORMAT
+from moevement.storage.host_memory import read_header
+from moevement.storage.snapshot import FORMAT, SnapshotHeader, read_entries
 from moevement.topology import Topology
 from tests.tiny_moe import (
     FAILED,
@@ -124,4 +125,9 @@ def test_a_whole_job_restart_converts_the_persisted_window_exact_operator_by_ope
     assert (report.step, report.ranks, report.scope, report.rollback_to, report.replayed) == (11, (0,), (0,), 6, 3)
     assert report.snapshots_from == ("rank0: local shared memory",), report
     assert recovery.figures == RecoveryFigures(11, (0,), 1, 6, recovery.figures.seconds)
+    engine.adopt(found.window_index, found.snapshots)  # as `resume` does: rewritten with copy_entries (XXH3)
+    for slot in range(3):
+        adopted = engine.buffers.buffer(found.window_index % 2, slot)
+        header = SnapshotHeader.from_json(read_header(adopted.path))
+        assert header.checksum_format == FORMAT and read_entries(adopted.data, header)  # every checksum verified
     engine.close()

@@ -25,7 +25,8 @@ class SparseOptions:
     ordering: Policy = "count"  # operator popularity: count | soft | ema | capacity | fixed (the model's order)
     ema_decay: float = 0.9  # decay of the `ema` ordering policy
     replicas: int = 2  # peers holding a copy of each snapshot (capped by world size - 1)
-    bandwidth_gbps: float = 0.0  # cap on the snapshot copy rate to host memory, Gbit/s (0: none)
+    # cap on the snapshot copy rate to host memory, Gbit/s (0: none); on a GPU it only plans W (the copy is the DMA's)
+    bandwidth_gbps: float = 0.0
     background_priority: Priority = "idle"  # CPU priority of the copy/replication/disk threads: idle | normal
     keep_host_state: bool = False  # keep snapshots in host memory after a clean finish
     persist_dir: str = ""  # also write every `persist_every`-th persisted checkpoint to <persist_dir>/<job.name>

@@ -17,7 +17,7 @@ from pathlib import Path
 from moevement.checkpoint.handoff import SnapshotHandoff
 from moevement.checkpoint.persisted import MANIFEST
 from moevement.storage.host_memory import HostBuffer
-from moevement.storage.snapshot import SnapshotHeader
+from moevement.storage.snapshot import FORMAT, SnapshotHeader
 from moevement.storage.snapshot_buffers import SnapshotBuffers
 from moevement.storage.snapshot_copy import Throttle, copy_entries
 
@@ -35,6 +35,7 @@ def adopt_window(
         data = buffer.ensure(max(header.nbytes, 1))
         sources = [tensors[(e.role, e.name)] for e in header.entries]
         header.checksums = copy_entries(data, header.entries, sources, Throttle())
+        header.checksum_format = FORMAT  # copy_entries' XXH3, whatever the snapshot it came from carried
         handoff.commit(window_index, header.commit_record(), buffer, header.slot == len(snapshots) - 1)
     handoff.drain()
 
