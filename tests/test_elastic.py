@@ -5,6 +5,7 @@ of the reference that stops, saves and relaunches each layout from that checkpoi
 from __future__ import annotations
 
 import os
+import re
 import shutil
 
 import pytest
@@ -75,13 +76,18 @@ def test_a_fitted_config_names_its_checkpoints_as_the_configured_one_does():
     ("extra", "key"),
     [
         (["--checkpoint.dense_interval", "0"], "parallelism.elastic"),
-        (["--checkpoint.strategy", "moevement", "--checkpoint.persist_dir", "/tmp/x"], "checkpoint.persist_dir"),
+        (["--checkpoint.strategy", "gemini", "--checkpoint.persist_dir", "/tmp/x"], "checkpoint.persist_dir"),
         (["--checkpoint.load_step", "-1"], "checkpoint.load_step"),
     ],
 )
 def test_an_elastic_job_needs_dense_checkpoints_to_resume_from(extra, key):
     with pytest.raises(ConfigError, match=f"config key '{key}'"):
         _elastic_config(*extra)
+
+
+def test_an_elastic_moevement_job_may_persist_windows_it_re_lays_from():
+    cfg = _elastic_config("--checkpoint.strategy", "moevement", "--checkpoint.persist_dir", "/tmp/x")
+    assert cfg.checkpoint.persist_dir == "/tmp/x"
 
 
 def test_a_round_is_named_alike_on_nodes_that_count_different_restarts(monkeypatch):
@@ -219,3 +225,33 @@ def test_a_lost_and_returned_node_resume_from_windows_re_laid_from_host_memory(t
     assert all(drift[t] <= RELAID_LOSS_RTOL for t in range(t1, t1 + RELAID_CHECKED)), drift
     before = max(drift[t] for t in range(t2 - 3, t2))
     assert all(drift[t] <= max(RELAID_LOSS_RTOL, 10 * before) for t in range(t2, t2 + 3)), drift
+
+
+@pytest.mark.slow
+def test_a_whole_job_lost_relaunches_on_fewer_ranks_from_a_window_re_laid_from_persist_dir(tmp_path):
+    """The job dies with every node's host memory (rank 1 SIGKILLed, no replacement, torchrun gives up; the
+    host directory removed). Relaunched on two ranks with an empty host directory, MoEvement re-lays the
+    newest window every old rank wrote to persist_dir into dp = 1 (no dense checkpoint is due) and ends with
+    the digest of the reference that stops before that window's iteration and relaunches on two ranks."""
+    args = [*ELASTIC, *("--checkpoint.strategy", "moevement", "--checkpoint.window", "1")]
+    args += ["--checkpoint.dense_interval", "1000", "--checkpoint.persist_dir", str(tmp_path / "disk")]
+    args += ["--job.name", f"lost-{os.getpid()}"]
+    died = run_cli(
+        *args,
+        *("--job.output_dir", str(tmp_path / "runs-0"), "--checkpoint.host_dir", str(tmp_path / "shm0")),
+        *("--fault.kill", "12:1", "--fault.max_replacements", "0"),
+        nproc=4,
+        check=False,
+        torchrun=("--max-restarts", "0"),
+    )
+    assert died.returncode != 0, died.stdout
+    shutil.rmtree(tmp_path / "shm0")
+    relaunched = run_cli(
+        *args, *("--job.output_dir", str(tmp_path / "runs-1"), "--checkpoint.host_dir", str(tmp_path / "shm1")), nproc=2
+    ).stdout
+    relaid = re.search(r"restart: re-laid window (\d+) \(W=1\) of dp=2 into dp=1 from persist_dir", relaunched)
+    assert relaid is not None, relaunched
+    t1 = int(relaid[1])
+    assert 6 <= t1 <= 12, relaunched
+    references = _reference(tmp_path, [(4, t1 - 1), (2, 40)])
+    assert final_line(relaunched) == final_line(references[-1])

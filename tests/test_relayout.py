@@ -4,6 +4,7 @@ the way its layout says is refused."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from moevement.recovery.relayout import (
 )
 from moevement.recovery.restart import host_windows, load_host
 from moevement.storage.host_memory import read_header
+from moevement.storage.persistence import read_window
 from moevement.storage.snapshot import SnapshotError, SnapshotHeader, layout_of
 from parallelisms.pipeline import lm_loss
 from tests.helpers import one_rank_group
@@ -156,10 +158,11 @@ def test_an_elastic_window_of_another_dp_belongs_to_the_run_while_a_micro_batch_
 META = {"dp_rank": 0, "pp_rank": 0, "layout": {"dp": 1, "ep": 1}, "run": {"job": "tiny"}}
 
 
-def _windows_in_host_memory(job_dir: Path) -> list:
+def _windows_in_host_memory(job_dir: Path, disk: Path | None = None) -> list:
     """The tiny MoE trained 10 iterations (W = 3: windows 3-5 and 6-8 complete, 9-11 begun) into
-    `job_dir/rank00000`; its operators."""
-    model, optimizer, engine = tiny_engine(job_dir / "rank00000", job_meta=META)
+    `job_dir/rank00000` (and its persisted windows into `disk`, if given); its operators."""
+    persist = {"persist_dir": str(disk)} if disk is not None else {}
+    model, optimizer, engine = tiny_engine(job_dir / "rank00000", job_meta=META, **persist)
     for t in range(1, 11):
         engine.begin(t)
         lm_loss(model(batch(t)[0]), batch(t)[1]).backward()
@@ -170,12 +173,12 @@ def _windows_in_host_memory(job_dir: Path) -> list:
     return engine.ops
 
 
-def _relay(job_dir: Path, ops, dense_step: int = 0, mismatch=lambda saved: []):
+def _relay(job_dir: Path, ops, dense_step: int = 0, mismatch=lambda saved: [], disk: Path | None = None):
     lines: list[str] = []
     place = NewPlace(DataParallel(1, 1), 0, rank=0)
     target = RelayTarget(0, place, sharding_of(ops), META, mismatch, dense_step)
     with one_rank_group():
-        return find_relaid_window(job_dir, target, lines.append), lines
+        return find_relaid_window(job_dir, target, lines.append, disk), lines
 
 
 def test_the_newest_persisted_window_in_host_memory_is_re_laid_verified(tmp_path):
@@ -224,3 +227,36 @@ def test_a_corrupted_or_foreign_window_is_refused_and_the_dense_checkpoint_kept(
 
 def _window_of(buffer: Path) -> int:
     return read_header(buffer.with_suffix(""))["window_start"]
+
+
+def test_a_job_whose_host_memory_is_gone_re_lays_its_newest_window_from_persist_dir(tmp_path, capsys):
+    """Every node lost: the newest persisted window is read from persist_dir, verified and re-laid; one with a
+    corrupted byte is refused and the window before it is used. With host memory intact, host memory is
+    read first."""
+    job, disk = tmp_path / "job", tmp_path / "disk"
+    ops = _windows_in_host_memory(job, disk)
+    found, lines = _relay(job, ops, disk=disk)
+    assert (found.window_start, found.sources, lines) == (
+        6,
+        ["dp=1: rank00000/local"],
+        ["restart: re-laid window 6 (W=3) of dp=1 into dp=1 from host memory"],
+    )
+    shutil.rmtree(job / "rank00000")
+    found, lines = _relay(job, ops, disk=disk)
+    assert (found.window_start, found.window, found.relaid) == (6, 3, True)
+    assert found.sources == ["dp=1: persist_dir window-00000006/rank00000"]
+    assert lines == ["restart: re-laid window 6 (W=3) of dp=1 into dp=1 from persist_dir"]
+    stored = read_window(disk / "window-00000006" / "rank00000")
+    for (header, tensors), (stored_header, stored_tensors) in zip(found.snapshots, stored, strict=True):
+        assert header.iteration == stored_header.iteration and tensors.keys() == stored_tensors.keys()
+        assert all(torch.equal(tensors[k], stored_tensors[k]) for k in tensors)
+    slot_1 = disk / "window-00000006" / "rank00000" / "s1.bin"
+    data = bytearray(slot_1.read_bytes())
+    data[100] ^= 1
+    slot_1.write_bytes(bytes(data))
+    found, lines = _relay(job, ops, disk=disk)
+    assert "checksum mismatch" in capsys.readouterr().out
+    assert found.window_start == 3 and lines == [
+        "restart: window 6 of dp=1 cannot be re-laid on every rank; trying an older one",
+        "restart: re-laid window 3 (W=3) of dp=1 into dp=1 from persist_dir",
+    ]

@@ -561,10 +561,10 @@ def _validate_elastic(cfg: Config) -> None:
         "resumes from periodic dense checkpoints: set checkpoint.dense_interval (iterations between them)",
     )
     _check(
-        not c.persist_dir,
+        not c.persist_dir or c.strategy == "moevement",
         "checkpoint.persist_dir",
-        "is never read by an elastic job (each torchrun round starts from the newest dense checkpoint, or with "
-        "moevement a newer window in host memory; a strategy recovers in place from memory): leave it unset",
+        "is read by an elastic job with checkpoint.strategy moevement only (each torchrun round starts from the "
+        "newest dense checkpoint; a baseline recovers in place from memory): leave it unset",
     )
     _check(
         not c.load_step,

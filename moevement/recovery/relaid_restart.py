@@ -2,11 +2,13 @@
 
 At the first start of every torchrun round of an elastic job (`parallelism.elastic`) the world may have
 changed size. Every rank looks in its node's host memory for the job's windows: each rank directory's own
-buffers (`rank<r>/local`) and the replicas it holds for peers (`rank<q>/replicas/from<r>`). The headers name
-each window's old coordinates (`pp_rank`, `dp_rank`) and layout (`layout`). A window counts if it is
-persisted (no newer than the newest start any manifest records) and ends after the dense checkpoint the
-start loaded. The ranks agree on the newest window of which every part each rank needs (`old_ranks_needed`)
-is on some node, then try it: each rank loads the parts its node holds, receives the others from a rank of
+buffers (`rank<r>/local`) and the replicas it holds for peers (`rank<q>/replicas/from<r>`), then in
+`checkpoint.persist_dir` (`window-<t0>/rank<r>`) if the job writes one, which a whole lost job still has.
+The headers name each window's old coordinates (`pp_rank`, `dp_rank`) and layout (`layout`). A window
+counts if it is persisted (no newer than the newest start any manifest records, or written to persist_dir)
+and ends after the dense checkpoint the start loaded. The ranks agree on the newest window of which every
+part each rank needs (`old_ranks_needed`) is on some node, then try it: each rank loads the parts its node
+(or the persist_dir it sees) holds, receives the others from a rank of
 a node that holds them, verifies checksums and the run (`RunIdentity.elastic_mismatch`: `dp` and
 micro-batches may differ, a micro-batch's rows may not) and re-lays them (`relaid_window`). If any rank
 fails, every rank tries the next older window, then keeps the dense checkpoint.
@@ -34,12 +36,13 @@ from moevement.recovery.restart import (
     send_window,
     snapshot_identity_check,
 )
-from moevement.storage.host_memory import read_header
+from moevement.storage.host_memory import HostMemoryError, check_private, read_header
 from moevement.storage.snapshot import SnapshotError, SnapshotHeader
 from parallelisms import collectives
 
 Part = tuple[int, int]  # an old rank's (pp_rank, dp_rank)
 Copy = tuple[str, list[Path]]  # a copy of a part on this node: where (`rank<q>/replicas/from<r>`), buffers by slot
+PERSIST_DIR = "persist_dir"  # how a copy's `where` names a persisted window on disk
 
 
 @dataclass(frozen=True, order=True)
@@ -57,6 +60,7 @@ class NodeSurvey:
     """The job's windows in this node's host memory: {window: {part: copies, each its buffer paths by slot}}."""
 
     copies: dict[WindowOf, dict[Part, list[Copy]]] = field(default_factory=lambda: defaultdict(dict))
+    durable: set[WindowOf] = field(default_factory=set)  # windows with a part in persist_dir: persisted
     persisted: int = -1  # the newest window start a manifest here records
     index: int = -1  # the newest window index a manifest here records
     newest_iteration: int = 0
@@ -75,26 +79,32 @@ class RelayTarget:
     dense_step: int
 
 
-def find_relaid_window(job_dir: Path, target: RelayTarget, line: Callable[[str], None]) -> RestartPoint | None:
-    """The newest window of this job that every rank can re-lay into the new layout, re-laid (collective over
-    all ranks); None when there is none, with a line when some window was found."""
+def find_relaid_window(
+    job_dir: Path, target: RelayTarget, line: Callable[[str], None], disk: Path | None = None
+) -> RestartPoint | None:
+    """The newest window of this job that every rank can re-lay into the new layout, from host memory or
+    from `disk` (`<persist_dir>/<job>`), re-laid (collective over all ranks); None when there is none, with
+    a line when some window was found."""
     started, rank = time.perf_counter(), dist.get_rank()
-    survey = survey_node(rank, job_dir)
+    survey = survey_node(rank, job_dir, disk)
     gathered: list = [None] * dist.get_world_size()
     held = {key: sorted(parts) for key, parts in survey.copies.items()}
-    collectives.all_gather_object(gathered, (survey.persisted, survey.index, survey.newest_iteration, held))
+    mine = (survey.persisted, survey.index, survey.newest_iteration, held, sorted(survey.durable))
+    collectives.all_gather_object(gathered, mine)
     holders: dict[WindowOf, dict[Part, list[int]]] = defaultdict(lambda: defaultdict(list))
-    for holder, (_, _, _, windows) in enumerate(gathered):
+    for holder, (_, _, _, windows, _) in enumerate(gathered):
         for key, parts in windows.items():
             for part in parts:
                 holders[key][part].append(holder)
     persisted = max(g[0] for g in gathered)
-    for key in _candidates(holders, persisted, target):
+    durable = {key for g in gathered for key in g[4]}
+    where = "host memory" if disk is None else "host memory or persist_dir"
+    for key in _candidates(holders, persisted, durable, target):
         relaid, sources = _relay(rank, key, survey, holders[key], target)
         if all(sources):
             line(
                 f"restart: re-laid window {key.start} (W={key.window}) of dp={key.dp} into "
-                f"dp={target.place.layout.dp} from host memory"
+                f"dp={target.place.layout.dp} from {_kinds(sources)}"
             )
             index = max(g[1] for g in gathered) + 1
             last = max(g[2] for g in gathered)
@@ -103,14 +113,21 @@ def find_relaid_window(job_dir: Path, target: RelayTarget, line: Callable[[str],
         line(f"restart: window {key.start} of dp={key.dp} cannot be re-laid on every rank; trying an older one")
     if holders:
         line(
-            f"restart: no window in host memory re-lays into dp={target.place.layout.dp} past step "
+            f"restart: no window in {where} re-lays into dp={target.place.layout.dp} past step "
             f"{target.dense_step}; resuming from the dense checkpoint"
         )
     return None
 
 
-def survey_node(rank: int, job_dir: Path) -> NodeSurvey:
-    """Every complete window of the job in this node's host memory, by its layout and old coordinates."""
+def _kinds(sources: list[str]) -> str:
+    """Where every rank's parts came from: host memory, persist_dir, or both."""
+    disk = [PERSIST_DIR in source for source in sources]
+    return "persist_dir" if all(disk) else "host memory and persist_dir" if any(disk) else "host memory"
+
+
+def survey_node(rank: int, job_dir: Path, disk: Path | None = None) -> NodeSurvey:
+    """Every complete window of the job in this node's host memory, then in `disk` (a persist_dir's job
+    directory), by its layout and old coordinates."""
     survey = NodeSurvey()
     for rank_dir in sorted(job_dir.glob("rank*[0-9]")):
         try:
@@ -128,7 +145,27 @@ def survey_node(rank: int, job_dir: Path) -> NodeSurvey:
                 placed = _placed(rank, paths[0])
                 if placed is not None:
                     survey.copies[placed[0]].setdefault(placed[1], []).append((where, paths))
+    for rank_dir in sorted(disk.glob("window-*[0-9]/rank*[0-9]")) if disk is not None else []:
+        _survey_disk(rank, disk, rank_dir, survey)
     return survey
+
+
+def _survey_disk(rank: int, disk: Path, rank_dir: Path, survey: NodeSurvey) -> None:
+    """One old rank's persisted window (`window-<t0>/rank<r>`: `s<slot>.{json,bin}`, written whole, then renamed
+    into place) into `survey`, if its directory is this user's, owner-only, and its slots are all there."""
+    try:
+        check_private(rank_dir)
+    except (HostMemoryError, OSError) as e:
+        reject(rank, str(rank_dir), e)
+        return
+    slots = sorted(int(p.stem[1:]) for p in rank_dir.glob("s*.json") if p.stem[1:].isdigit())
+    paths = [rank_dir / f"s{slot}" for slot in slots]
+    placed = _placed(rank, paths[0]) if paths else None
+    if placed is not None and slots == list(range(placed[0].window)):
+        survey.copies[placed[0]].setdefault(placed[1], []).append(
+            (f"{PERSIST_DIR} {rank_dir.relative_to(disk)}", paths)
+        )
+        survey.durable.add(placed[0])
 
 
 def _placed(rank: int, first_slot: Path) -> tuple[WindowOf, Part] | None:
@@ -145,13 +182,16 @@ def _placed(rank: int, first_slot: Path) -> tuple[WindowOf, Part] | None:
         return None
 
 
-def _candidates(holders: dict[WindowOf, dict[Part, list[int]]], persisted: int, target: RelayTarget) -> list[WindowOf]:
-    """Windows to try, newest first: persisted, newer than the dense step, of this `ep`, with every part each
-    rank needs held on some node (collective: every rank's needs count)."""
+def _candidates(
+    holders: dict[WindowOf, dict[Part, list[int]]], persisted: int, durable: set[WindowOf], target: RelayTarget
+) -> list[WindowOf]:
+    """Windows to try, newest first: persisted (by a manifest, or `durable`: in persist_dir), newer than the
+    dense step, of this `ep`, with every part each rank needs held on some node or disk (collective: every
+    rank's needs count)."""
     new = target.place.layout
     usable = []
     for key in sorted(holders, reverse=True):
-        if key.start > persisted or key.start + key.window - 1 <= target.dense_step:
+        if (key.start > persisted and key not in durable) or key.start + key.window - 1 <= target.dense_step:
             continue
         if key.ep != new.ep or key.dp % key.ep:
             continue

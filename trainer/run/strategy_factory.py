@@ -107,7 +107,7 @@ def build_strategy(
     MoEvement first looks for a persisted sparse checkpoint of this job to restart from (a torchrun
     restart, or a relaunch of the same job) and the live state this rank kept. An elastic job
     (`parallelism.elastic`) starts every torchrun round from the dense checkpoint train.py loaded (at
-    `dense_step`), or from a newer window in host memory re-laid into the round's layout
+    `dense_step`), or from a newer window in host memory (or in persist_dir) re-laid into the round's layout
     (`find_relaid_window`); its in-place generations recover from sparse state as any job's. The rank's host
     directory stays as it is until training goes on (`MoEvement.begin`), so a death before then loses
     nothing. An interval baseline, after a torchrun restart of this run (not of an elastic job), restores
@@ -136,7 +136,7 @@ def build_strategy(
     checkpointer = new_checkpointer(dataclasses.replace(cfg.checkpoint, persist_dir=str(disk or "")))
     if from_dense and dist.is_initialized():
         target = _relay_target(dims, topo, checkpointer, identity, job_meta, dense_step)
-        found = find_relaid_window(rank_dir.parent, target, line)
+        found = find_relaid_window(rank_dir.parent, target, line, disk)
     log = UpstreamLog(model.parts, model.stage_ids, model.n_stages) if cfg.parallelism.pp > 1 else None
     hooks = _trainer_hooks(cfg, model, optimizer, dims, seeder, log, topo, train_batches, line)
     conversion = Conversion(
