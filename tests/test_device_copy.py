@@ -14,7 +14,7 @@ from moevement.storage.device_copy import DevicePlan, ring_bytes, slot_bytes
 from moevement.storage.host_memory import make_private_dirs
 from moevement.storage.snapshot import CUDA_CHUNK_BYTES, SnapshotError, SnapshotHeader, layout_of, read_entries
 from moevement.storage.snapshot_buffers import SnapshotBuffers
-from moevement.storage.snapshot_copy import Throttle, copy_entries
+from moevement.storage.snapshot_copy import Throttle, chunk_ends, copy_entries
 from tests.test_snapshot_copy import _stacked_items
 
 
@@ -101,3 +101,42 @@ def test_a_staged_snapshot_issued_by_the_buffers_commits_a_header_that_reads_bac
         for buf in buffers.all():
             buf.release()
         buffers.close()
+
+
+class _OnDevice:
+    """What a layout reads of a slice of a stacked tensor on an accelerator (no accelerator needed)."""
+
+    device = torch.device("cuda", 0)
+
+    def __init__(self, storage: int, index: int, numel: int = 1024):
+        self.shape, self._ptr, self._offset = [numel], storage, index * numel
+
+    def numel(self) -> int:
+        return self.shape[0]
+
+    def storage_offset(self) -> int:
+        return self._offset
+
+    def untyped_storage(self):
+        return type("Storage", (), {"data_ptr": lambda _: self._ptr})()
+
+
+def test_a_gpu_layout_keeps_its_host_step_counters_out_of_its_device_chunks():
+    """Stacks on an accelerator, each with its moments, and the optimizer's step counters on the host: the
+    counters come last in their role, so the device's bytes are chunked by size (one chunk here), not cut
+    at every tensor."""
+    experts, stacks = 6, 3
+    steps = [torch.tensor(float(s)) for s in range(stacks)]
+    items = []
+    for e in range(experts):
+        for s in range(stacks):
+            items.append((f"x{e}", f"w{s}.{e}", "master", _OnDevice(10 * s + 1, e), torch.float32))
+            items += [
+                (f"x{e}", f"w{s}.{e}.m{k}", "master", _OnDevice(10 * s + 2 + k, e), torch.float32) for k in (0, 1)
+            ]
+            items.append((f"x{e}", f"w{s}.{e}.step", "master", steps[s], torch.float32))
+    items += [(f"x{e}", f"w0.{e}", "compute", _OnDevice(1, e), torch.bfloat16) for e in range(experts)]
+    entries, sources, _ = layout_of(items)
+    devices = [(e.role, src.device.type) for e, src in zip(entries, sources)]
+    assert devices == sorted(devices, key=lambda d: (d[0] != "master", d[1] == "cpu"))
+    assert len(chunk_ends(entries, 1 << 30, sources, at_most=True)) == 3  # device bytes, counters, compute

@@ -207,15 +207,26 @@ def layout_of(
 
 
 def _storage_order(items: list[tuple[str, str, str, torch.Tensor, torch.dtype]]) -> list:
-    """`items` grouped by role, then by source storage, each group in storage-offset order (stable)."""
+    """`items` grouped by role, then by source storage, each group in storage-offset order (stable). Where some
+    sources live on an accelerator, those on the host (a GPU optimizer's step counters) come last in their
+    role: a chunk holds sources of one device, so interleaved they would cut the device's bytes into a chunk
+    per tensor."""
     groups = [(role, src.untyped_storage().data_ptr()) for _, _, role, src, _ in items]
     first_seen: dict[tuple[str, int], int] = {}
     for i, group in enumerate(groups):
         first_seen.setdefault(group, i)
     roles = {role: n for n, role in enumerate(dict.fromkeys(role for role, _ in groups))}
+    on_host = [src.device.type == "cpu" for _, _, _, src, _ in items]
+    host_last = not all(on_host)
     order = sorted(
         range(len(items)),
-        key=lambda i: (roles[groups[i][0]], first_seen[groups[i]], items[i][3].storage_offset(), i),
+        key=lambda i: (
+            roles[groups[i][0]],
+            host_last and on_host[i],
+            first_seen[groups[i]],
+            items[i][3].storage_offset(),
+            i,
+        ),
     )
     return [items[i] for i in order]
 
