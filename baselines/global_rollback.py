@@ -107,7 +107,7 @@ class RestartState:
     """What a torchrun restart of this run (generation > 0) starts from."""
 
     kept: LiveState | None  # this rank's survival marker (None: its process died)
-    host: RestartPoint | None  # gemini: the newest replicated checkpoint in host memory, loaded
+    host: RestartPoint | None  # gemini's newest replicated checkpoint in host memory, or an elastic round's re-laid
     check: CheckHeader  # refuses a snapshot of another run, rank or layout
 
 
@@ -150,15 +150,16 @@ class GlobalRollback:
 
     def restart(self, state: RestartState) -> int:
         """After a torchrun restart of this run: every rank rolls back to the newest complete checkpoint
-        as `recover` would (1 when there is none: the initial state); returns its iteration. Collective."""
+        as `recover` would (1 when there is none: the initial state), or to `state.host` when the start found
+        one (gemini's in host memory; an elastic round's, re-laid); returns its iteration. Collective."""
         started = time.perf_counter()
         kept: list[Survival | None] = [None] * self.world
         collectives.all_gather_object(kept, state.kept.survival() if state.kept else None)
         dead = {r for r, k in enumerate(kept) if k is None}
-        if self.from_disk:
-            rollback_to, saves, source = self._disk_restart(state.check)
-        elif state.host is not None:
+        if state.host is not None:
             rollback_to, saves, source = state.host.window_start, state.host.snapshots, state.host.sources[self.me]
+        elif self.from_disk:
+            rollback_to, saves, source = self._disk_restart(state.check)
         else:
             rollback_to, saves, source = 1, [], "none (initial state)"
         fetched = time.perf_counter() - started + (state.host.seconds if state.host else 0.0)

@@ -148,12 +148,13 @@ def _reference(tmp_path, segments: list[tuple[int, int]], *extra: str) -> list[s
 def test_a_node_lost_for_good_shrinks_the_job_and_its_return_grows_it_back(tmp_path, strategy):
     """With a checkpoint strategy, the rank shells' survivors wait for replacements until node 1 has said
     nothing for `fault.node_loss_s` (5 s, where a join is bounded by 2 x `fault.timeout_s` = 240 s), then
-    torchrun restarts them from the newest dense checkpoint; the reference is the same chain without
-    checkpointing. (MoEvement resumes from a newer window where there is one: the test below.)"""
+    torchrun restarts them from the newest dense checkpoint (gemini takes none newer here); the reference is
+    the same chain without checkpointing. (A newer checkpoint in host memory is re-laid: the test below.)"""
     output, port, job = Output(), free_port(), f"elastic-{os.getpid()}"
     args = [*ELASTIC, "--job.output_dir", str(tmp_path / "runs"), "--checkpoint.strategy", strategy]
     if strategy != "none":
         args += ["--fault.timeout_s", "120", "--fault.node_loss_s", "5", "--checkpoint.host_dir", str(tmp_path / "shm")]
+        args += ["--checkpoint.interval", "1000"]
     second = start_node(1, port, job, 2, args, CHILD_ENV, output)  # waits for the first's store
     first = start_node(0, port, job, 2, args, CHILD_ENV, output)
     _, at = output.wait_for(r"elastic: 4 processes: pp=2 dp=2 ")
@@ -180,10 +181,12 @@ def test_a_node_lost_for_good_shrinks_the_job_and_its_return_grows_it_back(tmp_p
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("window", [1, 3])
-def test_a_lost_and_returned_node_resume_from_windows_re_laid_from_host_memory(tmp_path, window):
+@pytest.mark.parametrize(("strategy", "window"), [("moevement", 1), ("moevement", 3), ("gemini", 1), ("checkfreq", 1)])
+def test_a_lost_and_returned_node_resume_from_windows_re_laid_from_host_memory(tmp_path, strategy, window):
     """MoEvement resumes each round from the newest window in host memory, re-laid into the round's layout,
-    not from an older dense checkpoint (none is due). Each emulated node keeps its host
+    not from an older dense checkpoint (none is due); so do gemini and checkfreq from their newest checkpoint
+    (taken every iteration here: a window of W = 1 of every operator; gemini's replicated, checkfreq's
+    unreplicated but written to disk, where the lost node's parts are read). Each emulated node keeps its host
     memory in a directory of its own (a node is a host and its `checkpoint.host_dir`), and the lost node's
     goes with it: the shrink re-lays the survivors' windows and the replicas they hold of node 1's, the
     grow-back sends node 1's ranks their parts over the network. The reference chain stops before the
@@ -191,8 +194,9 @@ def test_a_lost_and_returned_node_resume_from_windows_re_laid_from_host_memory(t
     reference's bit for bit; with W = 3 the new layout replays two iterations with weights the old one
     computed: the losses after each re-lay stay as close to the reference's as before it (below)."""
     output, port, job, steps = Output(), free_port(), f"relaid-{os.getpid()}", 160
-    args = [*ELASTIC, "--job.output_dir", str(tmp_path / "runs"), *("--checkpoint.strategy", "moevement")]
-    args += ["--training.steps", str(steps), "--checkpoint.window", str(window), "--fault.timeout_s", "120"]
+    args = [*ELASTIC, "--job.output_dir", str(tmp_path / "runs"), *("--checkpoint.strategy", strategy)]
+    args += ["--checkpoint.window", str(window)] if strategy == "moevement" else ["--checkpoint.interval", "1"]
+    args += ["--training.steps", str(steps), "--fault.timeout_s", "120"]
     args += ["--checkpoint.dense_interval", "1000", "--fault.node_loss_s", "5"]
     shm = [tmp_path / "shm0", tmp_path / "shm1"]
     second = start_node(1, port, job, 2, [*args, "--checkpoint.host_dir", str(shm[1])], CHILD_ENV, output)

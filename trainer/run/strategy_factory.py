@@ -47,6 +47,8 @@ from trainer.lifecycle.start_plan import StartPlan
 from trainer.run.host_paths import claim_host_state, host_job_dir, host_rank_dir, persist_root
 from trainer.step import DropoutSeeder, forward_backward, replay_update
 
+RELAID_BASELINES = ("gemini", "checkfreq")  # checkpoints of every operator: re-laid in an elastic job's new layout
+
 
 def gather_topology(dims: ParallelDims, host_dir: Path) -> Topology:
     """Every rank's pipeline rank, data-parallel rank and node (collective over all ranks).
@@ -108,10 +110,12 @@ def build_strategy(
     restart, or a relaunch of the same job) and the live state this rank kept. An elastic job
     (`parallelism.elastic`) starts every torchrun round from the dense checkpoint train.py loaded (at
     `dense_step`), or from a newer window in host memory (or in persist_dir) re-laid into the round's layout
-    (`find_relaid_window`); its in-place generations recover from sparse state as any job's. The rank's host
-    directory stays as it is until training goes on (`MoEvement.begin`), so a death before then loses
-    nothing. An interval baseline, after a torchrun restart of this run (not of an elastic job), restores
-    its newest checkpoint (gemini's from host memory) and starts with an empty host directory."""
+    (`find_relaid_window`; gemini's and checkfreq's checkpoints are windows of W = 1 of every operator, so
+    they re-lay the same way; MoC's partial ones do not); its in-place generations recover from sparse
+    state as any job's. The rank's host directory stays as it is until training goes on
+    (`MoEvement.begin`), so a death before then loses nothing. An interval baseline, after a torchrun
+    restart of this run, restores its newest checkpoint (gemini's from host memory) and starts with an
+    empty host directory."""
     strategy = cfg.checkpoint.strategy
     if strategy == "none":
         return NoCheckpointing()
@@ -125,17 +129,22 @@ def build_strategy(
     rejoin = _rejoin(rank_dir, job_meta, plan, from_dense)
     checks = _identity_checks(dims, identity, rejoin)
     found = None if from_dense else _restart_point(strategy, rank_dir, disk, checks, rejoin, line, plan.restarted)
+    if from_dense and strategy in RELAID_BASELINES and dist.is_initialized():
+        ops = build_registry(model.view, stacked_operators(model.view))
+        target = _relay_target(dims, topo, ops, identity, job_meta, dense_step)
+        found = find_relaid_window(rank_dir.parent, target, line, _baseline_disk(cfg, strategy))
     if strategy != "moevement":
         if dist.is_initialized():
             collectives.barrier()  # every rank holds its copy before any rank clears its directory
         remove_tree(rank_dir, rank_dir.parent)  # loaded, or of no use to any restart
     new_checkpointer = _checkpointer_factory(cfg, model, optimizer, dims, rank_dir, topo, job_meta)
     if strategy != "moevement":
-        restart = RestartState(rejoin.live, found, checks["run"]) if plan.restarted and not from_dense else None
+        restarted = plan.restarted and not from_dense or found is not None  # found, from_dense: a re-laid one
+        restart = RestartState(rejoin.live, found, checks["run"]) if restarted else None
         return _interval_baseline(cfg, model, optimizer, dims, new_checkpointer, line, lock, rejoin, restart)
     checkpointer = new_checkpointer(dataclasses.replace(cfg.checkpoint, persist_dir=str(disk or "")))
     if from_dense and dist.is_initialized():
-        target = _relay_target(dims, topo, checkpointer, identity, job_meta, dense_step)
+        target = _relay_target(dims, topo, checkpointer.ops, identity, job_meta, dense_step)
         found = find_relaid_window(rank_dir.parent, target, line, disk)
     log = UpstreamLog(model.parts, model.stage_ids, model.n_stages) if cfg.parallelism.pp > 1 else None
     hooks = _trainer_hooks(cfg, model, optimizer, dims, seeder, log, topo, train_batches, line)
@@ -195,16 +204,11 @@ def _job_meta(cfg: Config, dims: ParallelDims, identity: RunIdentity, run_id: st
 
 
 def _relay_target(
-    dims: ParallelDims,
-    topo: Topology,
-    checkpointer: SparseCheckpointer,
-    identity: RunIdentity,
-    job_meta: dict,
-    dense_step: int,
+    dims: ParallelDims, topo: Topology, ops: list, identity: RunIdentity, job_meta: dict, dense_step: int
 ) -> RelayTarget:
-    """What a window of another layout must become on this rank (`find_relaid_window`)."""
+    """What a window of another layout must become on this rank's operators `ops` (`find_relaid_window`)."""
     place = NewPlace(DataParallel(dims.cfg.dp, dims.cfg.ep), dims.dp_rank, topo.rank)
-    sharding = sharding_of(checkpointer.ops)
+    sharding = sharding_of(ops)
     return RelayTarget(dims.pp_rank, place, sharding, job_meta, identity.elastic_mismatch, dense_step)
 
 
@@ -266,8 +270,7 @@ def _interval_baseline(
     else:
         select = lambda: names  # noqa: E731  (dense: every operator)
     if strategy != "gemini":  # snapshot in host memory, then persist asynchronously to disk
-        default = str(Path(cfg.job.output_dir) / f"{strategy}-checkpoints")
-        persist = persist_root(cfg, default)
+        persist = _baseline_disk(cfg, strategy)
         ck_cfg = dataclasses.replace(ck_cfg, replicas=0, persist_dir=str(persist), persist_every=1)
         if restart is None:  # an earlier run's checkpoints must not be restored into this one
             for old in private_subdirs(persist, "window-", f"rank{dist.get_rank():05d}"):
@@ -286,6 +289,14 @@ def _interval_baseline(
         moc,
     )
     return IntervalBaseline(checkpointer, rollback, moc, lock, rejoin, restart)
+
+
+def _baseline_disk(cfg: Config, strategy: str) -> Path | None:
+    """Where checkfreq and moc persist their checkpoints (`checkpoint.persist_dir`, else a folder beside the
+    run records); gemini keeps them in host memory only (None)."""
+    if strategy == "gemini":
+        return None
+    return persist_root(cfg, str(Path(cfg.job.output_dir) / f"{strategy}-checkpoints"))
 
 
 def _moc_state(cfg: Config, ops: list, dims: ParallelDims) -> MocState:
