@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from benchmarks.gpu_check import numerics, overhead, replacement, throughput
+from benchmarks.gpu_check import gil_profile, numerics, overhead, replacement, throughput
 from benchmarks.gpu_check.__main__ import SECTIONS
 from benchmarks.gpu_check.report import (
     Check,
@@ -42,9 +42,9 @@ def test_without_cuda_the_check_says_so_in_one_line_and_exits_0():
     ]
 
 
-def test_six_sections_within_nine_minutes_the_sixth_the_in_place_replacement():
+def test_seven_sections_within_nine_minutes_the_sixth_the_in_place_replacement():
     """Every section's budget together stays under the 10 minutes one command may run on a lent GPU."""
-    assert [number for number, *_ in SECTIONS] == [1, 2, 3, 4, 5, 6]
+    assert [number for number, *_ in SECTIONS] == [1, 2, 3, 4, 5, 6, 7]
     assert sum(budget for _, _, budget, _ in SECTIONS) <= 9 * 60
     assert SECTIONS[5][3] is replacement.run
 
@@ -57,6 +57,28 @@ def test_section_6_skips_with_its_reason_while_the_trainer_joins_nccl_on_cuda():
     assert len(section.lines()) == 2 and section.lines()[-1].startswith("  SKIP train.py cannot run two ranks")
     assert replacement.blocker("cpu:gloo,cuda:gloo") == ""
     assert summary([section], 0.1) == "gpu-check PASS: [6]=SKIP (0 failed) in 0 s"
+
+
+def test_gil_shares_count_snapshot_work_by_thread_during_iterations():
+    """py-spy's raw lines: start-up samples of the training thread are left out; snapshot frames are counted
+    for the training thread and for any other thread (a copy thread's work would fail the check)."""
+    raw = "\n".join(
+        [
+            "thread (1): MainThread;<module> (train.py:10);_find_and_load (<frozen importlib._bootstrap>:1) 500",
+            "thread (1): MainThread;main (train.py:9);iteration (train.py:337);forward (models/moe.py:5) 90",
+            "thread (1): MainThread;iteration (train.py:338);begin (moevement/checkpoint/checkpointer.py:130) 6",
+            "thread (2): moevement-copy;_copy (moevement/checkpoint/in_flight.py:165);copy (x) 3",
+            "thread (3): pin_memory;loop (torch/utils/data/x.py:1) 1",
+        ]
+    )
+    counts = gil_profile.gil_shares(raw)
+    assert dict(counts) == {"iterations": 100, "other": 4, "training_snapshot": 6, "other_snapshot": 3}
+
+
+def test_gil_section_skips_without_py_spy(monkeypatch):
+    monkeypatch.setattr(gil_profile.shutil, "which", lambda name: None)
+    section = run_section(Section(7, "gil", 45), gil_profile.run)
+    assert section.status == "SKIP" and section.lines()[-1].startswith("  SKIP py-spy is not installed")
 
 
 def test_overhead_fields_median_and_spread_of_the_rounds():
@@ -83,6 +105,25 @@ def test_overhead_section_alternates_the_order_and_reports_every_round(monkeypat
     assert order == ["none", "moevement", "moevement", "none"] * 2 + ["none", "moevement"]
     assert [c.ok for c in checks] == [True]
     assert "overhead=+0.1000 (median of 5 interleaved rounds, min +0.1000, max +0.1000)" in section.notes[0]
+
+
+def test_in_process_block_pairs_give_the_snapshots_own_cost(monkeypatch):
+    """Section 2's one-process run: snapshots in every other block of AB_BLOCK iterations, 5% slower there."""
+
+    def fake_train(args: list[str], timeout_s: float) -> str:
+        assert args[args.index("--checkpoint.ab_blocks") + 1] == str(overhead.AB_BLOCK)
+        lines = []
+        for t in range(1, overhead.AB_STEPS + 1):
+            on = t > 2 and (t // overhead.AB_BLOCK) % 2 == 0
+            tok_per_s = overhead.BATCH * overhead.SEQ_LEN / (105.0 if on else 100.0) * 1e3
+            lines.append(f"step={t} loss=1 tok_per_s={tok_per_s} ckpt_mb={5.0 if on else 0.0}")
+        return "\n".join(lines)
+
+    monkeypatch.setattr(overhead, "train", fake_train)
+    section = Section(2, "overhead", 10)
+    checks = overhead.in_process_checks(SimpleNamespace(common=lambda job: []), section)
+    assert [c.ok for c in checks] == [True]
+    assert section.notes == ["ab_overhead=+0.0500 (median of 7 block pairs in one process, min +0.0500, max +0.0500)"]
 
 
 @pytest.mark.parametrize(

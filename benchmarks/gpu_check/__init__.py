@@ -16,6 +16,8 @@ and the others still run), then one summary line:
   6. replacement   two processes on the GPU run train.py at pp=2, rank 1 SIGKILLed and replaced in place by
                    its rank shell's standby, ending with the fault-free digest; SKIP with the reason while
                    the trainer cannot put two ranks on one GPU                             (replacement.py)
+  7. GIL profile   py-spy --gil over one section-2 run: no thread but the training thread holds the GIL for
+                   snapshot work; the training thread's snapshot share; SKIP without py-spy (gil_profile.py)
 
 A section that knows it cannot run says SKIP and why (not a failure). Without CUDA the check says so in one
 line and exits 0.
