@@ -32,23 +32,26 @@ ITERATION_FRAME = "iteration (train.py"
 
 
 def gil_shares(raw: str) -> Counter:
-    """Samples of py-spy's raw output (`thread (<id>): <name>;frame;...;frame <count>` per line) by kind:
-    `iterations` (the training thread inside `iteration`, or any other thread), `training_snapshot` and
-    `other_snapshot` (of those, in snapshot frames), `other` (another thread's samples)."""
-    counts: Counter = Counter()
+    """Samples of py-spy's raw output (`thread (<id>)[: <name>];frame;...;frame <count>` per line; py-spy does
+    not always find a thread's name, so threads are told apart by id) by kind: `iterations` (the training
+    thread, the one that runs `iteration`, inside it; any other thread), `training_snapshot` and
+    `other_snapshot` (of those, in snapshot frames), `other` (other threads' samples)."""
+    samples = []
     for line in raw.splitlines():
         stack, _, count = line.rstrip().rpartition(" ")
-        if not stack or not count.isdigit():
-            continue
-        frames, n = stack.split(";"), int(count)
-        training = frames[0].endswith("MainThread")
-        if training and not any(f.startswith(ITERATION_FRAME) for f in frames):
+        if stack and count.isdigit():
+            frames = stack.split(";")
+            samples.append((frames[0].partition(")")[0], frames, int(count)))
+    training = {tid for tid, frames, _ in samples if any(f.startswith(ITERATION_FRAME) for f in frames)}
+    counts: Counter = Counter()
+    for tid, frames, n in samples:
+        mine = tid in training
+        if mine and not any(f.startswith(ITERATION_FRAME) for f in frames):
             continue  # start-up, digest, exit
-        snapshot = any(s in f for f in frames for s in SNAPSHOT_FRAMES)
         counts["iterations"] += n
-        counts["other"] += 0 if training else n
-        if snapshot:
-            counts["training_snapshot" if training else "other_snapshot"] += n
+        counts["other"] += 0 if mine else n
+        if any(s in f for f in frames for s in SNAPSHOT_FRAMES):
+            counts["training_snapshot" if mine else "other_snapshot"] += n
     return counts
 
 
