@@ -24,7 +24,7 @@ def _checksum(t: torch.Tensor) -> str:
 
 def test_word_checksum_catches_what_a_sum_misses_and_equals_its_device_form():
     """Compensating changes and two top-bit flips within one block, swapped words, moved blocks and a word
-    more or less all change it; summed over a zero-extended slot (`sum_into`, as the device does) it equals
+    more or less all change it; summed over a zero-extended slot (`ChunkSums`, as the device does) it equals
     the CPU's checksum of the bytes."""
     raw = torch.randint(0, 256, (3 * 65536 + 5 * 1024,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     base = _checksum(raw)
@@ -43,9 +43,10 @@ def test_word_checksum_catches_what_a_sum_misses_and_equals_its_device_form():
     assert len({base, *map(_checksum, [*variants, shorter, longer])}) == 7
     slot = torch.full((word_checksum.block_rounded(raw.numel()),), 0, dtype=torch.uint8)
     slot[: raw.numel()] = raw
-    out = torch.zeros(1, dtype=torch.int64)
-    word_checksum.sum_into(out, slot)
-    assert word_checksum.finish(int(out), raw.numel()) == base
+    sums = word_checksum.ChunkSums([0, slot.numel() // word_checksum.BLOCK_BYTES], torch.device("cpu"))
+    word_checksum.block_sums(slot, out=sums.views[1])
+    sums.combine()
+    assert word_checksum.finish(int(sums.sums[1]), raw.numel()) == base and int(sums.sums[0]) == 0
     with pytest.raises(ValueError, match="whole 64-bit words"):
         _checksum(raw[:-1])
 

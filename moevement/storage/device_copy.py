@@ -8,9 +8,10 @@ and never waits for it on the host:
 1. the side stream waits for the training stream (the work that produced `state_t`);
 2. per chunk: the staging slot is zeroed, the chunk's runs gathered into it with one device-to-device
    foreach copy (the fast path), the slot brought into the pinned buffer with one non-blocking copy, and its
-   checksum (`moevement.storage.word_checksum`) computed on the device; slots are taken in turn, and the
+   block sums (`moevement.storage.word_checksum`) computed on the device; slots are taken in turn, and the
    stream's order keeps a slot from being gathered into again before its copy to the host is done;
-3. the chunk sums come to pinned host memory with one copy, and one event marks the end;
+3. every chunk's checksum is combined from its block sums at once, the sums come to pinned host memory
+   with one copy, and one event marks the end;
 4. the optimizer step's pre-hook makes the training stream wait for that event (`IssuedCopy.order_step`);
 5. at commit (after the step is issued) `IssuedCopy.result` waits for the event, normally long passed,
    and encodes the header with the checksums.
@@ -75,11 +76,11 @@ def ring_bytes(largest_entry: int) -> int:
 
 @dataclass(frozen=True)
 class DevicePlan:
-    """How a layout's entries are copied into one pinned buffer from a device, chunk by chunk, with the
-    device sums of its chunks gathered in `sums` (one int64 each) and brought to `sums_host`."""
+    """How a layout's entries are copied into one pinned buffer from a device, chunk by chunk, the checksums
+    of its staged chunks computed in `sums` on the device and brought to `sums_host`."""
 
     chunks: list[Chunk]
-    sums: torch.Tensor
+    sums: word_checksum.ChunkSums
     sums_host: torch.Tensor
 
     @classmethod
@@ -107,9 +108,9 @@ class DevicePlan:
             start = stop
         zero_padding(buffer, entries)
         device = slots[0].device
-        sums = torch.zeros(len(chunks), dtype=torch.int64, device=device)
+        blocks = [c.slot.numel() // word_checksum.BLOCK_BYTES if c.slot is not None else 0 for c in chunks]
         sums_host = torch.zeros(len(chunks), dtype=torch.int64, pin_memory=device.type == "cuda")
-        return cls(chunks, sums, sums_host)
+        return cls(chunks, word_checksum.ChunkSums(blocks, device), sums_host)
 
     def issue(self, stream: torch.cuda.Stream | None) -> list[str | None]:
         """Training thread: issue the copy on `stream` (None: a CPU staging ring, done on return), after the
@@ -119,9 +120,10 @@ class DevicePlan:
             stream.wait_stream(torch.cuda.current_stream(stream.device))
         on_host: list[str | None] = []
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            for k, chunk in enumerate(self.chunks):
-                on_host.append(_copy(chunk, self.sums[k : k + 1], non_blocking=stream is not None))
-            self.sums_host.copy_(self.sums, non_blocking=stream is not None)
+            for chunk, block_sums in zip(self.chunks, self.sums.views):
+                on_host.append(_copy(chunk, block_sums, non_blocking=stream is not None))
+            self.sums.combine()
+            self.sums_host.copy_(self.sums.sums, non_blocking=stream is not None)
         return on_host
 
     def checksums(self, on_host: list[str | None]) -> list[list]:
@@ -133,15 +135,16 @@ class DevicePlan:
         ]
 
 
-def _copy(chunk: Chunk, out: torch.Tensor, non_blocking: bool) -> str | None:
-    """Copy one chunk; its checksum if summed on the host now, else None (the device writes it into `out`)."""
+def _copy(chunk: Chunk, block_sums: torch.Tensor, non_blocking: bool) -> str | None:
+    """Copy one chunk; its checksum if summed on the host now, else None (the device writes the sums of its
+    blocks into `block_sums`)."""
     if chunk.slot is None:
         torch._foreach_copy_(chunk.targets, chunk.sources)
         return word_checksum.checksum(memoryview(chunk.host.numpy()))
     chunk.slot.zero_()
     torch._foreach_copy_(chunk.targets, chunk.sources)
     chunk.host.copy_(chunk.slot[: chunk.nbytes], non_blocking=non_blocking)
-    word_checksum.sum_into(out, chunk.slot)
+    word_checksum.block_sums(chunk.slot, out=block_sums)
     return None
 
 

@@ -57,35 +57,67 @@ def _keys(device: torch.device, blocks: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def block_rounded(nbytes: int) -> int:
-    """`nbytes` rounded up to whole 64 KiB blocks (what `sum_into` reads of a staging slot)."""
+    """`nbytes` rounded up to whole 64 KiB blocks (what `block_sums` reads of a staging slot)."""
     return -(-nbytes // BLOCK_BYTES) * BLOCK_BYTES
 
 
-def _block_terms(data: torch.Tensor, first_block: int = 0) -> torch.Tensor:
-    """The sum over the blocks of `data` (a uint8 tensor of whole 64 KiB blocks, block `first_block` of its
-    chunk first) of (S_b XOR (S_b >> 29)) * L_b: one int64 element on `data`'s device and current stream."""
+def block_sums(data: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """S_b of every block of `data` (a uint8 tensor of whole 64 KiB blocks), into `out` if given, on `data`'s
+    device and current stream."""
     words = data.view(torch.int64).view(-1, BLOCK_WORDS)
-    word_keys, block_keys = _keys(data.device, first_block + words.shape[0])
+    word_keys, _ = _keys(data.device, 0)
     mixed = torch.bitwise_right_shift(words, 31)
     mixed.bitwise_xor_(words).mul_(word_keys)
-    sums = mixed.sum(dim=1)
-    sums.bitwise_xor_(torch.bitwise_right_shift(sums, 29)).mul_(block_keys[first_block:])
-    return sums.sum()
+    return torch.sum(mixed, dim=1, out=out)
 
 
-def sum_into(out: torch.Tensor, data: torch.Tensor) -> None:
-    """Write the block part of C of `data` (a uint8 tensor of whole 64 KiB blocks: a staging slot, zero
-    past the chunk) into the one-element int64 `out`, on `data`'s device and current stream: no host wait."""
-    out.copy_(_block_terms(data).view_as(out))
+def _mixed(sums: torch.Tensor, block_keys: torch.Tensor) -> torch.Tensor:
+    """(S_b XOR (S_b >> 29)) * L_b, block by block."""
+    return torch.bitwise_right_shift(sums, 29).bitwise_xor_(sums).mul_(block_keys)
+
+
+def _block_terms(data: torch.Tensor, first_block: int = 0) -> torch.Tensor:
+    """The block part of C over the blocks of `data`, block `first_block` of its chunk first: one int64."""
+    sums = block_sums(data)
+    _, block_keys = _keys(data.device, first_block + sums.numel())
+    return _mixed(sums, block_keys[first_block:]).sum()
+
+
+class ChunkSums:
+    """The block parts of C of a plan's chunks, computed on the device without a host wait: each chunk's
+    block sums go into `views[k]` (`block_sums`) as it is copied, then `combine` mixes every block at once
+    and sums each chunk's row (a gather into one row per chunk, zero-padded: no atomics, which deterministic
+    mode refuses, and integer sums are exact in any order)."""
+
+    def __init__(self, blocks: list[int], device: torch.device):
+        _, block_keys = _keys(device, max(blocks, default=0))
+        total, widest = sum(blocks), max(blocks, default=0)
+        self.blocks = torch.zeros(total, dtype=torch.int64, device=device)
+        self.keys = torch.cat([block_keys[:n] for n in blocks]) if total else self.blocks.clone()
+        rows, start = [], 0
+        for n in blocks:  # chunk k's row: its blocks, then the zero appended after every block
+            rows.append(list(range(start, start + n)) + [total] * (widest - n))
+            start += n
+        self.rows = torch.tensor(rows, dtype=torch.int64).view(-1).to(device)
+        self.views = [self.blocks[sum(blocks[:k]) : sum(blocks[: k + 1])] for k in range(len(blocks))]
+        self.sums = torch.zeros(len(blocks), dtype=torch.int64, device=device)
+        self.zero = torch.zeros(1, dtype=torch.int64, device=device)
+
+    def combine(self) -> None:
+        """On the current stream: `sums[k]` = the block part of C of chunk k, from its `views[k]`."""
+        if not self.rows.numel():
+            return  # no chunk has blocks (all on the host): every sum stays zero
+        mixed = torch.cat([_mixed(self.blocks, self.keys), self.zero]).index_select(0, self.rows)
+        torch.sum(mixed.view(len(self.views), -1), dim=1, out=self.sums)
 
 
 def finish(block_part: int, nbytes: int) -> str:
-    """C of a chunk of `nbytes` whose `sum_into` gave `block_part`, as 16 hex digits."""
+    """C of a chunk of `nbytes` whose block part is `block_part` (`ChunkSums.sums`), as 16 hex digits."""
     return f"{(block_part + (nbytes // 8) * _LENGTH_KEY) & _MASK:016x}"
 
 
 def checksum(data: memoryview) -> str:
-    """C of these bytes (a whole number of 64-bit words), computed on the CPU: what `sum_into` and `finish`
+    """C of these bytes (a whole number of 64-bit words), computed on the CPU: what `ChunkSums` and `finish`
     give on any device for the same bytes."""
     if len(data) % 8:
         raise ValueError(f"{FORMAT} covers whole 64-bit words, not {len(data)} bytes")
