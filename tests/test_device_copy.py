@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from moevement.checkpoint.in_flight import SnapshotInFlight
 from moevement.storage import word_checksum
 from moevement.storage.device_copy import DevicePlan, ring_bytes, slot_bytes
 from moevement.storage.host_memory import make_private_dirs
@@ -141,3 +142,47 @@ def test_a_gpu_layout_keeps_its_host_step_counters_out_of_its_device_chunks():
     devices = [(e.role, src.device.type) for e, src in zip(entries, sources)]
     assert devices == sorted(devices, key=lambda d: (d[0] != "master", d[1] == "cpu"))
     assert len(chunk_ends(entries, 1 << 30, sources, at_most=True)) == 3  # device bytes, counters, compute
+
+
+class _SlowHandoff:
+    """A hand-off whose older window is still being replicated when the snapshot starts."""
+
+    def __init__(self):
+        self.calls: list = []
+
+    def reusable(self, window_index: int) -> bool:
+        self.calls.append(("reusable", window_index))
+        return False
+
+    def wait_until_reusable(self, window_index: int) -> None:
+        self.calls.append(("wait", window_index))
+
+    def commit(self, window_index: int, commit, buffer, last: bool) -> None:
+        self.calls.append(("commit", window_index, last))
+        self.record = commit
+
+
+def test_a_gpu_copy_whose_buffer_is_not_yet_free_is_issued_just_before_the_step(tmp_path):
+    """`begin` does not wait on the host: the copy is issued in the step's pre-hook, after waiting for the
+    buffer there, and commits a header of the device format that reads back."""
+    buffers = SnapshotBuffers(make_private_dirs(tmp_path, "rank0"), torch.device("cpu"), "normal", staged=True)
+    handoff = _SlowHandoff()
+    in_flight = SnapshotInFlight(buffers, handoff, Throttle)
+    try:
+        items = _stacked_items()
+        entries, sources, nbytes = layout_of(items)
+        buffer = buffers.buffer(1, 0)
+        in_flight.start(5, SnapshotHeader(5, 5, 0, 1, 0, ["x0"], [], entries, nbytes), sources, buffer)
+        assert handoff.calls == [("reusable", 5)] and in_flight.pending.copy.issued is None
+        in_flight.wait()
+        assert handoff.calls == [("reusable", 5), ("wait", 5)] and in_flight.pending.copy.issued is not None
+        in_flight.commit({"loss": 1.0})
+        assert handoff.calls[-1] == ("commit", 5, True)
+        committed = SnapshotHeader.from_json(json.loads(handoff.record.encoded))
+        assert committed.checksum_format == word_checksum.FORMAT and committed.meta["scalars"] == {"loss": 1.0}
+        read = read_entries(buffer.data, committed)
+        assert all(torch.equal(read[(role, name)], src.to(dtype)) for _, name, role, src, dtype in items)
+    finally:
+        for buf in buffers.all():
+            buf.release()
+        buffers.close()
