@@ -19,6 +19,22 @@ from moevement.storage.snapshot_copy import Throttle, chunk_ends, copy_entries
 from tests.test_snapshot_copy import _stacked_items
 
 
+@pytest.fixture
+def staged_buffers(tmp_path):
+    """A rank's snapshot buffers taking a GPU's path on the CPU; every buffer released after the test."""
+    buffers = SnapshotBuffers(make_private_dirs(tmp_path, "rank0"), torch.device("cpu"), "normal", staged=True)
+    yield buffers
+    for buf in buffers.all():
+        buf.release()
+    buffers.close()
+
+
+def _reads_back(data: torch.Tensor, committed: SnapshotHeader, items) -> bool:
+    """Whether the committed snapshot in `data` verifies and holds every item's source, cast as laid out."""
+    read = read_entries(data, committed)
+    return all(torch.equal(read[(role, name)], src.to(dtype)) for _, name, role, src, dtype in items)
+
+
 def _checksum(t: torch.Tensor) -> str:
     return word_checksum.checksum(memoryview(t.numpy()))
 
@@ -71,8 +87,7 @@ def test_chunks_gathered_through_a_staging_ring_land_bit_for_bit_and_verify():
     header = SnapshotHeader(3, 3, 0, 1, 0, ["x0"], [], entries, nbytes, checksums=sums)
     header.checksum_format = word_checksum.FORMAT
     again = SnapshotHeader.from_json(header.to_json())
-    read = read_entries(buffer, again)
-    assert all(torch.equal(read[(role, name)], src.to(dtype)) for _, name, role, src, dtype in items)
+    assert _reads_back(buffer, again, items)
     buffer[entries[5].offset] ^= 1
     with pytest.raises(
         SnapshotError, match=r"checksum mismatch in master tensor\(s\) w0\.4 \.\. w0\.7 \(iteration 3\)"
@@ -80,29 +95,23 @@ def test_chunks_gathered_through_a_staging_ring_land_bit_for_bit_and_verify():
         read_entries(buffer, again)
 
 
-def test_a_staged_snapshot_issued_by_the_buffers_commits_a_header_that_reads_back(tmp_path):
+def test_a_staged_snapshot_issued_by_the_buffers_commits_a_header_that_reads_back(staged_buffers):
     """`SnapshotBuffers.issue` (the training thread's path on a GPU), on CPU: the ring sized to the layout,
     the committed header of the device checksum format, read back bit for bit from the buffer."""
-    buffers = SnapshotBuffers(make_private_dirs(tmp_path, "rank0"), torch.device("cpu"), "normal", staged=True)
-    try:
-        items = _stacked_items()
-        entries, sources, nbytes = layout_of(items)
-        header = SnapshotHeader(1, 1, 0, 1, 0, ["x0"], [], entries, nbytes)
-        buffer = buffers.buffer(0, 0)
-        issued = buffers.issue(buffer, header, sources)
-        issued.order_step()
-        committed = SnapshotHeader.from_json(json.loads(issued.result().with_meta({}).encoded))
-        assert committed.checksum_format == word_checksum.FORMAT
-        assert buffers.slots[0].numel() == slot_bytes(entries, sources, buffers.chunk_bytes, torch.device("cpu"))
-        largest = max(e.nbytes for e in entries)
-        assert len(buffers.slots) * buffers.slots[0].numel() < ring_bytes(largest) == 3 * CUDA_CHUNK_BYTES
-        assert ring_bytes(CUDA_CHUNK_BYTES + 1) == 3 * (CUDA_CHUNK_BYTES + 65536)  # an entry larger than a chunk
-        read = read_entries(buffer.data, committed)
-        assert all(torch.equal(read[(role, name)], src.to(dtype)) for _, name, role, src, dtype in items)
-    finally:
-        for buf in buffers.all():
-            buf.release()
-        buffers.close()
+    buffers = staged_buffers
+    items = _stacked_items()
+    entries, sources, nbytes = layout_of(items)
+    header = SnapshotHeader(1, 1, 0, 1, 0, ["x0"], [], entries, nbytes)
+    buffer = buffers.buffer(0, 0)
+    issued = buffers.issue(buffer, header, sources)
+    issued.order_step()
+    committed = SnapshotHeader.from_json(json.loads(issued.result().with_meta({}).encoded))
+    assert committed.checksum_format == word_checksum.FORMAT
+    assert buffers.slots[0].numel() == slot_bytes(entries, sources, buffers.chunk_bytes, torch.device("cpu"))
+    largest = max(e.nbytes for e in entries)
+    assert len(buffers.slots) * buffers.slots[0].numel() < ring_bytes(largest) == 3 * CUDA_CHUNK_BYTES
+    assert ring_bytes(CUDA_CHUNK_BYTES + 1) == 3 * (CUDA_CHUNK_BYTES + 65536)  # an entry larger than a chunk
+    assert _reads_back(buffer.data, committed, items)
 
 
 class _OnDevice:
@@ -162,27 +171,20 @@ class _SlowHandoff:
         self.record = commit
 
 
-def test_a_gpu_copy_whose_buffer_is_not_yet_free_is_issued_just_before_the_step(tmp_path):
+def test_a_gpu_copy_whose_buffer_is_not_yet_free_is_issued_just_before_the_step(staged_buffers):
     """`begin` does not wait on the host: the copy is issued in the step's pre-hook, after waiting for the
     buffer there, and commits a header of the device format that reads back."""
-    buffers = SnapshotBuffers(make_private_dirs(tmp_path, "rank0"), torch.device("cpu"), "normal", staged=True)
     handoff = _SlowHandoff()
-    in_flight = SnapshotInFlight(buffers, handoff, Throttle)
-    try:
-        items = _stacked_items()
-        entries, sources, nbytes = layout_of(items)
-        buffer = buffers.buffer(1, 0)
-        in_flight.start(5, SnapshotHeader(5, 5, 0, 1, 0, ["x0"], [], entries, nbytes), sources, buffer)
-        assert handoff.calls == [("reusable", 5)] and in_flight.pending.copy.issued is None
-        in_flight.wait()
-        assert handoff.calls == [("reusable", 5), ("wait", 5)] and in_flight.pending.copy.issued is not None
-        in_flight.commit({"loss": 1.0})
-        assert handoff.calls[-1] == ("commit", 5, True)
-        committed = SnapshotHeader.from_json(json.loads(handoff.record.encoded))
-        assert committed.checksum_format == word_checksum.FORMAT and committed.meta["scalars"] == {"loss": 1.0}
-        read = read_entries(buffer.data, committed)
-        assert all(torch.equal(read[(role, name)], src.to(dtype)) for _, name, role, src, dtype in items)
-    finally:
-        for buf in buffers.all():
-            buf.release()
-        buffers.close()
+    in_flight = SnapshotInFlight(staged_buffers, handoff, Throttle)
+    items = _stacked_items()
+    entries, sources, nbytes = layout_of(items)
+    buffer = staged_buffers.buffer(1, 0)
+    in_flight.start(5, SnapshotHeader(5, 5, 0, 1, 0, ["x0"], [], entries, nbytes), sources, buffer)
+    assert handoff.calls == [("reusable", 5)] and in_flight.pending.copy.issued is None
+    in_flight.wait()
+    assert handoff.calls == [("reusable", 5), ("wait", 5)] and in_flight.pending.copy.issued is not None
+    in_flight.commit({"loss": 1.0})
+    assert handoff.calls[-1] == ("commit", 5, True)
+    committed = SnapshotHeader.from_json(json.loads(handoff.record.encoded))
+    assert committed.checksum_format == word_checksum.FORMAT and committed.meta["scalars"] == {"loss": 1.0}
+    assert _reads_back(buffer.data, committed, items)

@@ -56,7 +56,7 @@ class SnapshotBuffers:
         self.local_dir = make_private_dir(rank_dir / "local")
         self.lock = threading.Lock()
         self.buffers: dict[tuple[int, int], HostBuffer] = {}
-        self._cache: dict[Path, tuple[torch.Tensor, list[Entry], list[torch.Tensor], object, bytes]] = {}
+        self._cache: dict[Path, tuple[torch.Tensor, list[Entry], list[torch.Tensor], CopyPlan | DevicePlan, bytes]] = {}
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.chunk_bytes = CUDA_CHUNK_BYTES if self.staged else CHUNK_BYTES
         self.slots: tuple[torch.Tensor, ...] = ()  # the staging ring: grown to the largest chunk a plan needs
