@@ -68,6 +68,23 @@ def test_word_checksum_catches_what_a_sum_misses_and_equals_its_device_form():
         _checksum(raw[:-1])
 
 
+def test_a_host_chunk_summed_over_its_entries_words_equals_the_checksum_of_all_its_bytes():
+    """`SparseWords` (a GPU's step counters: values at padded offsets, zeros between) gives the CPU checksum
+    of the whole chunk, across a block boundary and for a length that is not whole blocks, and changes with
+    any of its words."""
+    spans = [(0, 4), (1024, 1028), (65536 - 8, 65536 + 16), (70 * 1024, 70 * 1024 + 8)]
+    nbytes = 71 * 1024
+    chunk = torch.zeros(nbytes, dtype=torch.uint8)
+    g = torch.Generator().manual_seed(1)
+    for lo, hi in spans:
+        chunk[lo:hi] = torch.randint(0, 256, (hi - lo,), dtype=torch.uint8, generator=g)
+    words = word_checksum.SparseWords(spans, nbytes)
+    before = words.checksum(chunk)
+    assert before == _checksum(chunk)
+    chunk[65536 + 8] ^= 1
+    assert words.checksum(chunk) == _checksum(chunk) != before
+
+
 def test_chunks_gathered_through_a_staging_ring_land_bit_for_bit_and_verify():
     """Stale bytes in the ring, slots taken in turn: the buffer ends as the direct copy leaves it, padding
     zero; the header's device checksums verify, and a flipped bit is caught naming its tensor."""

@@ -72,8 +72,9 @@ def test_gil_shares_count_snapshot_work_by_thread_during_iterations():
             "thread (3): pin_memory;loop (torch/utils/data/x.py:1) 1",
         ]
     )
-    counts = gil_profile.gil_shares(raw)
+    counts, hotspots = gil_profile.gil_shares(raw)
     assert dict(counts) == {"iterations": 100, "other": 4, "training_snapshot": 6, "other_snapshot": 3}
+    assert dict(hotspots) == {"begin (moevement/checkpoint/checkpointer.py:130)": 6}
 
 
 def test_gil_section_skips_without_py_spy(monkeypatch):
@@ -124,7 +125,10 @@ def test_in_process_block_pairs_give_the_snapshots_own_cost(monkeypatch):
     section = Section(2, "overhead", 10)
     checks = overhead.in_process_checks(SimpleNamespace(common=lambda job: []), section)
     assert [c.ok for c in checks] == [True]
-    assert section.notes == ["ab_overhead=+0.0500 (median of 7 block pairs in one process, min +0.0500, max +0.0500)"]
+    pairs = " ".join(["+0.050"] * 14)
+    assert section.notes == [
+        f"ab_overhead=+0.0500 (median of 14 block pairs in one process, min +0.0500, max +0.0500) pairs: {pairs}"
+    ]
 
 
 @pytest.mark.parametrize(

@@ -26,16 +26,18 @@ from benchmarks.gpu_check.runs import ROOT, Workspace
 
 RATE_HZ = 200
 OTHER_SHARE = 0.01
+HOTSPOTS = 8
 RUN_TIMEOUT_S = 90
 SNAPSHOT_FRAMES = ("moevement/checkpoint/", "moevement/storage/")
 ITERATION_FRAME = "iteration (train.py"
 
 
-def gil_shares(raw: str) -> Counter:
+def gil_shares(raw: str) -> tuple[Counter, Counter]:
     """Samples of py-spy's raw output (`thread (<id>)[: <name>];frame;...;frame <count>` per line; py-spy does
     not always find a thread's name, so threads are told apart by id) by kind: `iterations` (the training
     thread, the one that runs `iteration`, inside it; any other thread), `training_snapshot` and
-    `other_snapshot` (of those, in snapshot frames), `other` (other threads' samples)."""
+    `other_snapshot` (of those, in snapshot frames), `other` (other threads' samples). Second, the training
+    thread's snapshot samples by their innermost snapshot frame (`function (file:line)`): where its share goes."""
     samples = []
     for line in raw.splitlines():
         stack, _, count = line.rstrip().rpartition(" ")
@@ -44,15 +46,18 @@ def gil_shares(raw: str) -> Counter:
             samples.append((frames[0].partition(")")[0], frames, int(count)))
     training = {tid for tid, frames, _ in samples if any(f.startswith(ITERATION_FRAME) for f in frames)}
     counts: Counter = Counter()
+    hotspots: Counter = Counter()
     for tid, frames, n in samples:
         mine = tid in training
         if mine and not any(f.startswith(ITERATION_FRAME) for f in frames):
             continue  # start-up, digest, exit
         counts["iterations"] += n
         counts["other"] += 0 if mine else n
-        if any(s in f for f in frames for s in SNAPSHOT_FRAMES):
+        snapshot = [f for f in frames if any(s in f for s in SNAPSHOT_FRAMES)]
+        if snapshot:
             counts["training_snapshot" if mine else "other_snapshot"] += n
-    return counts
+            hotspots[snapshot[-1]] += n if mine else 0
+    return counts, +hotspots
 
 
 def run(section: Section) -> None:
@@ -71,7 +76,7 @@ def run(section: Section) -> None:
             proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
             if proc.returncode != 0 or not raw.exists():
                 raise RuntimeError(f"py-spy record exited {proc.returncode}: {proc.stderr.strip()[-300:]}")
-            counts = gil_shares(raw.read_text())
+            counts, hotspots = gil_shares(raw.read_text())
     finally:
         workspace.close()
     total = max(counts["iterations"], 1)
@@ -80,6 +85,8 @@ def run(section: Section) -> None:
         f"({counts['training_snapshot'] / total:.3f}) other_threads={counts['other']} "
         f"other_snapshot={counts['other_snapshot']} at {RATE_HZ} Hz"
     )
+    top = ", ".join(f"{frame} {n}" for frame, n in hotspots.most_common(HOTSPOTS))
+    section.notes.append(f"training-thread snapshot samples by innermost snapshot frame: {top or 'none'}")
     share = counts["other_snapshot"] / total
     detail = f"{counts['other_snapshot']} of {counts['iterations']} samples ({share:.3f} <= {OTHER_SHARE})"
     section.checks.append(Check("no other thread holds the GIL for snapshot work", share <= OTHER_SHARE, detail))

@@ -32,7 +32,7 @@ CONFIG = "train_configs/bench_moe.toml"
 BATCH, SEQ_LEN = 16, 512
 SHAPE = ["--training.batch_size", str(BATCH), "--training.seq_len", str(SEQ_LEN), "--training.mixed_precision", "bf16"]
 STEPS, ROUNDS, PROFILE_ITERS = 18, 5, 2  # 10 runs; steady from iteration 5 at W=1
-AB_BLOCK, AB_STEPS, AB_START = 3, 48, 6  # one run: 7 pairs of blocks (snapshots, none) from iteration 6
+AB_BLOCK, AB_STEPS, AB_START = 3, 90, 6  # one run: 14 pairs of blocks (snapshots, none) from iteration 6
 RUN_TIMEOUT_S = 60
 
 
@@ -106,7 +106,8 @@ def in_process_checks(workspace: Workspace, section: Section) -> list[Check]:
     args = ["--config", CONFIG, *workspace.common("gpu_check_ab"), *SHAPE, "--training.steps", str(AB_STEPS)]
     args += ["--checkpoint.strategy", "moevement", "--checkpoint.window", "1", "--checkpoint.ab_blocks", str(AB_BLOCK)]
     ratios = ab_ratios(parse_steps(train(args, RUN_TIMEOUT_S)), AB_BLOCK, AB_START, BATCH * SEQ_LEN)
-    section.notes.append(overhead_fields(ratios, "block pairs in one process", "ab_overhead"))
+    in_order = " ".join(f"{r - 1:+.3f}" for r in ratios)
+    section.notes.append(f"{overhead_fields(ratios, 'block pairs in one process', 'ab_overhead')} pairs: {in_order}")
     return [Check("in-process block pairs", len(ratios) >= 5, f"{len(ratios)} pairs of {AB_BLOCK} iterations")]
 
 

@@ -17,7 +17,8 @@ and never waits for it on the host:
    and encodes the header with the checksums.
 
 Chunks whose sources live on the host (a GPU optimizer's step counters) are copied and summed on the
-training thread at once; they are a few KB.
+training thread at once, over their entries' words alone (`word_checksum.SparseWords`): a few KB of values
+in padded entries.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from moevement.storage.snapshot_copy import chunk_ends, runs, zero_padding
 class Chunk:
     """Entries `start:stop`, `nbytes` in the buffer (padding included) at `host`: gathered into `slot` (its
     whole 64 KiB blocks) with one foreach copy of `targets` from `sources`, or, with `slot` None (host
-    sources), copied straight into `host`."""
+    sources), copied straight into `host` and summed over the entries' words (`words`)."""
 
     start: int
     stop: int
@@ -54,6 +55,7 @@ class Chunk:
     sources: list[torch.Tensor]
     host: torch.Tensor
     slot: torch.Tensor | None
+    words: word_checksum.SparseWords | None = None
 
 
 def slot_bytes(entries: list[Entry], sources: list[torch.Tensor], chunk_bytes: int, device: torch.device) -> int:
@@ -102,9 +104,13 @@ class DevicePlan:
             slot = slots[sum(c.slot is not None for c in chunks) % len(slots)] if staged else None
             into = slot if slot is not None else buffer
             targets, srcs = runs(into, entries, sources, start, stop, base=lo if staged else 0)
+            words = None
             if slot is not None:
                 slot = slot[: word_checksum.block_rounded(hi - lo)]
-            chunks.append(Chunk(start, stop, hi - lo, targets, srcs, buffer[lo:hi], slot))
+            else:
+                spans = [(e.offset - lo, e.offset - lo + e.nbytes) for e in entries[start:stop]]
+                words = word_checksum.SparseWords(spans, hi - lo)
+            chunks.append(Chunk(start, stop, hi - lo, targets, srcs, buffer[lo:hi], slot, words))
             start = stop
         zero_padding(buffer, entries)
         device = slots[0].device
@@ -138,9 +144,9 @@ class DevicePlan:
 def _copy(chunk: Chunk, block_sums: torch.Tensor, non_blocking: bool) -> str | None:
     """Copy one chunk; its checksum if summed on the host now, else None (the device writes the sums of its
     blocks into `block_sums`)."""
-    if chunk.slot is None:
+    if chunk.words is not None:
         torch._foreach_copy_(chunk.targets, chunk.sources)
-        return word_checksum.checksum(memoryview(chunk.host.numpy()))
+        return chunk.words.checksum(chunk.host)
     chunk.slot.zero_()
     torch._foreach_copy_(chunk.targets, chunk.sources)
     chunk.host.copy_(chunk.slot[: chunk.nbytes], non_blocking=non_blocking)

@@ -111,6 +111,30 @@ class ChunkSums:
         torch.sum(mixed.view(len(self.views), -1), dim=1, out=self.sums)
 
 
+class SparseWords:
+    """C of a chunk of `nbytes` on the host whose bytes are zero outside `spans` (byte ranges, 8-byte aligned
+    starts), computed over the words of those spans alone: a zero word adds nothing to its S_b, and a block
+    whose S_b is zero adds nothing to C. A GPU's host chunk is step counters, one per 1 KiB-padded entry:
+    summing its few words instead of every padded block is ~40x faster on the training thread."""
+
+    def __init__(self, spans: list[tuple[int, int]], nbytes: int):
+        cpu = torch.device("cpu")
+        words = [torch.arange(lo // 8, -(-hi // 8), dtype=torch.int64) for lo, hi in spans]
+        self.positions = torch.cat(words) if words else torch.zeros(0, dtype=torch.int64)
+        n_blocks = -(-nbytes // BLOCK_BYTES)
+        word_keys, self.block_keys = _keys(cpu, n_blocks)
+        self.word_keys = word_keys[self.positions % BLOCK_WORDS]
+        self.block_of = self.positions // BLOCK_WORDS
+        self.n_blocks, self.nbytes = n_blocks, nbytes
+
+    def checksum(self, data: torch.Tensor) -> str:
+        """C of `data` (a uint8 tensor of `nbytes`, zero outside the spans), as `checksum` gives it."""
+        words = data.view(torch.int64).index_select(0, self.positions)
+        mixed = torch.bitwise_right_shift(words, 31).bitwise_xor_(words).mul_(self.word_keys)
+        sums = torch.zeros(self.n_blocks, dtype=torch.int64).index_add_(0, self.block_of, mixed)
+        return finish(int(_mixed(sums, self.block_keys).sum()), self.nbytes)
+
+
 def finish(block_part: int, nbytes: int) -> str:
     """C of a chunk of `nbytes` whose block part is `block_part` (`ChunkSums.sums`), as 16 hex digits."""
     return f"{(block_part + (nbytes // 8) * _LENGTH_KEY) & _MASK:016x}"
