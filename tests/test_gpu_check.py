@@ -127,7 +127,8 @@ def test_in_process_block_pairs_give_the_snapshots_own_cost(monkeypatch):
     assert [c.ok for c in checks] == [True]
     pairs = " ".join(["+0.050"] * 14)
     assert section.notes == [
-        f"ab_overhead=+0.0500 (median of 14 block pairs in one process, min +0.0500, max +0.0500) pairs: {pairs}"
+        f"ab_overhead=+0.0500 (median of 14 block pairs in one process, min +0.0500, max +0.0500) "
+        f"iter_ms with=105.0 without=100.0 pairs: {pairs}"
     ]
 
 

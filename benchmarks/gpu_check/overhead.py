@@ -105,9 +105,21 @@ def in_process_checks(workspace: Workspace, section: Section) -> list[Check]:
     """One moevement run at W=1 with snapshots in every other block of `AB_BLOCK` iterations."""
     args = ["--config", CONFIG, *workspace.common("gpu_check_ab"), *SHAPE, "--training.steps", str(AB_STEPS)]
     args += ["--checkpoint.strategy", "moevement", "--checkpoint.window", "1", "--checkpoint.ab_blocks", str(AB_BLOCK)]
-    ratios = ab_ratios(parse_steps(train(args, RUN_TIMEOUT_S)), AB_BLOCK, AB_START, BATCH * SEQ_LEN)
-    in_order = " ".join(f"{r - 1:+.3f}" for r in ratios)
-    section.notes.append(f"{overhead_fields(ratios, 'block pairs in one process', 'ab_overhead')} pairs: {in_order}")
+    records = parse_steps(train(args, RUN_TIMEOUT_S))
+    ratios = ab_ratios(records, AB_BLOCK, AB_START, BATCH * SEQ_LEN)
+    ms = {
+        on: [
+            BATCH * SEQ_LEN / r["tok_per_s"] * 1e3
+            for t, r in records.items()
+            if t >= AB_START and (r["ckpt_mb"] > 0) == on
+        ]
+        for on in (True, False)
+    }
+    section.notes.append(
+        f"{overhead_fields(ratios, 'block pairs in one process', 'ab_overhead')} "
+        f"iter_ms with={statistics.median(ms[True]):.1f} without={statistics.median(ms[False]):.1f} "
+        f"pairs: {' '.join(f'{r - 1:+.3f}' for r in ratios)}"
+    )
     return [Check("in-process block pairs", len(ratios) >= 5, f"{len(ratios)} pairs of {AB_BLOCK} iterations")]
 
 
@@ -126,6 +138,7 @@ def overhead_checks(workspace: Workspace, section: Section) -> list[Check]:
     windows = ",".join(sorted({str(int(rec["window"])) for rec in steady}))
     section.notes.append(
         f"iter_ms none={none_ms:.1f} moevement={moevement_ms:.1f} {overhead_fields(ratios)} "
+        f"rounds: {' '.join(f'{r - 1:+.3f}' for r in ratios)} "
         f"stall_ms median={statistics.median(stalls):.2f} "
         f"max={max(stalls):.2f} snapshot_mb_per_iter={snapshot_mb:.1f} window={windows}"
     )
