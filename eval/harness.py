@@ -35,6 +35,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from eval.errors import EvalError  # noqa: E402
 from eval.tasks import TASKS, parse_task_names  # noqa: E402
+from trainer.atomic_write import write_atomically  # noqa: E402
 
 RESULTS_FILE = "eval_results.json"
 EVAL_OUTPUTS = Path("outputs") / "eval"  # the default --output's root, under the current directory
@@ -138,14 +139,12 @@ def default_output(checkpoint: str) -> Path:
 
 
 def write_results(results: dict[str, Any], path: Path) -> None:
-    """The results JSON at ``path`` (written under a temporary name, then renamed); EvalError if it cannot be."""
+    """The results JSON at ``path`` (`write_atomically`); EvalError if it cannot be."""
     from lm_eval.utils import handle_non_serializable
 
-    tmp = path.with_name(path.name + ".tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False))
-        os.replace(tmp, path)
+        write_atomically(path, json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False))
     except OSError as e:
         raise EvalError(f"--output: cannot write {str(path)!r}: {e.strerror or e}") from None
 

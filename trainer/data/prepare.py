@@ -31,9 +31,10 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from trainer.atomic_write import write_atomically
 from trainer.config import ConfigError, load_config
 from trainer.data.corpus import DataConfig, DataError, iter_documents, resolve_source
-from trainer.data.prepare_progress import append_progress, read_progress, write_atomically, write_progress
+from trainer.data.prepare_progress import append_progress, read_progress, write_progress
 from trainer.data.token_shards import (
     DOCUMENTS,
     DTYPES,

@@ -13,20 +13,11 @@ import json
 import os
 from pathlib import Path
 
+from trainer.atomic_write import write_atomically
 from trainer.data.corpus import DataError
 from trainer.data.token_shards import PROGRESS_NAME
 
-_CREATE = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-def write_atomically(path: Path, data) -> None:
-    """``data`` (bytes or a buffer) to ``path`` via ``.<name>.partial`` (never through a symlink), fsynced, renamed."""
-    tmp = path.with_name(f".{path.name}.partial")
-    with os.fdopen(os.open(tmp, _CREATE | os.O_TRUNC, 0o644), "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+_APPEND = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def _line(value: dict) -> bytes:
@@ -56,7 +47,7 @@ def append_progress(out: Path, record: dict, split: str, *, shard: dict | None =
     if done is not None:
         entry.update(done)
     line = _line({"split": split, "shard": shard} if shard is not None else {"split": split, "done": done})
-    with os.fdopen(os.open(out / PROGRESS_NAME, _CREATE | os.O_APPEND), "ab") as f:
+    with os.fdopen(os.open(out / PROGRESS_NAME, _APPEND, 0o644), "ab") as f:
         f.write(line)
         f.flush()
         os.fsync(f.fileno())

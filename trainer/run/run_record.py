@@ -17,6 +17,7 @@ import torch
 import torch.distributed
 
 from parallelisms.distributed import store_round, torchrun_store
+from trainer.atomic_write import write_atomically
 from trainer.config import Config, ConfigError
 from trainer.config_help import to_toml
 from trainer.lifecycle import rank_shell
@@ -102,12 +103,6 @@ def _new_folder(job_dir: Path) -> Path:
     raise FileExistsError(f"{job_dir}: no free run folder for {stamp}")
 
 
-def _write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def open_run_record(cfg: Config, world: int, argv: list[str], restarted: bool) -> tuple[Path, bool]:
     """(this run's folder, whether it continues the folder of an earlier generation of this torchrun run:
     `restarted`, after a torchrun restart or an in-place replacement). A new folder
@@ -127,7 +122,7 @@ def _open(cfg: Config, world: int, argv: list[str], restarted: bool) -> tuple[Pa
     if folder is not None:
         return folder, True
     folder = _new_folder(job_dir)
-    _write(folder / CONFIG, to_toml(cfg))
+    write_atomically(folder / CONFIG, to_toml(cfg))
     record = {
         "command": launch_command(argv),
         "cwd": os.getcwd(),
@@ -139,7 +134,7 @@ def _open(cfg: Config, world: int, argv: list[str], restarted: bool) -> tuple[Pa
         "layout": {"pp": cfg.parallelism.pp, "dp": cfg.parallelism.dp, "ep": cfg.parallelism.ep},
         "launch": identity,
     }
-    _write(folder / RECORD, json.dumps(record, indent=2) + "\n")
+    write_atomically(folder / RECORD, json.dumps(record, indent=2) + "\n")
     return folder, False
 
 

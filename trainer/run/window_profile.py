@@ -12,10 +12,10 @@ with the simulator's. Written atomically, never through a symlink.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from moevement.checkpoint.planner import WindowInputs
+from trainer.atomic_write import write_atomically
 
 
 def profile_record(inputs: WindowInputs, replicas: int) -> dict:
@@ -38,13 +38,10 @@ def write_window_profile(path: str, inputs: WindowInputs | None, replicas: int) 
     target = Path(path)
     if target.is_symlink():
         return f"metrics.profile: {path} is a symlink; refused, not written"
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(profile_record(inputs, replicas), indent=1) + "\n")
-        os.replace(tmp, target)
+        write_atomically(target, json.dumps(profile_record(inputs, replicas), indent=1) + "\n")
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         return f"metrics.profile: cannot write {path} ({e.strerror or e})"
     operators = len(inputs.fp32_bytes)
     return f"metrics.profile: wrote {path} (T={inputs.iteration_s:.3f} s, W={inputs.window}, {operators} operators)"
