@@ -19,8 +19,9 @@ which it is physically plausible (`PLAUSIBLE`; `python -m simulator.fit` says wh
 - zero_loss_{checkfreq,gemini,moc,moevement} (0-0.08): the fraction of a failure-free run a strategy
   loses beyond its stated per-iteration overhead (warm-up, persistence and stalls the overhead cell
   does not count). Table 3's rows extrapolate to ETTRs 0-6% below 1 / (1 + overhead) at zero
-  failures; these constants may carry that gap, fitted on 2H and 1H only (two MTBFs do not separate
-  it from a long fixed restart: the unweighted fit leaves them near zero).
+  failures; these constants carry that gap, fitted on 2H and 1H only (two MTBFs alone barely separate
+  it from a long fixed restart; `simulator.fit` weighs each strategy's cells by how well the model fits
+  them, so MoC's misfit does not decide it for all).
 - moc_loss_scale (4-16): MoC's persist interval in iterations: a restarted node restores its experts
   from storage, as stale as the persist schedule (`simulator.moc_loss`; the range is a whole
   checkpoint over the testbed's 40 Gb/s storage link, per model).
@@ -77,13 +78,13 @@ PLAUSIBLE: dict[str, tuple[float, float]] = {
 
 # `python -m simulator.fit` (its output, with every residual: its directory's fit.txt).
 FITTED = Calibration(
-    nic_efficiency=0.33112,
-    persist_interference=0.0258276,
-    restart_s=75.42,
-    rejoin_s=34.5569,
-    zero_loss_checkfreq=4.25957e-14,
-    zero_loss_gemini=1.15439e-07,
-    zero_loss_moc=0.0007285,
-    zero_loss_moevement=4.73196e-16,
+    nic_efficiency=0.32896,
+    persist_interference=0.155608,
+    restart_s=6.9878,
+    rejoin_s=30.7956,
+    zero_loss_checkfreq=0.0135724,
+    zero_loss_gemini=0.0243376,
+    zero_loss_moc=0.000803232,
+    zero_loss_moevement=0.0192902,
     moc_loss_scale=11.3315,
 )
