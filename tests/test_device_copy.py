@@ -131,6 +131,25 @@ def test_a_staged_snapshot_issued_by_the_buffers_commits_a_header_that_reads_bac
     assert _reads_back(buffer.data, committed, items)
 
 
+def test_staged_chunks_are_as_long_as_the_largest_entry_the_ring_must_hold_anyway(staged_buffers):
+    """A layout with an entry longer than a chunk: the ring holds it whole, so every chunk may be as long
+    (fewer chunks, each seven launches on a GPU, for no more device memory); the snapshot reads back."""
+    buffers = staged_buffers
+    buffers.chunk_bytes = 64 << 10
+    g = torch.Generator().manual_seed(2)
+    sources = [torch.randn(65536, generator=g)] + [torch.randn(4096, generator=g) for _ in range(24)]
+    items = [("op", f"t{i}", "master", t, t.dtype) for i, t in enumerate(sources)]  # 256 KiB, then 24 x 16 KiB
+    entries, ordered, nbytes = layout_of(items)
+    buffer = buffers.buffer(0, 0)
+    issued = buffers.issue(buffer, SnapshotHeader(1, 1, 0, 1, 0, ["op"], [], entries, nbytes), ordered)
+    issued.order_step()
+    committed = SnapshotHeader.from_json(json.loads(issued.result().with_meta({}).encoded))
+    assert len(committed.checksums) == 3  # 256 KiB chunks: the large entry, 16 small ones, 8 small ones
+    assert len(chunk_ends(entries, buffers.chunk_bytes, ordered, at_most=True)) == 7  # at 64 KiB
+    assert buffers.slots[0].numel() == 256 << 10
+    assert _reads_back(buffer.data, committed, items)
+
+
 class _OnDevice:
     """What a layout reads of a slice of a stacked tensor on an accelerator (no accelerator needed)."""
 

@@ -6,10 +6,11 @@ bytes (docs/design.md §2). So on a GPU the training thread issues the whole cop
 and never waits for it on the host:
 
 1. the side stream waits for the training stream (the work that produced `state_t`);
-2. per chunk: the staging slot is zeroed, the chunk's runs gathered into it with one device-to-device
-   foreach copy (the fast path), the slot brought into the pinned buffer with one non-blocking copy, and its
-   block sums (`moevement.storage.word_checksum`) computed on the device; slots are taken in turn, and the
-   stream's order keeps a slot from being gathered into again before its copy to the host is done;
+2. per chunk (64 MB, or the layout's largest entry where longer: `staged_chunk_bytes`): the staging slot
+   is zeroed, the chunk's runs gathered into it with one device-to-device foreach copy (the fast path), the
+   slot brought into the pinned buffer with one non-blocking copy, and its block sums
+   (`moevement.storage.word_checksum`) computed on the device; slots are taken in turn, and the stream's
+   order keeps a slot from being gathered into again before its copy to the host is done;
 3. every chunk's checksum is combined from its block sums at once, the sums come to pinned host memory
    with one copy, and one event marks the end;
 4. the optimizer step's pre-hook makes the training stream wait for that event (`IssuedCopy.order_step`);
@@ -67,6 +68,17 @@ def slot_bytes(entries: list[Entry], sources: list[torch.Tensor], chunk_bytes: i
             largest = max(largest, hi - lo)
         start = stop
     return word_checksum.block_rounded(largest)
+
+
+def staged_chunk_bytes(
+    entries: list[Entry], sources: list[torch.Tensor], chunk_bytes: int, device: torch.device
+) -> int:
+    """The chunk size of a layout's staged copy: `chunk_bytes`, or its largest entry on `device` where that
+    is larger. The ring holds that entry whole anyway (`ring_bytes`), so chunks as long cost no device
+    memory, and a stage with a large embedding or head takes a few long chunks instead of many of 64 MB
+    (each chunk is seven launches on the training thread)."""
+    largest = max((padded(e.nbytes) for e, src in zip(entries, sources) if src.device == device), default=0)
+    return max(chunk_bytes, largest)
 
 
 def ring_bytes(largest_entry: int) -> int:

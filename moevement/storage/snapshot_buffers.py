@@ -26,7 +26,7 @@ import torch
 
 from moevement.storage.background import enter_background
 from moevement.storage.cpu_cost import measure
-from moevement.storage.device_copy import DevicePlan, IssuedCopy, slot_bytes
+from moevement.storage.device_copy import DevicePlan, IssuedCopy, slot_bytes, staged_chunk_bytes
 from moevement.storage.host_memory import HostBuffer, HostMemoryError, make_private_dir
 from moevement.storage.snapshot import (
     CHUNK_BYTES,
@@ -123,17 +123,18 @@ class SnapshotBuffers:
         if cached is not None and cached[0] is data and cached[1] is entries and cached[2] is sources:
             return cached[3], cached[4]
         if self.staged:
-            plan = DevicePlan.of(data, entries, sources, self.chunk_bytes, self._ring(entries, sources))
+            chunk = staged_chunk_bytes(entries, sources, self.chunk_bytes, self.device)
+            plan = DevicePlan.of(data, entries, sources, chunk, self._ring(entries, sources, chunk))
         else:
             plan = CopyPlan.of(data, entries, sources, self.chunk_bytes)
         encoded = encode_entries(entries)
         self._cache[buffer.path] = (data, entries, sources, plan, encoded)
         return plan, encoded
 
-    def _ring(self, entries: list[Entry], sources: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    def _ring(self, entries: list[Entry], sources: list[torch.Tensor], chunk: int) -> tuple[torch.Tensor, ...]:
         """The staging ring's slots, grown (and the plans on the old ring forgotten) if this layout's largest
-        chunk needs longer ones. The ring lives on the sources' device."""
-        need = slot_bytes(entries, sources, self.chunk_bytes, self.device)
+        chunk (of at most `chunk` bytes) needs longer ones. The ring lives on the sources' device."""
+        need = slot_bytes(entries, sources, chunk, self.device)
         if not self.slots or self.slots[0].numel() < need:
             self._cache.clear()
             self.slots = ()  # the old ring goes before the new one is allocated
