@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from benchmarks.gpu_check import gil_profile, numerics, overhead, replacement, throughput
+from benchmarks.gpu_check import gil_profile, issue_cost, numerics, overhead, replacement, throughput
 from benchmarks.gpu_check.__main__ import SECTIONS
 from benchmarks.gpu_check.report import (
     Check,
@@ -237,3 +237,12 @@ def test_replacement_section_runs_on_two_gloo_processes(monkeypatch):
     section = run_section(Section(6, "replacement", 600), replacement.run_replacement)
     assert section.status == "PASS", "\n".join(section.lines())
     assert len(section.checks) == 5
+
+
+def test_issue_cost_layout_is_section_twos_snapshot_shape():
+    """The layout section 2 times the issue of (per expert slice: FP32 weight, two moments, bf16 compute
+    weight), on CPU with shorter slices: 2,688 entries, in the order a W=1 snapshot lays them out."""
+    entries, sources, nbytes = issue_cost.stacked_layout(torch.device("cpu"), rows=2)
+    assert len(entries) == len(sources) == 2688
+    assert [e.role for e in entries[:3]] == ["master"] * 3 and entries[-1].role == "compute"
+    assert nbytes == 7 * 3 * 32 * (3 * 2 * 512 * 4 + 2 * 512 * 2)

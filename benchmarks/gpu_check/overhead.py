@@ -2,8 +2,9 @@
 per iteration, and the overhead against `checkpoint.strategy none`, runs interleaved.
 
 In process: a snapshot buffer is page-locked (pinned) on CUDA, a snapshot of CUDA tensors copied into it by
-the checkpointer's own copy path (`SnapshotBuffers.copy`: side stream, checksums) reads back bit for bit, and
-the copy bandwidth the profiler measures. Then `train.py` runs on the GPU, `none` and `moevement` alternating
+the checkpointer's own copy path (`SnapshotBuffers.issue`: side stream, device checksums) reads back bit for bit,
+the copy bandwidth the profiler measures, and what issuing a snapshot costs the training thread, call by
+call and as one CUDA graph (`issue_cost`). Then `train.py` runs on the GPU, `none` and `moevement` alternating
 for `ROUNDS` rounds; figures over the steady-state iterations (`benchmarks.overhead`'s definition). The
 overhead is each round's moevement median against the same round's `none` median, printed as the median
 over the rounds with the lowest and highest round beside it (`overhead_fields`): with five rounds a single
@@ -20,6 +21,7 @@ import statistics
 
 import torch
 
+from benchmarks.gpu_check.issue_cost import issue_cost
 from benchmarks.gpu_check.report import Check, Section, guarded
 from benchmarks.gpu_check.runs import Workspace, train
 from benchmarks.overhead import ab_ratios, common_start, parse_steps, steady_ms, steady_records
@@ -154,6 +156,7 @@ def run(section: Section) -> None:
     try:
         guarded(section, "pinned snapshot copy", lambda: pinned_copy(workspace, device))
         guarded(section, "copy bandwidth", lambda: bandwidth(workspace, device, section))
+        guarded(section, "snapshot issue as a CUDA graph", lambda: issue_cost(workspace, device, section))
         guarded(section, "interleaved none/moevement runs", lambda: overhead_checks(workspace, section))
         guarded(section, "snapshots on and off in one process", lambda: in_process_checks(workspace, section))
     finally:

@@ -136,12 +136,15 @@ class DevicePlan:
         now (host sources), None where the device does (in `sums_host` once the copy is done)."""
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(stream.device))
-        on_host: list[str | None] = []
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            for chunk, block_sums in zip(self.chunks, self.sums.views):
-                on_host.append(_copy(chunk, block_sums, non_blocking=stream is not None))
-            self.sums.combine()
-            self.sums_host.copy_(self.sums.sums, non_blocking=stream is not None)
+            return self.issue_here(non_blocking=stream is not None)
+
+    def issue_here(self, non_blocking: bool) -> list[str | None]:
+        """The copy's calls on the current stream, in order (`issue` after its wait; what a CUDA graph of the
+        copy would capture, the host chunks aside)."""
+        on_host = [_copy(chunk, block_sums, non_blocking) for chunk, block_sums in zip(self.chunks, self.sums.views)]
+        self.sums.combine()
+        self.sums_host.copy_(self.sums.sums, non_blocking=non_blocking)
         return on_host
 
     def checksums(self, on_host: list[str | None]) -> list[list]:
