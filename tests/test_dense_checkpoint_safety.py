@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import CHILD_ENV, DEBUG_CONFIG, ROOT, RUN_OUTPUTS, final_line, run_cli, step_losses
+from trainer.checkpoint.dense_read import open_meta
+from trainer.checkpoint.publish import CheckpointError
 from trainer.config import load_config
 from trainer.sealed_json import sealed
 
@@ -254,8 +256,8 @@ def test_a_flipped_step_in_meta_json_is_refused(saved, tmp_path, flip):
     raw = (ckpt / "meta.json").read_bytes()
     at = raw.index(b'"step": 1') + len(b'"step": ')
     (ckpt / "meta.json").write_bytes(raw[:at] + bytes([raw[at] ^ (1 << flip)]) + raw[at + 1 :])
-    proc = train("--training.steps", "3", "--checkpoint.load", str(ckpt), check=False)
-    one_error(proc, str(ckpt / "meta.json"), "does not match its seal")
+    with pytest.raises(CheckpointError, match=re.escape(f"{ckpt / 'meta.json'}: does not match its seal")):
+        open_meta(str(ckpt))  # what train.py's --checkpoint.load reads first
     (ckpt / "meta.json").write_text(json.dumps(sealed(json.loads((ckpt / "meta.json").read_text()))))
     proc = train("--training.steps", "3", "--checkpoint.load", str(ckpt), check=False)
     one_error(proc, "optim-00000.safetensors", str(ckpt / "meta.json"), "(one of them was changed)")
@@ -278,8 +280,9 @@ def test_an_optimizer_file_missing_from_meta_json_is_refused(saved, tmp_path, ke
     proc = train("--training.steps", "3", "--checkpoint.load", str(ckpt), check=False)
     one_error(proc, str(ckpt / "meta.json"), "no optimizer state for", "no optimizer file): one is missing")
     (ckpt / "meta.json").write_text(json.dumps(sealed({**meta, "weights_only": True})))
-    proc = train("--training.steps", "3", "--checkpoint.load", str(ckpt), check=False)
-    one_error(proc, str(ckpt / "meta.json"), "a weights-only checkpoint is of step 0")
+    weights_only = re.escape(f"{ckpt / 'meta.json'}: a weights-only checkpoint is of step 0")
+    with pytest.raises(CheckpointError, match=weights_only):
+        open_meta(str(ckpt))
 
 
 @pytest.mark.slow

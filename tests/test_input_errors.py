@@ -57,9 +57,9 @@ GARBAGE = bytes(range(256)) * 8  # NUL bytes and invalid UTF-8
 
 @pytest.mark.parametrize(
     "content, why",
-    [
+    [  # the second in-process too: test_bad_tokenizer_file_says_why
         ('{"model": ', "not JSON"),
-        ('{"a": 1}', "not a Hugging Face tokenizers file"),
+        pytest.param('{"a": 1}', "not a Hugging Face tokenizers file", marks=pytest.mark.slow),
     ],
 )
 def test_cli_bad_tokenizer_file_is_one_line(tmp_path, content, why):
@@ -83,6 +83,7 @@ def _bpe_json(special: list[str]) -> str:
         (b"\xff\xfe{}", "not UTF-8"),
         ("[1, 2]", 'no "model" object'),
         ('{"model": {"type": "BPE"}}', "not a valid tokenizers file"),
+        ('{"a": 1}', "not a Hugging Face tokenizers file"),
         (_bpe_json([]), "none of the end-of-sequence tokens"),
     ],
 )
@@ -107,10 +108,15 @@ def test_good_tokenizer_file_still_loads(tmp_path):
 
 @pytest.mark.parametrize(
     "name, content, why",
-    [  # the empty files in-process: test_bad_data_file_names_file_and_cause
+    [  # the empty and non-UTF-8 files in-process: test_bad_data_file_names_file_and_cause
         pytest.param("valid.txt", b"", "is empty", marks=pytest.mark.slow),
         ("valid.txt", GARBAGE, "is binary, not text"),
-        ("valid.txt", b"caf\xe9 au lait\n" * 50, "is not UTF-8 text (invalid byte 0xe9 near offset 3)"),
+        pytest.param(
+            "valid.txt",
+            b"caf\xe9 au lait\n" * 50,
+            "is not UTF-8 text (invalid byte 0xe9 near offset 3)",
+            marks=pytest.mark.slow,
+        ),
         pytest.param("valid.jsonl", b"", "is empty", marks=pytest.mark.slow),
     ],
 )
@@ -137,6 +143,7 @@ def test_cli_missing_text_field_and_missing_dir_are_one_line(tmp_path):
     [
         ("valid.txt", b"", "is empty"),
         ("valid.txt", b"abc\x00def\n", "is binary, not text (NUL byte at offset 3)"),
+        ("valid.txt", b"caf\xe9 au lait\n" * 50, "is not UTF-8 text (invalid byte 0xe9 near offset 3)"),
         ("valid.txt", b"\n  \n", "contains no text"),
         ("valid.jsonl", b"\n\n", "has no rows"),
         ("valid.json", b"[]", "has no rows"),
