@@ -112,6 +112,27 @@ def test_chunks_gathered_through_a_staging_ring_land_bit_for_bit_and_verify():
         read_entries(buffer, again)
 
 
+def test_a_chunk_its_entries_fill_skips_the_zeroing_and_stale_slot_bytes_never_reach_the_buffer():
+    """Chunks of 64 KiB entries fill their slot's blocks: the gather writes every byte, so the slot is not
+    zeroed first; a chunk with padding is. Slots full of stale bytes, the snapshot verifies and reads back."""
+    g = torch.Generator().manual_seed(3)
+    full = [torch.randn(16384, generator=g) for _ in range(4)]  # 64 KiB each
+    padded = [torch.randn(1000, generator=g) for _ in range(4)]  # 4,000 bytes each, padded to 4 KiB
+    items = [("op", f"f{i}", "master", t, t.dtype) for i, t in enumerate(full)]
+    items += [("op", f"p{i}", "compute", t, t.dtype) for i, t in enumerate(padded)]
+    entries, sources, nbytes = layout_of(items)
+    buffer = torch.zeros(nbytes, dtype=torch.uint8)
+    slots = torch.full((2 * (128 << 10),), 0xFF, dtype=torch.uint8).chunk(2)
+    plan = DevicePlan.of(buffer, entries, sources, 128 << 10, slots)
+    assert [c.zeroed for c in plan.chunks] == [False, False, True]
+    header = SnapshotHeader(1, 1, 0, 1, 0, ["op"], [], entries, nbytes, checksums=plan.checksums(plan.issue(None)))
+    header.checksum_format = word_checksum.FORMAT
+    direct = torch.zeros(nbytes, dtype=torch.uint8)
+    copy_entries(direct, entries, sources, Throttle())
+    assert torch.equal(buffer, direct)  # padding zero, as a direct copy leaves it
+    assert _reads_back(buffer, SnapshotHeader.from_json(header.to_json()), items)
+
+
 def test_a_staged_snapshot_issued_by_the_buffers_commits_a_header_that_reads_back(staged_buffers):
     """`SnapshotBuffers.issue` (the training thread's path on a GPU), on CPU: the ring sized to the layout,
     the committed header of the device checksum format, read back bit for bit from the buffer."""

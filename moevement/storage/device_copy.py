@@ -7,10 +7,11 @@ and never waits for it on the host:
 
 1. the side stream waits for the training stream (the work that produced `state_t`);
 2. per chunk (64 MB, or the layout's largest entry where longer: `staged_chunk_bytes`): the staging slot
-   is zeroed, the chunk's runs gathered into it with one device-to-device foreach copy (the fast path), the
-   slot brought into the pinned buffer with one non-blocking copy, and its block sums
-   (`moevement.storage.word_checksum`) computed on the device; slots are taken in turn, and the stream's
-   order keeps a slot from being gathered into again before its copy to the host is done;
+   is zeroed (unless the chunk's entries fill its blocks exactly), the chunk's runs gathered into it with
+   one device-to-device foreach copy (the fast path), the slot brought into the pinned buffer with one
+   non-blocking copy, and its block sums (`moevement.storage.word_checksum`) computed on the device; slots
+   are taken in turn, and the stream's order keeps a slot from being gathered into again before its copy
+   to the host is done;
 3. every chunk's checksum is combined from its block sums at once, the sums come to pinned host memory
    with one copy, and one event marks the end;
 4. the optimizer step's pre-hook makes the training stream wait for that event (`IssuedCopy.order_step`);
@@ -32,6 +33,7 @@ import torch
 from moevement.storage import word_checksum
 from moevement.storage.cpu_cost import measure
 from moevement.storage.snapshot import (
+    BLOCK,
     CUDA_CHUNK_BYTES,
     STAGING_SLOTS,
     EncodedHeader,
@@ -57,6 +59,7 @@ class Chunk:
     host: torch.Tensor
     slot: torch.Tensor | None
     words: word_checksum.SparseWords | None = None
+    zeroed: bool = True  # the slot is zeroed first: the entries leave padding or a partial last block in it
 
 
 def slot_bytes(entries: list[Entry], sources: list[torch.Tensor], chunk_bytes: int, device: torch.device) -> int:
@@ -122,7 +125,10 @@ class DevicePlan:
             else:
                 spans = [(e.offset - lo, e.offset - lo + e.nbytes) for e in entries[start:stop]]
                 words = word_checksum.SparseWords(spans, hi - lo)
-            chunks.append(Chunk(start, stop, hi - lo, targets, srcs, buffer[lo:hi], slot, words))
+            fills = (hi - lo) % word_checksum.BLOCK_BYTES == 0 and all(
+                e.nbytes % BLOCK == 0 for e in entries[start:stop]
+            )
+            chunks.append(Chunk(start, stop, hi - lo, targets, srcs, buffer[lo:hi], slot, words, not fills))
             start = stop
         zero_padding(buffer, entries)
         device = slots[0].device
@@ -162,7 +168,8 @@ def _copy(chunk: Chunk, block_sums: torch.Tensor, non_blocking: bool) -> str | N
     if chunk.words is not None:
         torch._foreach_copy_(chunk.targets, chunk.sources)
         return chunk.words.checksum(chunk.host)
-    chunk.slot.zero_()
+    if chunk.zeroed:  # else the gather writes every byte of the slot's blocks
+        chunk.slot.zero_()
     torch._foreach_copy_(chunk.targets, chunk.sources)
     chunk.host.copy_(chunk.slot[: chunk.nbytes], non_blocking=non_blocking)
     word_checksum.block_sums(chunk.slot, out=block_sums)
