@@ -125,9 +125,10 @@ def test_in_process_block_pairs_give_the_snapshots_own_cost(monkeypatch):
     section = Section(2, "overhead", 10)
     checks = overhead.in_process_checks(SimpleNamespace(common=lambda job: []), section)
     assert [c.ok for c in checks] == [True]
-    pairs = " ".join(["+0.050"] * 14)
+    count = len(range(overhead.AB_START, overhead.AB_STEPS - 2 * overhead.AB_BLOCK + 2, 2 * overhead.AB_BLOCK))
+    pairs = " ".join(["+0.050"] * count)
     assert section.notes == [
-        f"ab_overhead=+0.0500 (median of 14 block pairs in one process, min +0.0500, max +0.0500) "
+        f"ab_overhead=+0.0500 (median of {count} block pairs in one process, min +0.0500, max +0.0500) "
         f"iter_ms with=105.0 without=100.0 pairs: {pairs}"
     ]
 

@@ -11,9 +11,9 @@ from benchmarks.gpu_check import gil_profile, numerics, overhead, recovery, repl
 from benchmarks.gpu_check.report import Section, run_section, summary
 
 # (number, title, budget in seconds, body): the budgets sum to under 9 minutes, within the 10 one command may run
-# on a lent GPU machine. Section 2 runs eleven train.py processes (five rounds of two, one in-process A/B run): 204 s
-# on an H200 with a 48-step A/B run; 3 took 60-65 s there, 5 9-11 s, an 18-step run under py-spy (7) 16-25 s;
-# section 6 SKIPs today (its real runs: 45-100 s on 2 CPU cores).
+# on a lent GPU machine. Section 2 runs eleven train.py processes (five rounds of two, one in-process A/B run): 184 s
+# on an H200 with a 96-step A/B run (now 186 steps and the CUDA-graph measure: about 30 s more); 3 took 52-65 s
+# there, 5 9-11 s, an 18-step run under py-spy (7) 16-25 s; section 6 SKIPs today (its runs: 45-100 s on 2 CPU cores).
 SECTIONS = (
     (1, "CUDA against CPU: debug model fp32/bf16, grouped GEMM", 40, numerics.run),
     (2, "MoEvement on one GPU: pinned snapshots, stall, overhead against none", 260, overhead.run),
