@@ -24,7 +24,7 @@ from baselines.moc import LostTokens, PartialExpertSelector
 from baselines.strategy import IntervalBaseline
 from models.experts import stacked_experts
 from moevement.checkpoint.checkpointer import SparseCheckpointer
-from moevement.operators import Stacked, build_registry
+from moevement.operators import Operator, Stacked, build_registry
 from moevement.recovery.conversion import Conversion, TrainerHooks
 from moevement.recovery.live_state import Rejoin, load_live_state
 from moevement.recovery.localized import Recovery
@@ -129,8 +129,8 @@ def build_strategy(
     rejoin = _rejoin(rank_dir, job_meta, plan, from_dense)
     checks = _identity_checks(dims, identity, rejoin)
     found = None if from_dense else _restart_point(strategy, rank_dir, disk, checks, rejoin, line, plan.restarted)
+    ops = build_registry(model.view, stacked_operators(model.view)) if strategy != "moevement" else []
     if from_dense and strategy in RELAID_BASELINES and dist.is_initialized():
-        ops = build_registry(model.view, stacked_operators(model.view))
         target = _relay_target(dims, topo, ops, identity, job_meta, dense_step)
         found = find_relaid_window(rank_dir.parent, target, line, _baseline_disk(cfg, strategy))
     if strategy != "moevement":
@@ -141,7 +141,7 @@ def build_strategy(
     if strategy != "moevement":
         restarted = plan.restarted and not from_dense or found is not None  # found, from_dense: a re-laid one
         restart = RestartState(rejoin.live, found, checks["run"]) if restarted else None
-        return _interval_baseline(cfg, model, optimizer, dims, new_checkpointer, line, lock, rejoin, restart)
+        return _interval_baseline(cfg, model, optimizer, dims, ops, new_checkpointer, line, lock, rejoin, restart)
     checkpointer = new_checkpointer(dataclasses.replace(cfg.checkpoint, persist_dir=str(disk or "")))
     if from_dense and dist.is_initialized():
         target = _relay_target(dims, topo, checkpointer.ops, identity, job_meta, dense_step)
@@ -249,18 +249,19 @@ def _interval_baseline(
     model: ModelParts,
     optimizer,
     dims: ParallelDims,
+    ops: list[Operator],
     new_checkpointer: Callable[..., SparseCheckpointer],
     line,
     lock: JobLock,
     rejoin: Rejoin,
     restart: RestartState | None,
 ) -> IntervalBaseline:
-    """gemini (dense, host memory, replicated), checkfreq (dense, persisted to disk), moc (partial, disk).
+    """gemini (dense, host memory, replicated), checkfreq (dense, persisted to disk), moc (partial, disk), over
+    this rank's operators `ops`.
 
     A new run removes this rank's disk checkpoints; a torchrun restart of the run (`restart`) resumes
     from them."""
     strategy, ck_cfg = cfg.checkpoint.strategy, cfg.checkpoint
-    ops = build_registry(model.view, stacked_operators(model.view))
     names = [op.name for op in ops]
     moc, keep = None, 2
     if strategy == "moc":
