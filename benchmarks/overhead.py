@@ -163,6 +163,15 @@ def ab_ratios(records: dict[int, dict[str, float]], block: int, start: int, toke
     return ratios
 
 
+def ab_medians(records: dict[int, dict[str, float]], start: int, tokens: int) -> tuple[float, float]:
+    """One run of `checkpoint.ab_blocks`: the median milliseconds of its iterations from `start` that took a
+    snapshot, and of those that took none."""
+    ms = {t: tokens / r["tok_per_s"] * 1e3 for t, r in records.items() if t >= start}
+    on = [v for t, v in ms.items() if records[t]["ckpt_mb"] > 0]
+    off = [v for t, v in ms.items() if records[t]["ckpt_mb"] <= 0]
+    return statistics.median(on), statistics.median(off)
+
+
 def common_start(runs: Iterable[dict[int, dict[str, float]]], profile_iters: int) -> int:
     """The first iteration that is steady in every run: strategies are compared over the same iterations.
     An iteration's time depends on its step (its batch, its experts' load: later ones ran up to 10%

@@ -24,7 +24,7 @@ import torch
 from benchmarks.gpu_check.issue_cost import issue_cost
 from benchmarks.gpu_check.report import Check, Section, guarded
 from benchmarks.gpu_check.runs import Workspace, train
-from benchmarks.overhead import ab_ratios, common_start, parse_steps, steady_ms, steady_records
+from benchmarks.overhead import ab_medians, ab_ratios, common_start, parse_steps, steady_ms, steady_records
 from moevement.checkpoint.profiler import measure_copy_bandwidth
 from moevement.storage.host_memory import make_private_dirs
 from moevement.storage.snapshot import SnapshotHeader, layout_of, read_entries
@@ -113,17 +113,10 @@ def in_process_checks(workspace: Workspace, section: Section) -> list[Check]:
     args += ["--checkpoint.strategy", "moevement", "--checkpoint.window", "1", "--checkpoint.ab_blocks", str(AB_BLOCK)]
     records = parse_steps(train(args, AB_TIMEOUT_S))
     ratios = ab_ratios(records, AB_BLOCK, AB_START, BATCH * SEQ_LEN)
-    ms = {
-        on: [
-            BATCH * SEQ_LEN / r["tok_per_s"] * 1e3
-            for t, r in records.items()
-            if t >= AB_START and (r["ckpt_mb"] > 0) == on
-        ]
-        for on in (True, False)
-    }
+    with_ms, without_ms = ab_medians(records, AB_START, BATCH * SEQ_LEN)
     section.notes.append(
         f"{overhead_fields(ratios, 'block pairs in one process', 'ab_overhead')} "
-        f"iter_ms with={statistics.median(ms[True]):.1f} without={statistics.median(ms[False]):.1f} "
+        f"iter_ms with={with_ms:.1f} without={without_ms:.1f} "
         f"pairs: {' '.join(f'{r - 1:+.3f}' for r in ratios)}"
     )
     return [Check("in-process block pairs", len(ratios) >= 5, f"{len(ratios)} pairs of {AB_BLOCK} iterations")]
