@@ -11,17 +11,18 @@ from benchmarks.gpu_check import gil_profile, numerics, overhead, recovery, repl
 from benchmarks.gpu_check.report import Section, run_section, summary
 
 # (number, title, budget in seconds, body): the budgets sum to under 9 minutes, within the 10 one command may run
-# on a lent GPU machine. Section 2 runs eleven train.py processes (five rounds of two, one in-process A/B run): 184 s
-# on an H200 with a 96-step A/B run (now 186 steps and the CUDA-graph measure: about 30 s more); 3 took 52-65 s
-# there, 5 9-11 s, an 18-step run under py-spy (7) 16-25 s; section 6 SKIPs today (its runs: 45-100 s on 2 CPU cores).
+# on a lent GPU machine. Section 2 runs twelve train.py processes (five rounds of two, two in-process A/B runs):
+# 184 s on an H200 with one 96-step A/B run; now two of 186 steps, the CUDA-graph measure and the graphed copy's
+# check: about 80 s more. 3 took 52-65 s there, 1 and 5 together 15 s, an 18-step run under py-spy (7) 16-25 s;
+# section 6 SKIPs today (its runs: 45-100 s on 2 CPU cores).
 SECTIONS = (
-    (1, "CUDA against CPU: debug model fp32/bf16, grouped GEMM", 40, numerics.run),
-    (2, "MoEvement on one GPU: pinned snapshots, stall, overhead against none", 260, overhead.run),
-    (3, "crash and SIGKILL, restart on CUDA: fault-free digest", 80, recovery.run),
+    (1, "CUDA against CPU: debug model fp32/bf16, grouped GEMM", 30, numerics.run),
+    (2, "MoEvement on one GPU: pinned snapshots, stall, overhead against none", 300, overhead.run),
+    (3, "crash and SIGKILL, restart on CUDA: fault-free digest", 75, recovery.run),
     (4, "DeepSeek-MoE-16B-shaped stage, bf16 forward+backward", 60, throughput.run),
-    (5, "two processes on one GPU (cpu:gloo,cuda:gloo): control-tensor collectives", 40, shared_gpu.run),
+    (5, "two processes on one GPU (cpu:gloo,cuda:gloo): control-tensor collectives", 30, shared_gpu.run),
     (6, "two processes on one GPU: train.py pp=2, SIGKILL, replaced in place: fault-free digest", 5, replacement.run),
-    (7, "who holds the GIL while MoEvement snapshots (py-spy --gil)", 45, gil_profile.run),
+    (7, "who holds the GIL while MoEvement snapshots (py-spy --gil)", 35, gil_profile.run),
 )
 
 

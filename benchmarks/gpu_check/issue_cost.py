@@ -6,15 +6,14 @@ A launch-bound training thread pays for every launch a snapshot issues: seven pe
 iteration there (docs/benchmarks.md). Here a layout shaped like it (`bench_moe`'s stacked experts at
 W=1: the FP32 weights and both moments of every expert slice and their bf16 compute weights, 2,688
 entries, 1.23 GB on the device) is issued `ISSUES` times call by call (`DevicePlan.issue`) and `ISSUES`
-times by replaying one CUDA graph captured from the same calls (`DevicePlan.issue_here` on the copy
-stream). Printed: the host milliseconds per issue of each (median). Checked: the graph's copy equals the
-call-by-call one bit for bit, buffer and checksums. Whether the trainer should capture its copies (one
-graph per layout and buffer, replayed at `begin(t)`) is read from these figures.
+times as the trainer's `checkpoint.copy_graph` issues it, one CUDA graph of the same calls replayed
+(`moevement.storage.copy_graph.GraphedPlan`). Printed: the host milliseconds per issue of each (median).
+Checked: the graph's copy equals the call-by-call one bit for bit, buffer and checksums. Whether
+`checkpoint.copy_graph` should be the default is read from these figures and section 2's graphed A/B run.
 """
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 from collections.abc import Callable
@@ -23,6 +22,7 @@ import torch
 
 from benchmarks.gpu_check.report import Check, Section
 from benchmarks.gpu_check.runs import Workspace
+from moevement.storage.copy_graph import GraphedPlan
 from moevement.storage.device_copy import DevicePlan, slot_bytes, staged_chunk_bytes
 from moevement.storage.host_memory import HostBuffer, make_private_dirs
 from moevement.storage.snapshot import CUDA_CHUNK_BYTES, STAGING_SLOTS, Entry, layout_of
@@ -60,29 +60,6 @@ def host_ms(issue: Callable[[], object], device: torch.device, times: int = ISSU
     return statistics.median(spent)
 
 
-def capture(plan: DevicePlan, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
-    """One CUDA graph of the plan's copy calls, captured on `stream` (nothing runs until it is replayed)."""
-    graph = torch.cuda.CUDAGraph()
-    stream.wait_stream(torch.cuda.current_stream(stream.device))
-    with torch.cuda.stream(stream):
-        graph.capture_begin()
-        try:
-            plan.issue_here(non_blocking=True)
-        except BaseException:
-            with contextlib.suppress(Exception):
-                graph.capture_end()
-            raise
-        graph.capture_end()
-    return graph
-
-
-def replay(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream) -> None:
-    """The graph on `stream`, after the work issued on the training stream (as `DevicePlan.issue` orders it)."""
-    stream.wait_stream(torch.cuda.current_stream(stream.device))
-    with torch.cuda.stream(stream):
-        graph.replay()
-
-
 def issue_cost(workspace: Workspace, device: torch.device, section: Section) -> list[Check]:
     entries, sources, nbytes = stacked_layout(device)
     host = HostBuffer(make_private_dirs(workspace.host_root, "issue-cost") / "buffer", pin=True)
@@ -97,14 +74,18 @@ def issue_cost(workspace: Workspace, device: torch.device, section: Section) -> 
         on_host = plan.issue(stream)
         torch.cuda.synchronize(device)
         expected, sums = data.clone(), plan.checksums(on_host)
-        graph = capture(plan, stream)
+        graphed = GraphedPlan(plan, torch.cuda.graph_pool_handle())
+        graphed.issue(stream)  # call by call: the kernels load
+        graphed.issue(stream)  # captured, then replayed
+        if graphed.graph is None:
+            return [Check("the copy is captured as a CUDA graph", False, "the capture raised (said on stderr)")]
         data.zero_()
-        graphed = host_ms(lambda: replay(graph, stream), device)
-        same = torch.equal(data, expected) and plan.checksums([None] * len(plan.chunks)) == sums
+        graph_ms = host_ms(lambda: graphed.issue(stream), device)
+        same = torch.equal(data, expected) and graphed.checksums(on_host) == sums
     finally:
         host.release()
     section.notes.append(
-        f"issue on the training thread: call by call {eager:.2f} ms, one CUDA graph {graphed:.2f} ms per "
+        f"issue on the training thread: call by call {eager:.2f} ms, one CUDA graph {graph_ms:.2f} ms per "
         f"snapshot ({len(plan.chunks)} chunks, {len(entries)} entries, {nbytes / 1e9:.2f} GB; median of {ISSUES})"
     )
     return [Check("a CUDA graph of the copy equals it bit for bit", same, "buffer and chunk checksums")]

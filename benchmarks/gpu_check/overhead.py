@@ -3,15 +3,16 @@ per iteration, and the overhead against `checkpoint.strategy none`, runs interle
 
 In process: a snapshot buffer is page-locked (pinned) on CUDA, a snapshot of CUDA tensors copied into it by
 the checkpointer's own copy path (`SnapshotBuffers.issue`: side stream, device checksums) reads back bit for bit,
-the copy bandwidth the profiler measures, and what issuing a snapshot costs the training thread, call by
-call and as one CUDA graph (`issue_cost`). Then `train.py` runs on the GPU, `none` and `moevement` alternating
+the copy bandwidth the profiler measures, what issuing a snapshot costs the training thread, call by call and
+as one CUDA graph (`issue_cost`), and the trainer's graphed copy (`checkpoint.copy_graph`) reading back bit for
+bit. Then `train.py` runs on the GPU, `none` and `moevement` alternating
 for `ROUNDS` rounds; figures over the steady-state iterations (`benchmarks.overhead`'s definition). The
 overhead is each round's moevement median against the same round's `none` median, printed as the median
 over the rounds with the lowest and highest round beside it (`overhead_fields`): with five rounds a single
 round's drift shows as spread instead of moving the median. Last, one `moevement` run takes snapshots only
 in every other block of `AB_BLOCK` iterations (`checkpoint.ab_blocks`): each block's median against the next
 block's, without snapshots, in the same process, resolves the snapshot's own cost where separate start-ups
-spread by more than it.
+spread by more than it; a second such run replays every snapshot's copy as a CUDA graph.
 """
 
 from __future__ import annotations
@@ -42,28 +43,46 @@ AB_BLOCK, AB_STEPS, AB_START, AB_TIMEOUT_S = 3, 186, 12, 120
 RUN_TIMEOUT_S = 60
 
 
+def _snapshot_sources(device: torch.device) -> list[torch.Tensor]:
+    """Tensors of a snapshot: on the device (one larger than a staging chunk, one in bf16) and a step counter on
+    the host."""
+    return [
+        torch.randn(1 << 20, device=device),
+        torch.randn(333, 77, device=device).to(torch.bfloat16),
+        torch.randn(21 << 20, device=device),  # 84 MB: a chunk of its own, larger than CUDA_CHUNK_BYTES
+        torch.tensor(5.0),  # a step counter on the host
+    ]
+
+
+def _issued_reads_back(buffers: SnapshotBuffers, sources: list[torch.Tensor], layout, iteration: int):
+    """Issue a snapshot of `sources` (laid out as `layout`: entries, sources in order, bytes; the same objects
+    at every call, so the buffer's plan is reused) through `buffers.issue` into buffer (0, 0), order a step
+    after it and commit it: (its copy, its committed header, whether it reads back bit for bit with the
+    device checksums recomputed on the CPU)."""
+    entries, ordered, nbytes = layout
+    header = SnapshotHeader(iteration, 1, 0, 1, 0, ["op"], [], entries, nbytes)
+    buffer = buffers.buffer(0, 0)
+    issued = buffers.issue(buffer, header, ordered)
+    issued.order_step()
+    commit = issued.result().with_meta({})
+    committed = SnapshotHeader.from_json(json.loads(commit.encoded))  # the device's checksums
+    back = read_entries(buffer.data, committed, source="pinned copy")  # recomputed on the CPU: equal
+    return issued, committed, all(torch.equal(back[("master", f"t{i}")], t.cpu()) for i, t in enumerate(sources))
+
+
+def _layout(sources: list[torch.Tensor]):
+    """(entries, sources in layout order, bytes) of a snapshot of `sources` (as master entries of one operator)."""
+    return layout_of([("op", f"t{i}", "master", t, t.dtype) for i, t in enumerate(sources)])
+
+
 def pinned_copy(workspace: Workspace, device: torch.device) -> list[Check]:
-    """A snapshot of CUDA tensors (one larger than a staging chunk) and a host step counter, issued through
-    `SnapshotBuffers.issue` into a pinned buffer, read back with its device checksums recomputed on the CPU."""
-    rank_dir = make_private_dirs(workspace.host_root, "pinned-copy")
-    buffers = SnapshotBuffers(rank_dir, device, "normal")
+    """A snapshot of CUDA tensors and a host step counter, issued through `SnapshotBuffers.issue` into a pinned
+    buffer, read back with its device checksums recomputed on the CPU."""
+    buffers = SnapshotBuffers(make_private_dirs(workspace.host_root, "pinned-copy"), device, "normal")
     try:
-        sources = [
-            torch.randn(1 << 20, device=device),
-            torch.randn(333, 77, device=device).to(torch.bfloat16),
-            torch.randn(21 << 20, device=device),  # 84 MB: a chunk of its own, larger than CUDA_CHUNK_BYTES
-            torch.tensor(5.0),  # a step counter on the host
-        ]
-        items = [("op", f"t{i}", "master", t, t.dtype) for i, t in enumerate(sources)]
-        entries, ordered, nbytes = layout_of(items)
-        header = SnapshotHeader(1, 1, 0, 1, 0, ["op"], [], entries, nbytes)
+        sources = _snapshot_sources(device)
+        _, committed, same = _issued_reads_back(buffers, sources, _layout(sources), 1)
         buffer = buffers.buffer(0, 0)
-        issued = buffers.issue(buffer, header, ordered)
-        issued.order_step()
-        commit = issued.result().with_meta({})
-        committed = SnapshotHeader.from_json(json.loads(commit.encoded))  # the device's checksums
-        back = read_entries(buffer.data, committed, source="pinned copy")  # recomputed on the CPU: equal
-        same = all(torch.equal(back[("master", f"t{i}")], t.cpu()) for i, t in enumerate(sources))
         return [
             Check("snapshot buffer pinned", buffer.data.is_pinned(), f"{buffer.capacity} bytes, cudaHostRegister"),
             Check(
@@ -74,9 +93,35 @@ def pinned_copy(workspace: Workspace, device: torch.device) -> list[Check]:
             ),
         ]
     finally:
-        for buf in buffers.all():
-            buf.release()
-        buffers.close()
+        _release(buffers)
+
+
+def graphed_copy(workspace: Workspace, device: torch.device) -> list[Check]:
+    """The trainer's copy as a CUDA graph (`checkpoint.copy_graph`): three snapshots of the same tensors, each
+    changed in place before it (as the optimizer changes them), issued call by call, then captured and
+    replayed, then replayed; each reads back bit for bit."""
+    buffers = SnapshotBuffers(make_private_dirs(workspace.host_root, "graphed-copy"), device, "normal", graphed=True)
+    try:
+        sources, same, captured = _snapshot_sources(device), [], []
+        layout = _layout(sources)
+        for iteration in (1, 2, 3):
+            for t in sources:
+                t.add_(1)
+            issued, _, reads_back = _issued_reads_back(buffers, sources, layout, iteration)
+            same.append(reads_back)
+            captured.append(issued.plan.graph is not None)
+        return [
+            Check("copy captured as a CUDA graph at its second issue", captured == [False, True, True], f"{captured}"),
+            Check("graphed copies read back, sources changed before each", all(same), f"{same}"),
+        ]
+    finally:
+        _release(buffers)
+
+
+def _release(buffers: SnapshotBuffers) -> None:
+    for buf in buffers.all():
+        buf.release()
+    buffers.close()
 
 
 def bandwidth(workspace: Workspace, device: torch.device, section: Section) -> list[Check]:
@@ -107,15 +152,18 @@ def overhead_fields(ratios: list[float], what: str = "interleaved rounds", name:
     )
 
 
-def in_process_checks(workspace: Workspace, section: Section) -> list[Check]:
-    """One moevement run at W=1 with snapshots in every other block of `AB_BLOCK` iterations."""
-    args = ["--config", CONFIG, *workspace.common("gpu_check_ab"), *SHAPE, "--training.steps", str(AB_STEPS)]
+def in_process_checks(workspace: Workspace, section: Section, graphed: bool = False) -> list[Check]:
+    """One moevement run at W=1 with snapshots in every other block of `AB_BLOCK` iterations (`graphed`: each
+    snapshot's copy replayed as a CUDA graph, `checkpoint.copy_graph`)."""
+    job, name = ("gpu_check_ab_graph", "ab_overhead_graph") if graphed else ("gpu_check_ab", "ab_overhead")
+    args = ["--config", CONFIG, *workspace.common(job), *SHAPE, "--training.steps", str(AB_STEPS)]
     args += ["--checkpoint.strategy", "moevement", "--checkpoint.window", "1", "--checkpoint.ab_blocks", str(AB_BLOCK)]
+    args += ["--checkpoint.copy_graph", str(graphed).lower()]
     records = parse_steps(train(args, AB_TIMEOUT_S))
     ratios = ab_ratios(records, AB_BLOCK, AB_START, BATCH * SEQ_LEN)
     with_ms, without_ms = ab_medians(records, AB_START, BATCH * SEQ_LEN)
     section.notes.append(
-        f"{overhead_fields(ratios, 'block pairs in one process', 'ab_overhead')} "
+        f"{overhead_fields(ratios, 'block pairs in one process', name)} "
         f"iter_ms with={with_ms:.1f} without={without_ms:.1f} "
         f"pairs: {' '.join(f'{r - 1:+.3f}' for r in ratios)}"
     )
@@ -154,5 +202,11 @@ def run(section: Section) -> None:
         guarded(section, "snapshot issue as a CUDA graph", lambda: issue_cost(workspace, device, section))
         guarded(section, "interleaved none/moevement runs", lambda: overhead_checks(workspace, section))
         guarded(section, "snapshots on and off in one process", lambda: in_process_checks(workspace, section))
+        guarded(section, "the copy as a CUDA graph", lambda: graphed_copy(workspace, device))
+        guarded(
+            section,
+            "graphed snapshots on and off in one process",
+            lambda: in_process_checks(workspace, section, graphed=True),
+        )
     finally:
         workspace.close()

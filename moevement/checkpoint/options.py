@@ -28,6 +28,9 @@ class SparseOptions:
     # cap on the snapshot copy rate to host memory, Gbit/s (0: none); on a GPU it only plans W (the copy is the DMA's)
     bandwidth_gbps: float = 0.0
     background_priority: Priority = "idle"  # CPU priority of the copy/replication/disk threads: idle | normal
+    # on a GPU, issue each snapshot's copy as one replayed CUDA graph instead of call by call (fewer launches on
+    # the training thread; off by default until `make gpu-check` has measured it)
+    copy_graph: bool = False
     keep_host_state: bool = False  # keep snapshots in host memory after a clean finish
     persist_dir: str = ""  # also write every `persist_every`-th persisted checkpoint to <persist_dir>/<job.name>
     persist_every: int = 1  # write every N-th persisted checkpoint to persist_dir

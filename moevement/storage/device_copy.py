@@ -146,12 +146,25 @@ class DevicePlan:
             return self.issue_here(non_blocking=stream is not None)
 
     def issue_here(self, non_blocking: bool) -> list[str | None]:
-        """The copy's calls on the current stream, in order (`issue` after its wait; what a CUDA graph of the
-        copy would capture, the host chunks aside)."""
-        on_host = [_copy(chunk, block_sums, non_blocking) for chunk, block_sums in zip(self.chunks, self.sums.views)]
+        """The copy's calls on the current stream (`issue` after its wait): the host chunks at once, then the
+        device's calls."""
+        on_host = self.copy_host_chunks()
+        self.issue_device(non_blocking)
+        return on_host
+
+    def copy_host_chunks(self) -> list[str | None]:
+        """Copy the chunks of host sources now, on the calling thread: per chunk its checksum, None for a staged
+        chunk (the device sums it)."""
+        return [_copy_on_host(chunk) if chunk.slot is None else None for chunk in self.chunks]
+
+    def issue_device(self, non_blocking: bool) -> None:
+        """The staged chunks' calls on the current stream, and the sums' combination and copy to the host: what
+        a CUDA graph of the copy captures (`moevement.storage.copy_graph`)."""
+        for chunk, block_sums in zip(self.chunks, self.sums.views):
+            if chunk.slot is not None:
+                _stage(chunk, block_sums, non_blocking)
         self.sums.combine()
         self.sums_host.copy_(self.sums.sums, non_blocking=non_blocking)
-        return on_host
 
     def checksums(self, on_host: list[str | None]) -> list[list]:
         """A header's `checksums` of the copy `issue` returned `on_host` for, once the copy is done."""
@@ -162,18 +175,19 @@ class DevicePlan:
         ]
 
 
-def _copy(chunk: Chunk, block_sums: torch.Tensor, non_blocking: bool) -> str | None:
-    """Copy one chunk; its checksum if summed on the host now, else None (the device writes the sums of its
-    blocks into `block_sums`)."""
-    if chunk.words is not None:
-        torch._foreach_copy_(chunk.targets, chunk.sources)
-        return chunk.words.checksum(chunk.host)
+def _copy_on_host(chunk: Chunk) -> str:
+    """Copy a chunk of host sources into the buffer and sum its entries' words: its checksum."""
+    torch._foreach_copy_(chunk.targets, chunk.sources)
+    return chunk.words.checksum(chunk.host)
+
+
+def _stage(chunk: Chunk, block_sums: torch.Tensor, non_blocking: bool) -> None:
+    """Gather a staged chunk into its slot, copy the slot into the buffer, and sum its blocks into `block_sums`."""
     if chunk.zeroed:  # else the gather writes every byte of the slot's blocks
         chunk.slot.zero_()
     torch._foreach_copy_(chunk.targets, chunk.sources)
     chunk.host.copy_(chunk.slot[: chunk.nbytes], non_blocking=non_blocking)
     word_checksum.block_sums(chunk.slot, out=block_sums)
-    return None
 
 
 class IssuedCopy:
@@ -182,7 +196,8 @@ class IssuedCopy:
     Threads: the training thread's alone. It keeps the sources alive until the copy is done: a source freed
     earlier could be reused by the training stream while the copy stream still reads it."""
 
-    def __init__(self, plan: DevicePlan, header: SnapshotHeader, encoded: bytes, sources, stream) -> None:
+    def __init__(self, plan, header: SnapshotHeader, encoded: bytes, sources, stream) -> None:
+        """`plan`: a `DevicePlan`, or a `moevement.storage.copy_graph.GraphedPlan` (same `issue`, `checksums`)."""
         self.plan, self.header, self.encoded, self.sources = plan, header, encoded, sources
         header.checksum_format = word_checksum.FORMAT
         with measure("copy"):

@@ -356,7 +356,8 @@ def pin_or_warn(ptr: int, size: int, path: Path) -> bool:
     code = int(torch.cuda.cudart().cudaHostRegister(ptr, size, 0))
     if code == 0:
         return True
-    _clear_cuda_error()
+    if not clear_cuda_error():
+        raise HostMemoryError("cudaHostRegister failed and the CUDA runtime library in use cannot be found")
     if not _pin_refused:
         _pin_refused = True
         print(
@@ -371,12 +372,14 @@ def pin_or_warn(ptr: int, size: int, path: Path) -> bool:
     return False
 
 
-def _clear_cuda_error() -> None:
-    """Reset the CUDA runtime's last error of this thread (`cudaGetLastError`; torch exposes no binding)."""
+def clear_cuda_error() -> bool:
+    """Reset the CUDA runtime's last error of this thread (`cudaGetLastError`; torch exposes no binding); False
+    where the runtime library in use cannot be found."""
     path = loaded_library("libcudart")
     if path is None:
-        raise HostMemoryError("cudaHostRegister failed and the CUDA runtime library in use cannot be found")
+        return False
     ctypes.CDLL(path).cudaGetLastError()  # dlopen of a loaded library: the same runtime instance
+    return True
 
 
 def loaded_library(stem: str) -> str | None:

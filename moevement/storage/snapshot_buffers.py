@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from moevement.storage.background import enter_background
+from moevement.storage.copy_graph import GraphedPlan
 from moevement.storage.cpu_cost import measure
 from moevement.storage.device_copy import DevicePlan, IssuedCopy, slot_bytes, staged_chunk_bytes
 from moevement.storage.host_memory import HostBuffer, HostMemoryError, make_private_dir
@@ -39,6 +40,8 @@ from moevement.storage.snapshot import (
 )
 from moevement.storage.snapshot_copy import CopyPlan, Throttle, copy_entries
 
+Plan = CopyPlan | DevicePlan | GraphedPlan  # how a layout is copied into one buffer
+
 
 def local_buffer(rank_dir: Path, parity: int, slot: int) -> Path:
     """Path (no suffix) of a rank's own snapshot buffer for window parity `parity`, slot `slot`."""
@@ -46,9 +49,17 @@ def local_buffer(rank_dir: Path, parity: int, slot: int) -> Path:
 
 
 class SnapshotBuffers:
-    def __init__(self, rank_dir: Path, device: torch.device, background_priority: str, staged: bool | None = None):
+    def __init__(
+        self,
+        rank_dir: Path,
+        device: torch.device,
+        background_priority: str,
+        staged: bool | None = None,
+        graphed: bool = False,
+    ):
         """`staged`: snapshots are issued through a staging ring on `device` (default: on a GPU; a test may
-        run that path on a CPU, synchronously)."""
+        run that path on a CPU, synchronously); `graphed`: on a GPU, as one CUDA graph per plan from its second
+        issue on (`moevement.storage.copy_graph`)."""
         self.rank_dir, self.pin = rank_dir, device.type == "cuda"
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())  # what the sources' `.device` says
@@ -56,8 +67,9 @@ class SnapshotBuffers:
         self.local_dir = make_private_dir(rank_dir / "local")
         self.lock = threading.Lock()
         self.buffers: dict[tuple[int, int], HostBuffer] = {}
-        self._cache: dict[Path, tuple[torch.Tensor, list[Entry], list[torch.Tensor], CopyPlan | DevicePlan, bytes]] = {}
+        self._cache: dict[Path, tuple[torch.Tensor, list[Entry], list[torch.Tensor], Plan, bytes]] = {}
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.graph_pool = torch.cuda.graph_pool_handle() if graphed and self.stream is not None else None
         self.chunk_bytes = CUDA_CHUNK_BYTES if self.staged else CHUNK_BYTES
         self.slots: tuple[torch.Tensor, ...] = ()  # the staging ring: grown to the largest chunk a plan needs
         self.copier = ThreadPoolExecutor(
@@ -116,7 +128,7 @@ class SnapshotBuffers:
 
     def _resolved(
         self, buffer: HostBuffer, data: torch.Tensor, entries: list[Entry], sources: list[torch.Tensor]
-    ) -> tuple[CopyPlan | DevicePlan, bytes]:
+    ) -> tuple[Plan, bytes]:
         """The copy plan of `entries` (from `sources`) in `data` and their encoding, reused while the buffer
         holds the same mapping and the same layout (one layout per slot serves every window a plan repeats)."""
         cached = self._cache.get(buffer.path)
@@ -125,6 +137,8 @@ class SnapshotBuffers:
         if self.staged:
             chunk = staged_chunk_bytes(entries, sources, self.chunk_bytes, self.device)
             plan = DevicePlan.of(data, entries, sources, chunk, self._ring(entries, sources, chunk))
+            if self.graph_pool is not None:
+                plan = GraphedPlan(plan, self.graph_pool)
         else:
             plan = CopyPlan.of(data, entries, sources, self.chunk_bytes)
         encoded = encode_entries(entries)
