@@ -23,7 +23,8 @@ def seal(record: bytes) -> bytes:
     """A JSON record (`encode_json` bytes) with its XXH3-64 in front: `{"xxh3": "<hex>", "record": ...}`.
     Every commit record and manifest is written sealed, so a changed scalar, entry or identity is caught
     before anything reads it (the tensors carry hashes of their own, in the record)."""
-    return _SEAL_HEAD + xxhash.xxh3_64_hexdigest(record).encode() + _SEAL_MID + record + b"}"
+    # one join: a chain of `+` copies a ~1 MB record twice, into fresh pages each time (~0.5 ms per commit)
+    return b"".join((_SEAL_HEAD, xxhash.xxh3_64_hexdigest(record).encode(), _SEAL_MID, record, b"}"))
 
 
 def sealed_record(raw: bytes, where: object) -> bytes:

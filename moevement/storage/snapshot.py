@@ -107,7 +107,7 @@ class SnapshotHeader:
         and the training thread adds the iteration's `meta` (`EncodedHeader.with_meta`). `entries`: this
         header's entries as JSON, encoded once for their layout (`encode_entries`)."""
         body = entries if entries is not None else encode_entries(self.entries)
-        prefix = encode_json(self._fields())[:-1] + b', "entries": ' + body
+        prefix = b"".join((encode_json(self._fields())[:-1], b', "entries": ', body))
         return EncodedHeader(self.slot, self.window_start, self.nbytes, prefix)
 
     def commit_record(self) -> CommitRecord:
@@ -152,7 +152,7 @@ class EncodedHeader:
     def with_meta(self, meta: dict) -> CommitRecord:
         """The whole header, encoded byte for byte as `encode_json(header.to_json())` for a header with this
         `meta`: only `meta` is encoded here."""
-        encoded = self.prefix + b', "meta": ' + encode_json(meta) + b"}"
+        encoded = b"".join((self.prefix, b', "meta": ', encode_json(meta), b"}"))  # no `+` chain: see `seal`
         return CommitRecord(self.slot, self.window_start, self.nbytes, encoded)
 
 
