@@ -149,6 +149,7 @@ def test_a_staged_snapshot_issued_by_the_buffers_commits_a_header_that_reads_bac
     largest = max(e.nbytes for e in entries)
     assert len(buffers.slots) * buffers.slots[0].numel() < ring_bytes(largest) == 3 * CUDA_CHUNK_BYTES
     assert ring_bytes(CUDA_CHUNK_BYTES + 1) == 3 * (CUDA_CHUNK_BYTES + 65536)  # an entry larger than a chunk
+    assert ring_bytes(largest, graphed=True) == 4 * CUDA_CHUNK_BYTES  # the graphs' pool holds a transient too
     assert _reads_back(buffer.data, committed, items)
 
 

@@ -84,11 +84,12 @@ def staged_chunk_bytes(
     return max(chunk_bytes, largest)
 
 
-def ring_bytes(largest_entry: int) -> int:
+def ring_bytes(largest_entry: int, graphed: bool = False) -> int:
     """The most device memory a rank's snapshots take, for a largest entry of `largest_entry` bytes: the
     staging ring (`STAGING_SLOTS` slots of the largest chunk: `CUDA_CHUNK_BYTES`, or that entry alone) and the
-    checksum's transient of one slot."""
-    return (STAGING_SLOTS + 1) * word_checksum.block_rounded(max(CUDA_CHUNK_BYTES, padded(largest_entry)))
+    checksum's transient of one slot, which the caching allocator keeps for the copy stream; `graphed`
+    (`checkpoint.copy_graph`): one more, the same transient in the captured graphs' memory pool."""
+    return (STAGING_SLOTS + 1 + graphed) * word_checksum.block_rounded(max(CUDA_CHUNK_BYTES, padded(largest_entry)))
 
 
 @dataclass(frozen=True)
