@@ -45,20 +45,22 @@ class GraphedPlan:
         return self.plan.chunks
 
     def issue(self, stream: torch.cuda.Stream) -> list[str | None]:
-        """Training thread: issue the copy on `stream`, after the work already issued on the training stream
-        (`DevicePlan.issue`); per chunk the checksum the host computed now, None where the device does."""
-        on_host = self.plan.copy_host_chunks()
-        stream.wait_stream(torch.cuda.current_stream(stream.device))
-        with torch.cuda.stream(stream):
-            if self.graph is None and self.issued and not self.refused:
-                self.graph = _captured(self.plan, self.pool)
-                self.refused = self.graph is None
-            if self.graph is not None:
-                self.graph.replay()
-            else:
-                self.plan.issue_device(non_blocking=True)
+        """Training thread: issue the copy on `stream`, after the work already issued on the training stream, as
+        `DevicePlan.issue` does, its device calls replayed."""
+        on_host = self.plan.issue(stream, self._device_calls)
         self.issued += 1
         return on_host
+
+    def _device_calls(self) -> None:
+        """On the copy stream: call by call at the first issue; captured (nothing runs), then replayed, at the
+        second; replayed from then on."""
+        if self.graph is None and self.issued and not self.refused:
+            self.graph = _captured(self.plan, self.pool)
+            self.refused = self.graph is None
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.plan.issue_device(non_blocking=True)
 
     def checksums(self, on_host: list[str | None]) -> list[list]:
         return self.plan.checksums(on_host)

@@ -25,6 +25,7 @@ in padded entries.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -137,20 +138,19 @@ class DevicePlan:
         sums_host = torch.zeros(len(chunks), dtype=torch.int64, pin_memory=device.type == "cuda")
         return cls(chunks, word_checksum.ChunkSums(blocks, device), sums_host)
 
-    def issue(self, stream: torch.cuda.Stream | None) -> list[str | None]:
+    def issue(
+        self, stream: torch.cuda.Stream | None, device_calls: Callable[[], None] | None = None
+    ) -> list[str | None]:
         """Training thread: issue the copy on `stream` (None: a CPU staging ring, done on return), after the
-        work already issued on the training stream. Returns per chunk its checksum where the host computed it
-        now (host sources), None where the device does (in `sums_host` once the copy is done)."""
+        work already issued on the training stream: the host chunks at once, then `device_calls()` on `stream`
+        (default: `issue_device`; a CUDA graph's replay: `moevement.storage.copy_graph`). Returns per chunk its
+        checksum where the host computed it now (host sources), None where the device does (in `sums_host` once
+        the copy is done)."""
+        on_host = self.copy_host_chunks()
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(stream.device))
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            return self.issue_here(non_blocking=stream is not None)
-
-    def issue_here(self, non_blocking: bool) -> list[str | None]:
-        """The copy's calls on the current stream (`issue` after its wait): the host chunks at once, then the
-        device's calls."""
-        on_host = self.copy_host_chunks()
-        self.issue_device(non_blocking)
+            (device_calls or (lambda: self.issue_device(non_blocking=stream is not None)))()
         return on_host
 
     def copy_host_chunks(self) -> list[str | None]:
