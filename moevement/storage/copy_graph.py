@@ -24,7 +24,7 @@ import sys
 
 import torch
 
-from moevement.storage.device_copy import Chunk, DevicePlan
+from moevement.storage.device_copy import DevicePlan
 from moevement.storage.host_memory import clear_cuda_error
 
 _refusal_said = False  # this process has said that a capture failed
@@ -39,10 +39,6 @@ class GraphedPlan:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.issued = 0
         self.refused = False  # a capture raised: call by call from then on
-
-    @property
-    def chunks(self) -> list[Chunk]:
-        return self.plan.chunks
 
     def issue(self, stream: torch.cuda.Stream) -> list[str | None]:
         """Training thread: issue the copy on `stream`, after the work already issued on the training stream, as
