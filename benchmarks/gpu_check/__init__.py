@@ -7,9 +7,10 @@ and the others still run), then one summary line:
 
   1. numerics      the debug model's loss and gradients on CUDA (fp32, bf16) against CPU fp32; grouped-GEMM
                    experts (`torch._grouped_mm`) against the per-expert loop            (numerics.py)
-  2. overhead      MoEvement's snapshots issued on a side stream with device checksums, read back; stall per
-                   iteration; overhead against `none` over interleaved runs, and of snapshots on against
-                   off in alternating blocks of one run                                  (overhead.py)
+  2. overhead      MoEvement's snapshots issued on a side stream with device checksums, read back, also as
+                   a replayed CUDA graph; stall per iteration; overhead against `none` over interleaved
+                   runs, and of snapshots on against off in alternating blocks of one run, call by call
+                   and graphed                                                           (overhead.py)
   3. recovery      a crash and torchrun restart on CUDA ending with the fault-free digest (recovery.py)
   4. throughput    forward+backward of a DeepSeek-MoE-16B-shaped stage in bf16: tokens/s, MFU (throughput.py)
   5. shared GPU    two processes on the GPU run the trainer's control-tensor collectives (shared_gpu.py)
