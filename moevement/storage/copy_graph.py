@@ -5,8 +5,8 @@ chunk (`moevement.storage.device_copy`): about 140 for `bench_moe`'s 1.26 GB at 
 training thread pays for each. A CUDA graph of the same calls is one launch. A plan's first issue runs call
 by call (it loads the kernels, which a capture may not do); its second captures the device calls on the copy
 stream and replays them, as every later issue does. The host chunks (a GPU optimizer's step counters) are
-copied on the host at every issue. A capture that raises leaves the plan call by call, said once per
-process.
+copied on the host at every issue. A capture that raises leaves the process call by call (no other capture
+is tried), said once.
 
 A graph holds the addresses of its plan's sources, staging slots, pinned buffer and sums, all of which the
 plan keeps alive, and reads the sources' values at each replay (the optimizer updates them in place). Its
@@ -27,7 +27,7 @@ import torch
 from moevement.storage.device_copy import DevicePlan
 from moevement.storage.host_memory import clear_cuda_error
 
-_refusal_said = False  # this process has said that a capture failed
+_refused = False  # a capture failed in this process: none is tried again
 
 
 class GraphedPlan:
@@ -38,7 +38,6 @@ class GraphedPlan:
         self.plan, self.pool = plan, pool
         self.graph: torch.cuda.CUDAGraph | None = None
         self.issued = 0
-        self.refused = False  # a capture raised: call by call from then on
 
     def issue(self, stream: torch.cuda.Stream) -> list[str | None]:
         """Training thread: issue the copy on `stream`, after the work already issued on the training stream, as
@@ -50,9 +49,8 @@ class GraphedPlan:
     def _device_calls(self) -> None:
         """On the copy stream: call by call at the first issue; captured (nothing runs), then replayed, at the
         second; replayed from then on."""
-        if self.graph is None and self.issued and not self.refused:
+        if self.graph is None and self.issued and not _refused:
             self.graph = _captured(self.plan, self.pool)
-            self.refused = self.graph is None
         if self.graph is not None:
             self.graph.replay()
         else:
@@ -64,7 +62,8 @@ class GraphedPlan:
 
 def _captured(plan: DevicePlan, pool: tuple[int, int]) -> torch.cuda.CUDAGraph | None:
     """A graph of `plan`'s device calls, captured on the current stream (nothing runs), or None if the capture
-    raised (said once per process, the runtime's error cleared)."""
+    raised: then the runtime's error is cleared, the process tries no other capture, and says so once."""
+    global _refused
     graph = torch.cuda.CUDAGraph()
     try:
         graph.capture_begin(pool=pool, capture_error_mode="thread_local")
@@ -74,19 +73,13 @@ def _captured(plan: DevicePlan, pool: tuple[int, int]) -> torch.cuda.CUDAGraph |
             graph.capture_end()
     except RuntimeError as error:
         clear_cuda_error()
-        _say_refused(error)
-        return None
-    return graph
-
-
-def _say_refused(error: RuntimeError) -> None:
-    global _refusal_said
-    if not _refusal_said:
-        _refusal_said = True
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        _refused = True
+        first_line = (str(error).strip() or type(error).__name__).splitlines()[0]
         print(
             f"warning: a snapshot copy could not be captured as a CUDA graph ({first_line}): this process issues "
             "its snapshots call by call (checkpoint.copy_graph has no effect)",
             file=sys.stderr,
             flush=True,
         )
+        return None
+    return graph
