@@ -470,6 +470,35 @@ def test_a_full_host_dir_commit_is_one_error_naming_the_directory(small_disk):
     assert sorted(p.name for p in job.iterdir()) == ["filler"]
 
 
+def test_a_record_in_parts_is_written_sealed_byte_for_byte_through_short_writes(tmp_path, monkeypatch):
+    """A commit record handed over in parts (a layout's entries are one, never joined) is written exactly as
+    its joined bytes sealed, and reads back; a `writev` that stops short is continued where it stopped."""
+    import os
+
+    from moevement.storage import host_memory
+    from moevement.storage.sealed import seal
+
+    parts = (b'{"iteration": 3, "checksums": []', b', "entries": ', b"[" + b'"x", ' * 5000 + b'"y"]', b"}")
+    real_writev, calls = os.writev, []
+
+    def short_writev(fd, views):  # at most 4 KiB per call, and never a whole part at once
+        first = bytes(views[0])[: min(4096, max(1, len(views[0]) - 1))]
+        calls.append(len(first))
+        return real_writev(fd, [first])
+
+    monkeypatch.setattr(host_memory.os, "writev", short_writev)
+    path = host_memory.make_private_dirs(tmp_path, "job") / "w0-s0.json"
+    host_memory.write_json_atomic(path, parts)
+    assert path.read_bytes() == seal(b"".join(parts)) == seal(parts)
+    assert len(calls) > len(parts) + 3  # it went on after short writes
+    monkeypatch.undo()
+    assert host_memory.read_header(path.with_suffix("")) == {
+        "iteration": 3,
+        "checksums": [],
+        "entries": [*"x" * 5000, "y"],
+    }
+
+
 def test_a_changed_header_value_is_a_rejected_copy(tmp_path):
     """Guarantee: No code runs from saved state (every header hashed); bit-exact whole-job restart.
     One digit of the learning rate in a snapshot's commit record (a scalar the replay uses) is changed in

@@ -141,6 +141,7 @@ def test_the_commit_record_is_the_headers_json_byte_for_byte():
         header.meta["scalars"] = {"loss": 1.25, "clip_coef": 0.5}
         commit = prepared.with_meta(header.meta)
         assert commit.encoded == encode_json(header.to_json()) == header.commit_record().encoded
+        assert any(part is encoded_layout for part in commit.parts)  # the layout's bytes, not a copy of them
         assert (commit.slot, commit.window_start, commit.nbytes) == (2, 5, 5120)
         assert SnapshotHeader.from_json(header.to_json()) == header
 

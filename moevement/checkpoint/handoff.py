@@ -64,11 +64,11 @@ class SnapshotHandoff:
     def commit(self, window_index: int, commit: CommitRecord, buffer: HostBuffer, last: bool) -> None:
         """Training thread: a snapshot's bytes are complete in `buffer`: record it (the local commit record and
         the replicas' are the same bytes) and hand it to the replicator; `last`: the window's last slot."""
-        buffer.commit(commit.encoded)
+        buffer.commit(commit.parts)
         self.persisted.committed(window_index, commit)
         if self.replicator is not None:
             payload = buffer.data[: commit.nbytes]
-            self.replicator.submit(Outgoing(window_index, commit.slot, last, commit.encoded, payload))
+            self.replicator.submit(Outgoing(window_index, commit.slot, last, commit.parts, payload))
         elif last:
             self._on_window_replicated(window_index)
 

@@ -20,6 +20,7 @@ Anything else is refused with one `HostMemoryError` naming the path.
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import json
 import mmap
@@ -32,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from moevement.storage.sealed import SealError, seal, unseal
+from moevement.storage.sealed import Record, SealError, seal_parts, unseal
 
 
 class HostMemoryError(RuntimeError):
@@ -124,25 +125,42 @@ def no_space(directory: Path, what: str, needed: int, error: OSError) -> HostMem
     return HostMemoryError(f"{directory}: cannot write {what} ({needed / 1e6:.1f} MB needed, {free}: {error.strerror})")
 
 
-def write_json_atomic(path: Path, payload: dict | bytes) -> None:
-    """Write `payload` (a dict, or its `encode_json` bytes), `seal`ed, to `path` via a fresh temporary file
-    (created exclusively, owner-only) and a rename. A full or unwritable directory is a HostMemoryError
-    naming it and the bytes needed; the temporary is removed."""
-    data = seal(payload if isinstance(payload, bytes) else encode_json(payload))
+def write_json_atomic(path: Path, payload: dict | Record) -> None:
+    """Write `payload` (a dict, or its `encode_json` bytes, whole or in parts), `seal`ed, to `path` via a fresh
+    temporary file (created exclusively, owner-only) and a rename. A full or unwritable directory is a
+    HostMemoryError naming it and the bytes needed; the temporary is removed."""
+    parts = seal_parts(encode_json(payload) if isinstance(payload, dict) else payload)
     tmp = None
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            _write_all(fd, parts)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException as e:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
         if isinstance(e, OSError):
-            raise no_space(path.parent, path.name, len(data), e) from None
+            raise no_space(path.parent, path.name, sum(map(len, parts)), e) from None
         raise
+
+
+_IOV_MAX = os.sysconf("SC_IOV_MAX")
+
+
+def _write_all(fd: int, parts: list[bytes]) -> None:
+    """Write `parts` one after another to `fd` with `writev` (a short write goes on where it stopped)."""
+    views = [memoryview(part) for part in parts if part]
+    while views:
+        written = os.writev(fd, views[:_IOV_MAX])
+        if not written:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        while views and written >= len(views[0]):
+            written -= len(views.pop(0))
+        if views and written:
+            views[0] = views[0][written:]
 
 
 def process_start(pid: int) -> int | None:
@@ -334,8 +352,8 @@ class HostBuffer:
         """Remove the commit record before the bytes are overwritten."""
         self.header_path.unlink(missing_ok=True)
 
-    def commit(self, header: dict | bytes) -> None:
-        """Record the bytes as complete with `header` (a dict or its JSON encoding)."""
+    def commit(self, header: dict | Record) -> None:
+        """Record the bytes as complete with `header` (a dict or its JSON encoding, whole or in parts)."""
         write_json_atomic(self.header_path, header)
 
     def _unpin(self) -> None:

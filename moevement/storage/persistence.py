@@ -70,7 +70,7 @@ def _write_snapshots(directory: Path, snapshots: list[tuple[CommitRecord, torch.
             f.write(payload[: commit.nbytes].numpy().tobytes())
             f.flush()
             os.fsync(f.fileno())
-        write_json_atomic(path.with_suffix(".json"), commit.encoded)
+        write_json_atomic(path.with_suffix(".json"), commit.parts)
 
 
 def read_window(rank_dir: Path) -> list[tuple[SnapshotHeader, dict[tuple[str, str], torch.Tensor]]]:

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from moevement.storage.background import enter_background
 from moevement.storage.cpu_cost import measure
 from moevement.storage.host_memory import HostBuffer, make_private_dir
-from moevement.storage.sealed import SealError, seal, sealed_record
+from moevement.storage.sealed import Record, SealError, seal_parts, sealed_record
 from moevement.storage.snapshot_buffers import local_buffer
 from moevement.topology import Topology
 from parallelisms import collectives
@@ -66,7 +66,7 @@ class Outgoing:
     window_index: int
     slot: int
     last_in_window: bool
-    header: bytes  # the snapshot's JSON commit record
+    header: Record  # the snapshot's JSON commit record, whole or in parts (`CommitRecord.parts`)
     payload: torch.Tensor  # uint8, exactly the header's "nbytes" long
 
 
@@ -141,7 +141,8 @@ class Replicator:
             self.error = e
 
     def _round(self, item: Outgoing) -> None:
-        header = torch.frombuffer(bytearray(seal(item.header)), dtype=torch.uint8)  # checked by the receiver
+        sealed = bytearray().join(seal_parts(item.header))  # checked by the receiver
+        header = torch.frombuffer(sealed, dtype=torch.uint8)
         sizes = torch.tensor([header.numel(), item.payload.numel(), item.window_index, item.slot], dtype=torch.int64)
         incoming = {src: torch.empty(4, dtype=torch.int64) for src in self.sources}
         works = [collectives.isend(sizes, peer, group=self.group, tag=0) for peer in self.peers]

@@ -105,10 +105,11 @@ class SnapshotHeader:
     def encode_without_meta(self, entries: bytes | None = None) -> EncodedHeader:
         """The commit record but for `meta`, encoded: the copy thread prepares it once the checksums are in,
         and the training thread adds the iteration's `meta` (`EncodedHeader.with_meta`). `entries`: this
-        header's entries as JSON, encoded once for their layout (`encode_entries`)."""
+        header's entries as JSON, encoded once for their layout (`encode_entries`), kept as a part of their
+        own (never copied into the record: `CommitRecord.parts`)."""
         body = entries if entries is not None else encode_entries(self.entries)
-        prefix = b"".join((encode_json(self._fields())[:-1], b', "entries": ', body))
-        return EncodedHeader(self.slot, self.window_start, self.nbytes, prefix)
+        fields = encode_json(self._fields())
+        return EncodedHeader(self.slot, self.window_start, self.nbytes, (fields[:-1], b', "entries": ', body))
 
     def commit_record(self) -> CommitRecord:
         """The whole header as committed (its checksums already in)."""
@@ -131,29 +132,36 @@ class SnapshotHeader:
 @dataclass(frozen=True)
 class CommitRecord:
     """A committed snapshot as persistence and replication need it: where it belongs, its byte size, and
-    the exact bytes of its header (what its `.json` holds)."""
+    the exact bytes of its header (what its `.json` holds, sealed), as the parts that make them up in order:
+    the layout's entries are one, shared by every snapshot of the layout, and a writer writes the parts
+    without joining them (`moevement.storage.sealed.seal_parts`)."""
 
     slot: int
     window_start: int
     nbytes: int
-    encoded: bytes
+    parts: tuple[bytes, ...]
+
+    @property
+    def encoded(self) -> bytes:
+        """The header's bytes, joined (a copy: for a reader, not for the training thread)."""
+        return b"".join(self.parts)
 
 
 @dataclass(frozen=True)
 class EncodedHeader:
     """A snapshot's header without `meta` (`SnapshotHeader.encode_without_meta`): where it belongs, and
-    its JSON encoding without the closing brace."""
+    its JSON encoding without the closing brace, in parts."""
 
     slot: int
     window_start: int
     nbytes: int
-    prefix: bytes
+    parts: tuple[bytes, ...]
 
     def with_meta(self, meta: dict) -> CommitRecord:
         """The whole header, encoded byte for byte as `encode_json(header.to_json())` for a header with this
         `meta`: only `meta` is encoded here."""
-        encoded = b"".join((self.prefix, b', "meta": ', encode_json(meta), b"}"))  # no `+` chain: see `seal`
-        return CommitRecord(self.slot, self.window_start, self.nbytes, encoded)
+        parts = (*self.parts, b', "meta": ', encode_json(meta), b"}")
+        return CommitRecord(self.slot, self.window_start, self.nbytes, parts)
 
 
 def encode_entries(entries: list[Entry]) -> bytes:
