@@ -257,14 +257,7 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
     dims = build_mesh(cfg.parallelism, device_type(), cfg.fault.timeout_s)
     if dims.device.type == "cpu" and cfg.training.cpu_reuse_memory:
         reuse_freed_host_memory()
-    tokenizer, train_batches, val_batches = build_data(
-        cfg.data, cfg.training.seq_len, cfg.training.batch_size, cfg.training.micro_batches, cfg.job.seed
-    )
-    if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(
-            f"config key 'model.vocab_size' ({cfg.model.vocab_size}) is smaller than the "
-            f"tokenizer's vocabulary ({tokenizer.vocab_size}, data.tokenizer={cfg.data.tokenizer!r})"
-        )
+    train_batches, val_batches = training_data(cfg)
     model, optimizer = build_training(cfg, dims)
     plan.process.startup.mark("model")
     seeder = DropoutSeeder(model, cfg.job.seed, dims.dp_rank)
@@ -299,6 +292,20 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
         PeriodicCheckpoints(cfg, kill.during_dense_save),
     )
     return job, step, loss
+
+
+def training_data(cfg: Config):
+    """(training batches, validation batches) of `cfg.data`, refusing a model whose vocabulary is smaller than
+    the tokenizer's."""
+    tokenizer, train_batches, val_batches = build_data(
+        cfg.data, cfg.training.seq_len, cfg.training.batch_size, cfg.training.micro_batches, cfg.job.seed
+    )
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(
+            f"config key 'model.vocab_size' ({cfg.model.vocab_size}) is smaller than the "
+            f"tokenizer's vocabulary ({tokenizer.vocab_size}, data.tokenizer={cfg.data.tokenizer!r})"
+        )
+    return train_batches, val_batches
 
 
 def open_logger(cfg: Config, rank: int, world: int, dims: ParallelDims, plan: StartPlan) -> MetricsLogger:

@@ -148,17 +148,33 @@ def build_strategy(
         found = find_relaid_window(rank_dir.parent, target, line, disk)
     log = UpstreamLog(model.parts, model.stage_ids, model.n_stages) if cfg.parallelism.pp > 1 else None
     hooks = _trainer_hooks(cfg, model, optimizer, dims, seeder, log, topo, train_batches, line)
+    recovery = _recovery(cfg, checkpointer, optimizer, topo, hooks, log, dims.device, line)
+    return MoEvement(checkpointer, log, recovery, found, lock, rejoin)
+
+
+def _recovery(
+    cfg: Config,
+    checkpointer: SparseCheckpointer,
+    optimizer,
+    topo: Topology,
+    hooks: TrainerHooks,
+    log: UpstreamLog | None,
+    device: torch.device,
+    line,
+) -> Recovery:
+    """MoEvement's recovery on this rank: localized (or, with `fault.scope` global, every stage) rollback to
+    the persisted window and sparse-to-dense conversion, replaying through the trainer's `hooks`."""
     conversion = Conversion(
         checkpointer,
         optimizer,
         topo,
         hooks,
         log,
-        dims.device,
+        device,
         threads=cfg.fault.replay_threads,
         frozen_weight_grad=cfg.fault.frozen_weight_grad,
     )
-    recovery = Recovery(
+    return Recovery(
         checkpointer,
         log,
         topo,
@@ -167,7 +183,6 @@ def build_strategy(
         line,
         global_rollback=cfg.fault.scope == "global",
     )
-    return MoEvement(checkpointer, log, recovery, found, lock, rejoin)
 
 
 def _checkpointer_factory(
