@@ -217,6 +217,23 @@ def test_policies(policy, expected):
         assert current[name] == pytest.approx(value), name
 
 
+def test_observing_an_iteration_never_reads_the_statistics_on_the_host():
+    """On a GPU a read would wait for the device every iteration: statistics stay where they are until the
+    window ends (meta tensors have no values, so any host read would raise)."""
+    for policy in ("count", "soft", "ema", "capacity"):
+        tracker = PopularityTracker(policy)
+        for _ in range(3):
+            tokens = {L1: torch.zeros(4, dtype=torch.int64, device="meta"), L2: torch.zeros(2, device="meta")}
+            tracker.observe(tokens, {L1: torch.zeros(4, device="meta")})
+        assert {t.device.type for t in [*tracker.window_tokens.values(), *tracker.ema.values()]} == {"meta"}
+
+
+def test_layers_of_different_widths_keep_their_own_experts():
+    tracker = PopularityTracker("capacity")
+    tracker.observe({L1: torch.tensor([1, 2, 3, 6]), L2: torch.tensor([4, 0])}, {})
+    assert tracker.current() == experts(L1, [1 / 3, 2 / 3, 1.0, 2.0]) | experts(L2, [2.0, 0.0])
+
+
 def test_the_fixed_policy_keeps_the_models_order_whatever_the_load():
     tracker = observed("fixed")
     assert tracker.current() == {} and not tracker.end_window() and tracker.popularity() == {}

@@ -110,9 +110,11 @@ def _global_mean_loss(loss: torch.Tensor, dims: ParallelDims) -> float:
 
 
 def _aux_loss(model: ModelParts, dims: ParallelDims) -> float:
-    aux = torch.tensor(
-        sum(float(m.last_aux_loss) for m in moe_modules(model.view).values()), dtype=torch.float64, device=dims.device
-    )
+    """The load-balancing loss summed over every MoE layer, averaged over data-parallel ranks. Added layer by
+    layer in float64 on the device, as Python would add the floats, but with one host read, not one per layer."""
+    aux = _zero(dims.device)
+    for moe in moe_modules(model.view).values():
+        aux += moe.last_aux_loss.to(aux.device, torch.float64)
     if dist.get_world_size() > 1:
         collectives.all_reduce(aux)
         aux /= dims.cfg.dp

@@ -26,26 +26,33 @@ CHANGE = 0.10  # relative change of an expert's share that counts as "changed"
 FRACTION = 0.25  # share of experts that must change to trigger a reorder
 
 
+Layers = tuple[tuple[str, int], ...]  # MoE layers observed together: (prefix, experts) in observation order
+
+
 class PopularityTracker:
+    """Router statistics summed over a window, stacked: one (layers x experts) double tensor per set of layers,
+    on the device the statistics come from. Observing an iteration costs a few device ops and never waits for
+    the device; the statistics reach the host once per window (`current`)."""
+
     def __init__(self, policy: str = "count", ema_decay: float = 0.9):
         if policy not in POLICIES:
             raise ValueError(f"unknown ordering policy {policy!r} (allowed: {', '.join(POLICIES)})")
         self.policy, self.ema_decay = policy, ema_decay
-        self.window_tokens: dict[str, torch.Tensor] = {}
-        self.window_soft: dict[str, torch.Tensor] = {}
-        self.ema: dict[str, torch.Tensor] = {}
+        self.window_tokens: dict[Layers, torch.Tensor] = {}
+        self.window_soft: dict[Layers, torch.Tensor] = {}
+        self.ema: dict[Layers, torch.Tensor] = {}
         self.reference: dict[str, float] | None = None  # popularity the current order was built from
 
     def observe(self, tokens: dict[str, torch.Tensor], gate_probs: dict[str, torch.Tensor]) -> None:
         """Add one iteration's statistics, keyed by MoE-layer prefix (`layers.3.moe`)."""
-        for layer, counts in tokens.items():
-            counts = counts.detach().double().cpu()
-            self.window_tokens[layer] = self.window_tokens.get(layer, 0) + counts
-            share = counts / counts.sum().clamp(min=1)
-            old = self.ema.get(layer)
-            self.ema[layer] = share if old is None else self.ema_decay * old + (1 - self.ema_decay) * share
-        for layer, probs in gate_probs.items():
-            self.window_soft[layer] = self.window_soft.get(layer, 0) + probs.detach().double().cpu()
+        if tokens:
+            layers, counts = _stacked(tokens)
+            _accumulate(self.window_tokens, layers, counts)
+            share = counts / counts.sum(dim=1, keepdim=True).clamp(min=1)
+            old = self.ema.get(layers)
+            self.ema[layers] = share if old is None else self.ema_decay * old + (1 - self.ema_decay) * share
+        if gate_probs:
+            _accumulate(self.window_soft, *_stacked(gate_probs))
 
     def current(self) -> dict[str, float]:
         """This policy's popularity per expert operator over the statistics seen since `end_window` (none for
@@ -59,10 +66,12 @@ class PopularityTracker:
             "capacity": self.window_tokens,
         }[self.policy]
         out = {}
-        for layer, values in source.items():
-            if self.policy == "capacity":
-                values = values / values.mean().clamp(min=1e-12)
-            out.update({f"{layer}.experts.{e}": float(v) for e, v in enumerate(values.tolist())})
+        for layers, stacked in source.items():
+            for (layer, n_experts), row in zip(layers, stacked.cpu(), strict=True):
+                values = row[:n_experts]
+                if self.policy == "capacity":
+                    values = values / values.mean().clamp(min=1e-12)
+                out.update({f"{layer}.experts.{e}": float(v) for e, v in enumerate(values.tolist())})
         return out
 
     def end_window(self) -> bool:
@@ -106,3 +115,17 @@ def _layer_shares(values: dict[str, float]) -> dict[str, float]:
 
 def _layer(expert_op: str) -> str:
     return expert_op.rsplit(".experts.", 1)[0]
+
+
+def _stacked(per_layer: dict[str, torch.Tensor]) -> tuple[Layers, torch.Tensor]:
+    """One row per layer, as doubles (integer counts stay exact), zero-padded to the widest layer."""
+    rows = [v.detach().reshape(-1) for v in per_layer.values()]
+    width = max(r.numel() for r in rows)
+    padded = [r if r.numel() == width else torch.nn.functional.pad(r, (0, width - r.numel())) for r in rows]
+    layers = tuple((layer, r.numel()) for layer, r in zip(per_layer, rows, strict=True))
+    return layers, torch.stack(padded).double()
+
+
+def _accumulate(window: dict[Layers, torch.Tensor], layers: Layers, values: torch.Tensor) -> None:
+    old = window.get(layers)
+    window[layers] = values if old is None else old + values
