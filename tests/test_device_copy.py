@@ -13,7 +13,7 @@ from moevement.checkpoint.in_flight import SnapshotInFlight
 from moevement.storage import word_checksum
 from moevement.storage.device_copy import DevicePlan, ring_bytes, slot_bytes
 from moevement.storage.host_memory import make_private_dirs
-from moevement.storage.snapshot import CUDA_CHUNK_BYTES, SnapshotError, SnapshotHeader, layout_of, read_entries
+from moevement.storage.snapshot import CHUNK_BYTES, SnapshotError, SnapshotHeader, layout_of, read_entries
 from moevement.storage.snapshot_buffers import SnapshotBuffers
 from moevement.storage.snapshot_copy import Throttle, chunk_ends, copy_entries
 from tests.test_snapshot_copy import _stacked_items
@@ -147,9 +147,9 @@ def test_a_staged_snapshot_issued_by_the_buffers_commits_a_header_that_reads_bac
     assert committed.checksum_format == word_checksum.FORMAT
     assert buffers.slots[0].numel() == slot_bytes(entries, sources, buffers.chunk_bytes, torch.device("cpu"))
     largest = max(e.nbytes for e in entries)
-    assert len(buffers.slots) * buffers.slots[0].numel() < ring_bytes(largest) == 3 * CUDA_CHUNK_BYTES
-    assert ring_bytes(CUDA_CHUNK_BYTES + 1) == 3 * (CUDA_CHUNK_BYTES + 65536)  # an entry larger than a chunk
-    assert ring_bytes(largest, graphed=True) == 4 * CUDA_CHUNK_BYTES  # the graphs' pool holds a transient too
+    assert len(buffers.slots) * buffers.slots[0].numel() < ring_bytes(largest) == 3 * CHUNK_BYTES
+    assert ring_bytes(CHUNK_BYTES + 1) == 3 * (CHUNK_BYTES + 65536)  # an entry larger than a chunk
+    assert ring_bytes(largest, graphed=True) == 4 * CHUNK_BYTES  # the graphs' pool holds a transient too
     assert _reads_back(buffer.data, committed, items)
 
 

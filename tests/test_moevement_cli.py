@@ -88,6 +88,7 @@ def check_replicas(ranks: dict[int, Path]) -> None:
         ("checkpoint.replication", "rdma", "'checkpoint.replication' must be one of auto, network"),
         ("checkpoint.background_priority", "high", "'checkpoint.background_priority' must be one of idle, normal"),
         ("checkpoint.persist_every", "0", "'checkpoint.persist_every' must be >= 1"),
+        ("checkpoint.chunk_mb", "0", "'checkpoint.chunk_mb' must be >= 1"),
         ("checkpoint.bandwidth_gbps", "-2", "'checkpoint.bandwidth_gbps' must be >= 0"),
     ],
 )

@@ -102,7 +102,8 @@ def test_windows_of_one_slot_reuse_their_layout_and_stay_exact(tmp_path):
         sums.append(header.checksums)
         assert header.checksums[-1][1] == len(header.entries), "its checksums cover every entry"
 
-    engine = train(tmp_path / "rank0", 8, on_snapshot=on_snapshot, window=1)
+    engine = train(tmp_path / "rank0", 8, on_snapshot=on_snapshot, window=1, chunk_mb=1)
+    assert engine.buffers.chunk_bytes == 1 << 20  # checkpoint.chunk_mb
     assert len(layouts) == 6 and all(layout is layouts[0] for layout in layouts)
     assert all(a != b for a, b in zip(sums, sums[1:])), "each snapshot's header has the checksums of its bytes"
     engine.planner.forget_layouts()
@@ -225,10 +226,10 @@ def test_snapshot_checksums_are_xxh3_of_each_chunk():
     import xxhash
 
     from moevement.storage.snapshot import BLOCK, Entry, verify_entries
-    from moevement.storage.snapshot_copy import Throttle, copy_entries
+    from moevement.storage.snapshot_copy import CopyPlan, Throttle, copy_entries
 
     g = torch.Generator().manual_seed(0)
-    sizes = (1, 300, 0, 1000, (1 << 20) + 3, 7, 4096)  # the large one (float32) ends a chunk
+    sizes = (1, 300, 0, 1000, (1 << 20) + 3, 7, 4096)  # the large one (float32) ends a chunk of 4 MiB
     sources = [torch.randn(n, generator=g) * 1e30 for n in sizes] + [torch.tensor(5.0)]
     entries, offset = [], 0
     for i, src in enumerate(sources):
@@ -239,7 +240,8 @@ def test_snapshot_checksums_are_xxh3_of_each_chunk():
         )
         offset += -(-nbytes // BLOCK) * BLOCK
     buffer = torch.full((offset,), 255, dtype=torch.uint8)  # stale bytes where the padding goes
-    sums = copy_entries(buffer, entries, sources, Throttle(0))
+    plan = CopyPlan.of(buffer, entries, sources, chunk_bytes=4 << 20)
+    sums = copy_entries(buffer, entries, sources, Throttle(0), plan=plan)
     assert [(start, stop) for start, stop, _ in sums] == [(0, 5), (5, 8)], sums
     for entry, src in zip(entries, sources):
         raw = buffer[entry.offset : entry.offset + entry.nbytes]

@@ -367,7 +367,7 @@ def _validate_job(job: JobConfig) -> None:
 def _validate_checkpoint(c: CheckpointConfig) -> None:
     for name in ("window", "replicas", "reprofile_every"):
         _check(getattr(c, name) >= 0, f"checkpoint.{name}", f"must be >= 0, got {getattr(c, name)}")
-    for name in ("persist_every", "profile_iters", "max_window"):
+    for name in ("persist_every", "profile_iters", "max_window", "chunk_mb"):
         _check(getattr(c, name) >= 1, f"checkpoint.{name}", f"must be >= 1, got {getattr(c, name)}")
     _check(c.bandwidth_gbps >= 0, "checkpoint.bandwidth_gbps", f"must be >= 0, got {c.bandwidth_gbps}")
     _check(c.ab_blocks >= 0, "checkpoint.ab_blocks", f"must be >= 0, got {c.ab_blocks}")

@@ -25,7 +25,7 @@ from benchmarks.gpu_check.runs import Workspace
 from moevement.storage.copy_graph import GraphedPlan
 from moevement.storage.device_copy import DevicePlan, slot_bytes, staged_chunk_bytes
 from moevement.storage.host_memory import HostBuffer, make_private_dirs
-from moevement.storage.snapshot import CUDA_CHUNK_BYTES, STAGING_SLOTS, Entry, layout_of
+from moevement.storage.snapshot import CHUNK_BYTES, STAGING_SLOTS, Entry, layout_of
 
 LAYERS, STACKS, EXPERTS, ROWS, COLS = 7, 3, 32, 256, 512  # bench_moe's MoE layers, w1/w2/w3, experts
 ISSUES = 20
@@ -65,7 +65,7 @@ def issue_cost(workspace: Workspace, device: torch.device, section: Section) -> 
     host = HostBuffer(make_private_dirs(workspace.host_root, "issue-cost") / "buffer", pin=True)
     try:
         data = host.ensure(nbytes)
-        chunk = staged_chunk_bytes(entries, sources, CUDA_CHUNK_BYTES, device)
+        chunk = staged_chunk_bytes(entries, sources, CHUNK_BYTES, device)
         need = slot_bytes(entries, sources, chunk, device)
         slots = torch.zeros(STAGING_SLOTS * need, dtype=torch.uint8, device=device).chunk(STAGING_SLOTS)
         plan = DevicePlan.of(data, entries, sources, chunk, slots)

@@ -49,7 +49,7 @@ def _snapshot_sources(device: torch.device) -> list[torch.Tensor]:
     return [
         torch.randn(1 << 20, device=device),
         torch.randn(333, 77, device=device).to(torch.bfloat16),
-        torch.randn(21 << 20, device=device),  # 84 MB: a chunk of its own, larger than CUDA_CHUNK_BYTES
+        torch.randn(21 << 20, device=device),  # 84 MB: a chunk of its own, larger than CHUNK_BYTES
         torch.tensor(5.0),  # a step counter on the host
     ]
 

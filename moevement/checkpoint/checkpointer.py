@@ -92,7 +92,9 @@ class SparseCheckpointer:
             cfg, build_registry(model, stacked), optimizer, compute_dtype, device, topology.world, policy
         )
         self.rank_dir = make_private_dirs(rank_dir.parent, rank_dir.name)
-        self.buffers = SnapshotBuffers(self.rank_dir, device, cfg.background_priority, graphed=cfg.copy_graph)
+        self.buffers = SnapshotBuffers(
+            self.rank_dir, device, cfg.background_priority, graphed=cfg.copy_graph, chunk_bytes=cfg.chunk_mb << 20
+        )
         self.replicas = ReplicaStore(rank_dir / "replicas")
         self.persisted = PersistedCheckpoint(self.rank_dir, topology.rank, self.buffers, self.replicas)
         self.handoff = SnapshotHandoff(

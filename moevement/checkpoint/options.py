@@ -28,6 +28,10 @@ class SparseOptions:
     # cap on the snapshot copy rate to host memory, Gbit/s (0: none); on a GPU it only plans W (the copy is the DMA's)
     bandwidth_gbps: float = 0.0
     background_priority: Priority = "idle"  # CPU priority of the copy/replication/disk threads: idle | normal
+    # a snapshot is copied and checksummed in chunks of about this many MiB: per chunk one copy call and one hash
+    # (CPU) or one gather, device-to-host copy and device checksum (GPU). Fewer chunks hand the GIL back to a busy
+    # training thread less often; a GPU's staging ring holds 2 of them; the bandwidth cap is enforced between them
+    chunk_mb: int = 64
     # on a GPU, issue each snapshot's copy as one replayed CUDA graph instead of call by call (fewer launches on
     # the training thread; off by default until `make gpu-check` has measured it)
     copy_graph: bool = False

@@ -35,7 +35,7 @@ from moevement.storage import word_checksum
 from moevement.storage.cpu_cost import measure
 from moevement.storage.snapshot import (
     BLOCK,
-    CUDA_CHUNK_BYTES,
+    CHUNK_BYTES,
     STAGING_SLOTS,
     EncodedHeader,
     Entry,
@@ -85,12 +85,12 @@ def staged_chunk_bytes(
     return max(chunk_bytes, largest)
 
 
-def ring_bytes(largest_entry: int, graphed: bool = False) -> int:
+def ring_bytes(largest_entry: int, graphed: bool = False, chunk_bytes: int = CHUNK_BYTES) -> int:
     """The most device memory a rank's snapshots take, for a largest entry of `largest_entry` bytes: the
-    staging ring (`STAGING_SLOTS` slots of the largest chunk: `CUDA_CHUNK_BYTES`, or that entry alone) and the
+    staging ring (`STAGING_SLOTS` slots of the largest chunk: `chunk_bytes`, or that entry alone) and the
     checksum's transient of one slot, which the caching allocator keeps for the copy stream; `graphed`
     (`checkpoint.copy_graph`): one more, the same transient in the captured graphs' memory pool."""
-    return (STAGING_SLOTS + 1 + graphed) * word_checksum.block_rounded(max(CUDA_CHUNK_BYTES, padded(largest_entry)))
+    return (STAGING_SLOTS + 1 + graphed) * word_checksum.block_rounded(max(chunk_bytes, padded(largest_entry)))
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ the FP32 master weights, buffers and optimizer state (with step counters) of the
 ("master" entries) and the compute weights of the operators of later slots ("compute" entries,
 cast to the compute dtype while copying), plus the iteration's metadata. The header is
 self-describing JSON: every entry's operator, name, dtype, shape and byte range, and the checksum of
-every *chunk*: consecutive entries of about `CHUNK_BYTES` (padding included), copied with one call and
+every *chunk*: consecutive entries of about `checkpoint.chunk_mb` (padding included), copied with one call and
 hashed with one. Entries lie in storage order: the slices of a stacked tensor one after another, so that
 they are copied as one run. A checksum per chunk instead of per entry keeps the copy thread's calls, and so its
 hand-overs of the GIL to a training thread that takes it at every kernel launch, proportional to the
@@ -29,8 +29,10 @@ from moevement.storage import word_checksum
 from moevement.storage.host_memory import encode_json
 
 BLOCK = 1024  # entries start on block boundaries (aligned copies; zeroed padding)
-CHUNK_BYTES = 4 << 20  # copy and hash granularity on CPU; the bandwidth cap is enforced between chunks
-CUDA_CHUNK_BYTES = 64 << 20  # from a GPU: one gather, one device-to-host copy and one hash per 64 MB
+# copy and checksum granularity (`checkpoint.chunk_mb`'s default): per chunk, a CPU's copy thread makes one copy
+# call and one hash call, a GPU's training thread one gather, one device-to-host copy and one device checksum;
+# the bandwidth cap is enforced between chunks
+CHUNK_BYTES = 64 << 20
 STAGING_SLOTS = 2  # a GPU snapshot gathers its chunks into a device ring of this many slots (and sums them there)
 FORMAT = "chunk-xxh3"  # what a header's `checksums` are: XXH3-64 per chunk (older headers: one per entry)
 

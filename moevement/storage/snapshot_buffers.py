@@ -31,7 +31,6 @@ from moevement.storage.device_copy import DevicePlan, IssuedCopy, slot_bytes, st
 from moevement.storage.host_memory import HostBuffer, HostMemoryError, make_private_dir
 from moevement.storage.snapshot import (
     CHUNK_BYTES,
-    CUDA_CHUNK_BYTES,
     STAGING_SLOTS,
     EncodedHeader,
     Entry,
@@ -56,10 +55,11 @@ class SnapshotBuffers:
         background_priority: str,
         staged: bool | None = None,
         graphed: bool = False,
+        chunk_bytes: int = CHUNK_BYTES,
     ):
         """`staged`: snapshots are issued through a staging ring on `device` (default: on a GPU; a test may
         run that path on a CPU, synchronously); `graphed`: on a GPU, as one CUDA graph per plan from its second
-        issue on (`moevement.storage.copy_graph`)."""
+        issue on (`moevement.storage.copy_graph`); `chunk_bytes`: the copy and checksum granularity."""
         self.rank_dir, self.pin = rank_dir, device.type == "cuda"
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())  # what the sources' `.device` says
@@ -70,7 +70,7 @@ class SnapshotBuffers:
         self._cache: dict[Path, tuple[torch.Tensor, list[Entry], list[torch.Tensor], Plan, bytes]] = {}
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.graph_pool = torch.cuda.graph_pool_handle() if graphed and self.stream is not None else None
-        self.chunk_bytes = CUDA_CHUNK_BYTES if self.staged else CHUNK_BYTES
+        self.chunk_bytes = chunk_bytes
         self.slots: tuple[torch.Tensor, ...] = ()  # the staging ring: grown to the largest chunk a plan needs
         self.copier = ThreadPoolExecutor(
             1, thread_name_prefix="moevement-copy", initializer=enter_background, initargs=(background_priority,)

@@ -84,7 +84,7 @@ def accumulated_bytes(cfg: Config, state: StateBytes) -> int:
 def moevement_device_bytes(cfg: Config, pp_rank: int) -> int:
     """MoEvement's accelerator memory: the staging ring snapshots gather their chunks in before one
     device-to-host copy each, with the checksum's transient (`moevement.storage.device_copy.ring_bytes`: its
-    slots hold `CUDA_CHUNK_BYTES`, or the largest FP32 entry where that is larger; one transient more under
+    slots hold `checkpoint.chunk_mb`, or the largest FP32 entry where that is larger; one transient more under
     `checkpoint.copy_graph`), and the copy-bandwidth probe's FP32 source (`PROBE_BYTES`, at start-up and
     re-profiling), which the caching allocator keeps."""
     if cfg.checkpoint.strategy != "moevement":
@@ -92,7 +92,7 @@ def moevement_device_bytes(cfg: Config, pp_rank: int) -> int:
     model, _ = host_estimate.rank_model(cfg, pp_rank)  # data-parallel rank 0's shards, the largest
     ops = build_registry(model, stacked_operators(model))
     largest = max(t.numel() for op in ops for _, t in op.compute_tensors() if t.is_floating_point())
-    return ring_bytes(largest * FP32, cfg.checkpoint.copy_graph) + PROBE_BYTES
+    return ring_bytes(largest * FP32, cfg.checkpoint.copy_graph, cfg.checkpoint.chunk_mb << 20) + PROBE_BYTES
 
 
 def estimate(cfg: Config) -> list[RankMemory]:

@@ -5,7 +5,7 @@ Ranks whose figures are all equal share a line (`ranks=0-7`). Figures are GB (1e
 
 from __future__ import annotations
 
-from moevement.storage.snapshot import CUDA_CHUNK_BYTES, STAGING_SLOTS
+from moevement.storage.snapshot import STAGING_SLOTS
 from trainer.config import Config
 from trainer.run.activation_estimate import MODES
 from trainer.run.host_estimate import gb
@@ -62,7 +62,7 @@ def report(cfg: Config) -> list[str]:
     lines.append(
         f"accel_moevement per_rank_max={gb(max(r.moevement for r in ranks))}: the snapshot staging ring "
         "(chunks gathered and checksummed on the device, then one copy each into pinned host buffers: "
-        f"{STAGING_SLOTS} slots of {CUDA_CHUNK_BYTES >> 20} MiB or the largest FP32 entry, and one slot of "
+        f"{STAGING_SLOTS} slots of {cfg.checkpoint.chunk_mb} MiB or the largest FP32 entry, and one slot of "
         "checksum transient) and the copy-bandwidth probe's source"
     )
     return lines
