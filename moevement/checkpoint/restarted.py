@@ -34,7 +34,7 @@ def adopt_window(
         buffer.invalidate()
         data = buffer.ensure(max(header.nbytes, 1))
         sources = [tensors[(e.role, e.name)] for e in header.entries]
-        header.checksums = copy_entries(data, header.entries, sources, Throttle())
+        header.checksums = copy_entries(data, header.entries, sources, Throttle(), chunk_bytes=buffers.chunk_bytes)
         header.checksum_format = FORMAT  # copy_entries' XXH3, whatever the snapshot it came from carried
         handoff.commit(window_index, header.commit_record(), buffer, header.slot == len(snapshots) - 1)
     handoff.drain()

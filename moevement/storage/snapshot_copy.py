@@ -106,14 +106,15 @@ def copy_entries(
     sources: list[torch.Tensor],
     throttle: Throttle,
     plan: CopyPlan | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
 ) -> list[list]:
     """Copy (and cast) each source into its entry, synchronously, and return the checksum of every chunk,
     `[first entry, end entry, XXH3-64]` (a header's `checksums`; `entries` are not changed: a layout's entries
     serve many snapshots).
 
-    Chunk by chunk (`plan`, made here if not given): one foreach copy of its runs, hashed at once. The
-    bandwidth cap is enforced between chunks."""
-    plan = plan or CopyPlan.of(buffer, entries, sources)
+    Chunk by chunk (`plan`, made here in chunks of `chunk_bytes` if not given): one foreach copy of its runs,
+    hashed at once. The bandwidth cap is enforced between chunks."""
+    plan = plan or CopyPlan.of(buffer, entries, sources, chunk_bytes)
     sums: list[list] = []
     for group in plan.groups:
         with measure("copy"):
