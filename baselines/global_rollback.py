@@ -40,8 +40,9 @@ from moevement.recovery.live_state import LiveState, Survival
 from moevement.recovery.replay import load_master, reset_to_initial, wipe_operators
 from moevement.recovery.report import RecoveryFigures, RecoveryReport
 from moevement.recovery.restart import UNUSABLE, CheckHeader, RestartPoint, drop_newer_disk_windows
-from moevement.storage.host_memory import check_private, private_subdirs, remove_tree
+from moevement.storage.host_memory import private_subdirs, remove_tree
 from moevement.storage.persistence import read_window
+from moevement.storage.private_files import check_private
 from moevement.storage.snapshot import SnapshotError, SnapshotHeader
 from parallelisms import collectives
 

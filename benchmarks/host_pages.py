@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from moevement.storage.host_memory import HostBuffer, make_private_dir
+from moevement.storage.host_memory import HostBuffer
+from moevement.storage.private_files import make_private_dir
 
 
 def fresh(directory: Path, nbytes: int) -> None:

@@ -15,7 +15,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from moevement.storage.host_memory import HostMemoryError, JobLock, check_private, default_host_dir, remove_tree
+from moevement.storage.host_memory import JobLock, remove_tree
+from moevement.storage.private_files import HostMemoryError, check_private, default_host_dir
 
 
 def tree_bytes(path: Path) -> int:

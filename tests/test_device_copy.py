@@ -12,7 +12,7 @@ import torch
 from moevement.checkpoint.in_flight import SnapshotInFlight
 from moevement.storage import word_checksum
 from moevement.storage.device_copy import DevicePlan, ring_bytes, slot_bytes
-from moevement.storage.host_memory import make_private_dirs
+from moevement.storage.private_files import make_private_dirs
 from moevement.storage.snapshot import CHUNK_BYTES, SnapshotError, SnapshotHeader, layout_of, read_entries
 from moevement.storage.snapshot_buffers import SnapshotBuffers
 from moevement.storage.snapshot_copy import Throttle, chunk_ends, copy_entries

@@ -217,7 +217,7 @@ def test_one_ranks_clean_error_under_torchrun_is_one_line_for_the_job(tmp_path):
 
 
 def test_default_host_dir_is_per_user_and_owner_only():
-    from moevement.storage.host_memory import default_host_dir
+    from moevement.storage.private_files import default_host_dir
 
     assert default_host_dir().endswith(f"moevement-{os.geteuid()}")
 
@@ -345,7 +345,8 @@ def _victim(tmp_path: Path) -> Path:
 def test_removal_never_follows_a_symlinked_parent(tmp_path):
     """`remove_tree` walks down from its anchor by directory descriptors: a `window-*` that is a symlink is
     refused (HostMemoryError), and nothing behind it is deleted; a real owner-only tree is removed."""
-    from moevement.storage.host_memory import HostMemoryError, make_private_dirs, private_subdirs, remove_tree
+    from moevement.storage.host_memory import private_subdirs, remove_tree
+    from moevement.storage.private_files import HostMemoryError, make_private_dirs
 
     root = make_private_dirs(tmp_path / "disk", "job")
     victim = _victim(tmp_path)
@@ -365,7 +366,7 @@ def test_a_fresh_checkfreq_run_leaves_a_symlinked_window_alone(tmp_path):
     """Guarantee: No data loss (nothing deleted through a symlink).
     A fresh CheckFreq run removes its rank's old disk windows; a `window-*` link planted in its persist
     directory is neither followed nor deleted, and the directory it points to keeps its files."""
-    from moevement.storage.host_memory import make_private_dirs
+    from moevement.storage.private_files import make_private_dirs
 
     disk = tmp_path / "disk"
     job = make_private_dirs(disk, "safety")
@@ -459,7 +460,7 @@ def test_a_full_persist_dir_is_one_line_and_leaves_no_temporary(tmp_path, small_
 def test_a_full_host_dir_commit_is_one_error_naming_the_directory(small_disk):
     """A commit record that does not fit is a HostMemoryError naming the directory and the bytes needed,
     and leaves no temporary file."""
-    from moevement.storage.host_memory import HostMemoryError, make_private_dirs, write_json_atomic
+    from moevement.storage.private_files import HostMemoryError, make_private_dirs, write_json_atomic
 
     job = make_private_dirs(small_disk, "job")
     filler = job / "filler"
@@ -472,23 +473,23 @@ def test_a_full_host_dir_commit_is_one_error_naming_the_directory(small_disk):
 
 def test_a_record_in_parts_is_written_sealed_byte_for_byte_through_short_writes(tmp_path, monkeypatch):
     """A commit record handed over in parts (a layout's entries are one, never joined) is written exactly as
-    its joined bytes sealed, and reads back; a `writev` that stops short is continued where it stopped."""
+    its joined bytes sealed, and reads back; a `pwritev` that stops short is continued where it stopped."""
     import os
 
-    from moevement.storage import host_memory
+    from moevement.storage import host_memory, private_files
     from moevement.storage.sealed import seal
 
     parts = (b'{"iteration": 3, "checksums": []', b', "entries": ', b"[" + b'"x", ' * 5000 + b'"y"]', b"}")
-    real_writev, calls = os.writev, []
+    real_pwritev, calls = os.pwritev, []
 
-    def short_writev(fd, views):  # at most 4 KiB per call, and never a whole part at once
+    def short_pwritev(fd, views, offset):  # at most 4 KiB per call, and never a whole part at once
         first = bytes(views[0])[: min(4096, max(1, len(views[0]) - 1))]
         calls.append(len(first))
-        return real_writev(fd, [first])
+        return real_pwritev(fd, [first], offset)
 
-    monkeypatch.setattr(host_memory.os, "writev", short_writev)
-    path = host_memory.make_private_dirs(tmp_path, "job") / "w0-s0.json"
-    host_memory.write_json_atomic(path, parts)
+    monkeypatch.setattr(private_files.os, "pwritev", short_pwritev)
+    path = private_files.make_private_dirs(tmp_path, "job") / "w0-s0.json"
+    private_files.write_json_atomic(path, parts)
     assert path.read_bytes() == seal(b"".join(parts)) == seal(parts)
     assert len(calls) > len(parts) + 3  # it went on after short writes
     monkeypatch.undo()

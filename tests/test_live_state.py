@@ -8,7 +8,8 @@ import torch
 
 from moevement.recovery.live_state import LIVE, keep_in_memory, load_live_state, save_kept
 from moevement.recovery.upstream_log import UpstreamLog
-from moevement.storage.host_memory import read_header, write_json_atomic
+from moevement.storage.host_memory import read_header
+from moevement.storage.private_files import write_json_atomic
 from tests.helpers import DEBUG_CONFIG, stepped_operators
 from trainer.config import load_config
 

@@ -130,7 +130,7 @@ def test_a_first_optimizer_step_inside_a_window_lays_its_snapshots_out_again(tmp
 def test_the_commit_record_is_the_headers_json_byte_for_byte():
     """The copy thread encodes a header but for `meta`, its layout's entries encoded once and its own chunk
     checksums in; with the iteration's `meta` added it is exactly the encoding of the whole header."""
-    from moevement.storage.host_memory import encode_json
+    from moevement.storage.private_files import encode_json
     from moevement.storage.snapshot import Entry, encode_entries
 
     layout = [Entry("op", f"t{i}", "master", "float32", [i, 2], 1024 * i, 8 * i) for i in range(5)]
@@ -291,7 +291,8 @@ def test_checksum_detects_every_corruption_a_sum_misses():
 def test_a_restarted_process_reuses_the_pages_of_its_predecessors_buffers(tmp_path):
     """A buffer file an earlier process left (its commit record dropped) backs the new process's buffer
     of the same name with the same pages: nothing is allocated again, and it never shrinks."""
-    from moevement.storage.host_memory import HostBuffer, make_private_dir
+    from moevement.storage.host_memory import HostBuffer
+    from moevement.storage.private_files import make_private_dir
 
     path = make_private_dir(tmp_path / "rank0") / "w0-s0"
     earlier = HostBuffer(path)
@@ -317,7 +318,7 @@ def test_a_rejoin_may_roll_back_to_a_complete_window_not_yet_marked_persisted(tm
     import torch.distributed as dist
 
     from moevement.recovery.restart import find_restart_checkpoint
-    from moevement.storage.host_memory import write_json_atomic
+    from moevement.storage.private_files import write_json_atomic
 
     rank_dir = tmp_path / "rank00000"
     kept = {}

@@ -11,7 +11,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from moevement.checkpoint.checkpointer import local_buffer
-from moevement.storage.host_memory import HostBuffer, encode_json
+from moevement.storage.host_memory import HostBuffer
+from moevement.storage.private_files import encode_json
 from moevement.storage.replication import Outgoing, ReplicaStore, Replicator
 from moevement.storage.sealed import seal
 

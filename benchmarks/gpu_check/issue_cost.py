@@ -24,7 +24,8 @@ from benchmarks.gpu_check.report import Check, Section
 from benchmarks.gpu_check.runs import Workspace
 from moevement.storage.copy_graph import GraphedPlan
 from moevement.storage.device_copy import DevicePlan, slot_bytes, staged_chunk_bytes
-from moevement.storage.host_memory import HostBuffer, make_private_dirs
+from moevement.storage.host_memory import HostBuffer
+from moevement.storage.private_files import make_private_dirs
 from moevement.storage.snapshot import CHUNK_BYTES, STAGING_SLOTS, Entry, layout_of
 
 LAYERS, STACKS, EXPERTS, ROWS, COLS = 7, 3, 32, 256, 512  # bench_moe's MoE layers, w1/w2/w3, experts

@@ -27,7 +27,7 @@ from benchmarks.gpu_check.report import Check, Section, guarded
 from benchmarks.gpu_check.runs import Workspace, train
 from benchmarks.overhead import ab_medians, ab_ratios, common_start, parse_steps, steady_ms, steady_records
 from moevement.checkpoint.profiler import measure_copy_bandwidth
-from moevement.storage.host_memory import make_private_dirs
+from moevement.storage.private_files import make_private_dirs
 from moevement.storage.snapshot import SnapshotHeader, layout_of, read_entries
 from moevement.storage.snapshot_buffers import SnapshotBuffers
 

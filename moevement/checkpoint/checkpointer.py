@@ -48,7 +48,8 @@ from moevement.checkpoint.restarted import adopt_window, drop_leftovers
 from moevement.checkpoint.window import CurrentWindow
 from moevement.operators import Operator, Stacked, build_registry
 from moevement.storage.cpu_cost import measure
-from moevement.storage.host_memory import HostBuffer, make_private_dirs, read_header, remove_tree
+from moevement.storage.host_memory import HostBuffer, read_header, remove_tree
+from moevement.storage.private_files import make_private_dirs
 from moevement.storage.replication import ReplicaStore
 from moevement.storage.snapshot import SnapshotHeader
 from moevement.storage.snapshot_buffers import SnapshotBuffers, local_buffer

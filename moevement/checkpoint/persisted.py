@@ -16,8 +16,9 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from moevement.storage.host_memory import HostBuffer, read_header, write_json_atomic
+from moevement.storage.host_memory import HostBuffer, read_header
 from moevement.storage.persistence import DiskWriter
+from moevement.storage.private_files import write_json_atomic
 from moevement.storage.replication import ReplicaStore
 from moevement.storage.snapshot import CommitRecord, SnapshotHeader, read_entries
 from moevement.storage.snapshot_buffers import SnapshotBuffers, local_buffer

@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from moevement.checkpoint.checkpointer import SparseCheckpointer
 from moevement.recovery.upstream_log import UpstreamLog
-from moevement.storage.host_memory import HostBuffer, HostMemoryError, encode_json, read_header
+from moevement.storage.host_memory import HostBuffer, read_header
+from moevement.storage.private_files import HostMemoryError, encode_json
 from moevement.storage.sealed import SealError, seal, unseal
 from moevement.storage.snapshot import SnapshotError, SnapshotHeader, verify_entries
 from moevement.topology import Topology

@@ -26,7 +26,8 @@ import torch
 from moevement.operators import Operator
 from moevement.recovery.replay import load_master
 from moevement.recovery.upstream_log import UpstreamLog
-from moevement.storage.host_memory import HostBuffer, HostMemoryError, map_bytes, read_header
+from moevement.storage.host_memory import HostBuffer, map_bytes, read_header
+from moevement.storage.private_files import HostMemoryError
 from moevement.storage.snapshot import FORMAT as CHECKSUM_FORMAT
 from moevement.storage.snapshot import (
     Entry,

@@ -36,7 +36,8 @@ from moevement.recovery.restart import (
     send_window,
     snapshot_identity_check,
 )
-from moevement.storage.host_memory import HostMemoryError, check_private, read_header
+from moevement.storage.host_memory import read_header
+from moevement.storage.private_files import HostMemoryError, check_private
 from moevement.storage.snapshot import SnapshotError, SnapshotHeader
 from parallelisms import collectives
 

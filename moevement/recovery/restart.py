@@ -35,8 +35,9 @@ import torch
 import torch.distributed as dist
 
 from moevement.recovery.fetch import recv_slot, send_slot
-from moevement.storage.host_memory import HostMemoryError, map_bytes, private_subdirs, read_header, remove_tree
+from moevement.storage.host_memory import map_bytes, private_subdirs, read_header, remove_tree
 from moevement.storage.persistence import read_window
+from moevement.storage.private_files import HostMemoryError
 from moevement.storage.snapshot import SnapshotError, SnapshotHeader, read_entries
 from parallelisms import collectives
 

@@ -20,15 +20,13 @@ import torch
 
 from moevement.storage.background import enter_background
 from moevement.storage.cpu_cost import measure
-from moevement.storage.host_memory import (
+from moevement.storage.host_memory import private_subdirs, read_header, remove_tree
+from moevement.storage.private_files import (
     HostMemoryError,
     check_private,
     make_private_dir,
     no_space,
     open_private,
-    private_subdirs,
-    read_header,
-    remove_tree,
     write_json_atomic,
 )
 from moevement.storage.snapshot import CommitRecord, SnapshotError, SnapshotHeader, read_entries

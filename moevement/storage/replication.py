@@ -31,7 +31,8 @@ import torch.distributed as dist
 
 from moevement.storage.background import enter_background
 from moevement.storage.cpu_cost import measure
-from moevement.storage.host_memory import HostBuffer, make_private_dir
+from moevement.storage.host_memory import HostBuffer
+from moevement.storage.private_files import make_private_dir
 from moevement.storage.sealed import Record, SealError, seal_parts, sealed_record
 from moevement.storage.snapshot_buffers import local_buffer
 from moevement.topology import Topology

@@ -18,6 +18,8 @@ class SealError(RuntimeError):
 
 
 _SEAL_HEAD, _SEAL_MID = b'{"xxh3": "', b'", "record": '
+DIGEST_AT = len(_SEAL_HEAD)  # where a sealed record's digest begins
+RECORD_AT = DIGEST_AT + 16 + len(_SEAL_MID)  # where the record itself begins
 
 Record = bytes | Sequence[bytes]  # a JSON record's bytes: whole, or as the parts that make it up in order
 
@@ -30,7 +32,13 @@ def seal_parts(record: Record) -> list[bytes]:
     digest = xxhash.xxh3_64()
     for part in parts:
         digest.update(part)
-    return [_SEAL_HEAD, digest.hexdigest().encode(), _SEAL_MID, *parts, b"}"]
+    return seal_frame(digest.hexdigest().encode(), parts)
+
+
+def seal_frame(digest: bytes, parts: Sequence[bytes]) -> list[bytes]:
+    """The parts of a sealed record whose `parts` have this `digest` (XXH3-64, 16 hex digits), in order: the
+    digest is the second part, and the record's own parts start at byte `RECORD_AT`."""
+    return [_SEAL_HEAD, digest, _SEAL_MID, *parts, b"}"]
 
 
 def seal(record: Record) -> bytes:

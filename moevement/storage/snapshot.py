@@ -26,7 +26,7 @@ import xxhash
 
 from moevement.operators import LocalViews, Operator
 from moevement.storage import word_checksum
-from moevement.storage.host_memory import encode_json
+from moevement.storage.private_files import encode_json
 
 BLOCK = 1024  # entries start on block boundaries (aligned copies; zeroed padding)
 # copy and checksum granularity (`checkpoint.chunk_mb`'s default): per chunk, a CPU's copy thread makes one copy
@@ -102,23 +102,24 @@ class SnapshotHeader:
     def to_json(self) -> dict:
         """A JSON-ready copy (`dataclasses.asdict` would deep-copy ~1000 entries: ~25 ms per snapshot)."""
         entries = [dict(vars(e)) for e in self.entries]
-        return {**self._fields(), "entries": entries, "meta": copy.deepcopy(self.meta)}
+        return {"entries": entries, **self._fields(), "meta": copy.deepcopy(self.meta)}
 
     def encode_without_meta(self, entries: bytes | None = None) -> EncodedHeader:
         """The commit record but for `meta`, encoded: the copy thread prepares it once the checksums are in,
         and the training thread adds the iteration's `meta` (`EncodedHeader.with_meta`). `entries`: this
         header's entries as JSON, encoded once for their layout (`encode_entries`), kept as a part of their
-        own (never copied into the record: `CommitRecord.parts`)."""
+        own (never copied into the record: `CommitRecord.parts`). The entries come first, so every record
+        of a layout begins with the same parts (`moevement.storage.commit_file` rewrites only the rest)."""
         body = entries if entries is not None else encode_entries(self.entries)
         fields = encode_json(self._fields())
-        return EncodedHeader(self.slot, self.window_start, self.nbytes, (fields[:-1], b', "entries": ', body))
+        return EncodedHeader(self.slot, self.window_start, self.nbytes, (_ENTRIES_KEY, body, b", " + fields[1:-1]))
 
     def commit_record(self) -> CommitRecord:
         """The whole header as committed (its checksums already in)."""
         return self.encode_without_meta().with_meta(self.meta)
 
     def _fields(self) -> dict:
-        """Every field but `entries` and `meta`, which the encoding puts last, in that order."""
+        """Every field but `entries` and `meta`, which the encoding puts first and last."""
         fields = {**vars(self), "active": list(self.active), "frozen": list(self.frozen)}
         del fields["entries"], fields["meta"]
         return fields
@@ -164,6 +165,9 @@ class EncodedHeader:
         `meta`: only `meta` is encoded here."""
         parts = (*self.parts, b', "meta": ', encode_json(meta), b"}")
         return CommitRecord(self.slot, self.window_start, self.nbytes, parts)
+
+
+_ENTRIES_KEY = b'{"entries": '  # how every commit record begins: one object, shared by all of them
 
 
 def encode_entries(entries: list[Entry]) -> bytes:

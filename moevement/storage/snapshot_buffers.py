@@ -28,7 +28,8 @@ from moevement.storage.background import enter_background
 from moevement.storage.copy_graph import GraphedPlan
 from moevement.storage.cpu_cost import measure
 from moevement.storage.device_copy import DevicePlan, IssuedCopy, slot_bytes, staged_chunk_bytes
-from moevement.storage.host_memory import HostBuffer, HostMemoryError, make_private_dir
+from moevement.storage.host_memory import HostBuffer
+from moevement.storage.private_files import HostMemoryError, make_private_dir
 from moevement.storage.snapshot import (
     CHUNK_BYTES,
     STAGING_SLOTS,

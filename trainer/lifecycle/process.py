@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 
 from moevement.recovery.fetch import RecoveryError
-from moevement.storage.host_memory import HostMemoryError
+from moevement.storage.private_files import HostMemoryError
 from moevement.storage.snapshot import SnapshotError
 from parallelisms.distributed import announce_clean_stop, said_once_for_the_job, shutdown_distributed
 from trainer.checkpoint.dense import CheckpointError

@@ -21,7 +21,7 @@ import traceback
 import torch.distributed as dist
 
 from moevement.recovery.live_state import save_kept
-from moevement.storage.host_memory import write_json_atomic
+from moevement.storage.private_files import write_json_atomic
 from parallelisms.distributed import sever_connections
 from trainer.lifecycle import exit_codes
 from trainer.lifecycle.peer_failure import GLOO_GISTS, WorkerStopped, gist, peer_error

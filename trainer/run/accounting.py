@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from moevement.storage.host_memory import HostMemoryError, read_header, write_json_atomic
+from moevement.storage.host_memory import read_header
+from moevement.storage.private_files import HostMemoryError, write_json_atomic
 from parallelisms import collectives
 
 COUNTERS = ("first_step", "high_water", "productive_s", "recompute_s", "recovery_s", "failures", "recomputed")

@@ -54,7 +54,7 @@ from moevement.checkpoint.schedule import (
     snapshot_sizes,
 )
 from moevement.operators import Operator, build_registry
-from moevement.storage.host_memory import default_host_dir
+from moevement.storage.private_files import default_host_dir
 from moevement.storage.snapshot import checksum_gbps, entry_layout, layout_of
 from moevement.topology import Topology
 from parallelisms.expert_parallel import shard_experts

@@ -9,7 +9,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from moevement.storage.host_memory import JobLock, default_host_dir, make_private_dirs
+from moevement.storage.host_memory import JobLock
+from moevement.storage.private_files import default_host_dir, make_private_dirs
 from trainer.config import Config
 from trainer.lifecycle.rank_shell import torchrun_agent_pid
 
