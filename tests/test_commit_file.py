@@ -139,3 +139,12 @@ def test_a_failed_write_is_one_error_and_the_next_record_is_written_whole(commit
     assert not commit_file.path.exists()
     commit_file.write(record(3))
     assert commit_file.path.read_bytes() == seal(b"".join(record(3)))
+
+
+def test_the_commit_benchmark_compares_both_writers(tmp_path, capsys):
+    from benchmarks import commit_record
+
+    commit_record.main(["--entries", "60", "--commits", "3", "--rounds", "2", "--dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert out.count("round=") == 2 and "summary in_place/fresh=" in out
+    assert list(tmp_path.iterdir()) == []  # its files are gone
