@@ -15,7 +15,7 @@ file of this user (a link, a directory) is never written, renamed over or remove
 a fresh file (`write_json_atomic`), and is removed when it retires.
 
 Threads: one writer per file (the training thread for a rank's own buffers, the replication thread for a
-replica); `retire` only renames, on any thread.
+replica); `retire` only renames or removes the record, on any thread.
 """
 
 from __future__ import annotations
