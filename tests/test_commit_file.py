@@ -148,3 +148,28 @@ def test_the_commit_benchmark_compares_both_writers(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.count("round=") == 2 and "summary in_place/fresh=" in out
     assert list(tmp_path.iterdir()) == []  # its files are gone
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["cpu_copy", "gpu_path_on_cpu"])
+def test_a_trainers_snapshots_rewrite_their_records_in_place(tmp_path, monkeypatch, staged):
+    """At W=1 every snapshot of a buffer has its layout's entries: after each buffer's first, a commit keeps
+    the record's file, writes a small part of it, and reads back as the snapshot taken (the CPU's copy
+    thread, and a GPU's issue path)."""
+    from moevement.storage.snapshot import SnapshotHeader
+    from tests.test_moevement_engine import train
+
+    files: dict[str, set[int]] = {}
+    sizes, written = written_bytes(monkeypatch), []  # bytes written per iteration with a snapshot
+
+    def on_snapshot(header, _before, engine):
+        path = engine.in_flight.latest_buffer.header_path
+        files.setdefault(path.name, set()).add(os.stat(path).st_ino)
+        written.append((sum(sizes), os.stat(path).st_size))
+        sizes.clear()
+        assert SnapshotHeader.from_json(read_header(path.with_suffix(""))).iteration == header.iteration
+
+    train(tmp_path / "rank0", 9, on_snapshot=on_snapshot, window=1, staged=staged)
+    assert sorted(files) == ["w0-s0.json", "w1-s0.json"]
+    assert all(len(inodes) == 1 for inodes in files.values()), files
+    assert len(written) >= 5 and all(n >= size for n, size in written[:2])  # each buffer's first: whole
+    assert all(n < size // 4 for n, size in written[2:]), written  # then the digest, the tail, the manifest
