@@ -94,7 +94,7 @@ class SparseCheckpointer:
         )
         self.rank_dir = make_private_dirs(rank_dir.parent, rank_dir.name)
         self.buffers = SnapshotBuffers(
-            self.rank_dir, device, cfg.background_priority, graphed=cfg.copy_graph, chunk_bytes=cfg.chunk_mb << 20
+            self.rank_dir, device, cfg.background_priority, graphed=cfg.copy_graph, chunk_bytes=cfg.chunk_bytes
         )
         self.replicas = ReplicaStore(rank_dir / "replicas")
         self.persisted = PersistedCheckpoint(self.rank_dir, topology.rank, self.buffers, self.replicas)

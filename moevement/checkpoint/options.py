@@ -43,3 +43,8 @@ class SparseOptions:
     # benchmarks, with window = 1: snapshots in every other block of this many iterations, none in the blocks
     # between (0: every iteration), so that one process measures their cost (ckpt_mb says which iterations)
     ab_blocks: int = 0
+
+    @property
+    def chunk_bytes(self) -> int:
+        """`chunk_mb` in bytes."""
+        return self.chunk_mb << 20

@@ -92,7 +92,7 @@ def moevement_device_bytes(cfg: Config, pp_rank: int) -> int:
     model, _ = host_estimate.rank_model(cfg, pp_rank)  # data-parallel rank 0's shards, the largest
     ops = build_registry(model, stacked_operators(model))
     largest = max(t.numel() for op in ops for _, t in op.compute_tensors() if t.is_floating_point())
-    return ring_bytes(largest * FP32, cfg.checkpoint.copy_graph, cfg.checkpoint.chunk_mb << 20) + PROBE_BYTES
+    return ring_bytes(largest * FP32, cfg.checkpoint.copy_graph, cfg.checkpoint.chunk_bytes) + PROBE_BYTES
 
 
 def estimate(cfg: Config) -> list[RankMemory]:
