@@ -129,10 +129,10 @@ def test_a_failed_write_is_one_error_and_the_next_record_is_written_whole(commit
     commit_file.write(record(1))
     commit_file.retire()
 
-    def full(fd, length):
+    def full(fd):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(os, "ftruncate", full)
+    monkeypatch.setattr(os, "fsync", full)
     with pytest.raises(HostMemoryError, match=r"w0-s0\.json"):
         commit_file.write(record(2))
     monkeypatch.undo()

@@ -233,7 +233,7 @@ def test_a_gpu_copy_whose_buffer_is_not_yet_free_is_issued_just_before_the_step(
     """`begin` does not wait on the host: the copy is issued in the step's pre-hook, after waiting for the
     buffer there, and commits a header of the device format that reads back."""
     handoff = _SlowHandoff()
-    in_flight = SnapshotInFlight(staged_buffers, handoff, Throttle)
+    in_flight = SnapshotInFlight(staged_buffers, handoff, Throttle, {})
     items = _stacked_items()
     entries, sources, nbytes = layout_of(items)
     buffer = staged_buffers.buffer(1, 0)

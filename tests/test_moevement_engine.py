@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from moevement.checkpoint.checkpointer import persisted_snapshots
+from moevement.operators import optimizer_tensors
 from moevement.storage.host_memory import map_bytes, read_header
 from moevement.storage.persistence import read_window, window_dir
 from moevement.storage.snapshot import SnapshotError, SnapshotHeader, read_entries
@@ -107,7 +108,7 @@ def test_windows_of_one_slot_reuse_their_layout_and_stay_exact(tmp_path):
     assert len(layouts) == 6 and all(layout is layouts[0] for layout in layouts)
     assert all(a != b for a, b in zip(sums, sums[1:])), "each snapshot's header has the checksums of its bytes"
     engine.planner.forget_layouts()
-    assert engine.planner.layouts(engine.window.plan) is not layouts[0]
+    assert engine.planner.layouts(engine.window.plan, optimizer_tensors(engine.optimizer)) is not layouts[0]
 
 
 def test_a_first_optimizer_step_inside_a_window_lays_its_snapshots_out_again(tmp_path):
@@ -145,6 +146,34 @@ def test_the_commit_record_is_the_headers_json_byte_for_byte():
         assert any(part is encoded_layout for part in commit.parts)  # the layout's bytes, not a copy of them
         assert (commit.slot, commit.window_start, commit.nbytes) == (2, 5, 5120)
         assert SnapshotHeader.from_json(header.to_json()) == header
+
+
+def test_a_meta_beginning_with_the_jobs_items_is_encoded_splicing_the_jobs_encoding(monkeypatch):
+    """`MetaEncoder` encodes every `meta` as `encode_json` does; the job's part is encoded once, and only a meta
+    that begins with the job's very keys and values is spliced (an equal but other value, even 0 for False, is not)."""
+    import moevement.storage.snapshot as snapshot
+    from moevement.storage.private_files import encode_json
+
+    job = {"seed": 0, "run": {"job": "x", "fields": {"a": 1, "b": True}}, "rank": 3}
+    encode = snapshot.MetaEncoder(job).encode
+    encoded = []
+    monkeypatch.setattr(snapshot, "encode_json", lambda payload: encoded.append(payload) or encode_json(payload))
+    spliced = {**job, "data_position": 9, "scalars": {"loss": 1.25}, "moc": [1, 2]}
+    assert encode(spliced) == encode_json(spliced)
+    assert encoded == [{"data_position": 9, "scalars": {"loss": 1.25}, "moc": [1, 2]}]  # the job's part not again
+    others = [
+        dict(job),
+        {"data_position": 9, **job},
+        {**job, "run": {"job": "x", "fields": {"a": 1, "b": True}}, "data_position": 9},
+        {**job, "seed": False, "data_position": 9},
+        {"seed": 0, "rank": 3, "run": job["run"], "data_position": 9},
+        {},
+    ]
+    for meta in others:
+        encoded.clear()
+        assert encode(meta) == encode_json(meta)
+        assert encoded == [meta], "encoded whole"
+    assert snapshot.MetaEncoder({}).encode({"a": 1}) == encode_json({"a": 1})
 
 
 def test_a_header_of_the_older_format_is_refused_in_one_line():

@@ -32,6 +32,7 @@ and drains like `end` does.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
@@ -88,7 +89,7 @@ class SparseCheckpointer:
         rank_dirs: Callable[[int], Path] | None = None,
         group_timeout_s: float | None = None,
     ):
-        self.cfg, self.topology, self.job_meta = cfg, topology, dict(job_meta or {})
+        self.cfg, self.topology, self.job_meta = cfg, topology, copy.deepcopy(job_meta or {})  # never changed
         self.planner = WindowPlanner(
             cfg, build_registry(model, stacked), optimizer, compute_dtype, device, topology.world, policy
         )
@@ -102,7 +103,7 @@ class SparseCheckpointer:
             cfg, topology, self.persisted, self.replicas, rank_dirs, group_timeout_s, disk_keep
         )
         self.window = CurrentWindow(self.planner, self.buffers, self.rank_dir, topology.rank, self.job_meta)
-        self.in_flight = SnapshotInFlight(self.buffers, self.handoff, self.planner.profile.throttle)
+        self.in_flight = SnapshotInFlight(self.buffers, self.handoff, self.planner.profile.throttle, self.job_meta)
         self.stats = _LoopState()
         optimizer.register_step_pre_hook(self._before_optimizer_step)
 

@@ -26,7 +26,7 @@ import torch
 from moevement.checkpoint.handoff import SnapshotHandoff
 from moevement.storage.device_copy import IssuedCopy
 from moevement.storage.host_memory import HostBuffer, read_header
-from moevement.storage.snapshot import EncodedHeader, SnapshotHeader
+from moevement.storage.snapshot import EncodedHeader, MetaEncoder, SnapshotHeader
 from moevement.storage.snapshot_buffers import SnapshotBuffers
 from moevement.storage.snapshot_copy import Throttle
 
@@ -94,8 +94,12 @@ class SnapshotInFlight:
     """At most one snapshot in flight (`pending`), copied into `buffers` at the pace `throttle()` gives, and
     committed through `handoff`."""
 
-    def __init__(self, buffers: SnapshotBuffers, handoff: SnapshotHandoff, throttle: Callable[[], Throttle]):
+    def __init__(
+        self, buffers: SnapshotBuffers, handoff: SnapshotHandoff, throttle: Callable[[], Throttle], job_meta: dict
+    ):
+        """`job_meta`: what every snapshot's `meta` begins with (`MetaEncoder`)."""
         self.buffers, self.handoff, self.throttle = buffers, handoff, throttle
+        self.encode_meta = MetaEncoder(job_meta).encode
         self.pending: _Pending | None = None
         self.latest_buffer: HostBuffer | None = None  # the newest committed snapshot's
 
@@ -129,7 +133,7 @@ class SnapshotInFlight:
         in flight, which must exist, and commit it."""
         pending, self.pending = self.pending, None
         pending.header.meta["scalars"] = dict(scalars)
-        commit = pending.copy.result().with_meta(pending.header.meta)
+        commit = pending.copy.result().with_meta(pending.header.meta, self.encode_meta)
         last = pending.header.slot == pending.header.window - 1
         self.handoff.commit(pending.window_index, commit, pending.buffer, last)
         self.latest_buffer = pending.buffer

@@ -11,6 +11,7 @@ Training thread only.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -30,7 +31,7 @@ from moevement.checkpoint.schedule import (
     order_operators,
     slot_size_for,
 )
-from moevement.operators import LocalViews, Operator, optimizer_tensors
+from moevement.operators import LocalViews, Operator
 from moevement.storage.snapshot import Entry, entry_layout
 from parallelisms import collectives
 
@@ -60,14 +61,14 @@ class WindowLayouts:
     slots: list[tuple[list[Entry], list[torch.Tensor], int]]
     state: list[torch.Tensor]  # the optimizer's state tensors when laid out (`optimizer_tensors`)
 
-    def current(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether the optimizer's state tensors are still those the layouts were resolved from."""
-        return same_tensors(optimizer_tensors(optimizer), self.state)
+    def current(self, state: list[torch.Tensor]) -> bool:
+        """Whether the optimizer's state tensors now (`optimizer_tensors`) are those the layouts were resolved from."""
+        return same_tensors(state, self.state)
 
 
 def same_tensors(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     """Whether two lists hold the same tensor objects in the same order."""
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+    return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
 @dataclass(frozen=True)
@@ -111,7 +112,7 @@ class WindowPlanner:
         self.policy = policy
         self.profile = Profile(cfg.bandwidth_gbps)
         self.reset_popularity()
-        self._laid_out: tuple[tuple[frozenset[str], ...], WindowLayouts] | None = None
+        self._laid_out: tuple[tuple, tuple[frozenset[str], ...], WindowLayouts] | None = None  # slots, by set
         self._sizes: tuple[list[torch.Tensor], dict[str, tuple[int, int]]] | None = None
         self._fixed: tuple[list[str], dict, tuple[tuple[str, ...], ...]] | None = None  # a fixed W's last slots
         self.last_inputs: WindowInputs | None = None  # what Algorithm 1 last planned a window with
@@ -135,8 +136,11 @@ class WindowPlanner:
         """Whether `iteration` takes a snapshot (always for MoEvement; by the policy for a baseline)."""
         return self.policy is None or self.policy.due(iteration)
 
-    def plan(self, iteration: int, window_index: int, follows_a_window: bool, measure_dir: Path) -> WindowPlan:
-        """Window number `window_index`, starting at `iteration` (collective: W is agreed across ranks).
+    def plan(
+        self, iteration: int, window_index: int, follows_a_window: bool, measure_dir: Path, state: list[torch.Tensor]
+    ) -> WindowPlan:
+        """Window number `window_index`, starting at `iteration` (collective: W is agreed across ranks), for the
+        optimizer's state tensors `state` (`optimizer_tensors`, read by the caller for this plan and its layouts).
         The copy bandwidth is measured for a process's first window (not at its start, where a replacement's
         peers would wait for it) and again every `reprofile_every` windows, never right after a recovery."""
         if self.one_slot:
@@ -147,40 +151,41 @@ class WindowPlanner:
         every = self.cfg.reprofile_every
         if not self.profile.measured_bandwidth or (follows_a_window and every and window_index % every == 0):
             self.profile.measure_bandwidth(measure_dir, self.device)
-        slots = self._interval_checkpoint(iteration) if self.policy is not None else self._sparse_slots()
+        sizes = self._op_bytes(state)
+        slots = self._interval_checkpoint(iteration, sizes) if self.policy is not None else self._sparse_slots(sizes)
         return WindowPlan(iteration, slots)
 
-    def layouts(self, plan: WindowPlan) -> WindowLayouts:
+    def layouts(self, plan: WindowPlan, state: list[torch.Tensor]) -> WindowLayouts:
         """The layout of every snapshot of the window, resolved once at its start: SS_{start+slot} holds the
         FP32 state of slot `slot`'s operators and the compute weights of the later slots' operators.
 
         A window whose slots hold the same operators as the one before (in any order: entries are found by
         name) reuses its layouts while the optimizer's state tensors are those they were resolved from (at
         W=1 every iteration is such a window); a recovery, which may replace tensors, drops them first
-        (`forget_layouts`)."""
-        key = tuple(frozenset(slot) for slot in plan.slots)
+        (`forget_layouts`). `state`: the optimizer's state tensors now (`optimizer_tensors`)."""
         if self._laid_out is not None:
-            slots, laid_out = self._laid_out
-            if slots == key and laid_out.current(self.optimizer):
+            slots, key, laid_out = self._laid_out
+            # the same slots object (a fixed W's), or the same operators per slot
+            same = slots is plan.slots or key == tuple(frozenset(slot) for slot in plan.slots)
+            if same and laid_out.current(state):
                 return laid_out
-        views, state = LocalViews(), optimizer_tensors(self.optimizer)
+        views = LocalViews()
         slots = []
         for slot in range(plan.window):
             active = [self.ops_by_name[n] for n in plan.slots[slot]]
             frozen = [self.ops_by_name[n] for n in plan.frozen_after(slot)]
             slots.append(entry_layout(active, frozen, self.optimizer, self.compute_dtype, views))
         laid_out = WindowLayouts(slots, state)
-        self._laid_out = (key, laid_out)
+        self._laid_out = (plan.slots, tuple(frozenset(slot) for slot in plan.slots), laid_out)
         return laid_out
 
     def forget_layouts(self) -> None:
         """The model's or the optimizer's tensors may have been replaced (a recovery): lay out afresh."""
         self._laid_out = self._sizes = None
 
-    def _op_bytes(self) -> dict[str, tuple[int, int]]:
+    def _op_bytes(self, state: list[torch.Tensor]) -> dict[str, tuple[int, int]]:
         """Each operator's (FP32 state, compute weight) bytes, measured again once the optimizer's state
-        tensors change (a first step creates them)."""
-        state = optimizer_tensors(self.optimizer)
+        tensors (`state`, read now) change (a first step creates them)."""
         if self._sizes is not None and same_tensors(state, self._sizes[0]):
             return self._sizes[1]
         views = LocalViews()
@@ -191,10 +196,9 @@ class WindowPlanner:
         self._sizes = (state, sizes)
         return sizes
 
-    def _sparse_slots(self) -> tuple[tuple[str, ...], ...]:
-        """Algorithm 1 on this rank's operators in schedule order, at most `max_window` slots; W agreed across
-        ranks (or forced by `window`)."""
-        sizes = self._op_bytes()
+    def _sparse_slots(self, sizes: dict[str, tuple[int, int]]) -> tuple[tuple[str, ...], ...]:
+        """Algorithm 1 on this rank's operators (of these sizes) in schedule order, at most `max_window` slots;
+        W agreed across ranks (or forced by `window`)."""
         if self.cfg.window and self._fixed is not None and self._fixed[0] is self.order and self._fixed[1] is sizes:
             return self._fixed[2]  # a fixed W over the same order and sizes: the same slots (every window at W=1)
         slots = self._slots_of(sizes)
@@ -214,10 +218,10 @@ class WindowPlanner:
         self.last_inputs = WindowInputs(t, tuple(fp32), tuple(compute), bandwidth, window)
         return generate_schedule(self.order, slot_size_for(len(self.order), window), window)
 
-    def _interval_checkpoint(self, iteration: int) -> tuple[tuple[str, ...]]:
-        """An interval baseline's checkpoint at `iteration`: its operators, and when the next one is due."""
+    def _interval_checkpoint(self, iteration: int, sizes: dict[str, tuple[int, int]]) -> tuple[tuple[str, ...]]:
+        """An interval baseline's checkpoint at `iteration`: its operators (of these sizes), and when the next
+        one is due."""
         names = tuple(self.policy.select())
-        sizes = self._op_bytes()
         nbytes = sum(sizes[n][0] for n in names)
         interval = self._agree(self.policy.choose(nbytes, self.profile.bandwidth, self.profile.iteration_s))
         self.policy.scheduled(iteration, interval)

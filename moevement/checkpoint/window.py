@@ -17,6 +17,7 @@ import torch
 
 from moevement.checkpoint.planner import WindowLayouts, WindowPlanner
 from moevement.checkpoint.schedule import WindowPlan
+from moevement.operators import optimizer_tensors
 from moevement.storage.host_memory import HostBuffer
 from moevement.storage.snapshot import SnapshotHeader
 from moevement.storage.snapshot_buffers import SnapshotBuffers
@@ -41,10 +42,10 @@ class CurrentWindow:
 
     def start(self, iteration: int) -> None:
         """Plan window [iteration, iteration + W), lay out its snapshots and size its buffers (same W on every rank)."""
-        follows = self.plan is not None
+        follows, state = self.plan is not None, optimizer_tensors(self.planner.optimizer)
         self.index += 1
-        self.plan = self.planner.plan(iteration, self.index, follows, self.rank_dir)
-        self.layouts = self.planner.layouts(self.plan)
+        self.plan = self.planner.plan(iteration, self.index, follows, self.rank_dir, state)
+        self.layouts = self.planner.layouts(self.plan, state)
         self.started_at = iteration
         # Buffers grow on the training thread at the window boundary: grown by the copy thread, their
         # pages would fault in at idle priority while the copy is due, and the step would stall.
@@ -53,8 +54,10 @@ class CurrentWindow:
     def snapshot(self, iteration: int) -> tuple[SnapshotHeader, list[torch.Tensor], HostBuffer]:
         """SS_iteration's header (no checksums yet), source tensors and buffer. The window's snapshots are
         laid out again if the optimizer's state tensors changed (a first optimizer step inside the window)."""
-        if iteration != self.started_at and not self.layouts.current(self.planner.optimizer):
-            self.layouts = self.planner.layouts(self.plan)
+        if iteration != self.started_at:
+            state = optimizer_tensors(self.planner.optimizer)
+            if not self.layouts.current(state):
+                self.layouts = self.planner.layouts(self.plan, state)
         slot = self.plan.slot_at(iteration)
         header, sources = _snapshot_header(self.plan, iteration, self.rank, self.layouts.slots[slot], self.job_meta)
         return header, sources, self.buffers.buffer(self.index % 2, slot)

@@ -46,11 +46,16 @@ class CommitFile:
         self._hashes: list[xxhash.xxh3_64] = []  # `_hashes[i]`: the hash state after its first i parts
         # The file written last, held open (so its inode is not reused while it is known), and its size.
         self._fd: int | None = None
+        self._inode = (0, 0)  # its st_dev, st_ino
         self._size = 0
+        self._retired = False  # retired since the last write: nothing of ours at `path` to retire again
 
     def retire(self) -> None:
         """The record stops being committed (its bytes are about to be overwritten): it becomes the spare, or
-        is removed where the spare's name holds something else than an owner-only file of this user."""
+        is removed where the spare's name holds something else than an owner-only file of this user. A second
+        call before the next `write` does nothing (a buffer is retired by its window's end and by its next copy)."""
+        if self._retired:
+            return
         try:
             if self._spare_usable():
                 os.rename(self.path, self.spare)
@@ -58,6 +63,7 @@ class CommitFile:
                 self.path.unlink()
         except FileNotFoundError:
             pass
+        self._retired = True
 
     def drop(self) -> None:
         """The record goes, and the spare with it if it is the file this process wrote (its host state is lost)."""
@@ -69,7 +75,7 @@ class CommitFile:
     def close(self) -> None:
         """Forget the file and the record written last: the next record is written whole."""
         self._release()
-        self._parts, self._hashes = (), []
+        self._parts, self._hashes, self._retired = (), [], False
 
     def _release(self) -> None:
         if self._fd is not None:
@@ -88,13 +94,15 @@ class CommitFile:
                 fd = self._open_spare()
                 if fd is None:  # not a name this process may write: the record goes to a fresh file
                     write_json_atomic(self.path, parts)
+                    self._retired = False
                     return
                 self._size = self._fill(fd, framed, 0)
             else:
                 os.pwrite(fd, framed[1], DIGEST_AT)
                 start = RECORD_AT + sum(len(part) for part in parts[:shared])
-                self._size = self._fill(fd, framed[3 + shared :], start)
+                self._size = self._fill(fd, framed[3 + shared :], start, self._size)
             os.replace(self.spare, self.path)
+            self._retired = False
         except OSError as e:
             self.close()
             raise no_space(self.path.parent, self.path.name, sum(map(len, framed)), e) from None
@@ -107,13 +115,17 @@ class CommitFile:
             self._fd = open_private(self.spare, os.O_RDWR | os.O_CREAT)
         except HostMemoryError:
             return None
+        held = os.fstat(self._fd)
+        self._inode = (held.st_dev, held.st_ino)
         return self._fd
 
     @staticmethod
-    def _fill(fd: int, framed: list[bytes], start: int) -> int:
-        """Write `framed` into `fd` from byte `start`, cut the file there, and flush it; returns its size."""
+    def _fill(fd: int, framed: list[bytes], start: int, size: int | None = None) -> int:
+        """Write `framed` into `fd` (of `size` bytes, if known) from byte `start`, cut the file there, and flush
+        it; returns its size."""
         end = write_parts(fd, framed, start)
-        os.ftruncate(fd, end)
+        if size is None or end < size:
+            os.ftruncate(fd, end)
         os.fsync(fd)
         return end
 
@@ -125,8 +137,7 @@ class CommitFile:
             st = os.lstat(self.spare)
         except FileNotFoundError:
             return None
-        held = os.fstat(self._fd)
-        same = (st.st_dev, st.st_ino, st.st_size) == (held.st_dev, held.st_ino, self._size)
+        same = (st.st_dev, st.st_ino, st.st_size) == (*self._inode, self._size)
         return self._fd if same and stat.S_ISREG(st.st_mode) else None
 
     def _shared(self, parts: tuple[bytes, ...]) -> int:

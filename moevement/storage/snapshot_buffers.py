@@ -89,7 +89,10 @@ class SnapshotBuffers:
         host memory is short. Only the window about to use a set reserves it: a first window planned from
         slow start-up iterations has fewer, larger snapshots than the ones after it, and the other set
         would keep that size for good."""
-        grow = sum(max(0, n - self.buffer(parity, slot).reserved()) for slot, n in enumerate(sizes))
+        held = [self.buffer(parity, slot) for slot in range(len(sizes))]
+        if all(n <= buf.capacity for buf, n in zip(held, sizes)):
+            return  # mapped already (every window after the first at a steady W)
+        grow = sum(max(0, n - buf.reserved()) for buf, n in zip(held, sizes))
         free = shutil.disk_usage(self.local_dir).free
         if grow > free:
             raise HostMemoryError(
@@ -97,8 +100,8 @@ class SnapshotBuffers:
                 f"{self.local_dir} ({free / 1e9:.2f} GB free): set checkpoint.window lower, raise "
                 f"checkpoint.bandwidth_gbps, or train with training.mixed_precision bf16 (smaller compute weights)"
             )
-        for slot, nbytes in enumerate(sizes):
-            self.buffer(parity, slot).ensure(nbytes)
+        for buf, nbytes in zip(held, sizes):
+            buf.ensure(nbytes)
 
     def invalidate(self, parity: int) -> None:
         """The snapshots of this parity are garbage (their commit records go)."""
