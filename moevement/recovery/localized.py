@@ -125,10 +125,7 @@ class Recovery:
         restored = time.time()
         stats = self._catch_up(found, failed, pps, t0, target, started)
         fetch, convert, catchup = _slowest(stats.fetch, stats.convert, stats.catchup)
-        survivors = [k for k in kept if k]
-        detected = min(k.detected.get("time", 0.0) for k in survivors)
-        kept_at = max(k.detected.get("kept", 0.0) for k in survivors)
-        timeline = {"kept": kept_at, **rejoin.timeline, "restored": restored}
+        detected, timeline = _detection(kept, rejoin, restored)
         how = "replaced" if rejoin.in_place else "global-replay" if self.global_rollback else "local"
         report = RecoveryReport(
             step=target,
@@ -269,6 +266,15 @@ def _slowest(*seconds: float) -> list[float]:
 def _stages_of(layout: Topology, pps: set[int]) -> tuple[int, ...]:
     """The stages the pipeline ranks `pps` run, ascending."""
     return tuple(sorted(layout.stages_of(pps)))
+
+
+def _detection(kept: list[Survival | None], rejoin: Rejoin, restored: float) -> tuple[float, dict[str, float]]:
+    """When the first survivor detected the death (unix time), and the rejoin's timeline: the unix time each
+    stage was reached, from the last survivor's keeping its state to this rank's restoring its own."""
+    survivors = [k for k in kept if k]
+    detected = min(k.detected.get("time", 0.0) for k in survivors)
+    kept_at = max(k.detected.get("kept", 0.0) for k in survivors)
+    return detected, {"kept": kept_at, **rejoin.timeline, "restored": restored}
 
 
 def _restart_seconds(
