@@ -142,7 +142,8 @@ class MoE(nn.Module):
     (detached 0-dim tensor of the last training forward, coefficient included), and the non-persistent buffers
     accumulated on every training forward until ``reset_load_stats()``: ``tokens_per_expert``
     (int64 [E], assignments before capacity dropping, over the data-parallel group), ``gate_prob_sum``
-    (float32 [E], summed softmax scores) and ``dropped_tokens`` (int64 scalar, assignments dropped by capacity).
+    (float32 [E], summed softmax scores, over the data-parallel group) and ``dropped_tokens`` (int64
+    scalar, assignments dropped by capacity).
     """
 
     def __init__(self, args: ModelArgs):
@@ -211,10 +212,11 @@ class MoE(nn.Module):
         rank = torch.arange(flat.numel(), device=flat.device) - group_start.index_select(0, flat.index_select(0, order))
         return order[rank < capacity], counts.clamp(max=capacity)
 
-    def global_token_counts(self, counts: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """Seam for data parallelism: (``counts`` [E] summed over every token of the data-parallel group
-        for this micro-batch, number of data-parallel replicas). Single process: ``(counts, 1)``."""
-        return counts, 1
+    def global_load(self, counts: torch.Tensor, gate_sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Seam for data parallelism: (``counts`` [E] and ``gate_sums`` [E] summed over every token of the
+        data-parallel group for this micro-batch, number of data-parallel replicas). Single process:
+        ``(counts, gate_sums, 1)``."""
+        return counts, gate_sums, 1
 
     def experts_forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: token copies grouped by global expert id (ascending), ``counts`` [E] rows each -> outputs, same order."""
@@ -244,17 +246,17 @@ class MoE(nn.Module):
     def training_side_effects(self, out, logits, scores, expert_ids, counts, kept_counts, seq_len) -> torch.Tensor:
         """Accumulate load statistics and attach the auxiliary losses to ``out``'s backward.
 
-        ``tokens_per_expert`` accumulates the data-parallel-global counts; ``gate_prob_sum`` and
-        ``dropped_tokens`` stay local. The batch-level balance loss (``aux_loss_type = "batch"``) uses the
-        global counts and is divided by ``dp``: its mean over the replicas is the loss over all their
-        tokens, and averaging the replicas' gradients (as FSDP does) gives that global loss's gradient. The
-        sequence-level one and the z-loss are means over local sequences and tokens, whose replica average is
-        already the global mean.
+        ``tokens_per_expert`` and ``gate_prob_sum`` accumulate data-parallel-global sums (the same on every
+        replica, so popularity orders agree); ``dropped_tokens`` stays local. The batch-level balance loss
+        (``aux_loss_type = "batch"``) uses the global counts and is divided by ``dp``: its mean over the
+        replicas is the loss over all their tokens, and averaging the replicas' gradients (as FSDP does) gives
+        that global loss's gradient. The sequence-level one and the z-loss are means over local sequences and
+        tokens, whose replica average is already the global mean.
         """
-        g_counts, replicas = self.global_token_counts(counts)
         with torch.no_grad():
+            g_counts, g_gate_sums, replicas = self.global_load(counts, scores.sum(dim=0))
             self.tokens_per_expert += g_counts
-            self.gate_prob_sum += scores.sum(dim=0)
+            self.gate_prob_sum += g_gate_sums
             self.dropped_tokens += counts.sum() - kept_counts.sum()
         aux_loss = scores.new_zeros(())
         self._balance_index = None

@@ -1,9 +1,9 @@
 """Expert parallelism for ``models.moe.MoE``: shard the routed experts over an ep group, all-to-all the tokens.
 
 Only two seams of ``MoE`` are replaced (instance attributes, the class is untouched):
-``global_token_counts`` (all-reduce of the per-expert counts over the data-parallel group, for the load
-statistics and the aux loss) and ``experts_forward`` (all-to-all dispatch -> local experts -> all-to-all
-back). Routing, permutation and combination stay local and in the global expert id space.
+``global_load`` (one all-reduce of the per-expert counts and gate-probability sums over the data-parallel
+group, for the load statistics and the aux loss) and ``experts_forward`` (all-to-all dispatch -> local
+experts -> all-to-all back). Routing, permutation and combination stay local and in the global expert id space.
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ def _size(group: ProcessGroup | None) -> int:
 def apply_expert_parallel(model: nn.Module, ep_group: ProcessGroup | None, dp_group: ProcessGroup | None) -> None:
     """Make every ``MoE`` in ``model`` (possibly a pipeline stage, possibly on meta) expert/data parallel, in place.
 
-    - dp_group of size dp > 1: ``global_token_counts`` returns the counts summed over dp_group and dp, so
-      ``tokens_per_expert`` is dp-global and the aux loss is the dp-global one (see ``MoE.training_side_effects``).
+    - dp_group of size dp > 1: ``global_load`` returns the counts and gate-probability sums summed over dp_group,
+      and dp, so ``tokens_per_expert`` and ``gate_prob_sum`` are dp-global (every replica orders the experts
+      alike) and the aux loss is the dp-global one (see ``MoE.training_side_effects``).
       Every dp rank must feed the same number of tokens per micro-batch.
     - ep_group of size ep > 1: ep rank r keeps the experts with global ids [r*E/ep, (r+1)*E/ep) (stacked
       weights of E/ep experts; each keeps its global id in checkpoints) and ``experts_forward`` becomes an
@@ -43,7 +44,7 @@ def apply_expert_parallel(model: nn.Module, ep_group: ProcessGroup | None, dp_gr
     ep, dp = _size(ep_group), _size(dp_group)
     for moe in [m for m in model.modules() if isinstance(m, MoE)]:
         if dp > 1:
-            moe.global_token_counts = types.MethodType(_dp_global_token_counts(dp_group, dp), moe)
+            moe.global_load = types.MethodType(_dp_global_load(dp_group, dp), moe)
         if ep > 1:
             shard_experts(moe, dist.get_rank(ep_group), ep)
             moe.experts_forward = types.MethodType(_ep_experts_forward(ep_group, ep), moe)
@@ -71,15 +72,22 @@ def shard_experts(moe: MoE, ep_rank: int, ep_size: int) -> None:
                 getattr(moe.experts, w).copy_(getattr(every, w)[local.start : local.stop])
 
 
-def _dp_global_token_counts(dp_group: ProcessGroup, dp: int):
-    def global_token_counts(self: MoE, counts: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """(counts [E] summed over the data-parallel group, dp). Not differentiable (counts are integers)."""
-        with torch.no_grad():
-            total = counts.detach().clone()
-            collectives.all_reduce(total, op=dist.ReduceOp.SUM, group=dp_group)
-        return total, dp
+GATE_SUM_UNIT = 2.0**-24  # gate-probability sums cross the data-parallel group as integers of this unit
 
-    return global_token_counts
+
+def _dp_global_load(dp_group: ProcessGroup, dp: int):
+    def global_load(self: MoE, counts: torch.Tensor, gate_sums: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(counts [E] and gate_sums [E] summed over the data-parallel group, dp), in one all-reduce of int64: the
+        gate sums in fixed point (`GATE_SUM_UNIT`), whose sum is exact in any order, so every replica gets the
+        same bits. Not differentiable."""
+        with torch.no_grad():
+            fixed = torch.round(gate_sums.detach().double() / GATE_SUM_UNIT).to(torch.int64)
+            total = torch.cat([counts.detach().to(torch.int64), fixed])
+            collectives.all_reduce(total, op=dist.ReduceOp.SUM, group=dp_group)
+        n = counts.numel()
+        return total[:n], (total[n:].double() * GATE_SUM_UNIT).to(gate_sums.dtype), dp
+
+    return global_load
 
 
 def _all_to_all(

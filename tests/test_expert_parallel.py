@@ -54,10 +54,39 @@ def test_single_process_is_noop():
     names = [n for n, _ in model.named_parameters()]
     apply_expert_parallel(model, None, None)
     assert [n for n, _ in model.named_parameters()] == names
-    assert "global_token_counts" not in vars(model.layers["0"].moe)
+    assert "global_load" not in vars(model.layers["0"].moe)
     assert list(local_expert_ids(8, 1, 2)) == [4, 5, 6, 7]
     with pytest.raises(ValueError, match="divisible"):
         local_expert_ids(8, 0, 3)
+
+
+def _load_worker(rank: int, world: int, store_path: str) -> None:
+    """Each replica's own counts and gate sums through `global_load` over the dp group."""
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        moe = MoE(ModelArgs(**ARGS))
+        apply_expert_parallel(moe, None, dist.group.WORLD)
+        generator = torch.Generator().manual_seed(rank)
+        counts, gate_sums = torch.randint(0, 50, (8,), generator=generator), torch.rand(8, generator=generator) * 40
+        g_counts, g_gate_sums, replicas = moe.global_load(counts, gate_sums)
+        inputs = [torch.empty(2, 8, dtype=torch.float64) for _ in range(world)]
+        dist.all_gather(inputs, torch.stack([counts.double(), gate_sums.double()]))
+        outputs = [torch.empty(8) for _ in range(world)]
+        dist.all_gather(outputs, g_gate_sums)
+        assert replicas == world and torch.equal(g_counts, sum(i[0] for i in inputs).long())
+        assert (g_gate_sums.double() - sum(i[1] for i in inputs)).abs().max() < 1e-5, g_gate_sums
+        assert all(torch.equal(o, outputs[0]) for o in outputs), "the same bits on every replica"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_load_statistics_are_summed_over_the_data_parallel_group_alike_on_every_replica(tmp_path):
+    """Guarantee: popularity orders agree inside a data-parallel group, for every ordering policy: the token
+    counts and gate-probability sums each replica's routers saw are summed over the group (2 real gloo
+    processes), the sums in fixed point so every replica holds the same bits."""
+    mp.spawn(_load_worker, args=(WORLD, str(tmp_path / "store")), nprocs=WORLD, join=True)
 
 
 def _loss_and_grads(layer, x, w, n_tokens):
@@ -115,8 +144,12 @@ def _check_moe_layer(rank: int, world: int) -> None:
                 dist.all_reduce(grad, group=group)
             torch.testing.assert_close(grad / world, ref_grad, rtol=0, atol=1e-5, msg=name)
         assert layer.router.gate.weight.grad.abs().sum() > 0
-        # (d) load statistics are dp-global
+        # (d) load statistics are dp-global, the same bits on every rank
         assert torch.equal(layer.tokens_per_expert, ref.tokens_per_expert)
+        torch.testing.assert_close(layer.gate_prob_sum, ref.gate_prob_sum, rtol=0, atol=1e-5)
+        sums = [torch.empty_like(layer.gate_prob_sum) for _ in range(world)]
+        dist.all_gather(sums, layer.gate_prob_sum, group=group)
+        assert all(torch.equal(s, sums[0]) for s in sums)
 
 
 def _check_transformer(rank: int, world: int) -> None:
