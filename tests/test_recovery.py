@@ -87,6 +87,16 @@ def test_pp2_dp2_ep2_bf16_clipped_one_failure(tmp_path):
     )
 
 
+def test_dp2_soft_ordering_one_failure(tmp_path):
+    """Guarantee: Bit-exact recovery under every ordering policy: `soft` at dp > ep, where each replica once
+    ordered its experts' shards by its own gate probabilities, so the replicas' slots disagreed and the
+    recovered state differed from the fault-free one (every replica now orders by the group's sums)."""
+    layout = ["--parallelism.dp", "2", "--checkpoint.ordering", "soft"]
+    out = fault_run(tmp_path, layout, 2, "--fault.at", "8:1")
+    assert_identical(out, baseline(layout, 2))
+    assert localized(out) == [(8, (1,), (0,), 3, 5)]
+
+
 @pytest.mark.slow
 def test_pp4_first_window_middle_stage_and_two_disjoint_stages(tmp_path):
     reference = baseline(PP4, 4)
