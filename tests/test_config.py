@@ -54,6 +54,12 @@ def test_bad_file_values_name_the_key(tmp_path, text, key):
         (["--metrics.tensorboard", "maybe"], "metrics.tensorboard"),
         (["--training.steps"], "training.steps"),
         (["--model.aux_loss_type", "global", "--parallelism.pp", "2"], "model.aux_loss_type"),
+        # FSDP cannot shard a stacked expert weight unevenly along its second dimension
+        (["--parallelism.dp", "3", "--training.batch_size", "12"], "model.dim"),
+        (
+            ["--parallelism.dp", "4", "--parallelism.ep", "2", "--model.expert_hidden_dim", "33"],
+            "model.expert_hidden_dim",
+        ),
     ],
 )
 def test_bad_overrides_name_the_key(args, key):

@@ -494,6 +494,7 @@ def _validate_parallelism(cfg: Config) -> None:
         "parallelism.ep",
         f"({p.ep}) must divide model.n_routed_experts ({m.n_routed_experts})",
     )
+    _check_expert_sharding(cfg)
     interleaved = p.schedule == "Interleaved1F1B"
     _check(
         interleaved == (p.stages_per_rank > 1),
@@ -536,6 +537,24 @@ def _validate_parallelism(cfg: Config) -> None:
         )
 
 
+def _check_expert_sharding(cfg: Config) -> None:
+    """FSDP shards each stacked expert weight along its second dimension (`parallelisms.fsdp`: model.dim for
+    w2, model.expert_hidden_dim for w1 and w3) over the ranks holding the same experts, and cannot shard it
+    unevenly there."""
+    p, m = cfg.parallelism, cfg.model
+    shards = p.dp // p.ep if p.ep > 1 else p.dp
+    if shards == 1 or not m.n_routed_experts:
+        return
+    for key, size in (("model.dim", m.dim), ("model.expert_hidden_dim", m.expert_hidden_dim)):
+        _check(
+            size % shards == 0,
+            key,
+            f"({size}) must be divisible by the {shards} ranks that shard each routed expert "
+            f"(parallelism.dp / parallelism.ep, or parallelism.dp when ep is 1): FSDP shards every stacked "
+            "expert weight along it and cannot shard it unevenly",
+        )
+
+
 def fit_world(cfg: Config, world_size: int) -> Config:
     """The config this run trains with on `world_size` processes: `cfg` itself where pp x dp is the world;
     with `parallelism.elastic`, the layout `parallelisms.elastic` gives that world (ConfigError naming the key
@@ -548,6 +567,7 @@ def fit_world(cfg: Config, world_size: int) -> Config:
             raise ConfigError(f"config key 'parallelism.elastic': {e}") from None
         training = dataclasses.replace(cfg.training, micro_batches=layout.micro_batches)
         cfg = dataclasses.replace(cfg, parallelism=layout.parallelism, training=training)
+        _check_expert_sharding(cfg)
     check_world_size(cfg, world_size)
     return cfg
 
