@@ -11,6 +11,7 @@ operand) is described by a :class:`Stacked`: each slice is named and handled as 
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -77,6 +78,18 @@ class TensorRef:
         value = optimizer.state.get(self.param, {}).get(key)
         return None if value is None else self.part_of(value, views)
 
+    def largest_numel(self, tensor: torch.Tensor) -> int:
+        """Elements of the largest part `part_of` gives any rank of `tensor` (shaped like the parameter, or
+        0-dim): the same on every rank of a data-parallel group, where the local parts differ by a row when a
+        sharded dimension does not divide (FSDP cuts `ceil(rows / ranks)` rows for the first ranks)."""
+        if tensor.dim() == 0:
+            return 1
+        shape = list(tensor.shape)
+        for mesh_dim, placement in enumerate(getattr(tensor, "placements", ())):
+            if placement.is_shard():
+                shape[placement.dim] = -(-shape[placement.dim] // tensor.device_mesh.size(mesh_dim))
+        return math.prod(shape[1:] if self.index is not None else shape)
+
     def set_frozen(self, frozen: bool) -> None:
         if self.index is None:
             self.param.requires_grad_(not frozen)
@@ -133,8 +146,9 @@ class Operator:
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # persistent non-gradient state
     frozen: bool = False  # during a replay: forward and input gradient only (moevement.recovery.replay)
 
-    def numel(self, views: LocalViews | None = None) -> int:
-        return sum(ref.local(views).numel() for ref in self.params.values())
+    def numel(self) -> int:
+        """Elements of its parameters' largest parts (`TensorRef.largest_numel`: alike on every replica)."""
+        return sum(ref.largest_numel(ref.param) for ref in self.params.values())
 
     def master_tensors(
         self, optimizer: torch.optim.Optimizer, views: LocalViews | None = None
@@ -156,17 +170,20 @@ class Operator:
             (name, b.detach()) for name, b in self.buffers.items()
         ]
 
-    def fp32_bytes(self, optimizer: torch.optim.Optimizer, views: LocalViews | None = None) -> int:
-        """Bytes of the full FP32 state; a parameter without optimizer state yet counts AdamW's two moments."""
+    def fp32_bytes(self, optimizer: torch.optim.Optimizer) -> int:
+        """Bytes of the full FP32 state of the largest part any replica holds (so every replica of a data-parallel
+        group plans alike); a parameter without optimizer state yet counts AdamW's two moments."""
         total = self._buffer_bytes()
         for ref in self.params.values():
-            nbytes = _nbytes(ref.local(views))
-            states = [v for k in OPTIMIZER_KEYS if (v := ref.state(optimizer, k, views)) is not None]
-            total += nbytes + (sum(_nbytes(v) for v in states) if states else 2 * nbytes)
+            nbytes = ref.largest_numel(ref.param) * ref.param.element_size()
+            state = optimizer.state.get(ref.param, {})
+            states = [v for k in OPTIMIZER_KEYS if (v := state.get(k)) is not None]
+            total += nbytes + (sum(ref.largest_numel(v) * v.element_size() for v in states) if states else 2 * nbytes)
         return total
 
-    def compute_bytes(self, compute_dtype: torch.dtype, views: LocalViews | None = None) -> int:
-        return self.numel(views) * compute_dtype.itemsize + self._buffer_bytes()
+    def compute_bytes(self, compute_dtype: torch.dtype) -> int:
+        """Bytes of its compute weights' largest parts (as `fp32_bytes`) and its buffers."""
+        return self.numel() * compute_dtype.itemsize + self._buffer_bytes()
 
     def _buffer_bytes(self) -> int:
         return sum(_nbytes(b) for b in self.buffers.values())

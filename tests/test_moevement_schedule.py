@@ -1,7 +1,10 @@
 """MoEvement planning: Algorithm 1 (window size, schedule), expert popularity, operator registry."""
 
 import dataclasses
+import gc
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -309,6 +312,48 @@ def test_registry_partitions_parameters(family):
     assert ("layers.1.moe.shared_expert_gate.weight" in shared) == (family == "qwen")
     assert "layers.1.moe.shared_experts.w1.weight" in shared
     assert "layers.1.moe.router.gate.weight" in by_name["layers.1.moe.router"].params
+
+
+def _sizes_worker(rank: int, store_path: str, out_dir: str) -> None:
+    """Two FSDP replicas of a model whose dimension 0 does not divide by 2: its operators' sizes."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from parallelisms.fsdp import _within_each_expert
+
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, 2)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    try:
+        torch.manual_seed(0)
+        # the embedding and head: 33 rows on rank 0, 32 on rank 1; stacked experts split evenly along dim 1
+        model = build_model(ModelArgs(**{**TINY_ARGS, "vocab_size": 65}))
+        stacked = stacked_operators(model)
+        fully_shard(model, mesh=init_device_mesh("cpu", (2,)), shard_placement_fn=_within_each_expert)
+        ops = build_registry(model, stacked)
+        optimizer = torch.optim.AdamW(model.parameters())
+        sizes = [[op.fp32_bytes(optimizer), op.compute_bytes(torch.bfloat16)] for op in ops]
+        local = [sum(ref.local().numel() for ref in op.params.values()) for op in ops]
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps({"sizes": sizes, "local": local}))
+        del model, ops, optimizer
+        gc.collect()  # FSDP's hooks hold the group: free them before the group goes
+    finally:
+        dist.destroy_process_group()
+
+
+def test_operator_sizes_agree_across_replicas_of_uneven_shards(tmp_path):
+    """Guarantee: the replicas of a data-parallel group plan the same slots: operator sizes count the largest
+    shard any replica holds, so two FSDP replicas whose local parts differ by a row (2 real gloo processes)
+    give every operator the same FP32 and compute bytes (which `checkpoint.slots = bytes` cuts by)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_sizes_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["local"] != ranks[1]["local"], "the local parts differ"
+    assert ranks[0]["sizes"] == ranks[1]["sizes"]
 
 
 def test_registry_rejects_unknown_tensor_and_undescribed_stacked_experts():

@@ -188,11 +188,7 @@ class WindowPlanner:
         tensors (`state`, read now) change (a first step creates them)."""
         if self._sizes is not None and same_tensors(state, self._sizes[0]):
             return self._sizes[1]
-        views = LocalViews()
-        sizes = {
-            op.name: (op.fp32_bytes(self.optimizer, views), op.compute_bytes(self.compute_dtype, views))
-            for op in self.ops
-        }
+        sizes = {op.name: (op.fp32_bytes(self.optimizer), op.compute_bytes(self.compute_dtype)) for op in self.ops}
         self._sizes = (state, sizes)
         return sizes
 
