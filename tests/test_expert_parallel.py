@@ -61,17 +61,6 @@ def test_single_process_is_noop():
         local_expert_ids(8, 0, 3)
 
 
-def _load_worker(rank: int, world: int, store_path: str) -> None:
-    torch.set_num_threads(1)
-    store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    try:
-        _check_global_load(rank, world)
-        gc.collect()  # the layer's bound seam holds the group: free it before the group goes
-    finally:
-        dist.destroy_process_group()
-
-
 def _check_global_load(rank: int, world: int) -> None:
     """Each replica's own counts and gate sums through `global_load` over the dp group."""
     moe = MoE(ModelArgs(**ARGS))
@@ -92,7 +81,7 @@ def test_load_statistics_are_summed_over_the_data_parallel_group_alike_on_every_
     """Guarantee: popularity orders agree inside a data-parallel group, for every ordering policy: the token
     counts and gate-probability sums each replica's routers saw are summed over the group (2 real gloo
     processes), the sums in fixed point so every replica holds the same bits."""
-    mp.spawn(_load_worker, args=(WORLD, str(tmp_path / "store")), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(WORLD, str(tmp_path / "store"), "load"), nprocs=WORLD, join=True)
 
 
 def _loss_and_grads(layer, x, w, n_tokens):
@@ -105,13 +94,14 @@ def _loss_and_grads(layer, x, w, n_tokens):
     return out.detach(), x.grad
 
 
-def _worker(rank: int, world: int, store_path: str) -> None:
+def _worker(rank: int, world: int, store_path: str, checks: str) -> None:
+    """One process of `world` running the `CHECKS[checks]` functions."""
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
-        _check_moe_layer(rank, world)
-        _check_transformer(rank, world)
+        for check in CHECKS[checks]:
+            check(rank, world)
         gc.collect()  # the layers' bound seams hold the groups: free them before the groups go
     finally:
         dist.destroy_process_group()
@@ -176,4 +166,7 @@ def _check_transformer(rank: int, world: int) -> None:
 
 @pytest.mark.slow
 def test_expert_parallel_matches_single_process(tmp_path):
-    mp.spawn(_worker, args=(WORLD, str(tmp_path / "store")), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(WORLD, str(tmp_path / "store"), "layers"), nprocs=WORLD, join=True)
+
+
+CHECKS = {"load": (_check_global_load,), "layers": (_check_moe_layer, _check_transformer)}
