@@ -28,7 +28,8 @@ def header(entries: list[Entry], iteration: int) -> SnapshotHeader:
     """A W=1 snapshot header of `entries` at `iteration`, with a checksum and a scalar log like the trainer's."""
     names = sorted({e.op for e in entries})
     meta = {"seed": 0, "data_position": iteration, "scalars": {"loss": 2.5 + iteration, "grad_norm": 0.75}}
-    return SnapshotHeader(iteration, iteration, 0, 1, 0, names, [], entries, 21_800_000, meta, [[0, 5704, "0" * 16]])
+    checksums = [[0, len(entries), "0" * 16]]
+    return SnapshotHeader(iteration, iteration, 0, 1, 0, names, [], entries, 21_800_000, meta, checksums)
 
 
 def layout(count: int) -> list[Entry]:
