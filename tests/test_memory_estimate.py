@@ -231,7 +231,12 @@ PEAK_CASES = {
     "fp32": ["--training.micro_batches", "1"],
     "fp32-2-micro-batches-full-ac": ["--training.micro_batches", "2", "--training.activation_checkpoint", "full"],
     "fp32-selective-ac": ["--training.micro_batches", "1", "--training.activation_checkpoint", "selective"],
-    "bf16-fsdp": ["--training.micro_batches", "1", "--training.mixed_precision", "bf16"],
+    # SGEMM products on every CPU: `auto` picks oneDNN's native bf16 kernels where the CPU has AMX, and those
+    # held about 150 MB more at this peak (estimate/measured 0.53 against 0.88), which no GPU kernel does
+    "bf16-fsdp": [
+        *("--training.micro_batches", "1", "--training.mixed_precision", "bf16"),
+        *("--training.cpu_bf16_gemm", "fp32"),
+    ],
 }
 
 
@@ -273,7 +278,7 @@ def _peak_worker(rank: int, overrides: list[str], out: str) -> None:
     dist.destroy_process_group()
 
 
-@pytest.mark.slow  # resident memory depends on the environment: 0.77 and 0.89 for bf16-fsdp in two venvs
+@pytest.mark.slow  # resident memory depends on the environment (the allocator, the CPU's kernels)
 @pytest.mark.parametrize("case", list(PEAK_CASES))
 def test_peak_estimate_is_within_tolerance_of_a_measured_cpu_peak(tmp_path, case):
     """One process on CPU (the accelerator's bookkeeping, CPU kernels): the printed peak against the peak
