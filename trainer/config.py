@@ -542,7 +542,7 @@ def _check_expert_sharding(cfg: Config) -> None:
     w2, model.expert_hidden_dim for w1 and w3) over the ranks holding the same experts, and cannot shard it
     unevenly there."""
     p, m = cfg.parallelism, cfg.model
-    shards = p.dp // p.ep if p.ep > 1 else p.dp
+    shards = p.dp // p.ep  # the data-parallel ranks holding the same experts
     if shards == 1 or not m.n_routed_experts:
         return
     for key, size in (("model.dim", m.dim), ("model.expert_hidden_dim", m.expert_hidden_dim)):
@@ -550,7 +550,7 @@ def _check_expert_sharding(cfg: Config) -> None:
             size % shards == 0,
             key,
             f"({size}) must be divisible by the {shards} ranks that shard each routed expert "
-            f"(parallelism.dp / parallelism.ep, or parallelism.dp when ep is 1): FSDP shards every stacked "
+            f"(parallelism.dp / parallelism.ep): FSDP shards every stacked "
             "expert weight along it and cannot shard it unevenly",
         )
 
