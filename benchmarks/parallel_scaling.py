@@ -26,6 +26,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from benchmarks.variants import QUIET
 from parallelisms import collectives
 from parallelisms.distributed import device_type, init_distributed, shutdown_distributed
 from parallelisms.mesh import ParallelismConfig, build_mesh
@@ -35,20 +36,8 @@ from trainer.config import load_config
 
 CONFIG = "train_configs/debug_moe.toml"
 COMMON = [
-    "--model.n_layers",
-    "4",
-    "--training.batch_size",
-    "16",
-    "--training.micro_batches",
-    "4",
-    "--training.seq_len",
-    "128",
-    "--metrics.tensorboard",
-    "false",
-    "--metrics.log_every",
-    "1",
-    "--training.val_every",
-    "0",
+    *("--model.n_layers", "4", "--training.batch_size", "16", "--training.micro_batches", "4"),
+    *("--training.seq_len", "128", *QUIET),
 ]
 VARIANTS = {  # name: (processes, parallelism overrides)
     "1proc": (1, []),
