@@ -3,8 +3,7 @@
 # of the GPU check and the snapshot experiments, each part within its time budget, and write the whole log
 # (and each part's) under $OUT. docs/benchmarks.md, "The prepared GPU check", says what the parts measure.
 #
-#   in the checkout, once:  mkdir -p .whl && cp ../shared/wheels/*.whl .whl/ &&
-#                           (grep -qx /.whl/ .git/info/exclude || echo /.whl/ >> .git/info/exclude)
+#   in the checkout, once:  mkdir -p .whl && cp ../shared/wheels/*.whl .whl/ && echo '*' > .whl/.gitignore
 #   the device call:        run(command="bash benchmarks/gpu_check/on_device.sh", carry=[".whl"], timeout_s=600)
 #
 # Parts, in order, with their budgets in seconds (540 together: 9 minutes, within the 10 one command may run).
@@ -58,9 +57,9 @@ setup() {
         echo "setup: $(cd "$WHEELS" && echo *.whl) in $site"
     else
         echo "setup: no wheels in $WHEELS/ (train.py needs torchdata, section 7 py-spy). To carry them, in the" \
-            "checkout: mkdir -p .whl && cp ../shared/wheels/*.whl .whl/ && (grep -qx /.whl/ .git/info/exclude" \
-            "|| echo /.whl/ >> .git/info/exclude); then run(command=\"bash benchmarks/gpu_check/on_device.sh\"," \
-            "carry=[\".whl\"], timeout_s=600)"
+            "checkout: mkdir -p .whl && cp ../shared/wheels/*.whl .whl/ && echo '*' > .whl/.gitignore (git then" \
+            "ignores the folder); then run(command=\"bash benchmarks/gpu_check/on_device.sh\", carry=[\".whl\"]," \
+            "timeout_s=600)"
     fi
     mapfile -t INFO < <("$PYTHON" - <<'PY'
 import importlib.util
