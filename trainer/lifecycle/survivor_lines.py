@@ -6,8 +6,10 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import ClassVar
+
+from trainer.lifecycle.typed_lines import line_of, record_of
 
 REJOINS = "rejoins"  # keeps its state in memory and joins the next in-place generation
 START_FAILED = "start_failed"  # a peer died while a generation started: joins the next one
@@ -66,15 +68,9 @@ class SurvivorLine:
 
     def record(self) -> dict:
         """The run record's JSON object of this line."""
-        record = {"kind": self.KIND, **asdict(self)}
-        for key in ("since_unix", "detected_unix"):
-            if record[key] is not None:
-                record[key] = float(f"{record[key]:.3f}")
-        return record
+        return record_of(self, {"since_unix": 3, "detected_unix": 3})
 
     @classmethod
     def from_record(cls, record: dict) -> SurvivorLine:
         """The line of a record `record()` wrote (KeyError, TypeError or ValueError if it is not one)."""
-        line = cls(**{k: v for k, v in record.items() if k != "kind"})
-        line.line()  # an unknown `what` is not a record this program wrote
-        return line
+        return line_of(cls, record)

@@ -72,8 +72,9 @@ class Event(Protocol):
 
 def append_event(run_dir: Path, event: Event) -> None:
     """Append `event`'s record to `run_dir`'s events.jsonl: opened for appending without following a symlink
-    (OSError if it is one), one `write` of the whole line, closed again (a few records per run: no descriptor
-    outlives the generation that wrote). A process killed around it leaves the line whole or absent."""
+    (OSError if it is one), one `write` of the whole line, closed again (one record per iteration and a few
+    more: no descriptor outlives the generation that wrote, and no writer holds one another must share). A
+    process killed around it leaves the line whole or absent."""
     data = (json.dumps(event.record(), separators=(",", ":")) + "\n").encode()
     path = run_dir / EVENTS
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
