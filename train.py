@@ -53,14 +53,20 @@ from trainer.lifecycle.process import run_process
 from trainer.lifecycle.start_plan import StartPlan, agree_on_attempt, plan_start
 from trainer.lifecycle.stop_guard import StopGuard
 from trainer.lifecycle.survival import keep_for_torchrun_restart
+from trainer.lifecycle.survivor_lines import PREEMPTED, SurvivorLine
 from trainer.optim import build_optimizer
-from trainer.run import host_estimate
+from trainer.run import event_log, host_estimate
 from trainer.run.accounting import RunAccounting
-from trainer.run.event_lines import FaultStrike, FinalLine
+from trainer.run.event_lines import ElasticLayout, FaultStrike, FinalLine
 from trainer.run.fault_injection import KillSwitch, arm_kill, fired, kill_if_joining, record_fired
 from trainer.run.host_paths import host_job_dir
 from trainer.run.metrics import MetricsLogger
-from trainer.run.run_record import open_run_record, publish_run_folder, tell_the_shell_the_run_folder
+from trainer.run.run_record import (
+    open_run_record,
+    publish_run_folder,
+    published_run_folder,
+    tell_the_shell_the_run_folder,
+)
 from trainer.run.strategy_factory import build_strategy
 from trainer.run.window_profile import write_window_profile
 from trainer.step import DropoutSeeder, evaluate, set_aux_grad_scale, take_expert_load, train_step
@@ -116,7 +122,7 @@ def stop_guard(cfg: Config, rank: int, plan: StartPlan) -> StopGuard:
     its live state in host memory for a torchrun restart (trainer/lifecycle/survival.py). Host state is committed
     atomically (docs/design.md §6), so nothing is left half-written."""
 
-    def preempted_line(step: int, kept: str) -> str:
+    def preempted_line(step: int, kept: str, detected_unix: float | None = None) -> SurvivorLine:
         strategy = cfg.checkpoint.strategy
         resumes = {
             "moevement": "a torchrun restart resumes from it, a relaunch from the newest persisted sparse checkpoint",
@@ -124,7 +130,7 @@ def stop_guard(cfg: Config, rank: int, plan: StartPlan) -> StopGuard:
         }.get(strategy, f"a torchrun restart resumes from the newest {strategy} checkpoint, a relaunch starts over")
         if cfg.parallelism.elastic:
             resumes = "an elastic job's restart or relaunch resumes from the newest periodic dense checkpoint"
-        return f"preempted: rank {rank} received SIGTERM at step {step}; host state kept ({kept}): {resumes}"
+        return SurvivorLine(PREEMPTED, rank, step, kept=kept, detected_unix=detected_unix, resumes=resumes)
 
     keep = None
     if plan.kept is not None or plan.accounting is not None:
@@ -208,24 +214,24 @@ def resume_dense(cfg: Config, model: ModelParts, optimizer: torch.optim.Optimize
     return step, loss
 
 
-def fit_layout(cfg: Config, world: int, rank: int) -> Config:
-    """The config this rank trains with on `world` processes (`fit_world`); an elastic job says its layout
-    in one line."""
+def fit_layout(cfg: Config, world: int, rank: int) -> tuple[Config, ElasticLayout | None]:
+    """The config this rank trains with on `world` processes (`fit_world`), and an elastic job's layout, which
+    rank 0 prints in one line now (its run record keeps it once the run folder is open: `open_logger`)."""
     fitted = fit_world(cfg, world)
-    if cfg.parallelism.elastic and rank == 0:
-        p, configured = fitted.parallelism, cfg.parallelism
+    if not cfg.parallelism.elastic or rank != 0:
+        return fitted, None
+    p, configured = fitted.parallelism, cfg.parallelism
+    layout = ElasticLayout(
+        world, p.pp, p.dp, p.ep, fitted.training.micro_batches, configured.dp, cfg.training.micro_batches
+    )
+    print(layout.line(), flush=True)
+    if "TORCHELASTIC_RUN_ID" in os.environ and workers_share_agent_store():
         print(
-            f"elastic: {world} processes: pp={p.pp} dp={p.dp} ep={p.ep} micro_batches={fitted.training.micro_batches}"
-            f" (configured dp={configured.dp} micro_batches={cfg.training.micro_batches})",
+            "WARNING: elastic: the workers share their torchrun agent's store, which a node that comes back "
+            "cannot join (torch 2.13): launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
             flush=True,
         )
-        if "TORCHELASTIC_RUN_ID" in os.environ and workers_share_agent_store():
-            print(
-                "WARNING: elastic: the workers share their torchrun agent's store, which a node that comes back "
-                "cannot join (torch 2.13): launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
-                flush=True,
-            )
-    return fitted
+    return fitted, layout
 
 
 def elastic_worlds_line(cfg: Config) -> str:
@@ -248,7 +254,7 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
     rank, world = init_distributed(cfg.fault.timeout_s, generation=plan.generation, watch=watch)
     plan = agree_on_attempt(plan)
     plan.process.startup.mark("process_group")
-    cfg = fit_layout(cfg, world, rank)
+    cfg, layout = fit_layout(cfg, world, rank)
     faults = fault_plan(cfg, world)
     kill_if_joining(faults, rank, plan.kept.next_iteration if plan.kept else None, cfg.fault.kill_signal)
     if cfg.checkpoint.save_final:
@@ -262,16 +268,20 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
     plan.process.startup.mark("model")
     seeder = DropoutSeeder(model, cfg.job.seed, dims.dp_rank)
     step, loss = resume_dense(cfg, model, optimizer, rank)
-    logger = open_logger(cfg, rank, world, dims, plan)
+    logger = open_logger(cfg, rank, world, dims, plan, layout)
     ft = build_strategy(cfg, model, optimizer, dims, seeder, train_batches, logger.line, plan, step)
-    tell_the_shell_the_run_folder()  # past the strategy's collectives: rank 0 has named it
+    folder = published_run_folder()  # past the strategy's collectives: rank 0 has named it
+    if rank != 0:
+        event_log.record_events_in(folder)  # a rank on rank 0's host records its own lines
+    tell_the_shell_the_run_folder(folder)
     plan.process.startup.mark("strategy")
     optimizer.register_step_pre_hook(guard.optimizer_step_begins)  # after the checkpointer's copy wait
-    say = functools.partial(logger.line, every_rank=True)  # a dying rank's `fault:` line (rank 0 records it)
+    say = functools.partial(logger.line, every_rank=True)  # a dying rank's `fault:` line, recorded where it can be
     kill = arm_kill(faults, rank, model, optimizer, guard, seeder, cfg.fault.kill_signal, say)
     step, loss = ft.resume(step, loss)
     logger.start(step + 1)
     logger.recovery(ft.last_recovery())  # a restarted generation's rejoin or restart, if it was one
+    logger.catch_up(step, ft.logged_scalars)  # iterations the survivors finished after rank 0 died
     val_data = validation_data(cfg, val_batches, dims)
     job = Job(
         cfg,
@@ -308,14 +318,20 @@ def training_data(cfg: Config):
     return train_batches, val_batches
 
 
-def open_logger(cfg: Config, rank: int, world: int, dims: ParallelDims, plan: StartPlan) -> MetricsLogger:
+def open_logger(
+    cfg: Config, rank: int, world: int, dims: ParallelDims, plan: StartPlan, layout: ElasticLayout | None
+) -> MetricsLogger:
     """The run's console lines and records: rank 0 opens the run record (a new folder, or the folder of the
-    run a restarted generation continues) and names it for the rank shells."""
+    run a restarted generation continues), records its events there from now on (the elastic `layout` it
+    printed first) and names it for the other ranks and the rank shells."""
     run_dir, continued = open_run_record(cfg, world, sys.argv, plan.restarted) if rank == 0 else (None, False)
     if run_dir is not None:
+        event_log.record_events_in(run_dir)
         publish_run_folder(run_dir)
     logger = MetricsLogger(cfg, rank, dims.pp_rank, run_dir, continued, dims.device)
     logger.line(f"run: {run_dir}" + (" (continued by a later generation of the run)" if continued else ""))
+    if layout is not None:
+        event_log.record(layout)
     return logger
 
 

@@ -1,6 +1,7 @@
 """What the tests share: the repository's paths, running train.py (and a rank shell) as real processes, the
-command lines of the end-to-end cases and their fault-free runs, and reading a run's output: its `step=`
-lines from stdout, its recovery, fault and final lines from the run record's events (`run_events`).
+command lines of the end-to-end cases and their fault-free runs, and reading what a run recorded: its step,
+validation, survivor, recovery, fault and final lines from the run record's events (`run_events`), never
+from its stdout.
 
 No test module imports another: what two of them need lives here (or in tests/tiny_moe.py)."""
 
@@ -9,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -19,8 +19,9 @@ import time
 from pathlib import Path
 
 from moevement.recovery.report import RecoveryReport, RecoveryWork
-from trainer.run.event_lines import FinalLine
-from trainer.run.event_log import RunEvent, read_events
+from trainer.lifecycle.survivor_lines import SurvivorLine
+from trainer.run.event_lines import FaultStrike, FinalLine, StepLine, ValidationLine
+from trainer.run.event_log import RunEvent, last_step, read_events, run_folders
 from trainer.run.event_log import run_events as _run_events
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -155,41 +156,107 @@ def session_trainers(session: int) -> list[int]:
 # ---- what a run printed and recorded ----------------------------------------------------------------------
 
 
-def step_losses(stdout: str) -> dict[int, float]:
-    return {int(m[1]): float(m[2]) for m in re.finditer(r"^step=(\d+) loss=(\S+)", stdout, re.M)}
+Run = str | Path | list[RunEvent]  # a run's stdout (its `run: <dir>` lines), its run folder, or its events
 
 
-def run_events(run: str | Path, cwd: Path = ROOT) -> list[RunEvent]:
-    """The one reader of a run's recorded events (`recovery`, `recovery work`, `fault`, `final`), in order:
-    `run` is its stdout (the folders its `run: <dir>` lines name, relative ones against `cwd`) or its run
-    folder."""
+def run_events(run: Run, cwd: Path = ROOT) -> list[RunEvent]:
+    """The one reader of a run's recorded events, in order: `run` is its stdout (the folders its `run: <dir>`
+    lines name, relative ones against `cwd`), its run folder, or events already read (returned as they are)."""
+    if isinstance(run, list):
+        return run
     return read_events(run) if isinstance(run, Path) else _run_events(run, cwd)
 
 
-def recoveries(run: str | Path) -> list[RecoveryReport]:
+def steps(run: Run) -> list[StepLine]:
+    """The `step` records of a run (every iteration, each once), in order."""
+    return [e for e in run_events(run) if isinstance(e, StepLine)]
+
+
+def step_losses(run: Run) -> dict[int, float]:
+    """{iteration: loss} of a run's `step` records (the loss as its line prints it)."""
+    return {line.step: line.value("loss") for line in steps(run)}
+
+
+# the console lines of a run's recorded kinds (trainer/run/event_log.py KINDS), by how they start
+RECORDED = (
+    "step=",
+    "validation step=",
+    "elastic: ",
+    "fault: ",
+    "survivor: ",
+    "failure detected: ",
+    "preempted: ",
+    "shell: ",
+    "recovery step=",
+    "recovery work ",
+    "final step=",
+)
+# what the README's demo (`make train`: a death replaced in place) records, at least
+DEMO_KINDS = {"step", "fault", "survivor", "shell", "recovery", "recovery_work", "final"}
+
+
+def assert_recorded_as_printed(out: str) -> list[RunEvent]:
+    """The run's events, once checked against its stdout `out`: every line printed of a recorded kind (by
+    any process) is one record, and each record reads back into its printed line byte for byte (lines of
+    different processes may reach stdout in another order than their records reach the file)."""
+    events = run_events(out)
+    printed = sorted(line for line in out.splitlines() if line.startswith(RECORDED))
+    assert sorted(e.line() for e in events if e.line().startswith(RECORDED)) == printed, out
+    return events
+
+
+def reached(printed: str, step: int, cwd: Path = ROOT) -> bool:
+    """Whether the run whose stdout so far is `printed` has recorded iteration `step` (or a later one)."""
+    return any(last_step(folder) >= step for folder in run_folders(printed, cwd))
+
+
+def assert_each_step_once(run: Run, reference: Run) -> None:
+    """Every iteration of `run` is recorded once, in order, with the loss of the same iteration of the
+    fault-free `reference`, and `run` trained as far as `reference`."""
+    logged = [line.step for line in steps(run)]
+    expected = step_losses(reference)
+    assert logged == list(range(1, max(expected) + 1)), logged
+    assert step_losses(run) == expected
+
+
+def faults(run: Run) -> list[FaultStrike]:
+    """The `fault:` lines of a run, as recorded (by whichever rank printed them, on rank 0's host)."""
+    return [e for e in run_events(run) if isinstance(e, FaultStrike)]
+
+
+def validations(run: Run) -> list[ValidationLine]:
+    """The `validation step=...` lines of a run, as recorded."""
+    return [e for e in run_events(run) if isinstance(e, ValidationLine)]
+
+
+def survivors(run: Run) -> list[SurvivorLine]:
+    """The `survivor:`, `failure detected:` and `preempted:` lines of a run, as recorded."""
+    return [e for e in run_events(run) if isinstance(e, SurvivorLine)]
+
+
+def recoveries(run: Run) -> list[RecoveryReport]:
     """The `recovery step=...` lines of a run, as recorded."""
     return [e for e in run_events(run) if isinstance(e, RecoveryReport)]
 
 
-def recovery_work(run: str | Path) -> list[RecoveryWork]:
+def recovery_work(run: Run) -> list[RecoveryWork]:
     """The `recovery work ...` lines of a run, as recorded."""
     return [e for e in run_events(run) if isinstance(e, RecoveryWork)]
 
 
-def final_line(run: str | Path | list[RunEvent]) -> tuple[int, float, str]:
-    """(step, loss, state_digest) of the first `final` line among a run's events (`run`: as `run_events`
-    takes it, or events already read)."""
-    events = run if isinstance(run, list) else run_events(run)
+def final_line(run: Run) -> tuple[int, float, str]:
+    """(step, loss, state_digest) of the first `final` line among a run's events."""
+    events = run_events(run)
     finals = [e for e in events if isinstance(e, FinalLine)]
     assert finals, f"no final line recorded for:\n{run}"
     return finals[0].step, finals[0].loss, finals[0].state_digest
 
 
-def after(stdout: str, event: RunEvent) -> str:
-    """`stdout` after the last printing of `event`'s line."""
-    line = event.line() + "\n"
-    assert line in stdout, f"{line!r} not printed in:\n{stdout}"
-    return stdout[stdout.rindex(line) + len(line) :]
+def after(run: Run, event: RunEvent) -> list[RunEvent]:
+    """A run's events after the last record of `event`."""
+    events = run_events(run)
+    assert event in events, f"{event.line()!r} not recorded in {events}"
+    return events[len(events) - events[::-1].index(event) :]
 
 
 def stepped_operators(cfg) -> tuple[list, object]:

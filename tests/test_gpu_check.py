@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -31,6 +32,8 @@ from benchmarks.gpu_check.shared_gpu import LINE
 from models.experts import GROUPED_MM_FLOPS
 from parallelisms.distributed import default_backend
 from tests.helpers import CHILD_ENV, ROOT
+from trainer.run.event_lines import StepLine
+from trainer.run.event_log import append_event
 
 SHARED_WHEELS = ROOT.parent / "shared" / "wheels"  # torchdata and py-spy for the lent GPU machine
 
@@ -92,9 +95,17 @@ def test_overhead_fields_median_and_spread_of_the_rounds():
     assert line == "overhead=+0.0400 (median of 5 interleaved rounds, min +0.0100, max +0.1000)"
 
 
-def test_overhead_section_alternates_the_order_and_reports_every_round(monkeypatch):
-    """Section 2's figures from given step lines (no train.py): none and moevement alternate which runs first,
-    and the line shows the median and spread of all five rounds (moevement 10% slower in each)."""
+def recorded_run(folder: Path, steps: list[dict[str, float]]) -> str:
+    """A run's stdout naming `folder`, whose events hold one `step` record per item of `steps` (from 1)."""
+    folder.mkdir()
+    for t, fields in enumerate(steps, 1):
+        append_event(folder, StepLine(t, tuple(fields.items())))
+    return f"run: {folder}\n"
+
+
+def test_overhead_section_alternates_the_order_and_reports_every_round(monkeypatch, tmp_path):
+    """Section 2's figures from given step records (no train.py): none and moevement alternate which runs
+    first, and the line shows the median and spread of all five rounds (moevement 10% slower in each)."""
     order = []
 
     def fake_train(args: list[str], timeout_s: float) -> str:
@@ -102,8 +113,8 @@ def test_overhead_section_alternates_the_order_and_reports_every_round(monkeypat
         order.append(strategy)
         ms, mb = (110.0, 5.0) if strategy == "moevement" else (100.0, 0.0)
         tok_per_s = overhead.BATCH * overhead.SEQ_LEN / ms * 1e3
-        lines = [f"step={t} loss=1 tok_per_s={tok_per_s} window=1 stall_ms=0.1 ckpt_mb={mb}" for t in range(1, 19)]
-        return "\n".join(lines)
+        step = {"loss": 1.0, "tok_per_s": tok_per_s, "window": 1, "stall_ms": 0.1, "ckpt_mb": mb}
+        return recorded_run(tmp_path / f"run{len(order)}", [step] * 18)
 
     monkeypatch.setattr(overhead, "train", fake_train)
     section = Section(2, "overhead", 10)
@@ -113,17 +124,17 @@ def test_overhead_section_alternates_the_order_and_reports_every_round(monkeypat
     assert "overhead=+0.1000 (median of 5 interleaved rounds, min +0.1000, max +0.1000)" in section.notes[0]
 
 
-def test_in_process_block_pairs_give_the_snapshots_own_cost(monkeypatch):
+def test_in_process_block_pairs_give_the_snapshots_own_cost(monkeypatch, tmp_path):
     """Section 2's one-process run: snapshots in every other block of AB_BLOCK iterations, 5% slower there."""
 
     def fake_train(args: list[str], timeout_s: float) -> str:
         assert args[args.index("--checkpoint.ab_blocks") + 1] == str(overhead.AB_BLOCK)
-        lines = []
+        steps = []
         for t in range(1, overhead.AB_STEPS + 1):
             on = t > 2 and (t // overhead.AB_BLOCK) % 2 == 0
             tok_per_s = overhead.BATCH * overhead.SEQ_LEN / (105.0 if on else 100.0) * 1e3
-            lines.append(f"step={t} loss=1 tok_per_s={tok_per_s} ckpt_mb={5.0 if on else 0.0}")
-        return "\n".join(lines)
+            steps.append({"loss": 1.0, "tok_per_s": tok_per_s, "ckpt_mb": 5.0 if on else 0.0})
+        return recorded_run(tmp_path / "ab", steps)
 
     monkeypatch.setattr(overhead, "train", fake_train)
     section = Section(2, "overhead", 10)

@@ -29,6 +29,7 @@ from trainer.lifecycle.process_state import ProcessState
 from trainer.lifecycle.start_plan import StartPlan
 from trainer.lifecycle.startup import Startup
 from trainer.lifecycle.stop_guard import StopGuard
+from trainer.lifecycle.survivor_lines import PREEMPTED, SurvivorLine
 from trainer.lifecycle.verdict import (
     Happened,
     OnSigterm,
@@ -93,7 +94,7 @@ def test_the_facts_come_from_the_error_and_the_process(monkeypatch):
 def guard(monkeypatch):
     """A stop guard in this process; SIGTERM's handler and the process's record of SIGTERM restored after."""
     previous = signal.getsignal(signal.SIGTERM)
-    yield StopGuard(0, lambda step, kept: f"preempted at step {step} ({kept})", ProcessState(Startup()))
+    yield StopGuard(0, lambda step, kept: SurvivorLine(PREEMPTED, 0, step, kept=kept), ProcessState(Startup()))
     signal.signal(signal.SIGTERM, previous)
 
 
@@ -132,9 +133,11 @@ import os, signal, sys
 sys.path.insert(0, os.getcwd())
 from trainer.lifecycle.start_plan import plan_start
 from trainer.lifecycle.stop_guard import StopGuard
+from trainer.lifecycle.survivor_lines import PREEMPTED, SurvivorLine
+from trainer.lifecycle.survivor_lines import PREEMPTED, SurvivorLine
 process = plan_start().process
 process.sigterm_at = {earlier}  # a SIGTERM that reached an earlier generation of this process, if any
-guard = StopGuard(3, lambda step, kept: f"preempted: rank 3 at step {{step}}; kept {{kept}}", process, step={step})
+guard = StopGuard(3, lambda step, kept: SurvivorLine(PREEMPTED, 3, step, kept=kept, resumes="r"), process, step={step})
 os.kill(os.getpid(), signal.SIGTERM)
 print("not reached")
 """
@@ -149,7 +152,8 @@ def test_sigterm_before_training_exits_at_once_with_the_preempted_line(earlier, 
     script = GUARD.format(earlier=earlier, step=held)
     proc = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
-    assert proc.stdout == f"preempted: rank 3 at step {held}; kept nothing new to keep\n"
+    kept = "host state kept (nothing new to keep)"
+    assert proc.stdout == f"preempted: rank 3 received SIGTERM at step {held}; {kept}: r\n"
 
 
 def test_a_survivor_and_a_replacement_agree_on_the_next_generation():

@@ -131,7 +131,7 @@ class FaultConfig:
 
 @dataclass
 class MetricsConfig:
-    log_every: int = 1  # print a step line every N iterations
+    log_every: int = 1  # print a step line every N iterations (events.jsonl records every one)
     tensorboard: bool = True  # write TensorBoard events into the run folder
     tensorboard_every: int = 10  # every N iterations, every stage's expert load and snapshot figures
     progress: bool = True  # progress bar on an interactive console

@@ -6,8 +6,10 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import ClassVar
+
+from trainer.lifecycle.typed_lines import line_of, record_of
 
 REPLACED = "replaced"  # the trainer died; the standby replaces it in the next generation
 HANDED_BACK = "handed_back"  # the trainer died with no standby or no replacement left: torchrun restarts
@@ -73,16 +75,9 @@ class ShellLine:
 
     def record(self) -> dict:
         """The run record's JSON object of this line."""
-        record = {"kind": self.KIND, **asdict(self)}
-        if self.unix is not None:
-            record["unix"] = float(f"{self.unix:.3f}")
-        if self.silent_s is not None:
-            record["silent_s"] = float(f"{self.silent_s:.1f}")
-        return record
+        return record_of(self, {"unix": 3, "silent_s": 1})
 
     @classmethod
     def from_record(cls, record: dict) -> ShellLine:
         """The line of a record `record()` wrote (KeyError, TypeError or ValueError if it is not one)."""
-        line = cls(**{k: v for k, v in record.items() if k != "kind"})
-        line.line()  # an unknown `what` is not a record this program wrote
-        return line
+        return line_of(cls, record)

@@ -143,20 +143,33 @@ def _folder_key() -> str:
 
 
 def publish_run_folder(run_dir: Path) -> None:
-    """Rank 0, its run folder open: name it on torchrun's store for the other ranks' shells (under rank shells
-    only; before the strategy's first collective, so every rank finds it after that one)."""
+    """Rank 0, its run folder open: name it on torchrun's store (under torchrun) for the other ranks and their
+    shells (before the strategy's first collective, so every rank finds it after that one)."""
     store = torchrun_store()
-    if store is not None and os.environ.get(rank_shell.ROLE) == "trainer":
+    if store is not None:
         store.set(_folder_key(), str(run_dir.resolve()))
 
 
-def tell_the_shell_the_run_folder() -> None:
-    """Every rank under a rank shell, past a collective after rank 0's `publish_run_folder`: tell its shell the
-    run folder, where the shell records its `shell:` lines beside rank 0's events."""
+def published_run_folder() -> Path | None:
+    """Every rank under torchrun, past a collective after rank 0's `publish_run_folder`: the run folder, where
+    it is on this host (rank 0's: its `run.json` names this host), so that appends to its events.jsonl are
+    atomic; None elsewhere, or where rank 0 named none (it could not open one)."""
     store = torchrun_store()
-    if store is None or os.environ.get(rank_shell.ROLE) != "trainer":
-        return
+    if store is None:
+        return None
     try:
-        rank_shell.report(f"run {store.get(_folder_key()).decode()}")
+        if not store.check([_folder_key()]):
+            return None
+        folder = Path(store.get(_folder_key()).decode())
     except (RuntimeError, torch.distributed.DistError):
-        pass  # rank 0 named none (it could not open one): the shell's lines stay printed only
+        return None
+    record = _record_of(folder)
+    launch = record.get("launch") if record is not None else None
+    return folder if isinstance(launch, dict) and launch.get("host") == socket.gethostname() else None
+
+
+def tell_the_shell_the_run_folder(folder: Path | None) -> None:
+    """Under a rank shell: tell it the run folder (`published_run_folder`), where the shell records its
+    `shell:` lines beside the trainers' events (None: its lines stay printed only)."""
+    if folder is not None and os.environ.get(rank_shell.ROLE) == "trainer":
+        rank_shell.report(f"run {folder}")
