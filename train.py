@@ -39,10 +39,9 @@ from parallelisms.mesh import ParallelDims, build_mesh
 from parallelisms.parallelize import ModelParts, parallelize
 from trainer.allocator import reuse_freed_host_memory
 from trainer.checkpoint.dense import check_save_target, save_dense
-from trainer.checkpoint.dense_read import is_imported, load_dense
 from trainer.checkpoint.periodic import PeriodicCheckpoints
+from trainer.checkpoint.resume import Start, load_start
 from trainer.checkpoint.state import training_state_digest
-from trainer.checkpoint.step_folder import load_directory
 from trainer.config import Config, ConfigError, fault_plan, fit_world, load_config
 from trainer.config_help import help_text, to_toml
 from trainer.data.batches import TokenBatches, build_data, make_loader
@@ -58,7 +57,7 @@ from trainer.run import host_estimate
 from trainer.run.accounting import RunAccounting
 from trainer.run.event_lines import FaultStrike, FinalLine
 from trainer.run.fault_injection import KillSwitch, arm_kill, fired, kill_if_joining, record_fired
-from trainer.run.host_paths import host_job_dir
+from trainer.run.host_paths import claim_host_state, host_job_dir
 from trainer.run.metrics import MetricsLogger
 from trainer.run.run_record import open_run_record, publish_run_folder, tell_the_shell_the_run_folder
 from trainer.run.strategy_factory import build_strategy
@@ -179,35 +178,6 @@ class Job:
     periodic: PeriodicCheckpoints  # `checkpoint.dense_interval`'s saves
 
 
-def resume_dense(cfg: Config, model: ModelParts, optimizer: torch.optim.Optimizer, rank: int) -> tuple[int, float]:
-    """(last iteration done, its loss) of `checkpoint.load` (or `checkpoint.load_step`), loaded into the
-    model, with one line saying so; (0, nan) without one."""
-    directory = load_directory(cfg)
-    if not directory:
-        return 0, float("nan")
-    meta, differ = load_dense(directory, model.view, optimizer, cfg)
-    step, loss = meta["step"], meta.get("loss", float("nan"))
-    if is_imported(meta) and rank == 0:
-        print(
-            f"checkpoint: {directory} holds imported weights ({meta['imported'].get('source')}): "
-            "model initialised from them, fresh optimizer, starting at step 1",
-            flush=True,
-        )
-    elif rank == 0:
-        print(f"checkpoint: loaded step {step} from {directory} (loss {loss:.6f})", flush=True)
-    if differ and rank == 0:
-        print(
-            f"checkpoint: {directory} was saved under another config (checkpoint.load_other_config): "
-            f"{'; '.join(differ)}",
-            flush=True,
-        )
-    if step > cfg.training.steps:
-        raise ConfigError(
-            f"config key 'training.steps' ({cfg.training.steps}) is below the checkpoint's step ({step}) in {directory}"
-        )
-    return step, loss
-
-
 def fit_layout(cfg: Config, world: int, rank: int) -> Config:
     """The config this rank trains with on `world` processes (`fit_world`); an elastic job says its layout
     in one line."""
@@ -249,6 +219,8 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
     plan = agree_on_attempt(plan)
     plan.process.startup.mark("process_group")
     cfg = fit_layout(cfg, world, rank)
+    if cfg.checkpoint.strategy != "none":  # before the run record: a refused second run leaves nothing behind
+        claim_host_state(cfg, rank, plan.process.locks)
     faults = fault_plan(cfg, world)
     kill_if_joining(faults, rank, plan.kept.next_iteration if plan.kept else None, cfg.fault.kill_signal)
     if cfg.checkpoint.save_final:
@@ -261,8 +233,9 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
     model, optimizer = build_training(cfg, dims)
     plan.process.startup.mark("model")
     seeder = DropoutSeeder(model, cfg.job.seed, dims.dp_rank)
-    step, loss = resume_dense(cfg, model, optimizer, rank)
-    logger = open_logger(cfg, rank, world, dims, plan)
+    start = load_start(cfg, model.view, optimizer, plan.in_place)
+    step, loss = start.step, start.loss
+    logger, lineage = open_logger(cfg, rank, world, dims, plan, start)
     ft = build_strategy(cfg, model, optimizer, dims, seeder, train_batches, logger.line, plan, step)
     tell_the_shell_the_run_folder()  # past the strategy's collectives: rank 0 has named it
     plan.process.startup.mark("strategy")
@@ -289,7 +262,7 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
         guard,
         run_accounting(cfg, rank, step, plan),
         plan,
-        PeriodicCheckpoints(cfg, kill.during_dense_save),
+        PeriodicCheckpoints(cfg, kill.in_background, lineage, logger.line),
     )
     return job, step, loss
 
@@ -308,15 +281,23 @@ def training_data(cfg: Config):
     return train_batches, val_batches
 
 
-def open_logger(cfg: Config, rank: int, world: int, dims: ParallelDims, plan: StartPlan) -> MetricsLogger:
-    """The run's console lines and records: rank 0 opens the run record (a new folder, or the folder of the
-    run a restarted generation continues) and names it for the rank shells."""
-    run_dir, continued = open_run_record(cfg, world, sys.argv, plan.restarted) if rank == 0 else (None, False)
-    if run_dir is not None:
+def open_logger(
+    cfg: Config, rank: int, world: int, dims: ParallelDims, plan: StartPlan, start: Start
+) -> tuple[MetricsLogger, str | None]:
+    """The run's console lines and records, and the run's lineage (rank 0; None elsewhere): rank 0 opens the
+    run record (a new folder, with the config as `start` resolved it and the checkpoint it loaded, or the
+    folder of the run a restarted generation continues), names it for the rank shells, and says where the
+    run starts (`start.events`)."""
+    run_dir, continued, lineage = None, False, None
+    if rank == 0:
+        record = open_run_record(start.resolved, world, sys.argv, plan.restarted, start.source)
+        run_dir, continued, lineage = record.path, record.continued, record.lineage
         publish_run_folder(run_dir)
     logger = MetricsLogger(cfg, rank, dims.pp_rank, run_dir, continued, dims.device)
     logger.line(f"run: {run_dir}" + (" (continued by a later generation of the run)" if continued else ""))
-    return logger
+    for event in start.events:
+        logger.line(event)
+    return logger, lineage
 
 
 def validation_data(cfg: Config, val_batches: TokenBatches | None, dims: ParallelDims) -> list:

@@ -4,6 +4,7 @@ writes, every rank contributes)."""
 from __future__ import annotations
 
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -22,7 +23,8 @@ class MetricsLogger:
     `run_dir` (rank 0's run folder, None elsewhere) receives the events; `continued` when it continues an
     earlier torchrun attempt's folder, whose events from the first iteration this process runs on are
     then dropped (TensorBoard's purge). `device`: where this rank computes (the peak its MFU divides by,
-    `trainer.flops.device_peak_flops`). Training thread only."""
+    `trainer.flops.device_peak_flops`). Training thread only, but `line`, which a periodic save's background
+    thread calls too (a lock keeps each line and its record whole)."""
 
     def __init__(
         self,
@@ -42,6 +44,7 @@ class MetricsLogger:
         self.log_every = cfg.metrics.log_every
         self.bar = tqdm(disable=True)  # until `start`: lines printed before go straight to stdout
         self.events = None
+        self.lock = threading.Lock()  # `line` from the training thread and a background save's
 
     def start(self, first_step: int) -> None:
         """Training starts (or resumes) at iteration `first_step`: the progress bar and TensorBoard begin."""
@@ -73,16 +76,17 @@ class MetricsLogger:
         a rank that is about to kill itself holds none."""
         if not (self.enabled or every_rank):
             return
-        if isinstance(out, str):
-            text = out
-        else:
-            text = out.line()
-            if self.run_dir is not None:
-                self._record(out)
-        if self.bar.disable:
-            print(text, flush=True)
-        else:
-            self.bar.write(text)
+        with self.lock:
+            if isinstance(out, str):
+                text = out
+            else:
+                text = out.line()
+                if self.run_dir is not None:
+                    self._record(out)
+            if self.bar.disable:
+                print(text, flush=True)
+            else:
+                self.bar.write(text)
 
     def _record(self, event: Event) -> None:
         """Append `event`'s record; a run folder that cannot take it costs the record, not the run (one line)."""
