@@ -234,15 +234,14 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
     plan.process.startup.mark("model")
     seeder = DropoutSeeder(model, cfg.job.seed, dims.dp_rank)
     start = load_start(cfg, model.view, optimizer, plan.in_place)
-    step, loss = start.step, start.loss
     logger, lineage = open_logger(cfg, rank, world, dims, plan, start)
-    ft = build_strategy(cfg, model, optimizer, dims, seeder, train_batches, logger.line, plan, step)
+    ft = build_strategy(cfg, model, optimizer, dims, seeder, train_batches, logger.line, plan, start.step)
     tell_the_shell_the_run_folder()  # past the strategy's collectives: rank 0 has named it
     plan.process.startup.mark("strategy")
     optimizer.register_step_pre_hook(guard.optimizer_step_begins)  # after the checkpointer's copy wait
     say = functools.partial(logger.line, every_rank=True)  # a dying rank's `fault:` line (rank 0 records it)
     kill = arm_kill(faults, rank, model, optimizer, guard, seeder, cfg.fault.kill_signal, say)
-    step, loss = ft.resume(step, loss)
+    step, loss = ft.resume(start.step, start.loss)
     logger.start(step + 1)
     logger.recovery(ft.last_recovery())  # a restarted generation's rejoin or restart, if it was one
     val_data = validation_data(cfg, val_batches, dims)

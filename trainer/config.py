@@ -18,7 +18,7 @@ from typing import Literal
 
 from models.args import ModelArgs
 from moevement.checkpoint.options import SparseOptions
-from moevement.failures import END_PHASES, FaultPlan, FaultSpecError
+from moevement.failures import END_PHASES, FaultPlan, FaultSpecError, KillEvent
 from parallelisms.elastic import ElasticError, elastic_layout
 from parallelisms.mesh import ParallelismConfig
 from trainer.data.batches import DataConfig
@@ -417,35 +417,7 @@ def _validate_fault(cfg: Config) -> None:
     _check(f.max_replacements >= 0, "fault.max_replacements", f"must be >= 0, got {f.max_replacements}")
     _check(f.replay_threads >= 0, "fault.replay_threads", f"must be >= 0 (0: auto), got {f.replay_threads}")
     for kill in plan.kills if plan else ():
-        every = cfg.training.val_every
-        _check(
-            kill.phase != "validation" or (every and kill.step % every == 0),
-            "fault.kill",
-            f"kills in the validation of step {kill.step}, which runs none (training.val_every={every})",
-        )
-        last = cfg.training.stop_at or cfg.training.steps
-        _check(
-            kill.phase not in END_PHASES or kill.step == last,
-            "fault.kill",
-            f"kills in the {kill.phase} phase at the end of a run, whose last step is {last}, not {kill.step}",
-        )
-        _check(
-            kill.phase not in ("save", "saved") or bool(cfg.checkpoint.save_final),
-            "fault.kill",
-            f"kills in the {kill.phase} phase of checkpoint.save_final, which this run does not set",
-        )
-        interval = cfg.checkpoint.dense_interval
-        _check(
-            kill.phase not in ("dense_save", "dense_prune") or (interval and kill.step % interval == 0),
-            "fault.kill",
-            f"kills while the periodic checkpoint of step {kill.step} is written or pruned after, which this run "
-            f"does not save (checkpoint.dense_interval={interval})",
-        )
-        _check(
-            kill.phase != "dense_prune" or cfg.checkpoint.keep_latest > 0,
-            "fault.kill",
-            "kills while older periodic checkpoints are pruned, which this run does not (checkpoint.keep_latest=0)",
-        )
+        _validate_kill(cfg, kill)
     if plan:
         given = {"fault.at": f.at, "fault.crash": f.crash, "fault.kill": f.kill, "fault.mtbf_iters": f.mtbf_iters}
         key = next((k for k, v in given.items() if v), "fault.trace")
@@ -461,6 +433,39 @@ def _validate_fault(cfg: Config) -> None:
             "checkpoint.interval",
             "oracle needs checkpoint.mtbf_iters or fault.mtbf_iters > 0 (the MTBF it optimises for)",
         )
+
+
+def _validate_kill(cfg: Config, kill: KillEvent) -> None:
+    """A `fault.kill` must strike at a point this run reaches."""
+    every = cfg.training.val_every
+    _check(
+        kill.phase != "validation" or (every and kill.step % every == 0),
+        "fault.kill",
+        f"kills in the validation of step {kill.step}, which runs none (training.val_every={every})",
+    )
+    last = cfg.training.stop_at or cfg.training.steps
+    _check(
+        kill.phase not in END_PHASES or kill.step == last,
+        "fault.kill",
+        f"kills in the {kill.phase} phase at the end of a run, whose last step is {last}, not {kill.step}",
+    )
+    _check(
+        kill.phase not in ("save", "saved") or bool(cfg.checkpoint.save_final),
+        "fault.kill",
+        f"kills in the {kill.phase} phase of checkpoint.save_final, which this run does not set",
+    )
+    interval = cfg.checkpoint.dense_interval
+    _check(
+        kill.phase not in ("dense_save", "dense_prune") or (interval and kill.step % interval == 0),
+        "fault.kill",
+        f"kills while the periodic checkpoint of step {kill.step} is written or pruned after, which this run "
+        f"does not save (checkpoint.dense_interval={interval})",
+    )
+    _check(
+        kill.phase != "dense_prune" or cfg.checkpoint.keep_latest > 0,
+        "fault.kill",
+        "kills while older periodic checkpoints are pruned, which this run does not (checkpoint.keep_latest=0)",
+    )
 
 
 def expected_mtbf_iters(cfg: Config) -> float:

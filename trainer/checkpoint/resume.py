@@ -31,7 +31,7 @@ from trainer.checkpoint.identity import IdentityError, RunIdentity
 from trainer.checkpoint.publish import LINEAGE, CheckpointError
 from trainer.checkpoint.rank0 import all_records, from_rank0, is_rank0
 from trainer.checkpoint.step_folder import checkpoint_folder, published_steps, step_dir
-from trainer.config import ConfigError
+from trainer.config import Config, ConfigError
 
 START_OVER = "start over with --checkpoint.load_step 0"
 
@@ -62,7 +62,7 @@ class Start:
     loss: float
     source: Source | None
     events: list
-    resolved: object  # Config
+    resolved: Config
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ def survey(folder: Path, identity: RunIdentity) -> tuple[list[Try], list[tuple[i
     return ours, others
 
 
-def choose(cfg, in_place: bool) -> Choice:
+def choose(cfg: Config, in_place: bool) -> Choice:
     """What this start loads, by the rule of the module's docstring. Rank 0 (reads the folder)."""
     c, folder = cfg.checkpoint, checkpoint_folder(cfg)
     load = [Try(c.load)] if c.load else []
@@ -118,8 +118,10 @@ def choose(cfg, in_place: bool) -> Choice:
             )
         return Choice([Try(str(step_dir(folder, c.load_step)), c.load_step)])
     if c.load_step == 0 or (in_place and not cfg.parallelism.elastic):
-        held = () if c.load or in_place else tuple(published_steps(folder))
-        return Choice(load, events=[FreshStart(str(folder), held)] if held else [])
+        if load or in_place:
+            return Choice(load)
+        held = tuple(published_steps(folder))
+        return Choice(events=[FreshStart(str(folder), held)] if held or c.dense_interval else [])
     ours, others = survey(folder, RunIdentity.of_dense(cfg))
     if ours:
         return Choice(ours, fallback=True, refused=_past_the_end(cfg, ours, folder))
@@ -162,12 +164,12 @@ def load_start(cfg, model: torch.nn.Module, optimizer: torch.optim.Optimizer, in
         raise ConfigError(choice.refused)
     events, failed = list(choice.events), []
     for attempt in choice.tries:
-        why = attempt.damaged or _load(cfg, model, optimizer, attempt, choice.fallback)
-        if isinstance(why, str):
-            events.append(CheckpointFallback(attempt.step, attempt.directory, why))
-            failed.append(f"step {attempt.step}: {why}")
+        outcome = attempt.damaged or _load(cfg, model, optimizer, attempt, choice.fallback)
+        if isinstance(outcome, str):  # passed over: the next older is tried
+            events.append(CheckpointFallback(attempt.step, attempt.directory, outcome))
+            failed.append(f"step {attempt.step}: {outcome}")
             continue
-        meta, differ = why
+        meta, differ = outcome
         return _started(cfg, attempt, meta, differ, events)
     if failed:
         folder = checkpoint_folder(cfg)
