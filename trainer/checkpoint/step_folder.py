@@ -99,7 +99,7 @@ def refusal(target: Path, lineage: str | None) -> str | None:
     what = "a checkpoint of another run" if meta is not None else "something that is not a checkpoint of this run"
     if meta is not None:
         what += f" (lineage {owner})" if owner else " (written with no lineage)"
-    return f"{target} holds {what}, which a save never replaces"
+    return f"it holds {what}, which a save never replaces"
 
 
 def prune(folder: Path, keep: int, lineage: str | None, upto: int, strike: Callable[[], None]) -> list:
