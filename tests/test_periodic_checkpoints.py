@@ -121,6 +121,36 @@ def test_a_kill_while_pruning_leaves_no_half_checkpoint_and_the_relaunch_tidies(
     assert sorted(os.listdir(folder)) == ["step-6"]
 
 
+TIMEOUT = ["--fault.timeout_s", "120"]  # the old code waited this out for every save a full disk failed
+
+
+def failed_saves(proc, folder, why: str) -> list:
+    """The run went on past its failed saves: it ended with the digest of a run that saves nothing, well
+    within fault.timeout_s, each failure one `not saved` line naming the folder, the megabytes rank 0 needed
+    and those free, and `why`. Returns the events it recorded."""
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    events = run_events(proc.stdout)
+    for e in (e for e in events if isinstance(e, CheckpointNotSaved)):
+        pattern = rf"rank 0 could not write its \d+\.\d MB \([\d.]+ MB free in {folder}: {why}\)"
+        assert re.fullmatch(pattern, e.why), e.why
+    assert float(re.search(r"^accounting wall_s=(\S+)", proc.stdout, re.M)[1]) < 120, proc.stdout
+    assert final_line(events) == final_line(baseline([], 1))
+    return events
+
+
+def test_a_full_disk_is_one_line_per_save_and_the_next_save_is_tried(tmp_path):
+    """The folder on a real 8 MB file system (tmpfs; skipped where mounting is not allowed), one checkpoint
+    about 5 MB: step 4 is saved, steps 8 and 12 find no room (`No space left on device`): each is one line,
+    at once, and training goes on; no temporary stays."""
+    with mounted_tmpfs(tmp_path / "small", "8m") as disk:
+        folder = disk / "ck"
+        proc = run_cli(*BASE, *saving(folder, 4, 1), *TIMEOUT, "--job.output_dir", str(tmp_path / "runs"))
+        events = failed_saves(proc, folder, "No space left on device")
+        assert [e.step for e in events if isinstance(e, CheckpointSaved)] == [4], proc.stdout
+        assert [e.step for e in events if isinstance(e, CheckpointNotSaved)] == [8, 12], proc.stdout
+        assert os.listdir(folder) == ["step-4"]
+
+
 SMALL_FILES = (
     "import resource, runpy, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
     "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 18, 1 << 18)); "
@@ -128,42 +158,16 @@ SMALL_FILES = (
 )
 
 
-def test_a_failed_save_is_one_line_and_training_goes_on(tmp_path):
-    """No file over 256 KiB can be written (RLIMIT_FSIZE: the write fails with EFBIG): each due save is tried,
-    and each is one `not saved` line naming the folder and the megabytes the rank needed, said at once
-    (well within fault.timeout_s, which the old code waited out per save); the run ends with the digest of a
-    run that saves nothing, and leaves no temporary."""
-    folder = tmp_path / "ck"
-    args = [*BASE, *saving(folder, 4), "--fault.timeout_s", "120", "--job.output_dir", str(tmp_path / "runs")]
-    proc = run_bounded([sys.executable, "-c", SMALL_FILES, "train.py", *args], ROOT, CHILD_ENV)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    events = run_events(proc.stdout)
-    failed = [e for e in events if isinstance(e, CheckpointNotSaved)]
-    assert [e.step for e in failed] == [4, 8, 12], proc.stdout
-    for e in failed:
-        pattern = rf"rank 0 could not write its \d+\.\d MB \([\d.]+ MB free in {folder}: File too large\)"
-        assert re.fullmatch(pattern, e.why), e.why
-    wall = float(re.search(r"^accounting wall_s=(\S+)", proc.stdout, re.M)[1])
-    assert wall < 120, proc.stdout
-    assert final_line(events) == final_line(baseline([], 1))
-    assert os.listdir(folder) == []
-
-
 @pytest.mark.slow
-def test_a_full_disk_is_one_line_per_save_and_the_next_save_is_tried(tmp_path):
-    """The folder on a real 8 MB file system (tmpfs; skipped where mounting is not allowed), one checkpoint
-    about 5 MB: step 4 is saved, steps 8 and 12 find no room (`No space left on device`, the megabytes
-    needed and free named), training goes on to the digest of a run that saves nothing; no temporary stays."""
-    with mounted_tmpfs(tmp_path / "small", "8m") as disk:
-        folder = disk / "ck"
-        proc = run_cli(*BASE, *saving(folder, 4, 1), "--job.output_dir", str(tmp_path / "runs"))
-        events = run_events(proc.stdout)
-        assert [e.step for e in events if isinstance(e, CheckpointSaved)] == [4], proc.stdout
-        failed = [e for e in events if isinstance(e, CheckpointNotSaved)]
-        assert [e.step for e in failed] == [8, 12], proc.stdout
-        assert all(re.search(rf"MB free in {folder}: No space left on device\)$", e.why) for e in failed), failed
-        assert final_line(events) == final_line(baseline([], 1))
-        assert os.listdir(folder) == ["step-4"]
+def test_a_failed_save_is_one_line_and_training_goes_on(tmp_path):
+    """The same where no mount is allowed: no file over 256 KiB can be written (RLIMIT_FSIZE, so the write
+    fails with EFBIG): every due save is tried and is one line; no temporary stays."""
+    folder = tmp_path / "ck"
+    args = [*BASE, *saving(folder, 4), *TIMEOUT, "--job.output_dir", str(tmp_path / "runs")]
+    proc = run_bounded([sys.executable, "-c", SMALL_FILES, "train.py", *args], ROOT, CHILD_ENV)
+    events = failed_saves(proc, folder, "File too large")
+    assert [e.step for e in events if isinstance(e, CheckpointNotSaved)] == [4, 8, 12], proc.stdout
+    assert os.listdir(folder) == []
 
 
 @pytest.mark.slow
