@@ -39,10 +39,9 @@ from parallelisms.mesh import ParallelDims, build_mesh
 from parallelisms.parallelize import ModelParts, parallelize
 from trainer.allocator import reuse_freed_host_memory
 from trainer.checkpoint.dense import check_save_target, save_dense
-from trainer.checkpoint.dense_read import is_imported, load_dense
 from trainer.checkpoint.periodic import PeriodicCheckpoints
+from trainer.checkpoint.resume import Start, load_start
 from trainer.checkpoint.state import training_state_digest
-from trainer.checkpoint.step_folder import load_directory
 from trainer.config import Config, ConfigError, fault_plan, fit_world, load_config
 from trainer.config_help import help_text, to_toml
 from trainer.data.batches import TokenBatches, build_data, make_loader
@@ -59,7 +58,7 @@ from trainer.run import event_log, host_estimate
 from trainer.run.accounting import RunAccounting
 from trainer.run.event_lines import ElasticLayout, FaultStrike, FinalLine
 from trainer.run.fault_injection import KillSwitch, arm_kill, fired, kill_if_joining, record_fired
-from trainer.run.host_paths import host_job_dir
+from trainer.run.host_paths import claim_host_state, host_job_dir
 from trainer.run.metrics import MetricsLogger
 from trainer.run.run_record import (
     open_run_record,
@@ -185,35 +184,6 @@ class Job:
     periodic: PeriodicCheckpoints  # `checkpoint.dense_interval`'s saves
 
 
-def resume_dense(cfg: Config, model: ModelParts, optimizer: torch.optim.Optimizer, rank: int) -> tuple[int, float]:
-    """(last iteration done, its loss) of `checkpoint.load` (or `checkpoint.load_step`), loaded into the
-    model, with one line saying so; (0, nan) without one."""
-    directory = load_directory(cfg)
-    if not directory:
-        return 0, float("nan")
-    meta, differ = load_dense(directory, model.view, optimizer, cfg)
-    step, loss = meta["step"], meta.get("loss", float("nan"))
-    if is_imported(meta) and rank == 0:
-        print(
-            f"checkpoint: {directory} holds imported weights ({meta['imported'].get('source')}): "
-            "model initialised from them, fresh optimizer, starting at step 1",
-            flush=True,
-        )
-    elif rank == 0:
-        print(f"checkpoint: loaded step {step} from {directory} (loss {loss:.6f})", flush=True)
-    if differ and rank == 0:
-        print(
-            f"checkpoint: {directory} was saved under another config (checkpoint.load_other_config): "
-            f"{'; '.join(differ)}",
-            flush=True,
-        )
-    if step > cfg.training.steps:
-        raise ConfigError(
-            f"config key 'training.steps' ({cfg.training.steps}) is below the checkpoint's step ({step}) in {directory}"
-        )
-    return step, loss
-
-
 def fit_layout(cfg: Config, world: int, rank: int) -> tuple[Config, ElasticLayout | None]:
     """The config this rank trains with on `world` processes (`fit_world`), and an elastic job's layout, which
     rank 0 prints in one line now (its run record keeps it once the run folder is open: `open_logger`)."""
@@ -255,6 +225,8 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
     plan = agree_on_attempt(plan)
     plan.process.startup.mark("process_group")
     cfg, layout = fit_layout(cfg, world, rank)
+    if cfg.checkpoint.strategy != "none":  # before the run record: a refused second run leaves nothing behind
+        claim_host_state(cfg, rank, plan.process.locks)
     faults = fault_plan(cfg, world)
     kill_if_joining(faults, rank, plan.kept.next_iteration if plan.kept else None, cfg.fault.kill_signal)
     if cfg.checkpoint.save_final:
@@ -267,9 +239,9 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
     model, optimizer = build_training(cfg, dims)
     plan.process.startup.mark("model")
     seeder = DropoutSeeder(model, cfg.job.seed, dims.dp_rank)
-    step, loss = resume_dense(cfg, model, optimizer, rank)
-    logger = open_logger(cfg, rank, world, dims, plan, layout)
-    ft = build_strategy(cfg, model, optimizer, dims, seeder, train_batches, logger.line, plan, step)
+    start = load_start(cfg, model.view, optimizer, plan.in_place)
+    logger, lineage = open_logger(cfg, rank, world, dims, plan, start, layout)
+    ft = build_strategy(cfg, model, optimizer, dims, seeder, train_batches, logger.line, plan, start.step)
     folder = published_run_folder()  # past the strategy's collectives: rank 0 has named it
     if rank != 0:
         event_log.record_events_in(folder)  # a rank on rank 0's host records its own lines
@@ -278,7 +250,7 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
     optimizer.register_step_pre_hook(guard.optimizer_step_begins)  # after the checkpointer's copy wait
     say = functools.partial(logger.line, every_rank=True)  # a dying rank's `fault:` line, recorded where it can be
     kill = arm_kill(faults, rank, model, optimizer, guard, seeder, cfg.fault.kill_signal, say)
-    step, loss = ft.resume(step, loss)
+    step, loss = ft.resume(start.step, start.loss)
     logger.start(step + 1)
     logger.recovery(ft.last_recovery())  # a restarted generation's rejoin or restart, if it was one
     logger.catch_up(step, ft.logged_scalars)  # iterations the survivors finished after rank 0 died
@@ -299,7 +271,7 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
         guard,
         run_accounting(cfg, rank, step, plan),
         plan,
-        PeriodicCheckpoints(cfg, kill.during_dense_save),
+        PeriodicCheckpoints(cfg, kill.in_background, lineage, logger.line),
     )
     return job, step, loss
 
@@ -319,20 +291,32 @@ def training_data(cfg: Config):
 
 
 def open_logger(
-    cfg: Config, rank: int, world: int, dims: ParallelDims, plan: StartPlan, layout: ElasticLayout | None
-) -> MetricsLogger:
-    """The run's console lines and records: rank 0 opens the run record (a new folder, or the folder of the
-    run a restarted generation continues), records its events there from now on (the elastic `layout` it
-    printed first) and names it for the other ranks and the rank shells."""
-    run_dir, continued = open_run_record(cfg, world, sys.argv, plan.restarted) if rank == 0 else (None, False)
-    if run_dir is not None:
+    cfg: Config,
+    rank: int,
+    world: int,
+    dims: ParallelDims,
+    plan: StartPlan,
+    start: Start,
+    layout: ElasticLayout | None,
+) -> tuple[MetricsLogger, str | None]:
+    """The run's console lines and records, and the run's lineage (rank 0; None elsewhere): rank 0 opens the
+    run record (a new folder, with the config as `start` resolved it and the checkpoint it loaded, or the
+    folder of the run a restarted generation continues), records its events there from now on (the elastic
+    `layout` it printed first), names it for the other ranks and the rank shells, and says where the run
+    starts (`start.events`)."""
+    run_dir, continued, lineage = None, False, None
+    if rank == 0:
+        record = open_run_record(start.resolved, world, sys.argv, plan.restarted, start.source)
+        run_dir, continued, lineage = record.path, record.continued, record.lineage
         event_log.record_events_in(run_dir)
         publish_run_folder(run_dir)
     logger = MetricsLogger(cfg, rank, dims.pp_rank, run_dir, continued, dims.device)
     logger.line(f"run: {run_dir}" + (" (continued by a later generation of the run)" if continued else ""))
     if layout is not None:
         event_log.record(layout)
-    return logger
+    for event in start.events:
+        logger.line(event)
+    return logger, lineage
 
 
 def validation_data(cfg: Config, val_batches: TokenBatches | None, dims: ParallelDims) -> list:

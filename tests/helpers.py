@@ -156,6 +156,15 @@ def session_trainers(session: int) -> list[int]:
 # ---- what a run printed and recorded ----------------------------------------------------------------------
 
 
+def one_error(proc: subprocess.CompletedProcess, *words: str) -> str:
+    """The process failed with status 2 and exactly one `error:` line (no traceback) holding `words`; that line."""
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    for word in words:
+        assert word in errors[0], errors[0]
+    return errors[0]
+
+
 Run = str | Path | list[RunEvent]  # a run's stdout (its `run: <dir>` lines), its run folder, or its events
 
 
@@ -189,6 +198,7 @@ RECORDED = (
     "shell: ",
     "recovery step=",
     "recovery work ",
+    "checkpoint: ",
     "final step=",
 )
 # what the README's demo (`make train`: a death replaced in place) records, at least
@@ -367,6 +377,23 @@ def run_shell(
     proc = subprocess.run([sys.executable, "-c", driver], env=env, capture_output=True, text=True, timeout=120)
     records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     return proc.returncode, records, proc.stdout + proc.stderr
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(mount: Path, size: str):
+    """A real file system of `size` (tmpfs, owner-only) at `mount` for the duration: the test is skipped where
+    mounting is not allowed (it needs root, as here and in CI)."""
+    import pytest
+
+    mount.mkdir(parents=True, exist_ok=True)
+    options = f"size={size},mode=0700"
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount)], capture_output=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {proc.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 @contextlib.contextmanager

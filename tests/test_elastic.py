@@ -78,7 +78,7 @@ def test_a_fitted_config_names_its_checkpoints_as_the_configured_one_does():
     [
         (["--checkpoint.dense_interval", "0"], "parallelism.elastic"),
         (["--checkpoint.strategy", "gemini", "--checkpoint.persist_dir", "/tmp/x"], "checkpoint.persist_dir"),
-        (["--checkpoint.load_step", "-1"], "checkpoint.load_step"),
+        (["--checkpoint.load_step", "0"], "checkpoint.load_step"),
     ],
 )
 def test_an_elastic_job_needs_dense_checkpoints_to_resume_from(extra, key):

@@ -20,6 +20,8 @@ from tests.helpers import (
     ROOT,
     RUN_OUTPUTS,
     final_line,
+    mounted_tmpfs,
+    one_error,
     reached,
     recoveries,
     run_cli,
@@ -256,7 +258,9 @@ def test_second_live_job_is_refused_and_clean_keeps_it(tmp_path):
     first = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         head = "".join(_wait_until_recorded(first, 3))  # holds the `run:` line naming the run's records
+        folders = sorted(os.listdir(RUN_OUTPUTS / "safety"))
         second = run_cli(*BASE, *host(tmp_path), *long_run, check=False)
+        assert sorted(os.listdir(RUN_OUTPUTS / "safety")) == folders  # the refused run left no run folder
         assert second.returncode == 2 and re.search(
             r"^error: .*rank00000\.lock: held by a live process \(pid "
             rf"{first.pid}\)",
@@ -273,6 +277,21 @@ def test_second_live_job_is_refused_and_clean_keeps_it(tmp_path):
     assert list((tmp_path / "shm" / "safety" / "rank00000" / "local").glob("*.bin"))
     assert re.search(r"^removed .*shm/safety \(\d+\.\d MB\)$", _clean(tmp_path), re.M)
     assert not (tmp_path / "shm" / "safety").exists()
+
+
+def test_a_run_refused_by_the_job_lock_leaves_nothing_behind(tmp_path):
+    """While another process holds the job's lock, a run of the job is refused with one line naming the lock,
+    before it makes a run folder or reads any checkpoint."""
+    from moevement.storage.host_memory import JobLock
+    from moevement.storage.private_files import make_private_dirs
+
+    held = JobLock(make_private_dirs(tmp_path / "shm", "safety") / "rank00000.lock")
+    try:
+        proc = run_cli(*BASE, *host(tmp_path), "--job.output_dir", str(tmp_path / "runs"), check=False)
+    finally:
+        held.release()
+    one_error(proc, "rank00000.lock: held by a live process", f"(pid {os.getpid()})")
+    assert not (tmp_path / "runs").exists(), os.listdir(tmp_path / "runs")
 
 
 def _clean(tmp_path: Path) -> str:
@@ -441,17 +460,8 @@ def _lock_held(tmp_path: Path) -> bool:
 @pytest.fixture
 def small_disk(tmp_path):
     """A real 512 KiB file system (tmpfs; needs the right to mount, as root here and in CI), owner-only."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    proc = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=512k,mode=0700", "tmpfs", str(mount)], capture_output=True
-    )
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {proc.stderr.decode().strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "small", "512k") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def test_a_full_persist_dir_is_one_line_and_leaves_no_temporary(tmp_path, small_disk):

@@ -43,10 +43,13 @@ def test_two_runs_of_one_job_write_two_folders_with_a_config_that_loads_back(tmp
     assert len(folders) == 2, folders
     for folder, out in zip(folders, outs):
         assert f"run: {folder}" in out
-        assert load_config(str(folder / "config.toml")) == load_config(str(ROOT / DEBUG_CONFIG), [*QUIET, *overrides])
+        # the start resolved: from the initial state (`load_step 0`, not the default -1: the config reruns it)
+        resolved = [*QUIET, *overrides, "--checkpoint.load_step", "0"]
+        assert load_config(str(folder / "config.toml")) == load_config(str(ROOT / DEBUG_CONFIG), resolved)
         record = json.loads((folder / "run.json").read_text())
         assert "--training.lr 0.002" in record["command"] and record["torch"] == torch.__version__
         assert record["layout"] == {"pp": 1, "dp": 1, "ep": 1} and record["world_size"] == 1
+        assert record["resumed_from"] is None and len(record["lineage"]) == 16
         if (ROOT / ".git").exists():
             assert re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", record["git_commit"] or ""), record
         assert [e.step for e in events(folder).Scalars("train/loss")] == [1, 2]  # each run its own steps

@@ -18,7 +18,7 @@ from typing import Literal
 
 from models.args import ModelArgs
 from moevement.checkpoint.options import SparseOptions
-from moevement.failures import END_PHASES, FaultPlan, FaultSpecError
+from moevement.failures import END_PHASES, FaultPlan, FaultSpecError, KillEvent
 from parallelisms.elastic import ElasticError, elastic_layout
 from parallelisms.mesh import ParallelismConfig
 from trainer.data.batches import DataConfig
@@ -81,12 +81,17 @@ class CheckpointConfig(SparseOptions):
 
     strategy: Strategy = "none"  # none | moevement | gemini | checkfreq | moc
     save_final: str = ""  # directory for a dense checkpoint (safetensors + meta.json) at the end of training
-    load: str = ""  # directory of a dense checkpoint to resume from (an imported one: its weights, a fresh optimizer)
+    # directory of a dense checkpoint to start from when folder holds none of this run (an imported one: its
+    # weights, a fresh optimizer)
+    load: str = ""
     # a dense checkpoint after every N-th iteration, as <folder>/step-<N>, written in the background (0: none)
     dense_interval: int = 0
-    keep_latest: int = 0  # periodic dense checkpoints kept in folder: the newest N (0: all)
+    keep_latest: int = 0  # periodic dense checkpoints of this run's lineage kept in folder: the newest N (0: all)
     folder: str = ""  # where periodic dense checkpoints go ("": <job.output_dir>/<job.name>/checkpoints)
-    load_step: int = 0  # resume from <folder>/step-<N> (-1: the newest there; 0: checkpoint.load or nothing)
+    # -1: resume from the newest checkpoint of this run's config in folder, else checkpoint.load, else start
+    # fresh (a folder of another config's checkpoints only is refused); N: from <folder>/step-<N>; 0: start over
+    # (checkpoint.load or the initial state; the folder's checkpoints stay, and saves skip their steps)
+    load_step: int = -1
     # load a dense checkpoint saved under another training config (fine-tuning); the differences are printed
     load_other_config: bool = False
     # auto: peers on this node copy from shared memory | network: all via the process group
@@ -107,8 +112,9 @@ class FaultConfig:
     at: str = ""  # STEP:RANK[+RANK...][,...]: these ranks lose their state at STEP and recover in place
     crash: str = ""  # STEP:RANK[,...]: the process exits at STEP (first attempt), for torchrun restarts
     # STEP:RANK[:PHASE][,...]: the process SIGKILLs itself in PHASE: forward (default), backward, clip,
-    # optimizer, snapshot, replication, validation, replay, join (a survivor joining the next generation), or
-    # at the end of a run whose last step is STEP: digest, accounting, saved (save_final published) or final
+    # optimizer, snapshot, replication, validation, replay, join (a survivor joining the next generation),
+    # dense_save or dense_prune (a periodic checkpoint's writing, or pruning after it), or at the end of a run
+    # whose last step is STEP: digest, accounting, saved (save_final published) or final
     kill: str = ""
     # how fault.kill strikes: SIGKILL (a death) | SIGSTOP (a hang)
     kill_signal: Literal["SIGKILL", "SIGSTOP"] = "SIGKILL"
@@ -385,9 +391,9 @@ def _validate_checkpoint(c: CheckpointConfig) -> None:
     _check(c.moc_experts >= 1, "checkpoint.moc_experts", f"must be >= 1, got {c.moc_experts}")
     for name in ("dense_interval", "keep_latest"):
         _check(getattr(c, name) >= 0, f"checkpoint.{name}", f"must be >= 0, got {getattr(c, name)}")
-    _check(c.load_step >= -1, "checkpoint.load_step", f"must be >= 1, or -1 (the newest), got {c.load_step}")
+    _check(c.load_step >= -1, "checkpoint.load_step", f"must be >= 0, or -1 (the newest), got {c.load_step}")
     _check(
-        not (c.load_step and c.load),
+        not (c.load_step > 0 and c.load),
         "checkpoint.load_step",
         f"names a periodic checkpoint, and checkpoint.load ({c.load!r}) another: give one of them",
     )
@@ -411,30 +417,7 @@ def _validate_fault(cfg: Config) -> None:
     _check(f.max_replacements >= 0, "fault.max_replacements", f"must be >= 0, got {f.max_replacements}")
     _check(f.replay_threads >= 0, "fault.replay_threads", f"must be >= 0 (0: auto), got {f.replay_threads}")
     for kill in plan.kills if plan else ():
-        every = cfg.training.val_every
-        _check(
-            kill.phase != "validation" or (every and kill.step % every == 0),
-            "fault.kill",
-            f"kills in the validation of step {kill.step}, which runs none (training.val_every={every})",
-        )
-        last = cfg.training.stop_at or cfg.training.steps
-        _check(
-            kill.phase not in END_PHASES or kill.step == last,
-            "fault.kill",
-            f"kills in the {kill.phase} phase at the end of a run, whose last step is {last}, not {kill.step}",
-        )
-        _check(
-            kill.phase not in ("save", "saved") or bool(cfg.checkpoint.save_final),
-            "fault.kill",
-            f"kills in the {kill.phase} phase of checkpoint.save_final, which this run does not set",
-        )
-        interval = cfg.checkpoint.dense_interval
-        _check(
-            kill.phase != "dense_save" or (interval and kill.step % interval == 0),
-            "fault.kill",
-            f"kills while the periodic checkpoint of step {kill.step} is written, which this run does not save "
-            f"(checkpoint.dense_interval={interval})",
-        )
+        _validate_kill(cfg, kill)
     if plan:
         given = {"fault.at": f.at, "fault.crash": f.crash, "fault.kill": f.kill, "fault.mtbf_iters": f.mtbf_iters}
         key = next((k for k, v in given.items() if v), "fault.trace")
@@ -450,6 +433,39 @@ def _validate_fault(cfg: Config) -> None:
             "checkpoint.interval",
             "oracle needs checkpoint.mtbf_iters or fault.mtbf_iters > 0 (the MTBF it optimises for)",
         )
+
+
+def _validate_kill(cfg: Config, kill: KillEvent) -> None:
+    """A `fault.kill` must strike at a point this run reaches."""
+    every = cfg.training.val_every
+    _check(
+        kill.phase != "validation" or (every and kill.step % every == 0),
+        "fault.kill",
+        f"kills in the validation of step {kill.step}, which runs none (training.val_every={every})",
+    )
+    last = cfg.training.stop_at or cfg.training.steps
+    _check(
+        kill.phase not in END_PHASES or kill.step == last,
+        "fault.kill",
+        f"kills in the {kill.phase} phase at the end of a run, whose last step is {last}, not {kill.step}",
+    )
+    _check(
+        kill.phase not in ("save", "saved") or bool(cfg.checkpoint.save_final),
+        "fault.kill",
+        f"kills in the {kill.phase} phase of checkpoint.save_final, which this run does not set",
+    )
+    interval = cfg.checkpoint.dense_interval
+    _check(
+        kill.phase not in ("dense_save", "dense_prune") or (interval and kill.step % interval == 0),
+        "fault.kill",
+        f"kills while the periodic checkpoint of step {kill.step} is written or pruned after, which this run "
+        f"does not save (checkpoint.dense_interval={interval})",
+    )
+    _check(
+        kill.phase != "dense_prune" or cfg.checkpoint.keep_latest > 0,
+        "fault.kill",
+        "kills while older periodic checkpoints are pruned, which this run does not (checkpoint.keep_latest=0)",
+    )
 
 
 def expected_mtbf_iters(cfg: Config) -> float:
@@ -587,9 +603,10 @@ def _validate_elastic(cfg: Config) -> None:
         "newest dense checkpoint; a baseline recovers in place from memory): leave it unset",
     )
     _check(
-        not c.load_step,
+        c.load_step == -1,
         "checkpoint.load_step",
-        "is chosen by parallelism.elastic (the newest checkpoint in checkpoint.folder): leave it 0",
+        f"is chosen by parallelism.elastic (the newest checkpoint in checkpoint.folder): leave it -1, "
+        f"got {c.load_step}",
     )
 
 

@@ -12,6 +12,7 @@ before the recovery that no process logged (rank 0 died after the survivors fini
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,7 +37,8 @@ class MetricsLogger:
     `run_dir` (rank 0's run folder, None elsewhere) receives the TensorBoard events; `continued` when it
     continues an earlier generation's folder, whose newest logged iteration is then read from its records.
     `device`: where this rank computes (the peak its MFU divides by, `trainer.flops.device_peak_flops`).
-    Training thread only."""
+    Training thread only, but `line`, which a periodic save's background thread calls too (a lock keeps each
+    line and its record whole)."""
 
     def __init__(
         self,
@@ -58,6 +60,7 @@ class MetricsLogger:
         self.events = None
         # the newest iteration logged (rank 0): the records' in a continued folder, else known at `start`
         self.logged = event_log.last_step(run_dir) if continued and run_dir is not None else None
+        self.lock = threading.Lock()  # `line` from the training thread and a background save's
 
     def start(self, first_step: int) -> None:
         """Training starts (or resumes) at iteration `first_step`: the progress bar and TensorBoard begin. A
@@ -91,10 +94,11 @@ class MetricsLogger:
         this process records events, so a printed line always has its record."""
         if not (self.enabled or every_rank):
             return
-        if not isinstance(out, str):
-            event_log.record(out)
-            out = out.line()
-        self._print(out)
+        with self.lock:
+            if not isinstance(out, str):
+                event_log.record(out)
+                out = out.line()
+            self._print(out)
 
     def _print(self, text: str) -> None:
         if self.bar.disable:

@@ -1,5 +1,11 @@
-"""A run's record: `<output_dir>/<job.name>/<timestamp>/` with its resolved config, how it was launched and
-its TensorBoard events. Rank 0 writes it; a torchrun restart of the same launch continues its folder."""
+"""A run's record: `<output_dir>/<job.name>/<timestamp>/` with its resolved config, how it was launched, where
+it started and its TensorBoard events. Rank 0 writes it; a torchrun restart of the same launch continues its
+folder.
+
+`config.toml` holds the config as the start resolved it (`checkpoint.load_step N` or `checkpoint.load DIR`,
+never -1: `trainer.checkpoint.resume`), so that it reruns the same thing; `run.json` names the checkpoint the
+run resumed from (`resumed_from`: directory, step and the seal of its meta.json; null for the initial state)
+and the run's lineage (`trainer.checkpoint.lineage`), which a later generation of the run keeps."""
 
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,6 +25,8 @@ import torch.distributed
 
 from parallelisms.distributed import store_round, torchrun_store
 from trainer.atomic_write import write_atomically
+from trainer.checkpoint.lineage import new_lineage
+from trainer.checkpoint.resume import Source
 from trainer.config import Config, ConfigError
 from trainer.config_help import to_toml
 from trainer.lifecycle import rank_shell
@@ -103,24 +112,38 @@ def _new_folder(job_dir: Path) -> Path:
     raise FileExistsError(f"{job_dir}: no free run folder for {stamp}")
 
 
-def open_run_record(cfg: Config, world: int, argv: list[str], restarted: bool) -> tuple[Path, bool]:
-    """(this run's folder, whether it continues the folder of an earlier generation of this torchrun run:
-    `restarted`, after a torchrun restart or an in-place replacement). A new folder
-    gets `config.toml` (loads back into the same Config with `--config`) and `run.json` (command line, commit,
-    versions, layout); a continued one keeps them. Rank 0 only; ConfigError if the folder cannot be written."""
+@dataclass(frozen=True)
+class RunFolder:
+    """Rank 0's run record: its folder, whether it continues an earlier generation's, and the run's lineage."""
+
+    path: Path
+    continued: bool
+    lineage: str
+
+
+def open_run_record(cfg: Config, world: int, argv: list[str], restarted: bool, source: Source | None) -> RunFolder:
+    """This run's folder, which continues the folder of an earlier generation of this torchrun run when
+    `restarted` (after a torchrun restart or an in-place replacement) and there is one. A new folder gets
+    `config.toml` (`cfg`, as the start resolved it: loads back into the same Config with `--config`) and
+    `run.json` (command line, commit, versions, layout, `source`: the checkpoint loaded, the lineage); a
+    continued one keeps them. The lineage: `source`'s, else the continued folder's, else a new one. Rank 0
+    only; ConfigError if the folder cannot be written."""
     try:
-        return _open(cfg, world, argv, restarted)
+        return _open(cfg, world, argv, restarted, source)
     except OSError as e:
         msg = f"config key 'job.output_dir' ({cfg.job.output_dir!r}): cannot write the run record: {e}"
         raise ConfigError(msg) from None
 
 
-def _open(cfg: Config, world: int, argv: list[str], restarted: bool) -> tuple[Path, bool]:
+def _open(cfg: Config, world: int, argv: list[str], restarted: bool, source: Source | None) -> RunFolder:
     job_dir = Path(cfg.job.output_dir) / cfg.job.name
     identity = launch_identity()
     folder = _continued_folder(job_dir, identity) if restarted else None
+    inherited = source.lineage if source is not None else None
     if folder is not None:
-        return folder, True
+        kept = (_record_of(folder) or {}).get("lineage")
+        return RunFolder(folder, True, inherited or (kept if isinstance(kept, str) else None) or new_lineage())
+    lineage = inherited or new_lineage()
     folder = _new_folder(job_dir)
     write_atomically(folder / CONFIG, to_toml(cfg))
     record = {
@@ -133,9 +156,11 @@ def _open(cfg: Config, world: int, argv: list[str], restarted: bool) -> tuple[Pa
         "world_size": world,
         "layout": {"pp": cfg.parallelism.pp, "dp": cfg.parallelism.dp, "ep": cfg.parallelism.ep},
         "launch": identity,
+        "resumed_from": source.record() if source is not None else None,
+        "lineage": lineage,
     }
     write_atomically(folder / RECORD, json.dumps(record, indent=2) + "\n")
-    return folder, False
+    return RunFolder(folder, False, lineage)
 
 
 def _folder_key() -> str:
