@@ -12,6 +12,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from moevement.recovery.report import RecoveryReport, RecoveryWork
 from tests.helpers import DEBUG_CONFIG, ROOT, run_events, steps
+from trainer.checkpoint import events
 from trainer.config import load_config
 from trainer.lifecycle.shell_lines import FROZEN, REPLACED, ShellLine
 from trainer.lifecycle.survivor_lines import DETECTED, PREEMPTED, REJOINS, START_FAILED, SurvivorLine
@@ -33,6 +34,16 @@ EVENTS = [
     ShellLine(FROZEN, "1", 100, "frozen", silent_s=10.04, timeout_s=10.0),
     RecoveryReport(7, (0,), (0,), 3, 4, 6.1354, 0.04, 4.0, 0.9, restart="replaced", detected_by=("rank1: x",)),
     RecoveryWork(1, "healthy", 0, 0),
+    events.CheckpointLoaded(10, "ck/step-10", 4.5123456),
+    events.CheckpointLoaded(0, "hf", float("nan"), imported="deepseek-ai/x"),
+    events.CheckpointOtherConfig("ck/step-10", ("training.lr (saved 0.003, this run 0.001)",)),
+    events.FreshStart("ck"),
+    events.FreshStart("ck", (10, 20)),
+    events.CheckpointFallback(20, "ck/step-20", "model-00000.safetensors: sha256 differs"),
+    events.CheckpointSaved(20, "ck/step-20", 0.25),
+    events.CheckpointNotSaved(30, "ck/step-30", "No space left on device"),
+    events.CheckpointPruned(10, "ck/step-10", 2),
+    events.CheckpointNotPruned("ck/step-10", 2, "holds notes.txt"),
     FinalLine(12, 4.05695, "ab" * 32),
 ]
 
