@@ -30,6 +30,7 @@ import torch
 
 from models import count_params
 from moevement.failures import FaultPlan
+from moevement.recovery.report import RecoveryFigures
 from moevement.storage.cpu_cost import CpuMark
 from moevement.strategy import CheckpointStrategy, MoEvement
 from parallelisms import collectives
@@ -55,10 +56,9 @@ from trainer.lifecycle.stop_guard import StopGuard
 from trainer.lifecycle.survival import keep_for_torchrun_restart
 from trainer.optim import build_optimizer
 from trainer.run import host_estimate
-from trainer.run.accounting import RunAccounting
+from trainer.run.accounting import RunAccounting, kept_path
 from trainer.run.event_lines import FaultStrike, FinalLine
 from trainer.run.fault_injection import KillSwitch, arm_kill, fired, kill_if_joining, record_fired
-from trainer.run.host_paths import host_job_dir
 from trainer.run.metrics import MetricsLogger
 from trainer.run.run_record import open_run_record, publish_run_folder, tell_the_shell_the_run_folder
 from trainer.run.strategy_factory import build_strategy
@@ -152,8 +152,9 @@ def inject_failures(job: Job, step: int, elapsed_s: float) -> int:
     started = time.perf_counter()
     with job.guard.recovering():
         resume = job.ft.recover(step, events)
-    job.accounting.recovered(len(events), time.perf_counter() - started)
-    job.logger.recovery(job.ft.last_recovery())
+    figures = job.ft.last_recovery()
+    job.accounting.recovered(len(events), time.perf_counter() - started, figures)
+    job.logger.recovery(figures)
     return resume
 
 
@@ -246,6 +247,7 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
     # a later generation may not form: the job has ended, or a node is gone with its ranks
     watch = job_end.GenerationWatch(plan.generation, NodeWatch(plan.generation, cfg.fault.node_loss_s, *this_node()))
     rank, world = init_distributed(cfg.fault.timeout_s, generation=plan.generation, watch=watch)
+    job_end.check_not_finished_earlier()  # torchrun restarted every worker after the job's end
     plan = agree_on_attempt(plan)
     plan.process.startup.mark("process_group")
     cfg = fit_layout(cfg, world, rank)
@@ -271,7 +273,8 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
     kill = arm_kill(faults, rank, model, optimizer, guard, seeder, cfg.fault.kill_signal, say)
     step, loss = ft.resume(step, loss)
     logger.start(step + 1)
-    logger.recovery(ft.last_recovery())  # a restarted generation's rejoin or restart, if it was one
+    restarted = ft.last_recovery()  # a restarted generation's rejoin or restart, if it was one
+    logger.recovery(restarted)
     val_data = validation_data(cfg, val_batches, dims)
     job = Job(
         cfg,
@@ -287,7 +290,7 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
         faults,
         kill,
         guard,
-        run_accounting(cfg, rank, step, plan),
+        run_accounting(cfg, rank, step, plan, restarted),
         plan,
         PeriodicCheckpoints(cfg, kill.during_dense_save),
     )
@@ -328,13 +331,15 @@ def validation_data(cfg: Config, val_batches: TokenBatches | None, dims: Paralle
     return [val_batches.val_batch(i, dims.dp_rank, cfg.parallelism.dp) for i in range(count)]
 
 
-def run_accounting(cfg: Config, rank: int, step: int, plan: StartPlan) -> RunAccounting:
-    """The run's accounting from iteration step+1 on, carried on from an earlier generation if any
-    (collective; kept in memory by survivors of an in-place replacement, else in the job's host directory
-    when a fault-tolerance strategy runs)."""
-    kept_at = None if cfg.checkpoint.strategy == "none" else host_job_dir(cfg) / f"accounting-rank{rank:05d}.json"
-    accounting = RunAccounting(step + 1, cfg.training.batch_size, kept_at)
-    accounting.carry_on(plan.name(), plan.accounting, plan.in_place)
+def run_accounting(
+    cfg: Config, rank: int, step: int, plan: StartPlan, restarted: RecoveryFigures | None
+) -> RunAccounting:
+    """The run's accounting from iteration step+1 on, carried on from an earlier generation if any, with the
+    recovery that restarted this one (`restarted`: its line's figures). Collective; kept in memory by
+    survivors of an in-place replacement, else in the job's host directory (`kept_path`)."""
+    tokens = cfg.training.batch_size * cfg.training.seq_len
+    accounting = RunAccounting(step + 1, tokens, kept_path(cfg, rank))
+    accounting.carry_on(plan.name(), plan.accounting, plan.in_place, restarted)
     return accounting
 
 
@@ -456,7 +461,7 @@ def finish(job: Job, step: int, loss: float, digest: str | None) -> None:
         inputs = job.ft.checkpointer.planner.last_inputs
         job.logger.line(write_window_profile(cfg.metrics.profile, inputs, cfg.checkpoint.replicas))
     totals = job.ft.close()
-    job.logger.line(job.accounting.line(totals, totals.get("lost_tokens", 0.0)))
+    job.logger.line(job.accounting.summary(totals, totals.get("lost_tokens", 0.0)))
     job.accounting.drop()
     job.kill.at("accounting")
     if not cfg.checkpoint.save_final:  # else both happened once the checkpoint was published

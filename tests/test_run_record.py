@@ -8,7 +8,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.helpers import DEBUG_CONFIG, ROOT, recoveries, run_cli, run_events
+from tests.helpers import DEBUG_CONFIG, ROOT, accounting, recoveries, run_cli, run_events
 from trainer.config import load_config
 
 QUIET = ["--metrics.log_every", "1", "--training.val_every", "0"]
@@ -86,7 +86,7 @@ def test_tensorboard_marks_each_recovery_at_the_step_it_struck(tmp_path, strateg
     found = recoveries(proc.stdout)
     assert found, proc.stdout
     line = found[0]
-    wall = float(re.search(r"^accounting .* recovery_s=(\S+)", proc.stdout, re.M)[1])  # the loop's time of it
+    wall = accounting(proc.stdout).recovery_s  # the loop's time of it
     (folder,) = (tmp_path / "debug_moe").iterdir()
     tb = events(folder)
     fault = {key: tb.Scalars(f"fault/{key}") for key in ("ranks_failed", "scope_ranks", "rollback_to", "replayed")}

@@ -1,12 +1,13 @@
 """A run's events as records beside its console lines: `<run folder>/events.jsonl` (docs/design.md §5).
 
-Each `recovery step=...`, `recovery work ...`, `fault: ...` and `final ...` line that rank 0 prints, and each
-`shell:` line of a rank shell on rank 0's host, is also one JSON object on one line of this file, written
-from the same typed object that prints the line (`RecoveryReport`, `RecoveryWork`, `FaultStrike`,
-`FinalLine`, `ShellLine`: `record()`, with its `"kind"`). The writers are rank 0's `MetricsLogger` and the
-rank shells, which learn the folder from their trainer (`append_event`: one `write` of a whole line in
-append mode, so writers never interleave inside a line); a torchrun restart or an in-place replacement
-continues the run folder (`open_run_record`), so a later generation's records follow the earlier ones'.
+Each `recovery step=...`, `recovery work ...`, `fault: ...`, `accounting ...` and `final ...` line that rank 0
+prints, and each `shell:` line of a rank shell on rank 0's host, is also one JSON object on one line of this
+file, written from the same typed object that prints the line (`RecoveryReport`, `RecoveryWork`,
+`FaultStrike`, `AccountingLine`, `FinalLine`, `ShellLine`: `record()`, with its `"kind"`). The writers are
+rank 0's `MetricsLogger` and the rank shells (and their children), which learn the folder from their trainer
+(`append_event`: one `write` of a whole line in append mode, so writers never interleave inside a line); a
+torchrun restart or an in-place replacement continues the run folder (`open_run_record`), so a later
+generation's records follow the earlier ones'.
 
 Tests and benchmarks read a run's events here (`run_events`) instead of parsing its stdout: the one parse
 left is of the `run: <dir>` lines that name the folder.
@@ -22,12 +23,13 @@ from typing import ClassVar, Protocol
 
 from moevement.recovery.report import RecoveryReport, RecoveryWork
 from trainer.lifecycle.shell_lines import ShellLine
+from trainer.run.accounting_line import AccountingLine
 from trainer.run.event_lines import FaultStrike, FinalLine
 
 EVENTS = "events.jsonl"
-RunEvent = RecoveryReport | RecoveryWork | FaultStrike | FinalLine | ShellLine
+RunEvent = RecoveryReport | RecoveryWork | FaultStrike | FinalLine | ShellLine | AccountingLine
 KINDS: dict[str, type[RunEvent]] = {
-    cls.KIND: cls for cls in (RecoveryReport, RecoveryWork, FaultStrike, FinalLine, ShellLine)
+    cls.KIND: cls for cls in (RecoveryReport, RecoveryWork, FaultStrike, FinalLine, ShellLine, AccountingLine)
 }
 # rank 0's `run: <dir>` line (train.py), ` (continued by a later generation of the run)` after a restart
 RUN_LINE = re.compile(r"^run: (.+?)(?: \(continued by a later generation of the run\))?$", re.M)
