@@ -17,6 +17,9 @@ import pytest
 
 from eval import accuracy_under_failure as acc
 from tests.helpers import CHILD_ENV, DEBUG_CONFIG, ROOT, recoveries
+from trainer.run.accounting_line import AccountingLine
+from trainer.run.event_lines import FinalLine
+from trainer.run.event_log import append_event
 
 STRATEGY_LINE = re.compile(
     r"^strategy=(\w+) val_loss=(\S+) piqa_acc=(\S+) piqa_acc_norm=(\S+) "
@@ -71,16 +74,22 @@ def test_arguments_defaults_and_errors(capsys):
 
 
 def test_parse_training_keeps_the_rerun_validation_and_builds_table_and_plot(tmp_path):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    for event in (
+        AccountingLine(4.5, 6, 3.0, 0.5, 1.0, 0.0, 1, 2, 2.0, 123, 1.0, 0.0),
+        FinalLine(6, 3.9, "ab" * 32),
+    ):
+        append_event(folder, event)
     stdout = "\n".join(
         [
+            f"run: {folder}",
             "step=1 loss=5.0",
             "validation step=2 val_loss=4.5",
             "validation step=4 val_loss=4.2",
             "recovery step=5 ranks=1 scope=0-1 rollback_to=3 replayed=2 seconds=0.1 strategy=moc",
             "validation step=4 val_loss=4.25",
             "validation step=6 val_loss=4.0",
-            "accounting wall_s=4.5 iterations=6 failures=1 recomputed=2 goodput=2.0 lost_tokens=123 host_mb=1.0",
-            "final step=6 loss=3.9 state_digest=" + "ab" * 32,
             "",
         ]
     )

@@ -14,7 +14,7 @@ from benchmarks.emulated_nodes import GROWABLE, Output, free_port, start_node
 from parallelisms.distributed import store_round
 from parallelisms.elastic import ElasticError, elastic_layout, fitting_worlds
 from parallelisms.mesh import ParallelismConfig
-from tests.helpers import CHILD_ENV, base_args, final_line, run_cli, step_losses
+from tests.helpers import CHILD_ENV, accounting, base_args, final_line, run_cli, step_losses
 from trainer.checkpoint.identity import RunIdentity
 from trainer.config import Config, ConfigError, fit_world, load_config
 
@@ -178,6 +178,9 @@ def test_a_node_lost_for_good_shrinks_the_job_and_its_return_grows_it_back(tmp_p
     assert final_line(elastic) == final_line(reference)
     last_segment = {s: v for s, v in step_losses(elastic[elastic.rindex("checkpoint: loaded step") :]).items()}
     assert last_segment == {s: v for s, v in step_losses(reference).items() if s > t2}
+    # the shrink is a failure with its seconds; the grow-back's restart costs seconds but is no failure
+    acct = accounting(elastic)
+    assert acct.failures == 1 and acct.recovery_s > 0 and acct.iterations == 40, acct
 
 
 @pytest.mark.slow
