@@ -96,7 +96,7 @@ class RunAccounting:
             return
         if in_place:
             kept, failed = _newest_in_memory(kept), True
-        else:  # kept by this attempt: torchrun restarted the round because a node joined
+        else:  # a record of this same attempt: torchrun restarted the round because a node joined, no failure
             found = _newest_kept(self.path, name)
             kept, failed = (found["accounting"], found["attempt"] < name["attempt"]) if found else (None, False)
         if kept is None:
