@@ -30,6 +30,7 @@ import torch
 
 from models import count_params
 from moevement.failures import FaultPlan
+from moevement.recovery.report import RecoveryFigures
 from moevement.storage.cpu_cost import CpuMark
 from moevement.strategy import CheckpointStrategy, MoEvement
 from parallelisms import collectives
@@ -55,10 +56,10 @@ from trainer.lifecycle.survival import keep_for_torchrun_restart
 from trainer.lifecycle.survivor_lines import PREEMPTED, SurvivorLine
 from trainer.optim import build_optimizer
 from trainer.run import event_log, host_estimate
-from trainer.run.accounting import RunAccounting
+from trainer.run.accounting import RunAccounting, kept_path
 from trainer.run.event_lines import ElasticLayout, FaultStrike, FinalLine
 from trainer.run.fault_injection import KillSwitch, arm_kill, fired, kill_if_joining, record_fired
-from trainer.run.host_paths import claim_host_state, host_job_dir
+from trainer.run.host_paths import claim_host_state
 from trainer.run.metrics import MetricsLogger
 from trainer.run.run_record import (
     open_run_record,
@@ -157,8 +158,9 @@ def inject_failures(job: Job, step: int, elapsed_s: float) -> int:
     started = time.perf_counter()
     with job.guard.recovering():
         resume = job.ft.recover(step, events)
-    job.accounting.recovered(len(events), time.perf_counter() - started)
-    job.logger.recovery(job.ft.last_recovery())
+    figures = job.ft.last_recovery()
+    job.accounting.recovered(len(events), time.perf_counter() - started, figures)
+    job.logger.recovery(figures)
     return resume
 
 
@@ -222,6 +224,7 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
     # a later generation may not form: the job has ended, or a node is gone with its ranks
     watch = job_end.GenerationWatch(plan.generation, NodeWatch(plan.generation, cfg.fault.node_loss_s, *this_node()))
     rank, world = init_distributed(cfg.fault.timeout_s, generation=plan.generation, watch=watch)
+    job_end.check_not_finished_earlier()  # torchrun restarted every worker after the job's end
     plan = agree_on_attempt(plan)
     plan.process.startup.mark("process_group")
     cfg, layout = fit_layout(cfg, world, rank)
@@ -252,7 +255,8 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
     kill = arm_kill(faults, rank, model, optimizer, guard, seeder, cfg.fault.kill_signal, say)
     step, loss = ft.resume(start.step, start.loss)
     logger.start(step + 1)
-    logger.recovery(ft.last_recovery())  # a restarted generation's rejoin or restart, if it was one
+    restarted = ft.last_recovery()  # a restarted generation's rejoin or restart, if it was one
+    logger.recovery(restarted)
     logger.catch_up(step, ft.logged_scalars)  # iterations the survivors finished after rank 0 died
     val_data = validation_data(cfg, val_batches, dims)
     job = Job(
@@ -269,7 +273,7 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
         faults,
         kill,
         guard,
-        run_accounting(cfg, rank, step, plan),
+        run_accounting(cfg, rank, step, plan, restarted),
         plan,
         PeriodicCheckpoints(cfg, kill.in_background, lineage, logger.line),
     )
@@ -328,13 +332,15 @@ def validation_data(cfg: Config, val_batches: TokenBatches | None, dims: Paralle
     return [val_batches.val_batch(i, dims.dp_rank, cfg.parallelism.dp) for i in range(count)]
 
 
-def run_accounting(cfg: Config, rank: int, step: int, plan: StartPlan) -> RunAccounting:
-    """The run's accounting from iteration step+1 on, carried on from an earlier generation if any
-    (collective; kept in memory by survivors of an in-place replacement, else in the job's host directory
-    when a fault-tolerance strategy runs)."""
-    kept_at = None if cfg.checkpoint.strategy == "none" else host_job_dir(cfg) / f"accounting-rank{rank:05d}.json"
-    accounting = RunAccounting(step + 1, cfg.training.batch_size, kept_at)
-    accounting.carry_on(plan.name(), plan.accounting, plan.in_place)
+def run_accounting(
+    cfg: Config, rank: int, step: int, plan: StartPlan, restarted: RecoveryFigures | None
+) -> RunAccounting:
+    """The run's accounting from iteration step+1 on, carried on from an earlier generation if any, with the
+    recovery that restarted this one (`restarted`: its line's figures). Collective; kept in memory by
+    survivors of an in-place replacement, else in the job's host directory (`kept_path`)."""
+    tokens = cfg.training.batch_size * cfg.training.seq_len
+    accounting = RunAccounting(step + 1, tokens, kept_path(cfg, rank))
+    accounting.carry_on(plan.name(), plan.accounting, plan.in_place, restarted)
     return accounting
 
 
@@ -456,7 +462,7 @@ def finish(job: Job, step: int, loss: float, digest: str | None) -> None:
         inputs = job.ft.checkpointer.planner.last_inputs
         job.logger.line(write_window_profile(cfg.metrics.profile, inputs, cfg.checkpoint.replicas))
     totals = job.ft.close()
-    job.logger.line(job.accounting.line(totals, totals.get("lost_tokens", 0.0)))
+    job.logger.line(job.accounting.summary(totals, totals.get("lost_tokens", 0.0)))
     job.accounting.drop()
     job.kill.at("accounting")
     if not cfg.checkpoint.save_final:  # else both happened once the checkpoint was published

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from moevement.recovery.report import RecoveryReport, RecoveryWork
 from trainer.lifecycle.survivor_lines import SurvivorLine
+from trainer.run.accounting_line import AccountingLine
 from trainer.run.event_lines import FaultStrike, FinalLine, StepLine, ValidationLine
 from trainer.run.event_log import RunEvent, last_step, read_events, run_folders
 from trainer.run.event_log import run_events as _run_events
@@ -199,6 +200,7 @@ RECORDED = (
     "recovery step=",
     "recovery work ",
     "checkpoint: ",
+    "accounting ",
     "final step=",
 )
 # what the README's demo (`make train`: a death replaced in place) records, at least
@@ -252,6 +254,13 @@ def recoveries(run: Run) -> list[RecoveryReport]:
 def recovery_work(run: Run) -> list[RecoveryWork]:
     """The `recovery work ...` lines of a run, as recorded."""
     return [e for e in run_events(run) if isinstance(e, RecoveryWork)]
+
+
+def accounting(run: Run) -> AccountingLine:
+    """The `accounting` line of a run, as recorded (the last one: a run prints one)."""
+    found = [e for e in run_events(run) if isinstance(e, AccountingLine)]
+    assert found, f"no accounting line recorded for:\n{run}"
+    return found[-1]
 
 
 def final_line(run: Run) -> tuple[int, float, str]:
@@ -316,6 +325,7 @@ SHELL_CHILD = textwrap.dedent(
     from trainer.lifecycle import rank_shell
     log = open({log!r}, "a")
     role = os.environ[rank_shell.ROLE]
+    rank_shell.watch_the_shell()
     if role == "standby":
         log.write(json.dumps({{"standby": os.getpid()}}) + "\\n")
         log.flush()
@@ -347,6 +357,10 @@ SHELL_CHILD = textwrap.dedent(
     if ending == "busy-0":  # busy for 4 s, its heartbeat going on (as in a long collective)
         time.sleep(4)
         ending = "0"
+    if ending.startswith("stop-shell"):  # stop the shell (SIGSTOP), then live on ("-busy") or exit 0
+        os.kill(os.getppid(), signal.SIGSTOP)
+        time.sleep(60 if ending == "stop-shell-busy" else 0)
+        ending = "0"
     if ending.endswith("die"):
         os.kill(os.getpid(), signal.SIGKILL)
     sys.exit(int(ending))
@@ -355,14 +369,15 @@ SHELL_CHILD = textwrap.dedent(
 
 
 def run_shell(
-    tmp_path, endings: list[str], max_replacements: int, timeout_s: float = 600.0
+    tmp_path, endings: list[str], max_replacements: int, heartbeat_timeout_s: float = 600.0
 ) -> tuple[int, list[dict], str]:
-    """A shell (`fault.timeout_s` = `timeout_s`) over the child script whose trainer of generation g ends as
-    `endings[g]` ("die": SIGKILL, "silent-die": SIGKILL before its first word to the shell, "finished-die":
-    SIGKILL after reporting the job finished at step 7,
+    """A shell (`fault.heartbeat_timeout_s` = `heartbeat_timeout_s`) over the child script whose trainer of
+    generation g ends as `endings[g]` ("die": SIGKILL, "silent-die": SIGKILL before its first word to the
+    shell, "finished-die": SIGKILL after reporting the job finished at step 7,
     "standby-killed-die": SIGKILL once it killed the standby and the shell started another, "freeze":
-    SIGSTOP, "busy-0": exit 0 after 4 s, or an exit status); returns (the shell's status, the children's
-    records, the shell's output)."""
+    SIGSTOP, "busy-0": exit 0 after 4 s, "stop-shell-busy": SIGSTOP its shell and live on, "stop-shell":
+    SIGSTOP its shell and exit 0, or an exit status); returns (the shell's status, the children's records,
+    the output of the shell and its children)."""
     from trainer.lifecycle import rank_shell
 
     log = tmp_path / "log.jsonl"
@@ -370,7 +385,7 @@ def run_shell(
     script.write_text(SHELL_CHILD.format(root=str(ROOT), log=str(log), endings=endings))
     driver = (
         f"import sys; sys.path.insert(0, {str(ROOT)!r}); from trainer.lifecycle.rank_shell import RankShell; "
-        f"sys.exit(RankShell([sys.executable, {str(script)!r}], {max_replacements}, {timeout_s}).run())"
+        f"sys.exit(RankShell([sys.executable, {str(script)!r}], {max_replacements}, {heartbeat_timeout_s}).run())"
     )
     env = {k: v for k, v in os.environ.items() if k != rank_shell.ROLE}
     env.update(RANK="1", WORLD_SIZE="2")

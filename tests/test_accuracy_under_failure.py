@@ -17,6 +17,7 @@ import pytest
 
 from eval import accuracy_under_failure as acc
 from tests.helpers import CHILD_ENV, DEBUG_CONFIG, ROOT, recoveries
+from trainer.run.accounting_line import AccountingLine
 from trainer.run.event_lines import FinalLine, StepLine, ValidationLine
 from trainer.run.event_log import append_event
 
@@ -79,15 +80,15 @@ def test_parse_training_keeps_the_rerun_validation_and_builds_table_and_plot(tmp
         ValidationLine(4, 4.2),
         ValidationLine(4, 4.25),  # run again after a rollback
         ValidationLine(6, 4.0),
+        AccountingLine(4.5, 6, 3.0, 0.5, 1.0, 0.0, 1, 2, 2.0, 123, 1.0, 0.0),
         FinalLine(6, 3.9, "ab" * 32),
     ]:
         append_event(tmp_path, event)
-    accounting = "accounting wall_s=4.5 iterations=6 failures=1 recomputed=2 goodput=2.0 lost_tokens=123 host_mb=1.0"
-    run = acc.parse_training(f"run: {tmp_path}\n{accounting}\n", "moc")
+    run = acc.parse_training(f"run: {tmp_path}\n", "moc")
     assert run["val"] == {2: 4.5, 4: 4.25, 6: 4.0}  # the record after the rollback wins
     assert (run["failures"], run["lost_tokens"], run["train_loss"], run["digest"]) == (1, 123, 3.9, "ab" * 32)
     with pytest.raises(acc.RunError, match="no 'final'"):
-        acc.parse_training(f"run: {tmp_path / 'none'}\n{accounting}\n", "moc")
+        acc.parse_training(f"run: {tmp_path / 'none'}\n", "moc")
     ref = {
         **run,
         "val": {2: 4.5, 4: 4.2, 6: 3.95},

@@ -14,7 +14,18 @@ from benchmarks.emulated_nodes import GROWABLE, Output, free_port, start_node
 from parallelisms.distributed import store_round
 from parallelisms.elastic import ElasticError, elastic_layout, fitting_worlds
 from parallelisms.mesh import ParallelismConfig
-from tests.helpers import CHILD_ENV, after, base_args, final_line, run_cli, run_events, step_losses, steps, survivors
+from tests.helpers import (
+    CHILD_ENV,
+    accounting,
+    after,
+    base_args,
+    final_line,
+    run_cli,
+    run_events,
+    step_losses,
+    steps,
+    survivors,
+)
 from trainer.checkpoint.identity import RunIdentity
 from trainer.config import Config, ConfigError, fit_world, load_config
 from trainer.run.event_lines import ElasticLayout, StepLine
@@ -186,6 +197,9 @@ def test_a_node_lost_for_good_shrinks_the_job_and_its_return_grows_it_back(tmp_p
     assert last_round and last_round == {s: v for s, v in step_losses(reference).items() if s in last_round}
     if strategy != "none":  # the survivors waited for replacements, said so and gave up on node 1
         assert {(e.what, e.rank) for e in survivors(events)} >= {("rejoins", 0), ("rejoins", 1)}, events
+    # the shrink is a failure with its seconds; the grow-back's restart costs seconds but is no failure
+    acct = accounting(events)
+    assert acct.failures == 1 and acct.recovery_s > 0 and acct.iterations == 40, acct
 
 
 @pytest.mark.slow

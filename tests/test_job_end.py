@@ -142,6 +142,18 @@ def test_the_generation_watch_gives_up_only_when_the_generation_cannot_form(stor
     assert job_end.finished_step() == LAST and job_end.await_finished(1.0) == LAST
 
 
+def test_a_torchrun_restart_after_the_jobs_end_trains_nothing_again(store, monkeypatch):
+    """A worker (or a stopped rank shell its child killed) ended after the `final` line and torchrun restarted
+    every worker: each rank of the new attempt finds attempt 0's record of the end and exits with success."""
+    job_end.check_not_finished_earlier()  # attempt 0: nothing earlier
+    job_end.record_finished(LAST)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    with pytest.raises(job_end.JobFinished, match=f"finished at step {LAST} in attempt 0 of this torchrun run"):
+        job_end.check_not_finished_earlier()
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # each round's own store holds no earlier round
+    job_end.check_not_finished_earlier()
+
+
 def test_a_node_whose_beat_stops_for_node_loss_s_is_lost_and_the_generation_given_up(store):
     """Rank 1 of 3 nodes watches node 2 only (ring order); the lapse counts from the last beat it saw."""
     now = [0.0]

@@ -31,13 +31,16 @@ from trainer.lifecycle.startup import Startup
 from trainer.lifecycle.stop_guard import StopGuard
 from trainer.lifecycle.survivor_lines import PREEMPTED, SurvivorLine
 from trainer.lifecycle.verdict import (
+    STANDBY_GRACE_S,
     Happened,
     OnSigterm,
     ShellVerdict,
     Verdict,
     a_frozen_child,
+    a_silent_shell,
     after_child_exit,
     decide,
+    hang_bound,
     on_sigterm,
     runs_a_shell,
 )
@@ -274,8 +277,38 @@ def test_when_train_py_starts_as_a_rank_shell(facts, shell):
     [(0.5, False, False), (10.0, False, False), (10.5, False, True), (60.0, True, False)],
 )
 def test_when_a_rank_shell_kills_a_silent_trainer(silent_s, stopping, frozen):
-    """Silent longer than `fault.timeout_s` (here 10 s) is frozen, unless torchrun is stopping the job."""
+    """Silent longer than `fault.heartbeat_timeout_s` (here 10 s) is frozen, unless torchrun is stopping the
+    job."""
     assert a_frozen_child(silent_s, 10.0, stopping) is frozen
+
+
+@pytest.mark.parametrize(
+    ("heartbeat_timeout_s", "timeout_s", "bound"),
+    [
+        (30.0, 600.0, ("fault.heartbeat_timeout_s", 30.0)),  # the defaults: a hang costs 30 s, not 10 minutes
+        (30.0, 30.0, ("fault.heartbeat_timeout_s", 30.0)),
+        (30.0, 10.0, ("fault.timeout_s", 10.0)),  # the peers give up on a hung trainer first
+    ],
+)
+def test_the_hang_bound_is_the_heartbeat_timeout_or_a_shorter_collective_timeout(heartbeat_timeout_s, timeout_s, bound):
+    assert hang_bound(heartbeat_timeout_s, timeout_s) == bound
+
+
+@pytest.mark.parametrize(
+    ("silent_s", "standby", "kill"),
+    [
+        (0.5, False, False),
+        (10.0, False, False),
+        (10.5, False, True),  # the trainer: past the bound
+        (10.5, True, False),  # its standby waits a little longer, so the trainer's line is the one printed
+        (10.0 + STANDBY_GRACE_S, True, False),
+        (10.5 + STANDBY_GRACE_S, True, True),  # ... and still ends a shell whose trainer has exited
+    ],
+)
+def test_when_a_shells_child_kills_a_silent_shell(silent_s, standby, kill):
+    """A shell silent longer than `fault.heartbeat_timeout_s` (here 10 s) is stopped or stuck: its trainer
+    kills it, its standby `STANDBY_GRACE_S` later."""
+    assert a_silent_shell(silent_s, 10.0, standby) is kill
 
 
 def test_the_shell_reads_the_trainers_settings_and_defaults(tmp_path):

@@ -33,6 +33,7 @@ from tests.helpers import (
     PP4,
     ROOT,
     RUN_OUTPUTS,
+    accounting,
     after,
     assert_each_step_once,
     assert_recorded_as_printed,
@@ -138,8 +139,12 @@ def test_sigkill_in_backward_is_replaced_in_place(tmp_path):
     assert (shell.what, shell.rank, shell.how, shell.generation) == (REPLACED, "1", "signal SIGKILL", 1), out
     [found] = assert_local_and_exact(out, baseline(PP2, 2), (1,), (1,))
     assert found.step == 9 and found.restart == "replaced", out
-    acct = re.search(r"^accounting wall_s=(\S+) iterations=(\d+) .* recovery_s=(\S+) failures=(\d+) ", out, re.M)
-    assert acct[2] == str(final_line(out)[0]) and acct[4] == "1", acct[0]  # carried across the generations
+    # the shell saw the death: its replacement dates the fault, and rank 0 detected it at once
+    assert found.detect is not None and 0 <= found.detect < 5, found
+    acct = accounting(out)
+    assert (acct.iterations, acct.failures) == (final_line(out)[0], 1), acct  # carried across the generations
+    assert acct.recomputed == found.replayed > 0, acct  # stage 1's replay counts as iterations run again
+    assert acct.recovery_s >= found.seconds + found.detect - 0.002 and acct.detect_s == found.detect, acct
 
 
 def test_sigkill_with_torchrun_restarting_every_worker(tmp_path):
@@ -159,10 +164,10 @@ def test_sigkill_with_torchrun_restarting_every_worker(tmp_path):
         out,
         re.M,
     ), out
-    acct = re.search(r"^accounting wall_s=(\S+) iterations=(\d+) .* recovery_s=(\S+) failures=(\d+) ", out, re.M)
-    recovery_s = next(r.seconds for r in recoveries(out) if r.step == 9)
-    assert acct[2] == str(final_line(out)[0]) and acct[4] == "1", acct[0]  # carried across the restart
-    assert float(acct[3]) >= recovery_s and float(acct[1]) > float(acct[3]), acct[0]
+    acct = accounting(out)
+    assert (acct.iterations, acct.failures) == (final_line(out)[0], 1), acct  # carried across the restart
+    assert acct.recovery_s >= found.seconds and acct.wall_s > acct.recovery_s, acct
+    assert found.detect is None and acct.recomputed == found.replayed, (found, acct)  # no clock saw the death
 
 
 @pytest.mark.slow
@@ -322,16 +327,40 @@ def test_interleaved_1f1b_and_two_deaths_in_a_row(tmp_path):
     assert [(r.ranks, r.scope) for r in found] == [((1,), (1, 3)), ((0,), (0, 2))]
 
 
-FROZEN = r"^shell: rank {r}: trainer pid \d+ said nothing for [\d.]+ s \(more than fault.timeout_s=5 s\): frozen"
+FROZEN = r"^shell: rank {r}: trainer pid \d+ said nothing for [\d.]+ s \(more than {key}=5 s\): frozen"
 
 
 def assert_a_hang_replaced_in_place(out: str, rank: int) -> None:
     """Rank `rank` stopped at step 9: its shell killed it as frozen, its standby replaced it in generation 1,
     and no rank waited for torchrun's restart."""
     assert f"fault: rank {rank} stopped (SIGSTOP) in the backward phase of step 9" in out
-    assert re.search(FROZEN.format(r=rank), out, re.M), out
+    assert re.search(FROZEN.format(r=rank, key="fault.timeout_s"), out, re.M), out
     assert re.search(rf"^shell: rank {rank}: trainer pid \d+ died \(signal SIGKILL\) .* generation 1 ", out, re.M)
     assert "not joined" not in out and [r.restart for r in rejoins(run_events(out))][:1] == ["replaced"], out
+
+
+def test_a_hang_is_detected_within_the_heartbeat_bound_and_charged(tmp_path):
+    """Guarantee: a hang costs the heartbeat bound, and the records say so.
+    pp=2: rank 1 stops (SIGSTOP) in its backward pass of step 9 while its peers' collectives would wait
+    120 s (`fault.timeout_s`). Its heartbeat stops with it: past `fault.heartbeat_timeout_s` (5 s) its shell
+    kills it and the standby replaces it in place. The recovery line dates the hang from the trainer's last
+    heartbeat (`detect`: from the fault to rank 0's detection), and the accounting charges it."""
+    out = death_run(
+        tmp_path,
+        PP2,
+        2,
+        *("--fault.kill", "9:1:backward", "--fault.kill_signal", "SIGSTOP", "--fault.heartbeat_timeout_s", "5"),
+    )
+    assert re.search(FROZEN.format(r=1, key="fault.heartbeat_timeout_s"), out, re.M), out
+    [found] = assert_local_and_exact(out, baseline(PP2, 2), (1,), (1,))
+    assert found.restart == "replaced", found
+    stopped = float(re.search(r"^fault: rank 1 stopped \(SIGSTOP\) .* at unix=(\S+)$", out, re.M)[1])
+    detected = float(re.search(r"^survivor: rank 0 .* \(detected at unix=(\S+)\)$", out, re.M)[1])
+    # the bound, not the collectives' 120 s; dated from the last heartbeat, at most a beat before the stop
+    assert 5 <= found.detect < 5 + 15 and 0 <= found.detect - (detected - stopped) <= 1.5, (found, out)
+    acct = accounting(out)
+    assert acct.recovery_s >= found.seconds + found.detect - 0.002 and acct.detect_s == found.detect, acct
+    assert (acct.failures, acct.recomputed) == (1, found.replayed), acct
 
 
 @pytest.mark.slow
@@ -422,7 +451,7 @@ def test_moc_restarts_from_its_checkpoints_and_loses_tokens(tmp_path):
     assert (r.step, r.ranks, r.rollback_to, r.strategy) == (9, (1,), 7, "moc")
     assert "; ".join(r.snapshots_from).startswith("rank1: disk ")
     assert r.lost_tokens > 0 and 0 < r.plt < 1
-    assert re.search(rf"^accounting .* lost_tokens={r.lost_tokens} ", out, re.M), out
+    assert accounting(out).lost_tokens == r.lost_tokens, out
     final_line(out)
 
 

@@ -15,6 +15,7 @@ from tests.helpers import (
     MOEVEMENT,
     PP2,
     ROOT,
+    accounting,
     assert_each_step_once,
     assert_recorded_as_printed,
     baseline,
@@ -104,7 +105,7 @@ def test_tensorboard_marks_each_recovery_at_the_step_it_struck(tmp_path, strateg
     found = recoveries(proc.stdout)
     assert found, proc.stdout
     line = found[0]
-    wall = float(re.search(r"^accounting .* recovery_s=(\S+)", proc.stdout, re.M)[1])  # the loop's time of it
+    wall = accounting(proc.stdout).recovery_s  # the loop's time of it
     (folder,) = (tmp_path / "debug_moe").iterdir()
     tb = events(folder)
     fault = {key: tb.Scalars(f"fault/{key}") for key in ("ranks_failed", "scope_ranks", "rollback_to", "replayed")}

@@ -105,6 +105,7 @@ class CheckpointConfig(SparseOptions):
 
 
 NODE_LOSS_MIN_S = 3.0  # fault.node_loss_s: at least a few of the trainers' 1 s beats
+HEARTBEAT_TIMEOUT_S = (3.0, 3600.0)  # fault.heartbeat_timeout_s: a few 1 s beats, at most an hour
 
 
 @dataclass
@@ -119,6 +120,9 @@ class FaultConfig:
     # how fault.kill strikes: SIGKILL (a death) | SIGSTOP (a hang)
     kill_signal: Literal["SIGKILL", "SIGSTOP"] = "SIGKILL"
     timeout_s: float = 600.0  # a collective without progress for this long fails: a hung peer counts as dead
+    # under rank shells: a trainer without a heartbeat for this long is frozen (its shell kills it and its standby
+    # replaces it); a shell silent for this long is stuck (its trainer kills it: torchrun restarts or ends the job)
+    heartbeat_timeout_s: float = 30.0
     # under rank shells: a node none of whose trainers said it is there for this long is lost with its ranks;
     # the survivors stop waiting to replace them in place and hand over to torchrun's restart
     node_loss_s: float = 60.0
@@ -409,6 +413,12 @@ def _validate_fault(cfg: Config) -> None:
     )
     plan = fault_plan(cfg, world=2)
     _check(f.timeout_s > 0, "fault.timeout_s", f"must be > 0 seconds, got {f.timeout_s}")
+    low, high = HEARTBEAT_TIMEOUT_S
+    _check(
+        low <= f.heartbeat_timeout_s <= high,
+        "fault.heartbeat_timeout_s",
+        f"must be {low:g} to {high:g} seconds (a few 1 s heartbeats, at most an hour), got {f.heartbeat_timeout_s}",
+    )
     _check(
         f.node_loss_s >= NODE_LOSS_MIN_S,
         "fault.node_loss_s",

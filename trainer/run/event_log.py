@@ -4,14 +4,14 @@
 Every line a user or a tool reads is one JSON object on one line of this file, written from the same typed
 object that prints the line (`record()`, with its `"kind"`; `from_record(record).line()` is the printed line
 again): `step` (every iteration, printed every `metrics.log_every`), `validation`, `elastic`, `fault`,
-`survivor`, `recovery`, `recovery_work`, the `checkpoint_*` kinds (`trainer.checkpoint.events`), `final`,
-and a rank shell's `shell`. Any trainer process that knows the run folder and sees it records its own events
-(`record_events_in`, `say`): rank 0, which opens the folder, and every other rank once rank 0 has named it on
-torchrun's store, where the folder is on its host's file system (rank 0's host, or a shared one; elsewhere its
-lines are printed only). Rank shells learn it from their trainer. Every writer appends a whole line with one
-`write` in append mode (`append_event`), so writers never interleave inside a line; a torchrun restart or an
-in-place replacement continues the run folder (`open_run_record`), so a later generation's records follow the
-earlier ones'.
+`survivor`, `recovery`, `recovery_work`, the `checkpoint_*` kinds (`trainer.checkpoint.events`),
+`accounting`, `final`, and a rank shell's `shell`. Any trainer process that knows the run folder and sees it
+records its own events (`record_events_in`, `say`): rank 0, which opens the folder, and every other rank once
+rank 0 has named it on torchrun's store, where the folder is on its host's file system (rank 0's host, or a
+shared one; elsewhere its lines are printed only). Rank shells (and their children) learn it from their
+trainer. Every writer appends a whole line with one `write` in append mode (`append_event`), so writers never
+interleave inside a line; a torchrun restart or an in-place replacement continues the run folder
+(`open_run_record`), so a later generation's records follow the earlier ones'.
 
 Tests, benchmarks and eval/ read a run's events here (`run_events`) instead of parsing its stdout: the one
 parse left is of the `run: <dir>` lines that name the folder.
@@ -29,6 +29,7 @@ from moevement.recovery.report import RecoveryReport, RecoveryWork
 from trainer.checkpoint.events import CHECKPOINT_EVENTS, CheckpointEvent
 from trainer.lifecycle.shell_lines import ShellLine
 from trainer.lifecycle.survivor_lines import SurvivorLine
+from trainer.run.accounting_line import AccountingLine
 from trainer.run.event_lines import ElasticLayout, FaultStrike, FinalLine, StepLine, ValidationLine
 
 EVENTS = "events.jsonl"
@@ -41,6 +42,7 @@ RunEvent = (
     | RecoveryReport
     | RecoveryWork
     | CheckpointEvent
+    | AccountingLine
     | FinalLine
     | ShellLine
 )
@@ -55,6 +57,7 @@ KINDS: dict[str, type[RunEvent]] = {
         RecoveryReport,
         RecoveryWork,
         *CHECKPOINT_EVENTS,
+        AccountingLine,
         FinalLine,
         ShellLine,
     )
