@@ -204,7 +204,7 @@ RECORDED = (
     "final step=",
 )
 # what the README's demo (`make train`: a death replaced in place) records, at least
-DEMO_KINDS = {"step", "fault", "survivor", "shell", "recovery", "recovery_work", "final"}
+DEMO_KINDS = {"step", "fault", "survivor", "shell", "recovery", "recovery_work", "accounting", "final"}
 
 
 def assert_recorded_as_printed(out: str) -> list[RunEvent]:
