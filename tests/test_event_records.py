@@ -14,9 +14,10 @@ from moevement.recovery.report import RecoveryReport, RecoveryWork
 from tests.helpers import DEBUG_CONFIG, ROOT, run_events, steps
 from trainer.checkpoint import events
 from trainer.config import load_config
-from trainer.lifecycle.shell_lines import FROZEN, REPLACED, ShellLine
+from trainer.lifecycle.shell_lines import FROZEN, REPLACED, SHELL_SILENT, ShellLine
 from trainer.lifecycle.survivor_lines import DETECTED, PREEMPTED, REJOINS, START_FAILED, SurvivorLine
 from trainer.run import event_log
+from trainer.run.accounting_line import AccountingLine
 from trainer.run.event_lines import ElasticLayout, FaultStrike, FinalLine, StepLine, ValidationLine, format_value
 from trainer.run.metrics import MetricsLogger
 
@@ -31,9 +32,11 @@ EVENTS = [
     SurvivorLine(DETECTED, 0, 9, how="a collective failed", kept="no live state", detected_unix=7.25),
     SurvivorLine(PREEMPTED, 2, 5, kept="nothing new to keep", resumes="a relaunch starts over"),
     ShellLine(REPLACED, "1", 100, "signal SIGKILL", 101, 1, 4, 1, 12.5),
-    ShellLine(FROZEN, "1", 100, "frozen", silent_s=10.04, timeout_s=10.0),
+    ShellLine(FROZEN, "1", 100, "frozen", silent_s=10.04, bound_s=10.0, bound_key="fault.heartbeat_timeout_s"),
+    ShellLine(SHELL_SILENT, "1", 99, "stopped", silent_s=31.0, bound_s=30.0, bound_key="fault.timeout_s", by=100),
     RecoveryReport(7, (0,), (0,), 3, 4, 6.1354, 0.04, 4.0, 0.9, restart="replaced", detected_by=("rank1: x",)),
     RecoveryWork(1, "healthy", 0, 0),
+    AccountingLine(4.5, 6, 3.0, 0.5, 1.0, 0.25, 1, 2, 2048.0, 0, 1.0, 0.5),
     events.CheckpointLoaded(10, "ck/step-10", 4.5123456),
     events.CheckpointLoaded(0, "hf", float("nan"), imported="deepseek-ai/x"),
     events.CheckpointOtherConfig("ck/step-10", ("training.lr (saved 0.003, this run 0.001)",)),
