@@ -292,7 +292,10 @@ class Invocation:
         self.references = [reference]
         self.cap = snapshot_cap(args, cfg, reference.iteration_s)
         self.moc_k = first_k(cfg, args.pp, self.cap, reference.iteration_s)
-        print(f"moc first_k_pec={self.moc_k} of {cfg.model.n_routed_experts} (adaptive, every iteration)", flush=True)
+        if any(variant_flags(s)[0] == "moc" for s in args.strategies.split(",")):
+            print(
+                f"moc first_k_pec={self.moc_k} of {cfg.model.n_routed_experts} (adaptive, every iteration)", flush=True
+            )
         self.rows = [ettr_report.Row(None, "none", {**summarize(first, reference, self.tokens), "ettr": 1.0})]
         self.runs: dict[tuple[int, str], Run] = {}
 
