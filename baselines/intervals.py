@@ -10,10 +10,12 @@ that overlap is a stall of the optimizer step: `cost = max(0, bytes / bandwidth 
            seconds): the k maximising
            `ETTR(k) = 1 / (1 + cost / (k T)) * max(0, 1 - (k / 2 + 1) T / (M T))`: checkpoint
            overhead against the iterations a failure loses on average (Young/Daly, in integers).
+  every    MoC-System's: a checkpoint every iteration, its size (K_pec) chosen so the copy overlaps the
+           iteration (`baselines.moc.adaptive_k`; the MoEvement paper runs MoC so, §5.2).
 `ettr` gives the steady state of a measured profile (`simulator.calibration`) and `checkfreq_*` is
-CheckFreq's policy in `simulator.strategies`; the scale study's Gemini interval is
-`simulator.formula.best_interval`.
-`auto` is the strategy's own policy: oracle for gemini when the MTBF is known, else capped.
+CheckFreq's policy in `simulator.mechanisms`; the scale study's Gemini interval is `simulator.oracle`.
+`auto` is the strategy's own policy: every iteration for moc, oracle for gemini when the MTBF is known,
+else capped.
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ class IntervalPolicy:
         return iteration >= self.next_due
 
     def mode(self) -> str:
-        if self.spec.isdigit():
+        if self.spec.isdigit() or (self.spec == "auto" and self.strategy == "moc"):
             return "fixed"
         if self.spec == "oracle" or (self.spec == "auto" and self.strategy == "gemini" and self.mtbf_iters > 0):
             return "oracle"
@@ -102,7 +104,7 @@ class IntervalPolicy:
         """The interval from this checkpoint to the next (measured stalls win over the estimate)."""
         mode = self.mode()
         if mode == "fixed":
-            return int(self.spec)
+            return int(self.spec) if self.spec.isdigit() else 1  # moc's own: every iteration
         cost = (
             statistics.median(self.stalls[-3:])
             if self.stalls

@@ -8,17 +8,35 @@ live on different expert-parallel ranks and the save work is spread over the EP 
 
 Recovery restores every operator from its newest save, stale experts included, and replays
 nothing: the updates an expert received since its save are lost. The proportion of lost tokens
-(PLT) counts them from the per-expert routed-token counts; `K_pec` doubles when the run's PLT
-exceeds a threshold (3.75% by default), up to all experts.
+(PLT) counts them from the per-expert routed-token counts. Dynamic-K (MoC-System §5.3): after each
+recovery, `K_pec` doubles while the run's aggregated PLT exceeds a threshold (3.75% by default), up to
+all experts. Its first `K_pec` is MoC-System's adaptive configuration (`adaptive_k`): the most experts
+whose snapshot, taken every iteration, the iteration's forward and backward still hide.
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 import torch
 
 from moevement.operators import Operator
+
+
+def adaptive_k(
+    non_expert_bytes: float, expert_bytes: float, n_experts: int, bytes_per_s: float, overlap_s: float
+) -> int:
+    """MoC-System's adaptive K_snapshot (§5.3): the largest K in 1..`n_experts` whose snapshot (the
+    `non_expert_bytes` and K / `n_experts` of the routed `expert_bytes`) copies at `bytes_per_s` within
+    `overlap_s`, the forward and backward it overlaps; 1 where even one expert per layer does not fit.
+    An uncapped copy (`bytes_per_s` 0) fits every expert."""
+    if bytes_per_s <= 0:
+        return n_experts
+    spare_s = overlap_s - non_expert_bytes / bytes_per_s
+    per_expert_s = expert_bytes / n_experts / bytes_per_s
+    fits = math.floor(spare_s / per_expert_s + 1e-9) if per_expert_s > 0 else n_experts
+    return max(1, min(n_experts, fits))
 
 
 def moc_selection(cursor: int, moe_layers: int, n_experts: int, ep: int, k: int) -> list[list[int]]:

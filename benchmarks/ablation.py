@@ -6,7 +6,7 @@
 
 Four `moevement` variants train the same iterations under the same Poisson deaths (real SIGKILLs at a
 random phase, each replaced in place by its rank shell), each bracketed by fault-free `none` references
-exactly as in `benchmarks.ettr` (same snapshot bandwidth cap, same accounting):
+exactly as in `benchmarks.ettr` (same snapshot bandwidth cap, same accounting, start-up charged alike):
 
   1. sparse checkpointing alone: every stage rolls back (`fault.scope global`), frozen operators still
      compute their weight gradient (`fault.frozen_weight_grad true`), operators in the model's order
@@ -37,6 +37,7 @@ import statistics
 from pathlib import Path
 
 from benchmarks import ettr
+from benchmarks.ettr_runs import Run, bracket, parse_run, summarize
 from simulator.ablation import ablation
 from simulator.calibrated import FITTED
 from simulator.paper_tables import FIG13_MTBF_S, FIG13_SKEW, testbed_settings
@@ -69,9 +70,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     return parser.parse_known_args(argv)
 
 
-def recovery_seconds(run: dict) -> tuple[float, float, float]:
+def recovery_seconds(run: Run) -> tuple[float, float, float]:
     """Means of the seconds, convert and catch-up seconds of a run's `recovery step=` lines (zeros: none)."""
-    reports = run["recoveries"]
+    reports = run.recoveries
     figures = [[r.seconds for r in reports], [r.convert for r in reports], [r.catchup for r in reports]]
     return tuple(statistics.fmean(values) if values else 0.0 for values in figures)
 
@@ -80,23 +81,24 @@ def measure(args: argparse.Namespace, extra: list[str], out: Path) -> list[dict]
     """Every step's run between two fault-free references; a row per step, printed as it finishes."""
     cfg = load_config(args.config, extra)
     tokens = cfg.training.batch_size * cfg.training.seq_len
-    references = [ettr.reference_run(args, extra, out, tokens, 0)]
-    cap = ettr.snapshot_cap(args, cfg, references[0][1])
-    faults, restarts = ettr.fault_flags(args, cap)
-    fault_free = references[0][0]["final"].state_digest
+    first, reference = ettr.reference_run(args, extra, out, tokens, 0)
+    references = [reference]
+    cap = ettr.snapshot_cap(args, cfg, reference.iteration_s)
+    faults, restarts = ettr.fault_flags(args, cap, args.seed)
+    fault_free = first.final.state_digest
     rows: list[dict] = []
     for i, (_, spec) in enumerate(STEPS):
         stdout = ettr.launch(args.config, spec, args.steps, args.pp, [*extra, *faults], args.threads, restarts)
         (out / f"step{i + 1}.log").write_text(stdout)
-        run = ettr.parse_run(stdout, run_events(stdout))
-        references.append(ettr.reference_run(args, extra, out, tokens, i + 1))
-        reference_s = statistics.fmean([references[i][1], references[i + 1][1]])
-        summary = ettr.summarize(run, reference_s, tokens)
-        measured = ettr.primitives(run, reference_s, tokens, args, cfg, cap)
-        digest = "equal" if run["final"].state_digest == fault_free else "DIFFERS"
+        run = parse_run(run_events(stdout))
+        references.append(ettr.reference_run(args, extra, out, tokens, i + 1)[1])
+        ref = bracket(references[i], references[i + 1])
+        summary = summarize(run, ref, tokens)
+        measured = ettr.primitives(run, ref, tokens, args, cfg, cap)
+        digest = "equal" if run.final.state_digest == fault_free else "DIFFERS"
         rows.append(step_row(i + 1, spec, summary, measured, recovery_seconds(run), digest, rows))
         print(_line(rows[-1]), flush=True)
-    ettr.print_references([t for _, t in references])
+    ettr.print_references(references)
     return rows
 
 

@@ -3,7 +3,8 @@
 Steps (cumulative): sparse checkpointing alone (Algorithm 1's window; recovery a global restart and
 a rollback of every stage, with the pipeline bubble, through W conversion and (W - 1) / 2 catch-up
 iterations); + frozen operators skipping their weight gradient; + popularity reordering (Appendix
-D's skew, `skew`); + upstream logging (localized recovery: one stage, no bubble, local restart).
+D's skew, `skew`); + upstream logging (localized recovery: a local restart; the replay is §3.6's
+whole iterations in every step).
 Each step's finite-run ETTR over 12 hours at the given MTBF.
 """
 

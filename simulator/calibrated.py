@@ -4,7 +4,7 @@
 
 Every other input is a hardware or workload fact (`simulator.testbed`, `simulator.profile`) or a
 stated design constant of a strategy (below). Each fitted constant, its meaning and the range in
-which it is physically plausible (`PLAUSIBLE`; `python -m simulator.fit` says when a fit leaves it):
+which it is physically plausible (`PLAUSIBLE`: the fit stays inside it and says which ends bind):
 
 - nic_efficiency (0.1-1): the share of a node's line rate that a bulk host-to-host transfer of a
   whole node's state achieves (Gemini's remote checkpoint, a recovery's reads). Gemini's stated
@@ -78,13 +78,13 @@ PLAUSIBLE: dict[str, tuple[float, float]] = {
 
 # `python -m simulator.fit` (its output, with every residual: its directory's fit.txt).
 FITTED = Calibration(
-    nic_efficiency=0.32896,
-    persist_interference=0.155608,
-    restart_s=6.9878,
-    rejoin_s=30.7956,
-    zero_loss_checkfreq=0.0135724,
-    zero_loss_gemini=0.0243376,
+    nic_efficiency=0.335024,
+    persist_interference=0.15576,
+    restart_s=5.0,
+    rejoin_s=30.9162,
+    zero_loss_checkfreq=0.0138671,
+    zero_loss_gemini=0.0249634,
     zero_loss_moc=0.000803232,
-    zero_loss_moevement=0.0192902,
+    zero_loss_moevement=0.0191214,
     moc_loss_scale=11.3315,
 )

@@ -10,7 +10,9 @@ every failure, against the 1-4 s per failure Table 3's MoEvement recovery times 
 variances, the loss is the sum over strategies of n_s log(SSE_s / n_s + e), where e is the variance of a
 value rounded to three decimals (as every cell is printed), so no strategy's error is trusted below its
 rounding. A coordinate search in transformed coordinates (log for positive constants, logit for the NIC
-efficiency) over `--sweeps` sweeps of shrinking grids minimises it; it prints the constants, the rms per
+efficiency) over `--sweeps` sweeps of shrinking grids minimises it within each constant's plausible range
+(`simulator.calibrated.PLAUSIBLE`: a coordinate beyond it stands for the range's end, so a constant the
+cells push out of its range stays at its end, and the report says which ends bind); it prints the constants, the rms per
 strategy and every calibration cell's residual, and writes the same to `fit.txt` under `--out DIR`
 (default `outputs/simulator/<UTC timestamp>/`, `simulator.output`).
 `simulator.calibrated.FITTED` records the printed values. `--exclude moc` (a diagnostic, not the
@@ -40,8 +42,10 @@ SWEEPS = 10
 
 
 def to_calibration(x: Sequence[float]) -> Calibration:
+    """The constants at coordinates `x`, each within its plausible range (`PLAUSIBLE`)."""
     eta = 1 / (1 + math.exp(-x[0]))
-    return Calibration(eta, *(math.exp(v) for v in x[1:]))
+    values = [eta, *(math.exp(v) for v in x[1:])]
+    return Calibration(*(min(max(v, PLAUSIBLE[n][0]), PLAUSIBLE[n][1]) for n, v in zip(NAMES, values)))
 
 
 def to_coordinates(cal: Calibration) -> list[float]:
@@ -100,7 +104,7 @@ def report(cal: Calibration, value: float) -> str:
     lines = [f"fitted on Table 3 rows {', '.join(CALIBRATION_ROWS)} ({len(cells)} ETTR cells)"]
     for k, v in asdict(cal).items():
         lo, hi = PLAUSIBLE[k]
-        lines.append(f"{k} = {v:.6g}" + ("" if lo <= v <= hi else f"  (outside its plausible {lo:g}-{hi:g})"))
+        lines.append(f"{k} = {v:.6g}" + (f"  (at the end of its plausible {lo:g}-{hi:g})" if v in (lo, hi) else ""))
     lines.append(f"rms = {math.sqrt(sum(c[3] ** 2 for c in cells) / len(cells)):.4f} (fit's loss {value:.3f})")
     for strategy in STRATEGIES:
         mine = [c[3] for c in cells if c[2] == strategy]

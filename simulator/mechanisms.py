@@ -22,9 +22,10 @@ failure-free run (`simulator.calibrated`).
   (`simulator.run`). Without a stated o0 (the scale presets), B is the NIC's bulk rate. A failure:
   global restart + state read + 1.5 T.
 - moevement: Algorithm 1's window at the profiled snapshot bandwidth (`simulator.profile`). A failure:
-  localized restart + fetching the W snapshots + W conversion iterations (frozen operators skip weight
-  gradients: 1/3 of their FLOPs) + (W - 1) / 2 catch-up iterations, each one stage's share of an
-  iteration (no bubble), + T / 2 aborted.
+  localized restart + fetching the W snapshots + the paper's expected recovery (§3.6, E[R] ~ 3/2 W T):
+  W conversion iterations (frozen operators skip weight gradients: 1/3 of their FLOPs) + (W - 1) / 2
+  catch-up iterations, each a full iteration T, + T / 2 aborted. (Upstream logging makes the recovery
+  local, a local restart; §3.6 states its replay in whole iterations.)
 Copies to host memory overlap training at no cost (a per-second copy interference fitted to zero on
 the 2H and 1H rows and was removed); what a strategy loses beyond its stall is its `zero_loss`.
 """
@@ -180,8 +181,7 @@ def moevement_cost(
         if ablation.skip_bweight
         else [0.0] * window
     )
-    replay_t = s.stage_iteration_s if ablation.localized else t
     restart = cal.restart_at(1) if ablation.localized else global_restart_s(s, cal)
     fetch = sum(sizes) * GPUS_PER_NODE / net.full
-    recovery = moevement_recovery_s(restart, fetch, list(frozen), replay_t, t)
+    recovery = moevement_recovery_s(restart, fetch, list(frozen), t, t)
     return Cost("moevement", stall / t, recovery, None, window, stall, cal.zero_loss_moevement, cal.restart_s)

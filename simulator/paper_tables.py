@@ -29,6 +29,7 @@ from simulator.measured import (
     predict,
     predicted_cost,
     read_csv,
+    unrecorded,
 )
 from simulator.mechanisms import gemini_cost
 from simulator.model import run_all
@@ -222,7 +223,7 @@ def own_table4_cells(runs: list[MeasuredRun], source: str) -> Iterator[Cell]:
         name = f"{base} [{', '.join(dropped)}]" if dropped else base
         label = f"{r.run} {name} (o {cost.overhead:.3f}, R {cost.recovery_s:.1f} s"
         label += f", W {cost.window}" if cost.window else f", k {cost.interval}"
-        label += f"; not recorded: {', '.join(r.missing)})" if r.missing else ")"
+        label += f"; not recorded: {', '.join(unrecorded(r))})" if unrecorded(r) else ")"
         yield Cell(section, label, ettr, r.ettr, "held out")
     if ablation and len(predicted) >= 2:
         (p3, m3), (p4, m4) = list(predicted.values())[-2:]

@@ -70,11 +70,6 @@ class Setting:
     def nodes(self) -> int:
         return self.gpus // GPUS_PER_NODE
 
-    @property
-    def stage_iteration_s(self) -> float:
-        """One stage's share of an iteration without the pipeline bubble: T M / (M + S - 1) (1F1B)."""
-        return self.iteration_s * self.micro_batches / (self.micro_batches + self.stages - 1)
-
 
 def pipeline_send_bytes(stages: int, micro_batches: int, hidden: int, micro_batch_tokens: int) -> float:
     """Bytes the bottleneck stage's node sends to its pipeline neighbours per iteration."""

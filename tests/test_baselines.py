@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 
 from baselines.intervals import IntervalPolicy, checkfreq_interval, oracle_interval, periodic_ettr
-from baselines.moc import LostTokens, PartialExpertSelector, moc_selection
-from benchmarks.ettr import lost_time, parse_run, summarize
+from baselines.moc import LostTokens, PartialExpertSelector, adaptive_k, moc_selection
 from benchmarks.ettr import main as ettr_main
+from benchmarks.ettr_moc import charged, first_k, routed_per_iteration, stage_bytes
+from benchmarks.ettr_runs import Reference, bracket, lost_time, parse_run, summarize
 from moevement.failures import FaultPlan, FaultSpecError, poisson_events
 from moevement.operators import Operator
 from moevement.recovery.report import RecoveryReport
@@ -27,6 +28,8 @@ from tests.helpers import DEBUG_CONFIG, accounting, base_args, final_line, recov
 from trainer.config import ConfigError, expected_mtbf_iters, load_config
 from trainer.run.accounting import RunAccounting
 from trainer.run.accounting_line import AccountingLine
+from trainer.run.event_lines import StepLine
+from trainer.run.event_log import append_event
 
 BASE = [*base_args(steps=14), "--parallelism.pp", "2"]
 
@@ -99,6 +102,33 @@ def test_interval_policies():
     assert not oracle.due(10 + k - 1) and oracle.due(10 + k)
     oracle.rolled_back(12)
     assert oracle.next_due == 12 + k
+    every = IntervalPolicy("moc", "auto", 0.0, lambda: [])  # MoC-System's own: every iteration, whatever it costs
+    assert every.mode() == "fixed" and every.choose(3e9, 1e6, 1.0) == 1
+
+
+def test_moc_adaptive_k_is_the_most_experts_whose_snapshot_the_iteration_hides():
+    # 1 s to overlap at 100 B/s: 40 B of non-expert state leave 60 B; 32 experts of 10 B each: 6 fit
+    assert adaptive_k(40.0, 320.0, 32, 100.0, 1.0) == 6
+    assert adaptive_k(40.0, 320.0, 32, 100.0, 0.99) == 5
+    assert adaptive_k(200.0, 320.0, 32, 100.0, 1.0) == 1  # not even one fits: MoC-System's least, 1
+    assert adaptive_k(40.0, 320.0, 32, 1e6, 1.0) == 32 and adaptive_k(40.0, 320.0, 32, 0.0, 1.0) == 32
+
+
+def test_ettr_benchmark_sizes_moc_by_its_adaptive_configuration_and_charges_its_lost_tokens():
+    """bench_moe at pp=2 with a cap under which a dense snapshot of a stage takes 3 iterations: K_pec is the
+    smallest over the stages of what one iteration hides; PLT counts every routed assignment of every
+    iteration run, and a lost token costs the run's own time per routed token."""
+    from benchmarks.ettr_runs import RunTotals
+
+    cfg = load_config("train_configs/bench_moe.toml", [])
+    stages = stage_bytes(cfg, 2)
+    dense = sum(a + b for a, b in stages) / 2  # bytes of an average stage: what the benchmark's cap is set by
+    rate = dense / 3.0  # bytes per second, T = 1 s
+    expected = min(adaptive_k(other, experts, 32, rate, 1.0) for other, experts in stages)
+    assert 1 < expected < 32 and first_k(cfg, 2, rate * 8 / 1e9, 1.0) == expected
+    assert routed_per_iteration(cfg) == 8 * 256 * 4 * 7  # batch x seq tokens, top-4, 7 MoE layers
+    totals = RunTotals(100.0, 10, 90.0, 5.0, 5.0, 1, 2, lost_tokens=0.05 * 12 * 1000)
+    assert charged(totals, 0.8, 1000) == pytest.approx({"plt": 0.05, "ettr_charged": 0.8 / 1.05})
 
 
 # ---- failure schedules -------------------------------------------------------------------------------
@@ -175,24 +205,63 @@ def test_ettr_accounting_on_a_scripted_run(monkeypatch):
     )
     read_back = AccountingLine.from_record(json.loads(json.dumps(summary.record())))  # as events.jsonl holds it
     assert read_back.line() == summary.line() and read_back.tokens_per_s == 4.267
-    # benchmarks.ettr still reads the printed line's fields, `goodput` among them (its reader is to move to the
-    # record): the figures it needs from this run, in its grammar
-    line = summary.line().replace(" tokens_per_s=", " goodput=")
-    steps = "".join(f"step={s} loss=1 tok_per_s={t} wall_s=0\n" for s, t in [(4, 100), (5, 50), (4, 100), (6, 100)])
-    run = parse_run(steps + line + "\n")
-    result = summarize(run, none_iteration_s=1.0, tokens=100)
-    assert result["ettr"] == pytest.approx(4 / 7.5)  # the fault-free run needs 4 s for these 4 iterations
-    assert result["overhead"] == pytest.approx((1 + 2 + 1) / 3 - 1)  # first executions of 4, 5, 6
+    # benchmarks.ettr reads the records: each iteration's first execution (the reruns of 2 and 3 are not logged)
+    timeline = [(1, 1.0, 1.0), (2, 1.0, 2.0), (3, 1.0, 3.0), (4, 1.5, 7.5)]
+    steps = [_step(s, 100 / t, w) for s, t, w in timeline]
+    run = parse_run([*steps, read_back])
+    assert (run.totals.iterations, run.totals.recomputed, run.totals.host_mb) == (4, 2, 3.0)
+    # the fault-free reference: its start-up to the end of iteration 3 took 2.5 s, iteration 4 took 1.5 s
+    result = summarize(run, Reference(iteration_s=1.0, head_s=2.5, wall_s=4.0, iterations=4), tokens=100)
+    assert result["ettr"] == pytest.approx(4 / 7.5)  # the reference's 4 s of wall clock for these 4 iterations
+    assert result["overhead"] == pytest.approx(1.5 / 1.0 - 1)  # the first execution of 4, against T
     assert result["recovery_s"] == pytest.approx(2.5) and result["failures"] == 1
+    with pytest.raises(ValueError, match="no accounting line"):
+        parse_run(steps)
+
+
+def _step(step: int, tok_per_s: float, wall_s: float) -> StepLine:
+    """The `step` record of an iteration that ran at `tok_per_s` and ended `wall_s` into the run."""
+    return StepLine(step, (("loss", 1.0), ("tok_per_s", tok_per_s), ("wall_s", wall_s)))
+
+
+def _totals(wall_s: float, iterations: int, recompute_s: float = 0.0, recovery_s: float = 0.0, failures: int = 0):
+    """An `accounting` record of these totals (`recomputed` = the iterations in `recompute_s`, 1 s each)."""
+    productive = wall_s - recompute_s - recovery_s
+    return AccountingLine(wall_s, iterations, productive, recompute_s, recovery_s, 0.0, failures, round(recompute_s),
+                          iterations * 100 / wall_s, 0, 0.0, 0.0)  # fmt: skip
+
+
+def _run_of(seconds: list[float]) -> list:
+    """A fault-free run's records: its iterations took `seconds` (100 tokens each)."""
+    walls = [sum(seconds[: i + 1]) for i in range(len(seconds))]
+    steps = [_step(i + 1, 100 / t, w) for i, (t, w) in enumerate(zip(seconds, walls))]
+    return [*steps, _totals(walls[-1], len(seconds))]
+
+
+def test_start_up_is_charged_alike_to_every_run_and_its_reference():
+    """Useful time is the references' own wall clock, start-up included: a run as slow to start as its
+    references loses nothing to it, one slower loses only the difference; a reference of another length
+    counts its start-up once and its later pace per iteration."""
+    reference = Reference.of(parse_run(_run_of([3.0, 1.0, 1.0, 1.0, 1.0, 1.0])), tokens=100)
+    assert (reference.iteration_s, reference.head_s, reference.wall_s) == (1.0, 5.0, 8.0)
+    same = parse_run(_run_of([3.0, 1.0, 1.0, 1.0, 1.0, 1.0]))
+    assert summarize(same, reference, 100)["ettr"] == pytest.approx(1.0)
+    assert lost_time(same, reference, 100, 0.9)["warmup"] == pytest.approx(0.0)
+    slow = parse_run(_run_of([5.0, 1.0, 1.0, 1.0, 1.0, 1.0]))
+    assert summarize(slow, reference, 100)["ettr"] == pytest.approx(8.0 / 10.0)
+    assert lost_time(slow, reference, 100, 0.9)["warmup"] == pytest.approx(2.0)
+    assert reference.useful_s(12) == pytest.approx(5.0 + 9 * 1.0)
+    later = Reference.of(parse_run(_run_of([3.0, 1.0, 1.0, 1.2, 1.2, 1.2])), tokens=100)
+    assert bracket(reference, later) == Reference(1.1, 5.0, 8.3, 6)
 
 
 def test_lost_time_splits_the_wall_beyond_the_references_into_its_causes():
-    """Iterations 1-5 first executed in 3, 1, 1.5, 1.5, 1.5 s against a 1 s reference; a real death's recovery
-    line of 6 s (4.5 of it fetch, convert and catch-up), 0.5 s more before training went on, 2 s of
-    recomputation; 0.25 s of wall time in none of these."""
-    steps = "".join(
-        f"step={s} loss=1 tok_per_s={100 / t} wall_s=0\n" for s, t in [(1, 3), (2, 1), (3, 1.5), (4, 1.5), (5, 1.5)]
-    )
+    """Iterations 1-5 first executed in 3, 1, 1.5, 1.5, 1.5 s against a reference of 1 s iterations that
+    took 3 s to the end of iteration 3; a real death's recovery line of 6 s (4.5 of it fetch, convert and
+    catch-up), 0.5 s more before training went on, 2 s of recomputation, and 0.25 s the reference does not
+    have (the interrupted iteration)."""
+    timeline = [(1, 3, 3.0), (2, 1, 4.0), (3, 1.5, 5.5), (4, 1.5, 15.75), (5, 1.5, 17.25)]
+    steps = [_step(s, 100 / t, w) for s, t, w in timeline]
     recovery = RecoveryReport(
         step=4,
         ranks=(0,),
@@ -207,11 +276,9 @@ def test_lost_time_splits_the_wall_beyond_the_references_into_its_causes():
         restart="local",
         detected_by=("rank1: ...",),
     )
-    line = (
-        "accounting wall_s=17.25 iterations=5 productive_s=8.5 recompute_s=2.0 recovery_s=6.5 failures=1 "
-        "recomputed=2 goodput=1 lost_tokens=0 host_mb=0 log_mb=0\n"
-    )
-    lost = lost_time(parse_run(steps + line, [recovery]), reference_s=1.0, tokens=100, target_ettr=0.5)
+    totals = _totals(17.25, 5, recompute_s=2.0, recovery_s=6.5, failures=1)
+    reference = Reference(iteration_s=1.0, head_s=3.0, wall_s=5.0, iterations=5)
+    lost = lost_time(parse_run([*steps, recovery, totals]), reference, tokens=100, target_ettr=0.5)
     assert lost == pytest.approx(
         {
             "lost": 12.25,
@@ -221,8 +288,8 @@ def test_lost_time_splits_the_wall_beyond_the_references_into_its_causes():
             "catchup": 1.0,
             "resume": 0.5,
             "recompute": 2.0,
-            "warmup": 2.5,  # iterations 1-3: 2 + 0 + 0.5 s beyond the reference
-            "slower": 1.0,  # 8.5 s of first executions, 5 of them useful, 2.5 warm-up
+            "warmup": 2.5,  # the end of iteration 3 at 5.5 s, the reference's at 3 s
+            "slower": 1.0,  # iterations 4 and 5: 3 s against 2 x T
             "other": 0.25,
             "short": 7.25,  # ETTR 0.5 needs a wall of 10 s
         }
@@ -362,12 +429,17 @@ def test_checkfreq_recovers_from_disk_exactly(tmp_path):
 
 @pytest.mark.slow
 def test_moc_restores_stale_experts_and_loses_tokens(tmp_path):
-    out = baseline_run(
-        tmp_path, "moc", "--checkpoint.interval", "2", "--checkpoint.moc_experts", "2", "--fault.at", "10:1"
-    )
+    """MoC checkpoints every iteration (its own interval), K_pec = 2 of 8 experts: a failure at 10 rolls back
+    to the checkpoint of 9 with stale experts, loses tokens (PLT over every routed assignment so far, as the
+    ETTR benchmark counts them) and doubles K_pec; a rerun under the same failure is the same run."""
+    args = ("--checkpoint.moc_experts", "2", "--fault.at", "10:1")
+    for run in ("first", "again"):
+        (tmp_path / run).mkdir()
+    out = baseline_run(tmp_path / "first", "moc", *args)
     [r] = baseline_recoveries(out)
     assert (r.step, r.scope, r.rollback_to, r.strategy) == (10, (0, 1), 9, "moc")
-    assert r.lost_tokens > 0 and 0 < r.plt < 1
+    routed = routed_per_iteration(load_config(DEBUG_CONFIG, BASE[2:]))  # 4 layers: 3 of them MoE
+    assert r.lost_tokens > 0 and r.plt == pytest.approx(r.lost_tokens / (9 * routed), rel=1e-3)
     assert r.k_pec == 4  # PLT above 3.75%: K doubles
     assert accounting(out).lost_tokens == r.lost_tokens
     losses, ref = step_losses(out), step_losses(reference())
@@ -375,6 +447,10 @@ def test_moc_restores_stale_experts_and_loses_tokens(tmp_path):
     assert all(losses[t] == ref[t] for t in range(1, 10))  # identical until the stale restore at 9
     assert losses[10] != ref[10]  # iteration 9 ran again on stale experts: what follows differs
     assert final_line(out)[2] != final_line(reference())[2]
+    again = baseline_run(tmp_path / "again", "moc", *args)
+    [r2] = baseline_recoveries(again)
+    assert (r2.rollback_to, r2.lost_tokens, r2.plt, r2.k_pec) == (r.rollback_to, r.lost_tokens, r.plt, r.k_pec)
+    assert final_line(again) == final_line(out)
 
 
 def test_ettr_benchmark_brackets_each_strategy_with_fault_free_references(tmp_path, monkeypatch, capsys):
@@ -390,18 +466,40 @@ def test_ettr_benchmark_brackets_each_strategy_with_fault_free_references(tmp_pa
     def fake_launch(config, spec, steps, pp, flags, threads, restarts=0):
         launched.append(spec)
         seconds = next(reference_s) if spec == "none" else 1.21
-        lines = [f"step={s} loss=1 tok_per_s={tokens / seconds} wall_s={s * seconds}" for s in range(1, 7)]
-        lines.append(
-            f"accounting wall_s={6 * seconds} iterations=6 productive_s={6 * seconds} recompute_s=0 recovery_s=0 "
-            "failures=0 recomputed=0 goodput=1 lost_tokens=0 host_mb=0 log_mb=0"
-        )
-        return "\n".join(lines) + "\n"
+        folder = tmp_path / f"run-{len(launched)}"
+        folder.mkdir()
+        for event in [*(_step(s, tokens / seconds, s * seconds) for s in range(1, 7)), _totals(6 * seconds, 6)]:
+            append_event(folder, event)
+        return f"run: {folder}\n"
 
     monkeypatch.setattr(ettr, "launch", fake_launch)
-    ettr.main(["--strategies", "none,moevement,gemini", "--fault-mode", "wipe", "--out", str(tmp_path)])
+    argv = ["--strategies", "none,moevement,gemini", "--fault-mode", "wipe", "--seeds", "1", "--steps", "6"]
+    ettr.main([*argv, "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert launched == ["none", "moevement", "none", "gemini", "none"]
-    overhead = dict(re.findall(r"^strategy=(\w+) ettr=\S+ overhead=(\S+)", out, re.M))
+    overhead = dict(re.findall(r"^seed=1 strategy=(\w+) ettr=\S+ overhead=(\S+)", out, re.M))
     assert float(overhead["moevement"]) == pytest.approx(1.21 / 1.1 - 1, abs=1e-4)  # against (1.0 + 1.2) / 2
     assert float(overhead["gemini"]) == pytest.approx(1.21 / 1.3 - 1, abs=1e-4)  # against (1.2 + 1.4) / 2
     assert "references=3 none iteration_s=1.200 min=1.000 max=1.400 spread=0.3333" in out
+    # ETTR: the bracketing references' wall clock for the 6 iterations (start-up included), (6.0 + 7.2) / 2
+    ettr_of = dict(re.findall(r"^seed=1 strategy=(\w+) ettr=(\S+)", out, re.M))
+    assert float(ettr_of["moevement"]) == pytest.approx(6.6 / 7.26, abs=1e-4)
+    # gemini: (7.2 + 8.4) / 2 over 7.26 s; the median and range of its one seed
+    assert re.search(r"^strategy=gemini seeds=1 ettr median=1\.0744 range=1\.0744-1\.0744 predicted_ettr", out, re.M)
+
+
+def test_ettr_benchmark_draws_seeds_whose_failures_match_the_nominal_mtbf(capsys):
+    """`--seeds auto`: the first seeds whose Poisson draw holds steps / MTBF failures, so the realized MTBF is
+    the nominal one; a given list is taken as is, its pooled realized MTBF flagged when 20% off."""
+    from benchmarks.ettr import choose_seeds, parse_args, print_schedule
+
+    args, _ = parse_args(["--steps", "300", "--mtbf-iters", "100"])
+    seeds = choose_seeds(args)
+    assert len(seeds) == 3 and all(len(poisson_events(100, s, 2, 300)) == 3 for s in seeds)
+    assert all(len(poisson_events(100, s, 2, 300)) != 3 for s in range(1, seeds[-1]) if s not in seeds)
+    print_schedule(args, seeds)
+    out = capsys.readouterr().out
+    assert "pooled failures=9 iterations=900 realized_mtbf_iters=100.0 nominal_mtbf_iters=100\n" in out
+    args, _ = parse_args(["--steps", "300", "--mtbf-iters", "100", "--seeds", "2"])  # seed 2 draws no failure
+    print_schedule(args, choose_seeds(args))
+    assert "realized_mtbf_iters=inf nominal_mtbf_iters=100 (MORE THAN 20% OFF" in capsys.readouterr().out
