@@ -440,6 +440,7 @@ def train_loop(job: Job, step: int, loss: float) -> tuple[int, float]:
         started = time.perf_counter()  # an iteration's time includes loading its batch, not a recovery
         for step, inputs, labels in loader:
             job.guard.step = step
+            rank_shell.report(f"step {step}")  # the iteration a death strikes in (the recovery's fault_step=)
             if job.faults:
                 resume = inject_failures(job, step, job.accounting.elapsed())
                 if resume != step:

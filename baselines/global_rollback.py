@@ -38,7 +38,7 @@ from moevement.failures import FaultEvent
 from moevement.recovery.fetch import fetch_from_replicas
 from moevement.recovery.live_state import LiveState, Survival
 from moevement.recovery.replay import load_master, reset_to_initial, wipe_operators
-from moevement.recovery.report import RecoveryFigures, RecoveryReport, detect_seconds
+from moevement.recovery.report import RecoveryFigures, RecoveryReport, ShellFault, detect_seconds, fault_step
 from moevement.recovery.restart import UNUSABLE, CheckHeader, RestartPoint, drop_newer_disk_windows
 from moevement.storage.host_memory import private_subdirs, remove_tree
 from moevement.storage.persistence import read_window
@@ -110,7 +110,7 @@ class RestartState:
     kept: LiveState | None  # this rank's survival marker (None: its process died)
     host: RestartPoint | None  # gemini's newest replicated checkpoint in host memory, or an elastic round's re-laid
     check: CheckHeader  # refuses a snapshot of another run, rank or layout
-    fault_unix: float | None = None  # a replacement in place: when the fault it replaces struck (its shell's clock)
+    fault: ShellFault | None = None  # a replacement in place: the fault it replaces, as its rank shell saw it
 
 
 class GlobalRollback:
@@ -147,7 +147,8 @@ class GlobalRollback:
         saved_at = self._restore(saves)
         lost = self._account_lost_tokens(rollback_to, saved_at) if self.moc else {}
         self.policy.rolled_back(rollback_to)
-        self._report(step, failed, rollback_to, lambda: time.perf_counter() - started, fetched, source, lost)
+        seconds = lambda: time.perf_counter() - started  # noqa: E731
+        self._report(step, failed, rollback_to, seconds, fetched, source, lost, fault_step=step)
         return rollback_to
 
     def restart(self, state: RestartState) -> int:
@@ -156,7 +157,7 @@ class GlobalRollback:
         one (gemini's in host memory; an elastic round's, re-laid); returns its iteration. Collective."""
         started = time.perf_counter()
         gathered: list = [None] * self.world
-        collectives.all_gather_object(gathered, (state.kept.survival() if state.kept else None, state.fault_unix))
+        collectives.all_gather_object(gathered, (state.kept.survival() if state.kept else None, state.fault))
         kept: list[Survival | None] = [k for k, _ in gathered]
         dead = {r for r, k in enumerate(kept) if k is None}
         if state.host is not None:
@@ -181,8 +182,12 @@ class GlobalRollback:
         step = max((k.next_iteration for k in survivors), default=rollback_to)
         detected = min((k.detected.get("time", time.time()) for k in survivors), default=None)
         seconds = (lambda: time.time() - detected) if detected else (lambda: time.perf_counter() - started)
-        detect = detect_seconds(detected, (fault for _, fault in gathered))
-        self._report(step, dead, rollback_to, seconds, fetched, source, lost, restart="global", detect=detect)
+        faults = [fault for _, fault in gathered]
+        detect = detect_seconds(detected, faults)
+        self._report(
+            step, dead, rollback_to, seconds, fetched, source, lost, restart="global", detect=detect,
+            fault_step=fault_step(faults),
+        )  # fmt: skip
         return rollback_to
 
     def _report(
@@ -196,11 +201,12 @@ class GlobalRollback:
         lost: dict,
         restart: str | None = None,
         detect: float | None = 0.0,
+        fault_step: int | None = None,
     ) -> None:
-        """Rank 0 prints (and records) the `recovery` line (`seconds()`: the time it took; `lost`: MoC's
-        `lost_tokens`, `plt` and `k_pec`; `restart`: how the job restarted, if it did; `detect`: the seconds
-        from the fault to its detection, 0 for an injected failure); `source`: where this rank's checkpoint
-        came from (the failed ranks' sources are named). Collective."""
+        """Rank 0 prints (and records) the `recovery` line (`seconds()`: the time it took; `lost`: MoC's `lost_tokens`,
+        `plt` and `k_pec`; `restart`: how the job restarted, if it did; `detect`: the seconds from the fault to its
+        detection, 0 for an injected failure; `fault_step`: the iteration it struck in); `source`: where this rank's
+        checkpoint came from (the failed ranks' sources are named). Collective."""
         sources: list = [None] * self.world
         collectives.all_gather_object(sources, source)
         report = RecoveryReport(
@@ -216,6 +222,7 @@ class GlobalRollback:
             strategy=self.strategy,
             snapshots_from=tuple(f"rank{r}: {sources[r]}" for r in sorted(failed)),
             detect=detect,
+            fault_step=fault_step,
             **lost,
         )
         self.line(report)

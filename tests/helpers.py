@@ -339,6 +339,7 @@ SHELL_CHILD = textwrap.dedent(
         os.kill(os.getpid(), signal.SIGKILL)
     rank_shell.start_heartbeat()
     rank_shell.report(f"generation {{generation}}")
+    rank_shell.report(f"step {{5 + generation}}")  # it begins training iteration 5 + generation
     log.write(json.dumps({{"trainer": os.getpid(), "generation": generation}}) + "\\n")
     log.flush()
     ending = {endings!r}[min(generation, len({endings!r}) - 1)]
@@ -376,8 +377,8 @@ def run_shell(
     shell, "finished-die": SIGKILL after reporting the job finished at step 7,
     "standby-killed-die": SIGKILL once it killed the standby and the shell started another, "freeze":
     SIGSTOP, "busy-0": exit 0 after 4 s, "stop-shell-busy": SIGSTOP its shell and live on, "stop-shell":
-    SIGSTOP its shell and exit 0, or an exit status); returns (the shell's status, the children's records,
-    the output of the shell and its children)."""
+    SIGSTOP its shell and exit 0, or an exit status); each trainer says it begins iteration 5 + g; returns (the
+    shell's status, the children's records, the output of the shell and its children)."""
     from trainer.lifecycle import rank_shell
 
     log = tmp_path / "log.jsonl"

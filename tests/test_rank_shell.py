@@ -9,11 +9,13 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 
-from tests.helpers import run_shell
+from tests.helpers import ROOT, run_shell
 from trainer.lifecycle import exit_codes
 
 
@@ -27,6 +29,7 @@ def test_a_dead_trainer_is_replaced_by_the_standby_in_the_next_generation(tmp_pa
     assert [a["generation"] for a in activations] == [1, 2]
     assert all(r["role"] == "trainer" for r in records if "activated" in r)  # an activated standby trains
     assert [a["died"] for a in activations] == [t["trainer"] for t in trainers[:2]]  # each names its predecessor
+    assert [a["fault_step"] for a in activations] == [5, 6]  # ... and the iteration it died in
     assert out.count("replaces it in generation") == 2, out
 
 
@@ -35,7 +38,9 @@ def test_a_trainer_dead_before_its_first_word_is_replaced_too(tmp_path):
     status, records, out = run_shell(tmp_path, ["silent-die", "0"], max_replacements=4)
     assert status == 0, out
     assert [r["generation"] for r in records if "trainer" in r] == [1], records
-    assert [r["activated"]["generation"] for r in records if "activated" in r] == [1]
+    assert [(r["activated"]["generation"], r["activated"]["fault_step"]) for r in records if "activated" in r] == [
+        (1, None)  # it began no iteration
+    ]
     assert out.count("replaces it in generation") == 1, out
 
 
@@ -125,3 +130,11 @@ def test_a_stopped_shell_is_killed_by_its_child(tmp_path, ending, killer):
     assert said and 2 <= float(said[2]) < 30, out
     assert len(re.findall(r"said nothing", out)) == 1, out
     assert all(gone(pid) for pid in children["trainer"] + children["standby"]), records
+
+
+def test_the_shell_imports_no_torch():
+    """A rank shell is a thin parent: importing it (and what it imports to say and record its lines) loads no
+    torch, which would cost seconds and, on a GPU, nothing it needs."""
+    probe = "import sys, trainer.lifecycle.entry, trainer.lifecycle.rank_shell; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False", out

@@ -138,7 +138,7 @@ def test_sigkill_in_backward_is_replaced_in_place(tmp_path):
     [shell] = [e for e in run_events(out) if isinstance(e, ShellLine)]  # rank 0 is the process that ran before
     assert (shell.what, shell.rank, shell.how, shell.generation) == (REPLACED, "1", "signal SIGKILL", 1), out
     [found] = assert_local_and_exact(out, baseline(PP2, 2), (1,), (1,))
-    assert found.step == 9 and found.restart == "replaced", out
+    assert (found.step, found.fault_step, found.restart) == (9, 9, "replaced"), out  # the shell saw it begin 9
     # the shell saw the death: its replacement dates the fault, and rank 0 detected it at once
     assert found.detect is not None and 0 <= found.detect < 5, found
     acct = accounting(out)

@@ -8,11 +8,14 @@ import dataclasses
 import json
 
 from benchmarks.ablation import recovery_seconds
+from benchmarks.ettr_runs import Run, RunTotals
 from moevement.recovery.report import (
     RecoveryFigures,
     RecoveryReport,
     RecoveryWork,
+    ShellFault,
     detect_seconds,
+    fault_step,
     rank_list,
     stage_ranges,
 )
@@ -68,7 +71,8 @@ def test_rejoin_line_puts_the_restart_stages_before_fetch():
     assert record["detect"] == 2.5
     assert read_back(report).line() == line
     later = dataclasses.replace(report, seconds=8.0)
-    assert recovery_seconds({"recoveries": [report, later]}) == (7.0, 3.0, 1.0)
+    run = Run([], RunTotals(20.0, 9, 12.0, 0.0, 8.0, 2, 5, 0.0), [report, later], None)
+    assert recovery_seconds(run) == (7.0, 3.0, 1.0)
 
 
 def test_baseline_line_with_no_failed_rank_and_lost_tokens():
@@ -142,11 +146,17 @@ def test_fault_and_final_lines():
     assert [read_back(e).line() for e in (crash, kill, hang, final)] == [e.line() for e in (crash, kill, hang, final)]
 
 
-def test_detection_is_timed_from_the_earliest_fault_a_clock_saw():
-    assert detect_seconds(110.0, [None, 100.5, 101.0]) == 9.5
+def test_detection_is_timed_from_the_earliest_fault_a_shell_saw_and_names_its_iteration():
+    faults = [None, ShellFault(100.5, 7), ShellFault(101.0, 6)]
+    assert detect_seconds(110.0, faults) == 9.5
+    assert fault_step(faults) == 6  # the earliest iteration a death struck in
     assert detect_seconds(110.0, [None, None]) is None  # no clock saw the fault (a torchrun restart)
-    assert detect_seconds(None, [100.0]) is None
-    assert detect_seconds(99.9, [100.0]) == 0.0  # clocks a little apart never give a negative time
+    assert fault_step([None, ShellFault(100.0)]) is None  # a trainer dead before beginning an iteration
+    assert detect_seconds(None, [ShellFault(100.0)]) is None
+    assert detect_seconds(99.9, [ShellFault(100.0)]) == 0.0  # clocks a little apart never give a negative time
+    report = RecoveryReport(8, (1,), (1,), 5, 3, 2.0, 0.1, 0.2, detect=0.5, fault_step=7, restart="replaced")
+    assert " detect=0.500 fault_step=7 restart=replaced" in report.line()
+    assert report.record()["fault_step"] == 7 and read_back(report).line() == report.line()
 
 
 def test_a_recoverys_figures_count_replays_only_where_the_recovery_ran_them():

@@ -25,6 +25,7 @@ import torch
 
 from moevement.operators import Operator
 from moevement.recovery.replay import load_master
+from moevement.recovery.report import ShellFault
 from moevement.recovery.upstream_log import UpstreamLog
 from moevement.storage.host_memory import HostBuffer, map_bytes, read_header
 from moevement.storage.private_files import HostMemoryError
@@ -101,7 +102,7 @@ class Rejoin:
     survivors: bool = False  # some rank of the job kept its state: rejoin instead of a whole-job restart
     timeline: dict[str, float] = field(default_factory=dict)  # unix time this process reached each set-up stage
     in_place: bool = False  # the survivors stayed alive: a dead worker was replaced in place
-    fault_unix: float | None = None  # a replacement: when the fault it replaces struck, by its rank shell's clock
+    fault: ShellFault | None = None  # a replacement: the fault it replaces, as its rank shell saw it
 
 
 def _live_items(

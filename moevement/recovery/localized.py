@@ -36,7 +36,7 @@ from moevement.recovery.fetch import (
 )
 from moevement.recovery.live_state import Rejoin, Survival, restore_live_state
 from moevement.recovery.replay import wipe_operators
-from moevement.recovery.report import RecoveryFigures, RecoveryReport, RecoveryWork, detect_seconds
+from moevement.recovery.report import RecoveryFigures, RecoveryReport, RecoveryWork, detect_seconds, fault_step
 from moevement.recovery.restart import RestartPoint
 from moevement.recovery.upstream_log import UpstreamLog
 from moevement.topology import Topology
@@ -84,7 +84,9 @@ class Recovery:
         scope = _stages_of(self.layout, pps)
         ranks = tuple(sorted(failed))
         # injected: every rank knows of it at once (detect=0)
-        report = RecoveryReport(step, ranks, scope, t0, step - t0, seconds, fetch, convert, catchup, detect=0.0)
+        report = RecoveryReport(
+            step, ranks, scope, t0, step - t0, seconds, fetch, convert, catchup, detect=0.0, fault_step=step
+        )
         self._report(report, failed, pps)
         self.report_work(failed, pps, work_before, stats)
 
@@ -109,7 +111,7 @@ class Recovery:
         started, rejoin_start = time.perf_counter(), time.time()
         live = rejoin.live
         gathered: list = [None] * self.world
-        collectives.all_gather_object(gathered, (live.survival() if live else None, rejoin.fault_unix))
+        collectives.all_gather_object(gathered, (live.survival() if live else None, rejoin.fault))
         kept: list[Survival | None] = [k for k, _ in gathered]
         target = max(k.next_iteration for k in kept if k)
         failed = {r for r, k in enumerate(kept) if not k or k.next_iteration != target}
@@ -140,7 +142,8 @@ class Recovery:
             catchup=catchup,
             restart=how,
             detected_by=tuple(_how(kept)),
-            detect=detect_seconds(detected, (fault for _, fault in gathered)),
+            detect=detect_seconds(detected, [fault for _, fault in gathered]),
+            fault_step=fault_step([fault for _, fault in gathered]),
         )
         self._report(report, failed, pps)
         self.line(f"restart timeline rank={self.me}: {_stages(timeline)}")

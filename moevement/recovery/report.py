@@ -4,16 +4,18 @@ strategy, and the records rank 0 keeps of them in the run's `events.jsonl` (`tra
 The line's bytes are a contract:
 
     recovery step=<T> ranks=<ranks> scope=<stages> rollback_to=<t0> replayed=<n> seconds=<x>
-        ([<stage seconds> ]fetch=<x> convert=<x> catchup=<x>)[ detect=<x>][ <field>...]
+        ([<stage seconds> ]fetch=<x> convert=<x> catchup=<x>)[ detect=<x>][ fault_step=<n>][ <field>...]
 
-(one line; `<x>` with 3 decimals). `seconds` counts from the failure's detection; `detect`, the seconds from
-the fault to that detection, where a clock saw the fault: 0 for an injected failure (`fault.at`: every rank
-knows it at once), a dead or frozen trainer's rank shell's clock for a worker replaced in place (the death
-it saw, or the frozen trainer's last heartbeat); after torchrun's restart of every worker no process saw
-it, and the line leaves `detect` out. MoEvement's localized recovery, its whole-job restart and rejoin, and
-the interval baselines all print it through `RecoveryReport.line`. A record (`record()`) holds the same
-fields as typed JSON values, numbers rounded as the line prints them, so `from_record(record).line()` is the
-printed line again.
+(one line; `<x>` with 3 decimals). `seconds` counts from the failure's detection; `detect`, the seconds from the fault
+to that detection, where a clock saw the fault: 0 for an injected failure (`fault.at`: every rank knows it at once), a
+dead or frozen trainer's rank shell's clock for a worker replaced in place (the death it saw, or the frozen trainer's
+last heartbeat); after torchrun's restart of every worker no process saw it, and the line leaves `detect` out.
+`fault_step` is the iteration the fault struck in, where it is known: T for an injected failure, the iteration a dead or
+frozen trainer had begun by its rank shell's record (`step` is always the iteration training goes on with: after a death
+in T's optimizer step, which every survivor finished, `step` is T+1 and `fault_step` T). MoEvement's localized recovery,
+its whole-job restart and rejoin, and the interval baselines all print it through `RecoveryReport.line`. A record
+(`record()`) holds the same fields as typed JSON values, numbers rounded as the line prints them, so
+`from_record(record).line()` is the printed line again.
 """
 
 from __future__ import annotations
@@ -21,6 +23,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import ClassVar
+
+
+@dataclass(frozen=True)
+class ShellFault:
+    """The fault a replacement in place stands in for, as the dead trainer's rank shell saw it: when it struck
+    (unix seconds by the shell's clock: the death it saw, or a frozen trainer's last heartbeat) and the
+    iteration the trainer had begun (`step`; None: it died before beginning one)."""
+
+    unix: float
+    step: int | None = None
 
 
 def _printed(value: float, decimals: int) -> float:
@@ -59,6 +71,7 @@ class RecoveryReport:
     plt: float | None = None
     k_pec: int | None = None
     detect: float | None = None  # seconds from the fault to its detection (None: no clock saw the fault)
+    fault_step: int | None = None  # the iteration the fault struck in (None: unknown)
 
     def line(self) -> str:
         """The console line, byte for byte the format above."""
@@ -81,6 +94,8 @@ class RecoveryReport:
     def _fields(self) -> list[str]:
         """What follows the parenthesis, in the order of the class docstring."""
         detect = [f"detect={self.detect:.3f}"] if self.detect is not None else []
+        if self.fault_step is not None:
+            detect.append(f"fault_step={self.fault_step}")
         restart = [f"restart={self.restart}"] if self.restart is not None else []
         if self.strategy is not None:
             out = [f"strategy={self.strategy}", quoted("snapshots_from", self.snapshots_from or ())]
@@ -118,6 +133,7 @@ class RecoveryReport:
             "plt": None if self.plt is None else _printed(self.plt, 4),
             "k_pec": self.k_pec,
             "detect": None if self.detect is None else _printed(self.detect, 3),
+            "fault_step": self.fault_step,
         }
 
     @classmethod
@@ -205,13 +221,19 @@ class RecoveryFigures:
         return cls(report.step, failed, scope_ranks, report.rollback_to, report.seconds, report.detect or 0.0, replays)
 
 
-def detect_seconds(detected: float | None, faults: Iterable[float | None]) -> float | None:
-    """Seconds from the earliest fault a clock saw (`faults`: unix times, None where none did) to its first
-    detection (`detected`, unix); None when either is unknown. A clock a little ahead gives 0, not less."""
-    known = [f for f in faults if f is not None]
+def detect_seconds(detected: float | None, faults: Iterable[ShellFault | None]) -> float | None:
+    """Seconds from the earliest fault a rank shell saw (`faults`: one per rank, None where none did) to its
+    first detection (`detected`, unix); None when either is unknown. A clock a little ahead gives 0, not less."""
+    known = [f.unix for f in faults if f is not None]
     if detected is None or not known:
         return None
     return max(0.0, detected - min(known))
+
+
+def fault_step(faults: Iterable[ShellFault | None]) -> int | None:
+    """The earliest iteration a fault a rank shell saw struck in (`faults`: one per rank); None if none is
+    known (no shell saw one, or its trainer died before beginning an iteration)."""
+    return min((f.step for f in faults if f is not None and f.step is not None), default=None)
 
 
 def rank_list(ranks: Iterable[int]) -> str:

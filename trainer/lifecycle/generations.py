@@ -128,7 +128,7 @@ def _after_generation_failure(cfg, plan: StartPlan, error: BaseException) -> Sta
         raise GenerationNotJoined(plan.generation, cfg.fault.timeout_s) from None
     if verdict is not Verdict.REJOIN:
         raise error
-    plan = plan.next_generation(plan.kept, plan.accounting, plan.fault_unix)  # the same failure, still to recover
+    plan = plan.next_generation(plan.kept, plan.accounting, plan.fault)  # the same failure, still to recover
     sever_connections()
     event_log.say(SurvivorLine(START_FAILED, dist.get_rank(), pid=os.getpid(), generation=plan.generation))
     return plan

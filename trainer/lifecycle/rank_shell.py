@@ -19,19 +19,19 @@ or a replacement that could not join in time); when `fault.max_replacements` rep
 when torchrun stops it (SIGTERM, forwarded to the child). It dies with torchrun's agent, and its children
 with it (`PR_SET_PDEATHSIG`).
 
-Messages from the trainer child reach the shell on a pipe (`SHELL_FD`), one line each: `alive` every
-second from a thread of its own once its imports are done (a trainer silent for longer than the hang bound,
+Messages from the trainer child reach the shell on a pipe (`SHELL_FD`), one line each: `alive` every second
+from a thread of its own once its imports are done (a trainer silent for longer than the hang bound,
 `fault.heartbeat_timeout_s` or a shorter `fault.timeout_s` (`verdict.hang_bound`), is frozen, stopped or
-stuck: the shell kills it and its standby replaces it, so a hang is recovered in place like a death, in
-about that bound), `generation <g>` when it starts joining
-generation g, `run <dir>`
-once it knows the run folder (the shell records its `shell:` lines in its events.jsonl), `finished
-<step>` once it knows the job finished (trainer/lifecycle/job_end.py): a trainer that dies after that is
-nothing to recover, and the shell exits with success, replacing nobody. What the shell does when its
-trainer ends is `verdict.after_child_exit`. The shell beats back to each child, which ends a shell that
-stopped beating (`trainer/lifecycle/shell_watch.py`). A standby it activates learns its generation, the
-dead trainer's pid and when the fault struck (`fault_unix`: the death the shell saw, or a frozen trainer's
-last word), from which the recovery's `detect=` is measured.
+stuck: the shell kills it and its standby replaces it, so a hang is recovered in place like a death, in about
+that bound), `generation <g>` when it starts joining generation g, `step <n>` when it begins training
+iteration n, `run <dir>` once it knows the run folder (the shell records its `shell:` lines in its
+events.jsonl), `finished <step>` once it knows the job finished (trainer/lifecycle/job_end.py): a trainer that
+dies after that is nothing to recover, and the shell exits with success, replacing nobody. What the shell does
+when its trainer ends is `verdict.after_child_exit`. The shell beats back to each child, which ends a shell
+that stopped beating (`trainer/lifecycle/shell_watch.py`). A standby it activates learns its generation, the
+dead trainer's pid, when the fault struck (`fault_unix`: the death the shell saw, or a frozen trainer's last
+word), from which the recovery's `detect=` is measured, and the iteration the trainer had begun (`fault_step`,
+the recovery's `fault_step=`).
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ SHELL_FD = "MOEVEMENT_SHELL_FD"  # the trainer child's end of the report pipe
 AGENT_PID = "MOEVEMENT_AGENT_PID"  # torchrun's agent, the shell's parent
 GENERATION = "MOEVEMENT_GENERATION"  # set in an activated standby: the generation it joins
 FAULT_UNIX = "MOEVEMENT_FAULT_UNIX"  # set in an activated standby: when the fault it replaces struck (unix s)
+FAULT_STEP = "MOEVEMENT_FAULT_STEP"  # ... and the iteration the dead trainer had begun (unset: none)
 _PR_SET_PDEATHSIG = 1
 _TOLD: dict[str, Path] = {}  # in a shell's trainer child: the run folder it named to its shell (`report`)
 
@@ -109,6 +110,7 @@ class RankShell:
         self.run_dir: Path | None = None  # the run record's folder, once the trainer named it (`run <dir>`)
         self.heard: float | None = None  # when the trainer last said anything (None: not since it started)
         self.frozen_at: float | None = None  # unix time of a trainer killed as frozen's last word
+        self.begun: int | None = None  # the iteration the trainer last said it began (`step <n>`)
         self.beats = ShellBeats()
         self.reports, report_end = os.pipe()
         self.env = {**os.environ, AGENT_PID: str(os.getppid()), SHELL_FD: str(report_end)}
@@ -155,6 +157,8 @@ class RankShell:
             word, _, value = line.partition(" ")
             if word == "generation" and value.isdigit():
                 self.generation = max(self.generation, int(value))
+            elif word == "step" and value.isdigit():
+                self.begun = int(value)
             elif word == "finished" and value.isdigit():
                 self.finished_at = int(value)
             elif word == "run" and value:
@@ -234,7 +238,8 @@ class RankShell:
         self.heard = None  # the replacement's heartbeat starts once it is activated
         self.replacements += 1
         now, fault, self.frozen_at = time.time(), self.frozen_at, None
-        activation = {"generation": self.generation, "died": dead, "fault_unix": fault or now}
+        activation = {"generation": self.generation, "died": dead, "fault_unix": fault or now, "fault_step": self.begun}
+        self.begun = None
         self.child.stdin.write(json.dumps(activation).encode() + b"\n")
         self.child.stdin.close()
         count, limit = self.replacements, self.max_replacements
@@ -259,7 +264,8 @@ def run_shell(argv: list[str]) -> int:
 
 
 def await_activation() -> dict | None:
-    """In a standby: block until the shell activates it; the activation ({"generation", "died", "fault_unix"}),
+    """In a standby: block until the shell activates it; the activation ({"generation", "died", "fault_unix",
+    "fault_step"}),
     or None when the shell ends without needing it (its pipe closes)."""
     line = sys.stdin.buffer.readline()
     if not line:
@@ -267,14 +273,17 @@ def await_activation() -> dict | None:
     activation = json.loads(line)
     os.environ[GENERATION] = str(activation["generation"])
     os.environ[FAULT_UNIX] = repr(float(activation["fault_unix"]))
+    if activation.get("fault_step") is not None:
+        os.environ[FAULT_STEP] = str(int(activation["fault_step"]))
     os.environ[ROLE] = "trainer"
     return activation
 
 
-def fault_unix() -> float | None:
-    """In an activated standby: when the fault it replaces struck, by its shell's clock (None elsewhere)."""
-    value = os.environ.get(FAULT_UNIX)
-    return float(value) if value else None
+def shell_fault() -> tuple[float, int | None] | None:
+    """In an activated standby: when the fault it replaces struck, by its shell's clock, and the iteration the
+    dead trainer had begun (None if none); None elsewhere."""
+    unix, step = os.environ.get(FAULT_UNIX), os.environ.get(FAULT_STEP)
+    return (float(unix), int(step) if step else None) if unix else None
 
 
 def report(message: str) -> None:

@@ -17,9 +17,10 @@ import torch
 import torch.distributed as dist
 
 from moevement.recovery.live_state import LiveState
+from moevement.recovery.report import ShellFault
 from parallelisms import collectives
 from trainer.lifecycle.process_state import ProcessState
-from trainer.lifecycle.rank_shell import GENERATION, fault_unix
+from trainer.lifecycle.rank_shell import GENERATION, shell_fault
 from trainer.lifecycle.startup import STARTUP
 
 
@@ -30,7 +31,7 @@ class StartPlan:
     generation: int = 0  # in-place generations of this attempt before this one
     kept: LiveState | None = None  # a survivor's state, kept in memory from the previous generation
     accounting: dict | None = None  # a survivor's run accounting, likewise
-    fault_unix: float | None = None  # a replacement's: when the fault it replaces struck, by its rank shell's clock
+    fault: ShellFault | None = None  # a replacement's: the fault it replaces, as its rank shell saw it
     process: ProcessState = field(default_factory=lambda: ProcessState(STARTUP), compare=False)  # outlives the plan
 
     @property
@@ -49,11 +50,11 @@ class StartPlan:
         return {"run_id": self.run_id, "attempt": self.attempt}
 
     def next_generation(
-        self, kept: LiveState | None, accounting: dict | None, fault_unix: float | None = None
+        self, kept: LiveState | None, accounting: dict | None, fault: ShellFault | None = None
     ) -> StartPlan:
         """A survivor's plan for the generation after this one, with what it kept in memory (and, where this
-        generation failed to start, the fault it was to recover from, if its shell dated it)."""
-        return replace(self, generation=self.generation + 1, kept=kept, accounting=accounting, fault_unix=fault_unix)
+        generation failed to start, the fault it was to recover from, if its shell saw it)."""
+        return replace(self, generation=self.generation + 1, kept=kept, accounting=accounting, fault=fault)
 
 
 def agree_on_attempt(plan: StartPlan) -> StartPlan:
@@ -74,5 +75,5 @@ def plan_start() -> StartPlan:
         run_id=os.environ.get("TORCHELASTIC_RUN_ID", ""),
         attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
         generation=int(os.environ.get(GENERATION, "0")),
-        fault_unix=fault_unix(),
+        fault=ShellFault(*seen) if (seen := shell_fault()) else None,
     )
