@@ -7,10 +7,13 @@ waits for its activation and records it. The trainer itself under a shell runs i
 from __future__ import annotations
 
 import re
+import signal
+import sys
+import threading
 
 import pytest
 
-from tests.helpers import run_shell
+from tests.helpers import ROOT, SHELL_CHILD, run_shell
 from trainer.lifecycle import exit_codes
 
 
@@ -80,3 +83,32 @@ def test_a_busy_trainer_whose_heartbeat_goes_on_is_not_killed(tmp_path):
     status, records, out = run_shell(tmp_path, ["busy-0"], max_replacements=4, timeout_s=2)
     assert status == 0 and "said nothing" not in out, out
     assert [r["generation"] for r in records if "trainer" in r] == [0], records
+
+
+def test_sigterm_inside_the_shells_wait_for_its_standby_does_not_hang_it(tmp_path, monkeypatch):
+    """torchrun's SIGTERM can land while the shell waits for a child (it stops its standby once the trainer
+    ended), and the handler then runs inside that wait. It used to wait for the standby too, on the lock the
+    interrupted wait holds: the shell hung until torchrun's SIGKILL 30 s later (the job's end took that
+    long). Here the test holds that lock, as the interrupted wait does; the handler only sends signals."""
+    from trainer.lifecycle import rank_shell
+
+    script = tmp_path / "child.py"
+    script.write_text(SHELL_CHILD.format(root=str(ROOT), log=str(tmp_path / "log.jsonl"), endings=["busy-0"]))
+    monkeypatch.delenv(rank_shell.ROLE, raising=False)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    previous = signal.getsignal(signal.SIGTERM)
+    shell = rank_shell.RankShell([sys.executable, str(script)], 4, 600.0)
+    try:
+        with shell.standby._waitpid_lock:  # the shell's own `standby.wait()`, interrupted by the signal
+            handler = threading.Thread(target=shell._forward_sigterm, args=(signal.SIGTERM, None), daemon=True)
+            handler.start()
+            handler.join(10)
+            assert not handler.is_alive(), "the SIGTERM handler waits on the lock of the wait it interrupted"
+        assert shell.stopping
+        assert shell.child.wait(10) == -signal.SIGTERM and shell.standby.wait(10) == -signal.SIGKILL
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        for child in (shell.child, shell.standby):
+            child.kill()
+            child.wait()
