@@ -30,6 +30,7 @@ import torch
 
 from models import count_params
 from moevement.failures import FaultPlan
+from moevement.recovery.report import RecoveryFigures
 from moevement.storage.cpu_cost import CpuMark
 from moevement.strategy import CheckpointStrategy, MoEvement
 from parallelisms import collectives
@@ -39,10 +40,9 @@ from parallelisms.mesh import ParallelDims, build_mesh
 from parallelisms.parallelize import ModelParts, parallelize
 from trainer.allocator import reuse_freed_host_memory
 from trainer.checkpoint.dense import check_save_target, save_dense
-from trainer.checkpoint.dense_read import is_imported, load_dense
 from trainer.checkpoint.periodic import PeriodicCheckpoints
+from trainer.checkpoint.resume import Start, load_start
 from trainer.checkpoint.state import training_state_digest
-from trainer.checkpoint.step_folder import load_directory
 from trainer.config import Config, ConfigError, fault_plan, fit_world, load_config
 from trainer.config_help import help_text, to_toml
 from trainer.data.batches import TokenBatches, build_data, make_loader
@@ -53,14 +53,20 @@ from trainer.lifecycle.process import run_process
 from trainer.lifecycle.start_plan import StartPlan, agree_on_attempt, plan_start
 from trainer.lifecycle.stop_guard import StopGuard
 from trainer.lifecycle.survival import keep_for_torchrun_restart
+from trainer.lifecycle.survivor_lines import PREEMPTED, SurvivorLine
 from trainer.optim import build_optimizer
-from trainer.run import host_estimate
-from trainer.run.accounting import RunAccounting
-from trainer.run.event_lines import FaultStrike, FinalLine
+from trainer.run import event_log, host_estimate
+from trainer.run.accounting import RunAccounting, kept_path
+from trainer.run.event_lines import ElasticLayout, FaultStrike, FinalLine
 from trainer.run.fault_injection import KillSwitch, arm_kill, fired, kill_if_joining, record_fired
-from trainer.run.host_paths import host_job_dir
+from trainer.run.host_paths import claim_host_state
 from trainer.run.metrics import MetricsLogger
-from trainer.run.run_record import open_run_record, publish_run_folder, tell_the_shell_the_run_folder
+from trainer.run.run_record import (
+    open_run_record,
+    publish_run_folder,
+    published_run_folder,
+    tell_the_shell_the_run_folder,
+)
 from trainer.run.strategy_factory import build_strategy
 from trainer.run.window_profile import write_window_profile
 from trainer.step import DropoutSeeder, evaluate, set_aux_grad_scale, take_expert_load, train_step
@@ -116,7 +122,7 @@ def stop_guard(cfg: Config, rank: int, plan: StartPlan) -> StopGuard:
     its live state in host memory for a torchrun restart (trainer/lifecycle/survival.py). Host state is committed
     atomically (docs/design.md §6), so nothing is left half-written."""
 
-    def preempted_line(step: int, kept: str) -> str:
+    def preempted_line(step: int, kept: str, detected_unix: float | None = None) -> SurvivorLine:
         strategy = cfg.checkpoint.strategy
         resumes = {
             "moevement": "a torchrun restart resumes from it, a relaunch from the newest persisted sparse checkpoint",
@@ -124,7 +130,7 @@ def stop_guard(cfg: Config, rank: int, plan: StartPlan) -> StopGuard:
         }.get(strategy, f"a torchrun restart resumes from the newest {strategy} checkpoint, a relaunch starts over")
         if cfg.parallelism.elastic:
             resumes = "an elastic job's restart or relaunch resumes from the newest periodic dense checkpoint"
-        return f"preempted: rank {rank} received SIGTERM at step {step}; host state kept ({kept}): {resumes}"
+        return SurvivorLine(PREEMPTED, rank, step, kept=kept, detected_unix=detected_unix, resumes=resumes)
 
     keep = None
     if plan.kept is not None or plan.accounting is not None:
@@ -152,8 +158,9 @@ def inject_failures(job: Job, step: int, elapsed_s: float) -> int:
     started = time.perf_counter()
     with job.guard.recovering():
         resume = job.ft.recover(step, events)
-    job.accounting.recovered(len(events), time.perf_counter() - started)
-    job.logger.recovery(job.ft.last_recovery())
+    figures = job.ft.last_recovery()
+    job.accounting.recovered(len(events), time.perf_counter() - started, figures)
+    job.logger.recovery(figures)
     return resume
 
 
@@ -179,53 +186,24 @@ class Job:
     periodic: PeriodicCheckpoints  # `checkpoint.dense_interval`'s saves
 
 
-def resume_dense(cfg: Config, model: ModelParts, optimizer: torch.optim.Optimizer, rank: int) -> tuple[int, float]:
-    """(last iteration done, its loss) of `checkpoint.load` (or `checkpoint.load_step`), loaded into the
-    model, with one line saying so; (0, nan) without one."""
-    directory = load_directory(cfg)
-    if not directory:
-        return 0, float("nan")
-    meta, differ = load_dense(directory, model.view, optimizer, cfg)
-    step, loss = meta["step"], meta.get("loss", float("nan"))
-    if is_imported(meta) and rank == 0:
-        print(
-            f"checkpoint: {directory} holds imported weights ({meta['imported'].get('source')}): "
-            "model initialised from them, fresh optimizer, starting at step 1",
-            flush=True,
-        )
-    elif rank == 0:
-        print(f"checkpoint: loaded step {step} from {directory} (loss {loss:.6f})", flush=True)
-    if differ and rank == 0:
-        print(
-            f"checkpoint: {directory} was saved under another config (checkpoint.load_other_config): "
-            f"{'; '.join(differ)}",
-            flush=True,
-        )
-    if step > cfg.training.steps:
-        raise ConfigError(
-            f"config key 'training.steps' ({cfg.training.steps}) is below the checkpoint's step ({step}) in {directory}"
-        )
-    return step, loss
-
-
-def fit_layout(cfg: Config, world: int, rank: int) -> Config:
-    """The config this rank trains with on `world` processes (`fit_world`); an elastic job says its layout
-    in one line."""
+def fit_layout(cfg: Config, world: int, rank: int) -> tuple[Config, ElasticLayout | None]:
+    """The config this rank trains with on `world` processes (`fit_world`), and an elastic job's layout, which
+    rank 0 prints in one line now (its run record keeps it once the run folder is open: `open_logger`)."""
     fitted = fit_world(cfg, world)
-    if cfg.parallelism.elastic and rank == 0:
-        p, configured = fitted.parallelism, cfg.parallelism
+    if not cfg.parallelism.elastic or rank != 0:
+        return fitted, None
+    p, configured = fitted.parallelism, cfg.parallelism
+    layout = ElasticLayout(
+        world, p.pp, p.dp, p.ep, fitted.training.micro_batches, configured.dp, cfg.training.micro_batches
+    )
+    print(layout.line(), flush=True)
+    if "TORCHELASTIC_RUN_ID" in os.environ and workers_share_agent_store():
         print(
-            f"elastic: {world} processes: pp={p.pp} dp={p.dp} ep={p.ep} micro_batches={fitted.training.micro_batches}"
-            f" (configured dp={configured.dp} micro_batches={cfg.training.micro_batches})",
+            "WARNING: elastic: the workers share their torchrun agent's store, which a node that comes back "
+            "cannot join (torch 2.13): launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
             flush=True,
         )
-        if "TORCHELASTIC_RUN_ID" in os.environ and workers_share_agent_store():
-            print(
-                "WARNING: elastic: the workers share their torchrun agent's store, which a node that comes back "
-                "cannot join (torch 2.13): launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
-                flush=True,
-            )
-    return fitted
+    return fitted, layout
 
 
 def elastic_worlds_line(cfg: Config) -> str:
@@ -246,9 +224,12 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
     # a later generation may not form: the job has ended, or a node is gone with its ranks
     watch = job_end.GenerationWatch(plan.generation, NodeWatch(plan.generation, cfg.fault.node_loss_s, *this_node()))
     rank, world = init_distributed(cfg.fault.timeout_s, generation=plan.generation, watch=watch)
+    job_end.check_not_finished_earlier()  # torchrun restarted every worker after the job's end
     plan = agree_on_attempt(plan)
     plan.process.startup.mark("process_group")
-    cfg = fit_layout(cfg, world, rank)
+    cfg, layout = fit_layout(cfg, world, rank)
+    if cfg.checkpoint.strategy != "none":  # before the run record: a refused second run leaves nothing behind
+        claim_host_state(cfg, rank, plan.process.locks)
     faults = fault_plan(cfg, world)
     kill_if_joining(faults, rank, plan.kept.next_iteration if plan.kept else None, cfg.fault.kill_signal)
     if cfg.checkpoint.save_final:
@@ -261,17 +242,22 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
     model, optimizer = build_training(cfg, dims)
     plan.process.startup.mark("model")
     seeder = DropoutSeeder(model, cfg.job.seed, dims.dp_rank)
-    step, loss = resume_dense(cfg, model, optimizer, rank)
-    logger = open_logger(cfg, rank, world, dims, plan)
-    ft = build_strategy(cfg, model, optimizer, dims, seeder, train_batches, logger.line, plan, step)
-    tell_the_shell_the_run_folder()  # past the strategy's collectives: rank 0 has named it
+    start = load_start(cfg, model.view, optimizer, plan.in_place)
+    logger, lineage = open_logger(cfg, rank, world, dims, plan, start, layout)
+    ft = build_strategy(cfg, model, optimizer, dims, seeder, train_batches, logger.line, plan, start.step)
+    folder = published_run_folder()  # past the strategy's collectives: rank 0 has named it
+    if rank != 0:
+        event_log.record_events_in(folder)  # a rank on rank 0's host records its own lines
+    tell_the_shell_the_run_folder(folder)
     plan.process.startup.mark("strategy")
     optimizer.register_step_pre_hook(guard.optimizer_step_begins)  # after the checkpointer's copy wait
-    say = functools.partial(logger.line, every_rank=True)  # a dying rank's `fault:` line (rank 0 records it)
+    say = functools.partial(logger.line, every_rank=True)  # a dying rank's `fault:` line, recorded where it can be
     kill = arm_kill(faults, rank, model, optimizer, guard, seeder, cfg.fault.kill_signal, say)
-    step, loss = ft.resume(step, loss)
+    step, loss = ft.resume(start.step, start.loss)
     logger.start(step + 1)
-    logger.recovery(ft.last_recovery())  # a restarted generation's rejoin or restart, if it was one
+    restarted = ft.last_recovery()  # a restarted generation's rejoin or restart, if it was one
+    logger.recovery(restarted)
+    logger.catch_up(step, ft.logged_scalars)  # iterations the survivors finished after rank 0 died
     val_data = validation_data(cfg, val_batches, dims)
     job = Job(
         cfg,
@@ -287,9 +273,9 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
         faults,
         kill,
         guard,
-        run_accounting(cfg, rank, step, plan),
+        run_accounting(cfg, rank, step, plan, restarted),
         plan,
-        PeriodicCheckpoints(cfg, kill.during_dense_save),
+        PeriodicCheckpoints(cfg, kill.in_background, lineage, logger.line),
     )
     return job, step, loss
 
@@ -308,15 +294,33 @@ def training_data(cfg: Config):
     return train_batches, val_batches
 
 
-def open_logger(cfg: Config, rank: int, world: int, dims: ParallelDims, plan: StartPlan) -> MetricsLogger:
-    """The run's console lines and records: rank 0 opens the run record (a new folder, or the folder of the
-    run a restarted generation continues) and names it for the rank shells."""
-    run_dir, continued = open_run_record(cfg, world, sys.argv, plan.restarted) if rank == 0 else (None, False)
-    if run_dir is not None:
+def open_logger(
+    cfg: Config,
+    rank: int,
+    world: int,
+    dims: ParallelDims,
+    plan: StartPlan,
+    start: Start,
+    layout: ElasticLayout | None,
+) -> tuple[MetricsLogger, str | None]:
+    """The run's console lines and records, and the run's lineage (rank 0; None elsewhere): rank 0 opens the
+    run record (a new folder, with the config as `start` resolved it and the checkpoint it loaded, or the
+    folder of the run a restarted generation continues), records its events there from now on (the elastic
+    `layout` it printed first), names it for the other ranks and the rank shells, and says where the run
+    starts (`start.events`)."""
+    run_dir, continued, lineage = None, False, None
+    if rank == 0:
+        record = open_run_record(start.resolved, world, sys.argv, plan.restarted, start.source)
+        run_dir, continued, lineage = record.path, record.continued, record.lineage
+        event_log.record_events_in(run_dir)
         publish_run_folder(run_dir)
     logger = MetricsLogger(cfg, rank, dims.pp_rank, run_dir, continued, dims.device)
     logger.line(f"run: {run_dir}" + (" (continued by a later generation of the run)" if continued else ""))
-    return logger
+    if layout is not None:
+        event_log.record(layout)
+    for event in start.events:
+        logger.line(event)
+    return logger, lineage
 
 
 def validation_data(cfg: Config, val_batches: TokenBatches | None, dims: ParallelDims) -> list:
@@ -328,13 +332,15 @@ def validation_data(cfg: Config, val_batches: TokenBatches | None, dims: Paralle
     return [val_batches.val_batch(i, dims.dp_rank, cfg.parallelism.dp) for i in range(count)]
 
 
-def run_accounting(cfg: Config, rank: int, step: int, plan: StartPlan) -> RunAccounting:
-    """The run's accounting from iteration step+1 on, carried on from an earlier generation if any
-    (collective; kept in memory by survivors of an in-place replacement, else in the job's host directory
-    when a fault-tolerance strategy runs)."""
-    kept_at = None if cfg.checkpoint.strategy == "none" else host_job_dir(cfg) / f"accounting-rank{rank:05d}.json"
-    accounting = RunAccounting(step + 1, cfg.training.batch_size, kept_at)
-    accounting.carry_on(plan.name(), plan.accounting, plan.in_place)
+def run_accounting(
+    cfg: Config, rank: int, step: int, plan: StartPlan, restarted: RecoveryFigures | None
+) -> RunAccounting:
+    """The run's accounting from iteration step+1 on, carried on from an earlier generation if any, with the
+    recovery that restarted this one (`restarted`: its line's figures). Collective; kept in memory by
+    survivors of an in-place replacement, else in the job's host directory (`kept_path`)."""
+    tokens = cfg.training.batch_size * cfg.training.seq_len
+    accounting = RunAccounting(step + 1, tokens, kept_path(cfg, rank))
+    accounting.carry_on(plan.name(), plan.accounting, plan.in_place, restarted)
     return accounting
 
 
@@ -456,7 +462,7 @@ def finish(job: Job, step: int, loss: float, digest: str | None) -> None:
         inputs = job.ft.checkpointer.planner.last_inputs
         job.logger.line(write_window_profile(cfg.metrics.profile, inputs, cfg.checkpoint.replicas))
     totals = job.ft.close()
-    job.logger.line(job.accounting.line(totals, totals.get("lost_tokens", 0.0)))
+    job.logger.line(job.accounting.summary(totals, totals.get("lost_tokens", 0.0)))
     job.accounting.drop()
     job.kill.at("accounting")
     if not cfg.checkpoint.save_final:  # else both happened once the checkpoint was published

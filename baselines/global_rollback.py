@@ -38,7 +38,7 @@ from moevement.failures import FaultEvent
 from moevement.recovery.fetch import fetch_from_replicas
 from moevement.recovery.live_state import LiveState, Survival
 from moevement.recovery.replay import load_master, reset_to_initial, wipe_operators
-from moevement.recovery.report import RecoveryFigures, RecoveryReport
+from moevement.recovery.report import RecoveryFigures, RecoveryReport, detect_seconds
 from moevement.recovery.restart import UNUSABLE, CheckHeader, RestartPoint, drop_newer_disk_windows
 from moevement.storage.host_memory import private_subdirs, remove_tree
 from moevement.storage.persistence import read_window
@@ -110,6 +110,7 @@ class RestartState:
     kept: LiveState | None  # this rank's survival marker (None: its process died)
     host: RestartPoint | None  # gemini's newest replicated checkpoint in host memory, or an elastic round's re-laid
     check: CheckHeader  # refuses a snapshot of another run, rank or layout
+    fault_unix: float | None = None  # a replacement in place: when the fault it replaces struck (its shell's clock)
 
 
 class GlobalRollback:
@@ -154,8 +155,9 @@ class GlobalRollback:
         as `recover` would (1 when there is none: the initial state), or to `state.host` when the start found
         one (gemini's in host memory; an elastic round's, re-laid); returns its iteration. Collective."""
         started = time.perf_counter()
-        kept: list[Survival | None] = [None] * self.world
-        collectives.all_gather_object(kept, state.kept.survival() if state.kept else None)
+        gathered: list = [None] * self.world
+        collectives.all_gather_object(gathered, (state.kept.survival() if state.kept else None, state.fault_unix))
+        kept: list[Survival | None] = [k for k, _ in gathered]
         dead = {r for r, k in enumerate(kept) if k is None}
         if state.host is not None:
             rollback_to, saves, source = state.host.window_start, state.host.snapshots, state.host.sources[self.me]
@@ -179,7 +181,8 @@ class GlobalRollback:
         step = max((k.next_iteration for k in survivors), default=rollback_to)
         detected = min((k.detected.get("time", time.time()) for k in survivors), default=None)
         seconds = (lambda: time.time() - detected) if detected else (lambda: time.perf_counter() - started)
-        self._report(step, dead, rollback_to, seconds, fetched, source, lost, restart="global")
+        detect = detect_seconds(detected, (fault for _, fault in gathered))
+        self._report(step, dead, rollback_to, seconds, fetched, source, lost, restart="global", detect=detect)
         return rollback_to
 
     def _report(
@@ -192,10 +195,12 @@ class GlobalRollback:
         source: str,
         lost: dict,
         restart: str | None = None,
+        detect: float | None = 0.0,
     ) -> None:
         """Rank 0 prints (and records) the `recovery` line (`seconds()`: the time it took; `lost`: MoC's
-        `lost_tokens`, `plt` and `k_pec`; `restart`: how the job restarted, if it did); `source`: where this
-        rank's checkpoint came from (the failed ranks' sources are named). Collective."""
+        `lost_tokens`, `plt` and `k_pec`; `restart`: how the job restarted, if it did; `detect`: the seconds
+        from the fault to its detection, 0 for an injected failure); `source`: where this rank's checkpoint
+        came from (the failed ranks' sources are named). Collective."""
         sources: list = [None] * self.world
         collectives.all_gather_object(sources, source)
         report = RecoveryReport(
@@ -210,6 +215,7 @@ class GlobalRollback:
             restart=restart,
             strategy=self.strategy,
             snapshots_from=tuple(f"rank{r}: {sources[r]}" for r in sorted(failed)),
+            detect=detect,
             **lost,
         )
         self.line(report)

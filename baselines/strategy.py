@@ -67,6 +67,9 @@ class IntervalBaseline:
             out.update(k_pec=self.moc.selector.k, plt=self.moc.plt)
         return out
 
+    def logged_scalars(self, first: int) -> dict[int, dict[str, float]]:
+        return self.checkpointer.persisted.scalars_since(first)
+
     def close(self) -> dict[str, float]:
         totals = self.metrics()
         if self.moc is not None:

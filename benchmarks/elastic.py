@@ -23,9 +23,11 @@ directory of its own (a node is a host and its `checkpoint.host_dir`), which a l
 MoEvement every restart resumes from a newer window in the host memory that remains, re-laid into the new
 layout, where there is one (`restart: re-laid window`). Per run it prints every restart of the
 job's workers (`event`: the world after it; `detect_s` from its cause, the node's loss or return, to the
-first `failure detected`/`preempted`/`survivor` line's unix time; `restart_s` from there to the next generation's
-`elastic:` line; `load_s` to `checkpoint: loaded` (or `restart: re-laid window`); `resume_s` to its first
-`step=` line; `lost_iters` the iterations reached before and done again), then the run's line
+first `survivor` record's detection time (a `failure detected`, `preempted` or `survivor` line); `restart_s`
+from there to the next generation's `elastic` record; `load_s` to `checkpoint: loaded` (or `restart: re-laid
+window`); `resume_s` to its first `step` record, the first iteration not done before it (an iteration done
+again is not logged again, so this includes the iterations redone); `lost_iters` the iterations reached
+before and done again), then the run's line
 
     round=<r> policy=<p> tokens_per_s=<x> wall_s=<x> lost_iters=<n> detect_s=<x> restart_s=<x> load_s=<x>
         resume_s=<x> down_s=<x> shrunk_s=<x> final_step=<n> state_digest=<hex>
@@ -34,12 +36,14 @@ tokens = steps x batch_size x seq_len (iterations done again are not counted twi
 agent's start to the end of every agent; the event costs are summed over the run's restarts where
 measured (an event shows nan for a line it lacks: a generation started after the job's last iteration
 runs none, and its `restart_s` counts from its cause where no worker said it stopped), `down_s` is
-their cause to first iteration, `shrunk_s` the time spent on fewer ranks. Times of lines are when
-this harness read them (the workers flush every line). Then one `policy=` line each, the median over
-rounds (with `tokens_per_s_spread=` max - min when rounds > 1), and the ratios of median throughputs
-`elastic/restart=` and `elastic/wait=`. The state digests differ between policies legitimately: their
-iterations ran in different layouts, and the data-parallel reduction order decides some bits (`wait`
-and `restart` run the same layouts from the same checkpoint, and end with the same digest).
+their cause to first new iteration, `shrunk_s` the time spent on fewer ranks. What happened is read from the
+run's records (trainer/run/event_log.py), when from the printed lines: a record's time is when this harness
+read its line (the workers flush every line; `stamp` pairs each record with its line). Then one `policy=`
+line each, the median over rounds (with `tokens_per_s_spread=` max - min when rounds > 1), and the ratios
+of median throughputs `elastic/restart=` and `elastic/wait=`. The state digests differ between policies
+legitimately: their iterations ran in different layouts, and the data-parallel reduction order decides
+some bits (`wait` and `restart` run the same layouts from the same checkpoint, and end with the same
+digest).
 
 Everything is written under a temporary directory, removed at the end (`--logs` keeps each run's lines,
 with their arrival times). On a machine with fewer cores than the 4 workers, the shrunk job's 2 ranks
@@ -64,6 +68,9 @@ from pathlib import Path
 
 from benchmarks.emulated_nodes import Node, Output, free_port, start_node
 from trainer.config import load_config
+from trainer.lifecycle.survivor_lines import SurvivorLine
+from trainer.run.event_lines import ElasticLayout, FinalLine, StepLine
+from trainer.run.event_log import RunEvent, run_events
 
 CONFIG = "train_configs/debug_moe.toml"
 OVERRIDES = [
@@ -77,19 +84,39 @@ WORKERS_PER_NODE = 2
 RUN_TIMEOUT_S = 900  # for node 0's agent to end once node 1 is back
 JOIN_TIMEOUT_S = 120  # for node 1's agent to end after node 0's
 
-ELASTIC_RE = re.compile(r"^elastic: (\d+) processes")
-DETECTED = r"^(?:failure detected|preempted|survivor): .*\(detected at unix=([\d.]+)\)"
-DETECTED_RE = re.compile(DETECTED)
 LOADED_RE = re.compile(r"^checkpoint: loaded step (\d+) ")
 RELAID_RE = re.compile(r"^restart: re-laid window (\d+) \(W=(\d+)\)")  # MoEvement: the state after t0 + W - 2
-STEP_RE = re.compile(r"^step=(\d+) ")
-FINAL_RE = re.compile(r"^final step=(\d+) loss=\S+ state_digest=(\w+)")
 
 
 @dataclass(frozen=True)
 class Line:
     at: float  # unix time this harness read it
     text: str
+    event: RunEvent | None = None  # the record this line prints, if it is one (`stamp`)
+
+
+def stamp(lines: list[Line], events: list[RunEvent]) -> list[Line]:
+    """`lines` with each of the run's recorded `events` beside the line that printed it (the first unpaired
+    line of the same text; a record whose line this harness did not read is left out)."""
+    pending: dict[str, list[RunEvent]] = {}
+    for event in events:
+        pending.setdefault(event.line() + "\n", []).append(event)
+    return [Line(line.at, line.text, (pending.get(line.text) or [None]).pop(0)) for line in lines]
+
+
+def _detected(line: Line) -> float | None:
+    """When a survivor's record says it learnt of the death (or of SIGTERM), if `line` prints one."""
+    event = line.event
+    return event.detected_unix if isinstance(event, SurvivorLine) else None
+
+
+def _world(line: Line) -> int | None:
+    """The processes of the generation whose `elastic` record `line` prints, if it prints one."""
+    return line.event.world if isinstance(line.event, ElasticLayout) else None
+
+
+def _step(line: Line) -> int | None:
+    return line.event.step if isinstance(line.event, StepLine) else None
 
 
 @dataclass
@@ -104,8 +131,11 @@ class StampedOutput(Output):
             super().add(line)
 
     def stamped(self) -> list[Line]:
+        """Every line read, with its arrival time and the record it prints (the job's records, named by its
+        `run: <dir>` lines)."""
         with self.arrived:
-            return [Line(at, text) for at, text in zip(self.times, self.lines, strict=True)]
+            lines = [Line(at, text) for at, text in zip(self.times, self.lines, strict=True)]
+        return stamp(lines, run_events("".join(line.text for line in lines)))
 
 
 @dataclass(frozen=True)
@@ -115,10 +145,10 @@ class Restart:
 
     world: int  # processes after it
     detect_s: float  # cause -> the first worker's `detected at unix=`
-    restart_s: float  # -> the new generation's `elastic:` line (from the cause where no worker said it stopped)
+    restart_s: float  # -> the new generation's `elastic` record (from the cause where no worker said it stopped)
     load_s: float  # -> `checkpoint: loaded` (MoEvement: `restart: re-laid window`, where it re-lays one)
-    resume_s: float  # -> its first `step=` line
-    down_s: float  # cause -> its first `step=` line
+    resume_s: float  # -> its first `step` record (the first iteration not done before it)
+    down_s: float  # cause -> its first `step` record
     lost_iters: int  # iterations reached before it and done again after
 
     def describe(self) -> str:
@@ -133,18 +163,23 @@ def _first(lines: list[Line], regex: re.Pattern) -> tuple[Line, re.Match] | None
     return next(((line, m) for line in lines if (m := regex.match(line.text))), None)
 
 
+def _first_of(lines: list[Line], value) -> tuple[Line, object] | None:
+    """The first line for which `value(line)` is not None, and that value."""
+    return next(((line, v) for line in lines if (v := value(line)) is not None), None)
+
+
 def _restart(previous: list[Line], generation: list[Line], causes: list[float]) -> Restart:
     """The restart that ended the generation of `previous` lines and began the one of `generation` (its
-    `elastic:` line first), set off by the latest of `causes` before its detection (or its `elastic:` line)."""
+    `elastic` record first), set off by the latest of `causes` before its detection (or its `elastic` record)."""
     nan, start = math.nan, generation[0]
-    detected = _first(previous, DETECTED_RE)
-    detected_at = float(detected[1][1]) if detected else nan
+    detected = _first_of(previous, _detected)
+    detected_at = detected[1] if detected else nan
     cause = max((c for c in causes if c <= (detected_at if detected else start.at)), default=nan)
-    loaded, stepped = _loaded(generation), _first(generation, STEP_RE)
+    loaded, stepped = _loaded(generation), _first_of(generation, _step)
     loaded_at, stepped_at = loaded[0].at if loaded else nan, stepped[0].at if stepped else nan
-    reached = max((int(m[1]) for line in previous if (m := STEP_RE.match(line.text))), default=0)
+    reached = max((step for line in previous if (step := _step(line)) is not None), default=0)
     return Restart(
-        world=int(ELASTIC_RE.match(start.text)[1]),
+        world=_world(start),
         detect_s=detected_at - cause,
         restart_s=start.at - (detected_at if detected else cause),
         load_s=loaded_at - start.at,
@@ -165,16 +200,16 @@ def _loaded(generation: list[Line]) -> tuple[Line, int] | None:
 
 
 def restarts(lines: list[Line], causes: list[float]) -> list[Restart]:
-    """Every restart of the job's workers in `lines`: each generation's `elastic:` line after the first,
+    """Every restart of the job's workers in `lines`: each generation's `elastic` record after the first,
     set off by one of `causes` (unix times a node was lost or came back)."""
-    starts = [i for i, line in enumerate(lines) if ELASTIC_RE.match(line.text)] + [len(lines)]
+    starts = [i for i, line in enumerate(lines) if _world(line) is not None] + [len(lines)]
     return [_restart(lines[a:b], lines[b:c], causes) for a, b, c in zip(starts, starts[1:], starts[2:])]
 
 
 def shrunk_s(lines: list[Line], end: float) -> float:
-    """Seconds the job ran on fewer processes than at its start: from each smaller generation's `elastic:`
-    line to the next one's (or `end`)."""
-    starts = [(line.at, int(m[1])) for line in lines if (m := ELASTIC_RE.match(line.text))]
+    """Seconds the job ran on fewer processes than at its start: from each smaller generation's `elastic`
+    record to the next one's (or `end`)."""
+    starts = [(line.at, world) for line in lines if (world := _world(line)) is not None]
     bounds = [at for at, _ in starts[1:]] + [end]
     return sum(bound - at for (at, world), bound in zip(starts, bounds) if world < starts[0][1])
 
@@ -204,8 +239,8 @@ class Run:
 
 def analyse(policy: str, tokens: int, lines: list[Line], causes: list[float], began: float, ended: float) -> Run:
     """The run of `policy` from its stamped output and the harness's times (its start and end, the causes)."""
-    final = [m for line in lines if (m := FINAL_RE.match(line.text))]
-    step, digest = (int(final[-1][1]), final[-1][2]) if final else (0, "none")
+    final = [line.event for line in lines if isinstance(line.event, FinalLine)]
+    step, digest = (final[-1].step, final[-1].state_digest) if final else (0, "none")
     wall = ended - began
     return Run(policy, tokens, wall, restarts(lines, causes), shrunk_s(lines, ended), step, digest)
 
@@ -246,7 +281,7 @@ class Job:
 
     def joined_since(self, since: float) -> bool:
         """Whether a generation of the job's workers started after `since` (unix time)."""
-        return any(ELASTIC_RE.match(line.text) for line in self.output.stamped() if line.at > since)
+        return any(_world(line) is not None for line in self.output.stamped() if line.at > since)
 
     def stop(self) -> None:
         """Kill whatever still runs (after a failure)."""
@@ -271,11 +306,11 @@ def train_args(
 def drive(policy: str, job: Job, lose_at: int, repair_s: float) -> list[float]:
     """Lose node 1 after iteration `lose_at`, bring it back `repair_s` later as `policy` does, wait for the
     job's end; the causes of its restarts (unix times)."""
-    _, at = job.output.wait_for(rf"step={lose_at} ")
+    job.output.wait_for_record(lambda e: isinstance(e, StepLine) and e.step >= lose_at)
     lost_at = time.time()
     job.lose(1)
     if policy == "restart":
-        job.output.wait_for(DETECTED, at)
+        job.output.wait_for_record(lambda e: isinstance(e, SurvivorLine) and (e.detected_unix or 0) >= lost_at)
         job.nodes[0].lose()
         time.sleep(max(0.0, lost_at + repair_s - time.time()))
         returned_at = time.time()

@@ -18,9 +18,12 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from trainer.run.event_log import RunEvent, run_events
 
 ROOT = Path(__file__).resolve().parent.parent
 RDZV_CONF = "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=180"
@@ -61,6 +64,21 @@ class Output:
                 if left <= 0:
                     raise AssertionError(f"no line matching {pattern!r} within {timeout_s} s:\n{''.join(self.lines)}")
                 self.arrived.wait(left)
+
+    def wait_for_record(self, found: Callable[[RunEvent], bool], timeout_s: float = 300) -> int:
+        """Wait until the job's run record (the folders its `run: <dir>` lines name) holds an event that
+        `found` accepts; the number of lines read by then (an index for `wait_for`). AssertionError with
+        everything printed once `timeout_s` passed."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self.arrived:
+                printed = len(self.lines)
+            with suppress(ValueError):  # a line being appended as it is read: read again
+                if any(found(event) for event in run_events(self.text(), ROOT)):
+                    return printed
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no such record within {timeout_s} s:\n{self.text()}")
+            time.sleep(0.2)
 
 
 @dataclass

@@ -53,15 +53,16 @@ from pathlib import Path
 from benchmarks.variants import QUIET, variant_flags
 from models import count_params
 from trainer.config import load_config
+from trainer.run.event_lines import StepLine
+from trainer.run.event_log import run_events
 
-STEP_RE = re.compile(r"^step=(\d+) (.*)$", re.MULTILINE)
 CPU_RE = re.compile(r"^cpu_cost (.*)$", re.MULTILINE)
 
 
-def parse_steps(stdout: str) -> dict[int, dict[str, float]]:
-    return {
-        int(m[1]): {k: float(v) for k, v in (kv.split("=") for kv in m[2].split())} for m in STEP_RE.finditer(stdout)
-    }
+def recorded_steps(stdout: str, cwd: Path | None = None) -> dict[int, dict[str, float]]:
+    """{iteration: the fields of its `step` record} of the run whose stdout is `stdout` (its `run: <dir>`
+    lines name the run folder; relative ones against `cwd`, by default this process's working directory)."""
+    return {e.step: dict(e.fields) for e in run_events(stdout, cwd) if isinstance(e, StepLine)}
 
 
 def parse_cpu(stdout: str) -> list[dict[str, float]]:
@@ -100,7 +101,7 @@ def run(
         log.write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
         sys.exit(f"run failed ({strategy}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    return parse_steps(proc.stdout), parse_cpu(proc.stdout)
+    return recorded_steps(proc.stdout), parse_cpu(proc.stdout)
 
 
 def window_starts(records: dict[int, dict[str, float]], profile_iters: int) -> list[tuple[int, int]]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -26,6 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from benchmarks.overhead import recorded_steps
 from benchmarks.variants import QUIET
 from parallelisms import collectives
 from parallelisms.distributed import device_type, init_distributed, shutdown_distributed
@@ -48,7 +48,6 @@ VARIANTS = {  # name: (processes, parallelism overrides)
     "pp2_dp2": (4, ["--parallelism.pp", "2", "--parallelism.dp", "2"]),
 }
 SKIP_STEPS = 2  # warm-up steps left out of each run's median
-STEP_RE = re.compile(r"^step=(\d+) .*?tok_per_s=([0-9.eE+-]+)", re.MULTILINE)
 # Bubble harness: stage compute ~20+ ms per micro-batch so gloo P2P (~1-3 ms) stays small.
 BUBBLE_MODEL = ["--model.n_layers", "4", "--model.dim", "128", "--training.seq_len", "128"]
 BUBBLE_MB, BUBBLE_M, BUBBLE_WARMUP, BUBBLE_ITERS = 8, (4, 8), 2, 8
@@ -74,9 +73,9 @@ def run_variant(name: str, steps: int) -> list[float]:
     out = run_checked(
         [*launcher(nproc), "train.py", "--config", CONFIG, *COMMON, "--training.steps", str(steps), *extra]
     )
-    rates = [float(rate) for step, rate in STEP_RE.findall(out) if int(step) > SKIP_STEPS]
+    rates = [record["tok_per_s"] for step, record in recorded_steps(out).items() if step > SKIP_STEPS]
     if not rates:
-        raise RuntimeError(f"{name}: no step lines after step {SKIP_STEPS} in output:\n{out[-2000:]}")
+        raise RuntimeError(f"{name}: no step records after step {SKIP_STEPS} for output:\n{out[-2000:]}")
     return rates
 
 

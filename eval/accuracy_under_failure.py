@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -39,6 +38,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from eval.errors import EvalError  # noqa: E402
 from trainer.config import STRATEGIES, ConfigError, load_config  # noqa: E402
+from trainer.run.accounting_line import AccountingLine  # noqa: E402
+from trainer.run.event_lines import FinalLine, ValidationLine  # noqa: E402
+from trainer.run.event_log import run_events  # noqa: E402
 
 OWNED = {
     "training.steps": "--steps",
@@ -52,7 +54,6 @@ OWNED = {
     "checkpoint.persist_dir": "(one per run)",
 }
 QUIET = ["--metrics.tensorboard", "false", "--metrics.log_every", "1", "--metrics.progress", "false"]
-FIELDS = re.compile(r"(\w+)=(\S+)")
 
 
 class RunError(RuntimeError):
@@ -185,22 +186,23 @@ def train(args: argparse.Namespace, strategy: str, extra: list[str], schedule: l
 
 
 def parse_training(stdout: str, strategy: str) -> dict:
-    """Final loss and digest, validation losses (the last line per step: after any rollback), accounting."""
-    final = re.search(r"^final step=(\d+) loss=(\S+) state_digest=([0-9a-f]+)$", stdout, re.M)
-    acct = re.search(r"^accounting (.*)$", stdout, re.M)
-    if not final or not acct:
-        raise RunError(f"{strategy}: no 'final' or 'accounting' line in the training output")
-    val = {int(m[1]): float(m[2]) for m in re.finditer(r"^validation step=(\d+) val_loss=(\S+)$", stdout, re.M)}
+    """Final loss and digest, validation losses (the last record per step: after any rollback) and the
+    accounting, from the run's records (the run folder its `run: <dir>` line names)."""
+    events = run_events(stdout)
+    finals = [e for e in events if isinstance(e, FinalLine)]
+    acct = [e for e in events if isinstance(e, AccountingLine)]
+    if not finals or not acct:
+        raise RunError(f"{strategy}: no 'final' or 'accounting' record of the training run")
+    val = {e.step: e.val_loss for e in events if isinstance(e, ValidationLine)}
     if not val:
         raise RunError(f"{strategy}: no validation line (does the config have a validation split?)")
-    accounting = {k: float(v) for k, v in FIELDS.findall(acct[1])}
     return {
-        "final_step": int(final[1]),
-        "train_loss": float(final[2]),
-        "digest": final[3],
+        "final_step": finals[-1].step,
+        "train_loss": finals[-1].loss,
+        "digest": finals[-1].state_digest,
         "val": val,
-        "failures": int(accounting["failures"]),
-        "lost_tokens": int(accounting["lost_tokens"]),
+        "failures": acct[-1].failures,
+        "lost_tokens": acct[-1].lost_tokens,
     }
 
 

@@ -65,8 +65,9 @@ TRAINING_PHASES = ("forward", "backward", "clip", "optimizer", "snapshot", "repl
 END_PHASES = ("digest", "save", "saved", "accounting", "final")
 # `validation`: during the validation of an iteration that runs one; `replay`: of a restart; `join`: a
 # survivor's join of the in-place generation that follows a death; `dense_save`: while the periodic dense
-# checkpoint of the iteration is written in the background (after this rank's first file)
-KILL_PHASES = (*TRAINING_PHASES, "validation", "replay", "join", "dense_save", *END_PHASES)
+# checkpoint of the iteration is written in the background (after this rank's first file); `dense_prune`:
+# while rank 0 prunes the older periodic checkpoints after publishing it (after the first file it deletes)
+KILL_PHASES = (*TRAINING_PHASES, "validation", "replay", "join", "dense_save", "dense_prune", *END_PHASES)
 
 
 @dataclass(frozen=True)

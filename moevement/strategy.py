@@ -49,6 +49,11 @@ class CheckpointStrategy(Protocol):
         """Columns of the step line (`ckpt_mb`, `stall_ms`, `host_mb`, ...)."""
         ...
 
+    def logged_scalars(self, first: int) -> dict[int, dict[str, float]]:
+        """The scalars `end` logged (or a recovery brought back) of iterations `first` on, that this rank holds:
+        rank 0 logs from them the iterations done before a recovery that no step line logged."""
+        ...
+
     def close(self) -> dict[str, float]:
         """Drain background work and release host state; returns the run's totals for the accounting line."""
         ...
@@ -89,6 +94,9 @@ class NoCheckpointing:
         return None
 
     def metrics(self) -> dict[str, float]:
+        return {}
+
+    def logged_scalars(self, first: int) -> dict[int, dict[str, float]]:
         return {}
 
     def close(self) -> dict[str, float]:
@@ -161,6 +169,9 @@ class MoEvement:
 
     def metrics(self) -> dict[str, float]:
         return {**self.checkpointer.metrics(), "log_mb": self.log.nbytes() / 1e6 if self.log else 0.0}
+
+    def logged_scalars(self, first: int) -> dict[int, dict[str, float]]:
+        return self.checkpointer.persisted.scalars_since(first)
 
     def close(self) -> dict[str, float]:
         totals = self.metrics()

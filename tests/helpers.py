@@ -1,6 +1,7 @@
 """What the tests share: the repository's paths, running train.py (and a rank shell) as real processes, the
-command lines of the end-to-end cases and their fault-free runs, and reading a run's output: its `step=`
-lines from stdout, its recovery, fault and final lines from the run record's events (`run_events`).
+command lines of the end-to-end cases and their fault-free runs, and reading what a run recorded: its step,
+validation, survivor, recovery, fault and final lines from the run record's events (`run_events`), never
+from its stdout.
 
 No test module imports another: what two of them need lives here (or in tests/tiny_moe.py)."""
 
@@ -9,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -19,8 +19,10 @@ import time
 from pathlib import Path
 
 from moevement.recovery.report import RecoveryReport, RecoveryWork
-from trainer.run.event_lines import FinalLine
-from trainer.run.event_log import RunEvent, read_events
+from trainer.lifecycle.survivor_lines import SurvivorLine
+from trainer.run.accounting_line import AccountingLine
+from trainer.run.event_lines import FaultStrike, FinalLine, StepLine, ValidationLine
+from trainer.run.event_log import RunEvent, last_step, read_events, run_folders
 from trainer.run.event_log import run_events as _run_events
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -155,41 +157,125 @@ def session_trainers(session: int) -> list[int]:
 # ---- what a run printed and recorded ----------------------------------------------------------------------
 
 
-def step_losses(stdout: str) -> dict[int, float]:
-    return {int(m[1]): float(m[2]) for m in re.finditer(r"^step=(\d+) loss=(\S+)", stdout, re.M)}
+def one_error(proc: subprocess.CompletedProcess, *words: str) -> str:
+    """The process failed with status 2 and exactly one `error:` line (no traceback) holding `words`; that line."""
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    for word in words:
+        assert word in errors[0], errors[0]
+    return errors[0]
 
 
-def run_events(run: str | Path, cwd: Path = ROOT) -> list[RunEvent]:
-    """The one reader of a run's recorded events (`recovery`, `recovery work`, `fault`, `final`), in order:
-    `run` is its stdout (the folders its `run: <dir>` lines name, relative ones against `cwd`) or its run
-    folder."""
+Run = str | Path | list[RunEvent]  # a run's stdout (its `run: <dir>` lines), its run folder, or its events
+
+
+def run_events(run: Run, cwd: Path = ROOT) -> list[RunEvent]:
+    """The one reader of a run's recorded events, in order: `run` is its stdout (the folders its `run: <dir>`
+    lines name, relative ones against `cwd`), its run folder, or events already read (returned as they are)."""
+    if isinstance(run, list):
+        return run
     return read_events(run) if isinstance(run, Path) else _run_events(run, cwd)
 
 
-def recoveries(run: str | Path) -> list[RecoveryReport]:
+def steps(run: Run) -> list[StepLine]:
+    """The `step` records of a run (every iteration, each once), in order."""
+    return [e for e in run_events(run) if isinstance(e, StepLine)]
+
+
+def step_losses(run: Run) -> dict[int, float]:
+    """{iteration: loss} of a run's `step` records (the loss as its line prints it)."""
+    return {line.step: line.value("loss") for line in steps(run)}
+
+
+# the console lines of a run's recorded kinds (trainer/run/event_log.py KINDS), by how they start
+RECORDED = (
+    "step=",
+    "validation step=",
+    "elastic: ",
+    "fault: ",
+    "survivor: ",
+    "failure detected: ",
+    "preempted: ",
+    "shell: ",
+    "recovery step=",
+    "recovery work ",
+    "checkpoint: ",
+    "accounting ",
+    "final step=",
+)
+# what the README's demo (`make train`: a death replaced in place) records, at least
+DEMO_KINDS = {"step", "fault", "survivor", "shell", "recovery", "recovery_work", "accounting", "final"}
+
+
+def assert_recorded_as_printed(out: str) -> list[RunEvent]:
+    """The run's events, once checked against its stdout `out`: every line printed of a recorded kind (by
+    any process) is one record, and each record reads back into its printed line byte for byte (lines of
+    different processes may reach stdout in another order than their records reach the file)."""
+    events = run_events(out)
+    printed = sorted(line for line in out.splitlines() if line.startswith(RECORDED))
+    assert sorted(e.line() for e in events if e.line().startswith(RECORDED)) == printed, out
+    return events
+
+
+def reached(printed: str, step: int, cwd: Path = ROOT) -> bool:
+    """Whether the run whose stdout so far is `printed` has recorded iteration `step` (or a later one)."""
+    return any(last_step(folder) >= step for folder in run_folders(printed, cwd))
+
+
+def assert_each_step_once(run: Run, reference: Run) -> None:
+    """Every iteration of `run` is recorded once, in order, with the loss of the same iteration of the
+    fault-free `reference`, and `run` trained as far as `reference`."""
+    logged = [line.step for line in steps(run)]
+    expected = step_losses(reference)
+    assert logged == list(range(1, max(expected) + 1)), logged
+    assert step_losses(run) == expected
+
+
+def faults(run: Run) -> list[FaultStrike]:
+    """The `fault:` lines of a run, as recorded (by whichever rank printed them, on rank 0's host)."""
+    return [e for e in run_events(run) if isinstance(e, FaultStrike)]
+
+
+def validations(run: Run) -> list[ValidationLine]:
+    """The `validation step=...` lines of a run, as recorded."""
+    return [e for e in run_events(run) if isinstance(e, ValidationLine)]
+
+
+def survivors(run: Run) -> list[SurvivorLine]:
+    """The `survivor:`, `failure detected:` and `preempted:` lines of a run, as recorded."""
+    return [e for e in run_events(run) if isinstance(e, SurvivorLine)]
+
+
+def recoveries(run: Run) -> list[RecoveryReport]:
     """The `recovery step=...` lines of a run, as recorded."""
     return [e for e in run_events(run) if isinstance(e, RecoveryReport)]
 
 
-def recovery_work(run: str | Path) -> list[RecoveryWork]:
+def recovery_work(run: Run) -> list[RecoveryWork]:
     """The `recovery work ...` lines of a run, as recorded."""
     return [e for e in run_events(run) if isinstance(e, RecoveryWork)]
 
 
-def final_line(run: str | Path | list[RunEvent]) -> tuple[int, float, str]:
-    """(step, loss, state_digest) of the first `final` line among a run's events (`run`: as `run_events`
-    takes it, or events already read)."""
-    events = run if isinstance(run, list) else run_events(run)
+def accounting(run: Run) -> AccountingLine:
+    """The `accounting` line of a run, as recorded (the last one: a run prints one)."""
+    found = [e for e in run_events(run) if isinstance(e, AccountingLine)]
+    assert found, f"no accounting line recorded for:\n{run}"
+    return found[-1]
+
+
+def final_line(run: Run) -> tuple[int, float, str]:
+    """(step, loss, state_digest) of the first `final` line among a run's events."""
+    events = run_events(run)
     finals = [e for e in events if isinstance(e, FinalLine)]
     assert finals, f"no final line recorded for:\n{run}"
     return finals[0].step, finals[0].loss, finals[0].state_digest
 
 
-def after(stdout: str, event: RunEvent) -> str:
-    """`stdout` after the last printing of `event`'s line."""
-    line = event.line() + "\n"
-    assert line in stdout, f"{line!r} not printed in:\n{stdout}"
-    return stdout[stdout.rindex(line) + len(line) :]
+def after(run: Run, event: RunEvent) -> list[RunEvent]:
+    """A run's events after the last record of `event`."""
+    events = run_events(run)
+    assert event in events, f"{event.line()!r} not recorded in {events}"
+    return events[len(events) - events[::-1].index(event) :]
 
 
 def stepped_operators(cfg) -> tuple[list, object]:
@@ -239,6 +325,7 @@ SHELL_CHILD = textwrap.dedent(
     from trainer.lifecycle import rank_shell
     log = open({log!r}, "a")
     role = os.environ[rank_shell.ROLE]
+    rank_shell.watch_the_shell()
     if role == "standby":
         log.write(json.dumps({{"standby": os.getpid()}}) + "\\n")
         log.flush()
@@ -270,6 +357,10 @@ SHELL_CHILD = textwrap.dedent(
     if ending == "busy-0":  # busy for 4 s, its heartbeat going on (as in a long collective)
         time.sleep(4)
         ending = "0"
+    if ending.startswith("stop-shell"):  # stop the shell (SIGSTOP), then live on ("-busy") or exit 0
+        os.kill(os.getppid(), signal.SIGSTOP)
+        time.sleep(60 if ending == "stop-shell-busy" else 0)
+        ending = "0"
     if ending.endswith("die"):
         os.kill(os.getpid(), signal.SIGKILL)
     sys.exit(int(ending))
@@ -278,14 +369,15 @@ SHELL_CHILD = textwrap.dedent(
 
 
 def run_shell(
-    tmp_path, endings: list[str], max_replacements: int, timeout_s: float = 600.0
+    tmp_path, endings: list[str], max_replacements: int, heartbeat_timeout_s: float = 600.0
 ) -> tuple[int, list[dict], str]:
-    """A shell (`fault.timeout_s` = `timeout_s`) over the child script whose trainer of generation g ends as
-    `endings[g]` ("die": SIGKILL, "silent-die": SIGKILL before its first word to the shell, "finished-die":
-    SIGKILL after reporting the job finished at step 7,
+    """A shell (`fault.heartbeat_timeout_s` = `heartbeat_timeout_s`) over the child script whose trainer of
+    generation g ends as `endings[g]` ("die": SIGKILL, "silent-die": SIGKILL before its first word to the
+    shell, "finished-die": SIGKILL after reporting the job finished at step 7,
     "standby-killed-die": SIGKILL once it killed the standby and the shell started another, "freeze":
-    SIGSTOP, "busy-0": exit 0 after 4 s, or an exit status); returns (the shell's status, the children's
-    records, the shell's output)."""
+    SIGSTOP, "busy-0": exit 0 after 4 s, "stop-shell-busy": SIGSTOP its shell and live on, "stop-shell":
+    SIGSTOP its shell and exit 0, or an exit status); returns (the shell's status, the children's records,
+    the output of the shell and its children)."""
     from trainer.lifecycle import rank_shell
 
     log = tmp_path / "log.jsonl"
@@ -293,13 +385,30 @@ def run_shell(
     script.write_text(SHELL_CHILD.format(root=str(ROOT), log=str(log), endings=endings))
     driver = (
         f"import sys; sys.path.insert(0, {str(ROOT)!r}); from trainer.lifecycle.rank_shell import RankShell; "
-        f"sys.exit(RankShell([sys.executable, {str(script)!r}], {max_replacements}, {timeout_s}).run())"
+        f"sys.exit(RankShell([sys.executable, {str(script)!r}], {max_replacements}, {heartbeat_timeout_s}).run())"
     )
     env = {k: v for k, v in os.environ.items() if k != rank_shell.ROLE}
     env.update(RANK="1", WORLD_SIZE="2")
     proc = subprocess.run([sys.executable, "-c", driver], env=env, capture_output=True, text=True, timeout=120)
     records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     return proc.returncode, records, proc.stdout + proc.stderr
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(mount: Path, size: str):
+    """A real file system of `size` (tmpfs, owner-only) at `mount` for the duration: the test is skipped where
+    mounting is not allowed (it needs root, as here and in CI)."""
+    import pytest
+
+    mount.mkdir(parents=True, exist_ok=True)
+    options = f"size={size},mode=0700"
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount)], capture_output=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {proc.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 @contextlib.contextmanager

@@ -17,6 +17,9 @@ import pytest
 
 from eval import accuracy_under_failure as acc
 from tests.helpers import CHILD_ENV, DEBUG_CONFIG, ROOT, recoveries
+from trainer.run.accounting_line import AccountingLine
+from trainer.run.event_lines import FinalLine, StepLine, ValidationLine
+from trainer.run.event_log import append_event
 
 STRATEGY_LINE = re.compile(
     r"^strategy=(\w+) val_loss=(\S+) piqa_acc=(\S+) piqa_acc_norm=(\S+) "
@@ -71,24 +74,21 @@ def test_arguments_defaults_and_errors(capsys):
 
 
 def test_parse_training_keeps_the_rerun_validation_and_builds_table_and_plot(tmp_path):
-    stdout = "\n".join(
-        [
-            "step=1 loss=5.0",
-            "validation step=2 val_loss=4.5",
-            "validation step=4 val_loss=4.2",
-            "recovery step=5 ranks=1 scope=0-1 rollback_to=3 replayed=2 seconds=0.1 strategy=moc",
-            "validation step=4 val_loss=4.25",
-            "validation step=6 val_loss=4.0",
-            "accounting wall_s=4.5 iterations=6 failures=1 recomputed=2 goodput=2.0 lost_tokens=123 host_mb=1.0",
-            "final step=6 loss=3.9 state_digest=" + "ab" * 32,
-            "",
-        ]
-    )
-    run = acc.parse_training(stdout, "moc")
-    assert run["val"] == {2: 4.5, 4: 4.25, 6: 4.0}  # the line after the rollback wins
+    for event in [
+        StepLine(1, (("loss", 5.0),)),
+        ValidationLine(2, 4.5),
+        ValidationLine(4, 4.2),
+        ValidationLine(4, 4.25),  # run again after a rollback
+        ValidationLine(6, 4.0),
+        AccountingLine(4.5, 6, 3.0, 0.5, 1.0, 0.0, 1, 2, 2.0, 123, 1.0, 0.0),
+        FinalLine(6, 3.9, "ab" * 32),
+    ]:
+        append_event(tmp_path, event)
+    run = acc.parse_training(f"run: {tmp_path}\n", "moc")
+    assert run["val"] == {2: 4.5, 4: 4.25, 6: 4.0}  # the record after the rollback wins
     assert (run["failures"], run["lost_tokens"], run["train_loss"], run["digest"]) == (1, 123, 3.9, "ab" * 32)
     with pytest.raises(acc.RunError, match="no 'final'"):
-        acc.parse_training("step=1 loss=5.0\n", "moc")
+        acc.parse_training(f"run: {tmp_path / 'none'}\n", "moc")
     ref = {
         **run,
         "val": {2: 4.5, 4: 4.2, 6: 3.95},

@@ -20,10 +20,22 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import BASE, CHILD_ENV, MOEVEMENT, PP2, PP4, ROOT, RUN_OUTPUTS, baseline, final_line, recoveries
+from tests.helpers import (
+    BASE,
+    CHILD_ENV,
+    MOEVEMENT,
+    PP2,
+    PP4,
+    ROOT,
+    RUN_OUTPUTS,
+    assert_each_step_once,
+    baseline,
+    final_line,
+    recoveries,
+)
+from trainer.run.event_log import last_step, run_folders
 
 STEPS = ["--training.steps", "100"]
-STEP_LINE = re.compile(r"^step=(\d+) loss=(\S+) .* wall_s=\S+$", re.M)
 SEEDS = [int(s) for s in os.environ.get("CHAOS_SEEDS", "1").split(",")]
 
 
@@ -68,7 +80,8 @@ class Chaos:
         self.deadline = self.launched + 400  # a hang fails the test instead of stalling it
 
     def steps(self) -> int:
-        return len(STEP_LINE.findall(self.stdout.read_text()))
+        """The newest iteration the run has recorded (each is logged once, whoever dies)."""
+        return max((last_step(folder) for folder in run_folders(self.stdout.read_text(), ROOT)), default=0)
 
     def until(self, done) -> bool:
         """Poll `done()` while the job runs; False once it has ended (or the deadline passed)."""
@@ -147,32 +160,64 @@ def chaos_run(tmp_path: Path, layout: list[str], nproc: int, seed: int, kills: i
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize(("layout", "nproc"), [(PP2, 2), (PP4, 4)], ids=["pp2", "pp4"])
 def test_random_sigkills_end_bit_exact(tmp_path, layout, nproc, seed):
-    """Three SIGKILLs: every step line and the final digest are the fault-free run's."""
+    """Three SIGKILLs: every iteration is recorded once with the fault-free run's loss, and the final digest is
+    the fault-free run's."""
     reference = baseline([*STEPS, *layout], nproc)
     status, out, err, kills = chaos_run(tmp_path, layout, nproc, seed, kills=3)
     context = f"seed={seed} kills (s, rank, when)={kills}\n{out}\n{err[-4000:]}"
     assert status == 0, context
     assert final_line(out) == final_line(reference), context
-    expected = {int(s): v for s, v in STEP_LINE.findall(reference)}
-    printed = STEP_LINE.findall(out)
-    assert printed and all(expected[int(s)] == v for s, v in printed), context
+    try:
+        assert_each_step_once(out, reference)
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{context}") from None
+
+
+def signal_rank1_shell(tmp_path: Path, steps: int, after: int, sig: signal.Signals, *extra: str) -> tuple[str, int]:
+    """pp=2 for `steps` iterations under torchrun (one restart allowed): once `after` iterations are logged the
+    test sends `sig` to the rank shell of rank 1 (the process itself, not its trainer) and waits for the job's
+    end, then kills that shell if it is still there. Returns (stdout, the shell's pid); asserts exit 0."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1"]
+    cmd += ["train.py", *BASE, "--training.steps", str(steps), *PP2, *MOEVEMENT, *extra]
+    cmd += ["--checkpoint.host_dir", str(tmp_path / "shm"), "--job.output_dir", str(RUN_OUTPUTS)]
+    out = tmp_path / "stdout"
+    with out.open("w") as stdout:
+        agent = subprocess.Popen(cmd, cwd=ROOT, env=CHILD_ENV, stdout=stdout, stderr=subprocess.STDOUT)
+        chaos = Chaos(agent, out, 2, seed=0)
+        assert chaos.until(lambda: chaos.steps() >= after), out.read_text()
+        shell = workers(agent.pid, shells=True)[1]
+        os.kill(shell, sig)
+        try:
+            agent.wait(timeout=300)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(shell, signal.SIGKILL)  # a stopped shell is never left behind
+    text = out.read_text()
+    assert agent.returncode == 0, text
+    assert any(r.ranks == (1,) and r.restart == "local" for r in recoveries(text)), text
+    assert final_line(text) == final_line(baseline(["--training.steps", str(steps), *PP2], 2))
+    return text, shell
 
 
 @pytest.mark.slow
 def test_a_killed_rank_shell_falls_back_to_torchrun(tmp_path):
     """pp=2: the rank shell of rank 1 is SIGKILLed after 5 iterations: its trainer dies with it, torchrun
     restarts every worker, and the job still ends with the fault-free run's digest."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1"]
-    cmd += ["train.py", *BASE, "--training.steps", "20", *PP2, *MOEVEMENT]
-    cmd += ["--checkpoint.host_dir", str(tmp_path / "shm"), "--job.output_dir", str(RUN_OUTPUTS)]
-    out = tmp_path / "stdout"
-    with out.open("w") as stdout:
-        agent = subprocess.Popen(cmd, cwd=ROOT, env=CHILD_ENV, stdout=stdout, stderr=subprocess.STDOUT)
-        chaos = Chaos(agent, out, 2, seed=0)
-        assert chaos.until(lambda: chaos.steps() >= 5), out.read_text()
-        os.kill(workers(agent.pid, shells=True)[1], signal.SIGKILL)
-        agent.wait(timeout=300)
-    text = out.read_text()
-    assert agent.returncode == 0, text
-    assert any(r.ranks == (1,) and r.restart == "local" for r in recoveries(text)), text
-    assert final_line(text) == final_line(baseline(["--training.steps", "20", *PP2], 2))
+    signal_rank1_shell(tmp_path, 20, 5, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_shell_is_killed_by_its_trainer_and_torchrun_recovers(tmp_path):
+    """pp=2: the rank shell of rank 1 is stopped (a real SIGSTOP of its process) after 3 iterations. It beats to
+    its trainer no more: past `fault.heartbeat_timeout_s` (3 s) the trainer kills it (one line) and dies with
+    it, torchrun restarts every worker, and the job ends with the fault-free run's digest (torchrun, which
+    waits on its workers, the shells, used to wait on the stopped one for ever). 40 iterations outlast the
+    bound after the stop."""
+    text, shell = signal_rank1_shell(tmp_path, 40, 3, signal.SIGSTOP, "--fault.heartbeat_timeout_s", "3")
+    said = re.search(
+        rf"^shell: rank 1: rank shell pid {shell} said nothing for (\S+) s \(more than "
+        r"fault.heartbeat_timeout_s=3 s\): stopped or stuck; killed by its trainer pid \d+ ",
+        text,
+        re.M,
+    )
+    assert said and 3 <= float(said[1]) < 20, text

@@ -15,6 +15,7 @@ import dataclasses
 
 import pytest
 
+from moevement.checkpoint.profiler import Profile
 from moevement.recovery.conversion import ReplayPlan, ReplayStats
 from moevement.recovery.fetch import RecoveryError
 from moevement.recovery.replay import wipe_operators
@@ -114,3 +115,24 @@ def test_a_snapshot_of_another_model_is_refused_naming_its_operator(tmp_path):
     run.engine.persisted.snapshot = foreign
     with pytest.raises(RecoveryError, match=r"iteration 6 names operators .*\(layers\.7\.moe\.experts\.0\)"):
         replay_after_failure(run)
+
+
+def test_a_window_ordered_by_statistics_the_host_never_read_replays_exactly(tmp_path, monkeypatch):
+    """Algorithm 1 plans windows of one slot at 3-7 (their router statistics and reorder rule stay on the
+    device, unread) and one of three slots at 8-10, whose popularity order is read then: slot 0 holds the
+    least popular experts. A failure at 11 converts 8-10 and catches up, every operator exact throughout."""
+    plans = []
+
+    def scripted(profile: Profile) -> None:  # the snapshot budget: everything for five windows, then little
+        plans.append(None)
+        profile.iteration_s = 1e12 if len(plans) <= 5 else 1e-12
+
+    monkeypatch.setattr(Profile, "update", scripted)
+    monkeypatch.setattr(Profile, "measure_bandwidth", lambda p, _dir, _dev: setattr(p, "measured_bandwidth", 1e9))
+    run = train_run(tmp_path / "rank0", FAILED - 1, window=0, max_window=3)
+    assert len(plans) == 6 and run.engine.persisted.window == (8, 3)
+    slot0 = run.engine.persisted.snapshot(0)[0].active
+    assert len(slot0) == 6 and all(run.engine.ops_by_name[name].kind == "expert" for name in slot0)
+    seen = replay_after_failure(run)
+    assert sorted(seen) == list(range(8, FAILED + 1))
+    assert {t: diffs for t, diffs in seen.items() if diffs} == {}

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import CHILD_ENV, DEBUG_CONFIG, ROOT, RUN_OUTPUTS, final_line, run_cli, step_losses
+from tests.helpers import CHILD_ENV, DEBUG_CONFIG, ROOT, RUN_OUTPUTS, final_line, one_error, run_cli, step_losses
 from trainer.checkpoint.dense_read import open_meta
 from trainer.checkpoint.publish import CheckpointError
 from trainer.config import load_config
@@ -40,15 +40,6 @@ def harness(checkpoint: Path) -> subprocess.CompletedProcess:
         text=True,
         timeout=300,
     )
-
-
-def one_error(proc: subprocess.CompletedProcess, *words: str) -> str:
-    """The process failed with status 2 and exactly one `error:` line (no traceback) holding `words`."""
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr
-    for word in words:
-        assert word in errors[0], errors[0]
-    return errors[0]
 
 
 def refused_before_training(proc: subprocess.CompletedProcess, *words: str) -> None:

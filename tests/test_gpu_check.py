@@ -5,16 +5,19 @@ are exercised here."""
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from benchmarks.gpu_check import gil_profile, issue_cost, numerics, overhead, replacement, throughput
+from benchmarks.gpu_check import gil_profile, issue_cost, numerics, overhead, replacement, stage_snapshot, throughput
 from benchmarks.gpu_check.__main__ import SECTIONS
 from benchmarks.gpu_check.report import (
     Check,
@@ -29,6 +32,10 @@ from benchmarks.gpu_check.shared_gpu import LINE
 from models.experts import GROUPED_MM_FLOPS
 from parallelisms.distributed import default_backend
 from tests.helpers import CHILD_ENV, ROOT
+from trainer.run.event_lines import StepLine
+from trainer.run.event_log import append_event
+
+SHARED_WHEELS = ROOT.parent / "shared" / "wheels"  # torchdata and py-spy for the lent GPU machine
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the check runs for real (make gpu-check)")
@@ -88,9 +95,17 @@ def test_overhead_fields_median_and_spread_of_the_rounds():
     assert line == "overhead=+0.0400 (median of 5 interleaved rounds, min +0.0100, max +0.1000)"
 
 
-def test_overhead_section_alternates_the_order_and_reports_every_round(monkeypatch):
-    """Section 2's figures from given step lines (no train.py): none and moevement alternate which runs first,
-    and the line shows the median and spread of all five rounds (moevement 10% slower in each)."""
+def recorded_run(folder: Path, steps: list[dict[str, float]]) -> str:
+    """A run's stdout naming `folder`, whose events hold one `step` record per item of `steps` (from 1)."""
+    folder.mkdir()
+    for t, fields in enumerate(steps, 1):
+        append_event(folder, StepLine(t, tuple(fields.items())))
+    return f"run: {folder}\n"
+
+
+def test_overhead_section_alternates_the_order_and_reports_every_round(monkeypatch, tmp_path):
+    """Section 2's figures from given step records (no train.py): none and moevement alternate which runs
+    first, and the line shows the median and spread of all five rounds (moevement 10% slower in each)."""
     order = []
 
     def fake_train(args: list[str], timeout_s: float) -> str:
@@ -98,8 +113,8 @@ def test_overhead_section_alternates_the_order_and_reports_every_round(monkeypat
         order.append(strategy)
         ms, mb = (110.0, 5.0) if strategy == "moevement" else (100.0, 0.0)
         tok_per_s = overhead.BATCH * overhead.SEQ_LEN / ms * 1e3
-        lines = [f"step={t} loss=1 tok_per_s={tok_per_s} window=1 stall_ms=0.1 ckpt_mb={mb}" for t in range(1, 19)]
-        return "\n".join(lines)
+        step = {"loss": 1.0, "tok_per_s": tok_per_s, "window": 1, "stall_ms": 0.1, "ckpt_mb": mb}
+        return recorded_run(tmp_path / f"run{len(order)}", [step] * 18)
 
     monkeypatch.setattr(overhead, "train", fake_train)
     section = Section(2, "overhead", 10)
@@ -109,17 +124,17 @@ def test_overhead_section_alternates_the_order_and_reports_every_round(monkeypat
     assert "overhead=+0.1000 (median of 5 interleaved rounds, min +0.1000, max +0.1000)" in section.notes[0]
 
 
-def test_in_process_block_pairs_give_the_snapshots_own_cost(monkeypatch):
+def test_in_process_block_pairs_give_the_snapshots_own_cost(monkeypatch, tmp_path):
     """Section 2's one-process run: snapshots in every other block of AB_BLOCK iterations, 5% slower there."""
 
     def fake_train(args: list[str], timeout_s: float) -> str:
         assert args[args.index("--checkpoint.ab_blocks") + 1] == str(overhead.AB_BLOCK)
-        lines = []
+        steps = []
         for t in range(1, overhead.AB_STEPS + 1):
             on = t > 2 and (t // overhead.AB_BLOCK) % 2 == 0
             tok_per_s = overhead.BATCH * overhead.SEQ_LEN / (105.0 if on else 100.0) * 1e3
-            lines.append(f"step={t} loss=1 tok_per_s={tok_per_s} ckpt_mb={5.0 if on else 0.0}")
-        return "\n".join(lines)
+            steps.append({"loss": 1.0, "tok_per_s": tok_per_s, "ckpt_mb": 5.0 if on else 0.0})
+        return recorded_run(tmp_path / "ab", steps)
 
     monkeypatch.setattr(overhead, "train", fake_train)
     section = Section(2, "overhead", 10)
@@ -247,3 +262,112 @@ def test_issue_cost_layout_is_section_twos_snapshot_shape():
     assert len(entries) == len(sources) == 2688
     assert [e.role for e in entries[:3]] == ["master"] * 3 and entries[-1].role == "compute"
     assert nbytes == 7 * 3 * 32 * (3 * 2 * 512 * 4 + 2 * 512 * 2)
+
+
+# ---- the device script and the 16B-shaped stage's snapshot experiment -----------------------------------
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the script runs every part for real")
+@pytest.mark.parametrize("carried", [False, True], ids=["no-wheels", "wheels"])
+def test_on_device_script_without_cuda_skips_each_part_in_one_line_and_writes_its_log(tmp_path, carried):
+    """benchmarks/gpu_check/on_device.sh on this CPU machine: its setup installs the carried wheels into the
+    carried folder (or says how to carry them), then every part says SKIP in one line, exit 0, and the log
+    under $OUT holds what it printed."""
+    wheels = tmp_path / "whl"
+    if carried:
+        if not SHARED_WHEELS.is_dir():
+            pytest.skip(f"{SHARED_WHEELS} is not here")
+        shutil.copytree(SHARED_WHEELS, wheels)
+    out = tmp_path / "out"
+    env = {**CHILD_ENV, "OUT": str(out), "WHEELS": str(wheels), "PYTHON": sys.executable}
+    script = ROOT / "benchmarks" / "gpu_check" / "on_device.sh"
+    proc = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert [line for line in lines if "SKIP" in line] == [
+        f"on_device: {part} SKIP: no CUDA device (torch.cuda.is_available() is False)"
+        for part in ("overhead", "checks", "stage16b")
+    ]
+    assert re.fullmatch(r"on_device: setup PASS in \d+ s \(budget 20 s; log .*/setup\.log\)", lines[-5])
+    assert lines[-1].startswith("on_device: done in ") and "no CUDA device, nothing measured" in lines[-1]
+    assert (out / "on_device.log").read_text() == proc.stdout
+    if carried:
+        site = wheels / "site"
+        assert (site / "torchdata" / "__init__.py").is_file() and os.access(site / "bin" / "py-spy", os.X_OK)
+        assert f"in {site}" in proc.stdout and "torchdata importable" in proc.stdout and "py-spy 0.4" in proc.stdout
+    else:
+        assert "mkdir -p .whl && cp ../shared/wheels/*.whl .whl/" in proc.stdout and 'carry=[".whl"]' in proc.stdout
+
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+# stands for a python with CUDA: the setup's probe says so; a part prints its command (section 2's fails)
+if [ "$1" = - ]; then cat >/dev/null; echo True; echo "torchdata importable torch x CUDA 13.0 GPU: Fake"; exit; fi
+echo "ran $*"
+[ "$*" != "-m benchmarks.gpu_check --only 2" ]
+"""
+
+
+def test_on_device_script_runs_each_part_within_its_budget_and_reports_it(tmp_path):
+    """The script's CUDA path with a python that claims a GPU: each part's command runs with its timeout, its
+    output lands in its own log and the whole log, and one failing part fails the script (exit 1)."""
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    env = {**CHILD_ENV, "OUT": str(out), "WHEELS": str(tmp_path / "none"), "PYTHON": str(fake)}
+    script = ROOT / "benchmarks" / "gpu_check" / "on_device.sh"
+    proc = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    ran = {"overhead": "--only 2", "checks": "--only 1,3,4,5,6,7"}
+    for part, args in ran.items():
+        assert (out / f"{part}.log").read_text() == f"ran -m benchmarks.gpu_check {args}\n"
+    assert (out / "stage16b.log").read_text() == "ran -m benchmarks.gpu_check.stage_snapshot\n"
+    verdicts = re.findall(r"^on_device: (\w+) (PASS|FAIL \(exit 1\)) in \d+ s \(budget (\d+) s", proc.stdout, re.M)
+    assert verdicts == [
+        ("setup", "PASS", "20"),
+        ("overhead", "FAIL (exit 1)", "300"),
+        ("checks", "PASS", "145"),
+        ("stage16b", "PASS", "75"),
+    ]
+    # each part may run until the 9 minutes planned so far are spent
+    limits = [int(x) for x in re.findall(r"starts, timeout (\d+) s", proc.stdout)]
+    assert all(planned - 30 < limit <= planned for limit, planned in zip(limits, [20, 320, 465, 540], strict=True))
+    assert proc.stdout.rstrip().endswith(f"a part failed; log {out}/on_device.log")
+    assert (out / "on_device.log").read_text() == proc.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU it runs the stage for real")
+def test_stage_experiment_without_cuda_says_so_in_one_line(capsys):
+    assert stage_snapshot.main([]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "stage16b: no CUDA device (torch.cuda.is_available() is False): nothing to measure here, exiting 0"
+    ]
+
+
+def test_stage_arithmetic_snapshot_bytes_copy_time_and_fitting_layers():
+    """Each snapshot of a window recorded by metrics.profile: its slot's FP32 state and the later slots' compute
+    weights; the copy time of the largest at the measured bandwidth; layers whose buffers fit the host."""
+    profile = {"fp32_bytes": [12e9, 12e9, 12e9, 12e9, 6e9], "compute_bytes": [2e9] * 4 + [1e9], "window": 2}
+    assert stage_snapshot.planned_snapshot_bytes(profile) == [36e9 + 3e9, 18e9]
+    line = stage_snapshot.copy_fields([39e9, 18e9], copy_gbs=50.0, iteration_s=1.56)
+    assert line == (
+        "snapshot_gb planned largest=39.00 mean=28.50 copy_s largest=0.780 (0.50 of the planned iteration 1.560 s "
+        "at 50.0 GB/s)"
+    )
+    per_layer = 588_000_000
+    need = stage_snapshot.HOST_BYTES_PER_PARAM * per_layer  # 54 bytes a parameter: 31.8 GB
+    assert [stage_snapshot.fitting_layers(2, per_layer, free) for free in (need, 1.25 * need, 2.5 * need)] == [0, 1, 2]
+
+
+@pytest.mark.slow
+def test_stage_dry_run_at_a_window_gives_the_host_and_pinned_bytes():
+    """The stage's command line at W=2 under --dry-run (the arithmetic the experiment prints beside its run)."""
+    args = [*stage_snapshot.stage_args(1, 8), "--checkpoint.strategy", "moevement", "--checkpoint.window", "2"]
+    proc = subprocess.run(
+        [sys.executable, "train.py", *args, "--dry-run"], cwd=ROOT, env=CHILD_ENV, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert re.fullmatch(
+        r"dry-run host_dir_gb=[\d.]+ snapshots_gb=[\d.]+ pinned_gb=[\d.]+", stage_snapshot.dry_run_fields(proc.stdout)
+    )
+    assert stage_snapshot.dry_run_fields("params total=1") == "dry-run printed no host/pinned lines"

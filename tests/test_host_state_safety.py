@@ -15,7 +15,20 @@ from pathlib import Path
 import pytest
 
 from moevement.recovery.report import RecoveryReport
-from tests.helpers import DEBUG_CONFIG, ROOT, RUN_OUTPUTS, final_line, recoveries, run_cli, step_losses
+from tests.helpers import (
+    DEBUG_CONFIG,
+    ROOT,
+    RUN_OUTPUTS,
+    final_line,
+    mounted_tmpfs,
+    one_error,
+    reached,
+    recoveries,
+    run_cli,
+    step_losses,
+    survivors,
+)
+from trainer.lifecycle.survivor_lines import PREEMPTED
 
 BASE = [
     "--config",
@@ -244,8 +257,10 @@ def test_second_live_job_is_refused_and_clean_keeps_it(tmp_path):
     cmd = [sys.executable, "train.py", *BASE, *host(tmp_path), *long_run, "--job.output_dir", str(RUN_OUTPUTS)]
     first = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        head = "".join(_wait_for_line(first, "step=3 "))  # holds the `run:` line naming the run's records
+        head = "".join(_wait_until_recorded(first, 3))  # holds the `run:` line naming the run's records
+        folders = sorted(os.listdir(RUN_OUTPUTS / "safety"))
         second = run_cli(*BASE, *host(tmp_path), *long_run, check=False)
+        assert sorted(os.listdir(RUN_OUTPUTS / "safety")) == folders  # the refused run left no run folder
         assert second.returncode == 2 and re.search(
             r"^error: .*rank00000\.lock: held by a live process \(pid "
             rf"{first.pid}\)",
@@ -264,6 +279,21 @@ def test_second_live_job_is_refused_and_clean_keeps_it(tmp_path):
     assert not (tmp_path / "shm" / "safety").exists()
 
 
+def test_a_run_refused_by_the_job_lock_leaves_nothing_behind(tmp_path):
+    """While another process holds the job's lock, a run of the job is refused with one line naming the lock,
+    before it makes a run folder or reads any checkpoint."""
+    from moevement.storage.host_memory import JobLock
+    from moevement.storage.private_files import make_private_dirs
+
+    held = JobLock(make_private_dirs(tmp_path / "shm", "safety") / "rank00000.lock")
+    try:
+        proc = run_cli(*BASE, *host(tmp_path), "--job.output_dir", str(tmp_path / "runs"), check=False)
+    finally:
+        held.release()
+    one_error(proc, "rank00000.lock: held by a live process", f"(pid {os.getpid()})")
+    assert not (tmp_path / "runs").exists(), os.listdir(tmp_path / "runs")
+
+
 def _clean(tmp_path: Path) -> str:
     proc = subprocess.run(
         [sys.executable, "-m", "moevement.clean", "--host-dir", str(tmp_path / "shm")],
@@ -276,16 +306,17 @@ def _clean(tmp_path: Path) -> str:
     return proc.stdout
 
 
-def _wait_for_line(proc: subprocess.Popen, prefix: str, timeout: float = 300) -> list[str]:
+def _wait_until_recorded(proc: subprocess.Popen, step: int, timeout: float = 300) -> list[str]:
+    """The lines `proc` printed until its run record holds iteration `step` (it logs every iteration)."""
     lines, deadline = [], time.time() + timeout
     while time.time() < deadline:
         line = proc.stdout.readline()
         if not line and proc.poll() is not None:
-            raise AssertionError(f"process ended before {prefix!r}:\n{''.join(lines)}")
+            raise AssertionError(f"process ended before iteration {step}:\n{''.join(lines)}")
         lines.append(line)
-        if line.startswith(prefix):
+        if reached("".join(lines), step):
             return lines
-    raise AssertionError(f"no {prefix!r} within {timeout} s")
+    raise AssertionError(f"iteration {step} not recorded within {timeout} s")
 
 
 @pytest.mark.slow
@@ -319,13 +350,13 @@ def test_sigterm_to_torchrun_then_relaunch_resumes(tmp_path):
         launch, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
     try:
-        _wait_for_line(agent, "step=9 ")
+        head = "".join(_wait_until_recorded(agent, 9))
         agent.send_signal(signal.SIGTERM)
-        out, _ = agent.communicate(timeout=60)
+        out = head + agent.communicate(timeout=60)[0]
     finally:
         if agent.poll() is None:
             os.killpg(agent.pid, signal.SIGKILL)
-    assert re.search(r"^preempted: rank \d received SIGTERM at step \d+; host state kept", out, re.M), out
+    assert any(e.what == PREEMPTED for e in survivors(out)), out
     relaunched = run_cli(*BASE, *pp2, *host(tmp_path), nproc=2).stdout
     m = whole_job_restarts(relaunched)
     assert m, relaunched
@@ -397,7 +428,7 @@ def test_clean_keeps_a_job_whose_torchrun_agent_lives(tmp_path):
         text=True,
     )
     try:
-        _wait_for_line(agent, "step=8 ")
+        _wait_until_recorded(agent, 8)
         [worker] = Path(f"/proc/{agent.pid}/task/{agent.pid}/children").read_text().split()
         os.kill(agent.pid, signal.SIGSTOP)  # hold the agent between the death and its next generation
         os.kill(int(worker), signal.SIGKILL)
@@ -429,17 +460,8 @@ def _lock_held(tmp_path: Path) -> bool:
 @pytest.fixture
 def small_disk(tmp_path):
     """A real 512 KiB file system (tmpfs; needs the right to mount, as root here and in CI), owner-only."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    proc = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=512k,mode=0700", "tmpfs", str(mount)], capture_output=True
-    )
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {proc.stderr.decode().strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "small", "512k") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def test_a_full_persist_dir_is_one_line_and_leaves_no_temporary(tmp_path, small_disk):

@@ -317,6 +317,9 @@ def test_bad_trace_names_file_and_cause(tmp_path, content, why):
         (["--fault.kill_signal", "SIGTERM"], "fault.kill_signal"),
         (["--fault.timeout_s", "0"], "fault.timeout_s"),
         (["--fault.node_loss_s", "1"], "fault.node_loss_s"),
+        (["--fault.heartbeat_timeout_s", "2"], "fault.heartbeat_timeout_s"),  # under a few 1 s heartbeats
+        (["--fault.heartbeat_timeout_s", "1e9"], "fault.heartbeat_timeout_s"),  # over an hour
+        (["--fault.heartbeat_timeout_s", "nan"], "fault.heartbeat_timeout_s"),
     ],
 )
 def test_bad_fault_detection_settings_name_the_key(args, key):

@@ -18,7 +18,7 @@ import pytest
 import torch.distributed as dist
 
 from parallelisms import distributed
-from tests.helpers import BASE, MOEVEMENT, PP2, baseline, run_cli, run_events, run_shell
+from tests.helpers import BASE, MOEVEMENT, PP2, baseline, run_cli, run_events, run_shell, survivors
 from trainer.lifecycle import job_end, node_presence, rank_shell, store_keeper
 from trainer.run.event_lines import FinalLine
 
@@ -85,7 +85,7 @@ def test_a_death_as_save_final_starts_keeps_the_survivors_state(tmp_path):
     target = tmp_path / "final"
     out, _ = end_run(tmp_path, f"{LAST}:1:save", "--checkpoint.save_final", str(target))
     assert_finished_once(out)
-    assert re.search(r"^survivor: rank 0 pid \d+ .* kept live state of iteration 13 in memory", out, re.M), out
+    assert [(e.rank, e.kept) for e in survivors(out)] == [(0, "live state of iteration 13 in memory")], out
     assert re.search(r"^shell: rank 1: trainer pid \d+ died .* replaces it in generation 1 ", out, re.M), out
     assert out.count(f"saved checkpoint step={LAST} dir={target}") == 1 and "Traceback" not in out, out
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".final")] == []  # no temporary left
@@ -140,6 +140,18 @@ def test_the_generation_watch_gives_up_only_when_the_generation_cannot_form(stor
     with pytest.raises(job_end.JobFinished, match=f"the job finished at step {LAST}; nothing to recover"):
         watch()
     assert job_end.finished_step() == LAST and job_end.await_finished(1.0) == LAST
+
+
+def test_a_torchrun_restart_after_the_jobs_end_trains_nothing_again(store, monkeypatch):
+    """A worker (or a stopped rank shell its child killed) ended after the `final` line and torchrun restarted
+    every worker: each rank of the new attempt finds attempt 0's record of the end and exits with success."""
+    job_end.check_not_finished_earlier()  # attempt 0: nothing earlier
+    job_end.record_finished(LAST)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    with pytest.raises(job_end.JobFinished, match=f"finished at step {LAST} in attempt 0 of this torchrun run"):
+        job_end.check_not_finished_earlier()
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # each round's own store holds no earlier round
+    job_end.check_not_finished_earlier()
 
 
 def test_a_node_whose_beat_stops_for_node_loss_s_is_lost_and_the_generation_given_up(store):

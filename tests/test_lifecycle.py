@@ -29,14 +29,18 @@ from trainer.lifecycle.process_state import ProcessState
 from trainer.lifecycle.start_plan import StartPlan
 from trainer.lifecycle.startup import Startup
 from trainer.lifecycle.stop_guard import StopGuard
+from trainer.lifecycle.survivor_lines import PREEMPTED, SurvivorLine
 from trainer.lifecycle.verdict import (
+    STANDBY_GRACE_S,
     Happened,
     OnSigterm,
     ShellVerdict,
     Verdict,
     a_frozen_child,
+    a_silent_shell,
     after_child_exit,
     decide,
+    hang_bound,
     on_sigterm,
     runs_a_shell,
 )
@@ -93,7 +97,7 @@ def test_the_facts_come_from_the_error_and_the_process(monkeypatch):
 def guard(monkeypatch):
     """A stop guard in this process; SIGTERM's handler and the process's record of SIGTERM restored after."""
     previous = signal.getsignal(signal.SIGTERM)
-    yield StopGuard(0, lambda step, kept: f"preempted at step {step} ({kept})", ProcessState(Startup()))
+    yield StopGuard(0, lambda step, kept: SurvivorLine(PREEMPTED, 0, step, kept=kept), ProcessState(Startup()))
     signal.signal(signal.SIGTERM, previous)
 
 
@@ -132,9 +136,11 @@ import os, signal, sys
 sys.path.insert(0, os.getcwd())
 from trainer.lifecycle.start_plan import plan_start
 from trainer.lifecycle.stop_guard import StopGuard
+from trainer.lifecycle.survivor_lines import PREEMPTED, SurvivorLine
+from trainer.lifecycle.survivor_lines import PREEMPTED, SurvivorLine
 process = plan_start().process
 process.sigterm_at = {earlier}  # a SIGTERM that reached an earlier generation of this process, if any
-guard = StopGuard(3, lambda step, kept: f"preempted: rank 3 at step {{step}}; kept {{kept}}", process, step={step})
+guard = StopGuard(3, lambda step, kept: SurvivorLine(PREEMPTED, 3, step, kept=kept, resumes="r"), process, step={step})
 os.kill(os.getpid(), signal.SIGTERM)
 print("not reached")
 """
@@ -149,7 +155,8 @@ def test_sigterm_before_training_exits_at_once_with_the_preempted_line(earlier, 
     script = GUARD.format(earlier=earlier, step=held)
     proc = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
-    assert proc.stdout == f"preempted: rank 3 at step {held}; kept nothing new to keep\n"
+    kept = "host state kept (nothing new to keep)"
+    assert proc.stdout == f"preempted: rank 3 received SIGTERM at step {held}; {kept}: r\n"
 
 
 def test_a_survivor_and_a_replacement_agree_on_the_next_generation():
@@ -270,8 +277,38 @@ def test_when_train_py_starts_as_a_rank_shell(facts, shell):
     [(0.5, False, False), (10.0, False, False), (10.5, False, True), (60.0, True, False)],
 )
 def test_when_a_rank_shell_kills_a_silent_trainer(silent_s, stopping, frozen):
-    """Silent longer than `fault.timeout_s` (here 10 s) is frozen, unless torchrun is stopping the job."""
+    """Silent longer than `fault.heartbeat_timeout_s` (here 10 s) is frozen, unless torchrun is stopping the
+    job."""
     assert a_frozen_child(silent_s, 10.0, stopping) is frozen
+
+
+@pytest.mark.parametrize(
+    ("heartbeat_timeout_s", "timeout_s", "bound"),
+    [
+        (30.0, 600.0, ("fault.heartbeat_timeout_s", 30.0)),  # the defaults: a hang costs 30 s, not 10 minutes
+        (30.0, 30.0, ("fault.heartbeat_timeout_s", 30.0)),
+        (30.0, 10.0, ("fault.timeout_s", 10.0)),  # the peers give up on a hung trainer first
+    ],
+)
+def test_the_hang_bound_is_the_heartbeat_timeout_or_a_shorter_collective_timeout(heartbeat_timeout_s, timeout_s, bound):
+    assert hang_bound(heartbeat_timeout_s, timeout_s) == bound
+
+
+@pytest.mark.parametrize(
+    ("silent_s", "standby", "kill"),
+    [
+        (0.5, False, False),
+        (10.0, False, False),
+        (10.5, False, True),  # the trainer: past the bound
+        (10.5, True, False),  # its standby waits a little longer, so the trainer's line is the one printed
+        (10.0 + STANDBY_GRACE_S, True, False),
+        (10.5 + STANDBY_GRACE_S, True, True),  # ... and still ends a shell whose trainer has exited
+    ],
+)
+def test_when_a_shells_child_kills_a_silent_shell(silent_s, standby, kill):
+    """A shell silent longer than `fault.heartbeat_timeout_s` (here 10 s) is stopped or stuck: its trainer
+    kills it, its standby `STANDBY_GRACE_S` later."""
+    assert a_silent_shell(silent_s, 10.0, standby) is kill
 
 
 def test_the_shell_reads_the_trainers_settings_and_defaults(tmp_path):

@@ -6,8 +6,6 @@ gains `tflops=` (model TFLOP/s per device) and, only where the device's peak is 
 
 from __future__ import annotations
 
-import re
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,10 +14,12 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from models import ModelArgs, build_model
 from models.experts import GROUPED_MM_FLOPS
-from tests.helpers import DEBUG_CONFIG, ROOT, base_args, run_cli
+from tests.helpers import DEBUG_CONFIG, ROOT, base_args, run_cli, steps
 from tests.tiny_moe import ARGS
 from trainer.config import ConfigError, load_config
 from trainer.flops import bf16_peak_flops, device_peak_flops, flops_per_token, step_throughput
+from trainer.run import event_log
+from trainer.run.event_lines import StepLine
 from trainer.run.metrics import MetricsLogger
 
 
@@ -56,20 +56,26 @@ def test_a_negative_peak_is_one_error_naming_the_key():
         load_config(str(ROOT / DEBUG_CONFIG), ["--metrics.peak_tflops", "-1"])
 
 
-def logged_step(tmp_path, capsys, *overrides: str) -> tuple[str, float]:
-    """Rank 0's `step=` line of an iteration of 0.5 s under `overrides` (TensorBoard events into `tmp_path`),
-    and the config's model FLOPs per iteration."""
+def logged_step(tmp_path, capsys, *overrides: str) -> tuple[StepLine, float]:
+    """Rank 0's `step` record of an iteration of 0.5 s under `overrides` (its events and TensorBoard's into
+    `tmp_path`), checked to be what it printed, and the config's model FLOPs per iteration."""
     cfg = load_config(
         str(ROOT / DEBUG_CONFIG), ["--metrics.log_every", "1", "--metrics.tensorboard_every", "1000", *overrides]
     )
-    logger = MetricsLogger(cfg, rank=0, stage=0, run_dir=tmp_path)
-    logger.start(1)
-    scalars = {"loss": 5.0, "aux_loss": 0.01, "lr": 1e-3, "grad_norm": 1.0}
-    logger.step(1, scalars, {}, {}, elapsed_s=0.5, wall_s=0.5)
-    logger.close()
-    [line] = [out for out in capsys.readouterr().out.splitlines() if out.startswith("step=")]
+    tmp_path.mkdir()
+    event_log.record_events_in(tmp_path)
+    try:
+        logger = MetricsLogger(cfg, rank=0, stage=0, run_dir=tmp_path)
+        logger.start(1)
+        scalars = {"loss": 5.0, "aux_loss": 0.01, "lr": 1e-3, "grad_norm": 1.0}
+        logger.step(1, scalars, {}, {}, elapsed_s=0.5, wall_s=0.5)
+        logger.close()
+    finally:
+        event_log.record_events_in(None)
+    [record] = steps(tmp_path)
+    assert [out for out in capsys.readouterr().out.splitlines() if out.startswith("step=")] == [record.line()]
     t = cfg.training
-    return line, flops_per_token(cfg.model, t.seq_len) * t.batch_size * t.seq_len
+    return record, flops_per_token(cfg.model, t.seq_len) * t.batch_size * t.seq_len
 
 
 def printed(value: float):
@@ -84,14 +90,13 @@ def test_the_step_line_and_tensorboard_get_tflops_and_mfu_only_with_a_peak(tmp_p
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     line, flops = logged_step(tmp_path / "cpu", capsys)
-    fields = dict(re.findall(r"(\w+)=(\S+)", line))
-    assert re.fullmatch(r"step=1 loss=\S+ .* tok_per_s=\S+ tflops=\S+ wall_s=\S+", line) and "mfu" not in fields
-    assert float(fields["tflops"]) == printed(flops / 0.5 / 1e12)
+    names = [name for name, _ in line.fields]
+    assert names[:2] == ["loss", "aux_loss"] and names[-2:] == ["tflops", "wall_s"] and "mfu" not in names
+    assert line.value("tflops") == printed(flops / 0.5 / 1e12)
     line, _ = logged_step(tmp_path / "peak", capsys, "--metrics.peak_tflops", "0.002", "--parallelism.pp", "2")
-    fields = dict(re.findall(r"(\w+)=(\S+)", line))
-    assert re.fullmatch(r"step=1 .* tok_per_s=\S+ tflops=\S+ mfu=\S+ wall_s=\S+", line), line
-    assert float(fields["tflops"]) == printed(flops / 0.5 / 2 / 1e12)  # per device of pp=2
-    assert float(fields["mfu"]) == printed(flops / 0.5 / 2 / 0.002e12)
+    assert [name for name, _ in line.fields][-4:] == ["tok_per_s", "tflops", "mfu", "wall_s"], line
+    assert line.value("tflops") == printed(flops / 0.5 / 2 / 1e12)  # per device of pp=2
+    assert line.value("mfu") == printed(flops / 0.5 / 2 / 0.002e12)
     for run, tags in (("cpu", {"train/tflops"}), ("peak", {"train/tflops", "train/mfu"})):
         events = EventAccumulator(str(tmp_path / run))
         events.Reload()
@@ -100,8 +105,8 @@ def test_the_step_line_and_tensorboard_get_tflops_and_mfu_only_with_a_peak(tmp_p
 
 @pytest.mark.slow
 def test_train_prints_tflops_on_every_step_line():
-    """train.py end to end on CPU: every `step=` line has a positive `tflops=` and no `mfu=`."""
+    """train.py end to end on CPU: every `step` record has a positive `tflops` and no `mfu`."""
     out = run_cli(*base_args(2)).stdout
-    lines = re.findall(r"^step=\d+ .*$", out, re.M)
-    assert len(lines) == 2 and all(re.search(r" tflops=(\S+) wall_s=", line) for line in lines), out
-    assert all(float(re.search(r" tflops=(\S+) ", line)[1]) > 0 and " mfu=" not in line for line in lines)
+    lines = steps(out)
+    assert [line.step for line in lines] == [1, 2], out
+    assert all(line.value("tflops") > 0 and "mfu" not in dict(line.fields) for line in lines), out

@@ -12,7 +12,7 @@ from torch import nn
 
 from models import ModelArgs, build_model
 from models.experts import named_tensors
-from moevement.checkpoint.popularity import PopularityTracker, changed_fraction
+from moevement.checkpoint.popularity import PopularityTracker, changed_experts, layer_shares
 from moevement.checkpoint.schedule import (
     WindowPlan,
     byte_slots,
@@ -219,33 +219,46 @@ def observed(policy, **kwargs):
     ],
 )
 def test_policies(policy, expected):
-    current = observed(policy, ema_decay=0.5).current()
+    """A first window's statistics become the popularity the order is built from."""
+    tracker = observed(policy, ema_decay=0.5)
+    tracker.close_window()
+    current = tracker.popularity()
     assert current.keys() == expected.keys()
     for name, value in expected.items():
         assert current[name] == pytest.approx(value), name
 
 
-def test_observing_an_iteration_never_reads_the_statistics_on_the_host():
-    """On a GPU a read would wait for the device every iteration: statistics stay where they are until the
-    window ends (meta tensors have no values, so any host read would raise)."""
+def test_observing_and_closing_windows_never_read_the_statistics_on_the_host():
+    """On a GPU a read would wait for the device (its optimizer step): statistics and the reorder rule stay
+    where the statistics are until an order is built from them (meta tensors have no values, so any host
+    read would raise)."""
     for policy in ("count", "soft", "ema", "capacity"):
         tracker = PopularityTracker(policy)
         for _ in range(3):
-            tokens = {L1: torch.zeros(4, dtype=torch.int64, device="meta"), L2: torch.zeros(2, device="meta")}
-            tracker.observe(tokens, {L1: torch.zeros(4, device="meta")})
-        assert {t.device.type for t in [*tracker.window_tokens.values(), *tracker.ema.values()]} == {"meta"}
+            for _ in range(2):
+                tokens = {L1: torch.zeros(4, dtype=torch.int64, device="meta"), L2: torch.zeros(2, device="meta")}
+                tracker.observe(tokens, {L1: torch.zeros(4, device="meta")})
+            tracker.close_window()
+        held = [*tracker.reference.values(), *tracker.reference_shares.values(), *tracker.ema.values()]
+        assert tracker.unread and {t.device.type for t in held} == {"meta"}, policy
+        with pytest.raises(NotImplementedError):  # the one read, where an order is built
+            tracker.popularity()
 
 
 def test_layers_of_different_widths_keep_their_own_experts():
     tracker = PopularityTracker("capacity")
     tracker.observe({L1: torch.tensor([1, 2, 3, 6]), L2: torch.tensor([4, 0])}, {})
-    assert tracker.current() == experts(L1, [1 / 3, 2 / 3, 1.0, 2.0]) | experts(L2, [2.0, 0.0])
+    tracker.close_window()
+    assert tracker.popularity() == experts(L1, [1 / 3, 2 / 3, 1.0, 2.0]) | experts(L2, [2.0, 0.0])
 
 
 def test_the_fixed_policy_keeps_the_models_order_whatever_the_load():
     tracker = observed("fixed")
-    assert tracker.current() == {} and not tracker.end_window() and tracker.popularity() == {}
-    assert observed("count").end_window()  # the same statistics reorder under a popularity policy
+    tracker.close_window()
+    assert tracker.reference is None and not tracker.unread and tracker.popularity() == {}
+    counted = observed("count")  # the same statistics reorder under a popularity policy
+    counted.close_window()
+    assert counted.unread and counted.popularity() == experts(L1, [2, 2, 3, 7])
 
 
 def test_unknown_policy():
@@ -253,35 +266,42 @@ def test_unknown_policy():
         PopularityTracker("random")
 
 
-def test_changed_fraction_thresholds():
-    before = experts(L1, [10, 18, 18, 18]) | experts(L2, [1, 1, 1, 1])
+def shares(l1, l2):
+    """Shares of two 4-expert layers, stacked as the tracker stacks them."""
+    return {((L1, 4), (L2, 4)): layer_shares(torch.tensor([l1, l2], dtype=torch.float64))}
+
+
+def test_changed_experts_thresholds():
+    before = shares([10, 18, 18, 18], [1, 1, 1, 1])
     # expert 0: 10/64 -> 11/64 is exactly +10% (not changed; 64ths keep the float maths exact);
     # expert 1: 18 -> 17 is -5.6%
-    assert changed_fraction(before, experts(L1, [11, 17, 18, 18]) | experts(L2, [1, 1, 1, 1])) == 0.0
+    assert changed_experts(before, shares([11, 17, 18, 18], [1, 1, 1, 1])) == 0
     # just over 10%: 1 changed of 8
-    assert changed_fraction(before, experts(L1, [11.01, 16.99, 18, 18]) | experts(L2, [1, 1, 1, 1])) == 1 / 8
+    assert changed_experts(before, shares([11.01, 16.99, 18, 18], [1, 1, 1, 1])) == 1
     # +20% and -11.1% in layer 1, layer 2 shares unchanged although scaled by 7
-    assert changed_fraction(before, experts(L1, [12, 16, 18, 18]) | experts(L2, [7, 7, 7, 7])) == 2 / 8
-    assert changed_fraction(before, before) == 0.0
-    assert changed_fraction({}, {}) == 0.0
+    assert changed_experts(before, shares([12, 16, 18, 18], [7, 7, 7, 7])) == 2
+    assert changed_experts(before, before) == 0
+    assert changed_experts(shares([0, 0, 0, 0], [1, 0, 0, 0]), shares([0, 0, 0, 0], [1, 0, 0, 0])) == 0
 
 
-def test_end_window_reorders_on_large_changes_only():
+def test_closing_a_window_reorders_on_large_changes_only():
     tracker = PopularityTracker("count")
     ref = [100, 180, 180, 180]
     tracker.observe({L1: torch.tensor(ref)}, {})
-    assert tracker.end_window() is True  # first window always sets the order
+    tracker.close_window()  # the first window always sets the order
     assert tracker.popularity() == experts(L1, ref)
-    assert tracker.current() == {}  # window statistics were reset
+    assert tracker.window_tokens == {}  # window statistics were reset
     # +11% and -6.1%: 1 of 4 experts changed = 0.25, not more than 0.25
     tracker.observe({L1: torch.tensor([111, 169, 180, 180])}, {})
-    assert tracker.end_window() is False
+    tracker.close_window()
     assert tracker.popularity() == experts(L1, ref)  # reference kept
     # +20% and -11.1%: 2 of 4 = 0.5 against the reference
     tracker.observe({L1: torch.tensor([60, 80, 90, 90])}, {})
     tracker.observe({L1: torch.tensor([60, 80, 90, 90])}, {})
-    assert tracker.end_window() is True
+    tracker.close_window()
     assert tracker.popularity() == experts(L1, [120, 160, 180, 180])
+    tracker.close_window()  # a window without statistics changes nothing and reads nothing
+    assert not tracker.unread and tracker.popularity() == experts(L1, [120, 160, 180, 180])
 
 
 # ---- operator registry ----------------------------------------------------------------------------

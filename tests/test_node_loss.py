@@ -20,6 +20,7 @@ from tests.helpers import (
     RUN_OUTPUTS,
     baseline,
     final_line,
+    reached,
     run_cli,
     step_losses,
 )
@@ -27,12 +28,12 @@ from tests.helpers import (
 # windows of 6 iterations (3-8, 9-14), so that stage 0 has an empty slot (its persisted `s5.bin` has 0 bytes);
 # the window 3-8 is persisted by iteration 12
 LAYOUT = [*PP2, "--training.steps", "16"]
-KILL_AFTER = "step=12 "
+KILL_AFTER = 12  # the iteration recorded before the node is lost
 
 
 def launch_and_lose_the_node(args: list[str]) -> str:
-    """Run torchrun (agent + 2 workers) and SIGKILL the agent and every worker at once when the first
-    worker prints `KILL_AFTER`; the output until then."""
+    """Run torchrun (agent + 2 workers) and SIGKILL the agent and every worker at once once the run has
+    recorded iteration `KILL_AFTER` (rank 0 records each iteration before its line); the output until then."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--max-restarts=1"]
     proc = subprocess.Popen(
         [*cmd, "train.py", *args, "--job.output_dir", str(RUN_OUTPUTS)],
@@ -46,7 +47,7 @@ def launch_and_lose_the_node(args: list[str]) -> str:
     try:
         for line in proc.stdout:
             seen.append(line)
-            if line.startswith(KILL_AFTER):
+            if reached("".join(seen), KILL_AFTER):
                 break
     finally:
         kill_all(process_tree(proc.pid))
@@ -68,7 +69,7 @@ def test_a_relaunch_after_a_whole_node_loss_resumes_from_disk_bit_exactly(tmp_pa
         str(tmp_path / "disk"),
     ]
     before = launch_and_lose_the_node(args)
-    assert KILL_AFTER in before, before
+    assert reached(before, KILL_AFTER), before
     shutil.rmtree(tmp_path / "shm")  # the node's memory went with it
     persisted = list((tmp_path / "disk").rglob("s*.bin"))
     assert any(p.stat().st_size == 0 for p in persisted), persisted  # an empty slot is among them

@@ -6,10 +6,12 @@ waits for its activation and records it. The trainer itself under a shell runs i
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import sys
 import threading
+import time
 
 import pytest
 
@@ -67,22 +69,64 @@ def test_a_dead_standby_is_respawned_and_replaces_the_next_death(tmp_path):
 
 def test_a_frozen_trainer_is_killed_and_replaced(tmp_path):
     """The trainer stops (SIGSTOP: a hang, its heartbeat thread stopped with it) and says nothing for longer
-    than `fault.timeout_s`: the shell kills it (one line) and the standby replaces it, as after a death."""
-    status, records, out = run_shell(tmp_path, ["freeze", "0"], max_replacements=4, timeout_s=1.5)
+    than `fault.heartbeat_timeout_s`: the shell kills it (one line) and the standby replaces it, as after a death."""
+    status, records, out = run_shell(tmp_path, ["freeze", "0"], max_replacements=4, heartbeat_timeout_s=1.5)
     assert status == 0, out
     frozen = [r["trainer"] for r in records if "trainer" in r][0]
     said = re.search(rf"^shell: rank 1: trainer pid {frozen} said nothing for ([\d.]+) s \(more than ", out, re.M)
     assert said and 1.5 <= float(said[1]) < 10, out
-    assert re.search(rf"trainer pid {frozen} died \(signal SIGKILL\) .* replaces it in generation 1", out), out
+    replaced = re.search(
+        rf"trainer pid {frozen} died \(signal SIGKILL\) at unix=(\S+); .* replaces it in generation 1", out
+    )
+    assert replaced, out
     assert [r["generation"] for r in records if "trainer" in r] == [0, 1], records
+    # the replacement learns when the fault struck: the frozen trainer's last word, a silence before the kill
+    [activation] = [r["activated"] for r in records if "activated" in r]
+    assert 1.5 <= float(replaced[1]) - activation["fault_unix"] < 10, (activation, out)
 
 
 def test_a_busy_trainer_whose_heartbeat_goes_on_is_not_killed(tmp_path):
-    """A trainer busy (or waiting) for twice `fault.timeout_s` but not frozen keeps saying `alive`: the shell
+    """A trainer busy (or waiting) for twice `fault.heartbeat_timeout_s` but not frozen keeps saying `alive`: the shell
     leaves it alone and the slot ends with its exit status."""
-    status, records, out = run_shell(tmp_path, ["busy-0"], max_replacements=4, timeout_s=2)
+    status, records, out = run_shell(tmp_path, ["busy-0"], max_replacements=4, heartbeat_timeout_s=2)
     assert status == 0 and "said nothing" not in out, out
     assert [r["generation"] for r in records if "trainer" in r] == [0], records
+
+
+def gone(pid: int, within_s: float = 10.0) -> bool:
+    """Whether process `pid` has ended (and been reaped) within `within_s`."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if not os.path.exists(f"/proc/{pid}"):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize(("ending", "killer"), [("stop-shell-busy", "trainer"), ("stop-shell", "standby")])
+def test_a_stopped_shell_is_killed_by_its_child(tmp_path, ending, killer):
+    """The shell itself stops (a real SIGSTOP of the shell's process): it beats to its children no more, and
+    one of them kills it after `fault.heartbeat_timeout_s` (one line), so torchrun, which waits on the shell,
+    sees its worker die instead of waiting for ever. The trainer notices first; after the trainer exited,
+    its standby does. The shell's children die with it."""
+    started = time.monotonic()
+    status, records, out = run_shell(tmp_path, [ending], max_replacements=4, heartbeat_timeout_s=2)
+    assert status == -signal.SIGKILL, out
+    assert time.monotonic() - started < 40, out  # the trainer of "stop-shell-busy" would live 60 s more
+    children = {
+        "trainer": [r["trainer"] for r in records if "trainer" in r],
+        "standby": [r["standby"] for r in records if "standby" in r],
+    }
+    said = re.search(
+        rf"^shell: rank 1: rank shell pid (\d+) said nothing for ([\d.]+) s "
+        rf"\(more than fault.heartbeat_timeout_s=2 s\): stopped or stuck; "
+        rf"killed by its {killer} pid {children[killer][0]} ",
+        out,
+        re.M,
+    )
+    assert said and 2 <= float(said[2]) < 30, out
+    assert len(re.findall(r"said nothing", out)) == 1, out
+    assert all(gone(pid) for pid in children["trainer"] + children["standby"]), records
 
 
 def test_sigterm_inside_the_shells_wait_for_its_standby_does_not_hang_it(tmp_path, monkeypatch):

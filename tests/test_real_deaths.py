@@ -4,10 +4,10 @@ default); with `--fault.max_replacements 0` (and whenever the shell gives up) to
 and the survivors keep their live state in shared memory (`fallback=True`). Either way only the dead ranks'
 stages replay.
 
-Every case is compared with the fault-free run of its layout: every later `step=` loss and the final
-`state_digest` are equal, and the healthy stages' `recovery work` lines show no forward or backward. The
-interval baselines roll every rank back to their own newest checkpoint instead and recompute (gemini and
-checkfreq exactly; MoC, by design, not)."""
+Every case is compared with the fault-free run of its layout, as recorded: every iteration is logged once,
+with the fault-free run's loss, the final `state_digest` is equal, and the healthy stages' `recovery work`
+lines show no forward or backward. The interval baselines roll every rank back to their own newest
+checkpoint instead and recompute (gemini and checkfreq exactly; MoC, by design, not)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from moevement.recovery.report import RecoveryReport
 from tests.helpers import (
     BASE,
     CHILD_ENV,
+    DEMO_KINDS,
     INTERLEAVED,
     MOEVEMENT,
     PP2,
@@ -32,9 +33,13 @@ from tests.helpers import (
     PP4,
     ROOT,
     RUN_OUTPUTS,
+    accounting,
     after,
+    assert_each_step_once,
+    assert_recorded_as_printed,
     baseline,
     communicate_bounded,
+    faults,
     final_line,
     recoveries,
     recovery_work,
@@ -42,7 +47,11 @@ from tests.helpers import (
     run_events,
     start_session,
     step_losses,
+    survivors,
+    validations,
 )
+from trainer.lifecycle.shell_lines import REPLACED, ShellLine
+from trainer.lifecycle.survivor_lines import DETECTED, PREEMPTED, REJOINS
 
 RESTART_STAGES = (["keep", "restart", "setup"], ["keep", "join", "rebuild"])  # torchrun's restart, in place
 
@@ -98,7 +107,7 @@ def assert_local_and_exact(
     out: str, reference: str, dead: tuple[int, ...], scope: tuple[int, ...]
 ) -> list[RecoveryReport]:
     """The recoveries are local (dead ranks `dead`, stages `scope` of the first), healthy stages re-execute
-    nothing, and the training after each recovery equals the fault-free run's."""
+    nothing, and every iteration is logged once with the fault-free run's loss."""
     events = run_events(out)
     found = rejoins(events)
     assert found and (found[0].ranks, found[0].scope) == (dead, scope), out
@@ -107,33 +116,35 @@ def assert_local_and_exact(
     assert healthy and all(fb == (0, 0) for fb in healthy), work
     last = len(events) - 1 - events[::-1].index(found[-1])
     assert final_line(events[last:]) == final_line(reference)
-    resumed = step_losses(after(out, found[-1]))
-    assert resumed and resumed == {s: v for s, v in step_losses(reference).items() if s in resumed}
+    assert step_losses(after(events, found[-1])), out  # trained on after the last recovery
+    assert_each_step_once(events, reference)
     return found
 
 
 def test_sigkill_in_backward_is_replaced_in_place(tmp_path):
-    """Guarantee: Bit-exact recovery (a real SIGKILL, replaced in place).
-    pp=2: rank 1 SIGKILLs itself in the backward pass of step 9. Its rank shell starts the warm standby as
-    rank 1; rank 0's process lives on with its state in memory (no torchrun restart: `--max-restarts 0`) and
-    replays nothing; the run ends with the fault-free digest."""
-    out = death_run(tmp_path, PP2, 2, "--fault.kill", "9:1:backward")
-    killed = re.search(r"^fault: rank 1 killed \(SIGKILL\) in the backward phase of step 9 at unix=(\S+)$", out, re.M)
-    survivor = re.search(
-        r"^survivor: rank 0 pid \d+ \(running since unix=(\S+)\) at step 9: .*; kept live state of iteration 9 "
-        r"in memory; joins generation 1 ",
-        out,
-        re.M,
-    )
-    assert killed and survivor and float(survivor[1]) < float(killed[1]), out
-    assert re.search(
-        r"^shell: rank 1: trainer pid \d+ died \(signal SIGKILL\) .* replaces it in generation 1 ", out, re.M
-    )
-    assert "shell: rank 0" not in out  # rank 0 is the process that ran before the death
+    """Guarantee: Bit-exact recovery (a real SIGKILL, replaced in place); the records are the truth.
+    The README's demo (`make train`) on 4 layers: pp=2, rank 1 SIGKILLs itself in the backward pass of step 9.
+    Its rank shell starts the warm standby as rank 1; rank 0's process lives on with its state in memory (no
+    torchrun restart: `--max-restarts 0`) and replays nothing; the run ends with the fault-free digest. Every
+    line of a recorded kind it printed, from any process, is in its `events.jsonl`."""
+    out = death_run(tmp_path, [*PP2, "--training.val_every", "4"], 2, "--fault.kill", "9:1:backward")
+    events = assert_recorded_as_printed(out)
+    assert {e.KIND for e in events} >= DEMO_KINDS | {"validation"}, out
+    [killed] = faults(out)  # rank 1 recorded its own line (on rank 0's host)
+    [survivor] = survivors(out)
+    assert (killed.rank, killed.step, killed.how, killed.phase) == (1, 9, "SIGKILL", "backward"), out
+    assert (survivor.what, survivor.rank, survivor.step, survivor.generation) == (REJOINS, 0, 9, 1), out
+    assert survivor.kept == "live state of iteration 9 in memory" and survivor.since_unix < killed.unix, out
+    [shell] = [e for e in run_events(out) if isinstance(e, ShellLine)]  # rank 0 is the process that ran before
+    assert (shell.what, shell.rank, shell.how, shell.generation) == (REPLACED, "1", "signal SIGKILL", 1), out
     [found] = assert_local_and_exact(out, baseline(PP2, 2), (1,), (1,))
     assert found.step == 9 and found.restart == "replaced", out
-    acct = re.search(r"^accounting wall_s=(\S+) iterations=(\d+) .* recovery_s=(\S+) failures=(\d+) ", out, re.M)
-    assert acct[2] == str(final_line(out)[0]) and acct[4] == "1", acct[0]  # carried across the generations
+    # the shell saw the death: its replacement dates the fault, and rank 0 detected it at once
+    assert found.detect is not None and 0 <= found.detect < 5, found
+    acct = accounting(out)
+    assert (acct.iterations, acct.failures) == (final_line(out)[0], 1), acct  # carried across the generations
+    assert acct.recomputed == found.replayed > 0, acct  # stage 1's replay counts as iterations run again
+    assert acct.recovery_s >= found.seconds + found.detect - 0.002 and acct.detect_s == found.detect, acct
 
 
 def test_sigkill_with_torchrun_restarting_every_worker(tmp_path):
@@ -141,12 +152,10 @@ def test_sigkill_with_torchrun_restarting_every_worker(tmp_path):
     The fallback (`fault.max_replacements = 0`: no rank shell): torchrun restarts every process; rank 0
     keeps its state in shared memory across the restart and replays nothing."""
     out = death_run(tmp_path, PP2, 2, "--fault.kill", "9:1:backward", fallback=True)
-    assert "fault: rank 1 killed (SIGKILL) in the backward phase of step 9" in out
-    kept = (
-        r"^(failure detected: rank 0 at step 9 by .*; kept "
-        r"|preempted: rank 0 received SIGTERM at step 9; host state kept \()"
-    )
-    assert re.search(kept + r"live state of iteration 9, ", out, re.M), out
+    assert [(f.rank, f.step, f.phase) for f in faults(out)] == [(1, 9, "backward")], out
+    [kept] = survivors(out)
+    assert (kept.what in (DETECTED, PREEMPTED), kept.rank, kept.step) == (True, 0, 9), out
+    assert kept.kept.startswith("live state of iteration 9, "), out
     [found] = assert_local_and_exact(out, baseline(PP2, 2), (1,), (1,))
     assert found.step == 9
     assert re.search(
@@ -155,10 +164,10 @@ def test_sigkill_with_torchrun_restarting_every_worker(tmp_path):
         out,
         re.M,
     ), out
-    acct = re.search(r"^accounting wall_s=(\S+) iterations=(\d+) .* recovery_s=(\S+) failures=(\d+) ", out, re.M)
-    recovery_s = next(r.seconds for r in recoveries(out) if r.step == 9)
-    assert acct[2] == str(final_line(out)[0]) and acct[4] == "1", acct[0]  # carried across the restart
-    assert float(acct[3]) >= recovery_s and float(acct[1]) > float(acct[3]), acct[0]
+    acct = accounting(out)
+    assert (acct.iterations, acct.failures) == (final_line(out)[0], 1), acct  # carried across the restart
+    assert acct.recovery_s >= found.seconds and acct.wall_s > acct.recovery_s, acct
+    assert found.detect is None and acct.recomputed == found.replayed, (found, acct)  # no clock saw the death
 
 
 @pytest.mark.slow
@@ -237,9 +246,9 @@ def test_a_death_during_the_final_digest_keeps_the_survivors_state(tmp_path):
     keeps `state_13` in memory, nobody prints a traceback, and the next generation ends with the fault-free
     digest."""
     out = death_run(tmp_path, PP2_DP2_EP2_BF16, 4, "--fault.kill", "12:3:digest")
-    assert "Traceback" not in out and "fault: rank 3 killed (SIGKILL) in the digest phase of step 12" in out, out
-    for rank in (0, 1, 2):
-        assert re.search(rf"^survivor: rank {rank} pid \d+ .* kept live state of iteration 13 in memory", out, re.M)
+    assert "Traceback" not in out and [(f.rank, f.step, f.phase) for f in faults(out)] == [(3, 12, "digest")], out
+    kept = {(r.rank, r.kept) for r in survivors(out) if r.what == REJOINS}
+    assert kept == {(rank, "live state of iteration 13 in memory") for rank in (0, 1, 2)}, out
     assert [(r.step, r.ranks, r.scope) for r in rejoins(run_events(out))] == [(13, (3,), (1,))], out
     assert final_line(out) == final_line(baseline(PP2_DP2_EP2_BF16, 4))
 
@@ -251,7 +260,7 @@ def test_pp2_dp2_ep2_bf16_sigkill_in_each_phase(tmp_path, phase):
     every survivor at state_T; one after it (optimizer step, replication of T's snapshot) lets them finish
     T: either way the stage of rank 2 alone replays, bit-exact."""
     out = death_run(tmp_path, PP2_DP2_EP2_BF16, 4, "--fault.kill", f"8:2:{phase}")
-    assert f"fault: rank 2 killed (SIGKILL) in the {phase} phase of step 8" in out
+    assert [(f.rank, f.step, f.phase) for f in faults(out)] == [(2, 8, phase)], out
     [found] = assert_local_and_exact(out, baseline(PP2_DP2_EP2_BF16, 4), (2,), (1,))
     assert found.step == (9 if phase in ("optimizer", "replication") else 8)
 
@@ -318,16 +327,40 @@ def test_interleaved_1f1b_and_two_deaths_in_a_row(tmp_path):
     assert [(r.ranks, r.scope) for r in found] == [((1,), (1, 3)), ((0,), (0, 2))]
 
 
-FROZEN = r"^shell: rank {r}: trainer pid \d+ said nothing for [\d.]+ s \(more than fault.timeout_s=5 s\): frozen"
+FROZEN = r"^shell: rank {r}: trainer pid \d+ said nothing for [\d.]+ s \(more than {key}=5 s\): frozen"
 
 
 def assert_a_hang_replaced_in_place(out: str, rank: int) -> None:
     """Rank `rank` stopped at step 9: its shell killed it as frozen, its standby replaced it in generation 1,
     and no rank waited for torchrun's restart."""
     assert f"fault: rank {rank} stopped (SIGSTOP) in the backward phase of step 9" in out
-    assert re.search(FROZEN.format(r=rank), out, re.M), out
+    assert re.search(FROZEN.format(r=rank, key="fault.timeout_s"), out, re.M), out
     assert re.search(rf"^shell: rank {rank}: trainer pid \d+ died \(signal SIGKILL\) .* generation 1 ", out, re.M)
     assert "not joined" not in out and [r.restart for r in rejoins(run_events(out))][:1] == ["replaced"], out
+
+
+def test_a_hang_is_detected_within_the_heartbeat_bound_and_charged(tmp_path):
+    """Guarantee: a hang costs the heartbeat bound, and the records say so.
+    pp=2: rank 1 stops (SIGSTOP) in its backward pass of step 9 while its peers' collectives would wait
+    120 s (`fault.timeout_s`). Its heartbeat stops with it: past `fault.heartbeat_timeout_s` (5 s) its shell
+    kills it and the standby replaces it in place. The recovery line dates the hang from the trainer's last
+    heartbeat (`detect`: from the fault to rank 0's detection), and the accounting charges it."""
+    out = death_run(
+        tmp_path,
+        PP2,
+        2,
+        *("--fault.kill", "9:1:backward", "--fault.kill_signal", "SIGSTOP", "--fault.heartbeat_timeout_s", "5"),
+    )
+    assert re.search(FROZEN.format(r=1, key="fault.heartbeat_timeout_s"), out, re.M), out
+    [found] = assert_local_and_exact(out, baseline(PP2, 2), (1,), (1,))
+    assert found.restart == "replaced", found
+    stopped = float(re.search(r"^fault: rank 1 stopped \(SIGSTOP\) .* at unix=(\S+)$", out, re.M)[1])
+    detected = float(re.search(r"^survivor: rank 0 .* \(detected at unix=(\S+)\)$", out, re.M)[1])
+    # the bound, not the collectives' 120 s; dated from the last heartbeat, at most a beat before the stop
+    assert 5 <= found.detect < 5 + 15 and 0 <= found.detect - (detected - stopped) <= 1.5, (found, out)
+    acct = accounting(out)
+    assert acct.recovery_s >= found.seconds + found.detect - 0.002 and acct.detect_s == found.detect, acct
+    assert (acct.failures, acct.recomputed) == (1, found.replayed), acct
 
 
 @pytest.mark.slow
@@ -342,7 +375,8 @@ def test_a_hung_worker_is_killed_by_its_shell_and_replaced_in_place(tmp_path):
         *("--fault.kill", "9:1:backward", "--fault.kill_signal", "SIGSTOP", "--fault.timeout_s", "5"),
     )
     assert_a_hang_replaced_in_place(out, 1)
-    assert re.search(r"^survivor: rank 0 pid \d+ .* at step 9: a collective failed", out, re.M), out
+    [survivor] = survivors(out)
+    assert (survivor.rank, survivor.step) == (0, 9) and survivor.how.startswith("a collective failed"), out
     assert_local_and_exact(out, baseline(PP2, 2), (1,), (1,))
 
 
@@ -404,10 +438,8 @@ def test_a_baseline_restarts_from_its_newest_checkpoint(tmp_path, strategy, sour
     assert 1 < rollback_to < 9 and recovery.replayed == 9 - rollback_to
     events = run_events(out)
     reference = baseline(PP2, 2)
-    resumed = step_losses(after(out, recovery))
-    assert min(resumed) == rollback_to and resumed == {
-        s: v for s, v in step_losses(reference).items() if s >= rollback_to
-    }
+    assert min(step_losses(after(events, recovery))) == 9  # the iterations recomputed were logged before
+    assert_each_step_once(events, reference)
     assert final_line(events[events.index(recovery) :]) == final_line(reference)
 
 
@@ -419,7 +451,7 @@ def test_moc_restarts_from_its_checkpoints_and_loses_tokens(tmp_path):
     assert (r.step, r.ranks, r.rollback_to, r.strategy) == (9, (1,), 7, "moc")
     assert "; ".join(r.snapshots_from).startswith("rank1: disk ")
     assert r.lost_tokens > 0 and 0 < r.plt < 1
-    assert re.search(rf"^accounting .* lost_tokens={r.lost_tokens} ", out, re.M), out
+    assert accounting(out).lost_tokens == r.lost_tokens, out
     final_line(out)
 
 
@@ -476,10 +508,10 @@ def test_a_death_during_validation_loses_no_validation_line(tmp_path):
     validation again, so the run's validation lines equal the fault-free run's, every one of them."""
     validation = ["--training.val_every", "3", "--training.val_batches", "2"]
     out = death_run(tmp_path, [*PP2, *validation], 2, "--fault.kill", "6:1:validation")
-    assert "fault: rank 1 killed (SIGKILL) in the validation phase of step 6" in out
+    assert [(f.rank, f.step, f.phase) for f in faults(out)] == [(1, 6, "validation")], out
     reference = baseline([*PP2, *validation], 2)
-    lines = re.compile(r"^validation step=(\d+) val_loss=(\S+)$", re.M)
-    assert dict(lines.findall(out)) == dict(lines.findall(reference)) and "6" in dict(lines.findall(out))
+    losses = {v.step: v.val_loss for v in validations(out)}  # the last of each step's (one ran again)
+    assert losses == {v.step: v.val_loss for v in validations(reference)} and 6 in losses, out
     assert final_line(out) == final_line(reference)
 
 

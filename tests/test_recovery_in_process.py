@@ -82,6 +82,7 @@ def test_a_failed_rank_recovers_from_its_peers_replicas_exact_operator_by_operat
     line, *work = reports[0]["lines"]
     report, work = RecoveryReport.from_record(line), [RecoveryWork.from_record(w) for w in work]
     assert (report.step, report.ranks, report.scope, report.rollback_to, report.replayed) == (11, (0,), (0,), 6, 5)
+    assert report.detect == 0.0 and reports[1]["figures"]["replays"] == 5  # injected: known at once; 5 replayed
     assert (work[0].rank, work[0].role, work[0].snapshots_from) == (0, "failed", "rank1"), work
     assert (work[1].rank, work[1].role) == (1, "rolled-back"), work
     [own] = reports[1]["lines"]  # its own seconds
@@ -124,7 +125,9 @@ def test_a_whole_job_restart_converts_the_persisted_window_exact_operator_by_ope
     report = lines[-1]
     assert (report.step, report.ranks, report.scope, report.rollback_to, report.replayed) == (11, (0,), (0,), 6, 3)
     assert report.snapshots_from == ("rank0: local shared memory",), report
-    assert recovery.figures == RecoveryFigures(11, (0,), 1, 6, recovery.figures.seconds)
+    # a whole-job restart: no clock saw the fault (no `detect`); its replay runs iterations 6..8 again
+    assert report.detect is None
+    assert recovery.figures == RecoveryFigures(11, (0,), 1, 6, recovery.figures.seconds, detect=0.0, replays=3)
     engine.adopt(found.window_index, found.snapshots)  # as `resume` does: rewritten with copy_entries (XXH3)
     for slot in range(3):
         adopted = engine.buffers.buffer(found.window_index % 2, slot)

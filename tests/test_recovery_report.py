@@ -8,7 +8,14 @@ import dataclasses
 import json
 
 from benchmarks.ablation import recovery_seconds
-from moevement.recovery.report import RecoveryReport, RecoveryWork, rank_list, stage_ranges
+from moevement.recovery.report import (
+    RecoveryFigures,
+    RecoveryReport,
+    RecoveryWork,
+    detect_seconds,
+    rank_list,
+    stage_ranges,
+)
 from trainer.run.event_lines import FaultStrike, FinalLine
 
 
@@ -28,6 +35,7 @@ def test_localized_recovery_line():
     assert (record["kind"], record["step"], record["ranks"], record["scope"]) == ("recovery", 10, [1, 3], [0, 1, 2, 5])
     assert (record["rollback_to"], record["replayed"], record["seconds"]) == (7, 3, 1.235)
     assert (record["fetch"], record["convert"], record["catchup"], record["restart"]) == (0.1, 0.205, 0.3, None)
+    assert record["detect"] is None  # no clock saw the fault: the line leaves `detect` out
     assert read_back(report).line() == line
 
 
@@ -45,17 +53,19 @@ def test_rejoin_line_puts_the_restart_stages_before_fetch():
         restart_seconds=(("keep", 0.25), ("restart", 0.5), ("setup", 0.75)),
         restart="local",
         detected_by=("rank0: SIGTERM", "rank2: gloo error"),
+        detect=2.5004,
     )
     line = report.line()
     assert line == (
         "recovery step=9 ranks=1 scope=1 rollback_to=4 replayed=5 seconds=6.000 (keep=0.250 restart=0.500 "
-        'setup=0.750 fetch=0.500 convert=3.000 catchup=1.000) restart=local detected_by="rank0: SIGTERM; '
-        'rank2: gloo error"'
+        'setup=0.750 fetch=0.500 convert=3.000 catchup=1.000) detect=2.500 restart=local detected_by="rank0: '
+        'SIGTERM; rank2: gloo error"'
     )
     assert report.parts() == {"keep": 0.25, "restart": 0.5, "setup": 0.75, "fetch": 0.5, "convert": 3.0, "catchup": 1.0}
     record = report.record()
     assert record["restart_seconds"] == {"keep": 0.25, "restart": 0.5, "setup": 0.75}
     assert (record["restart"], record["detected_by"]) == ("local", ["rank0: SIGTERM", "rank2: gloo error"])
+    assert record["detect"] == 2.5
     assert read_back(report).line() == line
     later = dataclasses.replace(report, seconds=8.0)
     assert recovery_seconds({"recoveries": [report, later]}) == (7.0, 3.0, 1.0)
@@ -65,11 +75,11 @@ def test_baseline_line_with_no_failed_rank_and_lost_tokens():
     report = RecoveryReport(
         6, (), (0,), 4, 2, 0.5, 0.25, 0.0, strategy="moc", snapshots_from=(), lost_tokens=12.4, plt=0.01, k_pec=2
     )
-    report = dataclasses.replace(report, restart="global")
+    report = dataclasses.replace(report, restart="global", detect=0.0)
     line = report.line()
     assert line == (
         "recovery step=6 ranks=none scope=0-0 rollback_to=4 replayed=2 seconds=0.500 "
-        '(fetch=0.250 convert=0.000 catchup=0.000) strategy=moc snapshots_from="" '
+        '(fetch=0.250 convert=0.000 catchup=0.000) detect=0.000 strategy=moc snapshots_from="" '
         "lost_tokens=12 plt=0.0100 k_pec=2 restart=global"
     )
     record = report.record()
@@ -130,6 +140,22 @@ def test_fault_and_final_lines():
     assert final.line() == f"final step=60 loss=2.616133 state_digest={'b0' * 32}"
     assert final.record() == {"kind": "final", "step": 60, "loss": 2.616133, "state_digest": "b0" * 32}
     assert [read_back(e).line() for e in (crash, kill, hang, final)] == [e.line() for e in (crash, kill, hang, final)]
+
+
+def test_detection_is_timed_from_the_earliest_fault_a_clock_saw():
+    assert detect_seconds(110.0, [None, 100.5, 101.0]) == 9.5
+    assert detect_seconds(110.0, [None, None]) is None  # no clock saw the fault (a torchrun restart)
+    assert detect_seconds(None, [100.0]) is None
+    assert detect_seconds(99.9, [100.0]) == 0.0  # clocks a little apart never give a negative time
+
+
+def test_a_recoverys_figures_count_replays_only_where_the_recovery_ran_them():
+    """MoEvement's stages replay inside the recovery; a baseline's rollback leaves its iterations to the
+    training loop, which counts them itself."""
+    moevement = RecoveryReport(10, (1,), (1,), 6, 4, 2.0, 0.1, 0.2, detect=3.0)
+    assert (RecoveryFigures.of(moevement, {1}, 1).replays, RecoveryFigures.of(moevement, {1}, 1).detect) == (4, 3.0)
+    gemini = RecoveryReport(10, (1,), (0, 1), 6, 4, 2.0, 0.1, 0.0, strategy="gemini", snapshots_from=())
+    assert (RecoveryFigures.of(gemini, {1}, 2).replays, RecoveryFigures.of(gemini, {1}, 2).detect) == (0, 0.0)
 
 
 def test_range_lists():

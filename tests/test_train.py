@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from tests.helpers import DEBUG_CONFIG, final_line, run_cli, step_losses
+from tests.helpers import DEBUG_CONFIG, final_line, run_cli, step_losses, validations
 
 QUIET = ["--metrics.tensorboard", "false", "--metrics.log_every", "1", "--training.val_every", "0"]
 
@@ -133,5 +133,5 @@ def test_validation_leaves_the_sharded_state_as_training_does(tmp_path):
     common += ("--checkpoint.window", "2", "--fault.at", "4:1", "--checkpoint.host_dir", str(tmp_path / "shm"))
     plain = train(*common, nproc=2).stdout
     validated = train(*common, "--training.val_every", "2", "--checkpoint.save_final", str(tmp_path / "ck"), nproc=2)
-    assert re.findall(r"^validation step=(\d+)", validated.stdout, re.M) == ["2", "4", "6"]
+    assert [v.step for v in validations(validated.stdout)] == [2, 4, 6]
     assert final_line(validated.stdout) == final_line(plain) and (tmp_path / "ck" / "meta.json").is_file()

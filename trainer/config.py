@@ -18,7 +18,7 @@ from typing import Literal
 
 from models.args import ModelArgs
 from moevement.checkpoint.options import SparseOptions
-from moevement.failures import END_PHASES, FaultPlan, FaultSpecError
+from moevement.failures import END_PHASES, FaultPlan, FaultSpecError, KillEvent
 from parallelisms.elastic import ElasticError, elastic_layout
 from parallelisms.mesh import ParallelismConfig
 from trainer.config_bounds import MAX_STEPS, bound_violation, excerpt
@@ -84,12 +84,17 @@ class CheckpointConfig(SparseOptions):
 
     strategy: Strategy = "none"  # none | moevement | gemini | checkfreq | moc
     save_final: str = ""  # directory for a dense checkpoint (safetensors + meta.json) at the end of training
-    load: str = ""  # directory of a dense checkpoint to resume from (an imported one: its weights, a fresh optimizer)
+    # directory of a dense checkpoint to start from when folder holds none of this run (an imported one: its
+    # weights, a fresh optimizer)
+    load: str = ""
     # a dense checkpoint after every N-th iteration, as <folder>/step-<N>, written in the background (0: none)
     dense_interval: int = 0
-    keep_latest: int = 0  # periodic dense checkpoints kept in folder: the newest N (0: all)
+    keep_latest: int = 0  # periodic dense checkpoints of this run's lineage kept in folder: the newest N (0: all)
     folder: str = ""  # where periodic dense checkpoints go ("": <job.output_dir>/<job.name>/checkpoints)
-    load_step: int = 0  # resume from <folder>/step-<N> (-1: the newest there; 0: checkpoint.load or nothing)
+    # -1: resume from the newest checkpoint of this run's config in folder, else checkpoint.load, else start
+    # fresh (a folder of another config's checkpoints only is refused); N: from <folder>/step-<N>; 0: start over
+    # (checkpoint.load or the initial state; the folder's checkpoints stay, and saves skip their steps)
+    load_step: int = -1
     # load a dense checkpoint saved under another training config (fine-tuning); the differences are printed
     load_other_config: bool = False
     # auto: peers on this node copy from shared memory | network: all via the process group
@@ -107,12 +112,16 @@ class FaultConfig:
     at: str = ""  # STEP:RANK[+RANK...][,...]: these ranks lose their state at STEP and recover in place
     crash: str = ""  # STEP:RANK[,...]: the process exits at STEP (first attempt), for torchrun restarts
     # STEP:RANK[:PHASE][,...]: the process SIGKILLs itself in PHASE: forward (default), backward, clip,
-    # optimizer, snapshot, replication, validation, replay, join (a survivor joining the next generation), or
-    # at the end of a run whose last step is STEP: digest, accounting, saved (save_final published) or final
+    # optimizer, snapshot, replication, validation, replay, join (a survivor joining the next generation),
+    # dense_save or dense_prune (a periodic checkpoint's writing, or pruning after it), or at the end of a run
+    # whose last step is STEP: digest, accounting, saved (save_final published) or final
     kill: str = ""
     # how fault.kill strikes: SIGKILL (a death) | SIGSTOP (a hang)
     kill_signal: Literal["SIGKILL", "SIGSTOP"] = "SIGKILL"
     timeout_s: float = 600.0  # a collective without progress for this long fails: a hung peer counts as dead
+    # under rank shells: a trainer without a heartbeat for this long is frozen (its shell kills it and its standby
+    # replaces it); a shell silent for this long is stuck (its trainer kills it: torchrun restarts or ends the job)
+    heartbeat_timeout_s: float = 30.0
     # under rank shells: a node none of whose trainers said it is there for this long is lost with its ranks;
     # the survivors stop waiting to replace them in place and hand over to torchrun's restart
     node_loss_s: float = 60.0
@@ -131,7 +140,7 @@ class FaultConfig:
 
 @dataclass
 class MetricsConfig:
-    log_every: int = 1  # print a step line every N iterations
+    log_every: int = 1  # print a step line every N iterations (events.jsonl records every one)
     tensorboard: bool = True  # write TensorBoard events into the run folder
     tensorboard_every: int = 10  # every N iterations, every stage's expert load and snapshot figures
     progress: bool = True  # progress bar on an interactive console
@@ -392,7 +401,7 @@ def _validate_checkpoint(cfg: Config) -> None:
         f"must be an integer in [1, {MAX_STEPS}] or one of {', '.join(INTERVAL_POLICIES)}, got {c.interval!r}",
     )
     _check(
-        not (c.load_step and c.load),
+        not (c.load_step > 0 and c.load),
         "checkpoint.load_step",
         f"names a periodic checkpoint, and checkpoint.load ({c.load!r}) another: give one of them",
     )
@@ -414,30 +423,7 @@ def _validate_fault(cfg: Config) -> None:
     )
     plan = fault_plan(cfg, world=2)
     for kill in plan.kills if plan else ():
-        every = cfg.training.val_every
-        _check(
-            kill.phase != "validation" or (every and kill.step % every == 0),
-            "fault.kill",
-            f"kills in the validation of step {kill.step}, which runs none (training.val_every={every})",
-        )
-        last = cfg.training.stop_at or cfg.training.steps
-        _check(
-            kill.phase not in END_PHASES or kill.step == last,
-            "fault.kill",
-            f"kills in the {kill.phase} phase at the end of a run, whose last step is {last}, not {kill.step}",
-        )
-        _check(
-            kill.phase not in ("save", "saved") or bool(cfg.checkpoint.save_final),
-            "fault.kill",
-            f"kills in the {kill.phase} phase of checkpoint.save_final, which this run does not set",
-        )
-        interval = cfg.checkpoint.dense_interval
-        _check(
-            kill.phase != "dense_save" or (interval and kill.step % interval == 0),
-            "fault.kill",
-            f"kills while the periodic checkpoint of step {kill.step} is written, which this run does not save "
-            f"(checkpoint.dense_interval={interval})",
-        )
+        _validate_kill(cfg, kill)
     if plan:
         given = {"fault.at": f.at, "fault.crash": f.crash, "fault.kill": f.kill, "fault.mtbf_iters": f.mtbf_iters}
         key = next((k for k, v in given.items() if v), "fault.trace")
@@ -461,6 +447,39 @@ def operator_count(model: ModelArgs) -> int:
     moe_layers = sum(model.is_moe_layer(layer) for layer in range(model.n_layers))
     shared = model.family == "qwen" or (model.family != "gpt" and model.n_shared_experts > 0)
     return model.n_layers + moe_layers * (1 + model.n_routed_experts + shared) + 2
+
+
+def _validate_kill(cfg: Config, kill: KillEvent) -> None:
+    """A `fault.kill` must strike at a point this run reaches."""
+    every = cfg.training.val_every
+    _check(
+        kill.phase != "validation" or (every and kill.step % every == 0),
+        "fault.kill",
+        f"kills in the validation of step {kill.step}, which runs none (training.val_every={every})",
+    )
+    last = cfg.training.stop_at or cfg.training.steps
+    _check(
+        kill.phase not in END_PHASES or kill.step == last,
+        "fault.kill",
+        f"kills in the {kill.phase} phase at the end of a run, whose last step is {last}, not {kill.step}",
+    )
+    _check(
+        kill.phase not in ("save", "saved") or bool(cfg.checkpoint.save_final),
+        "fault.kill",
+        f"kills in the {kill.phase} phase of checkpoint.save_final, which this run does not set",
+    )
+    interval = cfg.checkpoint.dense_interval
+    _check(
+        kill.phase not in ("dense_save", "dense_prune") or (interval and kill.step % interval == 0),
+        "fault.kill",
+        f"kills while the periodic checkpoint of step {kill.step} is written or pruned after, which this run "
+        f"does not save (checkpoint.dense_interval={interval})",
+    )
+    _check(
+        kill.phase != "dense_prune" or cfg.checkpoint.keep_latest > 0,
+        "fault.kill",
+        "kills while older periodic checkpoints are pruned, which this run does not (checkpoint.keep_latest=0)",
+    )
 
 
 def expected_mtbf_iters(cfg: Config) -> float:
@@ -596,9 +615,10 @@ def _validate_elastic(cfg: Config) -> None:
         "newest dense checkpoint; a baseline recovers in place from memory): leave it unset",
     )
     _check(
-        not c.load_step,
+        c.load_step == -1,
         "checkpoint.load_step",
-        "is chosen by parallelism.elastic (the newest checkpoint in checkpoint.folder): leave it 0",
+        f"is chosen by parallelism.elastic (the newest checkpoint in checkpoint.folder): leave it -1, "
+        f"got {c.load_step}",
     )
 
 

@@ -196,7 +196,7 @@ BOUNDS: dict[str, Span | Text] = {
     "checkpoint.dense_interval": STEPS,
     "checkpoint.keep_latest": STEPS,
     "checkpoint.folder": PATH,
-    "checkpoint.load_step": Span(-1, MAX_STEPS, low="must be >= 1, or -1 (the newest)"),
+    "checkpoint.load_step": Span(-1, MAX_STEPS, low="must be >= 0, or -1 (the newest)"),
     "checkpoint.replication": NAME,
     "checkpoint.host_dir": PATH,
     "checkpoint.interval": NAME,
@@ -208,6 +208,9 @@ BOUNDS: dict[str, Span | Text] = {
     "fault.kill": SPEC,
     "fault.kill_signal": NAME,
     "fault.timeout_s": Span(0, MAX_SECONDS, open_lo=True, low="must be > 0 seconds"),
+    "fault.heartbeat_timeout_s": Span(
+        3.0, 3600.0, rule="must be 3 to 3600 seconds (a few 1 s heartbeats, at most an hour)"
+    ),
     "fault.node_loss_s": Span(
         NODE_LOSS_MIN_S,
         MAX_SECONDS,

@@ -22,4 +22,8 @@ and the others still run), then one summary line:
 
 A section that knows it cannot run says SKIP and why (not a failure). Without CUDA the check says so in one
 line and exits 0.
+
+On a lent GPU machine `bash benchmarks/gpu_check/on_device.sh` is the one call: the carried wheels, these
+sections and `stage_snapshot.py` (a 16B-shaped stage's snapshots at Algorithm 1's W), each part within its
+budget, the log under $OUT.
 """

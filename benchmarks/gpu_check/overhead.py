@@ -24,8 +24,8 @@ import torch
 
 from benchmarks.gpu_check.issue_cost import issue_cost
 from benchmarks.gpu_check.report import Check, Section, guarded
-from benchmarks.gpu_check.runs import Workspace, train
-from benchmarks.overhead import ab_medians, ab_ratios, common_start, parse_steps, steady_ms, steady_records
+from benchmarks.gpu_check.runs import ROOT, Workspace, train
+from benchmarks.overhead import ab_medians, ab_ratios, common_start, recorded_steps, steady_ms, steady_records
 from moevement.checkpoint.profiler import measure_copy_bandwidth
 from moevement.storage.private_files import make_private_dirs
 from moevement.storage.snapshot import SnapshotHeader, layout_of, read_entries
@@ -138,7 +138,7 @@ def interleaved_runs(workspace: Workspace) -> dict[str, list[dict[int, dict[str,
         for strategy in list(runs)[:: 1 if round_ % 2 == 0 else -1]:
             args = ["--config", CONFIG, *workspace.common(f"gpu_check_{strategy}"), *SHAPE]
             args += ["--training.steps", str(STEPS), "--checkpoint.strategy", strategy]
-            runs[strategy].append(parse_steps(train(args, RUN_TIMEOUT_S)))
+            runs[strategy].append(recorded_steps(train(args, RUN_TIMEOUT_S), ROOT))
     return runs
 
 
@@ -159,7 +159,7 @@ def in_process_checks(workspace: Workspace, section: Section, graphed: bool = Fa
     args = ["--config", CONFIG, *workspace.common(job), *SHAPE, "--training.steps", str(AB_STEPS)]
     args += ["--checkpoint.strategy", "moevement", "--checkpoint.window", "1", "--checkpoint.ab_blocks", str(AB_BLOCK)]
     args += ["--checkpoint.copy_graph", str(graphed).lower()]
-    records = parse_steps(train(args, AB_TIMEOUT_S))
+    records = recorded_steps(train(args, AB_TIMEOUT_S), ROOT)
     ratios = ab_ratios(records, AB_BLOCK, AB_START, BATCH * SEQ_LEN)
     with_ms, without_ms = ab_medians(records, AB_START, BATCH * SEQ_LEN)
     section.notes.append(

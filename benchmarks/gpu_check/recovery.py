@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from benchmarks.gpu_check.report import Check, Section
 from benchmarks.gpu_check.runs import ROOT, Workspace, train
-from benchmarks.overhead import parse_steps
+from benchmarks.overhead import recorded_steps
 from moevement.recovery.report import RecoveryReport
 from trainer.run.event_lines import FinalLine
 from trainer.run.event_log import run_events
@@ -34,7 +34,7 @@ LAYOUT = ["--training.mixed_precision", "bf16", "--checkpoint.strategy", "moevem
 
 
 def losses(stdout: str) -> dict[int, float]:
-    return {t: record["loss"] for t, record in parse_steps(stdout).items()}
+    return {t: record["loss"] for t, record in recorded_steps(stdout, ROOT).items()}
 
 
 def run(section: Section) -> None:

@@ -20,15 +20,14 @@ runs the real thing (and its budget in __main__.py, which covers the SKIP, must 
 
 from __future__ import annotations
 
-import re
-
 from benchmarks.gpu_check.report import Check, Section
 from benchmarks.gpu_check.runs import ROOT, Workspace, train
 from benchmarks.gpu_check.shared_gpu import BACKEND
-from benchmarks.overhead import parse_steps
+from benchmarks.overhead import recorded_steps
 from moevement.recovery.report import RecoveryReport
 from parallelisms.distributed import default_backend
-from trainer.run.event_lines import FinalLine
+from trainer.lifecycle.shell_lines import REPLACED, ShellLine
+from trainer.run.event_lines import FaultStrike, FinalLine
 from trainer.run.event_log import run_events
 
 CONFIG = "train_configs/debug_moe.toml"
@@ -39,10 +38,6 @@ LAYOUT = [
 KILL = ("--fault.kill", "9:1:backward")
 IN_PLACE = ("--max-restarts", "0")
 RUN_TIMEOUT_S = 240
-KILLED = re.compile(r"^fault: rank 1 killed \(SIGKILL\) .*$", re.M)
-REPLACED = re.compile(
-    r"^shell: rank 1: trainer pid \d+ died \(signal SIGKILL\) .* replaces it in generation 1 .*$", re.M
-)
 
 
 def blocker(trainer_backend: str) -> str:
@@ -60,16 +55,17 @@ def blocker(trainer_backend: str) -> str:
 
 
 def losses(stdout: str) -> dict[int, float]:
-    return {t: record["loss"] for t, record in parse_steps(stdout).items()}
+    return {t: record["loss"] for t, record in recorded_steps(stdout, ROOT).items()}
 
 
 def check_replaced(section: Section, reference: str, faulty: str) -> None:
     """The faulty run's rank 1 was SIGKILLed and replaced in place, and it trained on to the reference's
     losses and final line exactly."""
-    killed, replaced = KILLED.search(faulty), REPLACED.search(faulty)
-    section.checks.append(Check("rank 1 SIGKILLed", bool(killed), killed[0] if killed else "no fault line"))
-    section.checks.append(Check("standby replaced it", bool(replaced), replaced[0] if replaced else "no shell line"))
     events = {run: run_events(out, ROOT) for run, out in (("reference", reference), ("faulty", faulty))}
+    killed = [e.line() for e in events["faulty"] if isinstance(e, FaultStrike) and (e.rank, e.how) == (1, "SIGKILL")]
+    replaced = [e.line() for e in events["faulty"] if isinstance(e, ShellLine) and (e.rank, e.what) == ("1", REPLACED)]
+    section.checks.append(Check("rank 1 SIGKILLed", bool(killed), (killed or ["no fault line"])[0]))
+    section.checks.append(Check("standby replaced it", bool(replaced), (replaced or ["no shell line"])[0]))
     rejoined = [e.line() for e in events["faulty"] if isinstance(e, RecoveryReport) and e.restart == "replaced"]
     section.checks.append(Check("recovered in place", bool(rejoined), (rejoined or ["no restart=replaced line"])[0]))
     got, want = losses(faulty), losses(reference)

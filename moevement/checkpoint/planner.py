@@ -1,10 +1,13 @@
 """Window planning: which operators each iteration of a window snapshots (docs/design.md §2).
 
-At a window boundary the planner orders the operators by popularity (least popular experts first,
-non-expert operators last), runs Algorithm 1 on the profiled iteration time and copy bandwidth, and
-cuts the order into W slots; W is agreed across ranks (the largest any rank needs) because windows are
-global. An interval baseline's `SnapshotPolicy` replaces Algorithm 1: one slot holding the operators the
-policy selects, at the iterations it chooses.
+At a window boundary the planner runs Algorithm 1 on the profiled iteration time and copy bandwidth,
+orders the operators by popularity (least popular experts first, non-expert operators last) and cuts the
+order into W slots; W is agreed across ranks (the largest any rank needs) because windows are global.
+W comes first: a popularity order only permutes the experts, so where they are alike in size Algorithm 1
+sees the same sizes in any such order, and the router statistics (closed on their device at every
+boundary) are read on the host only where the order can matter, a window of more than one slot.
+An interval baseline's `SnapshotPolicy` replaces Algorithm 1: one slot holding the operators the policy
+selects, at the iterations it chooses (no router statistics are kept then).
 
 Training thread only.
 """
@@ -109,12 +112,14 @@ class WindowPlanner:
         self.ops_by_name = {op.name: op for op in ops}
         self.registry_order = [op.name for op in ops]
         self.is_expert = [op.kind == "expert" for op in ops]
+        self.kind_order = order_operators(self.registry_order, self.is_expert, {})  # experts first, as ordered
         self.policy = policy
         self.profile = Profile(cfg.bandwidth_gbps)
         self.reset_popularity()
         self._laid_out: tuple[tuple, tuple[frozenset[str], ...], WindowLayouts] | None = None  # slots, by set
         self._sizes: tuple[list[torch.Tensor], dict[str, tuple[int, int]]] | None = None
         self._fixed: tuple[list[str], dict, tuple[tuple[str, ...], ...]] | None = None  # a fixed W's last slots
+        self._alike: tuple[dict, bool] | None = None  # (sizes, whether every expert operator has the same sizes)
         self.last_inputs: WindowInputs | None = None  # what Algorithm 1 last planned a window with
 
     def reset_popularity(self) -> None:
@@ -123,13 +128,14 @@ class WindowPlanner:
         self.order = list(self.registry_order)
 
     @property
-    def one_slot(self) -> bool:
-        """Whether every window is one slot holding every operator (a fixed W=1): their order cannot matter."""
-        return self.cfg.window == 1 and self.policy is None
+    def order_fixed(self) -> bool:
+        """Whether the operators keep the model's order for good, so router statistics cannot matter: every
+        window is one slot (a fixed W = 1), the `fixed` policy, or an interval baseline (its policy selects)."""
+        return self.policy is not None or self.cfg.window == 1 or self.cfg.ordering == "fixed"
 
     def observe(self, tokens: dict[str, torch.Tensor], gate_probs: dict[str, torch.Tensor]) -> None:
-        """An iteration's router statistics (not kept where the order cannot matter)."""
-        if not self.one_slot:
+        """An iteration's router statistics, kept on their device (not at all where the order cannot matter)."""
+        if not self.order_fixed:
             self.tracker.observe(tokens, gate_probs)
 
     def due(self, iteration: int) -> bool:
@@ -143,10 +149,6 @@ class WindowPlanner:
         optimizer's state tensors `state` (`optimizer_tensors`, read by the caller for this plan and its layouts).
         The copy bandwidth is measured for a process's first window (not at its start, where a replacement's
         peers would wait for it) and again every `reprofile_every` windows, never right after a recovery."""
-        if self.one_slot:
-            self.tracker.drop_window()
-        elif self.tracker.end_window():
-            self.order = order_operators(self.registry_order, self.is_expert, self.tracker.popularity())
         self.profile.update()
         every = self.cfg.reprofile_every
         if not self.profile.measured_bandwidth or (follows_a_window and every and window_index % every == 0):
@@ -193,26 +195,67 @@ class WindowPlanner:
         return sizes
 
     def _sparse_slots(self, sizes: dict[str, tuple[int, int]]) -> tuple[tuple[str, ...], ...]:
-        """Algorithm 1 on this rank's operators (of these sizes) in schedule order, at most `max_window` slots;
-        W agreed across ranks (or forced by `window`)."""
-        if self.cfg.window and self._fixed is not None and self._fixed[0] is self.order and self._fixed[1] is sizes:
-            return self._fixed[2]  # a fixed W over the same order and sizes: the same slots (every window at W=1)
-        slots = self._slots_of(sizes)
+        """Algorithm 1 on this rank's operators (of these sizes), at most `max_window` slots; W agreed across
+        ranks (or forced by `window`). The window's router statistics are closed on their device, W is decided
+        before the order, and the order is read from the statistics only where it can matter (W > 1): a window
+        of one slot holds every operator whatever their order, and waits for nothing."""
+        self.tracker.close_window()
         if self.cfg.window:
-            self._fixed = (self.order, sizes, slots)
-        return slots
-
-    def _slots_of(self, sizes: dict[str, tuple[int, int]]) -> tuple[tuple[str, ...], ...]:
-        """The slots of Algorithm 1's W (or the fixed one) over operators of these sizes, in schedule order."""
-        fp32 = [sizes[n][0] for n in self.order]
-        compute = [sizes[n][1] for n in self.order]
+            return self._fixed_slots(sizes)
+        fp32, compute = _in_order(self._sized_order(sizes), sizes)
         t, bandwidth, most = self.profile.iteration_s, self.profile.bandwidth, self.cfg.max_window
         if self.cfg.slots == "bytes":
-            window = self.cfg.window or min(most, self._agree(byte_window_size(fp32, compute, t, bandwidth)))
-            return byte_slots(self.order, fp32, compute, window)
-        window = self.cfg.window or min(most, self._agree(find_window_size(fp32, compute, t, bandwidth)[0]))
-        self.last_inputs = WindowInputs(t, tuple(fp32), tuple(compute), bandwidth, window)
+            window = min(most, self._agree(byte_window_size(fp32, compute, t, bandwidth)))
+        else:
+            window = min(most, self._agree(find_window_size(fp32, compute, t, bandwidth)[0]))
+            self.last_inputs = WindowInputs(t, tuple(fp32), tuple(compute), bandwidth, window)
+        if window > 1:
+            self._refresh_order()
+        return self._cut(window, sizes)
+
+    def _fixed_slots(self, sizes: dict[str, tuple[int, int]]) -> tuple[tuple[str, ...], ...]:
+        """A fixed W's slots: those of the last window while the order and sizes are the same (every window at
+        W = 1, whose order never changes)."""
+        self._refresh_order()
+        if self._fixed is not None and self._fixed[0] is self.order and self._fixed[1] is sizes:
+            return self._fixed[2]
+        if self.cfg.slots == "count":
+            fp32, compute = _in_order(self.order, sizes)
+            t, bandwidth = self.profile.iteration_s, self.profile.bandwidth
+            self.last_inputs = WindowInputs(t, tuple(fp32), tuple(compute), bandwidth, self.cfg.window)
+        slots = self._cut(self.cfg.window, sizes)
+        self._fixed = (self.order, sizes, slots)
+        return slots
+
+    def _cut(self, window: int, sizes: dict[str, tuple[int, int]]) -> tuple[tuple[str, ...], ...]:
+        """The current order cut into `window` slots (by count, or by bytes of operators of these sizes)."""
+        if self.cfg.slots == "bytes":
+            return byte_slots(self.order, *_in_order(self.order, sizes), window)
         return generate_schedule(self.order, slot_size_for(len(self.order), window), window)
+
+    def _sized_order(self, sizes: dict[str, tuple[int, int]]) -> list[str]:
+        """An order whose operator sizes come in the sequence this window's order gives them, known before that
+        order: the current one while no statistics were seen (the model's order); after, the experts first in
+        registry order, as a popularity order puts them (one that only permutes the experts, so with experts all
+        of one size the sequence is the same); where experts differ in size, the window's order itself."""
+        if self.tracker.reference is None:
+            return self.order
+        if self._alike is None or self._alike[0] is not sizes:
+            self._alike = (sizes, len({sizes[n] for n, e in zip(self.registry_order, self.is_expert) if e}) <= 1)
+        if self._alike[1]:
+            return self.kind_order
+        self._refresh_order()
+        return self.order
+
+    def _refresh_order(self) -> None:
+        """The order of the popularity the router statistics last set (one host read), where a window closed
+        since it was last read; the order object stays while the order does not change (a fixed W's slots are
+        reused by its identity)."""
+        if not self.tracker.unread:
+            return
+        order = order_operators(self.registry_order, self.is_expert, self.tracker.popularity())
+        if order != self.order:
+            self.order = order
 
     def _interval_checkpoint(self, iteration: int, sizes: dict[str, tuple[int, int]]) -> tuple[tuple[str, ...]]:
         """An interval baseline's checkpoint at `iteration`: its operators (of these sizes), and when the next
@@ -230,3 +273,8 @@ class WindowPlanner:
         agreed = torch.tensor([window], dtype=torch.int64, device=self.device)
         collectives.all_reduce(agreed, op=dist.ReduceOp.MAX)
         return int(agreed)
+
+
+def _in_order(order: list[str], sizes: dict[str, tuple[int, int]]) -> tuple[list[int], list[int]]:
+    """(FP32-state bytes, compute-weight bytes) of the operators in `order`."""
+    return [sizes[n][0] for n in order], [sizes[n][1] for n in order]

@@ -11,11 +11,15 @@ probabilities. Policies:
 Operators are reordered when, for more than 25% of experts, the policy's share of its layer moved
 by more than 10% since the order was last set (docs/design.md §2); the caller applies the new order at
 the next window boundary.
+
+Everything stays on the statistics' device: observing an iteration and closing a window (the reorder rule
+included: the reference popularity is replaced on the device where the rule says so) never wait for it.
+The host reads the popularity once, for all layers, when an order is built from it (`popularity`), which a
+window needs only where its order can matter (more than one slot).
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Literal, get_args
 
 import torch
@@ -27,21 +31,28 @@ FRACTION = 0.25  # share of experts that must change to trigger a reorder
 
 
 Layers = tuple[tuple[str, int], ...]  # MoE layers observed together: (prefix, experts) in observation order
+Stacked = dict[Layers, torch.Tensor]  # one (layers x widest layer's experts) double tensor per set of layers
 
 
 class PopularityTracker:
-    """Router statistics summed over a window, stacked: one (layers x experts) double tensor per set of layers,
-    on the device the statistics come from. Observing an iteration costs a few device ops and never waits for
-    the device; the statistics reach the host once per window (`current`)."""
+    """Router statistics summed over a window, stacked (`Stacked`, zero-padded rows), on the device the
+    statistics come from, and the reference popularity the current order is built from (`reference`, the
+    policy's values of the window that last triggered a reorder, and their shares of their layers).
+
+    Training thread only. `observe` and `close_window` are device ops that never wait for the device;
+    `popularity` reads the reference on the host (one read)."""
 
     def __init__(self, policy: str = "count", ema_decay: float = 0.9):
         if policy not in POLICIES:
             raise ValueError(f"unknown ordering policy {policy!r} (allowed: {', '.join(POLICIES)})")
         self.policy, self.ema_decay = policy, ema_decay
-        self.window_tokens: dict[Layers, torch.Tensor] = {}
-        self.window_soft: dict[Layers, torch.Tensor] = {}
-        self.ema: dict[Layers, torch.Tensor] = {}
-        self.reference: dict[str, float] | None = None  # popularity the current order was built from
+        self.window_tokens: Stacked = {}
+        self.window_soft: Stacked = {}
+        self.ema: Stacked = {}
+        self.reference: Stacked | None = None  # None: no statistics yet, the order is the model's
+        self.reference_shares: Stacked = {}
+        self.unread = False  # whether a window closed since `popularity` last read the reference
+        self.width_columns: Stacked = {}  # `capacity`: each row's number of experts, where layers differ
 
     def observe(self, tokens: dict[str, torch.Tensor], gate_probs: dict[str, torch.Tensor]) -> None:
         """Add one iteration's statistics, keyed by MoE-layer prefix (`layers.3.moe`)."""
@@ -54,67 +65,76 @@ class PopularityTracker:
         if gate_probs:
             _accumulate(self.window_soft, *_stacked(gate_probs))
 
-    def current(self) -> dict[str, float]:
-        """This policy's popularity per expert operator over the statistics seen since `end_window` (none for
-        `fixed`, so its order never changes)."""
-        if self.policy == "fixed":
-            return {}
-        source = {
-            "count": self.window_tokens,
-            "soft": self.window_soft,
-            "ema": self.ema,
-            "capacity": self.window_tokens,
-        }[self.policy]
-        out = {}
-        for layers, stacked in source.items():
-            for (layer, n_experts), row in zip(layers, stacked.cpu(), strict=True):
-                values = row[:n_experts]
-                if self.policy == "capacity":
-                    values = values / values.mean().clamp(min=1e-12)
-                out.update({f"{layer}.experts.{e}": float(v) for e, v in enumerate(values.tolist())})
-        return out
-
-    def end_window(self) -> bool:
-        """Close the statistics window; True (and adopt it as the reference) when a reorder is due.
-
-        A window without statistics changes nothing. The `ema` average spans windows by design.
-        """
-        now = self.current()
+    def close_window(self) -> None:
+        """Close the statistics window and apply the reorder rule to it on the device: the first window with
+        statistics becomes the reference; a later one replaces it when more than FRACTION of the experts'
+        shares moved by more than CHANGE. A window without statistics changes nothing; the `ema` average
+        spans windows by design. Nothing is read on the host."""
+        now = self._window_values()
+        self.window_tokens, self.window_soft = {}, {}
         if not now:
-            return False
-        due = self.reference is None or changed_fraction(self.reference, now) > FRACTION
-        if due:
-            self.reference = now
-        self.window_tokens, self.window_soft = {}, {}
-        return due
-
-    def drop_window(self) -> None:
-        """Close the statistics window without looking at it (an order that cannot matter: one slot)."""
-        self.window_tokens, self.window_soft = {}, {}
+            return
+        shares = {layers: layer_shares(values) for layers, values in now.items()}
+        if self.reference is None or self.reference.keys() != now.keys():  # other layers: a new reference
+            self.reference, self.reference_shares = now, shares
+        else:
+            due = reorder_due(self.reference_shares, shares, sum(n for layers in now for _, n in layers))
+            self.reference = {k: torch.where(due, now[k], self.reference[k]) for k in now}
+            self.reference_shares = {k: torch.where(due, shares[k], self.reference_shares[k]) for k in now}
+        self.unread = True
 
     def popularity(self) -> dict[str, float]:
-        """The popularity the current order is built from (empty before any statistics)."""
-        return dict(self.reference or {})
+        """The popularity the order is built from, by expert operator (empty before any statistics): the
+        reference read on the host, once for all layers (this waits for the device)."""
+        self.unread = False
+        if not self.reference:
+            return {}
+        values = torch.cat([stacked.flatten() for stacked in self.reference.values()]).cpu().tolist()
+        out, offset = {}, 0
+        for layers, stacked in self.reference.items():
+            width = stacked.shape[1]
+            for row, (layer, n_experts) in enumerate(layers):
+                start = offset + row * width
+                out.update({f"{layer}.experts.{e}": values[start + e] for e in range(n_experts)})
+            offset += stacked.numel()
+        return out
+
+    def _window_values(self) -> Stacked:
+        """This policy's popularity per expert over the statistics seen since the last `close_window` (none for
+        `fixed`, so its order never changes)."""
+        if self.policy == "capacity":  # tokens over the layer's mean load (padding holds no tokens)
+            return {
+                k: v / (v.sum(dim=1, keepdim=True) / self._widths(k, v)).clamp(min=1e-12)
+                for k, v in self.window_tokens.items()
+            }
+        return {"count": self.window_tokens, "soft": self.window_soft, "ema": self.ema}.get(self.policy, {})
+
+    def _widths(self, layers: Layers, values: torch.Tensor) -> torch.Tensor | int:
+        """Each row's number of experts: the row width, or where layers differ in width a column of them on the
+        statistics' device (made once per set of layers)."""
+        if all(n == values.shape[1] for _, n in layers):
+            return values.shape[1]
+        if layers not in self.width_columns:
+            widths = torch.tensor([[n] for _, n in layers], dtype=values.dtype)
+            self.width_columns[layers] = widths.to(values.device)
+        return self.width_columns[layers]
 
 
-def changed_fraction(before: dict[str, float], after: dict[str, float]) -> float:
-    """Fraction of experts whose share of their layer changed by more than CHANGE (relative)."""
-    a, b = _layer_shares(before), _layer_shares(after)
-    names = a.keys() | b.keys()
-    if not names:
-        return 0.0
-    return sum(abs(b.get(n, 0.0) - a.get(n, 0.0)) > CHANGE * a.get(n, 0.0) for n in names) / len(names)
+def layer_shares(values: torch.Tensor) -> torch.Tensor:
+    """Each expert's share of its layer (row), 0 in a layer without any."""
+    total = values.sum(dim=1, keepdim=True)
+    return torch.where(total != 0, values / total, 0.0)
 
 
-def _layer_shares(values: dict[str, float]) -> dict[str, float]:
-    totals: dict[str, float] = defaultdict(float)
-    for name, v in values.items():
-        totals[_layer(name)] += v
-    return {name: v / totals[_layer(name)] if totals[_layer(name)] else 0.0 for name, v in values.items()}
+def changed_experts(before: Stacked, after: Stacked) -> torch.Tensor:
+    """How many experts' shares (`layer_shares`) moved by more than CHANGE of their value in `before`: a 0-dim
+    tensor on the statistics' device (padding, 0 in both, never counts)."""
+    return sum(((after[k] - before[k]).abs() > CHANGE * before[k]).sum() for k in after)
 
 
-def _layer(expert_op: str) -> str:
-    return expert_op.rsplit(".experts.", 1)[0]
+def reorder_due(before: Stacked, after: Stacked, experts: int) -> torch.Tensor:
+    """Whether more than FRACTION of the `experts` experts changed (`changed_experts`): a 0-dim bool tensor."""
+    return changed_experts(before, after).double() > FRACTION * experts
 
 
 def _stacked(per_layer: dict[str, torch.Tensor]) -> tuple[Layers, torch.Tensor]:
@@ -126,6 +146,6 @@ def _stacked(per_layer: dict[str, torch.Tensor]) -> tuple[Layers, torch.Tensor]:
     return layers, torch.stack(padded).double()
 
 
-def _accumulate(window: dict[Layers, torch.Tensor], layers: Layers, values: torch.Tensor) -> None:
+def _accumulate(window: Stacked, layers: Layers, values: torch.Tensor) -> None:
     old = window.get(layers)
     window[layers] = values if old is None else old + values

@@ -101,6 +101,7 @@ class Rejoin:
     survivors: bool = False  # some rank of the job kept its state: rejoin instead of a whole-job restart
     timeline: dict[str, float] = field(default_factory=dict)  # unix time this process reached each set-up stage
     in_place: bool = False  # the survivors stayed alive: a dead worker was replaced in place
+    fault_unix: float | None = None  # a replacement: when the fault it replaces struck, by its rank shell's clock
 
 
 def _live_items(

@@ -36,7 +36,7 @@ from moevement.recovery.fetch import (
 )
 from moevement.recovery.live_state import Rejoin, Survival, restore_live_state
 from moevement.recovery.replay import wipe_operators
-from moevement.recovery.report import RecoveryFigures, RecoveryReport, RecoveryWork
+from moevement.recovery.report import RecoveryFigures, RecoveryReport, RecoveryWork, detect_seconds
 from moevement.recovery.restart import RestartPoint
 from moevement.recovery.upstream_log import UpstreamLog
 from moevement.topology import Topology
@@ -82,11 +82,10 @@ class Recovery:
         pps = self._rolled_back(failed)
         t0 = self.ck.persisted.rollback_point()
         scope = _stages_of(self.layout, pps)
-        self._report(
-            RecoveryReport(step, tuple(sorted(failed)), scope, t0, step - t0, seconds, fetch, convert, catchup),
-            failed,
-            pps,
-        )
+        ranks = tuple(sorted(failed))
+        # injected: every rank knows of it at once (detect=0)
+        report = RecoveryReport(step, ranks, scope, t0, step - t0, seconds, fetch, convert, catchup, detect=0.0)
+        self._report(report, failed, pps)
         self.report_work(failed, pps, work_before, stats)
 
     def report_work(self, failed: set[int], pps: set[int], work_before: tuple[int, int], stats: ReplayStats) -> None:
@@ -109,8 +108,9 @@ class Recovery:
         rank holds logs of)."""
         started, rejoin_start = time.perf_counter(), time.time()
         live = rejoin.live
-        kept: list[Survival | None] = [None] * self.world
-        collectives.all_gather_object(kept, live.survival() if live else None)
+        gathered: list = [None] * self.world
+        collectives.all_gather_object(gathered, (live.survival() if live else None, rejoin.fault_unix))
+        kept: list[Survival | None] = [k for k, _ in gathered]
         target = max(k.next_iteration for k in kept if k)
         failed = {r for r, k in enumerate(kept) if not k or k.next_iteration != target}
         t0 = found.window_start if found else 1
@@ -140,6 +140,7 @@ class Recovery:
             catchup=catchup,
             restart=how,
             detected_by=tuple(_how(kept)),
+            detect=detect_seconds(detected, (fault for _, fault in gathered)),
         )
         self._report(report, failed, pps)
         self.line(f"restart timeline rank={self.me}: {_stages(timeline)}")

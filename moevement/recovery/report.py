@@ -4,9 +4,13 @@ strategy, and the records rank 0 keeps of them in the run's `events.jsonl` (`tra
 The line's bytes are a contract:
 
     recovery step=<T> ranks=<ranks> scope=<stages> rollback_to=<t0> replayed=<n> seconds=<x>
-        ([<stage seconds> ]fetch=<x> convert=<x> catchup=<x>)[ <field>...]
+        ([<stage seconds> ]fetch=<x> convert=<x> catchup=<x>)[ detect=<x>][ <field>...]
 
-(one line; `<x>` with 3 decimals). MoEvement's localized recovery, its whole-job restart and rejoin, and
+(one line; `<x>` with 3 decimals). `seconds` counts from the failure's detection; `detect`, the seconds from
+the fault to that detection, where a clock saw the fault: 0 for an injected failure (`fault.at`: every rank
+knows it at once), a dead or frozen trainer's rank shell's clock for a worker replaced in place (the death
+it saw, or the frozen trainer's last heartbeat); after torchrun's restart of every worker no process saw
+it, and the line leaves `detect` out. MoEvement's localized recovery, its whole-job restart and rejoin, and
 the interval baselines all print it through `RecoveryReport.line`. A record (`record()`) holds the same
 fields as typed JSON values, numbers rounded as the line prints them, so `from_record(record).line()` is the
 printed line again.
@@ -32,7 +36,8 @@ class RecoveryReport:
     The fields after the parenthesis are None when the line leaves them out. An interval baseline's report
     (`strategy` set) writes no failed rank as `ranks=none` and its scope, every stage, as `0-<S-1>` even for
     one stage; then `strategy`, `snapshots_from`, MoC's `lost_tokens plt k_pec`, and `restart`. MoEvement's
-    writes `restart` first, then `snapshots_from` (a whole-job restart) or `detected_by` (a rejoin)."""
+    writes `restart` first, then `snapshots_from` (a whole-job restart) or `detected_by` (a rejoin). Either
+    starts with `detect` where it is known."""
 
     KIND: ClassVar[str] = "recovery"
 
@@ -53,6 +58,7 @@ class RecoveryReport:
     lost_tokens: float | None = None  # MoC's tokens lost by this recovery, with its `plt` and `k_pec`
     plt: float | None = None
     k_pec: int | None = None
+    detect: float | None = None  # seconds from the fault to its detection (None: no clock saw the fault)
 
     def line(self) -> str:
         """The console line, byte for byte the format above."""
@@ -74,14 +80,15 @@ class RecoveryReport:
 
     def _fields(self) -> list[str]:
         """What follows the parenthesis, in the order of the class docstring."""
+        detect = [f"detect={self.detect:.3f}"] if self.detect is not None else []
         restart = [f"restart={self.restart}"] if self.restart is not None else []
         if self.strategy is not None:
             out = [f"strategy={self.strategy}", quoted("snapshots_from", self.snapshots_from or ())]
             if self.lost_tokens is not None:
                 out.append(f"lost_tokens={self.lost_tokens:.0f} plt={self.plt:.4f} k_pec={self.k_pec}")
-            return out + restart
+            return detect + out + restart
         named = [("snapshots_from", self.snapshots_from), ("detected_by", self.detected_by)]
-        return restart + [quoted(name, parts) for name, parts in named if parts is not None]
+        return detect + restart + [quoted(name, parts) for name, parts in named if parts is not None]
 
     def parts(self) -> dict[str, float]:
         """The seconds in the parenthesis by name, rounded as printed: the restart's stages, fetch, convert,
@@ -110,6 +117,7 @@ class RecoveryReport:
             "lost_tokens": None if self.lost_tokens is None else int(_printed(self.lost_tokens, 0)),
             "plt": None if self.plt is None else _printed(self.plt, 4),
             "k_pec": self.k_pec,
+            "detect": None if self.detect is None else _printed(self.detect, 3),
         }
 
     @classmethod
@@ -179,6 +187,8 @@ class RecoveryFigures:
     scope_ranks: int  # the ranks that rolled back: the failed stages' groups (every rank under a global rollback)
     rollback_to: int  # the iteration the rolled-back ranks replayed (or, for a baseline, train again) from
     seconds: float  # the recovery's wall time, as its line says
+    detect: float = 0.0  # seconds from the fault to its detection, as its line says (0: not known)
+    replays: int = 0  # iterations the recovery itself ran again (a baseline's are the training loop's)
 
     @property
     def replayed(self) -> int:
@@ -187,8 +197,21 @@ class RecoveryFigures:
 
     @classmethod
     def of(cls, report: RecoveryReport, failed: Iterable[int], scope_ranks: int) -> RecoveryFigures:
-        """The figures of the line `report` prints, for the ranks `failed` and `scope_ranks` rolled back."""
-        return cls(report.step, tuple(sorted(failed)), scope_ranks, report.rollback_to, report.seconds)
+        """The figures of the line `report` prints, for the ranks `failed` and `scope_ranks` rolled back.
+        MoEvement's stages replay inside the recovery (`replayed`); an interval baseline's rollback leaves
+        its iterations to the training loop, which counts them as it runs them again."""
+        replays = report.replayed if report.strategy is None else 0
+        failed = tuple(sorted(failed))
+        return cls(report.step, failed, scope_ranks, report.rollback_to, report.seconds, report.detect or 0.0, replays)
+
+
+def detect_seconds(detected: float | None, faults: Iterable[float | None]) -> float | None:
+    """Seconds from the earliest fault a clock saw (`faults`: unix times, None where none did) to its first
+    detection (`detected`, unix); None when either is unknown. A clock a little ahead gives 0, not less."""
+    known = [f for f in faults if f is not None]
+    if detected is None or not known:
+        return None
+    return max(0.0, detected - min(known))
 
 
 def rank_list(ranks: Iterable[int]) -> str:

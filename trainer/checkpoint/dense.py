@@ -3,8 +3,9 @@
 A checkpoint (format `moevement-dense-v4`) is a directory holding, for each rank `r` that owns tensors,
 `model-<r:05d>.safetensors` (parameters by global name) and `optim-<r:05d>.safetensors` (the AdamW
 tensors, named `optim.<param>.<key>`), each tensor whole and in exactly one file, and `meta.json`:
-format, step, loss, model shape, tokenizer, the run identity (`RunIdentity.of_dense`) and a sha256 per
-file, sealed (`trainer.sealed_json`: the sha256 of all the rest, checked before anything in it is used).
+format, step, loss, model shape, tokenizer, the run identity (`RunIdentity.of_dense`), the run lineage
+that saved it (periodic saves: `trainer.checkpoint.lineage`) and a sha256 per file, sealed
+(`trainer.sealed_json`: the sha256 of all the rest, checked before anything in it is used).
 Each rank writes the tensors it owns (`trainer.checkpoint.state`: FSDP shards assembled within their
 group one tensor at a time), so no rank holds more than the largest tensor beyond its own state; rank 0
 gathers only the file names and checksums, and publishes the directory atomically
@@ -31,6 +32,7 @@ from models.args import ModelArgs
 from trainer.checkpoint.identity import RunIdentity
 from trainer.checkpoint.publish import (
     FORMAT,
+    LINEAGE,
     CheckpointError,
     begin,
     check_target,
@@ -210,8 +212,9 @@ def save_dense(
     _save(Path(directory), KEY, meta, lambda tmp: write_owned(tmp, rank, owned_tensors(plan), specs), published)
 
 
-def dense_meta(step: int, loss: float, cfg) -> dict:
-    """`meta.json` of the training state after `step` iterations of the run `cfg`, but its files and seal."""
+def dense_meta(step: int, loss: float, cfg, lineage: str | None = None) -> dict:
+    """`meta.json` of the training state after `step` iterations of the run `cfg` (of the run lineage
+    `lineage`, if any: `trainer.checkpoint.lineage`), but its files and seal."""
     return {
         "format": FORMAT,
         "step": step,
@@ -219,6 +222,7 @@ def dense_meta(step: int, loss: float, cfg) -> dict:
         "model": dataclasses.asdict(cfg.model),
         "run": RunIdentity.of_dense(cfg).to_json(),
         **({"tokenizer": cfg.data.tokenizer} if cfg.data.tokenizer else {}),
+        **({LINEAGE: lineage} if lineage else {}),
     }
 
 

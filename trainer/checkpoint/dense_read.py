@@ -28,6 +28,8 @@ from trainer.checkpoint.dense import file_sha256
 from trainer.checkpoint.identity import RunIdentity
 from trainer.checkpoint.publish import (
     FORMAT,
+    LINEAGE,
+    LINEAGE_ID,
     META,
     OLD_FORMAT,
     SHARD_FILE,
@@ -93,6 +95,9 @@ def _check_fields(meta: dict, meta_path: Path) -> None:
         raise CheckpointError(f"{meta_path}: 'step' must be an integer >= 0, got {step!r}")
     if not isinstance(meta.get("loss", 0.0), (int, float)) or isinstance(meta.get("loss"), bool):
         raise CheckpointError(f"{meta_path}: 'loss' must be a number, got {meta.get('loss')!r}")
+    lineage = meta.get(LINEAGE)
+    if lineage is not None and not (isinstance(lineage, str) and LINEAGE_ID.fullmatch(lineage)):
+        raise CheckpointError(f"{meta_path}: '{LINEAGE}' must be 16 hex digits, got {lineage!r}")
     if meta.get("weights_only", False) not in (True, False):
         raise CheckpointError(f"{meta_path}: 'weights_only' must be true or false")
     if meta.get("weights_only") and (step != 0 or files_of(meta, "optim") or meta.get("run") is not None):

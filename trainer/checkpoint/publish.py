@@ -36,6 +36,8 @@ META = "meta.json"
 PARTIAL = ".moevement-partial"  # marks a temporary directory written by this program
 SHARD_FILE = re.compile(r"^(model|optim)-(\d{5})\.safetensors$")
 V2_FILES = ("model.safetensors", "optim.safetensors")  # what a v2 checkpoint holds (replaceable)
+LINEAGE = "lineage"  # meta.json's key naming the run lineage that wrote it (trainer.checkpoint.lineage)
+LINEAGE_ID = re.compile(r"[0-9a-f]{16}")
 
 
 def shard_file(kind: str, rank: int) -> str:
@@ -209,7 +211,7 @@ def publish(tmp: Path, path: Path, old_files: list[str], meta: dict) -> None:
         except OSError:
             os.rename(aside, path)
             raise
-        for name in old_files:
+        for name in sorted(old_files, key=lambda n: n == META):  # meta.json last: it names the owner
             with suppress(OSError):
                 (aside / name).unlink()
         with suppress(OSError):

@@ -32,7 +32,9 @@ def become_shell_if_wanted(argv: list[str]) -> None:
 def await_standby_activation() -> None:
     """Once train.py's imports are done. In a shell's standby: wait for the shell to activate it, then return
     to train as the dead trainer's rank in the generation the shell names; exit with success when the shell
-    ends first. In a shell's trainer (the first, or an activated standby): start its heartbeat."""
+    ends first. In a shell's trainer (the first, or an activated standby): start its heartbeat. In both:
+    watch the shell's own beats (`rank_shell.watch_the_shell`)."""
+    rank_shell.watch_the_shell()
     if os.environ.get(rank_shell.ROLE) == "standby":
         if rank_shell.await_activation() is None:
             sys.exit(exit_codes.DONE)

@@ -25,7 +25,9 @@ from trainer.lifecycle import job_end, rank_shell
 from trainer.lifecycle.peer_failure import peer_failure, stopped_by_sigterm
 from trainer.lifecycle.start_plan import StartPlan
 from trainer.lifecycle.survival import keep_for_torchrun_restart, keep_state_and_exit, survive_in_place
+from trainer.lifecycle.survivor_lines import START_FAILED, SurvivorLine
 from trainer.lifecycle.verdict import Happened, Verdict, decide
+from trainer.run import event_log
 
 
 class PeerStopped(Exception):  # noqa: N818 (a state reached, not an error)
@@ -126,11 +128,7 @@ def _after_generation_failure(cfg, plan: StartPlan, error: BaseException) -> Sta
         raise GenerationNotJoined(plan.generation, cfg.fault.timeout_s) from None
     if verdict is not Verdict.REJOIN:
         raise error
-    plan = plan.next_generation(plan.kept, plan.accounting)
+    plan = plan.next_generation(plan.kept, plan.accounting, plan.fault_unix)  # the same failure, still to recover
     sever_connections()
-    print(
-        f"survivor: rank {dist.get_rank()} pid {os.getpid()}: a peer died while generation "
-        f"{plan.generation - 1} started; joins generation {plan.generation}",
-        flush=True,
-    )
+    event_log.say(SurvivorLine(START_FAILED, dist.get_rank(), pid=os.getpid(), generation=plan.generation))
     return plan

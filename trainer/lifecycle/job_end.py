@@ -13,7 +13,10 @@ A trainer tells its rank shell `finished <step>` once it knows the job finished 
 every other rank when it sees the record); a shell whose trainer then dies exits with success and starts no
 replacement. A trainer that died earlier is replaced, and its replacement (or a survivor) waiting to join a
 generation that can no longer form gives up at once (`check_generation_can_form`): with success when the
-job finished, else through torchrun's restart of every worker.
+job finished, else through torchrun's restart of every worker. A torchrun restart after the job's end (a
+worker, or a stopped shell that its child killed, ended after the `final` line) trains nothing again: every
+rank of the new attempt finds an earlier attempt's `finished` record and exits with success
+(`check_not_finished_earlier`; where the workers share their agent's store, which keeps every attempt's keys).
 
 Training thread only; a missing store (no torchrun) makes every call here a no-op.
 """
@@ -26,7 +29,13 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from parallelisms.distributed import STORE_ERRORS, store_round, torchrun_store, torchrun_store_client
+from parallelisms.distributed import (
+    STORE_ERRORS,
+    store_round,
+    torchrun_store,
+    torchrun_store_client,
+    workers_share_agent_store,
+)
 from trainer.lifecycle import rank_shell
 
 
@@ -37,6 +46,18 @@ class JobFinished(Exception):  # noqa: N818 (a state reached, not an error)
         super().__init__(
             f"rank {os.environ.get('RANK', '0')} pid {os.getpid()}: generation {generation} will not form: "
             f"the job finished at step {step}; nothing to recover"
+        )
+        self.step = step
+
+
+class FinishedEarlier(JobFinished):
+    """torchrun restarted every worker after the job finished in an earlier attempt of the run."""
+
+    def __init__(self, attempt: int, step: int):
+        Exception.__init__(
+            self,
+            f"rank {os.environ.get('RANK', '0')} pid {os.getpid()}: the job finished at step {step} in attempt "
+            f"{attempt} of this torchrun run; nothing to train again",
         )
         self.step = step
 
@@ -101,6 +122,21 @@ def record_left(rank: int, step: int) -> None:
             store.set(_left_key(rank), str(step))
         except STORE_ERRORS:
             pass  # the store is gone: the job is ending anyway
+
+
+def check_not_finished_earlier() -> None:
+    """At a start under torchrun: raise `FinishedEarlier` if an earlier attempt of this torchrun run recorded the
+    job's end (nothing to check where each round has a store of its own)."""
+    store = torchrun_store()
+    if store is None or not workers_share_agent_store():
+        return
+    for attempt in range(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))):
+        key = f"attempt{attempt}/finished"  # `_finished_key` of that attempt (`store_round`)
+        try:
+            if store.check([key]):
+                raise FinishedEarlier(attempt, int(store.get(key)))
+        except STORE_ERRORS:
+            return  # the store cannot answer: train (a second `final` line of the same state at worst)
 
 
 def finished_step() -> int | None:

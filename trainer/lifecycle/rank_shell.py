@@ -20,13 +20,18 @@ when torchrun stops it (SIGTERM, forwarded to the child). It dies with torchrun'
 with it (`PR_SET_PDEATHSIG`).
 
 Messages from the trainer child reach the shell on a pipe (`SHELL_FD`), one line each: `alive` every
-second from a thread of its own once its imports are done (a trainer silent for longer than
-`fault.timeout_s` is frozen, stopped or stuck: the shell kills it and its standby replaces it, so a hang
-is recovered in place like a death), `generation <g>` when it starts joining generation g, `run <dir>`
+second from a thread of its own once its imports are done (a trainer silent for longer than the hang bound,
+`fault.heartbeat_timeout_s` or a shorter `fault.timeout_s` (`verdict.hang_bound`), is frozen, stopped or
+stuck: the shell kills it and its standby replaces it, so a hang is recovered in place like a death, in
+about that bound), `generation <g>` when it starts joining
+generation g, `run <dir>`
 once it knows the run folder (the shell records its `shell:` lines in its events.jsonl), `finished
 <step>` once it knows the job finished (trainer/lifecycle/job_end.py): a trainer that dies after that is
 nothing to recover, and the shell exits with success, replacing nobody. What the shell does when its
-trainer ends is `verdict.after_child_exit`.
+trainer ends is `verdict.after_child_exit`. The shell beats back to each child, which ends a shell that
+stopped beating (`trainer/lifecycle/shell_watch.py`). A standby it activates learns its generation, the
+dead trainer's pid and when the fault struck (`fault_unix`: the death the shell saw, or a frozen trainer's
+last word), from which the recovery's `detect=` is measured.
 """
 
 from __future__ import annotations
@@ -54,15 +59,16 @@ from trainer.lifecycle.shell_lines import (
     STANDBY_RESPAWNED,
     ShellLine,
 )
-from trainer.lifecycle.verdict import ShellVerdict, a_frozen_child, after_child_exit, runs_a_shell
-from trainer.run.event_log import append_event
+from trainer.lifecycle.shell_watch import BEATS_FD, HANG_BOUND, HEARTBEAT_S, ShellBeats, say, watch_shell
+from trainer.lifecycle.verdict import ShellVerdict, a_frozen_child, after_child_exit, hang_bound, runs_a_shell
 
 ROLE = "MOEVEMENT_ROLE"  # "trainer" or "standby" in the shell's children; unset elsewhere
 SHELL_FD = "MOEVEMENT_SHELL_FD"  # the trainer child's end of the report pipe
 AGENT_PID = "MOEVEMENT_AGENT_PID"  # torchrun's agent, the shell's parent
 GENERATION = "MOEVEMENT_GENERATION"  # set in an activated standby: the generation it joins
+FAULT_UNIX = "MOEVEMENT_FAULT_UNIX"  # set in an activated standby: when the fault it replaces struck (unix s)
 _PR_SET_PDEATHSIG = 1
-HEARTBEAT_S = 1.0  # how often a shell's trainer child says it is alive
+_TOLD: dict[str, Path] = {}  # in a shell's trainer child: the run folder it named to its shell (`report`)
 
 
 def torchrun_agent_pid() -> int:
@@ -90,26 +96,40 @@ def _die_with_parent() -> None:
 class RankShell:
     """One torchrun slot: the trainer child, its standby, and the generation the trainer last joined."""
 
-    def __init__(self, command: list[str], max_replacements: int, timeout_s: float):
-        self.command, self.max_replacements, self.timeout_s = command, max_replacements, timeout_s
+    def __init__(
+        self, command: list[str], max_replacements: int, bound_s: float, bound_key: str = "fault.heartbeat_timeout_s"
+    ):
+        """`bound_s`: the hang bound, set by config key `bound_key` (`verdict.hang_bound`)."""
+        self.command, self.max_replacements = command, max_replacements
+        self.bound_s, self.bound_key = bound_s, bound_key
         self.rank = os.environ.get("RANK", "?")
         self.generation, self.replacements, self.stopping = 0, 0, False
         self.finished_at: int | None = None  # the step the job finished at, once the trainer said so
         self.standbys_lost = 0  # standbys that died idle and were started again
         self.run_dir: Path | None = None  # the run record's folder, once the trainer named it (`run <dir>`)
         self.heard: float | None = None  # when the trainer last said anything (None: not since it started)
+        self.frozen_at: float | None = None  # unix time of a trainer killed as frozen's last word
+        self.beats = ShellBeats()
         self.reports, report_end = os.pipe()
         self.env = {**os.environ, AGENT_PID: str(os.getppid()), SHELL_FD: str(report_end)}
+        self.env[HANG_BOUND] = f"{bound_key}={bound_s!r}"
         self.keeper = store_keeper.start_if_needed(self.env, _die_with_parent)  # rank 0's own-store round
         self.child = self._spawn("trainer")
         self.standby = self._spawn("standby", stdin=subprocess.PIPE)
         signal.signal(signal.SIGTERM, self._forward_sigterm)
 
     def _spawn(self, role: str, **kwargs) -> subprocess.Popen:
-        """A child with the report pipe's write end (a standby reports once it is activated)."""
-        env = {**self.env, ROLE: role}
-        fds = (int(self.env[SHELL_FD]),)
-        return subprocess.Popen(self.command, env=env, pass_fds=fds, preexec_fn=_die_with_parent, **kwargs)
+        """A child with the report pipe's write end (a standby reports once it is activated) and the read end
+        of a beat pipe of its own."""
+        beats, beat_end = self.beats.pipe()
+        env = {**self.env, ROLE: role, BEATS_FD: str(beats)}
+        fds = (int(self.env[SHELL_FD]), beats)
+        try:
+            child = subprocess.Popen(self.command, env=env, pass_fds=fds, preexec_fn=_die_with_parent, **kwargs)
+        finally:
+            os.close(beats)
+        self.beats.add(child.pid, beat_end)
+        return child
 
     def _forward_sigterm(self, signum, _frame) -> None:
         """torchrun stops the job: the child's end is no death to replace. The handler runs between two of
@@ -122,9 +142,11 @@ class RankShell:
             self.standby.kill()
 
     def _stop_standby(self) -> None:
-        if self.standby is not None and self.standby.poll() is None:
-            self.standby.kill()
-            self.standby.wait()
+        if self.standby is not None:
+            if self.standby.poll() is None:
+                self.standby.kill()
+                self.standby.wait()
+            self.beats.drop(self.standby.pid)
         self.standby = None
 
     def _read_reports(self, timeout: float) -> None:
@@ -144,19 +166,13 @@ class RankShell:
                 self.run_dir = Path(value)
 
     def _say(self, line: ShellLine) -> None:
-        """Print `line` and record it in the run's events.jsonl when the run folder is on this host (a shell
-        on another node than rank 0, without a shared file system, keeps its lines printed only)."""
-        if self.run_dir is not None and self.run_dir.is_dir():
-            try:
-                append_event(self.run_dir, line)
-            except OSError as e:
-                print(f"run record: {self.run_dir}: cannot record the event ({e}); it is printed only", flush=True)
-        print(line.line(), flush=True)
+        say(line, self.run_dir)
 
     def run(self) -> int:
         """Supervise until the slot's work ends; returns the exit status for torchrun."""
         while True:
             while (code := self.child.poll()) is None:
+                self.beats.beat()
                 self._read_reports(0.1)
                 self._keep_a_standby()
                 self._kill_if_frozen()
@@ -177,6 +193,7 @@ class RankShell:
         if self.standby is None or self.standby.poll() is None or self.stopping:
             return
         dead, code = self.standby.pid, self.standby.returncode
+        self.beats.drop(dead)
         if self.standbys_lost >= self.max_replacements:
             self._say(ShellLine(STANDBY_LOST, self.rank, dead, describe(code)))
             self.standby = None
@@ -187,15 +204,26 @@ class RankShell:
         self._say(ShellLine(STANDBY_RESPAWNED, self.rank, dead, describe(code), self.standby.pid, count, limit))
 
     def _kill_if_frozen(self) -> None:
-        """A trainer that said nothing, not even its heartbeat, for longer than `fault.timeout_s` since it
-        first spoke (`verdict.a_frozen_child`: stopped, or stuck holding the interpreter) is killed: its
-        peers' collectives fail at once, and its end is a death the standby replaces. Counting starts
-        with its first word, once its imports are done (`start_heartbeat`)."""
+        """A trainer that said nothing, not even its heartbeat, for longer than the hang bound since it first
+        spoke (`verdict.a_frozen_child`: stopped, or stuck holding the interpreter) is killed:
+        its peers' collectives fail at once, and its end is a death the standby replaces, the fault dated
+        from its last word. Counting starts with its first word, once its imports are done
+        (`start_heartbeat`)."""
         if self.heard is None:
             return
         silent = time.monotonic() - self.heard
-        if a_frozen_child(silent, self.timeout_s, self.stopping):
-            self._say(ShellLine(FROZEN, self.rank, self.child.pid, "frozen", silent_s=silent, timeout_s=self.timeout_s))
+        if a_frozen_child(silent, self.bound_s, self.stopping):
+            line = ShellLine(
+                FROZEN,
+                self.rank,
+                self.child.pid,
+                "frozen",
+                silent_s=silent,
+                bound_s=self.bound_s,
+                bound_key=self.bound_key,
+            )
+            self._say(line)
+            self.frozen_at = time.time() - silent
             self.child.kill()
             self.child.wait()
 
@@ -207,12 +235,15 @@ class RankShell:
             self._say(ShellLine(HANDED_BACK, self.rank, self.child.pid, how, why=why))
             return False
         dead, self.child, self.generation = self.child.pid, self.standby, self.generation + 1
+        self.beats.drop(dead)
         self.heard = None  # the replacement's heartbeat starts once it is activated
         self.replacements += 1
-        self.child.stdin.write(json.dumps({"generation": self.generation, "died": dead}).encode() + b"\n")
+        now, fault, self.frozen_at = time.time(), self.frozen_at, None
+        activation = {"generation": self.generation, "died": dead, "fault_unix": fault or now}
+        self.child.stdin.write(json.dumps(activation).encode() + b"\n")
         self.child.stdin.close()
         count, limit = self.replacements, self.max_replacements
-        line = ShellLine(REPLACED, self.rank, dead, how, self.child.pid, count, limit, self.generation, time.time())
+        line = ShellLine(REPLACED, self.rank, dead, how, self.child.pid, count, limit, self.generation, now)
         self._say(line)
         self.standby = self._spawn("standby", stdin=subprocess.PIPE)
         return True
@@ -225,30 +256,50 @@ def run_shell(argv: list[str]) -> int:
     _die_with_parent()
     if os.getppid() != agent:  # the agent died before the request took effect
         return 1
-    budget, timeout_s = setting(argv, "fault.max_replacements", int), setting(argv, "fault.timeout_s", float)
-    return RankShell([sys.executable, *sys.argv[:1], *argv], budget, timeout_s).run()
+    budget = setting(argv, "fault.max_replacements", int)
+    key, bound_s = hang_bound(
+        setting(argv, "fault.heartbeat_timeout_s", float), setting(argv, "fault.timeout_s", float)
+    )
+    return RankShell([sys.executable, *sys.argv[:1], *argv], budget, bound_s, key).run()
 
 
 def await_activation() -> dict | None:
-    """In a standby: block until the shell activates it; the activation ({"generation", "died"}), or None
-    when the shell ends without needing it (its pipe closes)."""
+    """In a standby: block until the shell activates it; the activation ({"generation", "died", "fault_unix"}),
+    or None when the shell ends without needing it (its pipe closes)."""
     line = sys.stdin.buffer.readline()
     if not line:
         return None
     activation = json.loads(line)
     os.environ[GENERATION] = str(activation["generation"])
+    os.environ[FAULT_UNIX] = repr(float(activation["fault_unix"]))
     os.environ[ROLE] = "trainer"
     return activation
 
 
+def fault_unix() -> float | None:
+    """In an activated standby: when the fault it replaces struck, by its shell's clock (None elsewhere)."""
+    value = os.environ.get(FAULT_UNIX)
+    return float(value) if value else None
+
+
 def report(message: str) -> None:
-    """In a shell's trainer child: one line to the shell (nothing outside a shell)."""
+    """In a shell's trainer child: one line to the shell (nothing outside a shell). The run folder it names
+    (`run <dir>`) is kept, for a line about the shell (`watch_the_shell`)."""
     fd = os.environ.get(SHELL_FD)
     if fd is not None and os.environ.get(ROLE) == "trainer":
+        if message.startswith("run "):
+            _TOLD["run"] = Path(message[4:])
         try:
             os.write(int(fd), (message + "\n").encode())
         except OSError:
             pass  # the shell is gone: this process dies with it
+
+
+def watch_the_shell() -> None:
+    """In a shell's child (trainer or standby), once its imports are done: end the shell if it stops beating
+    (`trainer/lifecycle/shell_watch.py`; nothing outside a shell)."""
+    if ROLE in os.environ:
+        watch_shell(lambda: os.environ.get(ROLE, ""), lambda: _TOLD.get("run"))
 
 
 def start_heartbeat() -> None:

@@ -18,6 +18,7 @@ DEFAULTS: dict[str, object] = {
     "checkpoint.strategy": "none",
     "fault.max_replacements": 4,
     "fault.timeout_s": 600.0,
+    "fault.heartbeat_timeout_s": 30.0,
 }
 ERRORS = (OSError, TypeError, ValueError, AttributeError, tomllib.TOMLDecodeError)  # what a bad value raises
 

@@ -1,4 +1,5 @@
-"""A rank shell's `shell:` lines (docs/design.md §5), typed: what happened to its trainer or its standby.
+"""A rank shell's `shell:` lines (docs/design.md §5), typed: what happened to its trainer or its standby, and
+the line a shell's child prints when it ends a shell that stopped beating.
 
 `line()` is the console line byte for byte; `record()` is the JSON object the run record keeps of it
 (`trainer/run/event_log.py`), `from_record(record).line()` the printed line again. Imports no torch.
@@ -6,15 +7,18 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import ClassVar
+
+from trainer.lifecycle.typed_lines import line_of, record_of
 
 REPLACED = "replaced"  # the trainer died; the standby replaces it in the next generation
 HANDED_BACK = "handed_back"  # the trainer died with no standby or no replacement left: torchrun restarts
 AFTER_THE_END = "after_the_end"  # the trainer died after the job finished: nothing to recover
 STANDBY_RESPAWNED = "standby_respawned"  # the idle standby died and a new one was started
 STANDBY_LOST = "standby_lost"  # the idle standby died and none is left to start
-FROZEN = "frozen"  # the trainer said nothing for longer than fault.timeout_s: killed (then replaced)
+FROZEN = "frozen"  # the trainer said nothing for longer than the hang bound: killed (then replaced)
+SHELL_SILENT = "shell_silent"  # the shell beat to its child for longer than that bound: the child killed it
 
 
 @dataclass(frozen=True)
@@ -27,16 +31,20 @@ class ShellLine:
         trainer pid <p> died (<how>) after the job finished at step <n>; nothing to recover    (AFTER_THE_END)
         standby pid <p> died (<how>); standby pid <s> takes its place (<n> of <limit>)         (STANDBY_RESPAWNED)
         standby pid <p> died (<how>); none left to start                                       (STANDBY_LOST)
-        trainer pid <p> said nothing for <s> s (more than fault.timeout_s=<T> s): frozen; killed   (FROZEN)
+        trainer pid <p> said nothing for <s> s (more than <key>=<T> s): frozen; killed           (FROZEN)
+        rank shell pid <p> said nothing for <s> s (more than <key>=<T> s): stopped or stuck; killed by its
+            <trainer|standby> pid <c> (its children die with it: torchrun restarts or ends the job)
+                                                                                               (SHELL_SILENT)
 
-    (`<t>` with 3 decimals; `<how>`: `signal SIGKILL` or `exit status <n>`)."""
+    (`<t>` with 3 decimals; `<how>`: `signal SIGKILL` or `exit status <n>`; `<key>=<T>`: the hang bound,
+    `fault.heartbeat_timeout_s` or a shorter `fault.timeout_s`: `verdict.hang_bound`)."""
 
     KIND: ClassVar[str] = "shell"
 
     what: str
     rank: str  # the slot's RANK ("?" if torchrun named none)
     pid: int  # the child that died
-    how: str
+    how: str  # how the child died; SHELL_SILENT: the role of the child that killed the shell
     standby: int | None = None  # the standby that replaces it or takes the dead standby's place
     count: int | None = None  # replacements (or respawned standbys) so far, this one included
     limit: int | None = None  # fault.max_replacements
@@ -44,8 +52,10 @@ class ShellLine:
     unix: float | None = None  # REPLACED: when the shell saw the death
     step: int | None = None  # AFTER_THE_END: the step the job finished at
     why: str | None = None  # HANDED_BACK: "no standby" or "replacements spent"
-    silent_s: float | None = None  # FROZEN: how long the trainer said nothing
-    timeout_s: float | None = None  # FROZEN: fault.timeout_s
+    silent_s: float | None = None  # FROZEN, SHELL_SILENT: how long the trainer (the shell) said nothing
+    bound_s: float | None = None  # FROZEN, SHELL_SILENT: the hang bound, seconds
+    bound_key: str | None = None  # ... and the key that set it
+    by: int | None = None  # SHELL_SILENT: the child that killed the shell
 
     def line(self) -> str:
         """The console line, byte for byte the formats above."""
@@ -65,24 +75,22 @@ class ShellLine:
         if self.what == STANDBY_LOST:
             return f"{head}standby {died}; none left to start"
         if self.what == FROZEN:
+            return f"{head}trainer pid {self.pid} {self._silent()}: frozen; killed"
+        if self.what == SHELL_SILENT:
             return (
-                f"{head}trainer pid {self.pid} said nothing for {self.silent_s:.1f} s (more than "
-                f"fault.timeout_s={self.timeout_s:g} s): frozen; killed"
+                f"{head}rank shell pid {self.pid} {self._silent()}: stopped or stuck; killed by its {self.how} pid "
+                f"{self.by} (its children die with it: torchrun restarts or ends the job)"
             )
         raise ValueError(f"unknown shell line {self.what!r}")
 
+    def _silent(self) -> str:
+        return f"said nothing for {self.silent_s:.1f} s (more than {self.bound_key}={self.bound_s:g} s)"
+
     def record(self) -> dict:
         """The run record's JSON object of this line."""
-        record = {"kind": self.KIND, **asdict(self)}
-        if self.unix is not None:
-            record["unix"] = float(f"{self.unix:.3f}")
-        if self.silent_s is not None:
-            record["silent_s"] = float(f"{self.silent_s:.1f}")
-        return record
+        return record_of(self, {"unix": 3, "silent_s": 1})
 
     @classmethod
     def from_record(cls, record: dict) -> ShellLine:
         """The line of a record `record()` wrote (KeyError, TypeError or ValueError if it is not one)."""
-        line = cls(**{k: v for k, v in record.items() if k != "kind"})
-        line.line()  # an unknown `what` is not a record this program wrote
-        return line
+        return line_of(cls, record)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from moevement.recovery.live_state import LiveState
 from parallelisms import collectives
 from trainer.lifecycle.process_state import ProcessState
-from trainer.lifecycle.rank_shell import GENERATION
+from trainer.lifecycle.rank_shell import GENERATION, fault_unix
 from trainer.lifecycle.startup import STARTUP
 
 
@@ -30,6 +30,7 @@ class StartPlan:
     generation: int = 0  # in-place generations of this attempt before this one
     kept: LiveState | None = None  # a survivor's state, kept in memory from the previous generation
     accounting: dict | None = None  # a survivor's run accounting, likewise
+    fault_unix: float | None = None  # a replacement's: when the fault it replaces struck, by its rank shell's clock
     process: ProcessState = field(default_factory=lambda: ProcessState(STARTUP), compare=False)  # outlives the plan
 
     @property
@@ -47,9 +48,12 @@ class StartPlan:
         """The run and attempt that files kept across a torchrun restart are named by."""
         return {"run_id": self.run_id, "attempt": self.attempt}
 
-    def next_generation(self, kept: LiveState | None, accounting: dict | None) -> StartPlan:
-        """A survivor's plan for the generation after this one, with what it kept in memory."""
-        return replace(self, generation=self.generation + 1, kept=kept, accounting=accounting)
+    def next_generation(
+        self, kept: LiveState | None, accounting: dict | None, fault_unix: float | None = None
+    ) -> StartPlan:
+        """A survivor's plan for the generation after this one, with what it kept in memory (and, where this
+        generation failed to start, the fault it was to recover from, if its shell dated it)."""
+        return replace(self, generation=self.generation + 1, kept=kept, accounting=accounting, fault_unix=fault_unix)
 
 
 def agree_on_attempt(plan: StartPlan) -> StartPlan:
@@ -70,4 +74,5 @@ def plan_start() -> StartPlan:
         run_id=os.environ.get("TORCHELASTIC_RUN_ID", ""),
         attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
         generation=int(os.environ.get(GENERATION, "0")),
+        fault_unix=fault_unix(),
     )

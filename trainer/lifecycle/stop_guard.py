@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from trainer.lifecycle.peer_failure import WorkerStopped
 from trainer.lifecycle.process_state import ProcessState
 from trainer.lifecycle.verdict import OnSigterm, on_sigterm
+from trainer.run import event_log
 
 
 class StopGuard:
@@ -32,7 +33,8 @@ class StopGuard:
     SIGTERM in the setup phase keeps first (a survivor's state kept in memory), returning what it kept.
     `process`: where the process records SIGTERM for its later generations' guards. `step`: the last
     iteration the rank's state has applied before training starts (a survivor's kept state: the iteration
-    before its next; 0 otherwise), which a SIGTERM in the setup phase names."""
+    before its next; 0 otherwise), which a SIGTERM in the setup phase names. `preempted_line(step, kept,
+    detected_unix=None)`: the `preempted:` line (a `SurvivorLine`), printed and recorded (`event_log.say`)."""
 
     def __init__(self, rank: int, preempted_line, process: ProcessState, keep_at_setup=None, step: int = 0):
         self.rank, self.preempted_line, self.keep_at_setup = rank, preempted_line, keep_at_setup
@@ -56,7 +58,7 @@ class StopGuard:
             raise WorkerStopped("SIGTERM from the torchrun agent")
         if action is OnSigterm.EXIT:
             kept = self.keep_at_setup() if self.keep_at_setup else "nothing new to keep"
-            print(self.preempted_line(self.step, kept), flush=True)
+            event_log.say(self.preempted_line(self.step, kept))
             os._exit(128 + signum)
 
     def optimizer_step_begins(self, *_args) -> None:

@@ -27,12 +27,15 @@ from trainer.lifecycle import exit_codes
 from trainer.lifecycle.peer_failure import GLOO_GISTS, WorkerStopped, gist, peer_error
 from trainer.lifecycle.startup import process_start_time
 from trainer.lifecycle.stop_guard import StopGuard
+from trainer.lifecycle.survivor_lines import DETECTED, REJOINS, SurvivorLine
+from trainer.run import event_log
 from trainer.run.host_paths import host_job_dir, host_rank_dir
 
 
 def keep_state_and_exit(guard: StopGuard, keep_live_state, error: BaseException) -> None:
     """Another worker died (or the job is stopping): keep this rank's live state if it is consistent, say
-    so in one line, and exit at once (torchrun restarts the job; nothing else here is needed)."""
+    so in one line (printed and recorded: `event_log.say`), and exit at once (torchrun restarts the job;
+    nothing else here is needed)."""
     error = peer_error(error) or error
     sigterm = isinstance(error, WorkerStopped)
     how = "SIGTERM from the torchrun agent" if sigterm else gist(error)
@@ -44,11 +47,11 @@ def keep_state_and_exit(guard: StopGuard, keep_live_state, error: BaseException)
         next_iteration = guard.step + 1 if guard.stopped_in == "applying" else guard.applied + 1
         nbytes = keep_live_state(next_iteration, detected)
         kept = f"live state of iteration {next_iteration}, {nbytes / 1e6:.1f} MB" if nbytes else "no live state"
-    when = f" (detected at unix={detected['time']:.3f})"
     if sigterm:
-        print(guard.preempted_line(guard.step, kept) + when, flush=True)
+        event_log.say(guard.preempted_line(guard.step, kept, detected["time"]))
     else:
-        print(f"failure detected: rank {guard.rank} at step {guard.step} by {how}; kept {kept}{when}", flush=True)
+        line = SurvivorLine(DETECTED, guard.rank, guard.step, how=how, kept=kept, detected_unix=detected["time"])
+        event_log.say(line)
         if not isinstance(error, dist.DistError) and not any(g in str(error) for g in GLOO_GISTS):
             # told only by where it was raised, with no gist we know: the whole record, to stderr
             traceback.print_exception(error, file=sys.stderr)
@@ -58,8 +61,9 @@ def keep_state_and_exit(guard: StopGuard, keep_live_state, error: BaseException)
 
 def survive_in_place(job, error: BaseException):
     """Another worker died and its rank shell starts a replacement: keep this rank's state in memory if it
-    is consistent (as `keep_state_and_exit` decides), release its host state, say so in one line; returns
-    the plan of the next generation. The caller drops the job before leaving its groups."""
+    is consistent (as `keep_state_and_exit` decides), release its host state, say so in one line (printed
+    and recorded); returns the plan of the next generation. The caller drops the job before leaving its
+    groups."""
     guard, detected_at = job.guard, time.time()
     how = gist(peer_error(error) or error)
     guard.stop()
@@ -74,11 +78,10 @@ def survive_in_place(job, error: BaseException):
     job.ft.abandon()
     job.logger.close()
     plan = job.plan.next_generation(kept, accounting)
-    print(
-        f"survivor: rank {guard.rank} pid {os.getpid()} (running since unix={process_start_time():.3f}) at step "
-        f"{guard.step}: {how}; kept {what}; joins generation {plan.generation} (detected at unix={detected_at:.3f})",
-        flush=True,
+    line = SurvivorLine(
+        REJOINS, guard.rank, guard.step, os.getpid(), process_start_time(), how, what, plan.generation, detected_at
     )
+    event_log.say(line)
     return plan
 
 

@@ -3,7 +3,8 @@
 - `decide`: what a trainer does once an exception ended its work (below);
 - `on_sigterm`: what SIGTERM does in each phase of the stop guard (`trainer/lifecycle/survival.py`);
 - `after_child_exit`: what a rank shell does when its trainer child ends (`trainer/lifecycle/rank_shell.py`),
-  and `a_frozen_child`: when it ends a trainer that stopped saying anything;
+  `a_frozen_child`: when it ends a trainer that stopped saying anything, and `a_silent_shell`: when a shell's
+  child ends the shell that stopped beating (`trainer/lifecycle/shell_watch.py`);
 - `runs_a_shell`: whether `train.py` starts as a rank shell at all (`trainer/lifecycle/entry.py`).
 
 The rest of the lifecycle gathers the facts and carries the verdicts out. Imports nothing but the exit
@@ -98,13 +99,34 @@ def after_child_exit(returncode: int, job_finished: bool, stopping: bool) -> She
     return ShellVerdict.REPLACE
 
 
-def a_frozen_child(silent_s: float, timeout_s: float, stopping: bool) -> bool:
+def a_frozen_child(silent_s: float, bound_s: float, stopping: bool) -> bool:
     """Whether a rank shell kills its trainer child as frozen: since its imports the child says `alive`
-    every second from a thread of its own, and it said nothing for longer than `timeout_s`
-    (`fault.timeout_s`, the bound its peers' collectives give it too): the process is stopped (SIGSTOP) or
-    stuck holding the interpreter. Not while torchrun stops the job (`stopping`). The killed child is then
-    a death like any other (`after_child_exit`)."""
-    return not stopping and silent_s > timeout_s
+    every second from a thread of its own, and it said nothing for longer than `bound_s` (`hang_bound`):
+    the process is stopped (SIGSTOP) or stuck holding the interpreter. Not while torchrun stops the job
+    (`stopping`). The killed child is then a death like any other (`after_child_exit`)."""
+    return not stopping and silent_s > bound_s
+
+
+def hang_bound(heartbeat_timeout_s: float, timeout_s: float) -> tuple[str, float]:
+    """(key, seconds): the silence after which a shell's trainer, or a shell, is hung (`a_frozen_child`,
+    `a_silent_shell`): `fault.heartbeat_timeout_s`, the hang bound, or `fault.timeout_s` where that is
+    shorter, since a hung trainer's peers give up on it then and wait a bounded time for its replacement
+    (`parallelisms.distributed.LATER_GENERATION_JOIN_FACTOR` times that)."""
+    if timeout_s < heartbeat_timeout_s:
+        return "fault.timeout_s", timeout_s
+    return "fault.heartbeat_timeout_s", heartbeat_timeout_s
+
+
+STANDBY_GRACE_S = 2.0  # a standby waits this much longer than the trainer before it ends a silent shell
+
+
+def a_silent_shell(silent_s: float, bound_s: float, standby: bool) -> bool:
+    """Whether a rank shell's child (its trainer, or its standby: `standby`) kills the shell, which beats to
+    each child every second and said nothing for longer than `bound_s` (`hang_bound`): the shell is stopped
+    or stuck, so nobody would replace the trainer, and torchrun, which waits on the shell, would wait for
+    ever. Its trainer decides first; its standby `STANDBY_GRACE_S` later, so that a shell whose trainer has
+    exited (or is frozen too) is still ended, and a live trainer's line is the one printed."""
+    return silent_s > bound_s + (STANDBY_GRACE_S if standby else 0.0)
 
 
 def runs_a_shell(

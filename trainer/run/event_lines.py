@@ -1,12 +1,14 @@
-"""The trainer's own event lines (docs/design.md §5), typed: `fault: ...` when an injected death strikes and
+"""The trainer's own event lines (docs/design.md §5), typed: `step=...` after each iteration, `validation
+step=...`, `elastic: ...` when an elastic job fits its layout, `fault: ...` when an injected death strikes and
 `final step=...` at the end of a run. `line()` is the console line byte for byte; `record()` is the JSON
 object the run record keeps of it (`trainer/run/event_log.py`), numbers rounded as the line prints them, and
 `from_record(record).line()` is the printed line again. The recovery lines are in
-`moevement/recovery/report.py`."""
+`moevement/recovery/report.py`, a rank shell's in `trainer/lifecycle/shell_lines.py`, a survivor's in
+`trainer/lifecycle/survivor_lines.py`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import ClassVar
 
 CRASH = "crash"  # FaultStrike.how of `fault.crash`: the process exits; a kill names its signal
@@ -79,5 +81,120 @@ class FinalLine:
 
     @classmethod
     def from_record(cls, record: dict) -> FinalLine:
+        """The line of a record `record()` wrote (KeyError, TypeError or ValueError if it is not one)."""
+        return cls(**{k: v for k, v in record.items() if k != "kind"})
+
+
+def format_value(value: float) -> str:
+    """A step line's number: an int as it is; a float with 6 decimals, or `%.3e` where that prints a value
+    below 0.001 (so a printed value, read back, prints the same)."""
+    if isinstance(value, int):
+        return str(value)
+    small = f"{value:.3e}"
+    return small if value != 0 and abs(float(small)) < 1e-3 else f"{value:.6f}"
+
+
+def printed_value(value: float) -> float:
+    """`value` as `format_value` prints it (an int stays one)."""
+    return value if isinstance(value, int) else float(format_value(value))
+
+
+LATE = " (logged late: the rank that logs it died first)"
+
+
+@dataclass(frozen=True)
+class StepLine:
+    """Iteration `step` is done: `step=<n> <name>=<value> ...` (`format_value`), its fields in order:
+
+        step=<n> loss= aux_loss= lr= grad_norm= [<snapshot figures>] tok_per_s= tflops= [mfu=] wall_s=
+
+    A `late` line is one rank 0 logs after a recovery for an iteration the rank that logs died before
+    logging (trainer/run/metrics.py): it holds the scalars the strategy's log kept of it, and ends with
+    `LATE` (the rates and snapshot figures died with the process that measured them)."""
+
+    KIND: ClassVar[str] = "step"
+
+    step: int
+    fields: tuple[tuple[str, float], ...]
+    late: bool = False
+
+    def value(self, name: str) -> float:
+        """The field `name` (KeyError if the line has none)."""
+        return dict(self.fields)[name]
+
+    def line(self) -> str:
+        """The console line, byte for byte the format above."""
+        text = " ".join([f"step={self.step}", *(f"{k}={format_value(v)}" for k, v in self.fields)])
+        return text + (LATE if self.late else "")
+
+    def record(self) -> dict:
+        """The run record's JSON object of this line: its fields by name, in order, then `late`."""
+        fields = {k: printed_value(v) for k, v in self.fields}
+        return {"kind": self.KIND, "step": self.step, **fields, "late": self.late}
+
+    @classmethod
+    def from_record(cls, record: dict) -> StepLine:
+        """The line of a record `record()` wrote (KeyError, TypeError or ValueError if it is not one)."""
+        fields = tuple((k, v) for k, v in record.items() if k not in ("kind", "step", "late"))
+        if not isinstance(record["step"], int) or not all(isinstance(v, int | float) for _, v in fields):
+            raise ValueError("a step record holds numbers")
+        return cls(record["step"], fields, bool(record["late"]))
+
+
+@dataclass(frozen=True)
+class ValidationLine:
+    """`validation step=<n> val_loss=<f>` (6 decimals): the validation loss after iteration `step`."""
+
+    KIND: ClassVar[str] = "validation"
+
+    step: int
+    val_loss: float
+
+    def line(self) -> str:
+        """The console line, byte for byte the format above."""
+        return f"validation step={self.step} val_loss={self.val_loss:.6f}"
+
+    def record(self) -> dict:
+        """The run record's JSON object of this line."""
+        return {"kind": self.KIND, "step": self.step, "val_loss": float(f"{self.val_loss:.6f}")}
+
+    @classmethod
+    def from_record(cls, record: dict) -> ValidationLine:
+        """The line of a record `record()` wrote (KeyError, TypeError or ValueError if it is not one)."""
+        return cls(**{k: v for k, v in record.items() if k != "kind"})
+
+
+@dataclass(frozen=True)
+class ElasticLayout:
+    """An elastic job's layout on the processes of this torchrun round (it shrank or grew when `world` differs
+    from the round before):
+
+        elastic: <world> processes: pp=<p> dp=<d> ep=<e> micro_batches=<m> (configured dp=<d0> micro_batches=<m0>)
+    """
+
+    KIND: ClassVar[str] = "elastic"
+
+    world: int
+    pp: int
+    dp: int
+    ep: int
+    micro_batches: int
+    configured_dp: int
+    configured_micro_batches: int
+
+    def line(self) -> str:
+        """The console line, byte for byte the format above."""
+        return (
+            f"elastic: {self.world} processes: pp={self.pp} dp={self.dp} ep={self.ep} "
+            f"micro_batches={self.micro_batches} (configured dp={self.configured_dp} "
+            f"micro_batches={self.configured_micro_batches})"
+        )
+
+    def record(self) -> dict:
+        """The run record's JSON object of this line."""
+        return {"kind": self.KIND, **asdict(self)}
+
+    @classmethod
+    def from_record(cls, record: dict) -> ElasticLayout:
         """The line of a record `record()` wrote (KeyError, TypeError or ValueError if it is not one)."""
         return cls(**{k: v for k, v in record.items() if k != "kind"})

@@ -5,7 +5,9 @@ backward), `clip` (just before the gradient-norm all-reduce, so no rank gets T's
 `optimizer` (after that all-reduce, before the update), `snapshot` (while this iteration's snapshot is
 being copied to host memory), `replication` (after T is applied, while its snapshot is being sent to the
 replica peers), `validation` (in the validation after T, where one runs), `dense_save` (in the background
-writer of T's periodic dense checkpoint, after its first tensor); these fire only in normal training.
+writer of T's periodic dense checkpoint, after its first tensor), `dense_prune` (rank 0's background thread,
+pruning older periodic checkpoints once T's is published, after the first file it deletes: only where the
+prune deletes one); these fire only in normal training.
 `replay` fires while a restarted generation's start-up (a rejoin or a whole-job restart) replays T;
 `join`, in a survivor that kept its state of T, right after it joined the process groups of the in-place
 generation that follows the death at T. At the end of a run whose last iteration is T: `digest` as this
@@ -72,9 +74,10 @@ class KillSwitch:
         if self.due(phase):
             strike(self.kill, self.rank, self.how, self.say)
 
-    def during_dense_save(self, step: int) -> None:
-        """In the background writer of iteration `step`'s periodic dense checkpoint, after its first tensor."""
-        if self.kill is not None and self.kill.phase == "dense_save" and self.kill.step == step:
+    def in_background(self, phase: str, step: int) -> None:
+        """In a periodic save's background thread (`dense_save`: the writer of iteration `step`'s checkpoint,
+        after its first tensor; `dense_prune`: rank 0 pruning after publishing it, after the first file)."""
+        if self.kill is not None and self.kill.phase == phase and self.kill.step == step:
             strike(self.kill, self.rank, self.how, self.say)
 
 

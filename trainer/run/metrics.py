@@ -1,9 +1,19 @@
-"""Console lines and progress bar (rank 0), the run record's events.jsonl (rank 0), TensorBoard events (rank 0
-writes, every rank contributes)."""
+"""Console lines and progress bar (rank 0), the run record's events (trainer/run/event_log.py: every rank
+records its own), TensorBoard events (rank 0 writes, every rank contributes).
+
+Every iteration is logged once: its `step` record, its `step=` line (every `metrics.log_every`) and its
+TensorBoard `train/` point come from the first process that logs it after it is done, whoever dies. Rank 0
+logs each iteration as it completes it; an iteration run again (a rollback's, a restart's from an older
+window) is not logged again. After a recovery, a rank 0 that continues a run folder reads the newest
+iteration the records hold and logs, from the scalars the checkpoint strategy kept, the iterations done
+before the recovery that no process logged (rank 0 died after the survivors finished them): `catch_up`.
+"""
 
 from __future__ import annotations
 
 import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -12,17 +22,23 @@ from tqdm import tqdm
 from moevement.recovery.report import RecoveryFigures
 from trainer.config import Config
 from trainer.flops import device_peak_flops, flops_per_token, step_throughput
-from trainer.run.event_log import Event, append_event
+from trainer.run import event_log
+from trainer.run.event_lines import StepLine, ValidationLine
+from trainer.run.event_log import Event
 from trainer.run.tensorboard import StageGather, TensorBoardEvents
+
+TRAINING_SCALARS = ("loss", "aux_loss", "lr", "grad_norm")  # a step line's first fields, in a late line too
 
 
 class MetricsLogger:
-    """Prints the `step=` lines checks parse and mirrors them to TensorBoard; records the event lines (`line`).
+    """Logs each iteration once (module docstring) and prints rank 0's lines; records every event line it
+    prints where this process records events (`event_log.record_events_in`).
 
-    `run_dir` (rank 0's run folder, None elsewhere) receives the events; `continued` when it continues an
-    earlier torchrun attempt's folder, whose events from the first iteration this process runs on are
-    then dropped (TensorBoard's purge). `device`: where this rank computes (the peak its MFU divides by,
-    `trainer.flops.device_peak_flops`). Training thread only."""
+    `run_dir` (rank 0's run folder, None elsewhere) receives the TensorBoard events; `continued` when it
+    continues an earlier generation's folder, whose newest logged iteration is then read from its records.
+    `device`: where this rank computes (the peak its MFU divides by, `trainer.flops.device_peak_flops`).
+    Training thread only, but `line`, which a periodic save's background thread calls too (a lock keeps each
+    line and its record whole)."""
 
     def __init__(
         self,
@@ -42,10 +58,17 @@ class MetricsLogger:
         self.log_every = cfg.metrics.log_every
         self.bar = tqdm(disable=True)  # until `start`: lines printed before go straight to stdout
         self.events = None
+        # the newest iteration logged (rank 0): the records' in a continued folder, else known at `start`
+        self.logged = event_log.last_step(run_dir) if continued and run_dir is not None else None
+        self.lock = threading.Lock()  # `line` from the training thread and a background save's
 
     def start(self, first_step: int) -> None:
-        """Training starts (or resumes) at iteration `first_step`: the progress bar and TensorBoard begin."""
+        """Training starts (or resumes) at iteration `first_step`: the progress bar and TensorBoard begin. A
+        continued folder's TensorBoard events from the first iteration not logged yet on are dropped
+        (TensorBoard's purge): a point its writer left without a record is written again."""
         cfg = self.cfg
+        if self.logged is None:
+            self.logged = first_step - 1
         show_bar = self.enabled and cfg.metrics.progress and sys.stderr.isatty()
         self.bar = tqdm(
             total=cfg.training.steps,
@@ -59,7 +82,7 @@ class MetricsLogger:
             gather = StageGather(cfg.model.n_layers, cfg.model.n_routed_experts, cfg.parallelism.pp, self.stage)
             self.events = TensorBoardEvents(
                 self.run_dir if self.enabled else None,
-                first_step if self.continued else None,
+                self.logged + 1 if self.continued else None,
                 cfg.metrics.tensorboard_every,
                 gather,
                 snapshots=cfg.checkpoint.strategy != "none",
@@ -67,29 +90,21 @@ class MetricsLogger:
 
     def line(self, out: str | Event, every_rank: bool = False) -> None:
         """Print `out`: on rank 0, or on any rank with `every_rank` (a dying rank's `fault:` line). An event (a
-        `recovery`, `recovery work`, `fault` or `final` line: `line()` and `record()`) is first appended to the
-        run's events.jsonl where this process keeps the run record (rank 0), so a printed line always has its
-        record. Another rank's event stays printed only: rank 0 could record it only through a collective, and
-        a rank that is about to kill itself holds none."""
+        `fault`, `recovery`, `recovery work`, `final` line...: `line()` and `record()`) is first recorded where
+        this process records events, so a printed line always has its record."""
         if not (self.enabled or every_rank):
             return
-        if isinstance(out, str):
-            text = out
-        else:
-            text = out.line()
-            if self.run_dir is not None:
-                self._record(out)
+        with self.lock:
+            if not isinstance(out, str):
+                event_log.record(out)
+                out = out.line()
+            self._print(out)
+
+    def _print(self, text: str) -> None:
         if self.bar.disable:
             print(text, flush=True)
         else:
             self.bar.write(text)
-
-    def _record(self, event: Event) -> None:
-        """Append `event`'s record; a run folder that cannot take it costs the record, not the run (one line)."""
-        try:
-            append_event(self.run_dir, event)
-        except OSError as e:
-            print(f"run record: {self.run_dir}: cannot record the event ({e}); it is printed only", flush=True)
 
     def step(
         self,
@@ -100,22 +115,48 @@ class MetricsLogger:
         elapsed_s: float,
         wall_s: float,
     ) -> None:
-        """Log iteration `step` (1-based), which took `elapsed_s`, `wall_s` into the run:
-        `step=<n> loss=<float> ...` with the training scalars, this rank's snapshot figures, `tok_per_s`,
-        `tflops` (model TFLOP/s per device), `mfu` (only where the device's peak is known) and `wall_s` (last:
-        checks read the line's end). Every rank calls it (the TensorBoard gather is collective)."""
+        """Log iteration `step` (1-based), which took `elapsed_s`, `wall_s` into the run, unless it was logged
+        before: its `step` record and `step=<n> loss=<float> ...` line with the training scalars, this rank's
+        snapshot figures, `tok_per_s`, `tflops` (model TFLOP/s per device), `mfu` (only where the device's
+        peak is known) and `wall_s` (last: checks read the line's end). Every rank calls it (the TensorBoard
+        gather is collective, and runs after the iteration is logged: a peer's death there loses no line)."""
         t, p = self.cfg.training, self.cfg.parallelism
         throughput = step_throughput(self.flops_per_step, elapsed_s, p.pp * p.dp, self.peak)
         rates = {"tok_per_s": t.batch_size * t.seq_len / elapsed_s, **throughput, "wall_s": wall_s}
+        fresh = self.logged is None or step > self.logged
+        if self.enabled and fresh:
+            self._log(StepLine(step, tuple({**scalars, **snapshot, **rates}.items())), {**scalars, **rates})
         if self.events is not None:
-            self.events.step(step, {**scalars, **rates}, tokens, snapshot)
-        if not self.enabled:
+            self.events.gather(step, tokens, snapshot, write=fresh)
+        if self.enabled:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{scalars['loss']:.4f}")
+
+    def _log(self, line: StepLine, tensorboard: dict[str, float]) -> None:
+        """Rank 0 logs an iteration: TensorBoard first, then its record, then (every `log_every`) its line."""
+        if self.events is not None:
+            self.events.scalars(line.step, tensorboard)
+        event_log.record(line)
+        self.logged = line.step
+        if line.step % self.log_every == 0:
+            self._print(line.line())
+
+    def catch_up(self, done: int, logged_scalars: Callable[[int], dict[int, dict[str, float]]]) -> None:
+        """Rank 0, after `start` and a recovery: iterations 1..`done` are done. Log those after the newest
+        logged one, each as a `late` line of the scalars `logged_scalars(first)` returns (the strategy's log
+        from iteration `first` on): rank 0 died after the survivors finished them. One line names those
+        whose scalars are not kept (they stay unlogged)."""
+        if not self.enabled or done <= self.logged:
             return
-        self.bar.update(1)
-        self.bar.set_postfix(loss=f"{scalars['loss']:.4f}")
-        if step % self.log_every == 0:
-            fields = " ".join(f"{k}={_fmt(v)}" for k, v in {**scalars, **snapshot, **rates}.items())
-            self.line(f"step={step} {fields}")
+        kept = logged_scalars(self.logged + 1)
+        missing = [step for step in range(self.logged + 1, done + 1) if step not in kept]
+        for step in range(self.logged + 1, done + 1):
+            if step in kept:
+                values = {k: float(kept[step][k]) for k in TRAINING_SCALARS if k in kept[step]}
+                self._log(StepLine(step, tuple(values.items()), late=True), values)
+        if missing:
+            self._print(f"log: iterations {missing[0]}-{missing[-1]} were done but never logged (no scalars kept)")
+        self.logged = done
 
     def recovery(self, figures: RecoveryFigures | None) -> None:
         """A recovery is done (its line is printed): its figures go to TensorBoard (rank 0 writes them)."""
@@ -123,8 +164,11 @@ class MetricsLogger:
             self.events.recovery(figures)
 
     def validation(self, step: int, loss: float) -> None:
+        """The validation loss after iteration `step`: rank 0's line and record (each time one runs: a
+        validation run again after a recovery is logged again, on the state training goes on from), and its
+        TensorBoard point."""
         if self.enabled:
-            self.line(f"validation step={step} val_loss={loss:.6f}")
+            self.line(ValidationLine(step, loss))
         if self.events is not None:
             self.events.validation(step, loss)
 
@@ -132,9 +176,3 @@ class MetricsLogger:
         self.bar.close()
         if self.events is not None:
             self.events.close()
-
-
-def _fmt(value: float) -> str:
-    if isinstance(value, int):
-        return str(value)
-    return f"{value:.6f}" if abs(value) >= 1e-3 or value == 0 else f"{value:.3e}"

@@ -1,5 +1,11 @@
-"""A run's record: `<output_dir>/<job.name>/<timestamp>/` with its resolved config, how it was launched and
-its TensorBoard events. Rank 0 writes it; a torchrun restart of the same launch continues its folder."""
+"""A run's record: `<output_dir>/<job.name>/<timestamp>/` with its resolved config, how it was launched, where
+it started and its TensorBoard events. Rank 0 writes it; a torchrun restart of the same launch continues its
+folder.
+
+`config.toml` holds the config as the start resolved it (`checkpoint.load_step N` or `checkpoint.load DIR`,
+never -1: `trainer.checkpoint.resume`), so that it reruns the same thing; `run.json` names the checkpoint the
+run resumed from (`resumed_from`: directory, step and the seal of its meta.json; null for the initial state)
+and the run's lineage (`trainer.checkpoint.lineage`), which a later generation of the run keeps."""
 
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,6 +25,8 @@ import torch.distributed
 
 from parallelisms.distributed import store_round, torchrun_store
 from trainer.atomic_write import write_atomically
+from trainer.checkpoint.lineage import new_lineage
+from trainer.checkpoint.resume import Source
 from trainer.config import Config, ConfigError
 from trainer.config_help import to_toml
 from trainer.lifecycle import rank_shell
@@ -103,24 +112,38 @@ def _new_folder(job_dir: Path) -> Path:
     raise FileExistsError(f"{job_dir}: no free run folder for {stamp}")
 
 
-def open_run_record(cfg: Config, world: int, argv: list[str], restarted: bool) -> tuple[Path, bool]:
-    """(this run's folder, whether it continues the folder of an earlier generation of this torchrun run:
-    `restarted`, after a torchrun restart or an in-place replacement). A new folder
-    gets `config.toml` (loads back into the same Config with `--config`) and `run.json` (command line, commit,
-    versions, layout); a continued one keeps them. Rank 0 only; ConfigError if the folder cannot be written."""
+@dataclass(frozen=True)
+class RunFolder:
+    """Rank 0's run record: its folder, whether it continues an earlier generation's, and the run's lineage."""
+
+    path: Path
+    continued: bool
+    lineage: str
+
+
+def open_run_record(cfg: Config, world: int, argv: list[str], restarted: bool, source: Source | None) -> RunFolder:
+    """This run's folder, which continues the folder of an earlier generation of this torchrun run when
+    `restarted` (after a torchrun restart or an in-place replacement) and there is one. A new folder gets
+    `config.toml` (`cfg`, as the start resolved it: loads back into the same Config with `--config`) and
+    `run.json` (command line, commit, versions, layout, `source`: the checkpoint loaded, the lineage); a
+    continued one keeps them. The lineage: `source`'s, else the continued folder's, else a new one. Rank 0
+    only; ConfigError if the folder cannot be written."""
     try:
-        return _open(cfg, world, argv, restarted)
+        return _open(cfg, world, argv, restarted, source)
     except OSError as e:
         msg = f"config key 'job.output_dir' ({cfg.job.output_dir!r}): cannot write the run record: {e}"
         raise ConfigError(msg) from None
 
 
-def _open(cfg: Config, world: int, argv: list[str], restarted: bool) -> tuple[Path, bool]:
+def _open(cfg: Config, world: int, argv: list[str], restarted: bool, source: Source | None) -> RunFolder:
     job_dir = Path(cfg.job.output_dir) / cfg.job.name
     identity = launch_identity()
     folder = _continued_folder(job_dir, identity) if restarted else None
+    inherited = source.lineage if source is not None else None
     if folder is not None:
-        return folder, True
+        kept = (_record_of(folder) or {}).get("lineage")
+        return RunFolder(folder, True, inherited or (kept if isinstance(kept, str) else None) or new_lineage())
+    lineage = inherited or new_lineage()
     folder = _new_folder(job_dir)
     write_atomically(folder / CONFIG, to_toml(cfg))
     record = {
@@ -133,9 +156,11 @@ def _open(cfg: Config, world: int, argv: list[str], restarted: bool) -> tuple[Pa
         "world_size": world,
         "layout": {"pp": cfg.parallelism.pp, "dp": cfg.parallelism.dp, "ep": cfg.parallelism.ep},
         "launch": identity,
+        "resumed_from": source.record() if source is not None else None,
+        "lineage": lineage,
     }
     write_atomically(folder / RECORD, json.dumps(record, indent=2) + "\n")
-    return folder, False
+    return RunFolder(folder, False, lineage)
 
 
 def _folder_key() -> str:
@@ -143,20 +168,33 @@ def _folder_key() -> str:
 
 
 def publish_run_folder(run_dir: Path) -> None:
-    """Rank 0, its run folder open: name it on torchrun's store for the other ranks' shells (under rank shells
-    only; before the strategy's first collective, so every rank finds it after that one)."""
+    """Rank 0, its run folder open: name it on torchrun's store (under torchrun) for the other ranks and their
+    shells (before the strategy's first collective, so every rank finds it after that one)."""
     store = torchrun_store()
-    if store is not None and os.environ.get(rank_shell.ROLE) == "trainer":
+    if store is not None:
         store.set(_folder_key(), str(run_dir.resolve()))
 
 
-def tell_the_shell_the_run_folder() -> None:
-    """Every rank under a rank shell, past a collective after rank 0's `publish_run_folder`: tell its shell the
-    run folder, where the shell records its `shell:` lines beside rank 0's events."""
+def published_run_folder() -> Path | None:
+    """Every rank under torchrun, past a collective after rank 0's `publish_run_folder`: the run folder, where
+    it is on this host (rank 0's: its `run.json` names this host), so that appends to its events.jsonl are
+    atomic; None elsewhere, or where rank 0 named none (it could not open one)."""
     store = torchrun_store()
-    if store is None or os.environ.get(rank_shell.ROLE) != "trainer":
-        return
+    if store is None:
+        return None
     try:
-        rank_shell.report(f"run {store.get(_folder_key()).decode()}")
+        if not store.check([_folder_key()]):
+            return None
+        folder = Path(store.get(_folder_key()).decode())
     except (RuntimeError, torch.distributed.DistError):
-        pass  # rank 0 named none (it could not open one): the shell's lines stay printed only
+        return None
+    record = _record_of(folder)
+    launch = record.get("launch") if record is not None else None
+    return folder if isinstance(launch, dict) and launch.get("host") == socket.gethostname() else None
+
+
+def tell_the_shell_the_run_folder(folder: Path | None) -> None:
+    """Under a rank shell: tell it the run folder (`published_run_folder`), where the shell records its
+    `shell:` lines beside the trainers' events (None: its lines stay printed only)."""
+    if folder is not None and os.environ.get(rank_shell.ROLE) == "trainer":
+        rank_shell.report(f"run {folder}")

@@ -90,7 +90,7 @@ def _rejoin(rank_dir: Path, job_meta: dict, plan: StartPlan, from_dense: bool) -
     if dist.is_initialized():
         collectives.all_reduce(kept)
     marks = plan.process.startup.marks  # still being taken
-    return Rejoin(name, live, bool(kept.item()), marks, plan.in_place)
+    return Rejoin(name, live, bool(kept.item()), marks, plan.in_place, plan.fault_unix)
 
 
 def build_strategy(
@@ -140,7 +140,7 @@ def build_strategy(
     new_checkpointer = _checkpointer_factory(cfg, model, optimizer, dims, rank_dir, topo, job_meta)
     if strategy != "moevement":
         restarted = plan.restarted and not from_dense or found is not None  # found, from_dense: a re-laid one
-        restart = RestartState(rejoin.live, found, checks["run"]) if restarted else None
+        restart = RestartState(rejoin.live, found, checks["run"], rejoin.fault_unix) if restarted else None
         return _interval_baseline(cfg, model, optimizer, dims, ops, new_checkpointer, line, lock, rejoin, restart)
     checkpointer = new_checkpointer(dataclasses.replace(cfg.checkpoint, persist_dir=str(disk or "")))
     if from_dense and dist.is_initialized():

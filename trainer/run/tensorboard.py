@@ -1,6 +1,7 @@
 """TensorBoard events of a run, written by rank 0 into the run folder, with every pipeline stage's figures.
 
-Every iteration: rank 0's `train/` scalars (loss, lr, ...: the same on every rank). Every
+Every iteration, once (the first time it is done: trainer/run/metrics.py): rank 0's `train/` scalars (loss,
+lr, ...: the same on every rank). Every
 `metrics.tensorboard_every` iterations, one small all-reduce over all ranks brings rank 0 each stage's
 expert load since the last gather (written as a layers x experts heatmap and one max/mean scalar per MoE
 layer), each stage's snapshot figures (`snapshot/pp<r>/<figure>` at that iteration, the largest over
@@ -132,21 +133,26 @@ class TensorBoardEvents:
             self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
         self.every, self.stage_gather, self.snapshots = every, gather, snapshots
 
-    def step(self, step: int, scalars: dict[str, float], tokens: dict, snapshot: dict[str, float]) -> None:
-        """Iteration `step` is done on every rank: rank 0 writes its scalars; every `every` iterations every
-        rank takes part in the gather (collective)."""
+    def scalars(self, step: int, scalars: dict[str, float]) -> None:
+        """Rank 0 writes iteration `step`'s `train/` scalars, flushed before the caller records the iteration as
+        logged (a process killed in between leaves the point, which the next writer's purge replaces)."""
         if self.writer is not None:
             for key, value in scalars.items():
                 self.writer.add_scalar(f"train/{key}", value, step)
+            self.writer.flush()
+
+    def gather(self, step: int, tokens: dict, snapshot: dict[str, float], write: bool = True) -> None:
+        """Iteration `step` is done on every rank: count its routed tokens; every `every` iterations every rank
+        takes part in the gather (collective) and rank 0 writes it, unless `write` is false (an iteration run
+        again, logged before)."""
         self.stage_gather.add(step, tokens)
         if step % self.every == 0:
             first = self.stage_gather.first_step
             owned = {i for i in map(layer_index, tokens) if i is not None}
             counts, moe, figures = self.stage_gather.gather(owned, snapshot)
-            if self.writer is not None:
+            if self.writer is not None and write:
                 self._write_gathered(first, step, counts, moe, figures)
-        if self.writer is not None:
-            self.writer.flush()  # a process that dies (or keeps its state and exits) loses no logged iteration
+                self.writer.flush()
 
     def _write_gathered(self, first: int, step: int, counts: torch.Tensor, moe, figures: torch.Tensor) -> None:
         layers = [i for i in range(len(moe)) if moe[i]]
