@@ -35,6 +35,11 @@ class FaultEvent:
     ranks: tuple[int, ...]
 
 
+def _shown(item: str, limit: int = 60) -> str:
+    """`item` quoted, cut to `limit` characters (and its length) when longer: an error line stays short."""
+    return repr(item) if len(item) <= limit else f"{item[:limit]!r}... ({len(item)} characters)"
+
+
 def parse_events(spec: str, key: str) -> list[FaultEvent]:
     """`"5:1,5:2+3"` -> [FaultEvent(5, (1,)), FaultEvent(5, (2, 3))], in the order given."""
     events = []
@@ -47,7 +52,7 @@ def parse_events(spec: str, key: str) -> list[FaultEvent]:
         if not sep or event is None or event.step < 1 or min(event.ranks) < 0:
             raise FaultSpecError(
                 f"config key '{key}' must look like STEP:RANK[+RANK...][,STEP:RANK...] "
-                f"with STEP >= 1 and RANK >= 0, got {item!r}"
+                f"with STEP >= 1 and RANK >= 0, got {_shown(item)}"
             )
         events.append(event)
     return events
@@ -96,7 +101,7 @@ def parse_kills(spec: str, key: str = "fault.kill") -> list[KillEvent]:
         if kill is None or kill.step < 1 or kill.rank < 0 or phase not in KILL_PHASES:
             raise FaultSpecError(
                 f"config key '{key}' must look like STEP:RANK[:PHASE][,...] with STEP >= 1, RANK >= 0 and "
-                f"PHASE one of {', '.join(KILL_PHASES)}, got {item!r}"
+                f"PHASE one of {', '.join(KILL_PHASES)}, got {_shown(item)}"
             )
         kills.append(kill)
     return kills

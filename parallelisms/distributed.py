@@ -206,24 +206,31 @@ def torchrun_store_client(timeout_s: float) -> dist.TCPStore:
 
 
 def said_once_for_the_job(say: Callable[[], None], wait_s: float = 10.0) -> None:
-    """A clean error every rank meets alike (a bad config, before any process group): rank 0 `say`s it and
-    marks it said on torchrun's store; every other rank waits for that mark (at most `wait_s`) before it
-    exits, since torchrun stops the other workers as soon as one exits and could stop rank 0 before its
-    line. Without torchrun, the process says it."""
-    rank = int(os.environ.get("RANK", "0"))
-    if rank == 0:
-        say()
+    """The job's one error line. Under torchrun the first rank of this round to claim it on torchrun's store
+    `say`s its error and marks it said; every other rank says nothing, and waits for that mark (at most
+    `wait_s`) before it exits, since torchrun stops the other workers as soon as one exits and could stop
+    the sayer before its line. So an error every rank meets (a bad config, a host directory that cannot be
+    made, a damaged data shard every rank reads its own part of) is one line for the job, whichever rank met
+    it first. Without torchrun, or when its store cannot be reached, the process says its own."""
     if "MASTER_ADDR" not in os.environ or "TORCHELASTIC_RUN_ID" not in os.environ:
+        say()
         return
-    key = f"{store_round()}/error-said"
+    key = f"{store_round()}/error"
     try:
         store = torchrun_store_client(wait_s)
-        if rank == 0:
-            store.set(key, "1")
+        first = store.add(f"{key}/claimed", 1) == 1
+    except (*STORE_ERRORS, ValueError):
+        say()  # no store: better a line per rank than none
+        return
+    if first:
+        say()
+    try:
+        if first:
+            store.set(f"{key}/said", "1")
         else:
-            store.wait([key], datetime.timedelta(seconds=wait_s))
-    except (RuntimeError, dist.DistError, ValueError):
-        pass  # no store, or rank 0 did not get there in time: exit all the same
+            store.wait([f"{key}/said"], datetime.timedelta(seconds=wait_s))
+    except (*STORE_ERRORS, ValueError):
+        pass  # the store is gone, or the sayer did not get there in time: exit all the same
 
 
 def peer_stopped_with_an_error() -> bool:

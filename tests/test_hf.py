@@ -349,6 +349,38 @@ def test_pickled_weights_are_refused_unread(tmp_path, capsys):
     assert "pickled weights" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json"])
+def test_a_symlinked_file_is_refused_unfollowed(tmp_path, capsys, name):
+    """As the trainer's own checkpoints: a file of the import that is a symlink is never followed."""
+    _, src = _qwen(tmp_path)
+    (src / name).rename(tmp_path / name)
+    (src / name).symlink_to(tmp_path / name)
+    capsys.readouterr()  # transformers' own output while it saved the model
+    assert main(["import", str(src), str(tmp_path / "ckpt")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {src / name}: is a symlink; refused, never followed") and "\n" not in err, err
+    assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("-inf")])
+def test_non_finite_weights_are_refused_naming_the_tensor(tmp_path, capsys, value):
+    """One NaN (or infinity) in an expert's weight: one line naming the file and the tensor, and nothing of
+    the checkpoint left (the tensors before it were written already)."""
+    _, src = _qwen(tmp_path)
+    tensors = load_file(src / "model.safetensors")
+    name = "model.layers.1.mlp.experts.2.up_proj.weight"
+    tensors[name][0, 3] = value
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    capsys.readouterr()  # transformers' own output while it saved the model
+    assert main(["import", str(src), str(tmp_path / "ckpt")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        err
+        == f"error: {src / 'model.safetensors'}: tensor {name} holds 1 non-finite value(s) (NaN or infinity); refused"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["qwen"]  # no checkpoint, no temporary
+
+
 def test_exported_byte_tokenizer_is_the_trainer_s(tmp_path):
     text = "Question: héllo wörld\n\tdone 🙂"
     assert byte_level_tokenizer().encode(text).ids == ByteTokenizer().encode(text)

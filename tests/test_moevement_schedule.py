@@ -25,6 +25,7 @@ from moevement.checkpoint.schedule import (
 )
 from moevement.operators import OPTIMIZER_KEYS, build_registry
 from tests.tiny_moe import ARGS as TINY_ARGS
+from trainer.config import operator_count
 from trainer.run.strategy_factory import stacked_operators
 
 L1, L2 = "layers.1.moe", "layers.2.moe"
@@ -179,6 +180,10 @@ def test_window_plan():
     assert plan.frozen_after(2) == ()
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.start = 0
+    # a window longer than its operators need ends in empty slots (a pipeline stage with few operators)
+    sparse = WindowPlan(0, (("a",), (), ("b",)) + ((),) * 5)
+    assert [sparse.frozen_after(slot) for slot in range(sparse.window)] == [("b",), ("b",)] + [()] * 6
+    assert sparse == WindowPlan(0, (("a",), (), ("b",)) + ((),) * 5)  # the cached bound is no field
 
 
 def test_order_operators():
@@ -374,6 +379,24 @@ def test_operator_sizes_agree_across_replicas_of_uneven_shards(tmp_path):
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["local"] != ranks[1]["local"], "the local parts differ"
     assert ranks[0]["sizes"] == ranks[1]["sizes"]
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        {"family": "deepseek"},
+        {"family": "deepseek", "n_shared_experts": 0},
+        {"family": "qwen", "n_shared_experts": 1},
+        {"family": "gpt", "n_shared_experts": 0, "tie_embeddings": True},
+        {"family": "deepseek", "n_layers": 5, "n_dense_layers": 1, "moe_every": 2},
+    ],
+)
+def test_operator_count_is_what_the_registry_finds(shape):
+    """`operator_count` (the config's bound on `checkpoint.window`) counts, without a model, the operators
+    `build_registry` finds in the whole model."""
+    args = ModelArgs(**{**TINY_ARGS, "max_seq_len": 64, **shape})
+    model = build_model(args)
+    assert operator_count(args) == len(build_registry(model, stacked_operators(model)))
 
 
 def test_registry_rejects_unknown_tensor_and_undescribed_stacked_experts():

@@ -389,6 +389,31 @@ def test_token_ids_outside_the_vocabulary_are_one_line_naming_the_shard(tmp_path
 
 
 @needs_wiki
+@pytest.mark.slow
+def test_a_damaged_corpus_under_torchrun_is_one_line_for_the_job(tmp_path, prepared_wiki):
+    """Both ranks read out-of-vocabulary token ids, each in a shard of its own (two different lines, one per
+    rank, before): the job prints one of them, once, and every worker exits."""
+    d = _copy(prepared_wiki, tmp_path / "ids")
+    for shard in d.glob("valid-*.bin"):
+        shard.write_bytes(b"\xff" * shard.stat().st_size)
+    _rehash(d)
+    args = (
+        "--training.steps",
+        "2",
+        "--parallelism.dp",
+        "2",
+        "--data.dataset",
+        str(d),
+        "--metrics.tensorboard",
+        "false",
+    )
+    proc = run_cli("--config", DEBUG_CONFIG, *args, nproc=2, check=False)
+    errors = [line for line in (proc.stdout + proc.stderr).splitlines() if "error:" in line]
+    assert proc.returncode != 0 and len(errors) == 1, proc.stdout + proc.stderr
+    assert errors[0].startswith("error: data.dataset: shard ") and "holds token id 65535" in errors[0], errors
+
+
+@needs_wiki
 def test_prepare_on_a_full_file_system_is_one_line_and_resumes(tmp_path):
     """A write that fails (the file size limit here, as a full disk would: EFBIG instead of ENOSPC) is one
     `error:` line naming the file; the same command run again without the limit finishes the preparation."""

@@ -11,11 +11,12 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
-from tests.helpers import ROOT, run_shell
+from tests.helpers import ROOT, SHELL_CHILD, run_shell
 from trainer.lifecycle import exit_codes
 
 
@@ -138,3 +139,32 @@ def test_the_shell_imports_no_torch():
     probe = "import sys, trainer.lifecycle.entry, trainer.lifecycle.rank_shell; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False", out
+
+
+def test_sigterm_inside_the_shells_wait_for_its_standby_does_not_hang_it(tmp_path, monkeypatch):
+    """torchrun's SIGTERM can land while the shell waits for a child (it stops its standby once the trainer
+    ended), and the handler then runs inside that wait. It used to wait for the standby too, on the lock the
+    interrupted wait holds: the shell hung until torchrun's SIGKILL 30 s later (the job's end took that
+    long). Here the test holds that lock, as the interrupted wait does; the handler only sends signals."""
+    from trainer.lifecycle import rank_shell
+
+    script = tmp_path / "child.py"
+    script.write_text(SHELL_CHILD.format(root=str(ROOT), log=str(tmp_path / "log.jsonl"), endings=["busy-0"]))
+    monkeypatch.delenv(rank_shell.ROLE, raising=False)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    previous = signal.getsignal(signal.SIGTERM)
+    shell = rank_shell.RankShell([sys.executable, str(script)], 4, 600.0)
+    try:
+        with shell.standby._waitpid_lock:  # the shell's own `standby.wait()`, interrupted by the signal
+            handler = threading.Thread(target=shell._forward_sigterm, args=(signal.SIGTERM, None), daemon=True)
+            handler.start()
+            handler.join(10)
+            assert not handler.is_alive(), "the SIGTERM handler waits on the lock of the wait it interrupted"
+        assert shell.stopping
+        assert shell.child.wait(10) == -signal.SIGTERM and shell.standby.wait(10) == -signal.SIGKILL
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        for child in (shell.child, shell.standby):
+            child.kill()
+            child.wait()

@@ -21,6 +21,7 @@ from moevement.checkpoint.options import SparseOptions
 from moevement.failures import END_PHASES, FaultPlan, FaultSpecError, KillEvent
 from parallelisms.elastic import ElasticError, elastic_layout
 from parallelisms.mesh import ParallelismConfig
+from trainer.config_bounds import MAX_STEPS, bound_violation, excerpt
 from trainer.data.batches import DataConfig
 
 Strategy = Literal["none", "moevement", "gemini", "checkfreq", "moc"]
@@ -29,6 +30,8 @@ INT64 = (-(2**63), 2**63 - 1)  # every integer key fits a signed 64-bit value (t
 # job.name becomes a directory name under output_dir, host_dir and persist_dir: never a path, never hidden
 JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 INTERVAL_POLICIES = ("auto", "oracle", "capped")
+MAX_CONFIG_BYTES = 16 << 20  # a config file: far more than every key's longest value takes
+MAX_POISSON_FAILURES = 100_000  # the failures `fault.mtbf_iters` may draw over a run (drawn at start-up)
 
 
 class ConfigError(ValueError):
@@ -104,10 +107,6 @@ class CheckpointConfig(SparseOptions):
     moc_plt_threshold: float = 0.0375  # MoC doubles K_pec when the proportion of lost tokens exceeds this
 
 
-NODE_LOSS_MIN_S = 3.0  # fault.node_loss_s: at least a few of the trainers' 1 s beats
-HEARTBEAT_TIMEOUT_S = (3.0, 3600.0)  # fault.heartbeat_timeout_s: a few 1 s beats, at most an hour
-
-
 @dataclass
 class FaultConfig:
     at: str = ""  # STEP:RANK[+RANK...][,...]: these ranks lose their state at STEP and recover in place
@@ -170,19 +169,7 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
     """Read `path` (TOML), apply `--section.key value` overrides, validate."""
     cfg = Config()
     if path is not None:
-        file = Path(path)
-        if not file.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        try:
-            with file.open("rb") as f:
-                table = tomllib.load(f)
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{path}: invalid TOML: {e}") from None
-        except OSError as e:
-            raise ConfigError(f"{path}: unreadable ({e.strerror})") from None
-        if not table:
-            raise ConfigError(f"{path}: the config file sets nothing (empty or only comments)")
-        _apply_table(cfg, table)
+        _apply_table(cfg, _read_table(path))
     for key, raw in _parse_overrides(cfg, overrides):
         section, name = _lookup(cfg, key)
         setattr(section, name, _coerce(key, raw, _field_type(section, name), from_cli=True))
@@ -190,12 +177,38 @@ def load_config(path: str | None, overrides: list[str] = ()) -> Config:
     return cfg
 
 
+def _read_table(path: str) -> dict:
+    """The TOML table of the config file at `path` (ConfigError: missing, unreadable, too large, not TOML,
+    or empty)."""
+    name = excerpt(path, 200, quoted=False)
+    try:
+        file = Path(path)
+        if not file.is_file():
+            raise ConfigError(f"config file not found: {name}")
+        with file.open("rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as e:  # a name too long for the file system among them
+        raise ConfigError(f"config file {name}: unreadable ({e.strerror})") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{name}: larger than {MAX_CONFIG_BYTES >> 20} MiB: not a config file")
+    try:
+        table = tomllib.loads(data.decode())
+    except ValueError as e:  # TOMLDecodeError, UnicodeDecodeError, an integer of more than 4300 digits
+        raise ConfigError(f"{name}: invalid TOML: {excerpt(str(e), 200, quoted=False)}") from None
+    if not table:
+        raise ConfigError(f"{name}: the config file sets nothing (empty or only comments)")
+    return table
+
+
 def _apply_table(cfg: Config, table: dict) -> None:
     for section_name, values in table.items():
         if section_name not in _sections(cfg):
-            near = difflib.get_close_matches(section_name, _sections(cfg), n=1)
+            near = _close_matches(section_name, _sections(cfg))
             hint = f"did you mean [{near[0]}]? " if near else ""
-            raise ConfigError(f"unknown config section [{section_name}] ({hint}allowed: {', '.join(_sections(cfg))})")
+            allowed = ", ".join(_sections(cfg))
+            raise ConfigError(
+                f"unknown config section [{excerpt(section_name, quoted=False)}] ({hint}allowed: {allowed})"
+            )
         if not isinstance(values, dict):
             raise ConfigError(f"config section [{section_name}] must be a table")
         for name, value in values.items():
@@ -211,7 +224,7 @@ def _parse_overrides(cfg: Config, args: list[str]) -> list[tuple[str, str]]:
     while i < len(args):
         arg = args[i]
         if not arg.startswith("--") or "." not in arg:
-            raise ConfigError(f"unexpected argument {arg!r} (overrides look like --section.key value)")
+            raise ConfigError(f"unexpected argument {excerpt(arg)} (overrides look like --section.key value)")
         if "=" in arg:
             key, raw = arg[2:].split("=", 1)
             i += 1
@@ -222,7 +235,7 @@ def _parse_overrides(cfg: Config, args: list[str]) -> list[tuple[str, str]]:
             key, raw = arg[2:], "true"
             i += 1
         else:
-            raise ConfigError(f"missing value for {arg}")
+            raise ConfigError(f"missing value for {excerpt(arg, quoted=False)}")
         pairs.append((key, raw))
     return pairs
 
@@ -243,9 +256,14 @@ def _key_of_name(cfg: Config) -> dict[str, str]:
     return keys
 
 
+def _close_matches(name: str, candidates) -> list[str]:
+    """The candidate nearest `name`, if any is near (none for a name far longer than any key)."""
+    return difflib.get_close_matches(name, candidates, n=1) if len(name) <= 100 else []
+
+
 def _did_you_mean(key: str, candidates: list[str], section: str = "") -> str:
     """``"did you mean '<nearest>'? "`` (prefixed by ``section.``), or "" when no candidate is near."""
-    close = difflib.get_close_matches(key, candidates, n=1)
+    close = _close_matches(key, candidates)
     return f"did you mean '{section + '.' if section else ''}{close[0]}'? " if close else ""
 
 
@@ -253,15 +271,15 @@ def _lookup(cfg: Config, key: str):
     section_name, _, name = key.partition(".")
     if section_name not in _sections(cfg):
         hint = _did_you_mean(key, _all_keys(cfg))
-        raise ConfigError(f"unknown config key '{key}' ({hint}sections: {', '.join(_sections(cfg))})")
+        raise ConfigError(f"unknown config key {excerpt(key)} ({hint}sections: {', '.join(_sections(cfg))})")
     section = getattr(cfg, section_name)
     names = [f.name for f in dataclasses.fields(section)]
     if name not in names:
         hint = _did_you_mean(name, names, section_name) if name not in _key_of_name(cfg) else ""
         if not hint:  # the name (or a near one) of another section's key
-            near = difflib.get_close_matches(name, _key_of_name(cfg), n=1)
+            near = _close_matches(name, _key_of_name(cfg))
             hint = f"did you mean '{_key_of_name(cfg)[near[0]]}'? " if near else ""
-        raise ConfigError(f"unknown config key '{key}' ({hint}allowed in [{section_name}]: {', '.join(names)})")
+        raise ConfigError(f"unknown config key {excerpt(key)} ({hint}allowed in [{section_name}]: {', '.join(names)})")
     return section, name
 
 
@@ -282,11 +300,14 @@ def _coerce(key: str, value, kind, from_cli: bool):
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if type(value) is not kind:
-        raise ConfigError(f"config key '{key}' must be {kind.__name__}, got {type(value).__name__} {value!r}")
+        shown = excerpt(repr(value), quoted=False)
+        raise ConfigError(f"config key '{key}' must be {kind.__name__}, got {type(value).__name__} {shown}")
     if kind is float and not math.isfinite(value):
         raise ConfigError(f"config key '{key}' must be a finite number, got {value!r}")
     if kind is int and not INT64[0] <= value <= INT64[1]:
-        raise ConfigError(f"config key '{key}' must fit a signed 64-bit integer, got {value}")
+        raise ConfigError(
+            f"config key '{key}' must fit a signed 64-bit integer, got {excerpt(str(value), quoted=False)}"
+        )
     return value
 
 
@@ -301,7 +322,7 @@ def _parse_cli_value(key: str, raw: str, kind: type):
             raise ValueError(raw)
         return kind(raw)
     except ValueError:
-        raise ConfigError(f"config key '{key}' must be {kind.__name__}, got {raw!r}") from None
+        raise ConfigError(f"config key '{key}' must be {kind.__name__}, got {excerpt(raw)}") from None
 
 
 def _check(condition: bool, key: str, message: str) -> None:
@@ -310,10 +331,13 @@ def _check(condition: bool, key: str, message: str) -> None:
 
 
 def validate(cfg: Config) -> None:
-    """Cross-field checks; raise ConfigError naming the first bad key."""
+    """Every key within its bound (trainer/config_bounds.py) and among its choices, then what keys mean
+    together; raise ConfigError naming the first bad key."""
     for key in _all_keys(cfg):
         section, name = _lookup(cfg, key)
         allowed, value = choices(_field_type(section, name)), getattr(section, name)
+        broken = bound_violation(key, value)
+        _check(broken is None, key, broken or "")
         if allowed:
             _check(value in allowed, key, f"must be one of {', '.join(allowed)}, got {value!r}")
     try:
@@ -322,8 +346,6 @@ def validate(cfg: Config) -> None:
         raise ConfigError(str(e)) from None
     _validate_job(cfg.job)
     t = cfg.training
-    for name in ("steps", "batch_size", "micro_batches", "seq_len", "val_batches"):
-        _check(getattr(t, name) >= 1, f"training.{name}", f"must be positive, got {getattr(t, name)}")
     _check(
         t.batch_size % t.micro_batches == 0,
         "training.batch_size",
@@ -334,29 +356,16 @@ def validate(cfg: Config) -> None:
         "training.seq_len",
         f"({t.seq_len}) must be at most model.max_seq_len ({cfg.model.max_seq_len})",
     )
-    _check(0 <= t.stop_at <= t.steps, "training.stop_at", f"must be in [0, training.steps], got {t.stop_at}")
-    _check(t.lr > 0, "training.lr", f"must be positive, got {t.lr}")
-    _check(0 <= t.min_lr <= t.lr, "training.min_lr", f"must be in [0, training.lr], got {t.min_lr}")
-    _check(t.warmup_steps >= 0, "training.warmup_steps", f"must be >= 0, got {t.warmup_steps}")
-    _check(t.eps > 0, "training.eps", f"must be positive (AdamW divides by it), got {t.eps}")
-    for name in ("beta1", "beta2"):
-        _check(0 <= getattr(t, name) < 1, f"training.{name}", f"must be in [0, 1), got {getattr(t, name)}")
-    _check(t.max_grad_norm >= 0, "training.max_grad_norm", f"must be >= 0, got {t.max_grad_norm}")
-    _check(t.loss_chunk_tokens >= 0, "training.loss_chunk_tokens", f"must be >= 0, got {t.loss_chunk_tokens}")
-    _check(t.val_every >= 0, "training.val_every", f"must be >= 0, got {t.val_every}")
+    _check(t.stop_at <= t.steps, "training.stop_at", f"must be in [0, training.steps], got {t.stop_at}")
+    _check(t.min_lr <= t.lr, "training.min_lr", f"must be in [0, training.lr], got {t.min_lr}")
     _validate_parallelism(cfg)
-    _validate_checkpoint(cfg.checkpoint)
+    _validate_checkpoint(cfg)
     _validate_fault(cfg)
-    _check(cfg.metrics.log_every >= 1, "metrics.log_every", f"must be >= 1, got {cfg.metrics.log_every}")
     _check(
         not cfg.metrics.profile or cfg.checkpoint.strategy == "moevement",
         "metrics.profile",
         f"writes MoEvement's window profile: needs checkpoint.strategy = moevement, got {cfg.checkpoint.strategy!r}",
     )
-    every = cfg.metrics.tensorboard_every
-    _check(every >= 1, "metrics.tensorboard_every", f"must be >= 1, got {every}")
-    peak = cfg.metrics.peak_tflops
-    _check(peak >= 0, "metrics.peak_tflops", f"must be >= 0 (0: the known peak of the device), got {peak}")
 
 
 def safe_job_name(text: str) -> str:
@@ -371,37 +380,31 @@ def _validate_job(job: JobConfig) -> None:
         "job.name",
         f"must be 1-100 letters, digits, '.', '_' or '-', not starting with '.', '_' or '-'; got {job.name!r}",
     )
-    _check(job.seed >= 0, "job.seed", f"must be >= 0, got {job.seed}")
 
 
-def _validate_checkpoint(c: CheckpointConfig) -> None:
-    for name in ("window", "replicas", "reprofile_every"):
-        _check(getattr(c, name) >= 0, f"checkpoint.{name}", f"must be >= 0, got {getattr(c, name)}")
-    for name in ("persist_every", "profile_iters", "max_window", "chunk_mb"):
-        _check(getattr(c, name) >= 1, f"checkpoint.{name}", f"must be >= 1, got {getattr(c, name)}")
-    _check(c.bandwidth_gbps >= 0, "checkpoint.bandwidth_gbps", f"must be >= 0, got {c.bandwidth_gbps}")
-    _check(c.ab_blocks >= 0, "checkpoint.ab_blocks", f"must be >= 0, got {c.ab_blocks}")
+def _validate_checkpoint(cfg: Config) -> None:
+    c = cfg.checkpoint
     _check(
         c.ab_blocks == 0 or c.window == 1,
         "checkpoint.ab_blocks",
         f"needs checkpoint.window 1 (its blocks take single snapshots), got window {c.window}",
     )
-    _check(0 < c.ema_decay < 1, "checkpoint.ema_decay", f"must be in (0, 1), got {c.ema_decay}")
+    operators = operator_count(cfg.model)
     _check(
-        c.interval in INTERVAL_POLICIES or (c.interval.isdigit() and int(c.interval) >= 1),
-        "checkpoint.interval",
-        f"must be a positive integer or one of {', '.join(INTERVAL_POLICIES)}, got {c.interval!r}",
+        c.window <= operators,
+        "checkpoint.window",
+        f"({c.window}) must be at most the model's {operators} operators (a slot each at least; more would be empty)",
     )
-    _check(c.moc_experts >= 1, "checkpoint.moc_experts", f"must be >= 1, got {c.moc_experts}")
-    for name in ("dense_interval", "keep_latest"):
-        _check(getattr(c, name) >= 0, f"checkpoint.{name}", f"must be >= 0, got {getattr(c, name)}")
-    _check(c.load_step >= -1, "checkpoint.load_step", f"must be >= 0, or -1 (the newest), got {c.load_step}")
+    _check(
+        c.interval in INTERVAL_POLICIES or (c.interval.isdigit() and 1 <= int(c.interval) <= MAX_STEPS),
+        "checkpoint.interval",
+        f"must be an integer in [1, {MAX_STEPS}] or one of {', '.join(INTERVAL_POLICIES)}, got {c.interval!r}",
+    )
     _check(
         not (c.load_step > 0 and c.load),
         "checkpoint.load_step",
         f"names a periodic checkpoint, and checkpoint.load ({c.load!r}) another: give one of them",
     )
-    _check(0 < c.moc_plt_threshold < 1, "checkpoint.moc_plt_threshold", f"must be in (0, 1), got {c.moc_plt_threshold}")
 
 
 def _validate_fault(cfg: Config) -> None:
@@ -411,21 +414,14 @@ def _validate_fault(cfg: Config) -> None:
         "fault.mtbf_iters",
         f"must be 0 (no failures) or at least 1 iteration between failures, got {f.mtbf_iters}",
     )
+    last = cfg.training.stop_at or cfg.training.steps
+    _check(
+        not f.mtbf_iters or last / f.mtbf_iters <= MAX_POISSON_FAILURES,
+        "fault.mtbf_iters",
+        f"({f.mtbf_iters:g}) would draw about {last / (f.mtbf_iters or 1):.0f} failures over the run's {last} "
+        f"iterations, more than {MAX_POISSON_FAILURES}: give at least {last / MAX_POISSON_FAILURES:g}",
+    )
     plan = fault_plan(cfg, world=2)
-    _check(f.timeout_s > 0, "fault.timeout_s", f"must be > 0 seconds, got {f.timeout_s}")
-    low, high = HEARTBEAT_TIMEOUT_S
-    _check(
-        low <= f.heartbeat_timeout_s <= high,
-        "fault.heartbeat_timeout_s",
-        f"must be {low:g} to {high:g} seconds (a few 1 s heartbeats, at most an hour), got {f.heartbeat_timeout_s}",
-    )
-    _check(
-        f.node_loss_s >= NODE_LOSS_MIN_S,
-        "fault.node_loss_s",
-        f"must be >= {NODE_LOSS_MIN_S:g} seconds (a few of the trainers' 1 s beats), got {f.node_loss_s}",
-    )
-    _check(f.max_replacements >= 0, "fault.max_replacements", f"must be >= 0, got {f.max_replacements}")
-    _check(f.replay_threads >= 0, "fault.replay_threads", f"must be >= 0 (0: auto), got {f.replay_threads}")
     for kill in plan.kills if plan else ():
         _validate_kill(cfg, kill)
     if plan:
@@ -436,13 +432,21 @@ def _validate_fault(cfg: Config) -> None:
             key,
             "needs a checkpoint.strategy that recovers (moevement, gemini, checkfreq or moc), got 'none'",
         )
-    _check(cfg.checkpoint.mtbf_iters >= 0, "checkpoint.mtbf_iters", f"must be >= 0, got {cfg.checkpoint.mtbf_iters}")
     if cfg.checkpoint.interval == "oracle":
         _check(
             expected_mtbf_iters(cfg) > 0,
             "checkpoint.interval",
             "oracle needs checkpoint.mtbf_iters or fault.mtbf_iters > 0 (the MTBF it optimises for)",
         )
+
+
+def operator_count(model: ModelArgs) -> int:
+    """How many operators `moevement.operators.build_registry` finds in the whole model of shape `model` (all
+    pipeline stages together, without building it): a block per layer; per MoE layer its router, its routed
+    experts and, when it has any, its shared experts (one operator); the embedding and the head."""
+    moe_layers = sum(model.is_moe_layer(layer) for layer in range(model.n_layers))
+    shared = model.family == "qwen" or (model.family != "gpt" and model.n_shared_experts > 0)
+    return model.n_layers + moe_layers * (1 + model.n_routed_experts + shared) + 2
 
 
 def _validate_kill(cfg: Config, kill: KillEvent) -> None:
@@ -506,8 +510,6 @@ def _validate_parallelism(cfg: Config) -> None:
     p, t, m = cfg.parallelism, cfg.training, cfg.model
     if p.elastic:
         _validate_elastic(cfg)
-    for name in ("pp", "dp", "ep", "stages_per_rank"):
-        _check(getattr(p, name) >= 1, f"parallelism.{name}", f"must be >= 1, got {getattr(p, name)}")
     _check(p.dp % p.ep == 0, "parallelism.ep", f"({p.ep}) must divide parallelism.dp ({p.dp})")
     _check(
         p.pp * p.stages_per_rank == 1 or m.aux_loss_type != "global" or m.aux_loss_coef == 0,
@@ -553,13 +555,13 @@ def _validate_parallelism(cfg: Config) -> None:
         try:
             points = [int(x) for x in p.split_points.split(",")]
         except ValueError:
-            points = []
-        ok = len(points) == n_stages - 1 and points == sorted(set(points)) and all(0 < x < m.n_layers for x in points)
+            points = None
+        ok = points is not None and len(points) == n_stages - 1 and points == sorted(set(points))
         _check(
-            ok,
+            ok and all(0 < x < m.n_layers for x in points),
             "parallelism.split_points",
             f"must be {n_stages - 1} increasing layer ids in (0, {m.n_layers}), "
-            f"comma-separated, got {p.split_points!r}",
+            f"comma-separated, got {excerpt(p.split_points)}",
         )
 
 

@@ -4,8 +4,10 @@
 sharded ``model.safetensors.index.json``; a pickled ``pytorch_model.bin`` is refused unread) of
 Qwen1.5-MoE (``qwen2_moe``) or DeepSeek-MoE v1 (``deepseek``) and writes a dense checkpoint at step 0
 with no optimizer state: ``train.py --checkpoint.load CKPT_DIR`` starts from its weights with a fresh
-optimizer, and ``eval.harness --checkpoint CKPT_DIR`` scores it. Weights are stored in float32, read
-and written one tensor at a time (host memory: the largest tensor, not the model). A
+optimizer, and ``eval.harness --checkpoint CKPT_DIR`` scores it. A file it reads that is a symlink is
+refused, never followed (as the trainer's checkpoints), and so is a weight holding NaN or infinity (one
+line naming the file and the tensor); nothing of the checkpoint is left behind then. Weights are stored
+in float32, read and written one tensor at a time (host memory: the largest tensor, not the model). A
 ``tokenizer.json`` beside the weights is recorded (by absolute path) as the checkpoint's tokenizer.
 ``--config-out FILE`` also writes a training config whose ``[model]`` is the imported one.
 
@@ -56,7 +58,18 @@ class HFError(RuntimeError):
 # ---------------------------------------------------------------- import
 
 
+def _not_a_symlink(path: Path) -> Path:
+    """`path`, refused (HFError) when it is a symlink: an imported file is read where it is, never followed."""
+    if path.is_symlink():
+        raise HFError(
+            f"{path}: is a symlink; refused, never followed (a Hugging Face cache snapshot links its files: "
+            "import a copy, e.g. `huggingface-cli download MODEL --local-dir DIR`)"
+        )
+    return path
+
+
 def _read_json(path: Path) -> dict:
+    _not_a_symlink(path)
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
@@ -69,17 +82,17 @@ def _read_json(path: Path) -> dict:
 
 
 def _weight_files(hf_dir: Path) -> list[Path]:
-    """The safetensors files holding the model: one, or the shards an index names."""
-    if (hf_dir / MODEL_FILE).is_file():
+    """The safetensors files holding the model: one, or the shards an index names (none a symlink)."""
+    if _not_a_symlink(hf_dir / MODEL_FILE).is_file():
         return [hf_dir / MODEL_FILE]
-    if (hf_dir / INDEX).is_file():
+    if _not_a_symlink(hf_dir / INDEX).is_file():
         weight_map = _read_json(hf_dir / INDEX).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise HFError(f"{hf_dir / INDEX}: has no 'weight_map'")
         names = sorted(set(weight_map.values()))
         if any(Path(n).name != n for n in names):
             raise HFError(f"{hf_dir / INDEX}: shard names must be plain file names")
-        return [hf_dir / n for n in names]
+        return [_not_a_symlink(hf_dir / n) for n in names]
     if any(hf_dir.glob("*.bin")) or any(hf_dir.glob("*.pt")):
         raise HFError(
             f"{hf_dir}: only pickled weights (*.bin / *.pt), which could run code; not read: save as safetensors"
@@ -115,8 +128,22 @@ class HFWeights:
         return tuple(_reading(file, lambda: handle.get_slice(name).get_shape()))
 
     def get(self, name: str) -> torch.Tensor:
+        """Tensor `name`, refused (HFError naming it and its file) when it holds NaN or infinity: training
+        from it could only diverge, and the error would surface far from its cause."""
         file, handle = self.where[name]
-        return _reading(file, lambda: handle.get_tensor(name))
+        tensor = _reading(file, lambda: handle.get_tensor(name))
+        bad = _non_finite(tensor)
+        if bad:
+            raise HFError(f"{file}: tensor {name} holds {bad} non-finite value(s) (NaN or infinity); refused")
+        return tensor
+
+
+def _non_finite(tensor: torch.Tensor) -> int:
+    """How many of `tensor`'s values are NaN or infinite, counted in parts of 16 Mi values (the check holds
+    no more than that beside the tensor)."""
+    if not tensor.is_floating_point():
+        return 0
+    return sum(int((~torch.isfinite(part)).sum()) for part in tensor.reshape(-1).split(1 << 24))
 
 
 def _import_plan(weights: HFWeights, args: ModelArgs, source: str) -> Tensors:
@@ -135,7 +162,7 @@ def _import_plan(weights: HFWeights, args: ModelArgs, source: str) -> Tensors:
 
 def _tokenizer_of(hf_dir: Path) -> str | None:
     """Absolute path of ``hf_dir/tokenizer.json`` when the trainer can use it (a note otherwise), else None."""
-    path = hf_dir / "tokenizer.json"
+    path = _not_a_symlink(hf_dir / "tokenizer.json")
     if not path.is_file():
         return None
     try:

@@ -19,6 +19,7 @@ largest snapshot as small as possible.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,8 +47,14 @@ class WindowPlan:
         return iteration - self.start
 
     def frozen_after(self, slot: int) -> tuple[str, ...]:
-        """Operators whose compute weights `SS_{start+slot}` holds: those of later slots."""
-        return tuple(name for later in self.slots[slot + 1 :] for name in later)
+        """Operators whose compute weights `SS_{start+slot}` holds: those of later slots. Its cost is the
+        operators it names: the empty slots that end a window longer than its operators need are not walked."""
+        return tuple(name for later in self.slots[slot + 1 : self._occupied] for name in later)
+
+    @functools.cached_property
+    def _occupied(self) -> int:
+        """How many slots precede the trailing empty ones."""
+        return next((i + 1 for i in range(len(self.slots) - 1, -1, -1) if self.slots[i]), 0)
 
 
 def order_operators(names: Sequence[str], experts: Sequence[bool], popularity: dict[str, float]) -> list[str]:

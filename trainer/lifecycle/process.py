@@ -1,17 +1,19 @@
 """A trainer process from its start to its exit status: what each way of ending means for torchrun.
 
 `run_process` runs the process's work and maps how it ended to one exit status
-(`trainer/lifecycle/exit_codes.py`) and at most one line: a clean error is said once (rank 0 says a config
-error every rank meets alike); a state the job reached (finished, a generation that cannot form) is said
-by the rank that met it.
+(`trainer/lifecycle/exit_codes.py`) and at most one line: a clean error is said once for the job (the
+first rank to meet one says it, `said_once_for_the_job`) and the process leaves at once; a state the job
+reached (finished, a generation that cannot form) is said by the rank that met it.
 """
 
 from __future__ import annotations
 
 import functools
+import multiprocessing
 import os
 import sys
 from collections.abc import Callable
+from typing import NoReturn
 
 from moevement.recovery.fetch import RecoveryError
 from moevement.storage.private_files import HostMemoryError
@@ -26,19 +28,16 @@ from trainer.lifecycle import exit_codes, job_end
 from trainer.lifecycle.generations import GenerationNotJoined, NothingToRecover, PeerStopped
 
 # The errors that end a rank with one `error:` line (exit status 2), announced to the other ranks.
-CLEAN_ERRORS = (CheckpointError, DataError, HostMemoryError, IdentityError, SnapshotError, RecoveryError)
+CLEAN_ERRORS = (ConfigError, CheckpointError, DataError, HostMemoryError, IdentityError, SnapshotError, RecoveryError)
 
 
 def run_process(work: Callable[[], None]) -> int:
-    """Run `work` (load the config, train); the exit status for how it ended. An error of no kind named
-    here propagates (a traceback, exit status 1: a bug, or a failure nothing classifies)."""
+    """Run `work` (load the config, train); the exit status for how it ended. A clean error (or a peer's)
+    does not return: the process leaves at once (`leave_now`). An error of no kind named here propagates (a
+    traceback, exit status 1: a bug, or a failure nothing classifies)."""
     rank = int(os.environ.get("RANK", "0"))
     try:
         work()
-    except ConfigError as e:
-        announce_clean_stop(rank)
-        said_once_for_the_job(functools.partial(print_error, e))  # every rank reads the same config
-        return exit_codes.CLEAN_ERROR
     except (GenerationNotJoined, job_end.GenerationCannotForm) as e:
         print(e, flush=True)
         return exit_codes.FALLBACK
@@ -46,14 +45,29 @@ def run_process(work: Callable[[], None]) -> int:
         print(e, flush=True)
         return exit_codes.DONE
     except PeerStopped:
-        return exit_codes.CLEAN_ERROR  # the peer said the job's error
+        leave_now(exit_codes.CLEAN_ERROR)  # the peer said the job's error
     except CLEAN_ERRORS as e:
         announce_clean_stop(rank)
-        print_error(e)
-        return exit_codes.CLEAN_ERROR
+        said_once_for_the_job(functools.partial(print_error, e))
+        leave_now(exit_codes.CLEAN_ERROR)
     finally:
         shutdown_distributed()
     return exit_codes.DONE
+
+
+def leave_now(status: int) -> NoReturn:
+    """Exit with `status` now, its output flushed, without the interpreter's teardown. The process has said
+    what it had to and kept what it had to keep; the teardown only waits: for a background thread still in a
+    collective or a save, for data loader workers, for process groups whose peers are gone. It can take
+    longer than torchrun's 30 s between SIGTERM and SIGKILL, and a SIGTERM that arrives then is never
+    handled (Python runs no signal handler once it tears down), so the job would end only when torchrun
+    kills it. Its data loader workers go with it (they would notice its end only seconds later, holding the
+    job's output open meanwhile)."""
+    for worker in multiprocessing.active_children():
+        worker.kill()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def print_error(error: Exception) -> None:

@@ -134,9 +134,14 @@ class RankShell:
         return child
 
     def _forward_sigterm(self, signum, _frame) -> None:
-        self.stopping = True  # torchrun stops the job: the child's end is no death to replace
+        """torchrun stops the job: the child's end is no death to replace. The handler runs between two of
+        the shell's own steps, possibly inside its wait for a child (`_stop_standby`), so it only sends
+        signals: a wait here would take the lock the interrupted wait holds, and the shell would hang until
+        torchrun's SIGKILL. The main loop reaps both children."""
+        self.stopping = True
         self.child.send_signal(signum)
-        self._stop_standby()
+        if self.standby is not None:
+            self.standby.kill()
 
     def _stop_standby(self) -> None:
         if self.standby is not None:
