@@ -40,6 +40,7 @@ from parallelisms.mesh import ParallelDims, build_mesh
 from parallelisms.parallelize import ModelParts, parallelize
 from trainer.allocator import reuse_freed_host_memory
 from trainer.checkpoint.dense import check_save_target, save_dense
+from trainer.checkpoint.events import FinalCheckpointSaved
 from trainer.checkpoint.periodic import PeriodicCheckpoints
 from trainer.checkpoint.resume import Start, load_start
 from trainer.checkpoint.state import training_state_digest
@@ -420,7 +421,7 @@ def save_final_if_asked(job: Job, step: int, loss: float, digest: str | None) ->
         job.kill.at("saved")
 
     save_dense(target, job.model.view, job.optimizer, step, loss, job.cfg, published)
-    job.logger.line(f"saved checkpoint step={step} dir={target}")
+    job.logger.line(FinalCheckpointSaved(step, str(target)))
 
 
 def train_loop(job: Job, step: int, loss: float) -> tuple[int, float]:

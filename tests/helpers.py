@@ -200,6 +200,7 @@ RECORDED = (
     "recovery step=",
     "recovery work ",
     "checkpoint: ",
+    "saved checkpoint ",
     "accounting ",
     "final step=",
 )

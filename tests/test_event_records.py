@@ -47,6 +47,7 @@ EVENTS = [
     events.CheckpointNotSaved(30, "ck/step-30", "No space left on device"),
     events.CheckpointPruned(10, "ck/step-10", 2),
     events.CheckpointNotPruned("ck/step-10", 2, "holds notes.txt"),
+    events.FinalCheckpointSaved(12, "final"),
     FinalLine(12, 4.05695, "ab" * 32),
 ]
 

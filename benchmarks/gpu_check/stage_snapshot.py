@@ -31,8 +31,8 @@ import statistics
 import torch
 
 from benchmarks.gpu_check.overhead import overhead_fields
-from benchmarks.gpu_check.runs import RunFailed, Workspace, train
-from benchmarks.overhead import common_start, parse_steps, steady_ms, steady_records
+from benchmarks.gpu_check.runs import ROOT, RunFailed, Workspace, train
+from benchmarks.overhead import common_start, recorded_steps, steady_ms, steady_records
 from models import Transformer
 from moevement.checkpoint.schedule import generate_schedule, slot_size_for, snapshot_sizes
 from trainer.config import load_config
@@ -118,7 +118,7 @@ def measured(workspace: Workspace, base: list[str], steps: int, rounds: int) -> 
             args = [*base, *workspace.common(f"stage16b_{strategy}"), "--training.steps", str(steps)]
             args += ["--checkpoint.strategy", strategy]
             args += ["--metrics.profile", str(profile)] if strategy == "moevement" else []
-            runs[strategy].append(parse_steps(train(args, RUN_TIMEOUT_S)))
+            runs[strategy].append(recorded_steps(train(args, RUN_TIMEOUT_S), ROOT))
     return json.loads(profile.read_text()), runs["none"], runs["moevement"]
 
 

@@ -1,50 +1,25 @@
-"""The dense checkpoints' console lines (docs/design.md §5), typed: where a run starts (loaded, a fresh
-start, a fallback past a damaged checkpoint, another config's checkpoint loaded on purpose) and what its
-periodic saves did (saved, not saved and why, pruned, not pruned).
+"""The dense checkpoints' console lines (docs/design.md §5), typed: where a run starts (loaded, a fresh start,
+a fallback past a damaged checkpoint, another config's checkpoint loaded on purpose) and what its periodic
+saves did (saved, not saved and why, pruned, not pruned), and the end of run's `checkpoint.save_final`.
 
-Each is a frozen dataclass like `trainer/run/event_lines.py`'s: `line()` is the console line byte for byte
-(every one starts `checkpoint: `), `record()` the JSON object the run record keeps of it
-(`trainer/run/event_log.py`), numbers rounded as the line prints them, and `from_record(record).line()` is
-the printed line again. They are printed through a `say(event)` callable (`MetricsLogger.line` on rank 0),
-from the training thread or, for a periodic save, from the rank's background save thread.
+Each is a `TypedLine` (trainer/typed_line.py): `line()` is the console line byte for byte (every one starts
+`checkpoint: `, but `saved checkpoint step=`, the format §5 fixes for `save_final`), `record()` the JSON
+object the run record keeps of it (`trainer/run/event_log.py`), numbers rounded as the line prints them, and
+`from_record(record).line()` is the printed line again. They are printed through a `say(event)` callable
+(`MetricsLogger.line` on rank 0), from the training thread or, for a periodic save, from the rank's background
+save thread.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
-
-class _Record:
-    """`record()` and `from_record()` of a frozen dataclass of plain fields: tuples are JSON lists, the
-    fields of `ROUNDED` are rounded to their decimals as the line prints them."""
-
-    KIND: ClassVar[str]
-    ROUNDED: ClassVar[dict[str, int]] = {}
-
-    def record(self) -> dict:
-        """The run record's JSON object of this line."""
-        record = {"kind": self.KIND}
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.name in self.ROUNDED and value is not None:
-                value = float(f"{value:.{self.ROUNDED[f.name]}f}")
-            record[f.name] = list(value) if isinstance(value, tuple) else value
-        return record
-
-    @classmethod
-    def from_record(cls, record: dict):
-        """The event of a record `record()` wrote (KeyError, TypeError or ValueError if it is not one)."""
-        values = {k: v for k, v in record.items() if k != "kind"}
-        for f in dataclasses.fields(cls):
-            if isinstance(values.get(f.name), list):
-                values[f.name] = tuple(values[f.name])
-        return cls(**values)
+from trainer.typed_line import TypedLine
 
 
 @dataclass(frozen=True)
-class CheckpointLoaded(_Record):
+class CheckpointLoaded(TypedLine):
     """The run starts from a dense checkpoint:
 
         checkpoint: loaded step <n> from <dir> (loss <f>)
@@ -72,7 +47,7 @@ class CheckpointLoaded(_Record):
 
 
 @dataclass(frozen=True)
-class CheckpointOtherConfig(_Record):
+class CheckpointOtherConfig(TypedLine):
     """`checkpoint: <dir> was saved under another config (checkpoint.load_other_config): <key (saved ...,
     this run ...)>; ...`: what differs in a checkpoint loaded with `checkpoint.load_other_config`."""
 
@@ -89,7 +64,7 @@ class CheckpointOtherConfig(_Record):
 
 
 @dataclass(frozen=True)
-class FreshStart(_Record):
+class FreshStart(TypedLine):
     """The run starts from the initial state although it keeps or reads checkpoints in `folder`:
 
     checkpoint: no checkpoint of this run in <folder>; starting from the initial state
@@ -113,7 +88,7 @@ class FreshStart(_Record):
 
 
 @dataclass(frozen=True)
-class CheckpointFallback(_Record):
+class CheckpointFallback(TypedLine):
     """`checkpoint: step <n> in <dir> is not usable (<why>); falling back to the next older checkpoint`: the
     newest checkpoint of the run is damaged; the `loaded` line that follows names the one used."""
 
@@ -131,7 +106,7 @@ class CheckpointFallback(_Record):
 
 
 @dataclass(frozen=True)
-class CheckpointSaved(_Record):
+class CheckpointSaved(TypedLine):
     """`checkpoint: saved step <n> to <dir> (<s> s in the background)`: a periodic checkpoint is published
     (`<s>` with 1 decimal)."""
 
@@ -147,7 +122,7 @@ class CheckpointSaved(_Record):
 
 
 @dataclass(frozen=True)
-class CheckpointNotSaved(_Record):
+class CheckpointNotSaved(TypedLine):
     """`checkpoint: step <n> not saved to <dir>: <why>`: a periodic save given up (a full disk, a rank that
     wrote nothing, a step directory of another run); nothing of it stays and training goes on."""
 
@@ -162,7 +137,7 @@ class CheckpointNotSaved(_Record):
 
 
 @dataclass(frozen=True)
-class CheckpointPruned(_Record):
+class CheckpointPruned(TypedLine):
     """`checkpoint: pruned step <n> (<dir>): checkpoint.keep_latest=<k>`: an older checkpoint of this run's
     lineage deleted after a save."""
 
@@ -177,7 +152,7 @@ class CheckpointPruned(_Record):
 
 
 @dataclass(frozen=True)
-class CheckpointNotPruned(_Record):
+class CheckpointNotPruned(TypedLine):
     """`checkpoint: <dir> not deleted (checkpoint.keep_latest=<k>): <why>`: a checkpoint pruning would delete
     holds something this program did not write, or could not be deleted; it stays."""
 
@@ -191,6 +166,20 @@ class CheckpointNotPruned(_Record):
         return f"checkpoint: {self.directory} not deleted (checkpoint.keep_latest={self.keep}): {self.why}"
 
 
+@dataclass(frozen=True)
+class FinalCheckpointSaved(TypedLine):
+    """`saved checkpoint step=<n> dir=<dir>`: the checkpoint `checkpoint.save_final` asked for is published
+    (after the `final` line: docs/design.md §5)."""
+
+    KIND: ClassVar[str] = "checkpoint_final_saved"
+
+    step: int
+    directory: str
+
+    def line(self) -> str:
+        return f"saved checkpoint step={self.step} dir={self.directory}"
+
+
 CHECKPOINT_EVENTS = (
     CheckpointLoaded,
     CheckpointOtherConfig,
@@ -200,6 +189,7 @@ CHECKPOINT_EVENTS = (
     CheckpointNotSaved,
     CheckpointPruned,
     CheckpointNotPruned,
+    FinalCheckpointSaved,
 )
 CheckpointEvent = (
     CheckpointLoaded
@@ -210,4 +200,5 @@ CheckpointEvent = (
     | CheckpointNotSaved
     | CheckpointPruned
     | CheckpointNotPruned
+    | FinalCheckpointSaved
 )

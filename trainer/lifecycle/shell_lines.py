@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from trainer.lifecycle.typed_lines import line_of, record_of
+from trainer.typed_line import TypedLine
 
 REPLACED = "replaced"  # the trainer died; the standby replaces it in the next generation
 HANDED_BACK = "handed_back"  # the trainer died with no standby or no replacement left: torchrun restarts
@@ -22,7 +22,7 @@ SHELL_SILENT = "shell_silent"  # the shell beat to its child for longer than tha
 
 
 @dataclass(frozen=True)
-class ShellLine:
+class ShellLine(TypedLine):
     """One `shell: rank <r>: ...` line:
 
         trainer pid <p> died (<how>) at unix=<t>; standby pid <s> replaces it in generation <g>
@@ -40,6 +40,7 @@ class ShellLine:
     `fault.heartbeat_timeout_s` or a shorter `fault.timeout_s`: `verdict.hang_bound`)."""
 
     KIND: ClassVar[str] = "shell"
+    ROUNDED: ClassVar[dict[str, int]] = {"unix": 3, "silent_s": 1}
 
     what: str
     rank: str  # the slot's RANK ("?" if torchrun named none)
@@ -85,12 +86,3 @@ class ShellLine:
 
     def _silent(self) -> str:
         return f"said nothing for {self.silent_s:.1f} s (more than {self.bound_key}={self.bound_s:g} s)"
-
-    def record(self) -> dict:
-        """The run record's JSON object of this line."""
-        return record_of(self, {"unix": 3, "silent_s": 1})
-
-    @classmethod
-    def from_record(cls, record: dict) -> ShellLine:
-        """The line of a record `record()` wrote (KeyError, TypeError or ValueError if it is not one)."""
-        return line_of(cls, record)

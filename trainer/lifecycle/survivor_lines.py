@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from trainer.lifecycle.typed_lines import line_of, record_of
+from trainer.typed_line import TypedLine
 
 REJOINS = "rejoins"  # keeps its state in memory and joins the next in-place generation
 START_FAILED = "start_failed"  # a peer died while a generation started: joins the next one
@@ -18,7 +18,7 @@ PREEMPTED = "preempted"  # torchrun's (or a scheduler's) SIGTERM: kept its host 
 
 
 @dataclass(frozen=True)
-class SurvivorLine:
+class SurvivorLine(TypedLine):
     """One line of a rank that outlives a peer's death, or is stopped by SIGTERM:
 
         survivor: rank <r> pid <p> (running since unix=<t>) at step <n>: <how>; kept <kept>; joins generation
@@ -32,6 +32,7 @@ class SurvivorLine:
     (`<t>` with 3 decimals; a preemption before training says no detection time)."""
 
     KIND: ClassVar[str] = "survivor"
+    ROUNDED: ClassVar[dict[str, int]] = {"since_unix": 3, "detected_unix": 3}
 
     what: str
     rank: int
@@ -65,12 +66,3 @@ class SurvivorLine:
                 f"{self.resumes}{when}"
             )
         raise ValueError(f"unknown survivor line {self.what!r}")
-
-    def record(self) -> dict:
-        """The run record's JSON object of this line."""
-        return record_of(self, {"since_unix": 3, "detected_unix": 3})
-
-    @classmethod
-    def from_record(cls, record: dict) -> SurvivorLine:
-        """The line of a record `record()` wrote (KeyError, TypeError or ValueError if it is not one)."""
-        return line_of(cls, record)

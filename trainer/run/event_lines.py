@@ -8,14 +8,16 @@ object the run record keeps of it (`trainer/run/event_log.py`), numbers rounded 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import ClassVar
+
+from trainer.typed_line import TypedLine
 
 CRASH = "crash"  # FaultStrike.how of `fault.crash`: the process exits; a kill names its signal
 
 
 @dataclass(frozen=True)
-class FaultStrike:
+class FaultStrike(TypedLine):
     """An injected death strikes this process now:
 
         fault: rank <r> crashes at step <n>                                          (fault.crash)
@@ -24,6 +26,7 @@ class FaultStrike:
     (`<t>` with 3 decimals; `killed` for SIGKILL, `stopped` for SIGSTOP, a hang)."""
 
     KIND: ClassVar[str] = "fault"
+    ROUNDED: ClassVar[dict[str, int]] = {"unix": 3}
 
     rank: int
     step: int
@@ -41,30 +44,14 @@ class FaultStrike:
             f"at unix={self.unix:.3f}"
         )
 
-    def record(self) -> dict:
-        """The run record's JSON object of this line."""
-        unix = None if self.unix is None else float(f"{self.unix:.3f}")
-        return {
-            "kind": self.KIND,
-            "rank": self.rank,
-            "step": self.step,
-            "how": self.how,
-            "phase": self.phase,
-            "unix": unix,
-        }
-
-    @classmethod
-    def from_record(cls, record: dict) -> FaultStrike:
-        """The line of a record `record()` wrote (KeyError, TypeError or ValueError if it is not one)."""
-        return cls(**{k: v for k, v in record.items() if k != "kind"})
-
 
 @dataclass(frozen=True)
-class FinalLine:
+class FinalLine(TypedLine):
     """The last line of a run, `final step=<n> loss=<f> state_digest=<sha256>` (`<f>` with 6 decimals): the
     last iteration, its loss and the digest of the whole training state (docs/design.md §5)."""
 
     KIND: ClassVar[str] = "final"
+    ROUNDED: ClassVar[dict[str, int]] = {"loss": 6}
 
     step: int
     loss: float
@@ -73,16 +60,6 @@ class FinalLine:
     def line(self) -> str:
         """The console line, byte for byte the format above."""
         return f"final step={self.step} loss={self.loss:.6f} state_digest={self.state_digest}"
-
-    def record(self) -> dict:
-        """The run record's JSON object of this line."""
-        loss = float(f"{self.loss:.6f}")
-        return {"kind": self.KIND, "step": self.step, "loss": loss, "state_digest": self.state_digest}
-
-    @classmethod
-    def from_record(cls, record: dict) -> FinalLine:
-        """The line of a record `record()` wrote (KeyError, TypeError or ValueError if it is not one)."""
-        return cls(**{k: v for k, v in record.items() if k != "kind"})
 
 
 def format_value(value: float) -> str:
@@ -142,10 +119,11 @@ class StepLine:
 
 
 @dataclass(frozen=True)
-class ValidationLine:
+class ValidationLine(TypedLine):
     """`validation step=<n> val_loss=<f>` (6 decimals): the validation loss after iteration `step`."""
 
     KIND: ClassVar[str] = "validation"
+    ROUNDED: ClassVar[dict[str, int]] = {"val_loss": 6}
 
     step: int
     val_loss: float
@@ -154,18 +132,9 @@ class ValidationLine:
         """The console line, byte for byte the format above."""
         return f"validation step={self.step} val_loss={self.val_loss:.6f}"
 
-    def record(self) -> dict:
-        """The run record's JSON object of this line."""
-        return {"kind": self.KIND, "step": self.step, "val_loss": float(f"{self.val_loss:.6f}")}
-
-    @classmethod
-    def from_record(cls, record: dict) -> ValidationLine:
-        """The line of a record `record()` wrote (KeyError, TypeError or ValueError if it is not one)."""
-        return cls(**{k: v for k, v in record.items() if k != "kind"})
-
 
 @dataclass(frozen=True)
-class ElasticLayout:
+class ElasticLayout(TypedLine):
     """An elastic job's layout on the processes of this torchrun round (it shrank or grew when `world` differs
     from the round before):
 
@@ -189,12 +158,3 @@ class ElasticLayout:
             f"micro_batches={self.micro_batches} (configured dp={self.configured_dp} "
             f"micro_batches={self.configured_micro_batches})"
         )
-
-    def record(self) -> dict:
-        """The run record's JSON object of this line."""
-        return {"kind": self.KIND, **asdict(self)}
-
-    @classmethod
-    def from_record(cls, record: dict) -> ElasticLayout:
-        """The line of a record `record()` wrote (KeyError, TypeError or ValueError if it is not one)."""
-        return cls(**{k: v for k, v in record.items() if k != "kind"})
