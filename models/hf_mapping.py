@@ -145,7 +145,9 @@ def _deepseek_args(cfg: dict, n_layers: int) -> dict:
 
 
 def hf_config(args: ModelArgs, dtype: str = "float32") -> dict:
-    """The ``config.json`` that loads ``args``' weights with the original's class (see the module docstring)."""
+    """The ``config.json`` that loads ``args``' weights with the original's class (see the module docstring), in
+    the keys of ``transformers`` 5 (``dtype``, ``rope_parameters``; ``torch_dtype`` and ``rope_scaling`` are
+    deprecated there and warn). The special token ids are the tokenizer's: the caller adds them."""
     if args.family not in ARCHITECTURES:
         raise UnsupportedModel(f"model.family={args.family!r}: only qwen and deepseek have a Hugging Face layout")
     common = {
@@ -160,15 +162,14 @@ def hf_config(args: ModelArgs, dtype: str = "float32") -> dict:
         "hidden_act": "silu",
         "max_position_embeddings": args.max_seq_len,
         "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,
-        "rope_scaling": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
         "tie_word_embeddings": args.tie_embeddings,
         "num_experts_per_tok": args.top_k,
         "norm_topk_prob": args.norm_topk_prob,
         "attention_dropout": 0.0,
         "initializer_range": 0.02,
         "use_cache": True,
-        "torch_dtype": dtype,
+        "dtype": dtype,
     }
     return common | (_qwen_config(args) if args.family == "qwen" else _deepseek_config(args))
 
@@ -251,12 +252,14 @@ def _layer_sources(args: ModelArgs, i: int) -> dict[str, str]:
 
 
 def sources(args: ModelArgs) -> dict[str, str]:
-    """Every tensor of the whole model (project name) and its name in the original's checkpoint."""
-    out = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
-    if not args.tie_embeddings:
-        out["output.weight"] = "lm_head.weight"
+    """Every tensor of the whole model (project name) and its name in the original's checkpoint, in the model's
+    order (embedding, layers, final norm, head), the order an export's shards follow."""
+    out = {"tok_embeddings.weight": "model.embed_tokens.weight"}
     for i in range(args.n_layers):
         out.update(_layer_sources(args, i))
+    out["norm.weight"] = "model.norm.weight"
+    if not args.tie_embeddings:
+        out["output.weight"] = "lm_head.weight"
     return out
 
 

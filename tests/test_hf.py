@@ -28,7 +28,8 @@ from models.experts import named_tensors
 from tests.helpers import CHILD_ENV, DEBUG_CONFIG, ROOT, final_line, recoveries, run_cli
 from trainer.checkpoint.dense import Tensors, save_imported
 from trainer.data.tokenizer import ByteTokenizer
-from trainer.hf import byte_level_tokenizer, main
+from trainer.hf import main
+from trainer.hf_tokenizer import byte_level_tokenizer
 
 
 def _randomise(model: nn.Module, seed: int) -> None:
@@ -200,9 +201,11 @@ def test_deepseek_v1_import_gives_its_logits_and_export_gives_back_its_tensors(t
     assert sorted(original) == sorted(exported)
     assert all(torch.equal(original[k], exported[k]) for k in original)
     config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert {k: config[k] for k in DEEPSEEK_CONFIG if k != "architectures"} == {
-        k: v for k, v in DEEPSEEK_CONFIG.items() if k != "architectures"
+    renamed = ("architectures", "rope_theta", "rope_scaling")  # transformers 5 keys RoPE by rope_parameters
+    assert {k: config[k] for k in DEEPSEEK_CONFIG if k not in renamed} == {
+        k: v for k, v in DEEPSEEK_CONFIG.items() if k not in renamed
     }
+    assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": DEEPSEEK_CONFIG["rope_theta"]}
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_deepseek.DeepseekForCausalLM"
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True).eval()
     with torch.no_grad():
