@@ -369,12 +369,12 @@ def test_exported_byte_tokenizer_is_the_trainer_s(tmp_path):
 
 
 def _lm_eval(n: int, out: Path, *model: str) -> dict:
-    """``moevement-lm-eval`` (as installed by ``make``: ``pip install -e .``) on the first ``n`` items of the
-    project's ``piqa_local`` task (../shared/data/piqa); PYTHONPATH: this checkout's code."""
-    script = Path(sys.executable).parent / "moevement-lm-eval"
-    cmd = [str(script), *model, "--tasks", "piqa_local", "--limit", str(n), "--output_path", str(out)]
-    env = CHILD_ENV | {"PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    """``moevement-lm-eval`` as the installed command runs it (``python -m eval.lm_eval_cli`` in the checkout;
+    tests/test_install.py runs the installed command) on the first ``n`` items of the project's ``piqa_local``
+    task (../shared/data/piqa)."""
+    cmd = [sys.executable, "-m", "eval.lm_eval_cli", *model, "--tasks", "piqa_local", "--limit", str(n)]
+    cmd += ["--output_path", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=CHILD_ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (results,) = out.rglob("results_*.json")
     scores = json.loads(results.read_text())["results"]["piqa_local"]
