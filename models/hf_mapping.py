@@ -8,7 +8,8 @@ Two layouts are understood, each the one its public checkpoint uses:
   ``trust_remote_code=True`` and the ``DeepseekForCausalLM`` code of ``auto_map``, which an export ships,
   ``trainer/hf_modeling/``): the ``n_shared_experts`` shared experts fused into one MLP
   ``mlp.shared_experts`` of ``n_shared_experts * moe_intermediate_size`` hidden units, as this project's
-  ``moe.shared_experts`` is.
+  ``moe.shared_experts`` is (of ``n_shared_experts * shared_expert_hidden_dim``: a width that is a multiple of
+  ``expert_hidden_dim`` exports as that many of deepseek's shared experts).
 
 Both store routed experts one by one (``mlp.experts.<e>.{gate,up,down}_proj``); this project's
 ``w1``/``w3``/``w2`` are ``gate_proj``/``up_proj``/``down_proj``; each tensor is one tensor of the
@@ -196,10 +197,11 @@ def _deepseek_config(args: ModelArgs) -> dict:
         raise UnsupportedModel("model.qkv_bias=true has no deepseek layout (its attention has no bias)")
     if args.moe_every != 1:
         raise UnsupportedModel("model.moe_every > 1 has no deepseek layout")
-    if args.n_shared_experts and args.shared_expert_hidden_dim != args.expert_hidden_dim:
+    shared_width = args.n_shared_experts * args.shared_expert_hidden_dim  # the one fused MLP, here and there
+    if shared_width % args.expert_hidden_dim:
         raise UnsupportedModel(
-            "model.shared_expert_hidden_dim must equal model.expert_hidden_dim for the deepseek layout "
-            "(its shared experts are moe_intermediate_size wide)"
+            f"model.n_shared_experts x model.shared_expert_hidden_dim ({shared_width}) must be a multiple of "
+            "model.expert_hidden_dim for the deepseek layout (its shared experts are moe_intermediate_size wide)"
         )
     return {
         "model_type": "deepseek",
@@ -210,7 +212,7 @@ def _deepseek_config(args: ModelArgs) -> dict:
             "AutoModelForCausalLM": "modeling_deepseek.DeepseekForCausalLM",
         },
         "n_routed_experts": args.n_routed_experts,
-        "n_shared_experts": args.n_shared_experts or None,
+        "n_shared_experts": shared_width // args.expert_hidden_dim or None,
         "first_k_dense_replace": args.n_dense_layers,
         "moe_layer_freq": 1,
         "scoring_func": "softmax",

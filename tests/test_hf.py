@@ -264,6 +264,8 @@ DEEPSEEK_SHAPES = {
     "mha-shared-untied": {},
     "gqa-tied-routed-only": {"n_kv_heads": 2, "tie_embeddings": True, "n_shared_experts": 0, "top_k": 3},
     "all-moe-normalised": {"n_dense_layers": 0, "norm_topk_prob": True, "rope_theta": 500.0},
+    # one shared expert twice as wide as a routed one (bench_moe's): deepseek's two of moe_intermediate_size
+    "one-wide-shared": {"n_shared_experts": 1, "shared_expert_hidden_dim": 32},
 }
 
 
