@@ -1,7 +1,7 @@
 """The Hugging Face export as transformers and the Hub expect it (trainer/hf_export.py): safetensors shards and
 their index, which ``from_pretrained`` loads to the project's logits and an upload takes; the pinned
 transformers' config keys, loaded without a warning; the source tokenizer's special tokens; the user's
-permissions. The import of a sharded folder, and the bounded memory of both directions' reads."""
+permissions. The import of a sharded folder."""
 
 from __future__ import annotations
 
@@ -16,14 +16,13 @@ import pytest
 import torch
 from huggingface_hub import CommitOperationAdd, constants
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, Qwen2MoeForCausalLM
 
 from eval.checkpoint import load_checkpoint
 from tests.test_hf import _deepseek_checkpoint, _modules_cache, _no_network, _qwen  # noqa: F401 (a fixture)
 from trainer.hf import main
 from trainer.hf_tokenizer import byte_level_tokenizer
-from trainer.mapped_safetensors import MappingBudget
 
 INDEX = "model.safetensors.index.json"
 SMALL_SHARDS = ("--max-shard-size", "40KB")  # the tiny models below: 5 to 7 shards
@@ -191,30 +190,6 @@ def test_a_symlinked_shard_or_index_is_refused_unfollowed(tmp_path, capsys, link
     err = capsys.readouterr().err
     assert err.startswith(f"error: {tmp_path / 'out' / link}: is a symlink; refused, never followed")
     assert err.count("\n") == 1 and not (tmp_path / "again").exists()
-
-
-def _rss_file() -> int:
-    """This process's resident file-backed pages, bytes (mapped files it has touched)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("RssFile:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no RssFile in /proc/self/status")
-
-
-@pytest.mark.parametrize("budget, at_most, at_least", [(8 << 20, 40 << 20, 0), (1 << 30, None, 100 << 20)])
-def test_reading_holds_at_most_the_budget_of_mapped_pages(tmp_path, budget, at_most, at_least):
-    """128 MiB read tensor by tensor, every page touched: with an 8 MiB budget the process keeps little of
-    the file mapped; with a budget over the file's size (the handles never closed) it keeps all of it."""
-    path = tmp_path / "big.safetensors"
-    save_file({f"t{i}": torch.full((1 << 20,), float(i)) for i in range(32)}, str(path))
-    reader = MappingBudget(budget)
-    handle = reader.file(path)
-    before = _rss_file()
-    for i, name in enumerate(sorted(handle.keys(), key=lambda n: int(n[1:]))):
-        assert float(handle.get_tensor(name).sum()) == float(int(name[1:])) * (1 << 20), i
-    grown = _rss_file() - before
-    assert grown >= at_least and (at_most is None or grown <= at_most), grown >> 20
-    reader.close()
 
 
 def test_an_imported_then_exported_sharded_model_keeps_every_tensor(tmp_path):

@@ -5,8 +5,8 @@ shards a ``model.safetensors.index.json`` names; a pickled ``pytorch_model.bin``
 is a symlinked file, never followed) of Qwen1.5-MoE (``qwen2_moe``) or DeepSeek-MoE v1 (``deepseek``) and
 writes a dense checkpoint at step 0 with no optimizer state: ``train.py --checkpoint.load CKPT_DIR`` starts
 from its weights with a fresh optimizer, and ``eval.harness --checkpoint CKPT_DIR`` scores it. Weights are
-stored in float32, read and written one tensor at a time with at most a GiB of the shards mapped (host
-memory: the largest tensor and that, not the model). A ``tokenizer.json`` beside the weights is recorded (by
+stored in float32, read (nothing mapped: :mod:`trainer.safetensors_read`) and written one tensor at a time
+(host memory: the largest tensor, not the model). A ``tokenizer.json`` beside the weights is recorded (by
 absolute path) as the checkpoint's tokenizer. ``--config-out FILE`` also writes a training config whose
 ``[model]`` is the imported one.
 
@@ -39,7 +39,7 @@ from trainer.checkpoint.dense import CheckpointError, Tensors, save_imported
 from trainer.data.tokenizer import TokenizerError, build_tokenizer
 from trainer.hf_errors import HFError
 from trainer.hf_export import DEFAULT_MAX_SHARD, DTYPES, INDEX, MODEL_FILE, export_hf
-from trainer.mapped_safetensors import MappedFile, MappingBudget, read_or_raise
+from trainer.safetensors_read import SafetensorsFile, read_or_raise
 
 # ---------------------------------------------------------------- import
 
@@ -91,24 +91,25 @@ def _reading(file: Path, fn):
     return read_or_raise(file, fn, HFError)
 
 
+def _open(file: Path) -> SafetensorsFile:
+    return _reading(file, lambda: SafetensorsFile(file))
+
+
 class HFWeights:
-    """The tensors of a Hugging Face model's safetensors files (one, or every shard of an index), read one at a
-    time (nothing unpickled) with at most a budget of their pages mapped (:mod:`trainer.mapped_safetensors`)."""
+    """The tensors of a Hugging Face model's safetensors files (one, or every shard of an index), each read when
+    it is asked for (nothing unpickled, nothing mapped: :mod:`trainer.safetensors_read`)."""
 
     def __init__(self, hf_dir: Path):
-        self.where: dict[str, tuple[Path, MappedFile]] = {}
-        budget = MappingBudget()
+        self.where: dict[str, tuple[Path, SafetensorsFile]] = {}
         for file in _weight_files(hf_dir):
-            handle = budget.file(file)
+            handle = _open(file)
             for name in _reading(file, handle.keys):
                 if name in self.where:
                     raise HFError(f"{file}: tensor {name!r} is also in {self.where[name][0].name}")
                 self.where[name] = (file, handle)
-        budget.close()
 
     def shape(self, name: str) -> tuple[int, ...]:
-        file, handle = self.where[name]
-        return tuple(_reading(file, lambda: handle.get_slice(name).get_shape()))
+        return self.where[name][1].shape(name)
 
     def get(self, name: str) -> torch.Tensor:
         file, handle = self.where[name]

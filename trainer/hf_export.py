@@ -10,9 +10,9 @@ larger than that is a shard of its own), filled in the model's order, ``model.sa
 holds the model, else ``model-0000i-of-0000N.safetensors`` with ``model.safetensors.index.json`` naming each
 tensor's shard. A shard size above the Hub's 50 GB per file is refused.
 
-Memory: the checkpoint's model files are read one tensor at a time with at most a GiB of them mapped
-(:mod:`trainer.mapped_safetensors`), and each shard is written as its tensors come: the process holds one
-tensor and its converted copy beyond that, whatever the model's size. Every file's checksum is verified
+Memory: the checkpoint's model files are read one tensor at a time with plain reads, nothing mapped
+(:mod:`trainer.safetensors_read`), and each shard is written as its tensors come: the process holds one tensor
+and its converted copy, whatever the model's size. Every file's checksum is verified
 first (``meta.json``). The target must be new or empty; the files are written into a temporary directory
 beside it, which is renamed into place when complete, with the user's permissions (umask), as
 ``save_pretrained`` leaves them. Nothing is downloaded.
@@ -42,7 +42,7 @@ from trainer.checkpoint.safetensors_stream import SafetensorsWriter
 from trainer.hf_errors import HFError
 from trainer.hf_modeling import remote_code_files
 from trainer.hf_tokenizer import write_tokenizer
-from trainer.mapped_safetensors import MappedFile, MappingBudget, read_or_raise
+from trainer.safetensors_read import SafetensorsFile, read_or_raise
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MODEL_FILE = "model.safetensors"
@@ -69,31 +69,26 @@ def parse_size(text: str) -> int:
 
 
 class CheckpointTensors:
-    """The model tensors of a dense checkpoint by stored name, read one at a time (nothing unpickled), with at
-    most a budget of the files mapped; a failure is an HFError naming the file. Verify the files first."""
+    """The model tensors of a dense checkpoint by stored name, each read when it is asked for (nothing unpickled,
+    nothing mapped: :mod:`trainer.safetensors_read`); a failure is an HFError naming the file. Verify the files
+    first."""
 
     def __init__(self, directory: str, meta: dict):
-        self.budget = MappingBudget()
-        self.where: dict[str, MappedFile] = {}
+        self.where: dict[str, SafetensorsFile] = {}
         for name in files_of(meta, "model"):
-            handle = self.budget.file(Path(directory) / name)
-            for tensor in _reading(handle, handle.keys):
+            path = Path(directory) / name
+            handle = read_or_raise(path, lambda p=path: SafetensorsFile(p), HFError)
+            for tensor in handle.keys():
                 if tensor in self.where:
-                    raise HFError(f"{handle.path}: tensor {tensor!r} is also in {self.where[tensor].path.name}")
+                    raise HFError(f"{path}: tensor {tensor!r} is also in {self.where[tensor].path.name}")
                 self.where[tensor] = handle
-        self.budget.close()
 
     def shape(self, name: str) -> tuple[int, ...]:
-        handle = self.where[name]
-        return tuple(_reading(handle, lambda: handle.get_slice(name).get_shape()))
+        return self.where[name].shape(name)
 
     def get(self, name: str) -> torch.Tensor:
         handle = self.where[name]
-        return _reading(handle, lambda: handle.get_tensor(name))
-
-
-def _reading(handle: MappedFile, read):
-    return read_or_raise(handle.path, read, HFError)
+        return read_or_raise(handle.path, lambda: handle.get_tensor(name), HFError)
 
 
 def open_checkpoint(ckpt_dir: str) -> tuple[ModelArgs, CheckpointTensors, dict]:
