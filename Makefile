@@ -5,12 +5,13 @@ CONFIG ?= train_configs/debug_moe.toml
 
 .PHONY: train test test-all lint format venv clean gpu-check
 
-# The pinned runtime requirements (pyproject.toml), pytest and ruff (the dev extra), the moevement-lm-eval command.
-$(VENV)/.installed: pyproject.toml
+# The pinned runtime requirements (pyproject.toml), pytest and ruff (the dev extra), the moevement-lm-eval command
+# (which runs this checkout's code: nothing of the project is installed as a package, pyproject.toml).
+$(VENV)/.installed: pyproject.toml eval/moevement-lm-eval
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found (set PYTHON=...)"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet ".[dev]"
 	touch $@
 
 venv: $(VENV)/.installed
@@ -42,4 +43,4 @@ test-all: $(VENV)/.installed
 	$(PY) -m pytest -q --runslow tests
 
 clean:
-	rm -rf $(VENV) outputs .pytest_cache
+	rm -rf $(VENV) outputs .pytest_cache build

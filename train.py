@@ -56,7 +56,7 @@ from trainer.lifecycle.stop_guard import StopGuard
 from trainer.lifecycle.survival import keep_for_torchrun_restart
 from trainer.lifecycle.survivor_lines import PREEMPTED, SurvivorLine
 from trainer.optim import build_optimizer
-from trainer.run import event_log, host_estimate
+from trainer.run import event_log, host_estimate, memory_check
 from trainer.run.accounting import RunAccounting, kept_path
 from trainer.run.event_lines import ElasticLayout, FaultStrike, FinalLine
 from trainer.run.fault_injection import KillSwitch, arm_kill, fired, kill_if_joining, record_fired
@@ -237,6 +237,7 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
         check_save_target(cfg.checkpoint.save_final)
     configure_determinism(cfg)
     dims = build_mesh(cfg.parallelism, device_type(), cfg.fault.timeout_s)
+    memory_check.warn_if_over(cfg, rank, dims.device)  # before anything of the model is allocated
     if dims.device.type == "cpu" and cfg.training.cpu_reuse_memory:
         reuse_freed_host_memory()
     train_batches, val_batches = training_data(cfg)

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from eval.errors import EvalError
+from eval.lm_eval_tasks.local_data import RAISE_KEY, TASK_DIR, task_line
 
-TASK_DIR = Path(__file__).resolve().parent / "lm_eval_tasks"
 TASKS = tuple(sorted(p.stem for p in TASK_DIR.glob("*.yaml")))
 
 
@@ -48,6 +48,7 @@ def load_tasks(
     from lm_eval.tasks import TaskManager
 
     metadata = {k: str(v) for k, v in (("piqa_dir", piqa_dir), ("hellaswag_file", hellaswag_file)) if v}
+    metadata[RAISE_KEY] = True  # a task's missing data is an error to report here, not the process's exit
     # include_defaults=False: indexing lm-eval's ~10k bundled YAMLs takes ~20 s
     manager = TaskManager(include_path=str(TASK_DIR), include_defaults=False, metadata=metadata)
     tasks, errors = {}, {}
@@ -56,5 +57,5 @@ def load_tasks(
             tasks[name] = manager.load([name])["tasks"][name]
         except Exception as e:  # LocalDataError (one line by contract) or a datasets error: name the task
             msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            errors[name] = EvalError(f"{name}: {msg}")
+            errors[name] = EvalError(task_line(name, msg))
     return tasks, errors

@@ -8,7 +8,8 @@ Two layouts are understood, each the one its public checkpoint uses:
   ``trust_remote_code=True`` and the ``DeepseekForCausalLM`` code of ``auto_map``, which an export ships,
   ``trainer/hf_modeling/``): the ``n_shared_experts`` shared experts fused into one MLP
   ``mlp.shared_experts`` of ``n_shared_experts * moe_intermediate_size`` hidden units, as this project's
-  ``moe.shared_experts`` is.
+  ``moe.shared_experts`` is (of ``n_shared_experts * shared_expert_hidden_dim``: a width that is a multiple of
+  ``expert_hidden_dim`` exports as that many of deepseek's shared experts).
 
 Both store routed experts one by one (``mlp.experts.<e>.{gate,up,down}_proj``); this project's
 ``w1``/``w3``/``w2`` are ``gate_proj``/``up_proj``/``down_proj``; each tensor is one tensor of the
@@ -145,7 +146,9 @@ def _deepseek_args(cfg: dict, n_layers: int) -> dict:
 
 
 def hf_config(args: ModelArgs, dtype: str = "float32") -> dict:
-    """The ``config.json`` that loads ``args``' weights with the original's class (see the module docstring)."""
+    """The ``config.json`` that loads ``args``' weights with the original's class (see the module docstring), in
+    the keys of ``transformers`` 5 (``dtype``, ``rope_parameters``; ``torch_dtype`` and ``rope_scaling`` are
+    deprecated there and warn). The special token ids are the tokenizer's: the caller adds them."""
     if args.family not in ARCHITECTURES:
         raise UnsupportedModel(f"model.family={args.family!r}: only qwen and deepseek have a Hugging Face layout")
     common = {
@@ -160,15 +163,14 @@ def hf_config(args: ModelArgs, dtype: str = "float32") -> dict:
         "hidden_act": "silu",
         "max_position_embeddings": args.max_seq_len,
         "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta,
-        "rope_scaling": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
         "tie_word_embeddings": args.tie_embeddings,
         "num_experts_per_tok": args.top_k,
         "norm_topk_prob": args.norm_topk_prob,
         "attention_dropout": 0.0,
         "initializer_range": 0.02,
         "use_cache": True,
-        "torch_dtype": dtype,
+        "dtype": dtype,
     }
     return common | (_qwen_config(args) if args.family == "qwen" else _deepseek_config(args))
 
@@ -195,10 +197,11 @@ def _deepseek_config(args: ModelArgs) -> dict:
         raise UnsupportedModel("model.qkv_bias=true has no deepseek layout (its attention has no bias)")
     if args.moe_every != 1:
         raise UnsupportedModel("model.moe_every > 1 has no deepseek layout")
-    if args.n_shared_experts and args.shared_expert_hidden_dim != args.expert_hidden_dim:
+    shared_width = args.n_shared_experts * args.shared_expert_hidden_dim  # the one fused MLP, here and there
+    if shared_width % args.expert_hidden_dim:
         raise UnsupportedModel(
-            "model.shared_expert_hidden_dim must equal model.expert_hidden_dim for the deepseek layout "
-            "(its shared experts are moe_intermediate_size wide)"
+            f"model.n_shared_experts x model.shared_expert_hidden_dim ({shared_width}) must be a multiple of "
+            "model.expert_hidden_dim for the deepseek layout (its shared experts are moe_intermediate_size wide)"
         )
     return {
         "model_type": "deepseek",
@@ -209,7 +212,7 @@ def _deepseek_config(args: ModelArgs) -> dict:
             "AutoModelForCausalLM": "modeling_deepseek.DeepseekForCausalLM",
         },
         "n_routed_experts": args.n_routed_experts,
-        "n_shared_experts": args.n_shared_experts or None,
+        "n_shared_experts": shared_width // args.expert_hidden_dim or None,
         "first_k_dense_replace": args.n_dense_layers,
         "moe_layer_freq": 1,
         "scoring_func": "softmax",
@@ -251,12 +254,14 @@ def _layer_sources(args: ModelArgs, i: int) -> dict[str, str]:
 
 
 def sources(args: ModelArgs) -> dict[str, str]:
-    """Every tensor of the whole model (project name) and its name in the original's checkpoint."""
-    out = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
-    if not args.tie_embeddings:
-        out["output.weight"] = "lm_head.weight"
+    """Every tensor of the whole model (project name) and its name in the original's checkpoint, in the model's
+    order (embedding, layers, final norm, head), the order an export's shards follow."""
+    out = {"tok_embeddings.weight": "model.embed_tokens.weight"}
     for i in range(args.n_layers):
         out.update(_layer_sources(args, i))
+    out["norm.weight"] = "model.norm.weight"
+    if not args.tie_embeddings:
+        out["output.weight"] = "lm_head.weight"
     return out
 
 

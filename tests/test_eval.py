@@ -21,11 +21,16 @@ from eval import harness
 from eval.checkpoint import load_checkpoint
 from eval.errors import EvalError
 from eval.lm_eval_cli import split_tasks, with_tasks
-from eval.lm_eval_tasks.local_data import DEFAULT_PIQA_DIR, HELLASWAG_FILE_ENV, PIQA_DIR_ENV
+from eval.lm_eval_tasks.local_data import DEFAULT_PIQA_DIR, HELLASWAG_FILE_ENV, HELLASWAG_SOURCE, PIQA_DIR_ENV
 from eval.model import GENERATE_UNSUPPORTED, MoEvementLM, requests_from_pairs, score_windows
 from eval.tasks import TASK_DIR, load_tasks
 from tests.helpers import CHILD_ENV, DEBUG_CONFIG, ROOT, run_cli
 
+NO_HELLASWAG = (
+    f"hellaswag_local ({TASK_DIR / 'hellaswag_local.yaml'}): no HellaSwag file: set {HELLASWAG_FILE_ENV}=FILE (or "
+    "eval.harness --hellaswag-file FILE), a JSONL in the original HellaSwag format (ctx_a, ctx_b, activity_label, "
+    f"endings, label), e.g. {HELLASWAG_SOURCE}"
+)
 LINE = re.compile(r"^task=(\w+) acc=([0-9.]+) acc_norm=([0-9.]+) n=(\d+)$", re.M)
 PIQA_LABELS = DEFAULT_PIQA_DIR / "valid-labels.lst"
 
@@ -320,10 +325,7 @@ def test_missing_task_data_is_one_line_and_the_other_tasks_still_run(checkpoint,
     assert harness.main(argv) == 2
     captured = capsys.readouterr()
     errors = [line for line in captured.err.splitlines() if line.startswith("error: ")]
-    assert errors == [
-        f"error: hellaswag_local: no HellaSwag file: set {HELLASWAG_FILE_ENV}=FILE (or eval.harness --hellaswag-file "
-        "FILE), a JSONL in the original HellaSwag format (ctx_a, ctx_b, activity_label, endings, label)"
-    ]
+    assert errors == [f"error: {NO_HELLASWAG}"]
     assert [(t, int(n)) for t, _, _, n in LINE.findall(captured.out)] == [("piqa_local", 2)]
     results = json.loads(out.read_text())
     assert set(results["results"]) == {"piqa_local"} and results["moevement"]["failed_tasks"] == ["hellaswag_local"]
@@ -469,10 +471,38 @@ def test_moevement_lm_eval_runs_the_tasks_whose_data_is_there(checkpoint, tmp_pa
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and errors[0].startswith("error: hellaswag_local: no HellaSwag file"), proc.stderr
+    assert errors == [f"error: {NO_HELLASWAG}"], proc.stderr
     assert "Traceback" not in proc.stderr
     rows = [line for line in proc.stdout.splitlines() if line.startswith("|piqa_local")]
     assert len(rows) == 1 and "acc" in rows[0], proc.stdout  # lm-eval's results table
+
+
+def test_lm_eval_s_own_task_loading_stops_at_missing_data_in_one_line(monkeypatch, capsys, tmp_path):
+    """What ``lm_eval --include_path eval/lm_eval_tasks`` runs (lm-eval's TaskManager, no project loader between):
+    a task's missing data is one line naming the project's task file, then exit status 2; no traceback."""
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.delenv(HELLASWAG_FILE_ENV, raising=False)
+    monkeypatch.setenv(PIQA_DIR_ENV, str(tmp_path))
+    manager = TaskManager(include_path=str(TASK_DIR), include_defaults=False)
+    piqa = f"piqa_local ({TASK_DIR / 'piqa_local.yaml'}): data file '{tmp_path / 'valid.jsonl'}' not found"
+    for task, line in (("hellaswag_local", NO_HELLASWAG), ("piqa_local", piqa)):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as stopped:
+            manager.load([task])
+        assert stopped.value.code == 2
+        errors = [text for text in capsys.readouterr().err.splitlines() if text.startswith("error: ")]
+        assert len(errors) == 1 and errors[0].startswith(f"error: {line}"), errors
+
+
+@pytest.mark.slow
+def test_lm_eval_s_own_command_line_stops_at_missing_hellaswag_data_in_one_line(tmp_path):
+    lm_eval = Path(sys.executable).parent / "lm_eval"
+    cmd = [str(lm_eval), "--model", "dummy", "--include_path", str(TASK_DIR), "--tasks", "hellaswag_local"]
+    env = {k: v for k, v in CHILD_ENV.items() if k != HELLASWAG_FILE_ENV}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert [line for line in proc.stderr.splitlines() if line.startswith("error: ")] == [f"error: {NO_HELLASWAG}"]
 
 
 def test_lm_eval_cli_task_arguments():

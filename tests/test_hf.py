@@ -28,7 +28,8 @@ from models.experts import named_tensors
 from tests.helpers import CHILD_ENV, DEBUG_CONFIG, ROOT, final_line, recoveries, run_cli
 from trainer.checkpoint.dense import Tensors, save_imported
 from trainer.data.tokenizer import ByteTokenizer
-from trainer.hf import byte_level_tokenizer, main
+from trainer.hf import main
+from trainer.hf_tokenizer import byte_level_tokenizer
 
 
 def _randomise(model: nn.Module, seed: int) -> None:
@@ -200,9 +201,11 @@ def test_deepseek_v1_import_gives_its_logits_and_export_gives_back_its_tensors(t
     assert sorted(original) == sorted(exported)
     assert all(torch.equal(original[k], exported[k]) for k in original)
     config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert {k: config[k] for k in DEEPSEEK_CONFIG if k != "architectures"} == {
-        k: v for k, v in DEEPSEEK_CONFIG.items() if k != "architectures"
+    renamed = ("architectures", "rope_theta", "rope_scaling")  # transformers 5 keys RoPE by rope_parameters
+    assert {k: config[k] for k in DEEPSEEK_CONFIG if k not in renamed} == {
+        k: v for k, v in DEEPSEEK_CONFIG.items() if k not in renamed
     }
+    assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": DEEPSEEK_CONFIG["rope_theta"]}
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_deepseek.DeepseekForCausalLM"
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True).eval()
     with torch.no_grad():
@@ -261,6 +264,8 @@ DEEPSEEK_SHAPES = {
     "mha-shared-untied": {},
     "gqa-tied-routed-only": {"n_kv_heads": 2, "tie_embeddings": True, "n_shared_experts": 0, "top_k": 3},
     "all-moe-normalised": {"n_dense_layers": 0, "norm_topk_prob": True, "rope_theta": 500.0},
+    # one shared expert twice as wide as a routed one (bench_moe's): deepseek's two of moe_intermediate_size
+    "one-wide-shared": {"n_shared_experts": 1, "shared_expert_hidden_dim": 32},
 }
 
 
@@ -398,12 +403,12 @@ def test_exported_byte_tokenizer_is_the_trainer_s(tmp_path):
 
 
 def _lm_eval(n: int, out: Path, *model: str) -> dict:
-    """``moevement-lm-eval`` (as installed by ``make``: ``pip install -e .``) on the first ``n`` items of the
-    project's ``piqa_local`` task (../shared/data/piqa); PYTHONPATH: this checkout's code."""
-    script = Path(sys.executable).parent / "moevement-lm-eval"
-    cmd = [str(script), *model, "--tasks", "piqa_local", "--limit", str(n), "--output_path", str(out)]
-    env = CHILD_ENV | {"PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    """``moevement-lm-eval`` as the installed command runs it (``python -m eval.lm_eval_cli`` in the checkout;
+    tests/test_install.py runs the installed command) on the first ``n`` items of the project's ``piqa_local``
+    task (../shared/data/piqa)."""
+    cmd = [sys.executable, "-m", "eval.lm_eval_cli", *model, "--tasks", "piqa_local", "--limit", str(n)]
+    cmd += ["--output_path", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=CHILD_ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (results,) = out.rglob("results_*.json")
     scores = json.loads(results.read_text())["results"]["piqa_local"]

@@ -1,23 +1,23 @@
 """Hugging Face weights in and out: ``python -m trainer.hf import HF_DIR CKPT_DIR`` and ``export CKPT_DIR HF_DIR``.
 
-``import`` reads a local Hugging Face model directory (``config.json`` and ``model.safetensors`` or a
-sharded ``model.safetensors.index.json``; a pickled ``pytorch_model.bin`` is refused unread) of
-Qwen1.5-MoE (``qwen2_moe``) or DeepSeek-MoE v1 (``deepseek``) and writes a dense checkpoint at step 0
-with no optimizer state: ``train.py --checkpoint.load CKPT_DIR`` starts from its weights with a fresh
-optimizer, and ``eval.harness --checkpoint CKPT_DIR`` scores it. A file it reads that is a symlink is
-refused, never followed (as the trainer's checkpoints), and so is a weight holding NaN or infinity (one
-line naming the file and the tensor); nothing of the checkpoint is left behind then. Weights are stored
-in float32, read and written one tensor at a time (host memory: the largest tensor, not the model). A
-``tokenizer.json`` beside the weights is recorded (by absolute path) as the checkpoint's tokenizer.
+``import`` reads a local Hugging Face model directory (``config.json`` and ``model.safetensors`` or the
+shards a ``model.safetensors.index.json`` names; a pickled ``pytorch_model.bin`` is refused unread) of
+Qwen1.5-MoE (``qwen2_moe``) or DeepSeek-MoE v1 (``deepseek``) and writes a dense checkpoint at step 0 with no
+optimizer state: ``train.py --checkpoint.load CKPT_DIR`` starts from its weights with a fresh optimizer, and
+``eval.harness --checkpoint CKPT_DIR`` scores it. A file it reads that is a symlink is refused, never followed
+(as the trainer's checkpoints), and so is a weight holding NaN or infinity (one line naming the file and the
+tensor); nothing of the checkpoint is left behind then. Weights are stored in float32, read (nothing mapped:
+:mod:`trainer.safetensors_read`) and written one tensor at a time (host memory: the largest tensor, not the
+model). A ``tokenizer.json`` beside the weights is recorded (by absolute path) as the checkpoint's tokenizer.
 ``--config-out FILE`` also writes a training config whose ``[model]`` is the imported one.
 
-``export`` writes what the original's class loads (see :mod:`models.hf_mapping`): ``config.json``,
-``model.safetensors`` (``--dtype``, float32 by default), and the tokenizer: the run's ``tokenizer.json``
-or, for the byte tokenizer, an equivalent byte-level ``tokenizer.json``, with a ``tokenizer_config.json``.
-A family ``transformers`` has no class for (deepseek) also gets this project's modeling code
+``export`` writes what the original's class loads and a Hub upload expects (:mod:`trainer.hf_export`):
+``config.json``, ``generation_config.json``, the weights as safetensors shards (``--dtype``, float32 by
+default; ``--max-shard-size``, 5GB by default) with ``model.safetensors.index.json``, and the tokenizer. A
+family ``transformers`` has no class for (deepseek) also gets this project's modeling code
 (:mod:`trainer.hf_modeling`, named by ``config.json``'s ``auto_map``), with which
 ``AutoModelForCausalLM.from_pretrained(HF_DIR, trust_remote_code=True)`` loads the export offline.
-Nothing is downloaded; the target must be new or empty, and is written under a temporary name, then renamed.
+Nothing is downloaded.
 
 It lives in the trainer layer because it writes and reads the trainer's checkpoint format;
 :mod:`models.hf_mapping` holds the pure name and config correspondence.
@@ -28,32 +28,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
-import tempfile
-from contextlib import suppress
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from models import stored_shapes
 from models.args import ModelArgs
-from models.hf_mapping import UnsupportedModel, args_from_hf_config, check_names, hf_config, sources
+from models.hf_mapping import UnsupportedModel, args_from_hf_config, check_names, sources
 from trainer.checkpoint.dense import CheckpointError, Tensors, save_imported
-from trainer.checkpoint.dense_read import StoredTensors, files_of, open_meta, verify_files
-from trainer.checkpoint.safetensors_stream import write_safetensors
-from trainer.data.tokenizer import ByteTokenizer, HFTokenizer, TokenizerError, build_tokenizer
-from trainer.hf_modeling import remote_code_files
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-MODEL_FILE = "model.safetensors"
-INDEX = "model.safetensors.index.json"
-
-
-class HFError(RuntimeError):
-    """A bad Hugging Face directory, checkpoint or target; one line naming the file."""
-
+from trainer.data.tokenizer import TokenizerError, build_tokenizer
+from trainer.hf_errors import HFError
+from trainer.hf_export import DEFAULT_MAX_SHARD, DTYPES, INDEX, MODEL_FILE, export_hf
+from trainer.safetensors_read import SafetensorsFile, read_or_raise
 
 # ---------------------------------------------------------------- import
 
@@ -102,30 +89,28 @@ def _weight_files(hf_dir: Path) -> list[Path]:
 
 def _reading(file: Path, fn):
     """`fn()`, a safetensors read of `file`; any failure is one HFError line naming the file."""
-    try:
-        return fn()
-    except (SafetensorError, OSError) as e:
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise HFError(f"{file}: unreadable ({reason})") from None
+    return read_or_raise(file, fn, HFError)
 
 
-def _open(file: Path):
-    return _reading(file, lambda: safe_open(str(file), framework="pt", device="cpu"))
+def _open(file: Path) -> SafetensorsFile:
+    return _reading(file, lambda: SafetensorsFile(file))
 
 
 class HFWeights:
-    """The tensors of a Hugging Face model's safetensors files, read one at a time (nothing unpickled)."""
+    """The tensors of a Hugging Face model's safetensors files (one, or every shard of an index), each read when
+    it is asked for (nothing unpickled, nothing mapped: :mod:`trainer.safetensors_read`)."""
 
     def __init__(self, hf_dir: Path):
-        self.where: dict[str, tuple[Path, object]] = {}
+        self.where: dict[str, tuple[Path, SafetensorsFile]] = {}
         for file in _weight_files(hf_dir):
             handle = _open(file)
             for name in _reading(file, handle.keys):
+                if name in self.where:
+                    raise HFError(f"{file}: tensor {name!r} is also in {self.where[name][0].name}")
                 self.where[name] = (file, handle)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        file, handle = self.where[name]
-        return tuple(_reading(file, lambda: handle.get_slice(name).get_shape()))
+        return self.where[name][1].shape(name)
 
     def get(self, name: str) -> torch.Tensor:
         """Tensor `name`, refused (HFError naming it and its file) when it holds NaN or infinity: training
@@ -220,119 +205,6 @@ def _write_new_file(target: Path, data: bytes) -> None:
     os.rename(tmp, target)
 
 
-# ---------------------------------------------------------------- export
-
-
-def open_checkpoint(ckpt_dir: str) -> tuple[ModelArgs, StoredTensors, dict]:
-    """(model shape, its model tensors, meta.json) of a dense checkpoint, every model file's checksum verified."""
-    try:
-        meta = open_meta(ckpt_dir)
-        args = ModelArgs(**meta["model"])
-        args.validate()
-        verify_files(ckpt_dir, meta, files_of(meta, "model"))
-        tensors = StoredTensors(ckpt_dir, meta, "model")
-    except (CheckpointError, TypeError, ValueError) as e:
-        raise HFError(f"{ckpt_dir}: {e}") from None
-    missing = sorted(set(stored_shapes(args)) - set(tensors.where))
-    if missing:
-        raise HFError(f"{ckpt_dir}: the checkpoint's model files have no tensor {missing[0]!r}")
-    return args, tensors, meta
-
-
-def export_hf(ckpt_dir: str, hf_dir: str, dtype: str = "float32") -> Path:
-    """Write the checkpoint ``ckpt_dir`` as a Hugging Face model directory ``hf_dir`` (new or empty), one
-    tensor at a time."""
-    args, tensors, meta = open_checkpoint(ckpt_dir)
-    config = hf_config(args, dtype)
-    ours_of = {theirs: ours for ours, theirs in sources(args).items()}
-    try:
-        specs = {theirs: (DTYPES[dtype], tensors.shape(ours)) for theirs, ours in ours_of.items()}
-    except CheckpointError as e:
-        raise HFError(str(e)) from None
-
-    def tensor_of(name: str) -> torch.Tensor:
-        return tensors.get(ours_of[name]).to(DTYPES[dtype])
-
-    target = Path(hf_dir)
-    _check_export_target(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        write_safetensors(tmp / MODEL_FILE, specs, tensor_of, metadata={"format": "pt"}, sha256=False)
-        eos = _write_tokenizer(tmp, meta.get("tokenizer") or "byte", args)
-        config["eos_token_id"] = eos
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        for code in remote_code_files(args.family):
-            shutil.copyfile(code, tmp / code.name)
-        if target.exists():
-            target.rmdir()  # empty, checked above
-        os.rename(tmp, target)
-    except BaseException as e:
-        with suppress(OSError):
-            shutil.rmtree(tmp)
-        if isinstance(e, CheckpointError):
-            raise HFError(str(e)) from None
-        raise
-    return target
-
-
-def _check_export_target(target: Path) -> None:
-    if target.is_symlink():
-        raise HFError(f"{target}: is a symlink; refused, never followed")
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise HFError(f"{target}: exists and is not an empty directory; not replaced (choose a new directory)")
-
-
-def _write_tokenizer(directory: Path, spec: str, args: ModelArgs) -> int:
-    """``tokenizer.json`` and ``tokenizer_config.json`` of the run's tokenizer in ``directory``; its eos id."""
-    try:
-        tok = build_tokenizer(spec)
-    except TokenizerError as e:
-        raise HFError(f"checkpoint tokenizer: {e}") from None
-    if isinstance(tok, ByteTokenizer):
-        byte_level_tokenizer().save(str(directory / "tokenizer.json"))
-        eos_token = BYTE_EOS
-    else:
-        assert isinstance(tok, HFTokenizer)
-        shutil.copyfile(tok.path, directory / "tokenizer.json")
-        eos_token = tok.eos_token
-    tok_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": eos_token,
-        "model_max_length": args.max_seq_len,
-    }
-    (directory / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
-    return int(tok.eos_id)
-
-
-BYTE_EOS = "</s>"
-
-
-def byte_level_tokenizer():
-    """A ``tokenizers`` Tokenizer like :class:`trainer.data.tokenizer.ByteTokenizer` (byte b is id b; `</s>` 256)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    chars = _bytes_to_unicode()
-    tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([BYTE_EOS])
-    return tok
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """The byte-level BPE alphabet: printable bytes stand for themselves, the others for code points 256+."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return chars
-
-
 # ---------------------------------------------------------------- command line
 
 
@@ -348,6 +220,12 @@ def main(argv: list[str] | None = None) -> int:
     exp.add_argument("ckpt_dir", metavar="CKPT_DIR")
     exp.add_argument("hf_dir", metavar="HF_DIR")
     exp.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="dtype of the written weights")
+    exp.add_argument(
+        "--max-shard-size",
+        default=DEFAULT_MAX_SHARD,
+        metavar="SIZE",
+        help=f"largest safetensors file, as save_pretrained takes it (default {DEFAULT_MAX_SHARD}; at most 50GB)",
+    )
     args = parser.parse_args(argv)
     try:
         if args.command == "import":
@@ -358,8 +236,11 @@ def main(argv: list[str] | None = None) -> int:
                 + (f"; config {args.config_out}" if args.config_out else "")
             )
         else:
-            target = export_hf(args.ckpt_dir, args.hf_dir, args.dtype)
-            print(f"exported {args.ckpt_dir} -> {target} ({args.dtype})")
+            shards = export_hf(args.ckpt_dir, args.hf_dir, args.dtype, args.max_shard_size)
+            print(
+                f"exported {args.ckpt_dir} -> {args.hf_dir} ({args.dtype}, {len(shards)} safetensors file(s) of at "
+                f"most {args.max_shard_size})"
+            )
     except (HFError, UnsupportedModel) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

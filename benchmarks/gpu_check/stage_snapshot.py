@@ -57,7 +57,7 @@ def stage_args(layers: int, micro_batches: int) -> list[str]:
         *("--config", CONFIG, "--model.n_layers", str(layers), "--model.n_dense_layers", "0"),
         *("--model.vocab_size", str(VOCAB), "--data.tokenizer", "byte", "--training.mixed_precision", "bf16"),
         *("--training.batch_size", str(SEQUENCES * micro_batches), "--training.micro_batches", str(micro_batches)),
-        *("--training.seq_len", str(SEQ_LEN)),
+        *("--training.seq_len", str(SEQ_LEN), "--training.activation_checkpoint", "none"),  # the config's is full
     ]
 
 

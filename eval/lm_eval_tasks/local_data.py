@@ -9,13 +9,21 @@ the data is (the first that is set wins):
 * ``hellaswag_local``: task metadata ``hellaswag_file`` (``--hellaswag-file``), else the environment
   variable ``MOEVEMENT_HELLASWAG_FILE``: a JSONL in the original HellaSwag format. No default.
 
-Missing or malformed data raises :class:`LocalDataError`, whose message is one line naming the file.
+HellaSwag's validation split in that format is ``hellaswag_val.jsonl`` of the HellaSwag authors' repository
+(:data:`HELLASWAG_SOURCE`): download it once, anywhere, and name it.
+
+Missing or malformed data is one line naming the file and the task file (never a traceback): the project's
+loaders (``eval.tasks.load_tasks``, behind ``eval.harness`` and ``moevement-lm-eval``) pass the metadata key
+:data:`RAISE_KEY` and get a :class:`LocalDataError` to report; lm-eval's own command line (``lm_eval
+--include_path eval/lm_eval_tasks``) passes no such key, and the line is printed as ``error: ...`` on stderr
+before the process exits with status 2.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 PIQA_DIR_ENV = "MOEVEMENT_PIQA_DIR"
@@ -24,6 +32,9 @@ HELLASWAG_FILE_ENV = "MOEVEMENT_HELLASWAG_FILE"
 DEFAULT_PIQA_DIR = Path(__file__).resolve().parent.parent.parent.parent / "shared" / "data" / "piqa"
 PIQA_DATA, PIQA_LABELS = "valid.jsonl", "valid-labels.lst"
 HELLASWAG_FIELDS = ("ctx_a", "ctx_b", "activity_label", "endings", "label")
+HELLASWAG_SOURCE = "https://github.com/rowanz/hellaswag/raw/master/data/hellaswag_val.jsonl"
+TASK_DIR = Path(__file__).resolve().parent
+RAISE_KEY = "raise_data_errors"  # task metadata of the project's loaders: raise LocalDataError, do not exit
 
 
 class LocalDataError(ValueError):
@@ -41,7 +52,7 @@ def hellaswag_file(hellaswag_file: str | Path | None = None) -> Path:
     if not file:
         raise LocalDataError(
             f"no HellaSwag file: set {HELLASWAG_FILE_ENV}=FILE (or eval.harness --hellaswag-file FILE), "
-            f"a JSONL in the original HellaSwag format ({', '.join(HELLASWAG_FIELDS)})"
+            f"a JSONL in the original HellaSwag format ({', '.join(HELLASWAG_FIELDS)}), e.g. {HELLASWAG_SOURCE}"
         )
     return Path(file)
 
@@ -120,11 +131,28 @@ def _validation_split(rows: list[dict]):
     return datasets.DatasetDict({"validation": datasets.Dataset.from_list(rows)})
 
 
-def piqa_dataset(piqa_dir: str | Path | None = None, **_metadata):
+def task_line(task: str, message: str) -> str:
+    """The one-line report of ``task``'s data, naming the project's task file."""
+    return f"{task} ({TASK_DIR / task}.yaml): {message}"
+
+
+def _dataset(task: str, read_rows, metadata: dict):
+    """The ``validation`` split of ``read_rows()``; a :class:`LocalDataError` raised for the project's loaders
+    (metadata :data:`RAISE_KEY`), else (lm-eval's own command line) one line on stderr and exit status 2."""
+    try:
+        return _validation_split(read_rows())
+    except LocalDataError as e:
+        if metadata.get(RAISE_KEY):
+            raise
+        print(f"error: {task_line(task, str(e))}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+
+
+def piqa_dataset(piqa_dir: str | Path | None = None, **metadata):
     """``custom_dataset`` of ``piqa_local``: lm-eval passes the task's metadata as keyword arguments."""
-    return _validation_split(piqa_docs(piqa_dir))
+    return _dataset("piqa_local", lambda: piqa_docs(piqa_dir), metadata)
 
 
-def hellaswag_dataset(hellaswag_file: str | Path | None = None, **_metadata):
+def hellaswag_dataset(hellaswag_file: str | Path | None = None, **metadata):
     """``custom_dataset`` of ``hellaswag_local``: lm-eval passes the task's metadata as keyword arguments."""
-    return _validation_split(hellaswag_docs(hellaswag_file))
+    return _dataset("hellaswag_local", lambda: hellaswag_docs(hellaswag_file), metadata)

@@ -2,7 +2,7 @@
 
 Shipped inside the export directory (``auto_map``: ``AutoConfig``) beside ``modeling_deepseek.py``; it imports
 nothing but ``transformers``. The keys are deepseek-moe-16b-base's; a value the modeling file does not compute
-(another activation, sigmoid routing, MoE every other layer, attention bias, rope scaling, MLA) is refused
+(another activation, sigmoid routing, MoE every other layer, attention bias, RoPE scaling, MLA) is refused
 with a ``ValueError`` naming the key, so that a model never silently computes something else.
 """
 
@@ -16,7 +16,6 @@ _REQUIRED = {
     "scoring_func": "softmax",
     "moe_layer_freq": 1,
     "attention_bias": False,
-    "rope_scaling": None,
     "q_lora_rank": None,
     "kv_lora_rank": None,
 }
@@ -40,8 +39,8 @@ class DeepseekConfig(PretrainedConfig):
     hidden_act: str = "silu"
     max_position_embeddings: int = 4096
     rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = None
+    # {"rope_type": "default", "rope_theta": base}; a transformers-4 config's top-level rope_theta lands here
+    rope_parameters: dict | None = None
     tie_word_embeddings: bool = False
     n_routed_experts: int = 64
     n_shared_experts: int | None = 2
@@ -68,3 +67,5 @@ class DeepseekConfig(PretrainedConfig):
         for key, value in _REQUIRED.items():
             if getattr(self, key, None) != value:
                 raise ValueError(f"config.json: {key}={getattr(self, key)!r} is not supported (only {value!r})")
+        if self.rope_parameters.get("rope_type") != "default":
+            raise ValueError(f"config.json: rope_parameters={self.rope_parameters!r}: only unscaled RoPE is supported")

@@ -53,7 +53,7 @@ class DeepseekAttention(nn.Module):
 
     def __init__(self, config: DeepseekConfig, layer_idx: int):
         super().__init__()
-        self.layer_idx, self.theta = layer_idx, config.rope_theta
+        self.layer_idx, self.theta = layer_idx, config.rope_parameters["rope_theta"]
         self.n_heads, self.n_kv = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.hidden_size // self.n_heads
         self.q_proj = nn.Linear(config.hidden_size, self.n_heads * self.head_dim, bias=False)
