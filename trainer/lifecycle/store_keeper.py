@@ -19,10 +19,12 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 # set in the children of a shell whose keeper hosts the round's store (parallelisms.distributed.KEPT_STORE,
 # in a module that imports torch)
 KEPT = "MOEVEMENT_KEPT_STORE"
+CHECKOUT = Path(__file__).resolve().parents[2]
 
 
 def wanted(env: dict[str, str]) -> bool:
@@ -36,7 +38,9 @@ def start_if_needed(env: dict[str, str], preexec_fn) -> subprocess.Popen | None:
     keeper, or None. `preexec_fn` makes it die with the shell."""
     if not wanted(env):
         return None
-    keeper = subprocess.Popen([sys.executable, "-m", "trainer.lifecycle.store_keeper"], env=env, preexec_fn=preexec_fn)
+    # run from the checkout: nothing of the project is installed, and torchrun may be launched elsewhere
+    command = [sys.executable, "-m", "trainer.lifecycle.store_keeper"]
+    keeper = subprocess.Popen(command, env=env, cwd=CHECKOUT, preexec_fn=preexec_fn)
     env.update({"TORCHELASTIC_USE_AGENT_STORE": str(True), KEPT: "1"})
     return keeper
 
