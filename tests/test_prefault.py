@@ -8,13 +8,14 @@ from __future__ import annotations
 import os
 import threading
 
+import pytest
 import torch
 
 from moevement.checkpoint.reservation import operator_layout_bytes, slot_bytes
 from moevement.storage import host_memory, mappings
 from moevement.storage.host_memory import HostBuffer, prefault_rank_dir
 from moevement.storage.mappings import KEPT
-from moevement.storage.private_files import make_private_dirs
+from moevement.storage.private_files import HostMemoryError, make_private_dirs
 from moevement.storage.snapshot_buffers import SnapshotBuffers
 from tests.tiny_moe import iteration, tiny_engine
 
@@ -141,7 +142,8 @@ def test_a_later_generation_takes_back_the_mappings_its_predecessor_kept(tmp_pat
 def test_prefault_rank_dir_maps_the_ranks_own_buffers_once_and_nothing_else(tmp_path):
     """Own snapshot buffers and network replicas are mapped once (a second call maps nothing); a file with two
     names (a same-node replica link) or one not owner-only is never mapped; a file replaced since is mapped
-    again; a buffer built afterwards holds the kept mapping."""
+    again; a buffer built afterwards holds the kept mapping; a symlinked directory is never followed (a rank directory
+    that is one is refused)."""
     rank_dir = tmp_path / "rank0"
     local, replicas = make_private_dirs(rank_dir, "local"), make_private_dirs(rank_dir, "replicas", "from1")
     own, replica, linked = local / "w0-s0.bin", replicas / "w0-s0.bin", local / "w1-s0.bin"
@@ -165,6 +167,16 @@ def test_prefault_rank_dir_maps_the_ranks_own_buffers_once_and_nothing_else(tmp_
         buffer = HostBuffer(own.with_suffix(""))
         assert buffer.capacity == 3 << 20 and not KEPT.valid(own)  # taken by the buffer, no longer kept
         buffer.release()
+        elsewhere = make_private_dirs(tmp_path, "elsewhere")
+        fd = os.open(elsewhere / "w0-s0.bin", os.O_RDWR | os.O_CREAT, 0o600)
+        os.ftruncate(fd, 1 << 20)
+        os.close(fd)
+        (rank_dir / "replicas" / "from2").symlink_to(elsewhere)
+        prefault_rank_dir(rank_dir)
+        assert not KEPT.valid(rank_dir / "replicas" / "from2" / "w0-s0.bin"), "a symlinked directory: never followed"
+        (tmp_path / "linked-rank").symlink_to(rank_dir)
+        with pytest.raises(HostMemoryError, match="linked-rank: is a symlink"):
+            prefault_rank_dir(tmp_path / "linked-rank")
     finally:
         KEPT.drop_under(tmp_path)
     assert KEPT.nbytes() == 0

@@ -73,16 +73,17 @@ class _Deferred:
     def __init__(self, issue: Callable[[], IssuedCopy]):
         self.issue, self.issued = issue, None
 
-    def _issued(self) -> IssuedCopy:
+    def issued_now(self) -> IssuedCopy:
+        """The copy, issued now if it was not yet (`issue` blocks until its buffer is free)."""
         if self.issued is None:
             self.issued = self.issue()
         return self.issued
 
     def order_step(self) -> None:
-        self._issued().order_step()
+        self.issued_now().order_step()
 
     def result(self) -> EncodedHeader:
-        return self._issued().result()
+        return self.issued_now().result()
 
     def exception(self) -> BaseException | None:
         return self.issued.exception() if self.issued is not None else None
@@ -133,6 +134,15 @@ class SnapshotInFlight:
         else:
             copy = _Deferred(lambda: self._issue_when_reusable(window_index, buffer, header, sources))
         self.pending = _Pending(window_index, header, buffer, copy, time.perf_counter())
+
+    def issue_if_reusable(self) -> None:
+        """Training thread (GPU): a copy deferred because its buffer's old window was not yet garbage when it
+        started (at the end of the iteration before) is issued now if that window is garbage by now."""
+        pending = self.pending
+        if pending is None or not isinstance(pending.copy, _Deferred) or pending.copy.issued is not None:
+            return
+        if self.handoff.reusable(pending.window_index):
+            pending.copy.issued_now()
 
     def wait(self) -> float | None:
         """Training thread, before the optimizer step: order the step after the copy; the seconds the host

@@ -36,7 +36,8 @@ class IterationSnapshots:
         self, cfg: SparseOptions, planner: WindowPlanner, window: CurrentWindow, in_flight: SnapshotInFlight
     ) -> None:
         self.cfg, self.planner, self.window, self.in_flight = cfg, planner, window, in_flight
-        self.early = cfg.overlap == "iteration"
+        # an interval baseline's copy starts at `begin`: its policy's selection (MoC's cursor) advances as it plans
+        self.early = cfg.overlap == "iteration" and planner.policy is None
         self.iterations, self.paused = 0, False  # iterations begun; a recovery replaying (no snapshots)
         self.ready: float | None = None  # when the next snapshot's copy could start (None: at its `begin`)
         self.prepared: tuple[int, float] | None = None  # (iteration, MB) of the snapshot `after_end` started
@@ -53,6 +54,7 @@ class IterationSnapshots:
         prepared, self.prepared = self.prepared, None
         if prepared is not None and prepared[0] == iteration:
             self.last["ckpt_mb"] = prepared[1]
+            self.in_flight.issue_if_reusable()  # a GPU copy that had to wait for its buffer, if it need not now
         else:
             if prepared is not None:
                 self.in_flight.drop()  # started for another iteration: never the one that runs

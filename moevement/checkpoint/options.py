@@ -41,7 +41,8 @@ class SparseOptions:
     profile_iters: int = 2  # iterations measured before the first window
     # what Algorithm 1 plans W on: "iteration" copies SS_t from the end of iteration t-1 (right after its optimizer
     # step) and plans on the time from the copy's start to step t, at the rate copies get beside training; "compute"
-    # copies it from begin(t) and plans on forward + backward, at the bandwidth of a copy alone
+    # copies it from begin(t) and plans on forward + backward, at the bandwidth of a copy alone (the interval
+    # baselines always copy from begin(t))
     overlap: Literal["iteration", "compute"] = "iteration"
     # snapshot buffers are never grown while a window needs them: at start-up the buffer files this rank's host
     # directory holds are mapped and, where the plan is known before training (a fixed window, an interval

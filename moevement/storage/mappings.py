@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from moevement.storage.private_files import check_private
+
 
 @dataclass
 class Mapping:
@@ -124,7 +126,9 @@ def map_fd(fd: int, size: int) -> torch.Tensor:
 
 def buffer_files(rank_dir: Path) -> list[Path]:
     """The buffer files (`*.bin`) of a rank directory: its snapshots (`local/`), the replicas it holds
-    (`replicas/from*/`) and the bandwidth probe's (in the directory itself), never through a symlink; sorted."""
+    (`replicas/from*/`) and the bandwidth probe's (in the directory itself); sorted. Every directory is checked
+    before it is listed (`check_private`: owner-only, this user's, never a symlink: HostMemoryError naming it);
+    one that does not exist holds nothing."""
     found = []
     for directory in [rank_dir, rank_dir / "local", *_subdirs(rank_dir / "replicas")]:
         found += [p for p in _entries(directory) if p.name.endswith(".bin") and _regular(p)]
@@ -136,10 +140,12 @@ def _subdirs(directory: Path) -> list[Path]:
 
 
 def _entries(directory: Path) -> list[Path]:
+    """The entries of a checked host-state directory (none if it does not exist)."""
     try:
-        return [Path(e.path) for e in os.scandir(directory)]
-    except (FileNotFoundError, NotADirectoryError):
+        check_private(directory)
+    except FileNotFoundError:
         return []
+    return [Path(e.path) for e in os.scandir(directory)]
 
 
 def _regular(path: Path) -> bool:
