@@ -105,11 +105,15 @@ def run(
 
 
 def window_starts(records: dict[int, dict[str, float]], profile_iters: int) -> list[tuple[int, int]]:
-    """(first iteration, W) of each complete window of one run (windows follow the profile; W may
-    change from one window to the next)."""
+    """(first iteration, W) of each complete window of one run: windows follow the profile and one another
+    (W may change from one window to the next), but for iterations in none (`window` 0: a window waiting
+    for its buffers to be grown, a block without snapshots)."""
     out, start, last = [], profile_iters + 1, max(records)
-    while start in records and int(records[start]["window"]) > 0:
+    while start in records:
         window = int(records[start]["window"])
+        if window == 0:
+            start += 1
+            continue
         if start + window - 1 > last:
             break
         out.append((start, window))
@@ -124,11 +128,12 @@ def whole_windows(records: dict[int, dict[str, float]], profile_iters: int) -> l
 
 def steady_start(records: dict[int, dict[str, float]], profile_iters: int) -> int:
     """First steady-state iteration: the second of the second window. The first window is planned
-    from start-up iterations, which run slower (its snapshots may stall), and the second one,
-    planned from steady iterations, reserves at its first iteration the host memory a larger
-    window needs. Without windows: the second iteration after the profile."""
-    first = int(records.get(profile_iters + 1, {}).get("window", 0))
-    return profile_iters + first + 2
+    from start-up iterations, which run slower (its snapshots may stall), and the second one is the
+    first planned from steady iterations. Without windows: the second iteration after the profile."""
+    for t in range(profile_iters + 1, max(records, default=0) + 1):
+        if int(records.get(t, {}).get("window", 0)) > 0:  # the first window (it may wait for its buffers)
+            return t + int(records[t]["window"]) + 1
+    return profile_iters + 2
 
 
 def steady_records(

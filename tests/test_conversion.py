@@ -129,8 +129,10 @@ def test_a_window_ordered_by_statistics_the_host_never_read_replays_exactly(tmp_
 
     monkeypatch.setattr(Profile, "update", scripted)
     monkeypatch.setattr(Profile, "measure_bandwidth", lambda p, _dir, _dev: setattr(p, "measured_bandwidth", 1e9))
-    run = train_run(tmp_path / "rank0", FAILED - 1, window=0, max_window=3)
-    assert len(plans) == 6 and run.engine.persisted.window == (8, 3)
+    # prefault off: each window starts where it is planned (no iteration waits for its buffers); the seventh plan,
+    # at the end of 10, is of the window SS_11 starts in (its copy starts there: checkpoint.overlap = iteration)
+    run = train_run(tmp_path / "rank0", FAILED - 1, window=0, max_window=3, prefault=False)
+    assert len(plans) == 7 and run.engine.persisted.window == (8, 3)
     slot0 = run.engine.persisted.snapshot(0)[0].active
     assert len(slot0) == 6 and all(run.engine.ops_by_name[name].kind == "expert" for name in slot0)
     seen = replay_after_failure(run)

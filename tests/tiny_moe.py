@@ -89,6 +89,21 @@ FAILED = 11
 MAX_NORM = 0.5  # small enough that iterations clip: the replay must use the logged coefficient
 
 
+def iteration(engine, model, optimizer, t: int, data: torch.Generator, after_step=None) -> dict[str, torch.Tensor]:
+    """Iteration `t` of the tiny MoE under `engine` on a batch drawn from `data` (`after_step()` called between its
+    optimizer step and `end`); the state before its step (`full_state`)."""
+    engine.begin(t)
+    before = full_state(model, optimizer)
+    x = torch.randint(0, 64, (4, 16), generator=data)
+    lm_loss(model(x), x.roll(-1, 1)).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    if after_step is not None:
+        after_step()
+    engine.end(t, {"loss": 0.0, "clip_coef": 1.0}, *take_expert_load(model))
+    return before
+
+
 def batch(t: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Iteration t's (inputs, labels), a function of t alone."""
     x = torch.randint(0, ARGS["vocab_size"], (4, 16), generator=torch.Generator().manual_seed(t))

@@ -12,36 +12,40 @@ optimizer step; an optimizer step pre-hook sits in between:
                 (`PersistedCheckpoint`), the previous one garbage-collected, and every Nth written
                 to disk.
 
+With `checkpoint.overlap = iteration` (the default) the copy of SS_{t+1} starts at the end of `end(t)`
+instead of in `begin(t+1)` (`IterationSnapshots`): state_{t+1} is complete once the step of t is done.
+
 Buffers (`SnapshotBuffers`): two sets (window parity) of one buffer per slot, so at most one
 persisted and one in-flight checkpoint exist. A window's copies wait until the previous window is
 persisted before overwriting the buffers of the one before it.
 
-The parts: `CurrentWindow` (window.py) plans and lays out the open window; `SnapshotInFlight`
-(in_flight.py) copies the running iteration's snapshot and commits it; `SnapshotHandoff` (handoff.py)
-takes a committed snapshot through replication, persistence and the disk; restarted.py holds what a
-restarted rank does with the state it finds (`adopt`, `drop_leftovers`).
+The parts: `IterationSnapshots` (iteration_snapshots.py) starts each iteration's snapshot and times
+it; `CurrentWindow` (window.py) plans and lays out the open window and has its buffers grown off the
+training thread; `SnapshotInFlight` (in_flight.py) copies the running iteration's snapshot and commits
+it; `SnapshotHandoff` (handoff.py) takes a committed snapshot through replication, persistence and the
+disk; restarted.py holds what a restarted rank does with the state it finds (`adopt`, `drop_leftovers`).
 
 Threads: the training thread runs `begin`, `end`, the pre-hook, planning and every recovery call;
-the copy thread runs `SnapshotInFlight._copy` (it reads only the persisted index, under
-`PersistedCheckpoint.cond`); the replication thread runs `SnapshotHandoff._on_window_replicated`
-(buffer invalidation under `SnapshotBuffers.lock`, persistence under `PersistedCheckpoint.cond`); the
-disk thread writes the persisted windows it is handed. Recovery calls `abort_window` first, which
-drains replication, so recovery then runs alone; `adopt` (training thread, before training) commits
-and drains like `end` does.
+the prefault thread grows buffers (`SnapshotBuffers.reserve_ahead`); the copy thread runs
+`SnapshotInFlight._copy` (it reads only the persisted index, under `PersistedCheckpoint.cond`); the
+replication thread runs `SnapshotHandoff._on_window_replicated` (buffer invalidation under
+`SnapshotBuffers.lock`, persistence under `PersistedCheckpoint.cond`); the disk thread writes the
+persisted windows it is handed. Recovery calls `abort_window` first, which drains replication, so
+recovery then runs alone; `adopt` (training thread, before training) commits and drains like `end` does.
 """
 
 from __future__ import annotations
 
 import copy
-import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import torch
 
 from moevement.checkpoint.handoff import SnapshotHandoff
 from moevement.checkpoint.in_flight import SnapshotInFlight
+from moevement.checkpoint.iteration_snapshots import IterationSnapshots
 from moevement.checkpoint.options import SparseOptions
 from moevement.checkpoint.persisted import PersistedCheckpoint
 from moevement.checkpoint.planner import SnapshotPolicy, WindowPlanner
@@ -50,6 +54,7 @@ from moevement.checkpoint.window import CurrentWindow
 from moevement.operators import Operator, Stacked, build_registry
 from moevement.storage.cpu_cost import measure
 from moevement.storage.host_memory import HostBuffer, read_header, remove_tree
+from moevement.storage.mappings import KEPT
 from moevement.storage.private_files import make_private_dirs
 from moevement.storage.replication import ReplicaStore
 from moevement.storage.snapshot import SnapshotHeader
@@ -102,10 +107,17 @@ class SparseCheckpointer:
         self.handoff = SnapshotHandoff(
             cfg, topology, self.persisted, self.replicas, rank_dirs, group_timeout_s, disk_keep
         )
-        self.window = CurrentWindow(self.planner, self.buffers, self.rank_dir, topology.rank, self.job_meta)
-        self.in_flight = SnapshotInFlight(self.buffers, self.handoff, self.planner.profile.throttle, self.job_meta)
-        self.stats = _LoopState()
-        optimizer.register_step_pre_hook(self._before_optimizer_step)
+        self.window = CurrentWindow(
+            self.planner, self.buffers, self.rank_dir, topology.rank, self.job_meta, prefault=cfg.prefault
+        )
+        profile = self.planner.profile
+        self.in_flight = SnapshotInFlight(
+            self.buffers, self.handoff, profile.throttle, self.job_meta, profile.record_copy
+        )
+        self.stats = IterationSnapshots(cfg, self.planner, self.window, self.in_flight)
+        if cfg.prefault:
+            self.window.reserve_at_start_up()
+        optimizer.register_step_pre_hook(lambda _optimizer, _args, _kwargs: self.stats.before_step())
 
     @property
     def ops(self) -> list[Operator]:
@@ -122,27 +134,9 @@ class SparseCheckpointer:
     # ---- the three calls of the training loop ----------------------------------------------------
 
     def begin(self, iteration: int) -> None:
-        """Iteration `iteration` is about to run on state_iteration: start its snapshot, if any."""
-        self.stats.begin()
-        if self.stats.iterations <= self.cfg.profile_iters or not self.planner.due(iteration):
-            return
-        if self.cfg.ab_blocks and (iteration // self.cfg.ab_blocks) % 2:
-            return  # a benchmark's block without snapshots
-        if self.window.ended_by(iteration):
-            with measure("window"):
-                self.window.start(iteration)
-        with measure("checkpointer"):
-            header, sources, buffer = self.window.snapshot(iteration)
-            self.in_flight.start(self.window.index, header, sources, buffer)
-            self.stats.last["ckpt_mb"] = header.nbytes / 1e6
-
-    def _before_optimizer_step(self, _optimizer, _args, _kwargs) -> None:
-        if self.stats.paused:
-            return
-        self.planner.profile.record(self.stats.elapsed())
-        waited = self.in_flight.wait()
-        if waited is not None:
-            self.stats.last["stall_ms"] = waited * 1e3
+        """Iteration `iteration` is about to run on state_iteration: start its snapshot, if any (unless `end` of
+        the iteration before started it already)."""
+        self.stats.begin(iteration)
 
     def end(
         self,
@@ -155,11 +149,11 @@ class SparseCheckpointer:
         with measure("checkpointer"):
             self.planner.observe(tokens, gate_probs)
             self.persisted.log_scalars(iteration, scalars)
-            if self.in_flight.pending is None:
-                return
-            if self.planner.policy is not None:
-                self.planner.policy.observe_stall(self.stats.last["stall_ms"] / 1e3)
-            self.in_flight.commit(scalars)
+            if self.in_flight.pending is not None:
+                if self.planner.policy is not None:
+                    self.planner.policy.observe_stall(self.stats.last["stall_ms"] / 1e3)
+                self.in_flight.commit(scalars)
+        self.stats.after_end(iteration)
 
     def snapshot_meta(self) -> dict | None:
         """The header metadata of the snapshot the current iteration takes (None: it takes none); a
@@ -177,7 +171,7 @@ class SparseCheckpointer:
         return {
             **self.stats.last,
             **({"interval": policy.interval} if policy else {}),
-            "window": self.window.plan.window if self.window.plan else 0,
+            "window": self.stats.window_size,
             "repl_lag": self.handoff.backlog,
             "host_mb": (self.buffers.nbytes() + self.replicas.nbytes()) / 1e6,
         }
@@ -190,6 +184,7 @@ class SparseCheckpointer:
         The newest persisted checkpoint stays; the next `begin` opens a new window."""
         self.handoff.drain()
         self.in_flight.drop()
+        self.stats.recovering()
         persisted = self.persisted.abort_in_flight()
         in_flight = (persisted + 1) % 2
         self.buffers.invalidate(in_flight)
@@ -223,11 +218,13 @@ class SparseCheckpointer:
 
     def close(self) -> None:
         """Finish copies, replication and disk writes; drop host state unless asked to keep it."""
+        self.stats.drop_prepared()
         self.in_flight.finish()
         self.buffers.close()
         self.handoff.close()
         for buf in self._held():
             buf.release()
+        KEPT.drop_under(self.rank_dir)  # the bandwidth probe's, and any no buffer took back
         if not self.cfg.keep_host_state:
             remove_tree(self.rank_dir, self.rank_dir.parent)
 
@@ -239,7 +236,7 @@ class SparseCheckpointer:
         self.buffers.close()
         self.handoff.abandon(self.topology.rank)
         for buf in self._held():
-            buf.release()
+            buf.release(keep=True)  # the next generation's buffers take the mappings back (`mappings.KEPT`)
 
     def adopt(self, window_index: int, snapshots: list[tuple[SnapshotHeader, dict]]) -> None:
         """A restarted job keeps the window it restarted from as its persisted checkpoint (collective): every
@@ -255,32 +252,6 @@ class SparseCheckpointer:
 
     def _held(self) -> list[HostBuffer]:
         return [*self.buffers.all(), *self.replicas.buffers.values()]
-
-
-class _LoopState:
-    """Training-thread bookkeeping: iterations seen, the current one's start time and checkpointing
-    figures (`ckpt_mb`, `stall_ms`), and whether a recovery is replaying (no snapshots, no profile)."""
-
-    def __init__(self) -> None:
-        self.iterations, self.started, self.paused = 0, 0.0, False
-        self.last = {"ckpt_mb": 0.0, "stall_ms": 0.0}
-
-    def begin(self) -> None:
-        self.iterations += 1
-        self.started = time.perf_counter()
-        self.last = {"ckpt_mb": 0.0, "stall_ms": 0.0}
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.started
-
-    @contextmanager
-    def pausing(self) -> Iterator[None]:
-        """A recovery replays the iterations inside this block."""
-        self.paused = True
-        try:
-            yield
-        finally:
-            self.paused = False
 
 
 def persisted_snapshots(rank_dir: Path) -> list[tuple[dict, Path]]:

@@ -14,6 +14,7 @@ before the adopted window is committed, so the replication thread reads it only 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from moevement.storage.host_memory import HostBuffer
 from moevement.storage.persistence import DiskWriter
 from moevement.storage.replication import Outgoing, ReplicaStore, start_replication
 from moevement.storage.snapshot import CommitRecord
+from moevement.storage.snapshot_copy import CopyCancelled
 from moevement.topology import Topology
 
 
@@ -79,10 +81,17 @@ class SnapshotHandoff:
             return False
         return self.disk is None or not self.disk.busy(window_index % 2)
 
-    def wait_until_reusable(self, window_index: int) -> None:
+    def wait_until_reusable(self, window_index: int, cancelled: threading.Event | None = None) -> None:
         """Copy thread: block until window `window_index` may overwrite the buffers of its parity: the window
-        before it is persisted (so the one before that is garbage) and the disk writer has finished reading them."""
-        check = self.replicator.raise_if_failed if self.replicator is not None else (lambda: None)
+        before it is persisted (so the one before that is garbage) and the disk writer has finished reading them.
+        Once `cancelled` is set (and `persisted.cond` notified) it raises `CopyCancelled` instead."""
+
+        def check() -> None:
+            if self.replicator is not None:
+                self.replicator.raise_if_failed()
+            if cancelled is not None and cancelled.is_set():
+                raise CopyCancelled
+
         self.persisted.wait_until_persisted(window_index - 1, check)
         if self.disk is not None:
             self.disk.wait(window_index % 2)

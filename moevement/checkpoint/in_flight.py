@@ -7,7 +7,11 @@ the training thread issues the copy on a side stream at once (or, if the old win
 just before the step). The optimizer step pre-hook orders the step after the copy (`wait`): on a CPU by
 waiting for the copy thread, on a GPU by making the training stream wait for the copy's event, so SS_t is
 complete before the step mutates any of its tensors and the host never waits. `commit` (in `end(t)`) adds
-the iteration's `meta` to the encoded header and hands the snapshot to the hand-off.
+the iteration's `meta` to the encoded header and hands the snapshot to the hand-off. With
+`checkpoint.overlap = iteration` the copy of SS_t starts in `end(t-1)`, right after SS_{t-1}'s commit:
+state_t is complete once the step of t-1 is done. A copy on the copy thread can be cancelled between two
+chunks (`drop`: a recovery, or a speculative copy the run's end leaves unused): nothing writes its buffer
+once `drop` returns.
 
 Threads: `_copy` runs on the copy thread, everything else on the training thread. `pending` is the
 training thread's alone: the copy thread gets what it needs as arguments when the copy is submitted.
@@ -15,6 +19,7 @@ training thread's alone: the copy thread gets what it needs as arguments when th
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -45,10 +50,11 @@ class _Copy(Protocol):
 
 
 class _Threaded:
-    """A copy on the copy thread."""
+    """A copy on the copy thread, which `cancelled` ends between two chunks; `started`: when it began copying
+    (perf_counter; None before), set by the copy thread."""
 
-    def __init__(self, future: Future):
-        self.future = future
+    def __init__(self, future: Future, cancelled: threading.Event, started: list[float]):
+        self.future, self.cancelled, self.started = future, cancelled, started
 
     def order_step(self) -> None:
         self.future.result()
@@ -67,16 +73,17 @@ class _Deferred:
     def __init__(self, issue: Callable[[], IssuedCopy]):
         self.issue, self.issued = issue, None
 
-    def _issued(self) -> IssuedCopy:
+    def issued_now(self) -> IssuedCopy:
+        """The copy, issued now if it was not yet (`issue` blocks until its buffer is free)."""
         if self.issued is None:
             self.issued = self.issue()
         return self.issued
 
     def order_step(self) -> None:
-        self._issued().order_step()
+        self.issued_now().order_step()
 
     def result(self) -> EncodedHeader:
-        return self._issued().result()
+        return self.issued_now().result()
 
     def exception(self) -> BaseException | None:
         return self.issued.exception() if self.issued is not None else None
@@ -88,17 +95,29 @@ class _Pending:
     header: SnapshotHeader
     buffer: HostBuffer
     copy: _Copy
+    issued_at: float  # perf_counter when `start` handed it on
+
+    def copy_started(self) -> float:
+        """When its copy began copying (a threaded one after waiting for its buffer); its hand-on time if that
+        is not known."""
+        started = self.copy.started if isinstance(self.copy, _Threaded) else []
+        return started[0] if started else self.issued_at
 
 
 class SnapshotInFlight:
-    """At most one snapshot in flight (`pending`), copied into `buffers` at the pace `throttle()` gives, and
-    committed through `handoff`."""
+    """At most one snapshot in flight (`pending`), copied into `buffers` at the pace `throttle(cancelled=...)`
+    gives, and committed through `handoff`; `copied(nbytes, working_s)` hears of every threaded copy done."""
 
     def __init__(
-        self, buffers: SnapshotBuffers, handoff: SnapshotHandoff, throttle: Callable[[], Throttle], job_meta: dict
+        self,
+        buffers: SnapshotBuffers,
+        handoff: SnapshotHandoff,
+        throttle: Callable[..., Throttle],
+        job_meta: dict,
+        copied: Callable[[int, float], None] = lambda nbytes, working_s: None,
     ):
         """`job_meta`: what every snapshot's `meta` begins with (`MetaEncoder`)."""
-        self.buffers, self.handoff, self.throttle = buffers, handoff, throttle
+        self.buffers, self.handoff, self.throttle, self.copied = buffers, handoff, throttle, copied
         self.encode_meta = MetaEncoder(job_meta).encode
         self.pending: _Pending | None = None
         self.latest_buffer: HostBuffer | None = None  # the newest committed snapshot's
@@ -107,12 +126,23 @@ class SnapshotInFlight:
         """Training thread: start the copy of SS_t (`header`, `sources`) into `buffer`, of window `window_index`."""
         copy: _Copy
         if not self.buffers.staged:
-            copy = _Threaded(self.buffers.submit(self._copy, window_index, buffer, header, sources))
+            cancelled, started = threading.Event(), []
+            args = (window_index, buffer, header, sources, cancelled, started)
+            copy = _Threaded(self.buffers.submit(self._copy, *args), cancelled, started)
         elif self.handoff.reusable(window_index):
             copy = self.buffers.issue(buffer, header, sources)
         else:
             copy = _Deferred(lambda: self._issue_when_reusable(window_index, buffer, header, sources))
-        self.pending = _Pending(window_index, header, buffer, copy)
+        self.pending = _Pending(window_index, header, buffer, copy, time.perf_counter())
+
+    def issue_if_reusable(self) -> None:
+        """Training thread (GPU): a copy deferred because its buffer's old window was not yet garbage when it
+        started (at the end of the iteration before) is issued now if that window is garbage by now."""
+        pending = self.pending
+        if pending is None or not isinstance(pending.copy, _Deferred) or pending.copy.issued is not None:
+            return
+        if self.handoff.reusable(pending.window_index):
+            pending.copy.issued_now()
 
     def wait(self) -> float | None:
         """Training thread, before the optimizer step: order the step after the copy; the seconds the host
@@ -139,11 +169,20 @@ class SnapshotInFlight:
         self.latest_buffer = pending.buffer
 
     def drop(self) -> None:
-        """Training thread, recovery: the snapshot in flight, if any, is forgotten uncommitted (a copy issued on a
-        GPU is let finish first: nothing writes a buffer after it is dropped)."""
-        if self.pending is not None and isinstance(self.pending.copy, (IssuedCopy, _Deferred)):
-            self.pending.copy.exception()
-        self.pending = None
+        """Training thread (a recovery, a speculative copy left unused): the snapshot in flight, if any, is
+        forgotten uncommitted; a copy on the copy thread is cancelled and ended, one issued on a GPU is let finish
+        (nothing writes a buffer after it is dropped)."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            self._end(pending.copy)
+
+    def _end(self, copy: _Copy) -> None:
+        """Cancel a threaded copy (waking it if it waits for its buffer) and wait for any copy to end."""
+        if isinstance(copy, _Threaded):
+            copy.cancelled.set()
+            with self.handoff.persisted.cond:
+                self.handoff.persisted.cond.notify_all()
+        copy.exception()
 
     def finish(self) -> None:
         """Training thread: the copy in flight has completed (its errors raised)."""
@@ -151,9 +190,10 @@ class SnapshotInFlight:
             self.pending.copy.result()
 
     def abandon(self) -> None:
-        """Training thread, a peer died: the copy in flight has ended (its errors are the dead peer's)."""
+        """Training thread, a peer died: the copy in flight is cancelled and has ended (its errors are the dead
+        peer's)."""
         if self.pending is not None:
-            self.pending.copy.exception()
+            self._end(self.pending.copy)
 
     @property
     def latest(self) -> tuple[SnapshotHeader, torch.Tensor] | None:
@@ -162,11 +202,18 @@ class SnapshotInFlight:
             return None
         return SnapshotHeader.from_json(read_header(self.latest_buffer.path)), self.latest_buffer.data
 
-    def _copy(self, window_index: int, buffer: HostBuffer, header: SnapshotHeader, sources) -> EncodedHeader:
-        """Copy thread: wait until the buffer's old window is garbage, copy SS_t into it, and encode its header
-        but for the iteration's `meta` (which `commit` adds)."""
-        self.handoff.wait_until_reusable(window_index)
-        return self.buffers.copy(buffer, header, sources, self.throttle())
+    def _copy(
+        self, window_index: int, buffer: HostBuffer, header: SnapshotHeader, sources, cancelled, started: list
+    ) -> EncodedHeader:
+        """Copy thread: wait until the buffer's old window is garbage, copy SS_t into it (noting in `started` when
+        it began), and encode its header but for the iteration's `meta` (which `commit` adds); `cancelled` ends it
+        between two chunks (`CopyCancelled`)."""
+        self.handoff.wait_until_reusable(window_index, cancelled)
+        throttle = self.throttle(cancelled=cancelled)
+        started.append(throttle.start)
+        encoded = self.buffers.copy(buffer, header, sources, throttle)
+        self.copied(header.nbytes, throttle.working_s)
+        return encoded
 
     def _issue_when_reusable(self, window_index: int, buffer: HostBuffer, header, sources) -> IssuedCopy:
         """Training thread (GPU): wait until the buffer's old window is garbage, then issue the copy."""

@@ -39,6 +39,16 @@ class SparseOptions:
     persist_dir: str = ""  # also write every `persist_every`-th persisted checkpoint to <persist_dir>/<job.name>
     persist_every: int = 1  # write every N-th persisted checkpoint to persist_dir
     profile_iters: int = 2  # iterations measured before the first window
+    # what Algorithm 1 plans W on: "iteration" copies SS_t from the end of iteration t-1 (right after its optimizer
+    # step) and plans on the time from the copy's start to step t, at the rate copies get beside training; "compute"
+    # copies it from begin(t) and plans on forward + backward, at the bandwidth of a copy alone (the interval
+    # baselines always copy from begin(t))
+    overlap: Literal["iteration", "compute"] = "iteration"
+    # snapshot buffers are never grown while a window needs them: at start-up the buffer files this rank's host
+    # directory holds are mapped and, where the plan is known before training (a fixed window, an interval
+    # baseline), its buffers are reserved; a window whose buffers are not yet ready waits (no snapshot) while a
+    # background thread grows them. false: they grow on the training thread at the window's start
+    prefault: bool = True
     reprofile_every: int = 0  # re-measure the copy bandwidth every N windows (0: only at start-up)
     # benchmarks, with window = 1: snapshots in every other block of this many iterations, none in the blocks
     # between (0: every iteration), so that one process measures their cost (ckpt_mb says which iterations)

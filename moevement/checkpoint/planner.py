@@ -25,6 +25,7 @@ import torch.distributed as dist
 from moevement.checkpoint.options import SparseOptions
 from moevement.checkpoint.popularity import PopularityTracker
 from moevement.checkpoint.profiler import Profile
+from moevement.checkpoint.reservation import operator_layout_bytes, slot_bytes
 from moevement.checkpoint.schedule import (
     WindowPlan,
     byte_slots,
@@ -114,7 +115,7 @@ class WindowPlanner:
         self.is_expert = [op.kind == "expert" for op in ops]
         self.kind_order = order_operators(self.registry_order, self.is_expert, {})  # experts first, as ordered
         self.policy = policy
-        self.profile = Profile(cfg.bandwidth_gbps)
+        self.profile = Profile(cfg.bandwidth_gbps, cfg.overlap)
         self.reset_popularity()
         self._laid_out: tuple[tuple, tuple[frozenset[str], ...], WindowLayouts] | None = None  # slots, by set
         self._sizes: tuple[list[torch.Tensor], dict[str, tuple[int, int]]] | None = None
@@ -273,6 +274,25 @@ class WindowPlanner:
         agreed = torch.tensor([window], dtype=torch.int64, device=self.device)
         collectives.all_reduce(agreed, op=dist.ReduceOp.MAX)
         return int(agreed)
+
+    def all_ranks(self, holds: bool) -> bool:
+        """Whether `holds` is true on every rank (collective)."""
+        if self.world == 1:
+            return holds
+        flag = torch.tensor([int(holds)], dtype=torch.int64, device=self.device)
+        collectives.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag)
+
+    def startup_sizes(self) -> list[int] | None:
+        """Per slot, the bytes of the largest snapshot this rank's buffers will hold where that is known before
+        any window is planned (`reservation`): a fixed `checkpoint.window`'s slots in either operator order, or an
+        interval baseline's one slot of every operator's FP32 state. None where Algorithm 1 chooses W."""
+        if self.policy is None and not self.cfg.window:
+            return None
+        sizes = operator_layout_bytes(self.ops, self.optimizer, self.compute_dtype)
+        if self.policy is not None:
+            return [max(sum(sizes.fp32), 1)]
+        return [max(n, 1) for n in slot_bytes(self.ops, sizes, [self.cfg.window], self.cfg.slots)]
 
 
 def _in_order(order: list[str], sizes: dict[str, tuple[int, int]]) -> tuple[list[int], list[int]]:

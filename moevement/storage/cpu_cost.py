@@ -18,19 +18,21 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 # Background threads: copy, checksum, header (a snapshot's commit record, encoded on the copy thread),
-# replication, persistence. On the training thread: upstream_log (the boundary tensors' host copies),
-# checkpointer (its begin / pre-step / end calls) and window (a window's start: plan, layouts, buffers).
+# replication, persistence, prefault (buffers grown ahead of need). On the training thread: upstream_log (the
+# boundary tensors' host copies), checkpointer (its begin / pre-step / end calls) and window (a window's start:
+# plan, layouts, buffers).
 ACTIVITIES = (
     "copy",
     "checksum",
     "header",
     "replication",
     "persistence",
+    "prefault",
     "upstream_log",
     "checkpointer",
     "window",
 )
-BACKGROUND = ("copy", "checksum", "header", "replication", "persistence")
+BACKGROUND = ("copy", "checksum", "header", "replication", "persistence", "prefault")
 
 _lock = threading.Lock()
 _seconds = dict.fromkeys(ACTIVITIES, 0.0)

@@ -23,15 +23,16 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
-import mmap
 import os
 import shutil
 import sys
+import threading
 from pathlib import Path
 
 import torch
 
 from moevement.storage.commit_file import CommitFile
+from moevement.storage.mappings import KEPT, Mapping, buffer_files, map_fd
 from moevement.storage.private_files import HostMemoryError, check_private, encode_json, open_private, private_fd
 from moevement.storage.sealed import Record, SealError, unseal
 
@@ -120,11 +121,15 @@ class HostBuffer:
         self.path, self.pin = path, pin
         self._data: torch.Tensor | None = torch.empty(0, dtype=torch.uint8)  # None: a link, mapped when read
         self._pinned_ptr: int | None = None
+        self._identity: tuple[int, int] | None = None  # (device, inode) of the file `_data` maps
+        self._growing = threading.Lock()  # `ensure` may run on the prefault thread and on another
         self.record = CommitFile(self.header_path, path.with_suffix(".spare"))
         # A replica file with other names is a link (an earlier process of the job may have left it).
         self.linked = replica and _links(self.path.with_suffix(".bin")) > 1
         if self.linked:
             self._data = None
+        elif (kept := KEPT.take(self.path.with_suffix(".bin"))) is not None:
+            self._adopt(kept)
 
     @property
     def data(self) -> torch.Tensor:
@@ -158,32 +163,49 @@ class HostBuffer:
         if self.linked:
             self._drop_file()
         if nbytes > self.capacity:
-            self._unpin()
-            bin_path = self.path.with_suffix(".bin")
-            fd = open_private(bin_path, os.O_RDWR | os.O_CREAT)
-            try:
-                size = max(nbytes, os.fstat(fd).st_size)
-                os.ftruncate(fd, size)
-                # Reserve the pages now: a full /dev/shm must fail here, not SIGBUS a later copy.
-                os.posix_fallocate(fd, 0, size)
-                self._data = _map(fd, size)
-            except OSError as e:
-                free = shutil.disk_usage(bin_path.parent).free
-                raise HostMemoryError(
-                    f"{bin_path}: cannot reserve {nbytes / 1e9:.2f} GB of host memory "
-                    f"({free / 1e9:.2f} GB free there: {e.strerror})"
-                ) from None
-            finally:
-                os.close(fd)
-            if self.pin and pin_or_warn(self.data.data_ptr(), size, bin_path):
-                self._pinned_ptr = self.data.data_ptr()
+            with self._growing:
+                if nbytes > self.capacity:
+                    self._grow(nbytes)
         return self.data
 
-    def release(self) -> None:
-        """Unpin and drop the mapping (a pinned range must be unregistered before it is unmapped), and let go of
-        the commit record's file (`CommitFile.close`)."""
+    def _grow(self, nbytes: int) -> None:
+        """Map at least `nbytes` of the file, its pages reserved and faulted in (see `ensure`)."""
         self._unpin()
-        self._data = None if self.linked else torch.empty(0, dtype=torch.uint8)
+        bin_path = self.path.with_suffix(".bin")
+        fd = open_private(bin_path, os.O_RDWR | os.O_CREAT)
+        try:
+            st = os.fstat(fd)
+            size = max(nbytes, st.st_size)
+            os.ftruncate(fd, size)
+            # Reserve the pages now: a full /dev/shm must fail here, not SIGBUS a later copy.
+            os.posix_fallocate(fd, 0, size)
+            data = map_fd(fd, size)
+        except OSError as e:
+            free = shutil.disk_usage(bin_path.parent).free
+            raise HostMemoryError(
+                f"{bin_path}: cannot reserve {nbytes / 1e9:.2f} GB of host memory "
+                f"({free / 1e9:.2f} GB free there: {e.strerror})"
+            ) from None
+        finally:
+            os.close(fd)
+        pinned = data.data_ptr() if self.pin and pin_or_warn(data.data_ptr(), size, bin_path) else None
+        self._data, self._pinned_ptr, self._identity = data, pinned, (st.st_dev, st.st_ino)
+
+    def _adopt(self, kept: Mapping) -> None:
+        """Take over a mapping this process kept of this buffer's file (`moevement.storage.mappings`)."""
+        self._data, self._pinned_ptr, self._identity = kept.data, kept.pinned, kept.identity
+        if self.pin and self._pinned_ptr is None and pin_or_warn(kept.data.data_ptr(), kept.data.numel(), self.path):
+            self._pinned_ptr = kept.data.data_ptr()
+
+    def release(self, keep: bool = False) -> None:
+        """Unpin and drop the mapping (a pinned range must be unregistered before it is unmapped), and let go of
+        the commit record's file (`CommitFile.close`). With `keep`, the mapping (pinned or not) stays in this
+        process for the next buffer of the same file instead (`mappings.KEPT`: a later generation's)."""
+        if keep and not self.linked and self._identity is not None and self.capacity:
+            KEPT.keep(self.path.with_suffix(".bin"), Mapping(self._data, self._identity, self._pinned_ptr))
+            self._pinned_ptr = None
+        self._unpin()
+        self._data, self._identity = (None if self.linked else torch.empty(0, dtype=torch.uint8)), None
         self.record.close()
 
     def link(self, source: Path) -> None:
@@ -207,7 +229,7 @@ class HostBuffer:
         except OSError as e:
             raise HostMemoryError(f"{bin_path}: cannot link the replica to {source} ({e.strerror})") from None
         check_private(bin_path)
-        self.linked, self._data = True, None
+        self.linked, self._data, self._identity = True, None, None
 
     def scrub(self) -> None:
         """Its rank failed (a simulated loss): the bytes become unreadable to this rank. A file with other
@@ -223,7 +245,8 @@ class HostBuffer:
     def _drop_file(self) -> None:
         """Unmap and remove this buffer's name of its file (another name keeps the bytes)."""
         self._unpin()
-        self._data, self.linked = torch.empty(0, dtype=torch.uint8), False
+        self._data, self.linked, self._identity = torch.empty(0, dtype=torch.uint8), False, None
+        KEPT.discard(self.path.with_suffix(".bin"))
         self.path.with_suffix(".bin").unlink(missing_ok=True)
 
     def invalidate(self) -> None:
@@ -319,18 +342,41 @@ def map_bytes(path: Path) -> torch.Tensor:
     """The bytes of the buffer file `<path>.bin`, mapped read-write (no copy; never through a symlink)."""
     fd = open_private(path.with_suffix(".bin"), os.O_RDWR)
     try:
-        return _map(fd, os.fstat(fd).st_size)
+        return map_fd(fd, os.fstat(fd).st_size)
     finally:
         os.close(fd)
 
 
-def _map(fd: int, size: int) -> torch.Tensor:
-    """`size` bytes of the file `fd`, mapped shared, every page faulted in by the kernel at once
-    (MAP_POPULATE: for pages that exist, about 7x cheaper than touching them one fault at a time)."""
-    if size == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-    return torch.frombuffer(mmap.mmap(fd, size, flags=flags), dtype=torch.uint8)  # the tensor keeps the mapping
+def prefault_rank_dir(rank_dir: Path, pin: bool = False) -> int:
+    """Map every buffer file of the rank directory `rank_dir` (its own snapshots, `local/`, and the replicas it
+    received over the network, `replicas/from*/`) with its pages faulted in, and keep the mappings in this
+    process (`mappings.KEPT`) for the buffers its checkpointer builds (`pin`: page-locked too, for a GPU's
+    copies). Returns the bytes mapped by this call: mappings already kept and still valid are not redone, so
+    calling it again is cheap (a warm standby may call it every few seconds while it waits, and once more when
+    it is activated, before it builds its checkpointer).
+
+    A file with more than one name (a same-node replica that is a link to its sender's buffer, and that buffer)
+    is left alone, and so is anything not owner-only and this user's: host state of another user is never
+    mapped. A missing directory maps nothing."""
+    mapped = 0
+    for path in buffer_files(rank_dir):
+        if KEPT.valid(path):
+            continue
+        try:
+            fd = open_private(path, os.O_RDWR)
+        except HostMemoryError:
+            continue  # vanished, or not ours: never mapped
+        try:
+            st = os.fstat(fd)
+            if st.st_nlink > 1 or st.st_size == 0:
+                continue
+            data = map_fd(fd, st.st_size)
+        finally:
+            os.close(fd)
+        pinned = data.data_ptr() if pin and pin_or_warn(data.data_ptr(), st.st_size, path) else None
+        KEPT.keep(path, Mapping(data, (st.st_dev, st.st_ino), pinned))
+        mapped += st.st_size
+    return mapped
 
 
 def _open_dir_at(dir_fd: int, name: str, where: Path) -> int:
@@ -360,6 +406,7 @@ def remove_tree(path: Path, anchor: Path) -> None:
     removal fail with HostMemoryError, nothing behind it is touched), every level is checked owner-only, and
     the tree is removed relative to its parent's descriptor (symlinks inside are unlinked, never followed).
     A `path` that does not exist is fine."""
+    KEPT.drop_under(path)  # mappings this process kept of files there: their pages go with the files
     parts = path.relative_to(anchor).parts
     if not parts or ".." in parts:
         raise ValueError(f"{path} is not inside {anchor}")

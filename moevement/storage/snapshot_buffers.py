@@ -1,18 +1,21 @@
-"""A rank's own snapshot buffers and the thread that copies snapshots into them.
+"""A rank's own snapshot buffers, the thread that copies snapshots into them and the one that grows them.
 
 Two sets of buffers (window parity) of one buffer per slot: the set of the newest persisted window
-is kept while the next window's snapshots are copied into the other. Buffers only grow; `reserve`
-grows a window's set on the training thread at its boundary so that the copy thread never faults
-pages in while a copy is due.
+is kept while the next window's snapshots are copied into the other. Buffers only grow, and never
+while a copy into them is due: `reserve_ahead` grows a set on the prefault thread ahead of the window
+that needs it, which starts once `ready` says the set holds it; `reserve` grows a set on the calling
+thread at once (start-up, and windows that cannot wait).
 
 On a CPU the copy thread copies and hashes each snapshot (`copy`, submitted with `submit`); on a GPU the
 training thread issues it on a side stream through a device staging ring (`issue`,
 `moevement.storage.device_copy`) and the copy thread only writes snapshots a restart adopts.
 
-Threads: `buffer`, `reserve` and `issue` run on the training thread, `invalidate` also on the replication
-thread, and the copies submitted with `submit` on the copy thread (one worker, background priority:
-see `moevement.storage.background`). The buffer table is guarded by `lock`; a buffer's bytes are
-written only by one snapshot's copy, and only after the window that owned them is garbage.
+Threads: `buffer`, `reserve`, `reserve_ahead`, `ready` and `issue` run on the training thread, `invalidate`
+also on the replication thread, the copies submitted with `submit` on the copy thread and the growth
+`reserve_ahead` asks for on the prefault thread (one worker each, background priority: see
+`moevement.storage.background`). The buffer table is guarded by `lock`; a buffer's bytes are
+written only by one snapshot's copy, and only after the window that owned them is garbage; a buffer
+grows under its own lock (`HostBuffer.ensure`), its old mapping valid for whoever still holds it.
 """
 
 from __future__ import annotations
@@ -76,6 +79,10 @@ class SnapshotBuffers:
         self.copier = ThreadPoolExecutor(
             1, thread_name_prefix="moevement-copy", initializer=enter_background, initargs=(background_priority,)
         )
+        self.prefaulter = ThreadPoolExecutor(
+            1, thread_name_prefix="moevement-prefault", initializer=enter_background, initargs=(background_priority,)
+        )
+        self._growing: dict[int, Future] = {}  # by parity: its newest growth asked of the prefault thread
 
     def buffer(self, parity: int, slot: int) -> HostBuffer:
         with self.lock:
@@ -85,13 +92,40 @@ class SnapshotBuffers:
             return self.buffers[key]
 
     def reserve(self, parity: int, sizes: list[int]) -> None:
-        """Grow the set of window parity `parity` to these per-slot sizes (and fault them in), or refuse if
-        host memory is short. Only the window about to use a set reserves it: a first window planned from
-        slow start-up iterations has fewer, larger snapshots than the ones after it, and the other set
-        would keep that size for good."""
-        held = [self.buffer(parity, slot) for slot in range(len(sizes))]
-        if all(n <= buf.capacity for buf, n in zip(held, sizes)):
+        """Grow the set of window parity `parity` to these per-slot sizes (and fault them in) on this thread,
+        or refuse if host memory is short."""
+        self.wait_for_growth(parity)
+        if self.ready(parity, sizes):
             return  # mapped already (every window after the first at a steady W)
+        for buf, nbytes in zip(self._room_for(parity, sizes), sizes):
+            buf.ensure(nbytes)
+
+    def reserve_ahead(self, parity: int, sizes: list[int]) -> None:
+        """Have the prefault thread grow the set of window parity `parity` to at least these per-slot sizes
+        (after what it was asked before), or refuse now if host memory is short; `ready` says when it holds
+        them."""
+        if not self.ready(parity, sizes):
+            self._growing[parity] = self.prefaulter.submit(self._grow, self._room_for(parity, sizes), sizes)
+
+    def ready(self, parity: int, sizes: list[int]) -> bool:
+        """Whether the set of window parity `parity` holds these per-slot sizes (a growth that failed raises
+        its error here)."""
+        growing = self._growing.get(parity)
+        if growing is not None and growing.done():
+            del self._growing[parity]
+            growing.result()
+        return all(n <= self.buffer(parity, slot).capacity for slot, n in enumerate(sizes))
+
+    def wait_for_growth(self, parity: int) -> None:
+        """Block until the growth asked for the set of window parity `parity`, if any, is done."""
+        growing = self._growing.pop(parity, None)
+        if growing is not None:
+            growing.result()
+
+    def _room_for(self, parity: int, sizes: list[int]) -> list[HostBuffer]:
+        """The set's buffers for these per-slot sizes; HostMemoryError if the host directory cannot hold
+        what they still need (pages another process left count as theirs)."""
+        held = [self.buffer(parity, slot) for slot in range(len(sizes))]
         grow = sum(max(0, n - buf.reserved()) for buf, n in zip(held, sizes))
         free = shutil.disk_usage(self.local_dir).free
         if grow > free:
@@ -100,8 +134,14 @@ class SnapshotBuffers:
                 f"{self.local_dir} ({free / 1e9:.2f} GB free): set checkpoint.window lower, raise "
                 f"checkpoint.bandwidth_gbps, or train with training.mixed_precision bf16 (smaller compute weights)"
             )
-        for buf, nbytes in zip(held, sizes):
-            buf.ensure(nbytes)
+        return held
+
+    @staticmethod
+    def _grow(held: list[HostBuffer], sizes: list[int]) -> None:
+        """Prefault thread: grow each buffer to its size, its pages faulted in."""
+        with measure("prefault"):
+            for buf, nbytes in zip(held, sizes):
+                buf.ensure(nbytes)
 
     def invalidate(self, parity: int) -> None:
         """The snapshots of this parity are garbage (their commit records go)."""
@@ -172,5 +212,7 @@ class SnapshotBuffers:
 
     def close(self) -> None:
         self.copier.shutdown()
+        self.prefaulter.shutdown(cancel_futures=True)
+        self._growing.clear()
         self._cache.clear()
         self.slots = ()

@@ -19,6 +19,7 @@ GPU's is issued from the training thread through a device staging ring (`moeveme
 from __future__ import annotations
 
 import math
+import threading
 import time
 from dataclasses import dataclass
 
@@ -28,19 +29,36 @@ from moevement.storage.cpu_cost import measure
 from moevement.storage.snapshot import BLOCK, CHUNK_BYTES, Entry, checksum, padded, span, stored_dtype
 
 
-class Throttle:
-    """Caps the copy rate at `bytes_per_s` (0: unlimited) by sleeping between chunks."""
+class CopyCancelled(Exception):
+    """A snapshot copy was cancelled between two chunks (`Throttle.cancel`): its buffer holds a torn copy."""
 
-    def __init__(self, bytes_per_s: float = 0.0):
-        self.rate = bytes_per_s
-        self.start, self.done = time.perf_counter(), 0
+
+class Throttle:
+    """Caps the copy rate at `bytes_per_s` (0: unlimited) by sleeping between chunks, and ends the copy between
+    two chunks once `cancel` was called (from any thread). `slept`: the seconds it held the copy back, so
+    that the copy's own rate (`working_s`) is known apart from the cap."""
+
+    def __init__(self, bytes_per_s: float = 0.0, cancelled: threading.Event | None = None):
+        self.rate, self.cancelled = bytes_per_s, cancelled or threading.Event()
+        self.start, self.done, self.slept = time.perf_counter(), 0, 0.0
 
     def consume(self, nbytes: int) -> None:
         self.done += nbytes
         if self.rate > 0:
             ahead = self.done / self.rate - (time.perf_counter() - self.start)
             if ahead > 0:
-                time.sleep(ahead)
+                self.cancelled.wait(ahead)
+                self.slept += ahead
+        if self.cancelled.is_set():
+            raise CopyCancelled
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    @property
+    def working_s(self) -> float:
+        """Seconds the copy ran so far, not counting what the cap held it back."""
+        return time.perf_counter() - self.start - self.slept
 
 
 @dataclass(frozen=True)

@@ -46,16 +46,10 @@ from torch import nn
 from models import Transformer
 from models.moe import MoE
 from moevement.checkpoint.profiler import PROBE_BYTES
-from moevement.checkpoint.schedule import (
-    byte_slots,
-    generate_schedule,
-    order_operators,
-    slot_size_for,
-    snapshot_sizes,
-)
-from moevement.operators import Operator, build_registry
+from moevement.checkpoint.reservation import operator_layout_bytes, slot_bytes
+from moevement.operators import build_registry
 from moevement.storage.private_files import default_host_dir
-from moevement.storage.snapshot import checksum_gbps, entry_layout, layout_of
+from moevement.storage.snapshot import checksum_gbps, layout_of
 from moevement.topology import Topology
 from parallelisms.expert_parallel import shard_experts
 from parallelisms.fsdp import DTYPES, largest_shard_on_meta
@@ -175,42 +169,6 @@ def adamw_state_on_meta(model: nn.Module) -> torch.optim.Optimizer:
     return optimizer
 
 
-def operator_sizes(ops: list[Operator], optimizer, compute_dtype: torch.dtype) -> dict[str, list[int]]:
-    """Per operator, as a snapshot lays it out: "fp32" and "compute" bytes (padded entries) and entry counts."""
-    out: dict[str, list[int]] = {"fp32": [], "compute": [], "fp32_entries": [], "compute_entries": []}
-    for op in ops:
-        for role, layout in (
-            ("fp32", entry_layout([op], [], optimizer, compute_dtype)),
-            ("compute", entry_layout([], [op], optimizer, compute_dtype)),
-        ):
-            out[role].append(layout[2])
-            out[f"{role}_entries"].append(len(layout[0]))
-    return out
-
-
-def window_slot_bytes(ops: list[Operator], sizes: dict[str, list[int]], ck) -> list[int]:
-    """Per slot index: the largest snapshot buffer (pages, commit record included) any planned window gives it."""
-    names = [op.name for op in ops]
-    orders = [names, order_operators(names, [op.kind == "expert" for op in ops], {})]
-    index = {name: i for i, name in enumerate(names)}
-    largest: list[int] = []
-    for window in [ck.window] if ck.window else range(1, ck.max_window + 1):
-        for order in orders:
-            fp32, compute = [sizes["fp32"][index[n]] for n in order], [sizes["compute"][index[n]] for n in order]
-            if ck.slots == "bytes":
-                slots = byte_slots(order, fp32, compute, window)
-            else:
-                slots = generate_schedule(order, slot_size_for(len(order), window), window)
-            members = [[index[n] for n in slot] for slot in slots]
-            nbytes = snapshot_sizes(members, sizes["fp32"], sizes["compute"])
-            entries = snapshot_sizes(members, sizes["fp32_entries"], sizes["compute_entries"])
-            for slot, (n, e) in enumerate(zip(nbytes, entries)):
-                need = _file(n, e)
-                largest.extend([0] * (slot + 1 - len(largest)))
-                largest[slot] = max(largest[slot], need)
-    return largest
-
-
 def boundary_log(cfg: Config, stage_ids: list[int]) -> tuple[int, int, int, int]:
     """One iteration of the upstream log on a rank running `stage_ids` (none without pipelining): every
     micro-batch's activations sent downstream and gradients sent upstream, as `UpstreamLog` keeps them.
@@ -236,12 +194,16 @@ def stage_footprint(cfg: Config, pp_rank: int) -> Stage:
     model, stage_ids = rank_model(cfg, pp_rank)
     optimizer = adamw_state_on_meta(model)
     ops = build_registry(model, stacked_operators(model))
-    sizes = operator_sizes(ops, optimizer, DTYPES[cfg.training.mixed_precision])
+    sizes = operator_layout_bytes(ops, optimizer, DTYPES[cfg.training.mixed_precision])
     *log, log_pinned = boundary_log(cfg, stage_ids)
-    entries = sum(sizes["fp32_entries"]) + sum(sizes["compute_entries"])
-    stage = Stage([], (sum(sizes["fp32"]), sum(sizes["fp32_entries"])), tuple(log), log_pinned, _record(entries))
-    moevement = cfg.checkpoint.strategy == "moevement"
-    stage.slot_bytes = window_slot_bytes(ops, sizes, cfg.checkpoint) if moevement else [stage.dense_slot()]
+    entries = sum(sizes.fp32_entries) + sum(sizes.compute_entries)
+    stage = Stage([], (sum(sizes.fp32), sum(sizes.fp32_entries)), tuple(log), log_pinned, _record(entries))
+    ck = cfg.checkpoint
+    if ck.strategy == "moevement":  # every window size Algorithm 1 may choose, a slot's buffer its largest snapshot
+        windows = [ck.window] if ck.window else range(1, ck.max_window + 1)
+        stage.slot_bytes = slot_bytes(ops, sizes, windows, ck.slots, cost=_file)
+    else:
+        stage.slot_bytes = [stage.dense_slot()]
     return stage
 
 
