@@ -102,6 +102,7 @@ class Rejoin:
     timeline: dict[str, float] = field(default_factory=dict)  # unix time this process reached each set-up stage
     in_place: bool = False  # the survivors stayed alive: a dead worker was replaced in place
     fault_unix: float | None = None  # a replacement: when the fault it replaces struck, by its rank shell's clock
+    prebuilt: str | None = None  # what a warm standby built of this rank before its activation ("data+model")
 
 
 def _live_items(

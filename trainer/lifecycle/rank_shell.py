@@ -67,7 +67,9 @@ SHELL_FD = "MOEVEMENT_SHELL_FD"  # the trainer child's end of the report pipe
 AGENT_PID = "MOEVEMENT_AGENT_PID"  # torchrun's agent, the shell's parent
 GENERATION = "MOEVEMENT_GENERATION"  # set in an activated standby: the generation it joins
 FAULT_UNIX = "MOEVEMENT_FAULT_UNIX"  # set in an activated standby: when the fault it replaces struck (unix s)
+PREPARE = b"prepare"  # the shell's word to a standby: import and build now (`await_word_to_prepare`)
 _PR_SET_PDEATHSIG = 1
+_WATCHING = False  # in a shell's child: it watches the shell's beats (`watch_the_shell`)
 _TOLD: dict[str, Path] = {}  # in a shell's trainer child: the run folder it named to its shell (`report`)
 
 
@@ -97,10 +99,20 @@ class RankShell:
     """One torchrun slot: the trainer child, its standby, and the generation the trainer last joined."""
 
     def __init__(
-        self, command: list[str], max_replacements: int, bound_s: float, bound_key: str = "fault.heartbeat_timeout_s"
+        self,
+        command: list[str],
+        max_replacements: int,
+        bound_s: float,
+        bound_key: str = "fault.heartbeat_timeout_s",
+        prepare_at_once: bool = False,
     ):
-        """`bound_s`: the hang bound, set by config key `bound_key` (`verdict.hang_bound`)."""
+        """`bound_s`: the hang bound, set by config key `bound_key` (`verdict.hang_bound`). `prepare_at_once`
+        (`fault.standby_prepare` at_once): a standby prepares as soon as it starts, not once the trainer
+        trains."""
         self.command, self.max_replacements = command, max_replacements
+        self.prepare_at_once = prepare_at_once
+        self.training = False  # the trainer said it trains (its generation set up and recovered)
+        self.told: set[int] = set()  # standby pids told to prepare
         self.bound_s, self.bound_key = bound_s, bound_key
         self.rank = os.environ.get("RANK", "?")
         self.generation, self.replacements, self.stopping = 0, 0, False
@@ -115,7 +127,7 @@ class RankShell:
         self.env[HANG_BOUND] = f"{bound_key}={bound_s!r}"
         self.keeper = store_keeper.start_if_needed(self.env, _die_with_parent)  # rank 0's own-store round
         self.child = self._spawn("trainer")
-        self.standby = self._spawn("standby", stdin=subprocess.PIPE)
+        self.standby = self._spawn_standby()
         signal.signal(signal.SIGTERM, self._forward_sigterm)
 
     def _spawn(self, role: str, **kwargs) -> subprocess.Popen:
@@ -130,6 +142,25 @@ class RankShell:
             os.close(beats)
         self.beats.add(child.pid, beat_end)
         return child
+
+    def _spawn_standby(self) -> subprocess.Popen:
+        """A new standby, told to prepare at once where the trainer trains already (or `prepare_at_once`)."""
+        standby = self._spawn("standby", stdin=subprocess.PIPE)
+        if self.prepare_at_once or self.training:
+            self._tell_to_prepare(standby)
+        return standby
+
+    def _tell_to_prepare(self, standby: subprocess.Popen | None) -> None:
+        """Say `prepare` to `standby`, once: it imports torch and the project and builds what it can of its rank
+        (`trainer/run/prebuilt.py`). One that died meanwhile is replaced by the loop (`_keep_a_standby`)."""
+        if standby is None or standby.pid in self.told:
+            return
+        self.told.add(standby.pid)
+        try:
+            standby.stdin.write(PREPARE + b"\n")
+            standby.stdin.flush()
+        except OSError:
+            pass
 
     def _forward_sigterm(self, signum, _frame) -> None:
         self.stopping = True  # torchrun stops the job: the child's end is no death to replace
@@ -159,6 +190,9 @@ class RankShell:
                 self.finished_at = int(value)
             elif word == "run" and value:
                 self.run_dir = Path(value)
+            elif word == "training":
+                self.training = True
+                self._tell_to_prepare(self.standby)
 
     def _say(self, line: ShellLine) -> None:
         say(line, self.run_dir)
@@ -194,7 +228,7 @@ class RankShell:
             self.standby = None
             return
         self.standbys_lost += 1
-        self.standby = self._spawn("standby", stdin=subprocess.PIPE)
+        self.standby = self._spawn_standby()
         count, limit = self.standbys_lost, self.max_replacements
         self._say(ShellLine(STANDBY_RESPAWNED, self.rank, dead, describe(code), self.standby.pid, count, limit))
 
@@ -235,12 +269,14 @@ class RankShell:
         self.replacements += 1
         now, fault, self.frozen_at = time.time(), self.frozen_at, None
         activation = {"generation": self.generation, "died": dead, "fault_unix": fault or now}
+        self.training = False  # until the replacement has recovered
+        self._tell_to_prepare(self.child)  # at once, if it was still waiting for the word
         self.child.stdin.write(json.dumps(activation).encode() + b"\n")
         self.child.stdin.close()
         count, limit = self.replacements, self.max_replacements
         line = ShellLine(REPLACED, self.rank, dead, how, self.child.pid, count, limit, self.generation, now)
         self._say(line)
-        self.standby = self._spawn("standby", stdin=subprocess.PIPE)
+        self.standby = self._spawn_standby()
         return True
 
 
@@ -255,13 +291,25 @@ def run_shell(argv: list[str]) -> int:
     key, bound_s = hang_bound(
         setting(argv, "fault.heartbeat_timeout_s", float), setting(argv, "fault.timeout_s", float)
     )
-    return RankShell([sys.executable, *sys.argv[:1], *argv], budget, bound_s, key).run()
+    at_once = setting(argv, "fault.standby_prepare", str) == "at_once"
+    return RankShell([sys.executable, *sys.argv[:1], *argv], budget, bound_s, key, at_once).run()
+
+
+def await_word_to_prepare() -> None:
+    """In a standby, before its imports: block until the shell says `prepare` (`RankShell._tell_to_prepare`);
+    exit with success when the shell ends first (its pipe closes). The shell's beats are watched meanwhile."""
+    watch_the_shell()
+    line = sys.stdin.buffer.readline()
+    if line.strip() != PREPARE:
+        sys.exit(exit_codes.DONE)
 
 
 def await_activation() -> dict | None:
     """In a standby: block until the shell activates it; the activation ({"generation", "died", "fault_unix"}),
     or None when the shell ends without needing it (its pipe closes)."""
     line = sys.stdin.buffer.readline()
+    while line.strip() == PREPARE:  # said before the activation to a standby that had not prepared yet
+        line = sys.stdin.buffer.readline()
     if not line:
         return None
     activation = json.loads(line)
@@ -291,9 +339,11 @@ def report(message: str) -> None:
 
 
 def watch_the_shell() -> None:
-    """In a shell's child (trainer or standby), once its imports are done: end the shell if it stops beating
-    (`trainer/lifecycle/shell_watch.py`; nothing outside a shell)."""
-    if ROLE in os.environ:
+    """In a shell's child (trainer or standby): end the shell if it stops beating
+    (`trainer/lifecycle/shell_watch.py`; nothing outside a shell). Once per process."""
+    global _WATCHING
+    if ROLE in os.environ and not _WATCHING:
+        _WATCHING = True
         watch_shell(lambda: os.environ.get(ROLE, ""), lambda: _TOLD.get("run"))
 
 
