@@ -303,7 +303,8 @@ def prebuild_standby() -> Prebuilt | None:
         configure_determinism(cfg)
         if device_type() == "cpu" and cfg.training.cpu_reuse_memory:
             reuse_freed_host_memory()
-        return prebuild(cfg, rank, int(os.environ.get("WORLD_SIZE", "1")), training_data)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        return prebuild(cfg, rank, world, training_data, cfg.fault.standby_warm_up)
     except Exception as error:
         print(f"standby: rank {rank}: nothing prebuilt ({type(error).__name__}: {error})", file=sys.stderr, flush=True)
         return None

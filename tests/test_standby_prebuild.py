@@ -42,7 +42,7 @@ def test_a_prebuilt_rank_is_the_rank_setup_builds_and_leaves_the_generator_alike
         fresh = build(cfg, dims)
         fresh_rng = torch.get_rng_state()
         torch.manual_seed(2)  # a standby's generator holds whatever its imports left
-        prebuilt = prebuild(cfg, 0, 1, training_data)
+        prebuilt = prebuild(cfg, 0, 1, training_data, warm=True)
         assert prebuilt.fits(cfg, 0) and prebuilt.parts() == "data+model"
         assert not prebuilt.fits(cfg, 1)
         torch.manual_seed(3)  # the activation, the process group, the mesh

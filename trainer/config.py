@@ -138,9 +138,13 @@ class FaultConfig:
     scope: Literal["localized", "global"] = "localized"
     replay_threads: int = 0  # CPU threads of a replaying rank (0: auto, the cores its paused neighbours leave idle)
     # under rank shells: a standby builds, before its activation, what does not depend on the dead rank's
-    # state: the data pipeline and, on CPU, its stages' weights, warmed up by a throwaway forward and backward
-    # (trainer/run/prebuilt.py); false: it builds them after its activation
+    # state: the data pipeline and, on CPU, its stages' weights (trainer/run/prebuilt.py); false: it builds
+    # them after its activation
     standby_prebuild: bool = True
+    # a prebuilding standby also runs one throwaway forward and backward through a copy of its stages: the
+    # replacement's first replayed iteration is spared the kernels' first calls and the heap's growth, for
+    # about that much CPU time in the standby and its heap kept resident (docs/configuration.md)
+    standby_warm_up: bool = False
     # under rank shells: when a standby starts importing and prebuilding: when_training (once its slot's
     # trainer trains, its generation set up and any recovery done, so that it never competes with a replay
     # for the cores) | at_once (as soon as it starts)

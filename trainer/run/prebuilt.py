@@ -4,9 +4,10 @@ A standby knows the rank it will become (its slot's `RANK`), the world torchrun 
 the job's config (the same command line); it cannot know the generation it will join nor the dead rank's
 state. So before its activation it builds what depends on those alone (`prebuild`): the config fitted to
 that world, the data pipeline (training and validation batches) and, on a CPU device, the rank's pipeline
-stages materialised and initialised from the seed (`parallelisms.parallelize.materialize_stages`), then runs
-one throwaway forward and backward through a copy of them (`warm_up`: the kernels' first-call costs and the
-allocator's heap are paid before the death, not in the first replayed iterations). After the activation,
+stages materialised and initialised from the seed (`parallelisms.parallelize.materialize_stages`); with
+`fault.standby_warm_up` it then runs one throwaway forward and backward through a copy of them (`warm_up`:
+the kernels' first-call costs and the allocator's heap growth are paid before the death, not in the first
+replayed iteration). After the activation,
 `train.py`'s setup takes them on where they fit the layout it joined (`Prebuilt.fits`: the same fitted
 config and rank; an elastic job whose world changed builds afresh) and binds the generation's process
 groups to them (FSDP2, pipeline stages); the optimizer and the checkpoint strategy are built there, on
@@ -58,11 +59,11 @@ class Prebuilt:
 
 
 def prebuild(
-    cfg: Config, rank: int, world: int, training_data: Callable[[Config], Data], warm: bool = True
+    cfg: Config, rank: int, world: int, training_data: Callable[[Config], Data], warm: bool = False
 ) -> Prebuilt:
     """Rank `rank`'s data and (on CPU) its stages, for `cfg` fitted to `world` processes (see the module
-    docstring); `training_data(cfg)` builds the data as setup does. ConfigError where the config does not fit
-    that world (setup says so again, after the activation)."""
+    docstring), `warm`ed up if asked; `training_data(cfg)` builds the data as setup does. ConfigError where
+    the config does not fit that world (setup says so again, after the activation)."""
     started = time.perf_counter()
     fitted = fit_world(cfg, world)
     data = training_data(fitted)
