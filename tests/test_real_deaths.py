@@ -176,7 +176,7 @@ def test_sigkill_with_torchrun_restarting_every_worker(tmp_path):
     [found] = assert_local_and_exact(out, baseline(PP2, 2), (1,), (1,))
     assert found.step == 9
     assert re.search(
-        r"^restart timeline rank=0: exec=\S+ python=\S+ imports=\S+ process_group=\S+ model=\S+ "
+        r"^restart timeline rank=0: exec=\S+ python=\S+ imports=\S+ process_group=\S+ mesh=\S+ model=\S+ "
         r"strategy=\S+ restored=\S+$",
         out,
         re.M,
