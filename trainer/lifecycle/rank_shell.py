@@ -3,9 +3,10 @@
 torchrun restarts every worker of the job when one dies (docs/design.md §4). Under torchrun, with a
 checkpoint strategy (not "none"), `fault.max_replacements` > 0 and more than one worker, `train.py`
 therefore starts as this thin parent, which imports no torch and never touches a GPU. It runs the trainer
-as its child and keeps one warm standby child: a second `train.py` with the interpreter started and torch
-and the project imported, waiting on a pipe for the word to start (on a GPU it holds no CUDA context
-until then).
+as its child and keeps one warm standby child: a second `train.py` with the interpreter started, waiting on
+a pipe. Told `prepare` (once the trainer says it trains, or at once: `fault.standby_prepare`), it imports
+torch and the project and builds what it can of its rank (`trainer/run/prebuilt.py`), then waits for the
+word to start (on a GPU it holds no CUDA context until then).
 
 A standby that dies while it waits is started again at once (one `shell:` line). When the trainer child
 dies (SIGKILL, a segfault, the OOM killer, an unexpected exit status), the shell
@@ -23,8 +24,8 @@ Messages from the trainer child reach the shell on a pipe (`SHELL_FD`), one line
 second from a thread of its own once its imports are done (a trainer silent for longer than the hang bound,
 `fault.heartbeat_timeout_s` or a shorter `fault.timeout_s` (`verdict.hang_bound`), is frozen, stopped or
 stuck: the shell kills it and its standby replaces it, so a hang is recovered in place like a death, in
-about that bound), `generation <g>` when it starts joining
-generation g, `run <dir>`
+about that bound), `generation <g>` when it starts joining generation g, `training <step>` once that
+generation is set up and recovered (the standby is told to prepare then, not beside a replay), `run <dir>`
 once it knows the run folder (the shell records its `shell:` lines in its events.jsonl), `finished
 <step>` once it knows the job finished (trainer/lifecycle/job_end.py): a trainer that dies after that is
 nothing to recover, and the shell exits with success, replacing nobody. What the shell does when its
