@@ -275,10 +275,12 @@ def test_a_death_during_the_final_digest_keeps_the_survivors_state(tmp_path):
 def test_pp2_dp2_ep2_bf16_sigkill_in_each_phase(tmp_path, phase):
     """A death before the gradient-norm all-reduce (forward, backward, clip, during the snapshot copy) leaves
     every survivor at state_T; one after it (optimizer step, replication of T's snapshot) lets them finish
-    T: either way the stage of rank 2 alone replays, bit-exact."""
+    T: either way the stage of rank 2 alone replays, bit-exact, from the stage and expert shard its standby
+    prebuilt."""
     out = death_run(tmp_path, PP2_DP2_EP2_BF16, 4, "--fault.kill", f"8:2:{phase}")
     assert [(f.rank, f.step, f.phase) for f in faults(out)] == [(2, 8, phase)], out
     [found] = assert_local_and_exact(out, baseline(PP2_DP2_EP2_BF16, 4), (2,), (1,))
+    assert [w.prebuilt for w in recovery_work(out) if w.role == "failed"] == ["data+model"], out
     assert found.step == (9 if phase in ("optimizer", "replication") else 8)
 
 
