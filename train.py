@@ -20,6 +20,8 @@ from trainer.lifecycle.startup import STARTUP  # first: it notes when the interp
 
 if __name__ == "__main__":
     entry.become_shell_if_wanted(sys.argv[1:])  # under torchrun: supervise, train in a child
+    entry.await_word_to_prepare()  # a shell's standby: imports once its shell says so
+    entry.set_openmp_wait_policy(sys.argv[1:])
 
 # MKL's GEMMs give the same bits at any thread count, so a replaying rank may use its paused
 # neighbours' cores without breaking bit-exactness (moevement/recovery/replay_threads.py). Read at MKL's
@@ -37,7 +39,7 @@ from parallelisms import collectives
 from parallelisms.distributed import device_type, init_distributed, workers_share_agent_store
 from parallelisms.elastic import fitting_worlds
 from parallelisms.mesh import ParallelDims, build_mesh
-from parallelisms.parallelize import ModelParts, parallelize
+from parallelisms.parallelize import MaterializedStages, ModelParts, parallelize
 from trainer.allocator import reuse_freed_host_memory
 from trainer.checkpoint.dense import check_save_target, save_dense
 from trainer.checkpoint.events import FinalCheckpointSaved
@@ -62,6 +64,7 @@ from trainer.run.event_lines import ElasticLayout, FaultStrike, FinalLine
 from trainer.run.fault_injection import KillSwitch, arm_kill, fired, kill_if_joining, record_fired
 from trainer.run.host_paths import claim_host_state
 from trainer.run.metrics import MetricsLogger
+from trainer.run.prebuilt import Prebuilt, prebuild
 from trainer.run.run_record import (
     open_run_record,
     publish_run_folder,
@@ -93,8 +96,9 @@ def configure_determinism(cfg: Config) -> None:
         torch.use_deterministic_algorithms(True)
 
 
-def build_training(cfg: Config, dims: ParallelDims):
-    """This rank's model parts (FP32 master weights; bf16 compute via FSDP2 if asked) and their AdamW."""
+def build_training(cfg: Config, dims: ParallelDims, stages: MaterializedStages | None = None):
+    """This rank's model parts (FP32 master weights; bf16 compute via FSDP2 if asked) and their AdamW;
+    `stages`: its stage modules as a warm standby materialised them (None: built here)."""
     t = cfg.training
     micro_batch_shape = (t.batch_size // (t.micro_batches * cfg.parallelism.dp), t.seq_len)
     model = parallelize(
@@ -109,6 +113,7 @@ def build_training(cfg: Config, dims: ParallelDims):
         t.loss_chunk_tokens,
         t.activation_checkpoint,
         t.compile,
+        stages,
     )
     # A pipeline schedule divides all gradients by the micro-batch count itself.
     set_aux_grad_scale(model.view, 1.0 if model.schedule is not None else 1.0 / t.micro_batches)
@@ -221,6 +226,7 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
     the same order on every rank). A `checkpoint.save_final` target that saving would have to destroy is
     refused before anything else."""
     rank_shell.report(f"generation {plan.generation}")
+    prebuilt = plan.process.take_prebuilt()  # a warm standby's, in its first generation
     guard = stop_guard(cfg, int(os.environ.get("RANK", "0")), plan)
     # a later generation may not form: the job has ended, or a node is gone with its ranks
     watch = job_end.GenerationWatch(plan.generation, NodeWatch(plan.generation, cfg.fault.node_loss_s, *this_node()))
@@ -229,6 +235,7 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
     plan = agree_on_attempt(plan)
     plan.process.startup.mark("process_group")
     cfg, layout = fit_layout(cfg, world, rank)
+    prebuilt = prebuilt if prebuilt is not None and prebuilt.fits(cfg, rank) else None
     if cfg.checkpoint.strategy != "none":  # before the run record: a refused second run leaves nothing behind
         claim_host_state(cfg, rank, plan.process.locks)
     faults = fault_plan(cfg, world)
@@ -240,13 +247,15 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
     memory_check.warn_if_over(cfg, rank, dims.device)  # before anything of the model is allocated
     if dims.device.type == "cpu" and cfg.training.cpu_reuse_memory:
         reuse_freed_host_memory()
-    train_batches, val_batches = training_data(cfg)
-    model, optimizer = build_training(cfg, dims)
+    plan.process.startup.mark("mesh")
+    train_batches, val_batches = prebuilt.data if prebuilt else training_data(cfg)
+    model, optimizer = build_training(cfg, dims, prebuilt.stages if prebuilt else None)
     plan.process.startup.mark("model")
     seeder = DropoutSeeder(model, cfg.job.seed, dims.dp_rank)
     start = load_start(cfg, model.view, optimizer, plan.in_place)
     logger, lineage = open_logger(cfg, rank, world, dims, plan, start, layout)
-    ft = build_strategy(cfg, model, optimizer, dims, seeder, train_batches, logger.line, plan, start.step)
+    built = prebuilt.parts() if prebuilt else None
+    ft = build_strategy(cfg, model, optimizer, dims, seeder, train_batches, logger.line, plan, start.step, built)
     folder = published_run_folder()  # past the strategy's collectives: rank 0 has named it
     if rank != 0:
         event_log.record_events_in(folder)  # a rank on rank 0's host records its own lines
@@ -256,6 +265,7 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
     say = functools.partial(logger.line, every_rank=True)  # a dying rank's `fault:` line, recorded where it can be
     kill = arm_kill(faults, rank, model, optimizer, guard, seeder, cfg.fault.kill_signal, say)
     step, loss = ft.resume(start.step, start.loss)
+    rank_shell.report(f"training {step + 1}")  # set up and recovered: the shell's standby may prepare now
     logger.start(step + 1)
     restarted = ft.last_recovery()  # a restarted generation's rejoin or restart, if it was one
     logger.recovery(restarted)
@@ -280,6 +290,26 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
         PeriodicCheckpoints(cfg, kill.in_background, lineage, logger.line),
     )
     return job, step, loss
+
+
+def prebuild_standby() -> Prebuilt | None:
+    """In a rank shell's standby, before its activation: what it can build of its rank without the job
+    (`trainer/run/prebuilt.py`), when `fault.standby_prebuild` asks. Anything that goes wrong leaves it to
+    setup after the activation, which reports a bad config or data itself (one line here, on stderr)."""
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        args, overrides = parse_args(sys.argv[1:])
+        cfg = load_config(args.config, overrides)
+        if not cfg.fault.standby_prebuild:
+            return None
+        configure_determinism(cfg)
+        if device_type() == "cpu" and cfg.training.cpu_reuse_memory:
+            reuse_freed_host_memory()
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        return prebuild(cfg, rank, world, training_data, cfg.fault.standby_warm_up)
+    except Exception as error:
+        print(f"standby: rank {rank}: nothing prebuilt ({type(error).__name__}: {error})", file=sys.stderr, flush=True)
+        return None
 
 
 def training_data(cfg: Config):
@@ -486,7 +516,9 @@ def one_generation(cfg: Config, plan: StartPlan) -> None:
     finish(job, *run(job, step, loss))
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prebuilt: Prebuilt | None = None) -> int:
+    """Train (or `--dry-run`, `--print-config`) as the command line `argv` says; `prebuilt`: what this process
+    built as a rank shell's warm standby before its activation."""
     # The ranks of a job share one stdout; with unbuffered output (PYTHONUNBUFFERED) `print` writes a
     # line's text and its newline separately and another rank's line could land between them.
     # Line-buffered text is written whole.
@@ -511,12 +543,14 @@ def main(argv: list[str] | None = None) -> int:
             if cfg.parallelism.elastic:
                 print(elastic_worlds_line(cfg))
         else:
-            train_generations(cfg, plan_start(), functools.partial(one_generation, cfg))
+            plan = plan_start()
+            plan.process.prebuilt = prebuilt
+            train_generations(cfg, plan, functools.partial(one_generation, cfg))
 
     return run_process(work)
 
 
 if __name__ == "__main__":
-    entry.await_standby_activation()  # a rank shell's warm standby: imported, waiting
+    prebuilt = entry.await_standby_activation(prebuild_standby)  # a rank shell's warm standby: built, waiting
     start_node_beat()  # a shell's trainer: its node is there
-    sys.exit(main())
+    sys.exit(main(prebuilt=prebuilt))

@@ -40,14 +40,26 @@ def apply_expert_parallel(model: nn.Module, ep_group: ProcessGroup | None, dp_gr
     the tokens of every rank of its ep group. If each rank's loss is a mean over its local tokens and the
     replicated parameters are averaged over dp, expert gradients must be divided by dp overall (e.g. FSDP over
     the dp/ep replica group with ``set_gradient_divide_factor(dp)``; with ep == dp: just divide by dp).
+
+    Experts this rank's own already (`shard_moe_experts`, called before the group existed) are kept as they are.
     """
     ep, dp = _size(ep_group), _size(dp_group)
     for moe in [m for m in model.modules() if isinstance(m, MoE)]:
         if dp > 1:
             moe.global_load = types.MethodType(_dp_global_load(dp_group, dp), moe)
         if ep > 1:
-            shard_experts(moe, dist.get_rank(ep_group), ep)
+            ep_rank = dist.get_rank(ep_group)
+            own = local_expert_ids(moe.n_experts, ep_rank, ep)
+            if (moe.experts.first_id, moe.experts.n) != (own.start, len(own)):
+                shard_experts(moe, ep_rank, ep)  # raises for experts sharded for another rank
             moe.experts_forward = types.MethodType(_ep_experts_forward(ep_group, ep), moe)
+
+
+def shard_moe_experts(model: nn.Module, ep_rank: int, ep_size: int) -> None:
+    """Keep only expert-parallel rank `ep_rank`'s routed experts in every ``MoE`` of `model` (`shard_experts`);
+    `apply_expert_parallel` later binds the group and keeps them."""
+    for moe in [m for m in model.modules() if isinstance(m, MoE)]:
+        shard_experts(moe, ep_rank, ep_size)
 
 
 def local_expert_ids(n_experts: int, ep_rank: int, ep_size: int) -> range:

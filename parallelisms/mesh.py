@@ -50,8 +50,19 @@ class ParallelDims:
     def dp_rank(self) -> int:
         return self.dp_mesh.get_local_rank()
 
+    @property
+    def ep_rank(self) -> int:
+        return self.mesh["ep"].get_local_rank()
+
     def group(self, dim: str):
         return (self.dp_mesh if dim == "dp" else self.mesh[dim]).get_group()
+
+
+def rank_coordinates(cfg: ParallelismConfig, rank: int) -> tuple[int, int, int]:
+    """(pp rank, dp rank, ep rank) of global rank `rank` in the layout `cfg`, the mesh's row-major order,
+    without a mesh (a standby, before it joins the job's groups)."""
+    dp_rank = rank % cfg.dp
+    return rank // cfg.dp, dp_rank, dp_rank % cfg.ep
 
 
 def build_mesh(cfg: ParallelismConfig, device_type: str, timeout_s: float | None = None) -> ParallelDims:

@@ -8,6 +8,7 @@ pipeline schedule (TorchTitan's order).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -17,9 +18,9 @@ from models import ModelArgs, Transformer
 from models.experts import named_tensors
 from parallelisms.activation_checkpoint import apply_activation_checkpoint
 from parallelisms.compile import apply_compile
-from parallelisms.expert_parallel import apply_expert_parallel
+from parallelisms.expert_parallel import apply_expert_parallel, shard_moe_experts
 from parallelisms.fsdp import DTYPES, apply_fsdp
-from parallelisms.mesh import ParallelDims
+from parallelisms.mesh import ParallelDims, ParallelismConfig
 from parallelisms.pipeline import build_schedule, split_model
 from parallelisms.precision import cpu_has_native_bf16, use_fp32_gemm
 
@@ -63,6 +64,45 @@ class ModelView(nn.Module):
             self.layers.update(part.layers)
 
 
+@dataclass
+class MaterializedStages:
+    """One pipeline rank's stage modules, materialised on `device` and initialised from the seed, before any
+    process group is bound to them (`materialize_stages`); `parallelize` takes them on from there."""
+
+    stage_ids: list[int]
+    parts: list[nn.Module]
+    pp_rank: int
+    ep_rank: int  # the expert-parallel coordinate whose routed experts the parts hold
+    device: torch.device
+    rng_state: torch.Tensor  # the CPU generator's state once the last part was initialised
+
+
+def materialize_stages(
+    args: ModelArgs,
+    cfg: ParallelismConfig,
+    pp_rank: int,
+    ep_rank: int,
+    seed: int,
+    device: torch.device,
+    loss_chunk_tokens: int = 0,
+) -> MaterializedStages:
+    """The stages pipeline rank `pp_rank` runs, holding expert-parallel rank `ep_rank`'s routed experts (of
+    `cfg.ep`), materialised on `device` and initialised. Needs no process group: a rank shell's warm standby
+    builds them before it joins the job (`trainer/run/prebuilt.py`)."""
+    args.validate()
+    with torch.device("meta"):
+        whole = Transformer(args)
+    stage_ids, parts = split_model(whole, cfg, pp_rank)
+    for part in parts:
+        part.loss_chunk_tokens = loss_chunk_tokens
+        if cfg.ep > 1:
+            shard_moe_experts(part, ep_rank, cfg.ep)
+        part.to_empty(device=device)
+        torch.manual_seed(seed)
+        part.init_weights()
+    return MaterializedStages(stage_ids, parts, pp_rank, ep_rank, device, torch.get_rng_state())
+
+
 def parallelize(
     args: ModelArgs,
     dims: ParallelDims,
@@ -75,6 +115,7 @@ def parallelize(
     loss_chunk_tokens: int = 0,
     activation_checkpoint: str = "none",
     compile_blocks: bool = False,
+    stages: MaterializedStages | None = None,
 ) -> ModelParts:
     """Build this rank's parts of the model described by `args` in the layout `dims`.
 
@@ -83,18 +124,17 @@ def parallelize(
     that many tokens at a time (`Transformer.loss`).
     `activation_checkpoint` (none | full | selective): which blocks recompute their forward in backward
     (`parallelisms.activation_checkpoint`); `compile_blocks`: torch.compile the blocks' dense parts
-    (`parallelisms.compile`)."""
-    args.validate()
+    (`parallelisms.compile`). `stages`: this rank's stages as `materialize_stages` built them for the same
+    arguments (the CPU generator is then left in the state their initialisation left it in, as if built
+    here); None: built here."""
     cfg = dims.cfg
-    with torch.device("meta"):
-        whole = Transformer(args)
-    stage_ids, parts = split_model(whole, cfg, dims.pp_rank)
+    if stages is None:
+        stages = materialize_stages(args, cfg, dims.pp_rank, dims.ep_rank, seed, device, loss_chunk_tokens)
+    else:
+        torch.set_rng_state(stages.rng_state)
+    stage_ids, parts = stages.stage_ids, stages.parts
     for part in parts:
-        part.loss_chunk_tokens = loss_chunk_tokens
         apply_expert_parallel(part, dims.group("ep") if cfg.ep > 1 else None, dims.group("dp") if cfg.dp > 1 else None)
-        part.to_empty(device=device)
-        torch.manual_seed(seed)
-        part.init_weights()
         apply_activation_checkpoint(part, activation_checkpoint)
         if compile_blocks:
             apply_compile(part)
@@ -123,16 +163,9 @@ def initial_parameters(args: ModelArgs, dims: ParallelDims, seed: int) -> dict[s
 
     Rebuilt from the seed exactly as `parallelize` initialises them: what a replacement rank
     rolls back to when no checkpoint is persisted yet."""
-    with torch.device("meta"):
-        whole = Transformer(args)
-    _, parts = split_model(whole, dims.cfg, dims.pp_rank)
-    out = {}
-    for part in parts:
-        part.to_empty(device=torch.device("cpu"))
-        torch.manual_seed(seed)
-        part.init_weights()
-        out.update((name, t.detach()) for name, t in named_tensors(part))
-    return out
+    every_expert = dataclasses.replace(dims.cfg, ep=1)
+    stages = materialize_stages(args, every_expert, dims.pp_rank, 0, seed, torch.device("cpu"))
+    return {name: t.detach() for part in stages.parts for name, t in named_tensors(part)}
 
 
 def stage_shapes(

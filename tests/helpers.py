@@ -327,8 +327,13 @@ SHELL_CHILD = textwrap.dedent(
     log = open({log!r}, "a")
     role = os.environ[rank_shell.ROLE]
     rank_shell.watch_the_shell()
+    def records():
+        return [json.loads(line) for line in open({log!r})]
     if role == "standby":
         log.write(json.dumps({{"standby": os.getpid()}}) + "\\n")
+        log.flush()
+        rank_shell.await_word_to_prepare()
+        log.write(json.dumps({{"prepared": os.getpid()}}) + "\\n")
         log.flush()
         activation = rank_shell.await_activation()
         if activation is None:
@@ -346,9 +351,14 @@ SHELL_CHILD = textwrap.dedent(
     ending = {endings!r}[min(generation, len({endings!r}) - 1)]
     if ending == "finished-die":
         rank_shell.report("finished 7")
+    if ending == "training-die":  # say it trains, wait for a standby prepared since, die
+        before = sum("prepared" in r for r in records())
+        rank_shell.report("training 1")
+        while sum("prepared" in r for r in records()) == before:
+            time.sleep(0.05)
     if ending == "standby-killed-die":  # kill the standby, wait for the shell's new one, die
         def standbys():
-            return [json.loads(line)["standby"] for line in open({log!r}) if '"standby"' in line]
+            return [r["standby"] for r in records() if "standby" in r]
         while not standbys():
             time.sleep(0.05)
         os.kill(standbys()[0], signal.SIGKILL)
@@ -371,15 +381,18 @@ SHELL_CHILD = textwrap.dedent(
 
 
 def run_shell(
-    tmp_path, endings: list[str], max_replacements: int, heartbeat_timeout_s: float = 600.0
+    tmp_path, endings: list[str], max_replacements: int, heartbeat_timeout_s: float = 600.0, at_once: bool = False
 ) -> tuple[int, list[dict], str]:
     """A shell (`fault.heartbeat_timeout_s` = `heartbeat_timeout_s`) over the child script whose trainer of
     generation g ends as `endings[g]` ("die": SIGKILL, "silent-die": SIGKILL before its first word to the
     shell, "finished-die": SIGKILL after reporting the job finished at step 7,
-    "standby-killed-die": SIGKILL once it killed the standby and the shell started another, "freeze":
+    "standby-killed-die": SIGKILL once it killed the standby and the shell started another, "training-die":
+    SIGKILL once it said it trains and a standby prepared after that, "freeze":
     SIGSTOP, "busy-0": exit 0 after 4 s, "stop-shell-busy": SIGSTOP its shell and live on, "stop-shell":
     SIGSTOP its shell and exit 0, or an exit status); each trainer says it begins iteration 5 + g; returns (the
-    shell's status, the children's records, the output of the shell and its children)."""
+    shell's status, the children's records, the output of the shell and its children). A standby records when
+    it starts and when it prepares (it is told to once the trainer says it trains, or with `at_once`
+    (`fault.standby_prepare`) at once)."""
     from trainer.lifecycle import rank_shell
 
     log = tmp_path / "log.jsonl"
@@ -387,7 +400,8 @@ def run_shell(
     script.write_text(SHELL_CHILD.format(root=str(ROOT), log=str(log), endings=endings))
     driver = (
         f"import sys; sys.path.insert(0, {str(ROOT)!r}); from trainer.lifecycle.rank_shell import RankShell; "
-        f"sys.exit(RankShell([sys.executable, {str(script)!r}], {max_replacements}, {heartbeat_timeout_s}).run())"
+        f"sys.exit(RankShell([sys.executable, {str(script)!r}], {max_replacements}, {heartbeat_timeout_s}, "
+        f"prepare_at_once={at_once}).run())"
     )
     env = {k: v for k, v in os.environ.items() if k != rank_shell.ROLE}
     env.update(RANK="1", WORLD_SIZE="2")

@@ -34,6 +34,23 @@ def test_a_dead_trainer_is_replaced_by_the_standby_in_the_next_generation(tmp_pa
     assert out.count("replaces it in generation") == 2, out
 
 
+def test_a_standby_prepares_once_its_trainer_trains(tmp_path):
+    """A standby imports and prebuilds only when told (`fault.standby_prepare` when_training): once its slot's
+    trainer says it trains (its generation set up and recovered), or right before its activation when the
+    trainer died first; never during the replacement's recovery. With `at_once`, as soon as it starts."""
+    status, records, out = run_shell(tmp_path, ["training-die", "die", "busy-0"], max_replacements=4)
+    assert status == 0, out
+    standbys = [r["standby"] for r in records if "standby" in r]
+    assert len(standbys) == 3, records  # the first, and one behind each replacement
+    assert [r["prepared"] for r in records if "prepared" in r] == standbys[:2], records
+    second_trainer = records.index({"trainer": standbys[0], "generation": 1})
+    assert records.index({"prepared": standbys[1]}) > second_trainer  # told at its activation, not before
+    (tmp_path / "at_once").mkdir()
+    status, records, out = run_shell(tmp_path / "at_once", ["busy-0"], max_replacements=4, at_once=True)
+    prepared = [r["prepared"] for r in records if "prepared" in r]
+    assert status == 0 and prepared == [r["standby"] for r in records if "standby" in r], records
+
+
 def test_a_trainer_dead_before_its_first_word_is_replaced_too(tmp_path):
     """Its shell has not heard it yet (no heartbeat to go silent): its death is a death all the same."""
     status, records, out = run_shell(tmp_path, ["silent-die", "0"], max_replacements=4)

@@ -126,7 +126,8 @@ def test_sigkill_in_backward_is_replaced_in_place(tmp_path):
     The README's demo (`make train`) on 4 layers: pp=2, rank 1 SIGKILLs itself in the backward pass of step 9.
     Its rank shell starts the warm standby as rank 1; rank 0's process lives on with its state in memory (no
     torchrun restart: `--max-restarts 0`) and replays nothing; the run ends with the fault-free digest. Every
-    line of a recorded kind it printed, from any process, is in its `events.jsonl`."""
+    line of a recorded kind it printed, from any process, is in its `events.jsonl`. The standby had built rank
+    1's data and stages before its activation, and the run still ends with the fault-free digest."""
     out = death_run(tmp_path, [*PP2, "--training.val_every", "4"], 2, "--fault.kill", "9:1:backward")
     events = assert_recorded_as_printed(out)
     assert {e.KIND for e in events} >= DEMO_KINDS | {"validation"}, out
@@ -139,12 +140,28 @@ def test_sigkill_in_backward_is_replaced_in_place(tmp_path):
     assert (shell.what, shell.rank, shell.how, shell.generation) == (REPLACED, "1", "signal SIGKILL", 1), out
     [found] = assert_local_and_exact(out, baseline(PP2, 2), (1,), (1,))
     assert (found.step, found.fault_step, found.restart) == (9, 9, "replaced"), out  # the shell saw it begin 9
+    # the standby had built rank 1's data and stages before its activation (`fault.standby_prebuild`)
+    roles = {w.role: w for w in recovery_work(out)}
+    assert roles["failed"].prebuilt == "data+model" and roles["healthy"].prebuilt is None, roles
+    assert roles["failed"].build_s is not None and roles["healthy"].build_s is not None, roles
     # the shell saw the death: its replacement dates the fault, and rank 0 detected it at once
     assert found.detect is not None and 0 <= found.detect < 5, found
     acct = accounting(out)
     assert (acct.iterations, acct.failures) == (final_line(out)[0], 1), acct  # carried across the generations
     assert acct.recomputed == found.replayed > 0, acct  # stage 1's replay counts as iterations run again
     assert acct.recovery_s >= found.seconds + found.detect - 0.002 and acct.detect_s == found.detect, acct
+
+
+@pytest.mark.slow
+def test_a_standby_that_builds_after_its_activation_ends_alike(tmp_path):
+    """The A/B baseline of the warm standby: it prepares as soon as it starts, prebuilds nothing and builds
+    rank 1 after its activation; its threads wait as the OpenMP runtime likes. The same digest."""
+    no_prebuild = ("--fault.standby_prebuild", "false", "--fault.standby_prepare", "at_once")
+    out = death_run(
+        tmp_path, PP2, 2, "--fault.kill", "9:1:backward", *no_prebuild, "--training.omp_wait_policy", "default"
+    )
+    assert_local_and_exact(out, baseline(PP2, 2), (1,), (1,))
+    assert all(w.prebuilt is None for w in recovery_work(out)), out
 
 
 def test_sigkill_with_torchrun_restarting_every_worker(tmp_path):
@@ -159,7 +176,7 @@ def test_sigkill_with_torchrun_restarting_every_worker(tmp_path):
     [found] = assert_local_and_exact(out, baseline(PP2, 2), (1,), (1,))
     assert found.step == 9
     assert re.search(
-        r"^restart timeline rank=0: exec=\S+ python=\S+ imports=\S+ process_group=\S+ model=\S+ "
+        r"^restart timeline rank=0: exec=\S+ python=\S+ imports=\S+ process_group=\S+ mesh=\S+ model=\S+ "
         r"strategy=\S+ restored=\S+$",
         out,
         re.M,
@@ -258,10 +275,12 @@ def test_a_death_during_the_final_digest_keeps_the_survivors_state(tmp_path):
 def test_pp2_dp2_ep2_bf16_sigkill_in_each_phase(tmp_path, phase):
     """A death before the gradient-norm all-reduce (forward, backward, clip, during the snapshot copy) leaves
     every survivor at state_T; one after it (optimizer step, replication of T's snapshot) lets them finish
-    T: either way the stage of rank 2 alone replays, bit-exact."""
+    T: either way the stage of rank 2 alone replays, bit-exact, from the stage and expert shard its standby
+    prebuilt."""
     out = death_run(tmp_path, PP2_DP2_EP2_BF16, 4, "--fault.kill", f"8:2:{phase}")
     assert [(f.rank, f.step, f.phase) for f in faults(out)] == [(2, 8, phase)], out
     [found] = assert_local_and_exact(out, baseline(PP2_DP2_EP2_BF16, 4), (2,), (1,))
+    assert [w.prebuilt for w in recovery_work(out) if w.role == "failed"] == ["data+model"], out
     assert found.step == (9 if phase in ("optimizer", "replication") else 8)
 
 

@@ -121,8 +121,18 @@ def test_recovery_work_lines():
         "threads": 0,
         "snapshots_from": None,
         "replay_s": {},
+        "build_s": None,
+        "prebuilt": None,
     }
-    assert [read_back(w).line() for w in (failed, healthy)] == [failed.line(), healthy.line()]
+    # after a rejoin: each rank's build of its data, model and optimizer, and what a warm standby had built
+    replaced = dataclasses.replace(failed, build_s=0.2849, prebuilt="data+model")
+    assert replaced.line() == (
+        "recovery work rank=1 role=failed forwards=8 backwards=8 threads=3 snapshots_from=rank0 build_s=0.28 "
+        "prebuilt=data+model replay_s=load:0.12,forward:1.00,optimizer:0.00"
+    )
+    assert (replaced.record()["build_s"], replaced.record()["prebuilt"]) == (0.28, "data+model")
+    works = (failed, healthy, replaced)
+    assert [read_back(w).line() for w in works] == [w.line() for w in works]
 
 
 def test_fault_and_final_lines():

@@ -67,6 +67,12 @@ class TrainingConfig:
     # 15x faster on CPUs without bf16 instructions); auto: fp32 unless the CPU has AVX512-BF16 / AMX
     cpu_bf16_gemm: Literal["auto", "native", "fp32"] = "auto"
     cpu_reuse_memory: bool = True  # CPU: keep freed large blocks in the heap (trainer/allocator.py)
+    # CPU: how the OpenMP threads of a parallel region wait for work (OMP_WAIT_POLICY, set before torch starts;
+    # a value in the environment wins): passive (they sleep at once) | active (they spin) | default (the
+    # OpenMP runtime's own: libgomp spins ~0.3 M rounds, then sleeps). A replay's extra threads share the cores
+    # with other processes, where spinning threads keep the ones they wait for off the cores
+    # (moevement/recovery/replay_threads.py)
+    omp_wait_policy: Literal["passive", "active", "default"] = "passive"
     val_every: int = 0  # validation loss every N iterations (0: none)
     val_batches: int = 4  # batches per validation
     deterministic: bool = True  # deterministic algorithms (bit-exact recovery needs them)
@@ -130,6 +136,18 @@ class FaultConfig:
     # localized: the failed stages roll back | global: every stage does (for comparison)
     scope: Literal["localized", "global"] = "localized"
     replay_threads: int = 0  # CPU threads of a replaying rank (0: auto, the cores its paused neighbours leave idle)
+    # under rank shells: a standby builds, before its activation, what does not depend on the dead rank's
+    # state: the data pipeline and, on CPU, its stages' weights (trainer/run/prebuilt.py); false: it builds
+    # them after its activation
+    standby_prebuild: bool = True
+    # a prebuilding standby also runs one throwaway forward and backward through a copy of its stages: the
+    # replacement's first replayed iteration is spared the kernels' first calls and the heap's growth, for
+    # about that much CPU time in the standby and its heap kept resident (docs/configuration.md)
+    standby_warm_up: bool = False
+    # under rank shells: when a standby starts importing and prebuilding: when_training (once its slot's
+    # trainer trains, its generation set up and any recovery done, so that it never competes with a replay
+    # for the cores) | at_once (as soon as it starts)
+    standby_prepare: Literal["when_training", "at_once"] = "when_training"
     # a replay's frozen operators still compute their weight gradient, then drop it (the ablation of the
     # paper's Figure 13; false: skipped, MoEvement's design)
     frozen_weight_grad: bool = False

@@ -103,6 +103,7 @@ class Rejoin:
     timeline: dict[str, float] = field(default_factory=dict)  # unix time this process reached each set-up stage
     in_place: bool = False  # the survivors stayed alive: a dead worker was replaced in place
     fault: ShellFault | None = None  # a replacement: the fault it replaces, as its rank shell saw it
+    prebuilt: str | None = None  # what a warm standby built of this rank before its activation ("data+model")
 
 
 def _live_items(

@@ -90,12 +90,22 @@ class Recovery:
         self._report(report, failed, pps)
         self.report_work(failed, pps, work_before, stats)
 
-    def report_work(self, failed: set[int], pps: set[int], work_before: tuple[int, int], stats: ReplayStats) -> None:
-        """Rank 0 prints every rank's `recovery work` line: its role and the forwards/backwards it ran."""
+    def report_work(
+        self,
+        failed: set[int],
+        pps: set[int],
+        work_before: tuple[int, int],
+        stats: ReplayStats,
+        rejoin: Rejoin | None = None,
+    ) -> None:
+        """Rank 0 prints every rank's `recovery work` line: its role and the forwards/backwards it ran, and after
+        a restart (`rejoin`) how long it built its model (`build_s`) and what a warm standby built of it."""
         forwards, backwards = (a - b for a, b in zip(self.log.work() if self.log else (0, 0), work_before))
         role = "failed" if self.me in failed else ("rolled-back" if self.layout.pp_of[self.me] in pps else "healthy")
+        phases = tuple(stats.phases.items())
+        built, prebuilt = (_build_seconds(rejoin.timeline), rejoin.prebuilt) if rejoin else (None, None)
         mine = RecoveryWork(
-            self.me, role, forwards, backwards, stats.threads, stats.sources.get(self.me), tuple(stats.phases.items())
+            self.me, role, forwards, backwards, stats.threads, stats.sources.get(self.me), phases, built, prebuilt
         )
         work = [None] * self.world if self.me == 0 else None
         collectives.gather_object(mine, work, dst=0)
@@ -147,7 +157,7 @@ class Recovery:
         )
         self._report(report, failed, pps)
         self.line(f"restart timeline rank={self.me}: {_stages(timeline)}")
-        self.report_work(failed, pps, (0, 0), stats)
+        self.report_work(failed, pps, (0, 0), stats, rejoin)
         return target, t0
 
     def _catch_up(
@@ -295,6 +305,14 @@ def _restart_seconds(
         return ("keep", kept - detected), ("join", joined - kept), ("rebuild", rebuilt - joined)
     exec_at = timeline.get("exec", rebuilt)
     return ("keep", kept - detected), ("restart", exec_at - kept), ("setup", rebuilt - exec_at)
+
+
+def _build_seconds(timeline: dict[str, float]) -> float | None:
+    """Seconds from this process's device mesh to its model (data, model, optimizer built or taken on from a
+    warm standby); None where its set-up did not mark both."""
+    if "mesh" not in timeline or "model" not in timeline:
+        return None
+    return timeline["model"] - timeline["mesh"]
 
 
 def _stages(timeline: dict[str, float]) -> str:

@@ -9,6 +9,11 @@ element-wise, row-wise and small reductions PyTorch runs here do; MKL's GEMMs do
 strict conditional-numerical-reproducibility mode (`MKL_CBWR=AUTO,STRICT`, which `train.py` sets
 before torch starts; at one thread it costs no measurable time). Without it, or without MKL, or on
 an accelerator (where CPU threads do not run the compute), replay keeps the training thread count.
+
+The extra threads wait for work passively (`training.omp_wait_policy`, `OMP_WAIT_POLICY=PASSIVE`, which
+`train.py` sets before torch starts): the cores are shared with the paused ranks' background threads, a
+standby, other jobs, and a thread that spins at a barrier keeps the thread it waits for off its core
+(docs/design.md §10, Threads). The policy cannot change once the OpenMP runtime has started.
 """
 
 from __future__ import annotations

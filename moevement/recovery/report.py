@@ -151,9 +151,13 @@ class RecoveryWork:
     """One rank's `recovery work` line (rank 0 prints one per rank after each MoEvement recovery line):
 
         recovery work rank=<r> role=failed|rolled-back|healthy forwards=<n> backwards=<n>[ threads=<n>]
-            [ snapshots_from=<source>][ replay_s=<phase>:<s>,...]
+            [ snapshots_from=<source>][ build_s=<s>][ prebuilt=<parts>][ replay_s=<phase>:<s>,...]
 
-    (one line; `<s>` with 2 decimals). A healthy rank ran nothing: 0 forwards and 0 backwards."""
+    (one line; `<s>` with 2 decimals). A healthy rank ran nothing: 0 forwards and 0 backwards. After a
+    restart (a rejoin) each rank says how long it built its data, model and optimizer (`build_s`: from its
+    generation's device mesh to its model; the stages of the rebuild around it wait on collectives, so they
+    end alike on every rank), and a replacement that a warm standby had built before its activation what
+    it built (`prebuilt`: data, or data+model; trainer/run/prebuilt.py)."""
 
     KIND: ClassVar[str] = "recovery_work"
 
@@ -164,12 +168,16 @@ class RecoveryWork:
     threads: int = 0  # intra-op threads it replayed with (0: it did not replay; the line leaves it out)
     snapshots_from: str | None = None  # where a failed rank's snapshots came from ("rank<q>", ...)
     replay_s: tuple[tuple[str, float], ...] = ()  # a replaying rank's seconds per replay phase, in order
+    build_s: float | None = None  # after a restart: seconds this rank built its data, model and optimizer
+    prebuilt: str | None = None  # what a warm standby built of this rank before its activation
 
     def line(self) -> str:
         """The console line, byte for byte the format above."""
         text = f"recovery work rank={self.rank} role={self.role} forwards={self.forwards} backwards={self.backwards}"
         text += f" threads={self.threads}" if self.threads else ""
         text += f" snapshots_from={self.snapshots_from}" if self.snapshots_from is not None else ""
+        text += f" build_s={self.build_s:.2f}" if self.build_s is not None else ""
+        text += f" prebuilt={self.prebuilt}" if self.prebuilt is not None else ""
         phases = ",".join(f"{phase}:{s:.2f}" for phase, s in self.replay_s)
         return text + (f" replay_s={phases}" if phases else "")
 
@@ -184,6 +192,8 @@ class RecoveryWork:
             "threads": self.threads,
             "snapshots_from": self.snapshots_from,
             "replay_s": {phase: _printed(s, 2) for phase, s in self.replay_s},
+            "build_s": None if self.build_s is None else _printed(self.build_s, 2),
+            "prebuilt": self.prebuilt,
         }
 
     @classmethod

@@ -9,9 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from moevement.storage.host_memory import JobLock
 from trainer.lifecycle.startup import Startup
+
+if TYPE_CHECKING:
+    from trainer.run.prebuilt import Prebuilt
 
 
 @dataclass(eq=False)
@@ -19,3 +23,10 @@ class ProcessState:
     startup: Startup  # when the process started and reached each stage of this generation's set-up
     sigterm_at: float | None = None  # SIGTERM reached the process: every later generation's guard stops at once
     locks: dict[Path, JobLock] = field(default_factory=dict)  # host-state locks held for the process's lifetime
+    prebuilt: Prebuilt | None = None  # what a warm standby built before its activation, until setup takes it
+
+    def take_prebuilt(self) -> Prebuilt | None:
+        """What the standby built, once: the first generation's setup takes it on (its modules are then that
+        generation's); a later generation builds afresh."""
+        prebuilt, self.prebuilt = self.prebuilt, None
+        return prebuilt

@@ -3,9 +3,10 @@
 torchrun restarts every worker of the job when one dies (docs/design.md §4). Under torchrun, with a
 checkpoint strategy (not "none"), `fault.max_replacements` > 0 and more than one worker, `train.py`
 therefore starts as this thin parent, which imports no torch and never touches a GPU. It runs the trainer
-as its child and keeps one warm standby child: a second `train.py` with the interpreter started and torch
-and the project imported, waiting on a pipe for the word to start (on a GPU it holds no CUDA context
-until then).
+as its child and keeps one warm standby child: a second `train.py` with the interpreter started, waiting on
+a pipe. Told `prepare` (once the trainer says it trains, or at once: `fault.standby_prepare`), it imports
+torch and the project and builds what it can of its rank (`trainer/run/prebuilt.py`), then waits for the
+word to start (on a GPU it holds no CUDA context until then).
 
 A standby that dies while it waits is started again at once (one `shell:` line). When the trainer child
 dies (SIGKILL, a segfault, the OOM killer, an unexpected exit status), the shell
@@ -22,16 +23,17 @@ with it (`PR_SET_PDEATHSIG`).
 Messages from the trainer child reach the shell on a pipe (`SHELL_FD`), one line each: `alive` every second
 from a thread of its own once its imports are done (a trainer silent for longer than the hang bound,
 `fault.heartbeat_timeout_s` or a shorter `fault.timeout_s` (`verdict.hang_bound`), is frozen, stopped or
-stuck: the shell kills it and its standby replaces it, so a hang is recovered in place like a death, in about
-that bound), `generation <g>` when it starts joining generation g, `step <n>` when it begins training
-iteration n, `run <dir>` once it knows the run folder (the shell records its `shell:` lines in its
-events.jsonl), `finished <step>` once it knows the job finished (trainer/lifecycle/job_end.py): a trainer that
-dies after that is nothing to recover, and the shell exits with success, replacing nobody. What the shell does
-when its trainer ends is `verdict.after_child_exit`. The shell beats back to each child, which ends a shell
-that stopped beating (`trainer/lifecycle/shell_watch.py`). A standby it activates learns its generation, the
-dead trainer's pid, when the fault struck (`fault_unix`: the death the shell saw, or a frozen trainer's last
-word), from which the recovery's `detect=` is measured, and the iteration the trainer had begun (`fault_step`,
-the recovery's `fault_step=`).
+stuck: the shell kills it and its standby replaces it, so a hang is recovered in place like a death, in
+about that bound), `generation <g>` when it starts joining generation g, `step <n>` when it begins training
+iteration n, `training <step>` once that generation is set up and recovered (the standby is told to prepare
+then, not beside a replay), `run <dir>` once it knows the run folder (the shell records its `shell:` lines in
+its events.jsonl), `finished <step>` once it knows the job finished (trainer/lifecycle/job_end.py): a trainer
+that dies after that is nothing to recover, and the shell exits with success, replacing nobody. What the
+shell does when its trainer ends is `verdict.after_child_exit`. The shell beats back to each child, which
+ends a shell that stopped beating (`trainer/lifecycle/shell_watch.py`). A standby it activates learns its
+generation, the dead trainer's pid, when the fault struck (`fault_unix`: the death the shell saw, or a
+frozen trainer's last word), from which the recovery's `detect=` is measured, and the iteration the trainer
+had begun (`fault_step`, the recovery's `fault_step=`).
 """
 
 from __future__ import annotations
@@ -68,7 +70,9 @@ AGENT_PID = "MOEVEMENT_AGENT_PID"  # torchrun's agent, the shell's parent
 GENERATION = "MOEVEMENT_GENERATION"  # set in an activated standby: the generation it joins
 FAULT_UNIX = "MOEVEMENT_FAULT_UNIX"  # set in an activated standby: when the fault it replaces struck (unix s)
 FAULT_STEP = "MOEVEMENT_FAULT_STEP"  # ... and the iteration the dead trainer had begun (unset: none)
+PREPARE = b"prepare"  # the shell's word to a standby: import and build now (`await_word_to_prepare`)
 _PR_SET_PDEATHSIG = 1
+_WATCHING = False  # in a shell's child: it watches the shell's beats (`watch_the_shell`)
 _TOLD: dict[str, Path] = {}  # in a shell's trainer child: the run folder it named to its shell (`report`)
 
 
@@ -98,10 +102,20 @@ class RankShell:
     """One torchrun slot: the trainer child, its standby, and the generation the trainer last joined."""
 
     def __init__(
-        self, command: list[str], max_replacements: int, bound_s: float, bound_key: str = "fault.heartbeat_timeout_s"
+        self,
+        command: list[str],
+        max_replacements: int,
+        bound_s: float,
+        bound_key: str = "fault.heartbeat_timeout_s",
+        prepare_at_once: bool = False,
     ):
-        """`bound_s`: the hang bound, set by config key `bound_key` (`verdict.hang_bound`)."""
+        """`bound_s`: the hang bound, set by config key `bound_key` (`verdict.hang_bound`). `prepare_at_once`
+        (`fault.standby_prepare` at_once): a standby prepares as soon as it starts, not once the trainer
+        trains."""
         self.command, self.max_replacements = command, max_replacements
+        self.prepare_at_once = prepare_at_once
+        self.training = False  # the trainer said it trains (its generation set up and recovered)
+        self.told: set[int] = set()  # standby pids told to prepare
         self.bound_s, self.bound_key = bound_s, bound_key
         self.rank = os.environ.get("RANK", "?")
         self.generation, self.replacements, self.stopping = 0, 0, False
@@ -117,7 +131,7 @@ class RankShell:
         self.env[HANG_BOUND] = f"{bound_key}={bound_s!r}"
         self.keeper = store_keeper.start_if_needed(self.env, _die_with_parent)  # rank 0's own-store round
         self.child = self._spawn("trainer")
-        self.standby = self._spawn("standby", stdin=subprocess.PIPE)
+        self.standby = self._spawn_standby()
         signal.signal(signal.SIGTERM, self._forward_sigterm)
 
     def _spawn(self, role: str, **kwargs) -> subprocess.Popen:
@@ -132,6 +146,25 @@ class RankShell:
             os.close(beats)
         self.beats.add(child.pid, beat_end)
         return child
+
+    def _spawn_standby(self) -> subprocess.Popen:
+        """A new standby, told to prepare at once where the trainer trains already (or `prepare_at_once`)."""
+        standby = self._spawn("standby", stdin=subprocess.PIPE)
+        if self.prepare_at_once or self.training:
+            self._tell_to_prepare(standby)
+        return standby
+
+    def _tell_to_prepare(self, standby: subprocess.Popen | None) -> None:
+        """Say `prepare` to `standby`, once: it imports torch and the project and builds what it can of its rank
+        (`trainer/run/prebuilt.py`). One that died meanwhile is replaced by the loop (`_keep_a_standby`)."""
+        if standby is None or standby.pid in self.told:
+            return
+        self.told.add(standby.pid)
+        try:
+            standby.stdin.write(PREPARE + b"\n")
+            standby.stdin.flush()
+        except OSError:
+            pass
 
     def _forward_sigterm(self, signum, _frame) -> None:
         """torchrun stops the job: the child's end is no death to replace. The handler runs between two of
@@ -168,6 +201,9 @@ class RankShell:
                 self.finished_at = int(value)
             elif word == "run" and value:
                 self.run_dir = Path(value)
+            elif word == "training":
+                self.training = True
+                self._tell_to_prepare(self.standby)
 
     def _say(self, line: ShellLine) -> None:
         say(line, self.run_dir)
@@ -203,7 +239,7 @@ class RankShell:
             self.standby = None
             return
         self.standbys_lost += 1
-        self.standby = self._spawn("standby", stdin=subprocess.PIPE)
+        self.standby = self._spawn_standby()
         count, limit = self.standbys_lost, self.max_replacements
         self._say(ShellLine(STANDBY_RESPAWNED, self.rank, dead, describe(code), self.standby.pid, count, limit))
 
@@ -245,12 +281,14 @@ class RankShell:
         now, fault, self.frozen_at = time.time(), self.frozen_at, None
         activation = {"generation": self.generation, "died": dead, "fault_unix": fault or now, "fault_step": self.begun}
         self.begun = None
+        self.training = False  # until the replacement has recovered
+        self._tell_to_prepare(self.child)  # at once, if it was still waiting for the word
         self.child.stdin.write(json.dumps(activation).encode() + b"\n")
         self.child.stdin.close()
         count, limit = self.replacements, self.max_replacements
         line = ShellLine(REPLACED, self.rank, dead, how, self.child.pid, count, limit, self.generation, now)
         self._say(line)
-        self.standby = self._spawn("standby", stdin=subprocess.PIPE)
+        self.standby = self._spawn_standby()
         return True
 
 
@@ -265,14 +303,25 @@ def run_shell(argv: list[str]) -> int:
     key, bound_s = hang_bound(
         setting(argv, "fault.heartbeat_timeout_s", float), setting(argv, "fault.timeout_s", float)
     )
-    return RankShell([sys.executable, *sys.argv[:1], *argv], budget, bound_s, key).run()
+    at_once = setting(argv, "fault.standby_prepare", str) == "at_once"
+    return RankShell([sys.executable, *sys.argv[:1], *argv], budget, bound_s, key, at_once).run()
+
+
+def await_word_to_prepare() -> None:
+    """In a standby, before its imports: block until the shell says `prepare` (`RankShell._tell_to_prepare`);
+    exit with success when the shell ends first (its pipe closes). The shell's beats are watched meanwhile."""
+    watch_the_shell()
+    line = sys.stdin.buffer.readline()
+    if line.strip() != PREPARE:
+        sys.exit(exit_codes.DONE)
 
 
 def await_activation() -> dict | None:
     """In a standby: block until the shell activates it; the activation ({"generation", "died", "fault_unix",
-    "fault_step"}),
-    or None when the shell ends without needing it (its pipe closes)."""
+    "fault_step"}), or None when the shell ends without needing it (its pipe closes)."""
     line = sys.stdin.buffer.readline()
+    while line.strip() == PREPARE:  # said before the activation to a standby that had not prepared yet
+        line = sys.stdin.buffer.readline()
     if not line:
         return None
     activation = json.loads(line)
@@ -305,9 +354,11 @@ def report(message: str) -> None:
 
 
 def watch_the_shell() -> None:
-    """In a shell's child (trainer or standby), once its imports are done: end the shell if it stops beating
-    (`trainer/lifecycle/shell_watch.py`; nothing outside a shell)."""
-    if ROLE in os.environ:
+    """In a shell's child (trainer or standby): end the shell if it stops beating
+    (`trainer/lifecycle/shell_watch.py`; nothing outside a shell). Once per process."""
+    global _WATCHING
+    if ROLE in os.environ and not _WATCHING:
+        _WATCHING = True
         watch_shell(lambda: os.environ.get(ROLE, ""), lambda: _TOLD.get("run"))
 
 

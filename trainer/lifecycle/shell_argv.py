@@ -19,6 +19,8 @@ DEFAULTS: dict[str, object] = {
     "fault.max_replacements": 4,
     "fault.timeout_s": 600.0,
     "fault.heartbeat_timeout_s": 30.0,
+    "fault.standby_prepare": "when_training",
+    "training.omp_wait_policy": "passive",
 }
 ERRORS = (OSError, TypeError, ValueError, AttributeError, tomllib.TOMLDecodeError)  # what a bad value raises
 

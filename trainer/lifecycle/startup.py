@@ -3,8 +3,9 @@
 After a real death every worker is started again, so this is the restart cost that every rank and every
 checkpoint strategy pays; a rejoin prints it stage by stage (`restart timeline`). Stages, in order:
 `exec` (the kernel started the process), `python` (the interpreter reached train.py), `imports` (torch
-and the trainer imported), `process_group`, `model` (data, model, optimizer), `strategy` (host state
-read, snapshot buffers, checkpoint strategy built).
+and the trainer imported), `process_group`, `mesh` (the device mesh's groups), `model` (data, model,
+optimizer; a warm standby's prebuilt ones taken on), `strategy` (host state read, snapshot buffers,
+checkpoint strategy built).
 """
 
 from __future__ import annotations

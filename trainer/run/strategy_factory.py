@@ -75,10 +75,11 @@ def _same_node_dirs(cfg: Config):
     return (lambda rank: host_rank_dir(cfg, rank)) if cfg.checkpoint.replication == "auto" else None
 
 
-def _rejoin(rank_dir: Path, job_meta: dict, plan: StartPlan, from_dense: bool) -> Rejoin:
+def _rejoin(rank_dir: Path, job_meta: dict, plan: StartPlan, from_dense: bool, prebuilt: str | None) -> Rejoin:
     """This process's place in the run (collective unless `from_dense`): the live state this rank kept (in
     memory when it survived a death in place, in its host directory after a torchrun restart; none at
-    attempt 0, nor when the start is `from_dense`) and whether any rank kept one."""
+    attempt 0, nor when the start is `from_dense`), whether any rank kept one, and what a warm standby built
+    of it before its activation (`prebuilt`)."""
     name, live = plan.name(), plan.kept
     if from_dense:
         return Rejoin(name, None, False, plan.process.startup.marks, False)
@@ -90,7 +91,7 @@ def _rejoin(rank_dir: Path, job_meta: dict, plan: StartPlan, from_dense: bool) -
     if dist.is_initialized():
         collectives.all_reduce(kept)
     marks = plan.process.startup.marks  # still being taken
-    return Rejoin(name, live, bool(kept.item()), marks, plan.in_place, plan.fault)
+    return Rejoin(name, live, bool(kept.item()), marks, plan.in_place, plan.fault, prebuilt)
 
 
 def build_strategy(
@@ -103,6 +104,7 @@ def build_strategy(
     line,
     plan: StartPlan,
     dense_step: int = 0,
+    prebuilt: str | None = None,
 ) -> CheckpointStrategy:
     """`checkpoint.strategy` on this rank (collective over all ranks).
 
@@ -115,7 +117,8 @@ def build_strategy(
     state as any job's. The rank's host directory stays as it is until training goes on
     (`MoEvement.begin`), so a death before then loses nothing. An interval baseline, after a torchrun
     restart of this run, restores its newest checkpoint (gemini's from host memory) and starts with an
-    empty host directory."""
+    empty host directory. `prebuilt`: what a warm standby built of this rank (`trainer/run/prebuilt.py`), for
+    the recovery's report."""
     strategy = cfg.checkpoint.strategy
     if strategy == "none":
         return NoCheckpointing()
@@ -126,7 +129,7 @@ def build_strategy(
     job_meta = _job_meta(cfg, dims, identity, plan.run_id)
     disk = persist_root(cfg)
     from_dense = cfg.parallelism.elastic and not plan.in_place
-    rejoin = _rejoin(rank_dir, job_meta, plan, from_dense)
+    rejoin = _rejoin(rank_dir, job_meta, plan, from_dense, prebuilt)
     checks = _identity_checks(dims, identity, rejoin)
     found = None if from_dense else _restart_point(strategy, rank_dir, disk, checks, rejoin, line, plan.restarted)
     ops = build_registry(model.view, stacked_operators(model.view)) if strategy != "moevement" else []
