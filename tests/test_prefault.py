@@ -136,7 +136,7 @@ def test_a_later_generation_takes_back_the_mappings_its_predecessor_kept(tmp_pat
     later = tiny_engine(rank_dir, window=3, keep_host_state=False)[2]
     assert mapped == [] and {k: later.buffers.buffer(*k).data.data_ptr() for k in pointers} == pointers
     later.close()
-    assert not rank_dir.exists() and KEPT.nbytes() == 0
+    assert not rank_dir.exists() and KEPT.nbytes(rank_dir) == 0
 
 
 def test_prefault_rank_dir_maps_the_ranks_own_buffers_once_and_nothing_else(tmp_path):
@@ -179,4 +179,4 @@ def test_prefault_rank_dir_maps_the_ranks_own_buffers_once_and_nothing_else(tmp_
             prefault_rank_dir(tmp_path / "linked-rank")
     finally:
         KEPT.drop_under(tmp_path)
-    assert KEPT.nbytes() == 0
+    assert KEPT.nbytes(tmp_path) == 0

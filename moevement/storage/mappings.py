@@ -107,9 +107,10 @@ class MappedFiles:
         for mapping in mappings:
             mapping.release()
 
-    def nbytes(self) -> int:
+    def nbytes(self, under: Path) -> int:
+        """The bytes of the mappings kept of files under `under`."""
         with self._lock:
-            return sum(m.data.numel() for m in self._kept.values())
+            return sum(m.data.numel() for p, m in self._kept.items() if p.is_relative_to(under))
 
 
 KEPT = MappedFiles()  # this process's
