@@ -155,10 +155,10 @@ def test_sigkill_in_backward_is_replaced_in_place(tmp_path):
 @pytest.mark.slow
 def test_a_standby_that_builds_after_its_activation_ends_alike(tmp_path):
     """The A/B baseline of the warm standby: it prepares as soon as it starts, prebuilds nothing and builds
-    rank 1 after its activation; its threads wait as the OpenMP runtime likes. The same digest."""
+    rank 1 after its activation; its threads sleep as soon as they wait (`passive`). The same digest."""
     no_prebuild = ("--fault.standby_prebuild", "false", "--fault.standby_prepare", "at_once")
     out = death_run(
-        tmp_path, PP2, 2, "--fault.kill", "9:1:backward", *no_prebuild, "--training.omp_wait_policy", "default"
+        tmp_path, PP2, 2, "--fault.kill", "9:1:backward", *no_prebuild, "--training.omp_wait_policy", "passive"
     )
     assert_local_and_exact(out, baseline(PP2, 2), (1,), (1,))
     assert all(w.prebuilt is None for w in recovery_work(out)), out

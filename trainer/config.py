@@ -69,10 +69,10 @@ class TrainingConfig:
     cpu_reuse_memory: bool = True  # CPU: keep freed large blocks in the heap (trainer/allocator.py)
     # CPU: how the OpenMP threads of a parallel region wait for work (OMP_WAIT_POLICY, set before torch starts;
     # a value in the environment wins): passive (they sleep at once) | active (they spin) | default (the
-    # OpenMP runtime's own: libgomp spins ~0.3 M rounds, then sleeps). A replay's extra threads share the cores
-    # with other processes, where spinning threads keep the ones they wait for off the cores
-    # (moevement/recovery/replay_threads.py)
-    omp_wait_policy: Literal["passive", "active", "default"] = "passive"
+    # OpenMP runtime's own: libgomp spins ~0.3 M rounds, then sleeps). A replay on the cores its paused
+    # neighbours leave idle is fastest with default (benchmarks.omp_wait); on cores shared with other processes
+    # spinning threads keep the ones they wait for off the cores: passive (moevement/recovery/replay_threads.py)
+    omp_wait_policy: Literal["passive", "active", "default"] = "default"
     val_every: int = 0  # validation loss every N iterations (0: none)
     val_batches: int = 4  # batches per validation
     deterministic: bool = True  # deterministic algorithms (bit-exact recovery needs them)

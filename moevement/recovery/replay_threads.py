@@ -10,10 +10,11 @@ strict conditional-numerical-reproducibility mode (`MKL_CBWR=AUTO,STRICT`, which
 before torch starts; at one thread it costs no measurable time). Without it, or without MKL, or on
 an accelerator (where CPU threads do not run the compute), replay keeps the training thread count.
 
-The extra threads wait for work passively (`training.omp_wait_policy`, `OMP_WAIT_POLICY=PASSIVE`, which
-`train.py` sets before torch starts): the cores are shared with the paused ranks' background threads, a
-standby, other jobs, and a thread that spins at a barrier keeps the thread it waits for off its core
-(docs/design.md §10, Threads). The policy cannot change once the OpenMP runtime has started.
+The extra threads wait for work as the OpenMP runtime does by default (libgomp: spin briefly, then sleep),
+fastest on cores the paused ranks leave idle (`benchmarks.omp_wait`); on cores shared with other jobs a
+spinning thread keeps the thread it waits for off its core: `training.omp_wait_policy = "passive"` (set
+before torch starts; it cannot change once the OpenMP runtime has started) or `fault.replay_threads 1`
+(docs/design.md §10, Threads).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ DEFAULTS: dict[str, object] = {
     "fault.timeout_s": 600.0,
     "fault.heartbeat_timeout_s": 30.0,
     "fault.standby_prepare": "when_training",
-    "training.omp_wait_policy": "passive",
+    "training.omp_wait_policy": "default",
 }
 ERRORS = (OSError, TypeError, ValueError, AttributeError, tomllib.TOMLDecodeError)  # what a bad value raises
 
