@@ -377,7 +377,9 @@ def test_an_error_every_rank_meets_is_one_line_and_the_job_ends_at_once(tmp_path
     assert status != 0 and [line for _, line in errors] == [f"error: {host}: its parent directory does not exist"], (
         output
     )
-    assert output.count("exitcode  : 2 ") == 2, output  # every worker exits 2
+    # every worker exits 2, unless torchrun's SIGTERM after the first one's exit reaches its shell first
+    codes = re.findall(r"exitcode  : (-?\d+) ", output)
+    assert len(codes) == 2 and "2" in codes and set(codes) <= {"2", "-15"}, output
     assert ended - errors[0][0] < 20, output  # torchrun's SIGKILL comes 30 s after its SIGTERM
 
 

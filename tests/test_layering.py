@@ -194,9 +194,10 @@ def traced_run(tmp_path, *fault: str, start: str = "recover") -> tuple[str, list
     return out, [line.split("\t") for line in (trace / "rank1.tsv").read_text().splitlines()]
 
 
+@pytest.mark.slow  # about 25 s; the imports' direction is checked in the default suite
 def test_localized_recovery_calls_only_downward(tmp_path):
-    """From the failure to the next iteration, the failed rank's calls go only downward (see above). In the
-    default suite (about 12 s), so that docs/design.md's list of the failure path follows the code."""
+    """From the failure to the next iteration, the failed rank's calls go only downward (see above), so that
+    docs/design.md's list of the failure path follows the code."""
     out, rows = traced_run(tmp_path, "--fault.at", "10:1")
     assert any((r.step, r.ranks) == (10, (1,)) for r in recoveries(out)), out
     assert_calls_only_downward(rows)

@@ -89,8 +89,9 @@ def test_pp2_dp2_ep2_bf16_clipped_one_failure(tmp_path):
     )
 
 
+@pytest.mark.slow  # about 30 s
 def test_dp2_soft_ordering_one_failure(tmp_path):
-    """Guarantee: Bit-exact recovery under every ordering policy: `soft` at dp > ep, where each replica once
+    """Bit-exact recovery under every ordering policy: `soft` at dp > ep, where each replica once
     ordered its experts' shards by its own gate probabilities, so the replicas' slots disagreed and the
     recovered state differed from the fault-free one (every replica now orders by the group's sums)."""
     layout = ["--parallelism.dp", "2", "--checkpoint.ordering", "soft"]

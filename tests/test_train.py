@@ -43,6 +43,7 @@ def test_loss_falls_and_final_line():
     assert step == 30 and loss == losses[30]
 
 
+@pytest.mark.slow  # a relaunch resuming bit-exact: tests/test_periodic_checkpoints.py, in the default suite
 def test_save_resume_gives_identical_continuation(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     full = train("--training.steps", "4").stdout
