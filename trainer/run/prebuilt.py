@@ -75,8 +75,8 @@ def prebuild(
         stages = materialize_stages(fitted.model, p, pp_rank, ep_rank, fitted.job.seed, device, t.loss_chunk_tokens)
         if warm:
             warm_up(stages, (t.batch_size // (t.micro_batches * p.dp), t.seq_len))
-    # HOOK, not built yet: the rank's snapshot, replica and log buffers are to be reserved and faulted in here
-    # too, by the call moevement/storage will offer for it (issue 77, "no page faults on the training path").
+    # the rank's snapshot buffers are mapped and faulted in by its checkpointer after the activation
+    # (moevement/checkpoint/window.py, `prefault_rank_dir`), not yet here
     return Prebuilt(fitted, rank, data, stages, time.perf_counter() - started)
 
 
