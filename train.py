@@ -126,7 +126,7 @@ def stop_guard(cfg: Config, rank: int, plan: StartPlan) -> StopGuard:
     Before training starts the rank exits at once (a survivor joining a new generation in place first
     writes the state it kept in memory to host memory); during training it stops at a consistent point and keeps
     its live state in host memory for a torchrun restart (trainer/lifecycle/survival.py). Host state is committed
-    atomically (docs/design.md §6), so nothing is left half-written."""
+    atomically (docs/design/safety.md, "Atomicity"), so nothing is left half-written."""
 
     def preempted_line(step: int, kept: str, detected_unix: float | None = None) -> SurvivorLine:
         strategy = cfg.checkpoint.strategy

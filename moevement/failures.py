@@ -2,7 +2,7 @@
 `--fault.mtbf_iters M --fault.seed S` and `--fault.trace FILE`.
 
 `at`: at the start of iteration STEP the listed ranks lose all their state (parameters,
-optimizer state, snapshots, replicas, logs) and recover in place (docs/design.md §4). Ranks joined
+optimizer state, snapshots, replicas, logs) and recover in place (docs/design/recovery.md). Ranks joined
 by `+` fail together; a second event at the same STEP fires while the first one's recovery is
 running (after its first replayed iteration) and widens it.
 

@@ -1,7 +1,7 @@
 """Operator registry: the local model shard cut into the units MoEvement snapshots and freezes.
 
-An operator (docs/design.md §2) is each routed expert, each router (with its persistent buffers),
-each MoE layer's shared experts, the non-expert part of each block, the embedding, and the
+An operator (docs/design/state-and-snapshots.md, "Operators") is each routed expert, each router (with its persistent
+buffers), each MoE layer's shared experts, the non-expert part of each block, the embedding, and the
 head (final norm + output projection). Operators are recognised by the global parameter names
 alone, so any model that follows the naming of `models/` works, in any parallel layout: under
 FSDP2 the tensors are this rank's shards, under expert parallelism only the local experts exist.

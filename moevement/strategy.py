@@ -113,7 +113,7 @@ class NoCheckpointing:
 
 
 class MoEvement:
-    """Sparse checkpointing, upstream logs at pipeline boundaries, localized recovery (docs/design.md §4)."""
+    """Sparse checkpointing, upstream logs at pipeline boundaries, localized recovery (docs/design/recovery.md)."""
 
     def __init__(
         self,

@@ -1,7 +1,7 @@
 """The trainer's one door to `torch.distributed`'s collectives and point-to-point operations.
 
 Every group the trainer creates serves CPU tensors and the model's device (`parallelisms.distributed`,
-docs/design.md §10, "Process groups and collectives"). Each wrapper below takes the arguments of its
+docs/design/models-and-parallelism.md, "Process groups and collectives"). Each wrapper below takes the arguments of its
 `torch.distributed` namesake, checks that `group` (None: the default group) serves the device of every
 tensor it is handed and raises `DeviceNotServed` otherwise, naming the operation, the device and the
 group's backend (nccl, for one, serves CUDA tensors only, and torch's own error names neither the call
@@ -29,7 +29,7 @@ class DeviceNotServed(ValueError):
         super().__init__(
             f"{op}: a tensor on {device} was handed to a process group whose backend {dist.get_backend(group)!r} "
             f"serves {', '.join(sorted(served_devices(group)))} only (every group of the trainer must serve cpu "
-            "and the model's device: docs/design.md §10, Process groups and collectives)"
+            "and the model's device: docs/design/models-and-parallelism.md)"
         )
         self.op, self.device = op, device
 

@@ -1,8 +1,8 @@
 """Process-group set-up: torchrun's environment, or a one-process group otherwise.
 
-The rule every group of the trainer follows (docs/design.md §10, Process groups and collectives): it serves CPU tensors
-(control tensors, object collectives, host-memory snapshots) and the model's device. The default group is
-`cpu:gloo,cuda:nccl` on GPU and gloo (which serves both) on CPU; the device mesh's groups take the default
+The rule every group of the trainer follows (docs/design/models-and-parallelism.md, "Process groups and collectives"):
+it serves CPU tensors (control tensors, object collectives, host-memory snapshots) and the model's device. The default
+group is `cpu:gloo,cuda:nccl` on GPU and gloo (which serves both) on CPU; the device mesh's groups take the default
 group's backend, the replication group is gloo. Every collective goes through `parallelisms.collectives`,
 which checks it."""
 

@@ -1,4 +1,4 @@
-"""Seeded chaos: the test process SIGKILLs torchrun's workers at random moments (docs/design.md §4, real deaths).
+"""Seeded chaos: the test process SIGKILLs torchrun's workers at random moments (docs/design/lifecycle/README.md).
 
 A death may strike anywhere: in the setup of a new generation, during its rejoin, in training, while a
 survivor keeps its live state. A victim is a trainer process (its rank shell replaces it in place) or,

@@ -1,5 +1,5 @@
 """Every collective of the trainer goes through `parallelisms.collectives`, on groups serving the tensors it
-is handed (docs/design.md §10, Process groups and collectives); a failed communication is told from a bug
+is handed (docs/design/models-and-parallelism.md); a failed communication is told from a bug
 by its type or origin, not its wording (`trainer/lifecycle/survival.py`). Real processes over real gloo."""
 
 from __future__ import annotations

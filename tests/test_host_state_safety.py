@@ -1,4 +1,4 @@
-"""Host state that can be trusted (docs/design.md §4, §6): what a restart accepts, where state lives, what
+"""Host state that can be trusted (docs/design/safety.md): what a restart accepts, where state lives, what
 is refused, and what is cleaned. Real processes, real files, real signals."""
 
 from __future__ import annotations

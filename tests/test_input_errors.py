@@ -1,4 +1,5 @@
-"""Bad input gets one clear error line naming the key and the file, never a traceback (docs/design.md §5).
+"""Bad input gets one clear error line naming the key and the file, never a traceback (docs/design/interfaces.md,
+"Errors").
 
 End-to-end cases run `train.py` as a real subprocess; the rest check the same errors at the function
 that raises them.

@@ -1,4 +1,4 @@
-"""A death after the job has finished (trainer/lifecycle/job_end.py, docs/design.md §4 in-place replacement 7).
+"""A death after the job has finished (trainer/lifecycle/job_end.py, docs/design/lifecycle/job-end.md).
 
 Real torchrun jobs (pp=2, a rank shell per slot, no torchrun restart allowed) in which a worker SIGKILLs itself
 at the end of the run: each exits 0 within seconds of the death, prints the fault-free `final` line once, and

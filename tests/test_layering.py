@@ -168,16 +168,16 @@ def test_checker_flags_upward_imports(tmp_path, monkeypatch):
 
 def assert_calls_only_downward(rows: list[list[str]]) -> None:
     """Calls between project modules never go back and forth (A calls B and B calls A), and every module
-    that calls another is on the failure path that docs/design.md lists."""
+    that calls another is on the failure path that docs/design/failure-path.md lists."""
     calls = {(caller, callee) for caller, callee, _ in rows if caller not in ("None", callee)}
     assert ("moevement/recovery/localized.py", "moevement/recovery/conversion.py") in calls, "trace is empty"
     back_and_forth = sorted(f"{a} <-> {b}" for a, b in calls if (b, a) in calls and a < b)
     assert not back_and_forth, back_and_forth
-    design = (ROOT / "docs" / "design.md").read_text()
+    design = (ROOT / "docs" / "design" / "failure-path.md").read_text()
     listed = design[design.index("<!-- failure-path: begin") : design.index("<!-- failure-path: end")]
     callers = {caller for caller, _ in calls}
     unlisted = sorted(m for m in callers if f"`{m}`" not in listed and f"`{m.split('/', 1)[1]}`" not in listed)
-    assert not unlisted, f"modules on the failure path that docs/design.md does not list: {unlisted}"
+    assert not unlisted, f"modules on the failure path that docs/design/failure-path.md does not list: {unlisted}"
 
 
 def traced_run(tmp_path, *fault: str, start: str = "recover") -> tuple[str, list[list[str]]]:
@@ -197,7 +197,7 @@ def traced_run(tmp_path, *fault: str, start: str = "recover") -> tuple[str, list
 @pytest.mark.slow  # about 25 s; the imports' direction is checked in the default suite
 def test_localized_recovery_calls_only_downward(tmp_path):
     """From the failure to the next iteration, the failed rank's calls go only downward (see above), so that
-    docs/design.md's list of the failure path follows the code."""
+    docs/design/failure-path.md's list follows the code."""
     out, rows = traced_run(tmp_path, "--fault.at", "10:1")
     assert any((r.step, r.ranks) == (10, (1,)) for r in recoveries(out)), out
     assert_calls_only_downward(rows)

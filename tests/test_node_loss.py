@@ -1,6 +1,6 @@
-"""A whole node lost (docs/design.md §4): the torchrun agent and every worker are SIGKILLed at once, the node's
-host memory (`checkpoint.host_dir`) is gone, and the job is launched again: it restarts from the sparse
-checkpoints it persisted to `checkpoint.persist_dir` and ends with the fault-free run's state."""
+"""A whole node lost (docs/design/lifecycle/replacement.md, "A lost node"): the torchrun agent and every worker are
+SIGKILLed at once, the node's host memory (`checkpoint.host_dir`) is gone, and the job is launched again: it restarts
+from the sparse checkpoints it persisted to `checkpoint.persist_dir` and ends with the fault-free run's state."""
 
 from __future__ import annotations
 

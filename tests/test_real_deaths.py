@@ -1,5 +1,5 @@
-"""Real deaths (docs/design.md §4): a worker process dies (SIGKILL, or an exit) under torchrun. Its rank shell
-replaces it in place by a warm standby while the survivors keep their state in memory and stay alive (the
+"""Real deaths (docs/design/lifecycle/README.md): a worker process dies (SIGKILL, or an exit) under torchrun. Its rank
+shell replaces it in place by a warm standby while the survivors keep their state in memory and stay alive (the
 default); with `--fault.max_replacements 0` (and whenever the shell gives up) torchrun restarts every process
 and the survivors keep their live state in shared memory (`fallback=True`). Either way only the dead ranks'
 stages replay.

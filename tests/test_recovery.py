@@ -1,4 +1,5 @@
-"""Localized recovery and whole-job restart, bit-exact against fault-free runs (docs/design.md §3-§4).
+"""Localized recovery and whole-job restart, bit-exact against fault-free runs (docs/design/replay.md,
+docs/design/recovery.md).
 
 Every case launches real processes under torchrun with gloo. A fault run must print the same
 `step=` loss for every iteration and the same final `state_digest` as the fault-free run of the

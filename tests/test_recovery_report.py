@@ -1,5 +1,5 @@
-"""The `recovery step=` and `recovery work` console lines (docs/design.md §5): one formatter for every strategy,
-whose bytes are a contract, and the run record's JSON object of each line, which reads back into the same
+"""The `recovery step=` and `recovery work` console lines (docs/design/output-lines.md): one formatter for every
+strategy, whose bytes are a contract, and the run record's JSON object of each line, which reads back into the same
 line."""
 
 from __future__ import annotations

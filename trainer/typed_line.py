@@ -1,4 +1,4 @@
-"""What the trainer's typed console lines share (docs/design.md §5, "Event records"): each is a frozen
+"""What the trainer's typed console lines share (docs/design/event-records.md): each is a frozen
 dataclass whose `line()` is the console line byte for byte, whose `record()` is the JSON object the run
 record keeps of it (`trainer/run/event_log.py`): its `kind`, then its fields, numbers rounded as the line
 prints them (`ROUNDED`: field -> decimals), tuples as lists; and whose `from_record(record)` is the line

@@ -1,8 +1,8 @@
 """Section 7: who holds the GIL while MoEvement snapshots every iteration on the GPU (py-spy).
 
 A launch-bound training thread takes the GIL back at every kernel launch, so snapshot work on any other
-thread makes it wait (docs/design.md §10, "A GPU's copy"). One `bench_moe` run as in section 2 is sampled
-by `py-spy record --gil --threads` (a sample is taken of the thread holding the GIL). Of the samples taken
+thread makes it wait (docs/design/sparse-checkpointing.md, "A GPU's copy"). One `bench_moe` run as in section 2 is
+sampled by `py-spy record --gil --threads` (a sample is taken of the thread holding the GIL). Of the samples taken
 while iterations run (stacks through `train.py`'s `iteration`, or any other thread's), those in snapshot
 frames (`moevement/checkpoint/`, `moevement/storage/`) are counted per thread. The check: no thread but the
 training thread holds the GIL for snapshot work (at most `OTHER_SHARE` of the iterations' samples: a stray

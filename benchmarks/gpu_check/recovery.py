@@ -5,7 +5,7 @@ One GPU hosts one rank under nccl (nccl refuses two ranks on one device), and an
 deaths under torchrun with a restart: a crash (`fault.crash`, the process exits at the start of an
 iteration) and a real SIGKILL (`fault.kill ...:snapshot`, while that iteration's snapshot is being copied
 from the GPU into pinned host memory on the side stream). The restarted process converts the persisted
-sparse checkpoint it finds in host memory (whole-job restart, docs/design.md §4) and trains on; the
+sparse checkpoint it finds in host memory (docs/design/lifecycle/start.md, "Whole-job restart") and trains on; the
 snapshot the SIGKILL cut short must be recognised as incomplete and not used. Deterministic algorithms
 (`training.deterministic`, `CUBLAS_WORKSPACE_CONFIG` set by train.py) make each faulty run's `step=` losses
 and `final ... state_digest=` line equal to the fault-free run's bit for bit, or the check fails. The

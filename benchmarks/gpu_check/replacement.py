@@ -1,7 +1,7 @@
 """Section 6: two processes sharing the one GPU run `train.py` at pp=2, rank 1 is SIGKILLed mid-run and its
 rank shell's warm standby replaces it in place; the run must end with the fault-free run's digest.
 
-The run is the trainer's own (docs/design.md §4, tests/test_real_deaths.py on CPU): torchrun with two
+The run is the trainer's own (docs/design/lifecycle/replacement.md, tests/test_real_deaths.py on CPU): torchrun with two
 workers and `--max-restarts 0` (a torchrun restart fails the run: the replacement must be in place),
 `--fault.kill 9:1:backward` (rank 1 SIGKILLs itself in the backward pass of step 9), and the same command
 without the kill as the reference. PASS needs the kill, the rank shell's `replaces it in generation 1`

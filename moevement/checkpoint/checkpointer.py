@@ -1,4 +1,4 @@
-"""MoEvement sparse checkpointing inside the training loop (docs/design.md §2).
+"""MoEvement sparse checkpointing inside the training loop (docs/design/state-and-snapshots.md).
 
 Per iteration t the loop calls `begin(t)` before the forward pass and `end(t, ...)` after the
 optimizer step; an optimizer step pre-hook sits in between:
@@ -229,8 +229,8 @@ class SparseCheckpointer:
             remove_tree(self.rank_dir, self.rank_dir.parent)
 
     def abandon(self) -> None:
-        """This rank leaves its generation (a peer died; docs/design.md §4) and its next generation builds a
-        new checkpointer over the same directory: the in-flight copy and disk writes finish, replication
+        """This rank leaves its generation (a peer died; docs/design/lifecycle/survival.md) and its next generation
+        builds a new checkpointer over the same directory: the in-flight copy and disk writes finish, replication
         ends after the rounds already submitted, committed files stay. Errors met here are the dead peer's."""
         self.in_flight.abandon()
         self.buffers.close()

@@ -1,4 +1,4 @@
-"""The hand-off of committed snapshots: commit record, replication, persistence, disk (docs/design.md §2).
+"""The hand-off of committed snapshots: commit record, replication, persistence, disk (docs/design/snapshot-path.md).
 
 A snapshot whose bytes are complete in its buffer is committed (`commit`): its commit record is written
 after the bytes, then the snapshot goes to the replicator. When every rank has replicated a window's last

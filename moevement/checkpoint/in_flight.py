@@ -1,5 +1,5 @@
 """The snapshot the running iteration takes, from its copy to its commit, and the newest committed one
-(docs/design.md §2).
+(docs/design/state-and-snapshots.md).
 
 `start` (in `begin(t)`) starts the copy of SS_t once its buffer's old window is garbage
 (`SnapshotHandoff.wait_until_reusable`): on a CPU the copy thread waits for that, copies and hashes; on a GPU

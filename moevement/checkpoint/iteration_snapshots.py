@@ -1,4 +1,4 @@
-"""When each iteration's snapshot starts, and the overlap it is planned on (docs/design.md §2, §8).
+"""When each iteration's snapshot starts, and the overlap it is planned on (docs/design/sparse-checkpointing.md).
 
 SS_t holds state_t, which is complete once iteration t-1's optimizer step is done and stays so until
 iteration t's. With `checkpoint.overlap = iteration` its copy starts right there, at the end of

@@ -1,4 +1,4 @@
-"""Window planning: which operators each iteration of a window snapshots (docs/design.md §2).
+"""Window planning: which operators each iteration of a window snapshots (docs/design/state-and-snapshots.md).
 
 At a window boundary the planner runs Algorithm 1 on the profiled iteration time and copy bandwidth,
 orders the operators by popularity (least popular experts first, non-expert operators last) and cuts the

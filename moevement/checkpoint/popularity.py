@@ -9,7 +9,7 @@ probabilities. Policies:
   capacity  routed tokens relative to the layer's mean load (the capacity of a balanced router)
   fixed     none: operators keep the model's order (the ablation of the paper's Figure 13)
 Operators are reordered when, for more than 25% of experts, the policy's share of its layer moved
-by more than 10% since the order was last set (docs/design.md §2); the caller applies the new order at
+by more than 10% since the order was last set (docs/design/state-and-snapshots.md); the caller applies the new order at
 the next window boundary.
 
 Everything stays on the statistics' device: observing an iteration and closing a window (the reorder rule

@@ -1,5 +1,5 @@
 """How large a rank's snapshot buffers grow for the windows it may plan, known before any window is planned
-(docs/design.md §8): what a start-up reserves where the plan does not depend on the profile, and what
+(docs/design/sparse-checkpointing.md): what a start-up reserves where the plan does not depend on the profile, and what
 `train.py --dry-run` prints (`trainer/run/host_estimate.py`).
 
 A snapshot's bytes are its entries', each padded to a block (`moevement.storage.snapshot.layout_of`), so a slot's

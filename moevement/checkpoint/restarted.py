@@ -1,4 +1,4 @@
-"""A restarted rank's host state (docs/design.md §4): the window it restarted from, and what earlier
+"""A restarted rank's host state (docs/design/lifecycle/start.md): the window it restarted from, and what earlier
 processes of the rank left.
 
 A restarted job keeps the window it converted as its persisted checkpoint (`adopt_window`), so that

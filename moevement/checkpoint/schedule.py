@@ -2,7 +2,7 @@
 
 Operators are ordered by ascending popularity (non-expert operators count as most popular and go
 last) and cut into `W` slots of `O_active` operators. Snapshot `SS_{t0+i}` holds the FP32 state
-of slot `i` and the compute weights of slots `> i` (docs/design.md §2), so its size is
+of slot `i` and the compute weights of slots `> i` (docs/design/state-and-snapshots.md), so its size is
 `fp32(slot i) + compute(slots > i)`.
 
 FindWindowSize picks the largest slot `O_active` for which every snapshot of the window can be

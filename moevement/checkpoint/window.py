@@ -1,4 +1,5 @@
-"""The window a rank's snapshots are taken in: its plan, its snapshots' layouts, its index (docs/design.md §2).
+"""The window a rank's snapshots are taken in: its plan, its snapshots' layouts, its index
+(docs/design/state-and-snapshots.md).
 
 Windows are numbered from 0 (a restarted job goes on from the index it adopted); a window's parity
 (`index % 2`) picks its set of buffers. At a window boundary `start` plans the next window (collective:
@@ -6,12 +7,13 @@ W is agreed across ranks) and lays out its snapshots; each of its iterations the
 (header, source tensors, buffer). A recovery drops the in-flight window (`abort`): the next window
 follows the persisted one.
 
-Buffers are never grown while a window needs them (docs/design.md §8): with `checkpoint.prefault` a planned
-window whose buffers do not yet hold its snapshots on every rank waits (`start` returns False, the iteration
-takes no snapshot) while the prefault thread grows them, and starts at the first iteration at which every
-rank's are ready (agreed with one small all-reduce). Growing the set of the other parity for the same plan
-at once readies the next window too. Without `prefault`, or for an interval baseline (whose checkpoint
-iterations are its policy's), the buffers grow at the window's start on the training thread.
+Buffers are never grown while a window needs them (docs/design/sparse-checkpointing.md): with
+`checkpoint.prefault` a planned window whose buffers do not yet hold its snapshots on every rank waits
+(`start` returns False, the iteration takes no snapshot) while the prefault thread grows them, and starts at
+the first iteration at which every rank's are ready (agreed with one small all-reduce). Growing the set of the
+other parity for the same plan at once readies the next window too. Without `prefault`, or for an interval
+baseline (whose checkpoint iterations are its policy's), the buffers grow at the window's start on the
+training thread.
 
 Training thread only.
 """

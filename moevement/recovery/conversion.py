@@ -1,4 +1,4 @@
-"""Sparse-to-dense conversion by replay with frozen and active operators (docs/design.md §3).
+"""Sparse-to-dense conversion by replay with frozen and active operators (docs/design/replay.md).
 
 `Conversion.replay(plan, stats)` re-runs iterations t0..end-1 of the stages in `plan.scope`. At
 t0+i (i < W) it loads SS_{t0+i}: slot i becomes *active* (FP32 master weights and optimizer state

@@ -1,4 +1,4 @@
-"""A survivor's live training state, kept across a torchrun restart (docs/design.md §4, real deaths).
+"""A survivor's live training state, kept across a torchrun restart (docs/design/lifecycle/torchrun-restart.md).
 
 When a worker really dies, the torchrun agent stops every other worker (SIGTERM) and starts them all
 again. A survivor notices (the signal, or a collective that fails because its peer is gone), stops at a

@@ -1,4 +1,4 @@
-"""Localized recovery (docs/design.md §4): roll back only the failed stages' data-parallel groups.
+"""Localized recovery (docs/design/recovery.md): roll back only the failed stages' data-parallel groups.
 
 At the start of iteration T every rank runs `Recovery.recover(T, events)` (failures are detected
 at iteration boundaries; injected ones are known to all ranks):

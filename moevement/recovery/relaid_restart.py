@@ -1,4 +1,5 @@
-"""The newest sparse window an elastic job can restart from in its new layout (collective; docs/design.md §4).
+"""The newest sparse window an elastic job can restart from in its new layout (collective;
+docs/design/lifecycle/elastic.md).
 
 At the first start of every torchrun round of an elastic job (`parallelism.elastic`) the world may have
 changed size. Every rank looks in its node's host memory for the job's windows: each rank directory's own

@@ -1,4 +1,4 @@
-"""One rank's part of a sparse window, re-laid from another data-parallel layout (docs/design.md §4).
+"""One rank's part of a sparse window, re-laid from another data-parallel layout (docs/design/lifecycle/elastic.md).
 
 An elastic job (`parallelism.elastic`) keeps `pp` and `ep` and changes `dp` when it comes back on fewer or
 more nodes (`parallelisms.elastic`). FSDP2 cuts dim 0 of a tensor (of a routed expert's slice: its stacked

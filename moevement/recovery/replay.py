@@ -1,4 +1,4 @@
-"""Replay with frozen and active operators (docs/design.md §3).
+"""Replay with frozen and active operators (docs/design/replay.md).
 
 Loading `SS_{t0+i}` makes slot i *active*: its FP32 master weights, buffers and optimizer state
 are restored and it trains normally. Operators of later slots are *frozen*: they hold the compute

@@ -1,4 +1,4 @@
-"""CPU threads for a replaying rank: the cores its paused neighbours leave idle (docs/design.md §4).
+"""CPU threads for a replaying rank: the cores its paused neighbours leave idle (docs/design/replay.md).
 
 During a localized recovery only the failed stages' ranks compute; the other ranks of the node
 wait in collectives. A replaying rank may then use the node's cores, shared among the node's
@@ -14,7 +14,7 @@ The extra threads wait for work as the OpenMP runtime does by default (libgomp: 
 fastest on cores the paused ranks leave idle (`benchmarks.omp_wait`); on cores shared with other jobs a
 spinning thread keeps the thread it waits for off its core: `training.omp_wait_policy = "passive"` (set
 before torch starts; it cannot change once the OpenMP runtime has started) or `fault.replay_threads 1`
-(docs/design.md §10, Threads).
+(docs/design/replay.md, "Threads").
 """
 
 from __future__ import annotations

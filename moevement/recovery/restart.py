@@ -1,5 +1,5 @@
-"""Whole-job restart (docs/design.md §4): the newest persisted sparse checkpoint of this job that every rank
-can load.
+"""Whole-job restart (docs/design/lifecycle/start.md, "Whole-job restart"): the newest persisted sparse checkpoint of
+this job that every rank can load.
 
 Runs at every start of a `moevement` job: after torchrun restarted every process, or when the same
 job is launched again (a relaunch after preemption). Each rank lists its copies of each window:

@@ -1,4 +1,4 @@
-"""Upstream logging at pipeline boundaries (docs/design.md §1.3, §4).
+"""Upstream logging at pipeline boundaries (docs/design/overview.md, docs/design/recovery.md).
 
 Every stage logs, at the sender, what it sends across a pipeline boundary, tagged
 (iteration, stage, micro-batch):

@@ -1,7 +1,7 @@
 """CPU seconds of the checkpointing activities, per process, by activity.
 
-On CPU training every second a background thread computes is taken from training (docs/design.md
-§2: on a GPU the copies ride DMA engines). `measure(activity)` adds the calling thread's CPU time
+On CPU training every second a background thread computes is taken from training (docs/design/sparse-checkpointing.md:
+on a GPU the copies ride DMA engines). `measure(activity)` adds the calling thread's CPU time
 (`time.thread_time`: running, not waiting or sleeping) spent inside it to the process's total for
 that activity; `CpuMark` reads them, with the whole process's and the training thread's CPU time
 beside them, so that what no activity accounts for (the communication library's own threads, the

@@ -2,8 +2,8 @@
 
 A launch-bound training thread takes the GIL back at every kernel launch, so any other thread's Python
 (a copy thread walking chunks, a hash call) makes it wait; the cost grows with those hand-overs, not with
-bytes (docs/design.md §2). So on a GPU the training thread issues the whole copy itself, on a side stream,
-and never waits for it on the host:
+bytes (docs/design/sparse-checkpointing.md). So on a GPU the training thread issues the whole copy itself, on a side
+stream, and never waits for it on the host:
 
 1. the side stream waits for the training stream (the work that produced `state_t`);
 2. per chunk (64 MB, or the layout's largest entry where longer: `staged_chunk_bytes`): the staging slot

@@ -1,5 +1,5 @@
 """Reusable host-memory buffers for snapshots and replicas, their commit records, and the safety of
-the directories that hold them (docs/design.md §6).
+the directories that hold them (docs/design/safety.md).
 
 On CPU a buffer is a file in a shared-memory directory (`/dev/shm/moevement-<uid>` by default),
 mapped into the process: it outlives a crashed training process, so a restarted job (or a test) can

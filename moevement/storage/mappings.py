@@ -1,4 +1,5 @@
-"""Buffer files mapped ahead of need, kept by the process across the checkpointers it builds (docs/design.md §8).
+"""Buffer files mapped ahead of need, kept by the process across the checkpointers it builds
+(docs/design/sparse-checkpointing.md).
 
 Mapping a buffer file costs page-table work for every page (`MAP_POPULATE`), and allocating a file's pages costs
 far more (the kernel zeroes them; on a virtual machine the host may fault them in too): seconds for the

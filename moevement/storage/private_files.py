@@ -1,5 +1,5 @@
 """Owner-only files and directories of host state, and JSON records written to them atomically
-(docs/design.md §6).
+(docs/design/safety.md).
 
 Safety: every directory level from the host directory down is created owner-only, and one that
 already exists is used only if it is a real directory (not a symlink) owned by this user with no

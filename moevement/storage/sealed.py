@@ -2,7 +2,7 @@
 
 Every commit record, manifest and header this program writes into host state or sends over the network is
 sealed (`{"xxh3": "<hex>", "record": ...}`), so a changed scalar, entry or identity is refused before
-anything reads it; the tensors carry hashes of their own inside the record (docs/design.md §6).
+anything reads it; the tensors carry hashes of their own inside the record (docs/design/safety.md).
 """
 
 from __future__ import annotations

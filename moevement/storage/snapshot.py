@@ -1,7 +1,7 @@
 """Snapshot `SS_t`: layout in a flat byte buffer, per-chunk checksums, reading back (the copy itself:
 `moevement.storage.snapshot_copy`).
 
-`SS_t` (docs/design.md §2) is taken of `state_t` during iteration t and holds, for slot `i = t - t0`,
+`SS_t` (docs/design/state-and-snapshots.md) is taken of `state_t` during iteration t and holds, for slot `i = t - t0`,
 the FP32 master weights, buffers and optimizer state (with step counters) of the slot's operators
 ("master" entries) and the compute weights of the operators of later slots ("compute" entries,
 cast to the compute dtype while copying), plus the iteration's metadata. The header is

@@ -16,7 +16,7 @@ Every word position has its own pair of keys, so swapped words and moved blocks 
 a flip of a word's top bit (which any odd multiplier maps to 2^63) change its low bits too, so two such
 flips do not cancel; a change of one word alone never cancels (odd keys are invertible modulo 2^64).
 Like XXH3, it detects corruption, not forgery: the sealed records and owner-only directories keep writers
-out (docs/design.md §6).
+out (docs/design/safety.md).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""The dense checkpoints' console lines (docs/design.md §5), typed: where a run starts (loaded, a fresh start,
+"""The dense checkpoints' console lines (docs/design/output-lines.md), typed: where a run starts (loaded, a fresh start,
 a fallback past a damaged checkpoint, another config's checkpoint loaded on purpose) and what its periodic
 saves did (saved, not saved and why, pruned, not pruned), and the end of run's `checkpoint.save_final`.
 
 Each is a `TypedLine` (trainer/typed_line.py): `line()` is the console line byte for byte (every one starts
-`checkpoint: `, but `saved checkpoint step=`, the format §5 fixes for `save_final`), `record()` the JSON
+`checkpoint: `, but `saved checkpoint step=`, the format output-lines.md fixes for `save_final`), `record()` the JSON
 object the run record keeps of it (`trainer/run/event_log.py`), numbers rounded as the line prints them, and
 `from_record(record).line()` is the printed line again. They are printed through a `say(event)` callable
 (`MetricsLogger.line` on rank 0), from the training thread or, for a periodic save, from the rank's background
@@ -169,7 +169,7 @@ class CheckpointNotPruned(TypedLine):
 @dataclass(frozen=True)
 class FinalCheckpointSaved(TypedLine):
     """`saved checkpoint step=<n> dir=<dir>`: the checkpoint `checkpoint.save_final` asked for is published
-    (after the `final` line: docs/design.md §5)."""
+    (after the `final` line: docs/design/output-lines.md)."""
 
     KIND: ClassVar[str] = "checkpoint_final_saved"
 

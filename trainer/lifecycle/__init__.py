@@ -1,6 +1,6 @@
 """A process's life: how a trainer starts, what it does when a peer dies, and how it ends.
 
-Start here to follow a death (docs/design.md §4, "One home for a process's life"). Every decision is a
+Start here to follow a death (docs/design/lifecycle/README.md, "One home for a process's life"). Every decision is a
 table in `verdict.py`; the other modules gather facts and carry verdicts out:
 
 - `entry.py`: what `train.py` is (a rank shell, a standby, the trainer), decided before and after the

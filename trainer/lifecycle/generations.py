@@ -1,6 +1,6 @@
 """A trainer process's generations: it trains in one and, after a peer's death replaced in place, goes on
-in the next, in this same process (docs/design.md §4). Here the facts of a failure are gathered, the verdict
-is taken (`trainer/lifecycle/verdict.py`) and carried out; nothing else decides.
+in the next, in this same process (docs/design/lifecycle/survival.md). Here the facts of a failure are gathered, the
+verdict is taken (`trainer/lifecycle/verdict.py`) and carried out; nothing else decides.
 
 Two places meet a failure: the training loop (`after_training_failure`, where the stop guard knows which
 state the rank holds) and the rest of a generation, its start and its finish (`train_generations`).

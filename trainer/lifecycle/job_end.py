@@ -1,4 +1,4 @@
-"""The job's end, a state of the whole job like a generation (docs/design.md §4, in-place replacement 7).
+"""The job's end, a state of the whole job like a generation (docs/design/lifecycle/job-end.md).
 
 Once rank 0 holds the final state digest and the dense checkpoint asked for (`checkpoint.save_final`) is
 published, the job has *finished*: a death after that is nothing to recover. Two records on torchrun's store

@@ -1,5 +1,5 @@
-"""Which nodes of a torchrun job are still there: a lost node told apart from a worker's death (docs/design.md
-§4, in-place replacement).
+"""Which nodes of a torchrun job are still there: a lost node told apart from a worker's death
+(docs/design/lifecycle/replacement.md, "A lost node").
 
 A dead worker is replaced in place by its slot's standby; a lost node takes every slot it held, standbys
 included, and no replacement comes. Without this, the survivors would wait for them as long as a later

@@ -1,6 +1,6 @@
 """The rank shell: what torchrun starts in each slot, so a dead worker is replaced without torchrun noticing.
 
-torchrun restarts every worker of the job when one dies (docs/design.md §4). Under torchrun, with a
+torchrun restarts every worker of the job when one dies (docs/design/lifecycle/replacement.md). Under torchrun, with a
 checkpoint strategy (not "none"), `fault.max_replacements` > 0 and more than one worker, `train.py`
 therefore starts as this thin parent, which imports no torch and never touches a GPU. It runs the trainer
 as its child and keeps one warm standby child: a second `train.py` with the interpreter started, waiting on

@@ -1,4 +1,4 @@
-"""A rank shell's `shell:` lines (docs/design.md §5), typed: what happened to its trainer or its standby, and
+"""A rank shell's `shell:` lines (docs/design/output-lines.md), typed: what happened to its trainer or its standby, and
 the line a shell's child prints when it ends a shell that stopped beating.
 
 `line()` is the console line byte for byte; `record()` is the JSON object the run record keeps of it

@@ -1,4 +1,5 @@
-"""The rank shell's own heartbeat, which its children watch (docs/design.md §4, in-place replacement).
+"""The rank shell's own heartbeat, which its children watch (docs/design/lifecycle/detection.md, "The shell's own
+heartbeat").
 
 A trainer says `alive` to its shell every second, and a shell ends a trainer silent for longer than the
 hang bound (`fault.heartbeat_timeout_s`, or a shorter `fault.timeout_s`: `verdict.hang_bound`;

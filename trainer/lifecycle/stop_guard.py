@@ -1,4 +1,4 @@
-"""Where SIGTERM may stop a rank, and which state the rank then holds (docs/design.md §4, real deaths).
+"""Where SIGTERM may stop a rank, and which state the rank then holds (docs/design/lifecycle/step.md).
 
 - while an iteration computes (forward, backward, gradient reduction, the gradient-norm all-reduce) its
   weights and optimizer state are still `state_T`: SIGTERM stops it at once (`WorkerStopped`);

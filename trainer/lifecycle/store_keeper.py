@@ -1,5 +1,5 @@
 """The workers' store of a torchrun round, kept by rank 0's shell where every round's workers have a store of
-their own (docs/design.md §4, in-place replacement).
+their own (docs/design/lifecycle/elastic.md).
 
 With `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` (which an elastic job needs to grow back: docs/guide.md)
 torchrun's workers do not use their agent's store; rank 0 hosts one for the round (`dist.rendezvous`

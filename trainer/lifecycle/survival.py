@@ -1,4 +1,5 @@
-"""What a survivor keeps when another worker really dies, and where (docs/design.md §4, real deaths).
+"""What a survivor keeps when another worker really dies, and where (docs/design/lifecycle/survival.md,
+docs/design/lifecycle/torchrun-restart.md).
 
 The verdict (`verdict.decide`) says which of these runs: `survive_in_place` keeps the state in memory for
 the next in-place generation; `keep_state_and_exit` writes it to host memory for torchrun's restart of every

@@ -1,4 +1,4 @@
-"""A surviving rank's lines after a peer's death (docs/design.md §5), typed: what it kept and where it goes.
+"""A surviving rank's lines after a peer's death (docs/design/output-lines.md), typed: what it kept and where it goes.
 
 `line()` is the console line byte for byte; `record()` is the JSON object the run record keeps of it
 (`trainer/run/event_log.py`), `from_record(record).line()` the printed line again. Imports no torch.

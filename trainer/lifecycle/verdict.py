@@ -1,7 +1,7 @@
-"""Every decision of a process's life around a death, as four tables (docs/design.md §4, lifecycle):
+"""Every decision of a process's life around a death, as four tables (docs/design/lifecycle/README.md):
 
 - `decide`: what a trainer does once an exception ended its work (below);
-- `on_sigterm`: what SIGTERM does in each phase of the stop guard (`trainer/lifecycle/survival.py`);
+- `on_sigterm`: what SIGTERM does in each phase of the stop guard (`trainer/lifecycle/stop_guard.py`);
 - `after_child_exit`: what a rank shell does when its trainer child ends (`trainer/lifecycle/rank_shell.py`),
   `a_frozen_child`: when it ends a trainer that stopped saying anything, and `a_silent_shell`: when a shell's
   child ends the shell that stopped beating (`trainer/lifecycle/shell_watch.py`);

@@ -1,4 +1,4 @@
-"""The `accounting` line at the end of a run (docs/design.md §5), typed: the run's time and work, by cause.
+"""The `accounting` line at the end of a run (docs/design/accounting.md), typed: the run's time and work, by cause.
 
     accounting wall_s=<x> iterations=<n> productive_s=<x> recompute_s=<x> recovery_s=<x> detect_s=<x>
         failures=<n> recomputed=<n> tokens_per_s=<x> lost_tokens=<n> host_mb=<f1> log_mb=<f1>

@@ -1,4 +1,4 @@
-"""The trainer's own event lines (docs/design.md §5), typed: `step=...` after each iteration, `validation
+"""The trainer's own event lines (docs/design/output-lines.md), typed: `step=...` after each iteration, `validation
 step=...`, `elastic: ...` when an elastic job fits its layout, `fault: ...` when an injected death strikes and
 `final step=...` at the end of a run. `line()` is the console line byte for byte; `record()` is the JSON
 object the run record keeps of it (`trainer/run/event_log.py`), numbers rounded as the line prints them, and
@@ -48,7 +48,7 @@ class FaultStrike(TypedLine):
 @dataclass(frozen=True)
 class FinalLine(TypedLine):
     """The last line of a run, `final step=<n> loss=<f> state_digest=<sha256>` (`<f>` with 6 decimals): the
-    last iteration, its loss and the digest of the whole training state (docs/design.md §5)."""
+    last iteration, its loss and the digest of the whole training state (docs/design/output-lines.md)."""
 
     KIND: ClassVar[str] = "final"
     ROUNDED: ClassVar[dict[str, int]] = {"loss": 6}

@@ -1,5 +1,5 @@
 """A run's events as records: `<run folder>/events.jsonl`, the truth the console lines are a view of
-(docs/design.md §5, "Event records").
+(docs/design/event-records.md).
 
 Every line a user or a tool reads is one JSON object on one line of this file, written from the same typed
 object that prints the line (`record()`, with its `"kind"`; `from_record(record).line()` is the printed line

@@ -1,4 +1,4 @@
-"""What a rank shell's warm standby builds before its activation (docs/design.md §4, in-place replacement).
+"""What a rank shell's warm standby builds before its activation (docs/design/lifecycle/replacement.md).
 
 A standby knows the rank it will become (its slot's `RANK`), the world torchrun started (`WORLD_SIZE`) and
 the job's config (the same command line); it cannot know the generation it will join nor the dead rank's
