@@ -1,1 +1,2 @@
-"""A run's life: start plan, rank shell, survival of real deaths, fault injection, metrics and records."""
+"""A run's wiring, estimates and records: the strategy factory, memory estimates, fault injection, metrics, event
+records and accounting (a process's life around a death is `trainer/lifecycle/`)."""
