@@ -19,6 +19,7 @@ import subprocess
 import tokenize
 from functools import cache
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("models", "parallelisms", "moevement", "baselines", "simulator", "trainer", "eval", "benchmarks", "tests")
@@ -64,13 +65,36 @@ def plain(heading: str) -> str:
     return heading.replace("`", "").replace("*", "")
 
 
+class Listing(NamedTuple):
+    """A tree's files, their folders and its top-level names."""
+
+    files: frozenset[str]
+    folders: frozenset[str]
+    top: frozenset[str]
+
+    @classmethod
+    def of(cls, files) -> Listing:
+        files = frozenset(files)
+        folders = frozenset(str(parent) for f in files for parent in Path(f).parents)
+        return cls(files, folders, frozenset(f.split("/")[0] for f in files))
+
+
+@cache
+def repo_listing() -> Listing:
+    return Listing.of(tracked_files())
+
+
+def listing(root: Path) -> Listing:
+    """The repository's listing, or a scratch tree's as it is now."""
+    return repo_listing() if root == ROOT else Listing.of(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
 def resolve(path: str, citing: str, root: Path) -> str | None:
     """The repo-relative file or folder `path` names, cited from `citing` (repo-relative), or None.
 
     A path is taken as written, then under the citing file's folders, then under a project package; a path
     that starts with no top-level name (`storage/snapshot.py`, `verdict.py`) may name any file it ends."""
-    files = tracked_files() if root == ROOT else tuple(str(p.relative_to(root)) for p in root.rglob("*"))
-    folders = {str(Path(f).parent) for f in files}
+    tree = listing(root)
     path = path.removeprefix("./").rstrip("/")
     candidates = [path]
     folder = Path(citing).parent
@@ -78,9 +102,9 @@ def resolve(path: str, citing: str, root: Path) -> str | None:
         candidates.append(str(folder / path))
         folder = folder.parent
     candidates += [f"{package}/{path}" for package in PACKAGES]
-    found = next((c for c in candidates if c in files or c in folders), None)
-    if found is None and path.split("/")[0] not in {f.split("/")[0] for f in files}:
-        found = next((f for f in files if f.endswith("/" + path)), None)
+    found = next((c for c in candidates if c in tree.files or c in tree.folders), None)
+    if found is None and path.split("/")[0] not in tree.top:
+        found = next((f for f in sorted(tree.files) if f.endswith("/" + path)), None)
     return found
 
 
@@ -91,11 +115,7 @@ def cited_in_repo(path: str, root: Path) -> bool:
     first = path.split("/")[0]
     if path.startswith("../") or first in {"torch", "transformers", "lm_eval", "datasets", "numpy"}:
         return False
-    top = {
-        f.split("/")[0]
-        for f in (tracked_files() if root == ROOT else (str(p.relative_to(root)) for p in root.rglob("*")))
-    }
-    if "/" in path and first in top:
+    if "/" in path and first in listing(root).top:
         return True
     return path.endswith(".py") or ("/" in path and path.endswith(".md"))
 
