@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from models import ModelArgs, build_model
+from moevement.checkpoint.binding import CheckpointedModel, CheckpointerPlace
 from moevement.checkpoint.checkpointer import SparseCheckpointer
 from moevement.checkpoint.options import SparseOptions
 from moevement.operators import Operator
@@ -69,18 +70,9 @@ def tiny_engine(
     torch.manual_seed(0)
     model = build_model(ModelArgs(**ARGS))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
-    engine = SparseCheckpointer(
-        options(**opts),
-        model,
-        optimizer,
-        stacked=stacked_operators(model),
-        compute_dtype=compute_dtype,
-        device=torch.device("cpu"),
-        rank_dir=rank_dir,
-        topology=topology or Topology.single(),
-        rank_dirs=rank_dirs,
-        job_meta=job_meta,
-    )
+    state = CheckpointedModel(model, optimizer, compute_dtype, torch.device("cpu"), stacked_operators(model))
+    place = CheckpointerPlace(topology or Topology.single(), rank_dir, job_meta, rank_dirs)
+    engine = SparseCheckpointer(options(**opts), state, place)
     engine.buffers.staged = staged
     return model, optimizer, engine
 

@@ -57,13 +57,19 @@ def fetch_from_replicas(ck: SparseCheckpointer, failed: set[int], window: int) -
             raise RecoveryError(f"rank {f}: no intact replica of its persisted checkpoint on peers {holders}")
     if me in failed:
         ck.persisted.restored()
-    for h in sorted(failed):  # every rank holds its own snapshots again: re-send the lost replicas
+    _reprotect(ck, failed, window)
+    return sources
+
+
+def _reprotect(ck: SparseCheckpointer, failed: set[int], window: int) -> None:
+    """Every rank holds its own snapshots again: the failed ranks get back the replicas they held for others."""
+    me, world = dist.get_rank(), dist.get_world_size()
+    for h in sorted(failed):
         for src in (s for s in range(world) if h in ck.replica_holders(s)):
             if me == src:
                 _send(ck, h, window, ck.persisted.snapshot_buffer)
             elif me == h:
                 _receive(ck, src, window, lambda slot, src=src: ck.persisted.replica_buffer(src, slot), f"rank {src}")
-    return sources
 
 
 def _local_copy_intact(ck: SparseCheckpointer, window: int) -> bool:
