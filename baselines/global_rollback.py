@@ -266,7 +266,7 @@ class GlobalRollback:
 
     def _memory_saves(self, failed: set[int]) -> Rollback:
         """Gemini: the newest replicated dense checkpoint in host memory (failed ranks fetch theirs)."""
-        if self.ck.persisted.window is None:
+        if self.ck.persisted.span is None:
             return NOTHING_SAVED
         sources = fetch_from_replicas(self.ck, failed, 1)
         return Rollback(

@@ -147,8 +147,8 @@ def differences(ops: list[Operator], optimizer, reference: dict[str, torch.Tenso
 
 def frozen_by_iteration(engine: SparseCheckpointer) -> dict[int, set[str]]:
     """{t0 + i: the operators frozen at t0 + i} for the slots i of the persisted window."""
-    t0, window = engine.persisted.rollback_point(), engine.persisted.window[1] if engine.persisted.window else 0
-    return {t0 + i: set(engine.persisted.snapshot(i)[0].frozen) for i in range(window)}
+    t0, window_size = engine.persisted.rollback_point(), engine.persisted.span.size if engine.persisted.span else 0
+    return {t0 + i: set(engine.persisted.snapshot(i)[0].frozen) for i in range(window_size)}
 
 
 def recording_hooks(run: Run, frozen: dict[int, set[str]], seen: dict[int, list[str]]) -> TrainerHooks:

@@ -106,16 +106,16 @@ class SparseCheckpointer:
         self.handoff = SnapshotHandoff(
             cfg, topology, self.persisted, self.replicas, place.rank_dirs, place.group_timeout_s, disk_keep
         )
-        self.window = CurrentWindow(
+        self.current_window = CurrentWindow(
             self.planner, self.buffers, self.rank_dir, topology.rank, self.job_meta, prefault=cfg.prefault
         )
         profile = self.planner.profile
         self.in_flight = SnapshotInFlight(
             self.buffers, self.handoff, profile.throttle, self.job_meta, profile.record_copy
         )
-        self.stats = IterationSnapshots(cfg, self.planner, self.window, self.in_flight)
+        self.stats = IterationSnapshots(cfg, self.planner, self.current_window, self.in_flight)
         if cfg.prefault:
-            self.window.reserve_at_start_up()
+            self.current_window.reserve_at_start_up()
         state.optimizer.register_step_pre_hook(lambda _optimizer, _args, _kwargs: self.stats.before_step())
 
     @property
@@ -188,7 +188,7 @@ class SparseCheckpointer:
         in_flight = (persisted + 1) % 2
         self.buffers.invalidate(in_flight)
         self.replicas.invalidate(in_flight)
-        self.window.abort(persisted)
+        self.current_window.abort(persisted)
 
     def wipe(self) -> None:
         """This rank failed: its snapshots and the replicas it holds for peers become unreadable to it (zeroed,
@@ -241,7 +241,7 @@ class SparseCheckpointer:
         """A restarted job keeps the window it restarted from as its persisted checkpoint (collective): every
         rank writes its snapshots into its buffers as window `window_index` and replicates them like a window
         just taken; on return the window is persisted everywhere (it is not written to disk again)."""
-        self.window.index = window_index
+        self.current_window.index = window_index
         adopt_window(self.buffers, self.handoff, window_index, snapshots)
 
     def drop_leftovers(self) -> None:
