@@ -39,7 +39,7 @@ from parallelisms import collectives
 from parallelisms.distributed import device_type, init_distributed, workers_share_agent_store
 from parallelisms.elastic import fitting_worlds
 from parallelisms.mesh import ParallelDims, build_mesh
-from parallelisms.parallelize import MaterializedStages, ModelParts, parallelize
+from parallelisms.parallelize import BuildOptions, MaterializedStages, ModelParts, parallelize
 from trainer.allocator import reuse_freed_host_memory
 from trainer.checkpoint.dense import check_save_target, save_dense
 from trainer.checkpoint.events import FinalCheckpointSaved
@@ -101,20 +101,17 @@ def build_training(cfg: Config, dims: ParallelDims, stages: MaterializedStages |
     `stages`: its stage modules as a warm standby materialised them (None: built here)."""
     t = cfg.training
     micro_batch_shape = (t.batch_size // (t.micro_batches * cfg.parallelism.dp), t.seq_len)
-    model = parallelize(
-        cfg.model,
-        dims,
-        cfg.job.seed,
-        t.mixed_precision,
-        micro_batch_shape,
-        t.micro_batches,
-        dims.device,
-        t.cpu_bf16_gemm,
-        t.loss_chunk_tokens,
-        t.activation_checkpoint,
-        t.compile,
-        stages,
+    opts = BuildOptions(
+        seed=cfg.job.seed,
+        micro_batch_shape=micro_batch_shape,
+        micro_batches=t.micro_batches,
+        mixed_precision=t.mixed_precision,
+        cpu_bf16_gemm=t.cpu_bf16_gemm,
+        loss_chunk_tokens=t.loss_chunk_tokens,
+        activation_checkpoint=t.activation_checkpoint,
+        compile_blocks=t.compile,
     )
+    model = parallelize(cfg.model, dims, opts, stages)
     # A pipeline schedule divides all gradients by the micro-batch count itself.
     set_aux_grad_scale(model.view, 1.0 if model.schedule is not None else 1.0 / t.micro_batches)
     return model, build_optimizer(model.view, t)

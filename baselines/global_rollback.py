@@ -24,9 +24,10 @@ accounting (`MocState.checkpointed`), so the stale restore loses the same tokens
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -102,6 +103,20 @@ class MocState:
             self.lost.processed, self.lost_tokens = newest["processed"], newest["lost_tokens"]
             self.selector.k, self.selector.cursor = newest["k"], newest["cursor"]
 
+    def rolled_back(self, rollback_to: int, saved_at: dict[str, int]) -> dict:
+        """Every rank rolled back to `rollback_to`, each operator restored from its save at `saved_at[name]`: the
+        tokens whose expert updates the stale restore lost; K_pec doubles when PLT passes the threshold.
+        Returns the recovery line's `lost_tokens`, `plt` and `k_pec`. Collective."""
+        lost, processed = self.lost.account(rollback_to, saved_at)
+        counts = torch.tensor([lost, processed] if self.count_tokens else [0.0, 0.0], dtype=torch.float64)
+        collectives.all_reduce(counts)
+        self.lost_tokens += float(counts[0])
+        self.last_checkpoint = rollback_to  # the next checkpoint counts the tokens routed from here
+        self.plt = self.lost_tokens / float(counts[1]) if counts[1] > 0 else 0.0  # over the run so far
+        if self.plt > self.plt_threshold:
+            self.selector.double()
+        return {"lost_tokens": float(counts[0]), "plt": self.plt, "k_pec": self.selector.k}
+
 
 @dataclass
 class RestartState:
@@ -113,21 +128,47 @@ class RestartState:
     fault: ShellFault | None = None  # a replacement in place: the fault it replaces, as its rank shell saw it
 
 
+class Rollback(NamedTuple):
+    """Where every rank rolls back to (`to`, an iteration; 1: the initial state), the saves this rank restores
+    (newest first) and where they came from (`source`, for the recovery line)."""
+
+    to: int
+    saves: Sequence  # (header, tensors) pairs
+    source: str
+
+
+NOTHING_SAVED = Rollback(1, (), "none (initial state)")
+
+
+class Timing(NamedTuple):
+    """A recovery's figures for its line: `seconds()` (its time so far, read when the line is printed), the
+    seconds spent finding its checkpoint (`fetched`) and from the fault to its detection (`detect`, 0 for an
+    injected failure)."""
+
+    seconds: Callable[[], float]
+    fetched: float
+    detect: float | None = 0.0
+
+
 class GlobalRollback:
+    """Rolls every rank back to the newest complete checkpoint of `checkpointer` (on disk under its
+    `persist_dir` for checkfreq and moc): `recover` in place, `restart` after a torchrun restart (module
+    docstring). `initial_parameters()`: the seed's initial parameters, for operators never saved."""
+
     def __init__(
         self,
         strategy: str,
         checkpointer: SparseCheckpointer,
         policy: IntervalPolicy,
-        persist_dir: Path | None,
-        optimizer,
         n_stages: int,
         initial_parameters: Callable[[], dict],
         line: Callable[[str | RecoveryReport], None],
         moc: MocState | None = None,
     ):
-        self.strategy, self.ck, self.policy, self.persist_dir = strategy, checkpointer, policy, persist_dir
-        self.optimizer, self.n_stages = optimizer, n_stages
+        self.strategy, self.ck, self.policy = strategy, checkpointer, policy
+        persist_dir = checkpointer.cfg.persist_dir
+        self.persist_dir = Path(persist_dir) if persist_dir else None
+        self.optimizer, self.n_stages = checkpointer.optimizer, n_stages
         self.initial_parameters, self.line, self.moc = initial_parameters, line, moc
         self.me, self.world = dist.get_rank(), dist.get_world_size()
         self.figures: RecoveryFigures | None = None  # of the newest recovery or restart (the loop reads them)
@@ -142,14 +183,14 @@ class GlobalRollback:
         if self.me in failed:
             wipe_operators(self.ck.ops, self.optimizer)
             self.ck.wipe()
-        rollback_to, saves, source = self._disk_saves() if self.from_disk else self._memory_saves(failed)
+        rollback = self._disk_saves() if self.from_disk else self._memory_saves(failed)
         fetched = time.perf_counter() - started
-        saved_at = self._restore(saves)
-        lost = self._account_lost_tokens(rollback_to, saved_at) if self.moc else {}
-        self.policy.rolled_back(rollback_to)
-        seconds = lambda: time.perf_counter() - started  # noqa: E731
-        self._report(step, failed, rollback_to, seconds, fetched, source, lost, fault_step=step)
-        return rollback_to
+        saved_at = self._restore(rollback.saves)
+        lost = self.moc.rolled_back(rollback.to, saved_at) if self.moc else {}
+        self.policy.rolled_back(rollback.to)
+        timing = Timing(lambda: time.perf_counter() - started, fetched)
+        self._report(step, failed, rollback, timing, lost, fault_step=step)
+        return rollback.to
 
     def restart(self, state: RestartState) -> int:
         """After a torchrun restart of this run: every rank rolls back to the newest complete checkpoint
@@ -161,67 +202,60 @@ class GlobalRollback:
         kept: list[Survival | None] = [k for k, _ in gathered]
         dead = {r for r, k in enumerate(kept) if k is None}
         if state.host is not None:
-            rollback_to, saves, source = state.host.window_start, state.host.snapshots, state.host.sources[self.me]
+            rollback = Rollback(state.host.window_start, state.host.snapshots, state.host.sources[self.me])
         elif self.from_disk:
-            rollback_to, saves, source = self._disk_restart(state.check)
+            rollback = self._disk_restart(state.check)
         else:
-            rollback_to, saves, source = 1, [], "none (initial state)"
+            rollback = NOTHING_SAVED
         fetched = time.perf_counter() - started + (state.host.seconds if state.host else 0.0)
-        if rollback_to == 1:
+        if rollback.to == 1:
             self.line(
                 f"restart: no complete {self.strategy} checkpoint of this run survives on every rank; "
                 "STARTING FROM THE INITIAL STATE"
             )
-        saved_at = self._restore(saves)
+        saved_at = self._restore(rollback.saves)
         lost = {}
         if self.moc:
-            self.moc.resumed([header for header, _ in saves])
-            lost = self._account_lost_tokens(rollback_to, saved_at)
-        self.policy.rolled_back(rollback_to)
+            self.moc.resumed([header for header, _ in rollback.saves])
+            lost = self.moc.rolled_back(rollback.to, saved_at)
+        self.policy.rolled_back(rollback.to)
         survivors = [k for k in kept if k]
-        step = max((k.next_iteration for k in survivors), default=rollback_to)
+        step = max((k.next_iteration for k in survivors), default=rollback.to)
         detected = min((k.detected.get("time", time.time()) for k in survivors), default=None)
         seconds = (lambda: time.time() - detected) if detected else (lambda: time.perf_counter() - started)
         faults = [fault for _, fault in gathered]
-        detect = detect_seconds(detected, faults)
-        self._report(
-            step, dead, rollback_to, seconds, fetched, source, lost, restart="global", detect=detect,
-            fault_step=fault_step(faults),
-        )  # fmt: skip
-        return rollback_to
+        timing = Timing(seconds, fetched, detect_seconds(detected, faults))
+        self._report(step, dead, rollback, timing, lost, restart="global", fault_step=fault_step(faults))
+        return rollback.to
 
     def _report(
         self,
         step: int,
         failed: set[int],
-        rollback_to: int,
-        seconds: Callable[[], float],
-        fetched: float,
-        source: str,
+        rollback: Rollback,
+        timing: Timing,
         lost: dict,
         restart: str | None = None,
-        detect: float | None = 0.0,
         fault_step: int | None = None,
     ) -> None:
-        """Rank 0 prints (and records) the `recovery` line (`seconds()`: the time it took; `lost`: MoC's `lost_tokens`,
-        `plt` and `k_pec`; `restart`: how the job restarted, if it did; `detect`: the seconds from the fault to its
-        detection, 0 for an injected failure; `fault_step`: the iteration it struck in); `source`: where this rank's
-        checkpoint came from (the failed ranks' sources are named). Collective."""
+        """Rank 0 prints (and records) the `recovery` line (`lost`: MoC's `lost_tokens`, `plt` and `k_pec`;
+        `restart`: how the job restarted, if it did; `fault_step`: the iteration the fault struck in); the failed
+        ranks' `rollback.source`s are named. Collective."""
         sources: list = [None] * self.world
-        collectives.all_gather_object(sources, source)
+        collectives.all_gather_object(sources, rollback.source)
         report = RecoveryReport(
             step=step,
             ranks=tuple(sorted(failed)),
             scope=tuple(range(self.n_stages)),
-            rollback_to=rollback_to,
-            replayed=step - rollback_to,
-            seconds=seconds(),
-            fetch=fetched,
+            rollback_to=rollback.to,
+            replayed=step - rollback.to,
+            seconds=timing.seconds(),
+            fetch=timing.fetched,
             convert=0.0,
             restart=restart,
             strategy=self.strategy,
             snapshots_from=tuple(f"rank{r}: {sources[r]}" for r in sorted(failed)),
-            detect=detect,
+            detect=timing.detect,
             fault_step=fault_step,
             **lost,
         )
@@ -230,18 +264,18 @@ class GlobalRollback:
 
     # ---- where the checkpoint comes from ------------------------------------------------------------
 
-    def _memory_saves(self, failed: set[int]) -> tuple[int, list, str]:
+    def _memory_saves(self, failed: set[int]) -> Rollback:
         """Gemini: the newest replicated dense checkpoint in host memory (failed ranks fetch theirs)."""
-        if self.ck.persisted.window is None:
-            return 1, [], "none (initial state)"
+        if self.ck.persisted.span is None:
+            return NOTHING_SAVED
         sources = fetch_from_replicas(self.ck, failed, 1)
-        return (
+        return Rollback(
             self.ck.persisted.rollback_point(),
             [self.ck.persisted.snapshot(0, verify=True)],
             f"replica on {sources[self.me]}" if self.me in sources else "local host memory",
         )
 
-    def _disk_saves(self) -> tuple[int, list, str]:
+    def _disk_saves(self) -> Rollback:
         """CheckFreq and MoC: the newest checkpoint on disk that every rank completed, and older ones (newest first)."""
         root = self.persist_dir
         mine = {
@@ -250,13 +284,13 @@ class GlobalRollback:
         }
         newest = self._newest_common(mine)
         if newest is None:
-            return 1, [], "none (initial state)"
+            return NOTHING_SAVED
         saves = [
             snapshot for start in sorted(mine, reverse=True) if start <= newest for snapshot in read_window(mine[start])
         ]
-        return newest, saves, f"disk {root}"
+        return Rollback(newest, saves, f"disk {root}")
 
-    def _disk_restart(self, check: CheckHeader) -> tuple[int, list, str]:
+    def _disk_restart(self, check: CheckHeader) -> Rollback:
         """After a restart: as `_disk_saves`, over this rank's windows that are intact and of this run.
         One that is not is refused (one line) and removed, and so are the windows newer than the one
         restored (training writes them again): a later `_disk_saves` meets none of them. A window
@@ -273,9 +307,9 @@ class GlobalRollback:
         newest = self._newest_common(loaded)
         drop_newer_disk_windows(self.me, root, newest or 0)
         if newest is None:
-            return 1, [], "none (initial state)"
+            return NOTHING_SAVED
         saves = [snapshot for start in sorted(loaded, reverse=True) if start <= newest for snapshot in loaded[start]]
-        return newest, saves, f"disk {root}"
+        return Rollback(newest, saves, f"disk {root}")
 
     def _checked_window(self, directory: Path, check: CheckHeader) -> list:
         """A disk window's snapshots, checksums verified, refused unless they are this run's and this rank's."""
@@ -297,7 +331,7 @@ class GlobalRollback:
 
     # ---- restoring operators ------------------------------------------------------------------------
 
-    def _restore(self, saves: list) -> dict[str, int]:
+    def _restore(self, saves: Sequence) -> dict[str, int]:
         """Load each operator from its newest save (`saves` newest first); returns {operator: iteration}."""
         saved_at: dict[str, int] = {}
         for header, tensors in saves:
@@ -309,17 +343,3 @@ class GlobalRollback:
         if never:
             reset_to_initial(never, self.optimizer, self.initial_parameters())
         return saved_at
-
-    def _account_lost_tokens(self, rollback_to: int, saved_at: dict[str, int]) -> dict:
-        """MoC: tokens whose expert updates the stale restore lost; K_pec doubles when PLT passes the threshold.
-        Returns the recovery line's `lost_tokens`, `plt` and `k_pec`."""
-        moc = self.moc
-        lost, processed = moc.lost.account(rollback_to, saved_at)
-        counts = torch.tensor([lost, processed] if moc.count_tokens else [0.0, 0.0], dtype=torch.float64)
-        collectives.all_reduce(counts)
-        moc.lost_tokens += float(counts[0])
-        moc.last_checkpoint = rollback_to  # the next checkpoint counts the tokens routed from here
-        moc.plt = moc.lost_tokens / float(counts[1]) if counts[1] > 0 else 0.0  # over the run so far
-        if moc.plt > moc.plt_threshold:
-            moc.selector.double()
-        return {"lost_tokens": float(counts[0]), "plt": moc.plt, "k_pec": moc.selector.k}

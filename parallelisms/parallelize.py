@@ -103,56 +103,60 @@ def materialize_stages(
     return MaterializedStages(stage_ids, parts, pp_rank, ep_rank, device, torch.get_rng_state())
 
 
-def parallelize(
-    args: ModelArgs,
-    dims: ParallelDims,
-    seed: int,
-    mixed_precision: str,
-    micro_batch_shape: tuple[int, int],
-    micro_batches: int,
-    device: torch.device,
-    cpu_bf16_gemm: str = "auto",
-    loss_chunk_tokens: int = 0,
-    activation_checkpoint: str = "none",
-    compile_blocks: bool = False,
-    stages: MaterializedStages | None = None,
-) -> ModelParts:
-    """Build this rank's parts of the model described by `args` in the layout `dims`.
+@dataclass(frozen=True)
+class BuildOptions:
+    """How `parallelize` builds a rank's parts: the training config's model-building keys.
 
     `cpu_bf16_gemm` (auto | native | fp32): how bf16 products run on CPU (`parallelisms.precision`).
     `loss_chunk_tokens` > 0: the last stage returns normalised hidden states and its loss forms the logits
     that many tokens at a time (`Transformer.loss`).
     `activation_checkpoint` (none | full | selective): which blocks recompute their forward in backward
     (`parallelisms.activation_checkpoint`); `compile_blocks`: torch.compile the blocks' dense parts
-    (`parallelisms.compile`). `stages`: this rank's stages as `materialize_stages` built them for the same
-    arguments (the CPU generator is then left in the state their initialisation left it in, as if built
-    here); None: built here."""
-    cfg = dims.cfg
+    (`parallelisms.compile`)."""
+
+    seed: int
+    micro_batch_shape: tuple[int, int]  # (sequences, tokens) of one micro-batch on one data-parallel rank
+    micro_batches: int
+    mixed_precision: str = "fp32"
+    cpu_bf16_gemm: str = "auto"
+    loss_chunk_tokens: int = 0
+    activation_checkpoint: str = "none"
+    compile_blocks: bool = False
+
+
+def parallelize(
+    args: ModelArgs, dims: ParallelDims, opts: BuildOptions, stages: MaterializedStages | None = None
+) -> ModelParts:
+    """Build this rank's parts of the model described by `args` in the layout `dims` (on `dims.device`), as
+    `opts` says. `stages`: this rank's stages as `materialize_stages` built them for the same arguments (the
+    CPU generator is then left in the state their initialisation left it in, as if built here); None: built
+    here."""
+    cfg, device, precision = dims.cfg, dims.device, opts.mixed_precision
     if stages is None:
-        stages = materialize_stages(args, cfg, dims.pp_rank, dims.ep_rank, seed, device, loss_chunk_tokens)
+        stages = materialize_stages(args, cfg, dims.pp_rank, dims.ep_rank, opts.seed, device, opts.loss_chunk_tokens)
     else:
         torch.set_rng_state(stages.rng_state)
     stage_ids, parts = stages.stage_ids, stages.parts
     for part in parts:
         apply_expert_parallel(part, dims.group("ep") if cfg.ep > 1 else None, dims.group("dp") if cfg.dp > 1 else None)
-        apply_activation_checkpoint(part, activation_checkpoint)
-        if compile_blocks:
+        apply_activation_checkpoint(part, opts.activation_checkpoint)
+        if opts.compile_blocks:
             apply_compile(part)
-        if cfg.dp > 1 or mixed_precision != "fp32":
-            apply_fsdp(part, dims, mixed_precision)
+        if cfg.dp > 1 or precision != "fp32":
+            apply_fsdp(part, dims, precision)
         if (
             device.type == "cpu"
-            and mixed_precision != "fp32"
-            and (cpu_bf16_gemm == "fp32" or (cpu_bf16_gemm == "auto" and not cpu_has_native_bf16()))
+            and precision != "fp32"
+            and (opts.cpu_bf16_gemm == "fp32" or (opts.cpu_bf16_gemm == "auto" and not cpu_has_native_bf16()))
         ):
             use_fp32_gemm(part)
     n_stages = cfg.pp * cfg.stages_per_rank
-    shapes = stage_shapes(args, micro_batch_shape, DTYPES[mixed_precision], n_stages, loss_chunk_tokens > 0)
+    shapes = stage_shapes(args, opts.micro_batch_shape, DTYPES[precision], n_stages, opts.loss_chunk_tokens > 0)
     view = parts[0] if len(parts) == 1 else ModelView(parts)
     model = ModelParts(parts, stage_ids, view, None, n_stages, [], shapes)
     if cfg.pp > 1:
         model.schedule, model.pipeline_stages = build_schedule(
-            parts, stage_ids, dims, micro_batches, device, shapes, model.loss_fn
+            parts, stage_ids, dims, opts.micro_batches, device, shapes, model.loss_fn
         )
     return model
 

@@ -16,7 +16,7 @@ import math
 from dataclasses import replace
 
 from simulator.cluster import Hardware, Preset, stage_model
-from simulator.setting import Setting, gpu_operators, gradient_exchange_bytes, pipeline_send_bytes
+from simulator.setting import Setting, StageParams, gpu_operators, gradient_exchange_bytes, pipeline_send_bytes
 from simulator.testbed import A100_PEAK_FLOPS, FP32_STATE_BYTES, GPUS_PER_NODE, NODE_NIC_BW, TESTBEDS
 
 A100_HBM_BW = 2.0e12  # A100 80 GB
@@ -47,17 +47,8 @@ def from_preset(preset: Preset) -> Setting:
     experts = moe_layers * m.experts * m.expert
     other_per_layer = st.nonexpert_params // max(1, layers)  # replicated on every GPU of the stage
     stage_params = experts + other_per_layer * layers
-    ops = gpu_operators(
-        moe_layers,
-        layers,
-        m.experts,
-        lay.ep,
-        m.expert,
-        other_per_layer,
-        m.top_k,
-        lay.pipelines,
-        GPUS_PER_NODE * lay.pipelines,
-    )
+    stage = StageParams(layers, moe_layers, m.experts, m.expert, other_per_layer)
+    ops = gpu_operators(stage, lay.ep, m.top_k, lay.pipelines, GPUS_PER_NODE * lay.pipelines)
     sends = pipeline_send_bytes(lay.pp, lay.micro_batches, m.hidden, lay.ep * lay.micro_batch_seqs * lay.seq_len)
     return Setting(
         name=preset.name,

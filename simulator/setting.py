@@ -82,19 +82,25 @@ def gradient_exchange_bytes(dp: int, stage_params: float) -> float:
     return 2 * (dp - 1) / dp * stage_params * COMPUTE_BYTES if dp > 1 else 0.0
 
 
+@dataclass(frozen=True)
+class StageParams:
+    """The bottleneck stage's parameters: `layers` layers, `moe_layers` of them with `experts` routed experts of
+    `expert_params` each, and `other_params` of every other operator per layer."""
+
+    layers: int
+    moe_layers: int
+    experts: int
+    expert_params: int
+    other_params: int
+
+
 def gpu_operators(
-    moe_layers: int,
-    layers: int,
-    experts: int,
-    ep: int,
-    expert_params: int,
-    other_params: int,
-    top_k: int,
-    shard_experts: int,
-    shard_other: int,
+    stage: StageParams, ep: int, top_k: int, shard_experts: int, shard_other: int
 ) -> tuple[Operator, ...]:
     """One GPU's operators: its routed experts (ceil(E / ep) per MoE layer), then one operator per layer
     for the rest; FP32 state and compute weights sharded `shard_*` ways (ZeRO-1 over data parallelism)."""
+    moe_layers, layers, experts = stage.moe_layers, stage.layers, stage.experts
+    expert_params, other_params = stage.expert_params, stage.other_params
     per_gpu = math.ceil(experts / ep)
     expert_flops = expert_params * ep * top_k / experts  # tokens routed to one expert, relative to a dense op
     ops = [
@@ -126,7 +132,8 @@ def from_testbed(tb: Testbed, zero1: bool = True) -> Setting:
     node_state = FP32_STATE_BYTES * stage_params / shard
     expert_share = moe_layers * s.experts * s.expert / stage_params
     other = s.layer_other + s.embedding // (tb.pp * layers)  # embeddings spread over the stages' layers
-    ops = gpu_operators(moe_layers, layers, s.experts, tb.ep, s.expert, other, s.top_k, shard, GPUS_PER_NODE * shard)
+    stage = StageParams(layers, moe_layers, s.experts, s.expert, other)
+    ops = gpu_operators(stage, tb.ep, s.top_k, shard, GPUS_PER_NODE * shard)
     sends = pipeline_send_bytes(tb.pp, tb.micro_batches, s.hidden, MICRO_BATCH_SEQS * SEQ_LEN)
     return Setting(
         name=tb.name,

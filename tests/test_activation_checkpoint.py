@@ -129,12 +129,12 @@ def test_a_replay_with_frozen_operators_in_checkpointed_blocks_rebuilds_the_stat
     engine, end = run.engine, max(run.states)
     engine.abort_window()
     wipe_operators(engine.ops, run.optimizer)
-    t0, window = engine.persisted.rollback_point(), engine.persisted.window[1]
+    t0, window_size = engine.persisted.rollback_point(), engine.persisted.span.size
     frozen = frozen_by_iteration(engine)
-    assert (t0, window) == (6, 3) and any(frozen.values())
+    assert (t0, window_size) == (6, 3) and any(frozen.values())
     seen: dict[int, list[str]] = {}
     conversion = conversion_of(run, recording_hooks(run, frozen, seen), Topology.single())
-    plan = ReplayPlan(t0, end, window, {0}, engine.persisted.snapshot, engine.persisted.scalars(t0, end), {})
+    plan = ReplayPlan(t0, end, window_size, {0}, engine.persisted.snapshot, engine.persisted.scalars(t0, end), {})
     assert conversion.replay(plan, ReplayStats())
     seen[end] = differences(engine.ops, run.optimizer, run.states[end], set())
     assert sorted(seen) == list(range(6, FAILED + 1))

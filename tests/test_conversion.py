@@ -50,21 +50,23 @@ def replay_after_failure(
     engine.abort_window()
     wipe_operators(engine.ops, optimizer)
     t0 = engine.persisted.rollback_point()
-    window = engine.persisted.window[1] if engine.persisted.window else 0
+    window_size = engine.persisted.span.size if engine.persisted.span else 0
     seen: dict[int, list[str]] = {}
     hooks = recording_hooks(run, frozen_by_iteration(engine), seen)
     conversion = conversion_of(run, hooks, Topology.single(), frozen_weight_grad)
-    if not window:
+    if not window_size:
         conversion.load_initial_state()
     logged = scalars or engine.persisted.scalars(t0, end)
-    assert conversion.replay(ReplayPlan(t0, end, window, {0}, engine.persisted.snapshot, logged, {}), ReplayStats())
+    assert conversion.replay(
+        ReplayPlan(t0, end, window_size, {0}, engine.persisted.snapshot, logged, {}), ReplayStats()
+    )
     seen[end] = differences(engine.ops, optimizer, run.states[end], set())
     return seen
 
 
 def test_each_operator_is_exact_at_every_replayed_iteration(tmp_path):
     run = train_run(tmp_path / "rank0", FAILED - 1)
-    assert run.engine.persisted.window == (6, 3)
+    assert run.engine.persisted.span == (6, 3)
     assert min(s["clip_coef"] for s in run.engine.persisted.scalars(6, FAILED).values()) < 1
     seen = replay_after_failure(run)
     assert sorted(seen) == list(range(6, FAILED + 1))
@@ -99,7 +101,7 @@ def test_a_failure_before_the_first_window_replays_from_the_initial_state(tmp_pa
     """Before iteration 3 nothing is persisted: every operator restarts from its initial value and the
     replay of 1..2 (no snapshot to load) is exact at every iteration."""
     run = train_run(tmp_path / "rank0", 2)
-    assert run.engine.persisted.window is None
+    assert run.engine.persisted.span is None
     seen = replay_after_failure(run)
     assert sorted(seen) == [1, 2, 3] and {t: diffs for t, diffs in seen.items() if diffs} == {}
 
@@ -132,7 +134,7 @@ def test_a_window_ordered_by_statistics_the_host_never_read_replays_exactly(tmp_
     # prefault off: each window starts where it is planned (no iteration waits for its buffers); the seventh plan,
     # at the end of 10, is of the window SS_11 starts in (its copy starts there: checkpoint.overlap = iteration)
     run = train_run(tmp_path / "rank0", FAILED - 1, window=0, max_window=3, prefault=False)
-    assert len(plans) == 7 and run.engine.persisted.window == (8, 3)
+    assert len(plans) == 7 and run.engine.persisted.span == (8, 3)
     slot0 = run.engine.persisted.snapshot(0)[0].active
     assert len(slot0) == 6 and all(run.engine.ops_by_name[name].kind == "expert" for name in slot0)
     seen = replay_after_failure(run)

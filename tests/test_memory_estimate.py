@@ -66,7 +66,7 @@ def _worker(rank: int, overrides: list[str], store: str, out: str) -> None:
     import torch.distributed as dist
 
     from parallelisms.mesh import build_mesh
-    from parallelisms.parallelize import parallelize
+    from parallelisms.parallelize import BuildOptions, parallelize
     from trainer.optim import build_optimizer
     from trainer.step import forward_backward
 
@@ -78,9 +78,8 @@ def _worker(rank: int, overrides: list[str], store: str, out: str) -> None:
         cfg = load_config(DEBUG_CONFIG, overrides)
         t, dims = cfg.training, build_mesh(cfg.parallelism, "cpu")
         shape = activation_estimate.micro_batch_shape(cfg)
-        model = parallelize(
-            cfg.model, dims, 0, t.mixed_precision, shape, t.micro_batches, dims.device, t.cpu_bf16_gemm, 1024
-        )
+        opts = BuildOptions(0, shape, t.micro_batches, t.mixed_precision, t.cpu_bf16_gemm, loss_chunk_tokens=1024)
+        model = parallelize(cfg.model, dims, opts)
         optimizer = build_optimizer(model.view, t)
         tokens = torch.randint(0, 256, (t.batch_size // cfg.parallelism.dp, t.seq_len), generator=torch.Generator())
         forward_backward(model, tokens, tokens, t.micro_batches)
@@ -250,7 +249,7 @@ def _peak_worker(rank: int, overrides: list[str], out: str) -> None:
     import torch.distributed as dist
 
     from parallelisms.mesh import build_mesh
-    from parallelisms.parallelize import parallelize
+    from parallelisms.parallelize import BuildOptions, parallelize
     from trainer.optim import build_optimizer
     from trainer.step import forward_backward
 
@@ -264,9 +263,8 @@ def _peak_worker(rank: int, overrides: list[str], out: str) -> None:
     Path("/proc/self/clear_refs").write_text("5")  # the peak resident size starts again from here
     shape = activation_estimate.micro_batch_shape(cfg)
     mode = memory_estimate.configured_mode(cfg)
-    model = parallelize(
-        cfg.model, dims, 0, t.mixed_precision, shape, t.micro_batches, dims.device, t.cpu_bf16_gemm, 1024, mode
-    )
+    opts = BuildOptions(0, shape, t.micro_batches, t.mixed_precision, t.cpu_bf16_gemm, 1024, activation_checkpoint=mode)
+    model = parallelize(cfg.model, dims, opts)
     optimizer = build_optimizer(model.view, t)
     for _ in range(2):  # the second step runs with the AdamW moments the first one created
         forward_backward(model, tokens, tokens, t.micro_batches)

@@ -99,7 +99,7 @@ def test_windows_of_one_slot_reuse_their_layout_and_stay_exact(tmp_path):
 
     def on_snapshot(header, before, engine):
         check_snapshot(header, before, engine, torch.float32)
-        layouts.append(engine.window.layouts)
+        layouts.append(engine.current_window.layouts)
         sums.append(header.checksums)
         assert header.checksums[-1][1] == len(header.entries), "its checksums cover every entry"
 
@@ -108,7 +108,7 @@ def test_windows_of_one_slot_reuse_their_layout_and_stay_exact(tmp_path):
     assert len(layouts) == 6 and all(layout is layouts[0] for layout in layouts)
     assert all(a != b for a, b in zip(sums, sums[1:])), "each snapshot's header has the checksums of its bytes"
     engine.planner.forget_layouts()
-    assert engine.planner.layouts(engine.window.plan, optimizer_tensors(engine.optimizer)) is not layouts[0]
+    assert engine.planner.layouts(engine.current_window.plan, optimizer_tensors(engine.optimizer)) is not layouts[0]
 
 
 def test_a_first_optimizer_step_inside_a_window_lays_its_snapshots_out_again(tmp_path):
@@ -378,7 +378,7 @@ def test_a_rejoin_may_roll_back_to_a_complete_window_not_yet_marked_persisted(tm
         }
     finally:
         dist.destroy_process_group()
-    assert {k: (f.window_start, f.window, f.sources) for k, f in found.items()} == {
+    assert {k: (f.window_start, f.window_size, f.sources) for k, f in found.items()} == {
         0: (9, 3, ["local shared memory"]),
         14: (9, 3, ["local shared memory"]),
         15: (12, 3, ["local shared memory"]),

@@ -170,7 +170,7 @@ def test_slot_size_for_covers_every_operator_once():
 
 def test_window_plan():
     plan = WindowPlan(10, (("a", "b"), ("c",), ("d", "e")))
-    assert (plan.window, plan.end) == (3, 13)
+    assert (plan.window_size, plan.end) == (3, 13)
     assert [plan.slot_at(i) for i in (10, 11, 12)] == [0, 1, 2]
     for outside in (9, 13):
         with pytest.raises(ValueError):
@@ -182,7 +182,7 @@ def test_window_plan():
         plan.start = 0
     # a window longer than its operators need ends in empty slots (a pipeline stage with few operators)
     sparse = WindowPlan(0, (("a",), (), ("b",)) + ((),) * 5)
-    assert [sparse.frozen_after(slot) for slot in range(sparse.window)] == [("b",), ("b",)] + [()] * 6
+    assert [sparse.frozen_after(slot) for slot in range(sparse.window_size)] == [("b",), ("b",)] + [()] * 6
     assert sparse == WindowPlan(0, (("a",), (), ("b",)) + ((),) * 5)  # the cached bound is no field
 
 

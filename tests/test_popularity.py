@@ -142,7 +142,7 @@ def test_order_and_window_as_decided_before(tmp_path, policy, alike):
         planner.profile.iteration_s = budget
         plan = planner.plan(iteration, index, index > 0, tmp_path, state)
         window, fp32 = oracle.plan(sizes, budget, planner.cfg.max_window)
-        assert plan.window == window and (window == 1) == one_slot, index
+        assert plan.window_size == window and (window == 1) == one_slot, index
         assert planner.last_inputs.fp32_bytes == tuple(fp32)  # what metrics.profile writes
         if window > 1:
             assert plan.slots == generate_schedule(oracle.order, slot_size_for(len(oracle.order), window), window)
@@ -166,7 +166,7 @@ def test_windows_of_one_slot_read_no_statistics(tmp_path):
     for index in range(4):
         planner.observe(meta, {})
         planner.profile.iteration_s = 1e12
-        assert planner.plan(3 + index, index, index > 0, tmp_path, state).window == 1
+        assert planner.plan(3 + index, index, index > 0, tmp_path, state).window_size == 1
     assert planner.tracker.unread
     planner.observe(meta, {})
     planner.profile.iteration_s = sum(planner._op_bytes(state)[n][0] for n in planner.registry_order) / 2.5

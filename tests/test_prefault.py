@@ -88,7 +88,7 @@ def test_windows_of_algorithm_1_wait_for_buffers_grown_off_the_training_thread(t
             engine.buffers.prefaulter.submit(lambda: None).result()  # what was asked is done
 
     taken = _train(engine, model, optimizer, 12, _exact(engine), open_at_5)
-    assert engine.window.plan.window == 4 and taken == list(range(6, 13)), taken
+    assert engine.current_window.plan.window_size == 4 and taken == list(range(6, 13)), taken
     assert threads and all(name.startswith("moevement-prefault") for name in threads), threads
     engine.close()
 

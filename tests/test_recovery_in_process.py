@@ -110,7 +110,7 @@ def test_a_whole_job_restart_converts_the_persisted_window_exact_operator_by_ope
     died.engine.close()  # keep_host_state: what the dead process committed stays in its directory
     lines: list = []
     found = find_restart_checkpoint(tmp_path / "job", None, lambda header, source: None, lines.append)
-    assert found is not None and (found.window_start, found.window, found.last_iteration) == (6, 3, 10)
+    assert found is not None and (found.window_start, found.window_size, found.last_iteration) == (6, 3, 10)
     assert {header.checksum_format for header, _ in found.snapshots} == {word_checksum.FORMAT if staged else FORMAT}
     model, optimizer, engine = tiny_engine(rank_dir)
     restarted = Run(model, optimizer, engine, died.states, died.initial)

@@ -184,7 +184,7 @@ def _relay(job_dir: Path, ops, dense_step: int = 0, mismatch=lambda saved: [], d
 def test_the_newest_persisted_window_in_host_memory_is_re_laid_verified(tmp_path):
     ops = _windows_in_host_memory(tmp_path)
     found, lines = _relay(tmp_path, ops)
-    assert (found.window_start, found.window, found.relaid, found.window_index) == (
+    assert (found.window_start, found.window_size, found.relaid, found.window_index) == (
         6,
         3,
         True,
@@ -243,7 +243,7 @@ def test_a_job_whose_host_memory_is_gone_re_lays_its_newest_window_from_persist_
     )
     shutil.rmtree(job / "rank00000")
     found, lines = _relay(job, ops, disk=disk)
-    assert (found.window_start, found.window, found.relaid) == (6, 3, True)
+    assert (found.window_start, found.window_size, found.relaid) == (6, 3, True)
     assert found.sources == ["dp=1: persist_dir window-00000006/rank00000"]
     assert lines == ["restart: re-laid window 6 (W=3) of dp=1 into dp=1 from persist_dir"]
     stored = read_window(disk / "window-00000006" / "rank00000")

@@ -9,7 +9,7 @@ import dataclasses
 import torch
 
 from parallelisms.mesh import ParallelismConfig, build_mesh, rank_coordinates
-from parallelisms.parallelize import parallelize
+from parallelisms.parallelize import BuildOptions, parallelize
 from tests.helpers import DEBUG_CONFIG, one_rank_group
 from train import training_data
 from trainer.config import load_config
@@ -19,10 +19,8 @@ from trainer.run.prebuilt import prebuild
 def build(cfg, dims, stages=None):
     t = cfg.training
     shape = (t.batch_size // t.micro_batches, t.seq_len)
-    return parallelize(
-        cfg.model, dims, cfg.job.seed, t.mixed_precision, shape, t.micro_batches, dims.device, "auto", 0, "none",
-        False, stages,
-    )  # fmt: skip
+    opts = BuildOptions(cfg.job.seed, shape, t.micro_batches, t.mixed_precision, loss_chunk_tokens=0)
+    return parallelize(cfg.model, dims, opts, stages)
 
 
 def tensors(model) -> dict[str, torch.Tensor]:

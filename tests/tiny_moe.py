@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from models import ModelArgs, build_model
+from moevement.checkpoint.binding import CheckpointedModel, CheckpointerPlace
 from moevement.checkpoint.checkpointer import SparseCheckpointer
 from moevement.checkpoint.options import SparseOptions
 from moevement.operators import Operator
@@ -69,18 +70,9 @@ def tiny_engine(
     torch.manual_seed(0)
     model = build_model(ModelArgs(**ARGS))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
-    engine = SparseCheckpointer(
-        options(**opts),
-        model,
-        optimizer,
-        stacked=stacked_operators(model),
-        compute_dtype=compute_dtype,
-        device=torch.device("cpu"),
-        rank_dir=rank_dir,
-        topology=topology or Topology.single(),
-        rank_dirs=rank_dirs,
-        job_meta=job_meta,
-    )
+    state = CheckpointedModel(model, optimizer, compute_dtype, torch.device("cpu"), stacked_operators(model))
+    place = CheckpointerPlace(topology or Topology.single(), rank_dir, job_meta, rank_dirs)
+    engine = SparseCheckpointer(options(**opts), state, place)
     engine.buffers.staged = staged
     return model, optimizer, engine
 
@@ -155,8 +147,8 @@ def differences(ops: list[Operator], optimizer, reference: dict[str, torch.Tenso
 
 def frozen_by_iteration(engine: SparseCheckpointer) -> dict[int, set[str]]:
     """{t0 + i: the operators frozen at t0 + i} for the slots i of the persisted window."""
-    t0, window = engine.persisted.rollback_point(), engine.persisted.window[1] if engine.persisted.window else 0
-    return {t0 + i: set(engine.persisted.snapshot(i)[0].frozen) for i in range(window)}
+    t0, window_size = engine.persisted.rollback_point(), engine.persisted.span.size if engine.persisted.span else 0
+    return {t0 + i: set(engine.persisted.snapshot(i)[0].frozen) for i in range(window_size)}
 
 
 def recording_hooks(run: Run, frozen: dict[int, set[str]], seen: dict[int, list[str]]) -> TrainerHooks:

@@ -37,12 +37,12 @@ recovery then runs alone; `adopt` (training thread, before training) commits and
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
 
 import torch
 
+from moevement.checkpoint.binding import CheckpointedModel, CheckpointerPlace
 from moevement.checkpoint.handoff import SnapshotHandoff
 from moevement.checkpoint.in_flight import SnapshotInFlight
 from moevement.checkpoint.iteration_snapshots import IterationSnapshots
@@ -51,7 +51,7 @@ from moevement.checkpoint.persisted import PersistedCheckpoint
 from moevement.checkpoint.planner import SnapshotPolicy, WindowPlanner
 from moevement.checkpoint.restarted import adopt_window, drop_leftovers
 from moevement.checkpoint.window import CurrentWindow
-from moevement.operators import Operator, Stacked, build_registry
+from moevement.operators import Operator, build_registry
 from moevement.storage.cpu_cost import measure
 from moevement.storage.host_memory import HostBuffer, read_header, remove_tree
 from moevement.storage.mappings import KEPT
@@ -67,12 +67,11 @@ __all__ = ["SnapshotPolicy", "SparseCheckpointer", "Topology", "local_buffer", "
 class SparseCheckpointer:
     """Takes, replicates and persists sparse snapshots; see the module docstring for the call order.
 
-    `cfg`: the configuration's sparse checkpointing keys. `stacked`: the model's parameters that stack
-    several operators' tensors (`moevement.operators.Stacked`, by parameter name). `rank_dirs(r)`: where
-    rank r keeps its host state (same-node replicas link their files there). `group_timeout_s`: the
-    replication group's bound on an operation without progress (a hung peer fails the replication).
+    `cfg`: the configuration's sparse checkpointing keys; `state`: what the snapshots hold; `place`: the rank's
+    place in the job (its host directory, the topology, the replication group's reach and bound).
     With a `SnapshotPolicy` (the interval baselines) a snapshot is a window of W = 1 taken at the
-    policy's iterations: the FP32 state of the operators it selects, no compute weights.
+    policy's iterations: the FP32 state of the operators it selects, no compute weights; `disk_keep`: how many
+    windows persisted to disk are kept.
     Recovery reads `persisted` and `replica_holders`, and calls `abort_window`, `wipe`, `paused` and
     `reset_popularity`; a restarted job calls `adopt` and, once it trains on, `drop_leftovers`.
     """
@@ -80,44 +79,44 @@ class SparseCheckpointer:
     def __init__(
         self,
         cfg: SparseOptions,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
+        state: CheckpointedModel,
+        place: CheckpointerPlace,
         *,
-        stacked: Mapping[str, Stacked] | None = None,
-        compute_dtype: torch.dtype,
-        device: torch.device,
-        rank_dir: Path,
-        topology: Topology,
-        job_meta: dict | None = None,
         policy: SnapshotPolicy | None = None,
         disk_keep: int = 2,
-        rank_dirs: Callable[[int], Path] | None = None,
-        group_timeout_s: float | None = None,
     ):
-        self.cfg, self.topology, self.job_meta = cfg, topology, copy.deepcopy(job_meta or {})  # never changed
+        topology, rank_dir = place.topology, place.rank_dir
+        self.cfg, self.topology = cfg, topology
+        self.job_meta = copy.deepcopy(dict(place.job_meta or {}))  # never changed
         self.planner = WindowPlanner(
-            cfg, build_registry(model, stacked), optimizer, compute_dtype, device, topology.world, policy
+            cfg,
+            build_registry(state.model, state.stacked),
+            state.optimizer,
+            state.compute_dtype,
+            state.device,
+            topology.world,
+            policy,
         )
         self.rank_dir = make_private_dirs(rank_dir.parent, rank_dir.name)
         self.buffers = SnapshotBuffers(
-            self.rank_dir, device, cfg.background_priority, graphed=cfg.copy_graph, chunk_bytes=cfg.chunk_bytes
+            self.rank_dir, state.device, cfg.background_priority, graphed=cfg.copy_graph, chunk_bytes=cfg.chunk_bytes
         )
         self.replicas = ReplicaStore(rank_dir / "replicas")
         self.persisted = PersistedCheckpoint(self.rank_dir, topology.rank, self.buffers, self.replicas)
         self.handoff = SnapshotHandoff(
-            cfg, topology, self.persisted, self.replicas, rank_dirs, group_timeout_s, disk_keep
+            cfg, topology, self.persisted, self.replicas, place.rank_dirs, place.group_timeout_s, disk_keep
         )
-        self.window = CurrentWindow(
+        self.current_window = CurrentWindow(
             self.planner, self.buffers, self.rank_dir, topology.rank, self.job_meta, prefault=cfg.prefault
         )
         profile = self.planner.profile
         self.in_flight = SnapshotInFlight(
             self.buffers, self.handoff, profile.throttle, self.job_meta, profile.record_copy
         )
-        self.stats = IterationSnapshots(cfg, self.planner, self.window, self.in_flight)
+        self.stats = IterationSnapshots(cfg, self.planner, self.current_window, self.in_flight)
         if cfg.prefault:
-            self.window.reserve_at_start_up()
-        optimizer.register_step_pre_hook(lambda _optimizer, _args, _kwargs: self.stats.before_step())
+            self.current_window.reserve_at_start_up()
+        state.optimizer.register_step_pre_hook(lambda _optimizer, _args, _kwargs: self.stats.before_step())
 
     @property
     def ops(self) -> list[Operator]:
@@ -189,7 +188,7 @@ class SparseCheckpointer:
         in_flight = (persisted + 1) % 2
         self.buffers.invalidate(in_flight)
         self.replicas.invalidate(in_flight)
-        self.window.abort(persisted)
+        self.current_window.abort(persisted)
 
     def wipe(self) -> None:
         """This rank failed: its snapshots and the replicas it holds for peers become unreadable to it (zeroed,
@@ -242,7 +241,7 @@ class SparseCheckpointer:
         """A restarted job keeps the window it restarted from as its persisted checkpoint (collective): every
         rank writes its snapshots into its buffers as window `window_index` and replicates them like a window
         just taken; on return the window is persisted everywhere (it is not written to disk again)."""
-        self.window.index = window_index
+        self.current_window.index = window_index
         adopt_window(self.buffers, self.handoff, window_index, snapshots)
 
     def drop_leftovers(self) -> None:

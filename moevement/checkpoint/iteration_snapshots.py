@@ -28,14 +28,14 @@ from moevement.storage.cpu_cost import measure
 
 
 class IterationSnapshots:
-    """Starts each iteration's snapshot in `window` through `in_flight` (`cfg`: overlap, profile_iters,
+    """Starts each iteration's snapshot in `current_window` through `in_flight` (`cfg`: overlap, profile_iters,
     ab_blocks) and feeds `planner`'s profile; keeps the step line's figures (`last`: `ckpt_mb`, `stall_ms`;
     `window_size`: the W of the window the current iteration's snapshot is in, 0 where none is open for it)."""
 
     def __init__(
-        self, cfg: SparseOptions, planner: WindowPlanner, window: CurrentWindow, in_flight: SnapshotInFlight
+        self, cfg: SparseOptions, planner: WindowPlanner, current_window: CurrentWindow, in_flight: SnapshotInFlight
     ) -> None:
-        self.cfg, self.planner, self.window, self.in_flight = cfg, planner, window, in_flight
+        self.cfg, self.planner, self.current_window, self.in_flight = cfg, planner, current_window, in_flight
         # an interval baseline's copy starts at `begin`: its policy's selection (MoC's cursor) advances as it plans
         self.early = cfg.overlap == "iteration" and planner.policy is None
         self.iterations, self.paused = 0, False  # iterations begun; a recovery replaying (no snapshots)
@@ -59,8 +59,8 @@ class IterationSnapshots:
             if prepared is not None:
                 self.in_flight.drop()  # started for another iteration: never the one that runs
             self.last["ckpt_mb"] = self._start(iteration, self.iterations)
-        plan = self.window.plan  # the window of this iteration's snapshot (0: none is open for it)
-        self.window_size = plan.window if plan is not None and plan.start <= iteration < plan.end else 0
+        plan = self.current_window.plan  # the window of this iteration's snapshot (0: none is open for it)
+        self.window_size = plan.window_size if plan is not None and plan.start <= iteration < plan.end else 0
 
     def before_step(self) -> None:
         """The optimizer step's pre-hook: wait for the copy, record the time it had (`Profile.record`)."""
@@ -107,11 +107,11 @@ class IterationSnapshots:
             return 0.0
         if self.cfg.ab_blocks and (iteration // self.cfg.ab_blocks) % 2:
             return 0.0  # a benchmark's block without snapshots
-        if self.window.ended_by(iteration):
+        if self.current_window.ended_by(iteration):
             with measure("window"):
-                if not self.window.start(iteration):
+                if not self.current_window.start(iteration):
                     return 0.0  # its buffers are still being grown: no snapshot yet
         with measure("checkpointer"):
-            header, sources, buffer = self.window.snapshot(iteration)
-            self.in_flight.start(self.window.index, header, sources, buffer)
+            header, sources, buffer = self.current_window.snapshot(iteration)
+            self.in_flight.start(self.current_window.index, header, sources, buffer)
             return header.nbytes / 1e6

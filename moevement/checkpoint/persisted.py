@@ -2,7 +2,7 @@
 
 A window's snapshots are committed one per iteration (`committed`); when every rank has replicated
 the whole window it is *persisted* (`publish`): `persisted.json` names it, and the window before it
-becomes garbage. Recovery reads only through `rollback_point`, `window`, `snapshot`, `snapshot_buffer`,
+becomes garbage. Recovery reads only through `rollback_point`, `span`, `snapshot`, `snapshot_buffer`,
 `replica_buffer` and `scalars`.
 
 Threads: `committed`, `log_scalars`, `restore_scalars`, `abort_in_flight`, `forget` and `restored` run on
@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from moevement.checkpoint.schedule import WindowSpan
 from moevement.storage.host_memory import HostBuffer, read_header
 from moevement.storage.persistence import DiskWriter
 from moevement.storage.private_files import write_json_atomic
@@ -31,14 +32,14 @@ class PersistedCheckpoint:
         self.rank_dir, self.rank, self.buffers, self.replicas = rank_dir, rank, buffers, replicas
         self.cond = threading.Condition()
         self.index = -1  # index of the newest persisted window (-1: none yet)
-        self.window: tuple[int, int] | None = None  # its (first iteration, W)
+        self.span: WindowSpan | None = None  # its iterations
         self.headers: dict[int, list[CommitRecord]] = {}  # window index -> snapshots committed so far
         self.scalar_log: dict[int, dict] = {}  # iteration -> logged scalars, kept from rollback_point()
 
     def rollback_point(self) -> int:
         """First iteration of the newest persisted checkpoint (1: none yet, roll back to the initial state)."""
         with self.cond:
-            return self.window[0] if self.window else 1
+            return self.span.start if self.span else 1
 
     def snapshot_buffer(self, slot: int) -> HostBuffer:
         """This rank's buffer of slot `slot` of the newest persisted checkpoint."""
@@ -68,7 +69,7 @@ class PersistedCheckpoint:
     def log_scalars(self, iteration: int, scalars: dict[str, float]) -> None:
         with self.cond:
             self.scalar_log[iteration] = dict(scalars)
-            first = self.window[0] if self.window else 1
+            first = self.span.start if self.span else 1
             for old in [t for t in self.scalar_log if t < first]:
                 del self.scalar_log[old]
 
@@ -93,10 +94,10 @@ class PersistedCheckpoint:
         self.replicas.invalidate(1 - parity)
         if disk is not None:  # before the index is published: the copy thread waits on the disk writer
             disk.submit(parity, [(h, self.buffers.buffer(parity, h.slot).data) for h in headers])
-        start, window = headers[0].window_start, len(headers)
-        self._write_manifest(window_index, start, window)
+        span = WindowSpan(headers[0].window_start, len(headers))
+        self._write_manifest(window_index, span)
         with self.cond:
-            self.index, self.window = window_index, (start, window)
+            self.index, self.span = window_index, span
             self.cond.notify_all()
 
     def is_persisted(self, window_index: int) -> bool:
@@ -127,17 +128,17 @@ class PersistedCheckpoint:
     def restored(self) -> None:
         """Every slot of the persisted checkpoint is back in the local buffers: record it again."""
         with self.cond:
-            index, (start, window) = self.index, self.window
-        self._write_manifest(index, start, window)
+            index, span = self.index, self.span
+        self._write_manifest(index, span)
 
-    def _write_manifest(self, window_index: int, start: int, window: int) -> None:
+    def _write_manifest(self, window_index: int, span: WindowSpan) -> None:
         write_json_atomic(
             self.rank_dir / MANIFEST,
             {
                 "window_index": window_index,
-                "window_start": start,
-                "window": window,
+                "window_start": span.start,
+                "window": span.size,
                 "rank": self.rank,
-                "snapshots": [str(local_buffer(Path(), window_index % 2, slot)) for slot in range(window)],
+                "snapshots": [str(local_buffer(Path(), window_index % 2, slot)) for slot in range(span.size)],
             },
         )

@@ -85,7 +85,7 @@ class WindowInputs:
     fp32_bytes: tuple[int, ...]
     compute_bytes: tuple[int, ...]
     bandwidth: float
-    window: int
+    window_size: int
 
 
 class WindowPlanner:
@@ -174,7 +174,7 @@ class WindowPlanner:
                 return laid_out
         views = LocalViews()
         slots = []
-        for slot in range(plan.window):
+        for slot in range(plan.window_size):
             active = [self.ops_by_name[n] for n in plan.slots[slot]]
             frozen = [self.ops_by_name[n] for n in plan.frozen_after(slot)]
             slots.append(entry_layout(active, frozen, self.optimizer, self.compute_dtype, views))
@@ -197,7 +197,7 @@ class WindowPlanner:
 
     def _sparse_slots(self, sizes: dict[str, tuple[int, int]]) -> tuple[tuple[str, ...], ...]:
         """Algorithm 1 on this rank's operators (of these sizes), at most `max_window` slots; W agreed across
-        ranks (or forced by `window`). The window's router statistics are closed on their device, W is decided
+        ranks (or fixed by `checkpoint.window`). The window's router statistics are closed on their device, W is decided
         before the order, and the order is read from the statistics only where it can matter (W > 1): a window
         of one slot holds every operator whatever their order, and waits for nothing."""
         self.tracker.close_window()
@@ -206,13 +206,13 @@ class WindowPlanner:
         fp32, compute = _in_order(self._sized_order(sizes), sizes)
         t, bandwidth, most = self.profile.iteration_s, self.profile.bandwidth, self.cfg.max_window
         if self.cfg.slots == "bytes":
-            window = min(most, self._agree(byte_window_size(fp32, compute, t, bandwidth)))
+            window_size = min(most, self._agree(byte_window_size(fp32, compute, t, bandwidth)))
         else:
-            window = min(most, self._agree(find_window_size(fp32, compute, t, bandwidth)[0]))
-            self.last_inputs = WindowInputs(t, tuple(fp32), tuple(compute), bandwidth, window)
-        if window > 1:
+            window_size = min(most, self._agree(find_window_size(fp32, compute, t, bandwidth)[0]))
+            self.last_inputs = WindowInputs(t, tuple(fp32), tuple(compute), bandwidth, window_size)
+        if window_size > 1:
             self._refresh_order()
-        return self._cut(window, sizes)
+        return self._cut(window_size, sizes)
 
     def _fixed_slots(self, sizes: dict[str, tuple[int, int]]) -> tuple[tuple[str, ...], ...]:
         """A fixed W's slots: those of the last window while the order and sizes are the same (every window at
@@ -228,11 +228,11 @@ class WindowPlanner:
         self._fixed = (self.order, sizes, slots)
         return slots
 
-    def _cut(self, window: int, sizes: dict[str, tuple[int, int]]) -> tuple[tuple[str, ...], ...]:
-        """The current order cut into `window` slots (by count, or by bytes of operators of these sizes)."""
+    def _cut(self, window_size: int, sizes: dict[str, tuple[int, int]]) -> tuple[tuple[str, ...], ...]:
+        """The current order cut into `window_size` slots (by count, or by bytes of operators of these sizes)."""
         if self.cfg.slots == "bytes":
-            return byte_slots(self.order, *_in_order(self.order, sizes), window)
-        return generate_schedule(self.order, slot_size_for(len(self.order), window), window)
+            return byte_slots(self.order, *_in_order(self.order, sizes), window_size)
+        return generate_schedule(self.order, slot_size_for(len(self.order), window_size), window_size)
 
     def _sized_order(self, sizes: dict[str, tuple[int, int]]) -> list[str]:
         """An order whose operator sizes come in the sequence this window's order gives them, known before that
@@ -267,11 +267,11 @@ class WindowPlanner:
         self.policy.scheduled(iteration, interval)
         return (names,)
 
-    def _agree(self, window: int) -> int:
+    def _agree(self, window_size: int) -> int:
         """The largest window (or interval) any rank needs: checkpoints are global so they replicate in lockstep."""
         if self.world == 1:
-            return window
-        agreed = torch.tensor([window], dtype=torch.int64, device=self.device)
+            return window_size
+        agreed = torch.tensor([window_size], dtype=torch.int64, device=self.device)
         collectives.all_reduce(agreed, op=dist.ReduceOp.MAX)
         return int(agreed)
 

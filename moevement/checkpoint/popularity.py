@@ -146,6 +146,7 @@ def _stacked(per_layer: dict[str, torch.Tensor]) -> tuple[Layers, torch.Tensor]:
     return layers, torch.stack(padded).double()
 
 
-def _accumulate(window: Stacked, layers: Layers, values: torch.Tensor) -> None:
-    old = window.get(layers)
-    window[layers] = values if old is None else old + values
+def _accumulate(totals: Stacked, layers: Layers, values: torch.Tensor) -> None:
+    """Add an iteration's `values` to the open window's `totals`."""
+    old = totals.get(layers)
+    totals[layers] = values if old is None else old + values

@@ -67,20 +67,20 @@ def operator_layout_bytes(ops: list[Operator], optimizer, compute_dtype: torch.d
 def slot_bytes(
     ops: list[Operator],
     sizes: OperatorBytes,
-    windows: Iterable[int],
+    window_sizes: Iterable[int],
     slots: str,
     cost: Callable[[int, int], int] = lambda nbytes, _entries: nbytes,
 ) -> list[int]:
-    """Per slot index, the largest `cost(bytes, entries)` of the snapshot any window of these sizes gives it (by
+    """Per slot index, the largest `cost(bytes, entries)` of the snapshot any window of `window_sizes` gives it (by
     default its bytes), in either order a window may have, its operators cut into slots by count or by bytes
     (`slots`, as the planner cuts)."""
     names = [op.name for op in ops]
     orders = [names, order_operators(names, [op.kind == "expert" for op in ops], {})]
     index = {name: i for i, name in enumerate(names)}
     largest: list[int] = []
-    for window in windows:
+    for window_size in window_sizes:
         for order in orders:
-            members = [[index[n] for n in slot] for slot in _cut(order, index, sizes, window, slots)]
+            members = [[index[n] for n in slot] for slot in _cut(order, index, sizes, window_size, slots)]
             nbytes = snapshot_sizes(members, sizes.fp32, sizes.compute)
             entries = snapshot_sizes(members, sizes.fp32_entries, sizes.compute_entries)
             for slot, (n, e) in enumerate(zip(nbytes, entries)):
@@ -90,9 +90,9 @@ def slot_bytes(
 
 
 def _cut(
-    order: Sequence[str], index: dict[str, int], sizes: OperatorBytes, window: int, slots: str
+    order: Sequence[str], index: dict[str, int], sizes: OperatorBytes, window_size: int, slots: str
 ) -> tuple[tuple[str, ...], ...]:
     if slots == "bytes":
         fp32, compute = [sizes.fp32[index[n]] for n in order], [sizes.compute[index[n]] for n in order]
-        return byte_slots(order, fp32, compute, window)
-    return generate_schedule(order, slot_size_for(len(order), window), window)
+        return byte_slots(order, fp32, compute, window_size)
+    return generate_schedule(order, slot_size_for(len(order), window_size), window_size)

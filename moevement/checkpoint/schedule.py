@@ -23,6 +23,14 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
+
+
+class WindowSpan(NamedTuple):
+    """The iterations of a window: `[start, start + size)`, `size` its W."""
+
+    start: int
+    size: int
 
 
 @dataclass(frozen=True)
@@ -33,13 +41,14 @@ class WindowPlan:
     slots: tuple[tuple[str, ...], ...]
 
     @property
-    def window(self) -> int:
+    def window_size(self) -> int:
+        """W: the window's slots, one snapshot each."""
         return len(self.slots)
 
     @property
     def end(self) -> int:
         """First iteration after the window."""
-        return self.start + self.window
+        return self.start + self.window_size
 
     def slot_at(self, iteration: int) -> int:
         if not self.start <= iteration < self.end:
@@ -65,11 +74,11 @@ def order_operators(names: Sequence[str], experts: Sequence[bool], popularity: d
     return [names[i] for i in routed + others]
 
 
-def generate_schedule(ordered: Sequence[str], o_active: int, window: int) -> tuple[tuple[str, ...], ...]:
+def generate_schedule(ordered: Sequence[str], o_active: int, window_size: int) -> tuple[tuple[str, ...], ...]:
     """Consecutive slots of `o_active` operators; trailing slots are empty when the window exceeds the need."""
-    if o_active < 1 or window * o_active < len(ordered):
-        raise ValueError(f"{window} slots of {o_active} cannot hold {len(ordered)} operators")
-    return tuple(tuple(ordered[i * o_active : (i + 1) * o_active]) for i in range(window))
+    if o_active < 1 or window_size * o_active < len(ordered):
+        raise ValueError(f"{window_size} slots of {o_active} cannot hold {len(ordered)} operators")
+    return tuple(tuple(ordered[i * o_active : (i + 1) * o_active]) for i in range(window_size))
 
 
 def snapshot_sizes(slots: Sequence[Sequence[int]], fp32: Sequence[int], compute: Sequence[int]) -> list[int]:
@@ -95,16 +104,16 @@ def find_window_size(
         return 1, 1
     budget = iteration_s * bandwidth
     for o_active in range(n, 0, -1):
-        window = math.ceil(n / o_active)
-        slots = [range(i * o_active, min(n, (i + 1) * o_active)) for i in range(window)]
+        window_size = math.ceil(n / o_active)
+        slots = [range(i * o_active, min(n, (i + 1) * o_active)) for i in range(window_size)]
         if max(snapshot_sizes(slots, fp32, compute)) <= budget:
-            return window, o_active
+            return window_size, o_active
     return n, 1
 
 
-def slot_size_for(n_operators: int, window: int) -> int:
+def slot_size_for(n_operators: int, window_size: int) -> int:
     """O_active for a window size given by the user or agreed across ranks: ceil(O_total / W)."""
-    return max(1, math.ceil(n_operators / window))
+    return max(1, math.ceil(n_operators / window_size))
 
 
 def _greedy_slots(
@@ -138,16 +147,16 @@ def byte_window_size(fp32: Sequence[int], compute: Sequence[int], iteration_s: f
 
 
 def byte_slots(
-    ordered: Sequence[str], fp32: Sequence[int], compute: Sequence[int], window: int
+    ordered: Sequence[str], fp32: Sequence[int], compute: Sequence[int], window_size: int
 ) -> tuple[tuple[str, ...], ...]:
-    """Cut the ordered operators into `window` consecutive slots with the largest snapshot as small as possible.
+    """Cut the ordered operators into `window_size` consecutive slots with the largest snapshot as small as possible.
 
     Binary search on the budget with the greedy cut; trailing slots are empty when fewer suffice."""
     lo, hi = 0, sum(fp32) + sum(compute)  # one slot holding everything always fits `hi`
     while lo < hi:
         mid = (lo + hi) // 2
         lengths = _greedy_slots(fp32, compute, mid)
-        if lengths is not None and len(lengths) <= window:
+        if lengths is not None and len(lengths) <= window_size:
             hi = mid
         else:
             lo = mid + 1
@@ -155,4 +164,4 @@ def byte_slots(
     for length in _greedy_slots(fp32, compute, lo):
         slots.append(tuple(ordered[start : start + length]))
         start += length
-    return tuple(slots) + ((),) * (window - len(slots))
+    return tuple(slots) + ((),) * (window_size - len(slots))

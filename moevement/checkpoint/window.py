@@ -135,5 +135,5 @@ def _snapshot_header(plan: WindowPlan, iteration: int, rank: int, entry_layout, 
     active, frozen = list(plan.slots[slot]), list(plan.frozen_after(slot))
     meta = {**job_meta, "data_position": iteration}
     return SnapshotHeader(
-        iteration, plan.start, slot, plan.window, rank, active, frozen, entries, nbytes, meta
+        iteration, plan.start, slot, plan.window_size, rank, active, frozen, entries, nbytes, meta
     ), sources

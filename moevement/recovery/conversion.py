@@ -44,11 +44,11 @@ class TrainerHooks:
 @dataclass(frozen=True)
 class ReplayPlan:
     """What a replay re-runs: iterations `start..end-1` of the pipeline stages in `scope`; while converting
-    (`start + i`, i < `window`) it first activates slot i of the persisted window."""
+    (`start + i`, i < `window_size`) it first activates slot i of the persisted window."""
 
-    start: int  # t0, the first iteration of the window (1 and `window` 0: from the initial state)
+    start: int  # t0, the first iteration of the window (1 and `window_size` 0: from the initial state)
     end: int  # the first iteration not replayed
-    window: int  # W, the window's slots (0: nothing to convert, every iteration catches up)
+    window_size: int  # W, the window's slots (0: nothing to convert, every iteration catches up)
     scope: set[int]  # the stages that replay (this rank replays those of them it runs)
     slot_snapshot: Callable[[int], tuple[SnapshotHeader, dict]] | None  # i -> SS_{start+i}; None when W is 0
     scalars: Mapping[int, dict]  # the scalar log (learning rate, clip coefficient) of every iteration replayed
@@ -57,7 +57,7 @@ class ReplayPlan:
 
     def converts(self, t: int) -> bool:
         """Whether iteration `t` is one of the window's (it activates a slot) rather than a catch-up."""
-        return t < self.start + self.window
+        return t < self.start + self.window_size
 
 
 @dataclass

@@ -28,14 +28,14 @@ class RecoveryError(RuntimeError):
     """Recovery is impossible (e.g. no intact copy of a failed rank's checkpoint survives)."""
 
 
-def fetch_from_replicas(ck: SparseCheckpointer, failed: set[int], window: int) -> dict[int, str]:
-    """Failed ranks pull their persisted snapshots (`window` slots) from replica peers, then get back the
+def fetch_from_replicas(ck: SparseCheckpointer, failed: set[int], window_size: int) -> dict[int, str]:
+    """Failed ranks pull their persisted snapshots (`window_size` slots) from replica peers, then get back the
     replicas they held for others (re-protection, so a later failure of those peers is covered too).
 
     Returns {failed rank: where its snapshots came from}."""
     me, world = dist.get_rank(), dist.get_world_size()
     sources = {}
-    intact = torch.tensor([int(me in failed and _local_copy_intact(ck, window))])
+    intact = torch.tensor([int(me in failed and _local_copy_intact(ck, window_size))])
     flags = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
     collectives.all_gather(flags, intact)
     for f in sorted(failed):
@@ -46,29 +46,37 @@ def fetch_from_replicas(ck: SparseCheckpointer, failed: set[int], window: int) -
         for h in holders:
             if me == f:
                 collectives.send(torch.tensor([0 if done else 1]), h)
-                if not done and _receive(ck, h, window, ck.persisted.snapshot_buffer, f"replica on rank {h}"):
+                if not done and _receive(ck, h, window_size, ck.persisted.snapshot_buffer, f"replica on rank {h}"):
                     done, sources[f] = True, f"rank{h}"
             elif me == h:
                 request = torch.zeros(1, dtype=torch.int64)
                 collectives.recv(request, f)
                 if int(request):
-                    _send(ck, f, window, lambda slot, f=f: ck.persisted.replica_buffer(f, slot))
+                    _send(ck, f, window_size, lambda slot, f=f: ck.persisted.replica_buffer(f, slot))
         if me == f and not done:
             raise RecoveryError(f"rank {f}: no intact replica of its persisted checkpoint on peers {holders}")
     if me in failed:
         ck.persisted.restored()
-    for h in sorted(failed):  # every rank holds its own snapshots again: re-send the lost replicas
-        for src in (s for s in range(world) if h in ck.replica_holders(s)):
-            if me == src:
-                _send(ck, h, window, ck.persisted.snapshot_buffer)
-            elif me == h:
-                _receive(ck, src, window, lambda slot, src=src: ck.persisted.replica_buffer(src, slot), f"rank {src}")
+    _reprotect(ck, failed, window_size)
     return sources
 
 
-def _local_copy_intact(ck: SparseCheckpointer, window: int) -> bool:
+def _reprotect(ck: SparseCheckpointer, failed: set[int], window_size: int) -> None:
+    """Every rank holds its own snapshots again: the failed ranks get back the replicas they held for others."""
+    me, world = dist.get_rank(), dist.get_world_size()
+    for h in sorted(failed):
+        for src in (s for s in range(world) if h in ck.replica_holders(s)):
+            if me == src:
+                _send(ck, h, window_size, ck.persisted.snapshot_buffer)
+            elif me == h:
+                _receive(
+                    ck, src, window_size, lambda slot, src=src: ck.persisted.replica_buffer(src, slot), f"rank {src}"
+                )
+
+
+def _local_copy_intact(ck: SparseCheckpointer, window_size: int) -> bool:
     """Whether this rank's local buffers hold the whole persisted checkpoint with valid checksums."""
-    for slot in range(window):
+    for slot in range(window_size):
         buf = ck.persisted.snapshot_buffer(slot)
         try:
             header = read_header(buf.path)
@@ -107,21 +115,21 @@ def recv_slot(src: int, buffer_for: Callable[[int], torch.Tensor]) -> tuple[dict
     return unseal(raw.numpy().tobytes(), f"the header from rank {src}"), data
 
 
-def _send(ck: SparseCheckpointer, dst: int, window: int, buffer_of: Callable[[int], HostBuffer]) -> None:
+def _send(ck: SparseCheckpointer, dst: int, window_size: int, buffer_of: Callable[[int], HostBuffer]) -> None:
     """Send the persisted checkpoint's slots held in `buffer_of(slot)` (none for a missing one)."""
     start = ck.persisted.rollback_point()
-    for slot in range(window):
+    for slot in range(window_size):
         buf = buffer_of(slot)
         header = read_header(buf.path)
         send_slot(dst, header if header is not None and header["window_start"] == start else None, buf.data)
 
 
 def _receive(
-    ck: SparseCheckpointer, src: int, window: int, buffer_of: Callable[[int], HostBuffer], source: str
+    ck: SparseCheckpointer, src: int, window_size: int, buffer_of: Callable[[int], HostBuffer], source: str
 ) -> bool:
     """Receive all slots from `src` into `buffer_of(slot)`, verified; False if any is missing or corrupt."""
     ok = True
-    for slot in range(window):
+    for slot in range(window_size):
         buf = buffer_of(slot)
 
         def into(nbytes: int, buf: HostBuffer = buf) -> torch.Tensor:

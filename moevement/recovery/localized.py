@@ -168,14 +168,14 @@ class Recovery:
         stats = ReplayStats()
         if found is not None and self.me in failed:
             stats.sources[self.me] = found.sources[self.me].replace(" ", "_")
-        window, snapshots = (found.window, found.snapshots.__getitem__) if found else (0, None)
+        window_size, snapshots = (found.window_size, found.snapshots.__getitem__) if found else (0, None)
         scope = self.layout.stages_of(pps)
         boundary, scalars = self._logs(failed, scope, t0, target)
         stats.fetch = time.perf_counter() - started
         if self.layout.pp_of[self.me] in pps:
             if found is None:
                 self.conversion.load_initial_state()
-            self.conversion.replay(ReplayPlan(t0, target, window, scope, snapshots, scalars, boundary), stats)
+            self.conversion.replay(ReplayPlan(t0, target, window_size, scope, snapshots, scalars, boundary), stats)
         return stats
 
     def restart(self, found: RestartPoint) -> int:
@@ -188,14 +188,14 @@ class Recovery:
         of the replayed iterations come from the headers and are kept, as are the boundary logs the replay
         writes: every rank holds both from t0 on."""
         started = time.perf_counter()
-        t0, window = found.window_start, found.window
-        replayed = window - 1 if found.relaid else window
+        t0, window_size = found.window_start, found.window_size
+        replayed = window_size - 1 if found.relaid else window_size
         stats = ReplayStats(fetch=found.seconds)
         scalars = {header.iteration: header.meta["scalars"] for header, _ in found.snapshots[:replayed]}
         self.ck.persisted.restore_scalars(scalars)
         every_stage = set(range(self.layout.n_stages))
         self.conversion.replay(
-            ReplayPlan(t0, t0 + replayed, window, every_stage, found.snapshots.__getitem__, scalars, {}), stats
+            ReplayPlan(t0, t0 + replayed, window_size, every_stage, found.snapshots.__getitem__, scalars, {}), stats
         )
         if found.relaid:
             self.conversion.activate_slot(*found.snapshots[-1])
@@ -235,20 +235,20 @@ class Recovery:
         pps = self._rolled_back(failed)
         scope = self.layout.stages_of(pps)
         t0 = self.ck.persisted.rollback_point()
-        window = self.ck.persisted.window[1] if self.ck.persisted.window else 0
+        window_size = self.ck.persisted.span.size if self.ck.persisted.span else 0
         start = time.perf_counter()
-        if window:
-            stats.sources = fetch_from_replicas(self.ck, failed, window)
+        if window_size:
+            stats.sources = fetch_from_replicas(self.ck, failed, window_size)
         boundary, scalars = self._logs(failed, scope, t0, step)
         stats.fetch = time.perf_counter() - start
         if self.layout.pp_of[self.me] not in pps:
             return stats
         # Slot orders must agree inside the unit (FSDP shards, expert peers): everyone starts afresh.
         self.ck.reset_popularity()
-        if not window:
+        if not window_size:
             self.conversion.load_initial_state()
         self.conversion.replay(
-            ReplayPlan(t0, step, window, scope, self.ck.persisted.snapshot, scalars, boundary, stop_after), stats
+            ReplayPlan(t0, step, window_size, scope, self.ck.persisted.snapshot, scalars, boundary, stop_after), stats
         )
         return stats
 

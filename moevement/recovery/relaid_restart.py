@@ -52,7 +52,7 @@ class WindowOf:
     """A window of some layout: its start, its W and the data-parallel layout it was taken in."""
 
     start: int
-    window: int
+    window_size: int
     dp: int
     ep: int
 
@@ -105,13 +105,13 @@ def find_relaid_window(
         relaid, sources = _relay(rank, key, survey, holders[key], target)
         if all(sources):
             line(
-                f"restart: re-laid window {key.start} (W={key.window}) of dp={key.dp} into "
+                f"restart: re-laid window {key.start} (W={key.window_size}) of dp={key.dp} into "
                 f"dp={target.place.layout.dp} from {_kinds(sources)}"
             )
             index = max(g[1] for g in gathered) + 1
             last = max(g[2] for g in gathered)
             seconds = time.perf_counter() - started
-            return RestartPoint(key.start, key.window, relaid, sources, last, seconds, index, relaid=True)
+            return RestartPoint(key.start, key.window_size, relaid, sources, last, seconds, index, relaid=True)
         line(f"restart: window {key.start} of dp={key.dp} cannot be re-laid on every rank; trying an older one")
     if holders:
         line(
@@ -163,7 +163,7 @@ def _survey_disk(rank: int, disk: Path, rank_dir: Path, survey: NodeSurvey) -> N
     slots = sorted(int(p.stem[1:]) for p in rank_dir.glob("s*.json") if p.stem[1:].isdigit())
     paths = [rank_dir / f"s{slot}" for slot in slots]
     placed = _placed(rank, paths[0]) if paths else None
-    if placed is not None and slots == list(range(placed[0].window)):
+    if placed is not None and slots == list(range(placed[0].window_size)):
         survey.copies[placed[0]].setdefault(placed[1], []).append(
             (f"{PERSIST_DIR} {rank_dir.relative_to(disk)}", paths)
         )
@@ -193,7 +193,7 @@ def _candidates(
     new = target.place.layout
     usable = []
     for key in sorted(holders, reverse=True):
-        if (key.start > persisted and key not in durable) or key.start + key.window - 1 <= target.dense_step:
+        if (key.start > persisted and key not in durable) or key.start + key.window_size - 1 <= target.dense_step:
             continue
         if key.ep != new.ep or key.dp % key.ep:
             continue
@@ -248,7 +248,7 @@ def _checked(slots: list[Slot], key: WindowOf, part: Part, target: RelayTarget, 
 
 def _check(header: SnapshotHeader, key: WindowOf, part: Part, target: RelayTarget, source: str) -> None:
     """SnapshotError naming `source` unless `header` is of window `key`, part `part`, and this run."""
-    if (header.window_start, header.window) != (key.start, key.window):
+    if (header.window_start, header.window) != (key.start, key.window_size):
         raise SnapshotError(f"{source}: snapshot of iteration {header.iteration} is not of window {key}")
     expect = {"layout": {"dp": key.dp, "ep": key.ep}, "pp_rank": part[0], "dp_rank": part[1]}
     snapshot_identity_check(expect, target.run_mismatch)(header, source)

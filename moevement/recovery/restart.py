@@ -52,7 +52,7 @@ class RestartPoint:
     """The checkpoint a restarted rank converts: window [window_start, window_start + window)."""
 
     window_start: int
-    window: int
+    window_size: int
     snapshots: Loaded
     sources: list[str]  # which copy every rank used, by rank
     last_iteration: int  # newest iteration any surviving snapshot records (the job died after it)
@@ -67,7 +67,7 @@ class _Copy:
     load: Callable[[], Loaded]
     in_host_memory: bool
     file_of: Callable[[SnapshotHeader], str]  # the file a snapshot of this copy was read from
-    window: int = 0  # W of a host copy
+    window_size: int = 0  # W of a host copy
 
 
 @dataclass
@@ -99,9 +99,9 @@ class _Agreement:
     resume_at: int  # the iteration the survivors of a rejoin resume at (0: none)
     remote: dict[int, dict[int, list[int]]] = field(default_factory=dict)  # `_remote_holders`
 
-    def host_copy_usable(self, start: int, window: int) -> bool:
+    def host_copy_usable(self, start: int, window_size: int) -> bool:
         """Whether a copy in host memory of window [start, start + window) may be restarted from."""
-        return start <= self.persisted or start + window <= self.resume_at
+        return start <= self.persisted or start + window_size <= self.resume_at
 
 
 def reject(rank: int, source: str, error: Exception) -> None:
@@ -127,13 +127,13 @@ def host_windows(rank: int, directory: Path) -> HostWindows:
         found.seen = True
         try:
             header = read_header(json_path.with_suffix(""))
-            start, slot, window = header["window_start"], header["slot"], header["window"]
+            start, slot, window_size = header["window_start"], header["slot"], header["window"]
             found.newest_iteration = max(found.newest_iteration, int(header["iteration"]))
         except (*UNUSABLE, KeyError, TypeError, ValueError) as e:
             reject(rank, str(json_path), e)
             continue
         slots[start][slot] = json_path.with_suffix("")
-        sizes[start] = window
+        sizes[start] = window_size
     found.windows = {
         start: [by_slot[i] for i in range(sizes[start])]
         for start, by_slot in slots.items()
@@ -271,7 +271,7 @@ def _candidate_windows(survey: _Survey, agreed: _Agreement) -> tuple[dict[int, l
     """This rank's usable copies by window start, and the starts every rank has a copy of (its own or a
     peer's replica), newest first (collective)."""
     usable = {
-        start: [c for c in copies if not c.in_host_memory or agreed.host_copy_usable(start, c.window)]
+        start: [c for c in copies if not c.in_host_memory or agreed.host_copy_usable(start, c.window_size)]
         for start, copies in survey.copies.items()
     }
     starts = sorted(start for start, copies in usable.items() if copies)
@@ -306,8 +306,8 @@ def _remote_holders(held_by: list[dict], usable: Callable[[int, int], bool]) -> 
     remote: dict[int, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
     for holder, held in enumerate(held_by):
         for source, windows in held.items():
-            for start, window in windows.items():
-                if source != holder and usable(start, window):
+            for start, window_size in windows.items():
+                if source != holder and usable(start, window_size):
                     remote[source][start].append(holder)
     return remote
 

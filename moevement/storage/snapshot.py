@@ -89,7 +89,7 @@ class SnapshotHeader:
     iteration: int
     window_start: int
     slot: int
-    window: int
+    window: int  # W, the window's size (named `window_size` elsewhere; this key is the on-disk format's)
     rank: int
     active: list[str]  # operators whose FP32 state this snapshot holds (slot `slot`)
     frozen: list[str]  # operators whose compute weights it holds (later slots)

@@ -200,8 +200,8 @@ def stage_footprint(cfg: Config, pp_rank: int) -> Stage:
     stage = Stage([], (sum(sizes.fp32), sum(sizes.fp32_entries)), tuple(log), log_pinned, _record(entries))
     ck = cfg.checkpoint
     if ck.strategy == "moevement":  # every window size Algorithm 1 may choose, a slot's buffer its largest snapshot
-        windows = [ck.window] if ck.window else range(1, ck.max_window + 1)
-        stage.slot_bytes = slot_bytes(ops, sizes, windows, ck.slots, cost=_file)
+        window_sizes = [ck.window] if ck.window else range(1, ck.max_window + 1)
+        stage.slot_bytes = slot_bytes(ops, sizes, window_sizes, ck.slots, cost=_file)
     else:
         stage.slot_bytes = [stage.dense_slot()]
     return stage

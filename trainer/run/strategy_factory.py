@@ -23,6 +23,7 @@ from baselines.intervals import IntervalPolicy
 from baselines.moc import LostTokens, PartialExpertSelector
 from baselines.strategy import IntervalBaseline
 from models.experts import stacked_experts
+from moevement.checkpoint.binding import CheckpointedModel, CheckpointerPlace
 from moevement.checkpoint.checkpointer import SparseCheckpointer
 from moevement.operators import Operator, Stacked, build_registry
 from moevement.recovery.conversion import Conversion, TrainerHooks
@@ -144,7 +145,7 @@ def build_strategy(
     if strategy != "moevement":
         restarted = plan.restarted and not from_dense or found is not None  # found, from_dense: a re-laid one
         restart = RestartState(rejoin.live, found, checks["run"], rejoin.fault) if restarted else None
-        return _interval_baseline(cfg, model, optimizer, dims, ops, new_checkpointer, line, lock, rejoin, restart)
+        return _interval_baseline(cfg, model, dims, ops, new_checkpointer, line, lock, rejoin, restart)
     checkpointer = new_checkpointer(dataclasses.replace(cfg.checkpoint, persist_dir=str(disk or "")))
     if from_dense and dist.is_initialized():
         target = _relay_target(dims, topo, checkpointer.ops, identity, job_meta, dense_step)
@@ -193,19 +194,11 @@ def _checkpointer_factory(
 ) -> Callable[..., SparseCheckpointer]:
     """`SparseCheckpointer` bound to this rank's model, layout and host directory; a strategy passes its own
     checkpoint config (and policy)."""
-    return functools.partial(
-        SparseCheckpointer,
-        model=model.view,
-        optimizer=optimizer,
-        stacked=stacked_operators(model.view),
-        compute_dtype=DTYPES[cfg.training.mixed_precision],
-        device=dims.device,
-        rank_dir=rank_dir,
-        topology=topo,
-        job_meta=job_meta,
-        rank_dirs=_same_node_dirs(cfg),
-        group_timeout_s=cfg.fault.timeout_s,
+    state = CheckpointedModel(
+        model.view, optimizer, DTYPES[cfg.training.mixed_precision], dims.device, stacked_operators(model.view)
     )
+    place = CheckpointerPlace(topo, rank_dir, job_meta, _same_node_dirs(cfg), cfg.fault.timeout_s)
+    return functools.partial(SparseCheckpointer, state=state, place=place)
 
 
 def _job_meta(cfg: Config, dims: ParallelDims, identity: RunIdentity, run_id: str) -> dict:
@@ -265,7 +258,6 @@ def _restart_point(
 def _interval_baseline(
     cfg: Config,
     model: ModelParts,
-    optimizer,
     dims: ParallelDims,
     ops: list[Operator],
     new_checkpointer: Callable[..., SparseCheckpointer],
@@ -300,8 +292,6 @@ def _interval_baseline(
         strategy,
         checkpointer,
         policy,
-        Path(ck_cfg.persist_dir) if ck_cfg.persist_dir else None,
-        optimizer,
         model.n_stages,
         lambda: initial_parameters(cfg.model, dims, cfg.job.seed),
         line,

@@ -27,7 +27,7 @@ def profile_record(inputs: WindowInputs, replicas: int) -> dict:
         "copy_gbs": inputs.bandwidth / 1e9,
         "nic_gbps": None,
         "replicas": replicas,
-        "window": inputs.window,
+        "window": inputs.window_size,
     }
 
 
@@ -44,4 +44,6 @@ def write_window_profile(path: str, inputs: WindowInputs | None, replicas: int) 
     except OSError as e:
         return f"metrics.profile: cannot write {path} ({e.strerror or e})"
     operators = len(inputs.fp32_bytes)
-    return f"metrics.profile: wrote {path} (T={inputs.iteration_s:.3f} s, W={inputs.window}, {operators} operators)"
+    return (
+        f"metrics.profile: wrote {path} (T={inputs.iteration_s:.3f} s, W={inputs.window_size}, {operators} operators)"
+    )
