@@ -37,6 +37,7 @@ from parallelisms.distributed import (
     workers_share_agent_store,
 )
 from trainer.lifecycle import rank_shell
+from trainer.lifecycle.verdict import CannotForm, Waiting, cannot_form
 
 
 class JobFinished(Exception):  # noqa: N818 (a state reached, not an error)
@@ -149,12 +150,13 @@ def finished_step() -> int | None:
 
 
 class GenerationWatch:
-    """Polled while this rank waits to join in-place generation `generation`: raises `JobFinished` or
-    `PeersLeft` once the generation can no longer form, or what `nodes` (given the store) raises for a node
-    gone with its ranks (`trainer.lifecycle.node_presence.NodeWatch`). It reads the store through a client
-    of its own: the joining thread's client is held by its blocking waits."""
+    """Polled while this rank waits to join in-place generation `generation`: raises `JobFinished`,
+    `PeersLeft`, or the `NodeLost` that `nodes` (given the store) returns for a node gone with its ranks
+    (`trainer.lifecycle.node_presence.NodeWatch`), once the generation can no longer form
+    (`verdict.cannot_form`). It reads the store through a client of its own: the joining thread's client is
+    held by its blocking waits."""
 
-    def __init__(self, generation: int, nodes: Callable[[dist.Store], None] | None = None):
+    def __init__(self, generation: int, nodes: Callable[[dist.Store], GenerationCannotForm | None] | None = None):
         self.generation, self.nodes = generation, nodes
         self.rank, self.world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
         self.store: dist.Store | None = None
@@ -164,15 +166,19 @@ class GenerationWatch:
         if store is None:
             return
         try:
-            if store.check([_finished_key()]):
-                raise JobFinished(self.generation, int(store.get(_finished_key())))
+            finished = store.check([_finished_key()])
             others = [_left_key(r) for r in range(self.world) if r != self.rank]
-            if others and store.check(others):
-                raise PeersLeft(self.generation)
-            if self.nodes is not None:
-                self.nodes(store)
+            left = not finished and bool(others) and store.check(others)
+            lost = self.nodes(store) if self.nodes is not None and not (finished or left) else None
+            why = cannot_form(Waiting(finished, left, lost is not None))
+            if why is CannotForm.JOB_FINISHED:
+                raise JobFinished(self.generation, int(store.get(_finished_key())))
         except STORE_ERRORS:
             return  # the store cannot answer now: keep waiting for the generation
+        if why is CannotForm.PEERS_LEFT:
+            raise PeersLeft(self.generation)
+        if why is CannotForm.NODE_LOST:
+            raise lost
 
     def _client(self) -> dist.Store | None:
         if self.store is None and "MASTER_ADDR" in os.environ:

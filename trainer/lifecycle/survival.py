@@ -4,7 +4,7 @@ The verdict (`verdict.decide`) says which of these runs: `survive_in_place` keep
 the next in-place generation; `keep_state_and_exit` writes it to host memory for torchrun's restart of every
 worker and exits; `keep_for_torchrun_restart` writes what an earlier generation kept in memory, when the
 next generation cannot form. Which state a rank holds when it stops is the stop guard's
-(`trainer/lifecycle/stop_guard.py`).
+(`trainer/lifecycle/stop_guard.py`), and which state it then keeps is `verdict.kept_iteration`'s table.
 
 The gradient-norm all-reduce is global, so a survivor that finished it knows every rank entered it; the
 survivors that did not finish it hold `state_T` and the restarted job widens the scope to their stages
@@ -28,8 +28,11 @@ from trainer.lifecycle.peer_failure import GLOO_GISTS, WorkerStopped, gist, peer
 from trainer.lifecycle.startup import process_start_time
 from trainer.lifecycle.stop_guard import StopGuard
 from trainer.lifecycle.survivor_lines import DETECTED, REJOINS, SurvivorLine
+from trainer.lifecycle.verdict import kept_iteration
 from trainer.run import event_log
 from trainer.run.host_paths import host_job_dir, host_rank_dir
+
+NOTHING_KEPT = "no live state (it was recovering; its stage replays)"
 
 
 def keep_state_and_exit(guard: StopGuard, keep_live_state, error: BaseException) -> None:
@@ -41,10 +44,10 @@ def keep_state_and_exit(guard: StopGuard, keep_live_state, error: BaseException)
     how = "SIGTERM from the torchrun agent" if sigterm else gist(error)
     detected = {"how": how, "time": guard.sigterm_at if sigterm else time.time()}
     guard.stop()
-    if guard.stopped_in == "recovering":
-        kept = "no live state (it was recovering; its stage replays)"
+    next_iteration = kept_iteration(guard.stopped_in, guard.step, guard.applied)
+    if next_iteration is None:
+        kept = NOTHING_KEPT
     else:
-        next_iteration = guard.step + 1 if guard.stopped_in == "applying" else guard.applied + 1
         nbytes = keep_live_state(next_iteration, detected)
         kept = f"live state of iteration {next_iteration}, {nbytes / 1e6:.1f} MB" if nbytes else "no live state"
     if sigterm:
@@ -67,10 +70,10 @@ def survive_in_place(job, error: BaseException):
     guard, detected_at = job.guard, time.time()
     how = gist(peer_error(error) or error)
     guard.stop()
-    if guard.stopped_in == "recovering":
-        kept, what = None, "no live state (it was recovering; its stage replays)"
+    next_iteration = kept_iteration(guard.stopped_in, guard.step, guard.applied)
+    if next_iteration is None:
+        kept, what = None, NOTHING_KEPT
     else:
-        next_iteration = guard.step + 1 if guard.stopped_in == "applying" else guard.applied + 1
         kept = job.ft.keep_in_memory(next_iteration, {"how": how, "time": detected_at})
         what = f"live state of iteration {next_iteration} in memory" if kept else "no live state"
     accounting = job.accounting.record(detected_at)
