@@ -21,13 +21,13 @@ from parallelisms.distributed import (
     peer_stopped_with_an_error,
     sever_connections,
 )
+from trainer import event_writer
 from trainer.lifecycle import job_end, rank_shell
 from trainer.lifecycle.peer_failure import peer_failure, stopped_by_sigterm
 from trainer.lifecycle.start_plan import StartPlan
 from trainer.lifecycle.survival import keep_for_torchrun_restart, keep_state_and_exit, survive_in_place
 from trainer.lifecycle.survivor_lines import START_FAILED, SurvivorLine
 from trainer.lifecycle.verdict import Happened, Verdict, decide
-from trainer.run import event_log
 
 
 class PeerStopped(Exception):  # noqa: N818 (a state reached, not an error)
@@ -130,5 +130,5 @@ def _after_generation_failure(cfg, plan: StartPlan, error: BaseException) -> Sta
         raise error
     plan = plan.next_generation(plan.kept, plan.accounting, plan.fault)  # the same failure, still to recover
     sever_connections()
-    event_log.say(SurvivorLine(START_FAILED, dist.get_rank(), pid=os.getpid(), generation=plan.generation))
+    event_writer.say(SurvivorLine(START_FAILED, dist.get_rank(), pid=os.getpid(), generation=plan.generation))
     return plan

@@ -9,13 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from moevement.storage.host_memory import JobLock
 from trainer.lifecycle.startup import Startup
-
-if TYPE_CHECKING:
-    from trainer.run.prebuilt import Prebuilt
 
 
 @dataclass(eq=False)
@@ -23,9 +19,11 @@ class ProcessState:
     startup: Startup  # when the process started and reached each stage of this generation's set-up
     sigterm_at: float | None = None  # SIGTERM reached the process: every later generation's guard stops at once
     locks: dict[Path, JobLock] = field(default_factory=dict)  # host-state locks held for the process's lifetime
-    prebuilt: Prebuilt | None = None  # what a warm standby built before its activation, until setup takes it
+    # what a warm standby built before its activation (a `trainer.run.prebuilt.Prebuilt`, which the lifecycle
+    # only carries), until setup takes it
+    prebuilt: object | None = None
 
-    def take_prebuilt(self) -> Prebuilt | None:
+    def take_prebuilt(self) -> object | None:
         """What the standby built, once: the first generation's setup takes it on (its modules are then that
         generation's); a later generation builds afresh."""
         prebuilt, self.prebuilt = self.prebuilt, None

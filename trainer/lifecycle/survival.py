@@ -23,21 +23,21 @@ import torch.distributed as dist
 from moevement.recovery.live_state import save_kept
 from moevement.storage.private_files import write_json_atomic
 from parallelisms.distributed import sever_connections
+from trainer import event_writer
 from trainer.lifecycle import exit_codes
+from trainer.lifecycle.host_dirs import host_job_dir, host_rank_dir
 from trainer.lifecycle.peer_failure import GLOO_GISTS, WorkerStopped, gist, peer_error
 from trainer.lifecycle.startup import process_start_time
 from trainer.lifecycle.stop_guard import StopGuard
 from trainer.lifecycle.survivor_lines import DETECTED, REJOINS, SurvivorLine
 from trainer.lifecycle.verdict import kept_iteration
-from trainer.run import event_log
-from trainer.run.host_paths import host_job_dir, host_rank_dir
 
 NOTHING_KEPT = "no live state (it was recovering; its stage replays)"
 
 
 def keep_state_and_exit(guard: StopGuard, keep_live_state, error: BaseException) -> None:
     """Another worker died (or the job is stopping): keep this rank's live state if it is consistent, say
-    so in one line (printed and recorded: `event_log.say`), and exit at once (torchrun restarts the job;
+    so in one line (printed and recorded: `event_writer.say`), and exit at once (torchrun restarts the job;
     nothing else here is needed)."""
     error = peer_error(error) or error
     sigterm = isinstance(error, WorkerStopped)
@@ -51,10 +51,10 @@ def keep_state_and_exit(guard: StopGuard, keep_live_state, error: BaseException)
         nbytes = keep_live_state(next_iteration, detected)
         kept = f"live state of iteration {next_iteration}, {nbytes / 1e6:.1f} MB" if nbytes else "no live state"
     if sigterm:
-        event_log.say(guard.preempted_line(guard.step, kept, detected["time"]))
+        event_writer.say(guard.preempted_line(guard.step, kept, detected["time"]))
     else:
         line = SurvivorLine(DETECTED, guard.rank, guard.step, how=how, kept=kept, detected_unix=detected["time"])
-        event_log.say(line)
+        event_writer.say(line)
         if not isinstance(error, dist.DistError) and not any(g in str(error) for g in GLOO_GISTS):
             # told only by where it was raised, with no gist we know: the whole record, to stderr
             traceback.print_exception(error, file=sys.stderr)
@@ -84,7 +84,7 @@ def survive_in_place(job, error: BaseException):
     line = SurvivorLine(
         REJOINS, guard.rank, guard.step, os.getpid(), process_start_time(), how, what, plan.generation, detected_at
     )
-    event_log.say(line)
+    event_writer.say(line)
     return plan
 
 
