@@ -50,6 +50,7 @@ from trainer.config import Config, ConfigError, fault_plan, fit_world, load_conf
 from trainer.config_help import help_text, to_toml
 from trainer.data.batches import TokenBatches, build_data, make_loader
 from trainer.lifecycle import exit_codes, job_end, rank_shell
+from trainer.lifecycle.fault_bounds import fault_bounds
 from trainer.lifecycle.generations import after_training_failure, train_generations
 from trainer.lifecycle.node_presence import NodeWatch, start_node_beat, this_node
 from trainer.lifecycle.process import run_process
@@ -229,8 +230,11 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
     prebuilt = plan.process.take_prebuilt()  # a warm standby's, in its first generation
     guard = stop_guard(cfg, int(os.environ.get("RANK", "0")), plan)
     # a later generation may not form: the job has ended, or a node is gone with its ranks
-    watch = job_end.GenerationWatch(plan.generation, NodeWatch(plan.generation, cfg.fault.node_loss_s, *this_node()))
-    rank, world = init_distributed(cfg.fault.timeout_s, generation=plan.generation, watch=watch)
+    bounds = plan.process.bounds
+    watch = job_end.GenerationWatch(plan.generation, NodeWatch(plan.generation, bounds.node_loss_s, *this_node()))
+    rank, world = init_distributed(
+        bounds.timeout_s, generation=plan.generation, watch=watch, later_join_s=bounds.later_join_s
+    )
     job_end.check_not_finished_earlier()  # torchrun restarted every worker after the job's end
     plan = agree_on_attempt(plan)
     plan.process.startup.mark("process_group")
@@ -243,7 +247,7 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
     if cfg.checkpoint.save_final:
         check_save_target(cfg.checkpoint.save_final)
     configure_determinism(cfg)
-    dims = build_mesh(cfg.parallelism, device_type(), cfg.fault.timeout_s)
+    dims = build_mesh(cfg.parallelism, device_type(), bounds.timeout_s)
     memory_check.warn_if_over(cfg, rank, dims.device)  # before anything of the model is allocated
     if dims.device.type == "cpu" and cfg.training.cpu_reuse_memory:
         reuse_freed_host_memory()
@@ -505,7 +509,7 @@ def finish(job: Job, step: int, loss: float, digest: str | None) -> None:
             job.logger.line(FinalLine(step, loss, digest))
     job_end.record_left(job.rank, step)
     if job.rank != 0:
-        job_end.await_finished(cfg.fault.timeout_s)
+        job_end.await_finished(job.plan.process.bounds.timeout_s)
     job.kill.at("final")
     job.logger.close()
 
@@ -544,7 +548,7 @@ def main(argv: list[str] | None = None, prebuilt: Prebuilt | None = None) -> int
                 print(elastic_worlds_line(cfg))
         else:
             plan = plan_start()
-            plan.process.prebuilt = prebuilt
+            plan.process.prebuilt, plan.process.bounds = prebuilt, fault_bounds(cfg.fault)
             train_generations(cfg, plan, functools.partial(one_generation, cfg))
 
     return run_process(work)

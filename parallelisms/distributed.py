@@ -67,6 +67,7 @@ def init_distributed(
     backend: str | None = None,
     generation: int = 0,
     watch: Callable[[], None] | None = None,
+    later_join_s: float | None = None,
 ) -> tuple[int, int]:
     """Initialise the default process group; return (rank, world).
 
@@ -75,8 +76,8 @@ def init_distributed(
     later are given the same bound by their creator (`bounded_backend`, the device mesh). `backend`: None
     for `default_backend` of this machine; another string serving both devices (`cpu:gloo,cuda:gloo`: two
     processes sharing one GPU, which nccl refuses) only for checks. `generation`: under torchrun, the
-    in-place generation this process joins (`join_generation`, polling `watch` meanwhile when it is a later
-    one)."""
+    in-place generation this process joins (`join_generation`, bounded by `later_join_s` and polling `watch`
+    meanwhile when it is a later one)."""
     if not dist.is_initialized():
         backend = backend or default_backend(device_type())
         if "RANK" in os.environ:  # launched by torchrun
@@ -84,7 +85,7 @@ def init_distributed(
                 configure_nccl_error_handling()
             if device_type() == "cuda":
                 torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-            join_generation(generation, backend, watch, timeout_s)
+            join_generation(generation, backend, watch, timeout_s, later_join_s)
         else:
             if device_type() == "cuda":
                 torch.cuda.init()  # the current device, chosen before DeviceMesh would guess one (and warn)
@@ -114,7 +115,6 @@ def store_round() -> str:
 
 
 _TORCHRUN_STORE: dist.Store | None = None  # torchrun's store (its agent's), kept for later generations
-LATER_GENERATION_JOIN_FACTOR = 2  # a later generation's join is bounded by this many times the bound
 _WATCH_S = 0.5  # how often a later generation's join asks whether the generation can still form
 
 
@@ -123,6 +123,7 @@ def join_generation(
     backend: str | None = None,
     watch: Callable[[], None] | None = None,
     timeout_s: float | None = None,
+    later_join_s: float | None = None,
 ) -> None:
     """Start the default group of in-place generation `generation` of this torchrun attempt, with every rank
     of the job under its own number (collective: it returns once all have joined, or raises after the bound).
@@ -130,17 +131,19 @@ def join_generation(
     Each generation and each torchrun restart meets on its own keys of the agent's store (a restarted job
     or generation would otherwise read the old one's gloo addresses and be refused).
 
-    A later generation is waited for `LATER_GENERATION_JOIN_FACTOR` times the bound: a peer that died while
-    the previous generation started may have left the others waiting for it in that generation's group
-    creation, which fails only after the bound; the group's operations get the bound itself once every
-    rank has joined. While a later generation is waited for, `watch` is called about twice a second: it
-    raises to give up on a generation that can no longer form (the job has ended meanwhile)."""
+    A later generation is waited for `later_join_s` (longer than the bound `timeout_s`: a peer that died
+    while the previous generation started may have left the others waiting for it in that generation's
+    group creation, which fails only after the bound; `trainer.lifecycle.fault_bounds`); the group's
+    operations get the bound itself once every rank has joined (None: PyTorch's default). While a later
+    generation is waited for, `watch` is called about twice a second: it raises to give up on a generation
+    that can no longer form (the job has ended meanwhile)."""
     global _TORCHRUN_STORE
     if _TORCHRUN_STORE is None:
         _TORCHRUN_STORE = next(dist.rendezvous("env://"))[0]
     store = dist.PrefixStore(f"{store_round()}/generation{generation}", _TORCHRUN_STORE)
     bound = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
-    limit = {} if bound is None else {"timeout": bound * (LATER_GENERATION_JOIN_FACTOR if generation else 1)}
+    join_s = later_join_s if generation else timeout_s
+    limit = {} if join_s is None else {"timeout": datetime.timedelta(seconds=join_s)}
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     backend = backend or default_backend(device_type())
     join = functools.partial(dist.init_process_group, backend, store=store, rank=rank, world_size=world, **limit)

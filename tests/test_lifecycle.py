@@ -26,6 +26,7 @@ from trainer.config import Config, ConfigError
 from trainer.data.batches import DataError
 from trainer.lifecycle import generations, job_end, node_presence, process, shell_argv, verdict
 from trainer.lifecycle.exit_codes import exit_status
+from trainer.lifecycle.fault_bounds import FaultBounds, fault_bounds
 from trainer.lifecycle.generations import happened
 from trainer.lifecycle.peer_failure import WorkerStopped, peer_failure
 from trainer.lifecycle.process_state import ProcessState
@@ -52,6 +53,8 @@ from trainer.lifecycle.verdict import (
     on_sigterm,
     runs_a_shell,
 )
+
+BOUNDS = FaultBounds.of(60.0, 60.0)
 
 TABLES = {
     "DECIDE": (verdict.DECIDE, Happened),
@@ -158,7 +161,7 @@ def test_each_verdict_ends_the_process_as_its_caller_says(row, monkeypatch):
     else:
         assert generations._verdict(RuntimeError("a peer's death"), facts.training) is outcome
     if outcome is Verdict.FALLBACK:
-        assert process.ending_of(generations.GenerationNotJoined(3, 60.0)) == verdict.REACHED_FALLBACK
+        assert process.ending_of(generations.GenerationNotJoined(3, BOUNDS)) == verdict.REACHED_FALLBACK
 
 
 def test_the_facts_come_from_the_error_and_the_process(monkeypatch):
@@ -269,7 +272,7 @@ def _two_generations(rank: int, port: int, results) -> None:
     sums = []
     for generation in (0, 1):
         if generation:
-            join_generation(generation, timeout_s=60)
+            join_generation(generation, timeout_s=60, later_join_s=120)
         value = torch.tensor([float(rank + 1) * 10**generation])
         collectives.all_reduce(value)
         sums.append(float(value))
@@ -302,7 +305,7 @@ def _joins_alone(rank: int, port: int, results) -> None:
         return
     store.wait(["rank1/left"])
     try:
-        join_generation(1, timeout_s=1)
+        join_generation(1, timeout_s=1, later_join_s=2)
         results.put("joined")
     except Exception as error:
         facts = happened(error, training=False)
@@ -409,7 +412,7 @@ def test_a_node_is_lost_after_node_loss_s_of_silence():
 @pytest.mark.parametrize(
     ("error", "status", "said"),
     [
-        (generations.GenerationNotJoined(2, 60.0), 75, verdict.Said.BY_THIS_RANK),
+        (generations.GenerationNotJoined(2, BOUNDS), 75, verdict.Said.BY_THIS_RANK),
         (job_end.PeersLeft(2), 75, verdict.Said.BY_THIS_RANK),
         (node_presence.NodeLost(2, 1, 12.0, 10.0), 75, verdict.Said.BY_THIS_RANK),
         (job_end.JobFinished(2, 9), 0, verdict.Said.BY_THIS_RANK),
@@ -431,7 +434,7 @@ def test_an_error_of_no_kind_is_a_traceback():
         process.run_process(lambda: (_ for _ in ()).throw(ValueError("a bug")))
 
 
-@pytest.mark.parametrize("error", [job_end.JobFinished(2, 9), generations.GenerationNotJoined(2, 60.0)])
+@pytest.mark.parametrize("error", [job_end.JobFinished(2, 9), generations.GenerationNotJoined(2, BOUNDS)])
 def test_a_state_the_job_reached_is_said_by_the_rank_that_met_it(error, capsys):
     def work():
         raise error
@@ -493,6 +496,16 @@ def test_when_a_shells_child_kills_a_silent_shell(silent_s, standby, kill):
     """A shell silent longer than `fault.heartbeat_timeout_s` (here 10 s) is stopped or stuck: its trainer
     kills it, its standby `STANDBY_GRACE_S` later."""
     assert a_silent_shell(silent_s, 10.0, standby) is kill
+
+
+def test_the_fault_bounds_are_derived_once_from_the_config():
+    """The defaults' bounds, and the `restart:` line of a later generation not joined, which names them."""
+    bounds = fault_bounds(Config().fault)
+    assert bounds == FaultBounds(timeout_s=600.0, later_join_s=1200.0, node_loss_s=60.0)
+    assert str(generations.GenerationNotJoined(3, bounds)) == (
+        "restart: generation 3 was not joined by every rank within 2 x fault.timeout_s=1200 s: "
+        "torchrun restarts every worker"
+    )
 
 
 def test_the_shell_reads_the_trainers_settings_and_defaults(tmp_path):

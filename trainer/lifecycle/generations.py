@@ -15,14 +15,10 @@ from typing import NoReturn
 
 import torch.distributed as dist
 
-from parallelisms.distributed import (
-    LATER_GENERATION_JOIN_FACTOR,
-    leave_generation,
-    peer_stopped_with_an_error,
-    sever_connections,
-)
+from parallelisms.distributed import leave_generation, peer_stopped_with_an_error, sever_connections
 from trainer import event_writer
 from trainer.lifecycle import job_end, rank_shell
+from trainer.lifecycle.fault_bounds import LATER_GENERATION_JOIN_FACTOR, FaultBounds
 from trainer.lifecycle.peer_failure import peer_failure, stopped_by_sigterm
 from trainer.lifecycle.start_plan import StartPlan
 from trainer.lifecycle.survival import keep_for_torchrun_restart, keep_state_and_exit, survive_in_place
@@ -48,11 +44,10 @@ class GenerationNotJoined(Exception):  # noqa: N818 (a state reached, not an err
     """Not every rank joined an in-place generation within its bound (a hung peer, a replacement that could
     not start): the rank shell hands the recovery to torchrun's restart of every worker."""
 
-    def __init__(self, generation: int, timeout_s: float):
-        factor = LATER_GENERATION_JOIN_FACTOR
+    def __init__(self, generation: int, bounds: FaultBounds):
         super().__init__(
-            f"restart: generation {generation} was not joined by every rank within {factor} x "
-            f"fault.timeout_s={factor * timeout_s:g} s: torchrun restarts every worker"
+            f"restart: generation {generation} was not joined by every rank within {LATER_GENERATION_JOIN_FACTOR} x "
+            f"fault.timeout_s={bounds.later_join_s:g} s: torchrun restarts every worker"
         )
 
 
@@ -125,7 +120,7 @@ def _after_generation_failure(cfg, plan: StartPlan, error: BaseException) -> Sta
     verdict = _verdict(error, training=False)
     if verdict is Verdict.FALLBACK:
         keep_for_torchrun_restart(cfg, plan)
-        raise GenerationNotJoined(plan.generation, cfg.fault.timeout_s) from None
+        raise GenerationNotJoined(plan.generation, plan.process.bounds) from None
     if verdict is not Verdict.REJOIN:
         raise error
     plan = plan.next_generation(plan.kept, plan.accounting, plan.fault)  # the same failure, still to recover

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moevement.storage.host_memory import JobLock
+from trainer.lifecycle.fault_bounds import FaultBounds
 from trainer.lifecycle.startup import Startup
 
 
@@ -19,6 +20,7 @@ class ProcessState:
     startup: Startup  # when the process started and reached each stage of this generation's set-up
     sigterm_at: float | None = None  # SIGTERM reached the process: every later generation's guard stops at once
     locks: dict[Path, JobLock] = field(default_factory=dict)  # host-state locks held for the process's lifetime
+    bounds: FaultBounds | None = None  # the config's fault bounds, once it is loaded (`fault_bounds`, train.py)
     # what a warm standby built before its activation (a `trainer.run.prebuilt.Prebuilt`, which the lifecycle
     # only carries), until setup takes it
     prebuilt: object | None = None
