@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 
 from benchmarks.emulated_nodes import free_port
 from parallelisms import collectives
-from parallelisms.distributed import init_distributed, join_generation, leave_generation, torchrun_store
+from parallelisms.distributed import connect_torchrun_store, init_distributed, join_generation, leave_generation
 from trainer.config import Config, ConfigError
 from trainer.data.batches import DataError
 from trainer.lifecycle import generations, job_end, node_presence, process, shell_argv, verdict
@@ -150,35 +150,35 @@ def test_each_verdict_ends_the_process_as_its_caller_says(row, monkeypatch):
     `process.run_process` ends the process then (exit status 0 after the job's end, 2 after a peer's error;
     a generation that did not form: 75, through torchrun's restart)."""
     facts = witness(verdict.DECIDE, row, Happened)
-    monkeypatch.setattr(generations, "happened", lambda error, training: facts)
-    monkeypatch.setattr(generations.job_end, "finished_step", lambda: 7)
+    monkeypatch.setattr(generations, "happened", lambda error, training, store: facts)
+    monkeypatch.setattr(generations.job_end, "finished_step", lambda store: 7)
     outcome = verdict.DECIDE[row].then
     ends = {Verdict.DONE: verdict.REACHED_THE_END, Verdict.PEER_STOPPED: verdict.PEERS_ERROR}
     if outcome in ends:
         with pytest.raises(Exception) as raised:
-            generations._verdict(RuntimeError("a peer's death"), facts.training)
+            generations._verdict(RuntimeError("a peer's death"), facts.training, None)
         assert process.ending_of(raised.value) == ends[outcome]
     else:
-        assert generations._verdict(RuntimeError("a peer's death"), facts.training) is outcome
+        assert generations._verdict(RuntimeError("a peer's death"), facts.training, None) is outcome
     if outcome is Verdict.FALLBACK:
         assert process.ending_of(generations.GenerationNotJoined(3, BOUNDS)) == verdict.REACHED_FALLBACK
 
 
 def test_the_facts_come_from_the_error_and_the_process(monkeypatch):
     monkeypatch.delenv("MOEVEMENT_ROLE", raising=False)
-    own = happened(ValueError("a bug here"), training=True)
+    own = happened(ValueError("a bug here"), True, None)
     assert not own.peer_failure and decide(own) is Verdict.RAISE
-    stopped = happened(WorkerStopped("SIGTERM from the torchrun agent"), training=True)
+    stopped = happened(WorkerStopped("SIGTERM from the torchrun agent"), True, None)
     assert stopped.peer_failure and stopped.sigterm and not stopped.under_shell
     assert decide(stopped) is Verdict.EXIT_FOR_TORCHRUN
     gone = RuntimeError("pipeline stage failed")  # a peer's death wrapped, as pipelining's errors are
     gone.__cause__ = dist.DistNetworkError("Connection reset by peer")
     assert peer_failure(gone)
     monkeypatch.setenv("MOEVEMENT_ROLE", "trainer")  # a rank shell's trainer child
-    in_loop = happened(gone, training=True)
+    in_loop = happened(gone, True, None)
     assert in_loop.peer_failure and not in_loop.sigterm and in_loop.under_shell
     assert decide(in_loop) is Verdict.REJOIN
-    starting = happened(gone, training=False)  # no process group in this process: the join did not form
+    starting = happened(gone, False, None)  # no process group in this process: the join did not form
     assert not starting.in_a_group and decide(starting) is Verdict.FALLBACK
 
 
@@ -223,11 +223,12 @@ def test_sigterm_once_stopping_only_waits(guard):
 GUARD = """
 import os, signal, sys
 sys.path.insert(0, os.getcwd())
+from trainer.lifecycle.process_state import ProcessState
 from trainer.lifecycle.start_plan import plan_start
+from trainer.lifecycle.startup import STARTUP
 from trainer.lifecycle.stop_guard import StopGuard
 from trainer.lifecycle.survivor_lines import PREEMPTED, SurvivorLine
-from trainer.lifecycle.survivor_lines import PREEMPTED, SurvivorLine
-process = plan_start().process
+process = plan_start(ProcessState(STARTUP)).process
 process.sigterm_at = {earlier}  # a SIGTERM that reached an earlier generation of this process, if any
 guard = StopGuard(3, lambda step, kept: SurvivorLine(PREEMPTED, 3, step, kept=kept, resumes="r"), process, step={step})
 os.kill(os.getpid(), signal.SIGTERM)
@@ -268,17 +269,17 @@ def _two_generations(rank: int, port: int, results) -> None:
         TORCHELASTIC_RESTART_COUNT="0",
         OMP_NUM_THREADS="1",
     )
-    init_distributed(timeout_s=60, generation=0)
+    store = connect_torchrun_store()  # the process's own handle, kept for its later generations
+    init_distributed(timeout_s=60, generation=0, store=store)
     sums = []
     for generation in (0, 1):
         if generation:
-            join_generation(generation, timeout_s=60, later_join_s=120)
+            join_generation(generation, timeout_s=60, later_join_s=120, store=store)
         value = torch.tensor([float(rank + 1) * 10**generation])
         collectives.all_reduce(value)
         sums.append(float(value))
         leave_generation()
         assert not dist.is_initialized()
-    store = torchrun_store()
     store.set(f"left/{rank}", "1")
     store.wait(["left/0", "left/1"])  # rank 0 hosts the store: it stays until rank 1 is done with it
     results.put((rank, sums))
@@ -297,18 +298,18 @@ def _joins_alone(rank: int, port: int, results) -> None:
         RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1"
     )
     os.environ["TORCHELASTIC_RESTART_COUNT"] = "0"
-    init_distributed(timeout_s=1, generation=0)
+    store = connect_torchrun_store()
+    init_distributed(timeout_s=1, generation=0, store=store)
     leave_generation()
-    store = torchrun_store()
     if rank == 1:
         store.set("rank1/left", "1")
         return
     store.wait(["rank1/left"])
     try:
-        join_generation(1, timeout_s=1, later_join_s=2)
+        join_generation(1, timeout_s=1, later_join_s=2, store=store)
         results.put("joined")
     except Exception as error:
-        facts = happened(error, training=False)
+        facts = happened(error, False, store)
         results.put((facts.peer_failure, facts.in_a_group))
 
 
@@ -431,7 +432,7 @@ def test_an_error_of_no_kind_is_a_traceback():
     assert process.ending_of(ValueError("a bug")) is None
     assert process.ending_of(KeyboardInterrupt()) is None
     with pytest.raises(ValueError, match="a bug"):
-        process.run_process(lambda: (_ for _ in ()).throw(ValueError("a bug")))
+        process.run_process(lambda: (_ for _ in ()).throw(ValueError("a bug")), ProcessState(Startup()))
 
 
 @pytest.mark.parametrize("error", [job_end.JobFinished(2, 9), generations.GenerationNotJoined(2, BOUNDS)])
@@ -439,7 +440,7 @@ def test_a_state_the_job_reached_is_said_by_the_rank_that_met_it(error, capsys):
     def work():
         raise error
 
-    assert process.run_process(work) == process.ending_of(error).status
+    assert process.run_process(work, ProcessState(Startup())) == process.ending_of(error).status
     assert capsys.readouterr().out == f"{error}\n"
 
 

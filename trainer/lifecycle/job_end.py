@@ -18,7 +18,8 @@ worker, or a stopped shell that its child killed, ended after the `final` line) 
 rank of the new attempt finds an earlier attempt's `finished` record and exits with success
 (`check_not_finished_earlier`; where the workers share their agent's store, which keeps every attempt's keys).
 
-Training thread only; a missing store (no torchrun) makes every call here a no-op.
+Training thread only; each call is given torchrun's store (`ProcessState.store`); a missing store (no torchrun)
+makes every call here a no-op.
 """
 
 from __future__ import annotations
@@ -29,13 +30,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from parallelisms.distributed import (
-    STORE_ERRORS,
-    store_round,
-    torchrun_store,
-    torchrun_store_client,
-    workers_share_agent_store,
-)
+from parallelisms.distributed import STORE_ERRORS, store_round, torchrun_store_client, workers_share_agent_store
 from trainer.lifecycle import rank_shell
 from trainer.lifecycle.verdict import CannotForm, Waiting, cannot_form
 
@@ -87,10 +82,9 @@ def _left_key(rank: int) -> str:
     return f"{store_round()}/left/{rank}"
 
 
-def record_finished(step: int) -> None:
+def record_finished(store: dist.Store | None, step: int) -> None:
     """Rank 0, the job's results out (the digest held, the checkpoint asked for published): the job finished
-    at `step`; its shell hears it too."""
-    store = torchrun_store()
+    at `step`, recorded on torchrun's `store` (`ProcessState.store`); its shell hears it too."""
     if store is not None:
         try:
             store.set(_finished_key(), str(step))
@@ -99,11 +93,10 @@ def record_finished(step: int) -> None:
         rank_shell.report(f"finished {step}")
 
 
-def await_finished(timeout_s: float) -> int | None:
+def await_finished(store: dist.Store | None, timeout_s: float) -> int | None:
     """Any rank but 0, past the job's last collective: wait up to `timeout_s` for rank 0's record of the end
     (it comes right after that collective) and tell the shell; the step, or None (no store, or rank 0 died
     before recording it: this rank's death is then replaced, and its replacement gives up)."""
-    store = torchrun_store()
     if store is None:
         return None
     try:
@@ -115,9 +108,8 @@ def await_finished(timeout_s: float) -> int | None:
     return step
 
 
-def record_left(rank: int, step: int) -> None:
+def record_left(store: dist.Store | None, rank: int, step: int) -> None:
     """This rank passed the job's last collective: no later generation is to wait for it."""
-    store = torchrun_store()
     if store is not None:
         try:
             store.set(_left_key(rank), str(step))
@@ -125,10 +117,9 @@ def record_left(rank: int, step: int) -> None:
             pass  # the store is gone: the job is ending anyway
 
 
-def check_not_finished_earlier() -> None:
+def check_not_finished_earlier(store: dist.Store | None) -> None:
     """At a start under torchrun: raise `FinishedEarlier` if an earlier attempt of this torchrun run recorded the
     job's end (nothing to check where each round has a store of its own)."""
-    store = torchrun_store()
     if store is None or not workers_share_agent_store():
         return
     for attempt in range(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))):
@@ -140,9 +131,8 @@ def check_not_finished_earlier() -> None:
             return  # the store cannot answer: train (a second `final` line of the same state at worst)
 
 
-def finished_step() -> int | None:
-    """The step the job finished at, if rank 0 recorded its end (None: not yet, or no store)."""
-    store = torchrun_store()
+def finished_step(store: dist.Store | None) -> int | None:
+    """The step the job finished at, if rank 0 recorded its end on `store` (None: not yet, or no store)."""
     try:
         return int(store.get(_finished_key())) if store is not None and store.check([_finished_key()]) else None
     except STORE_ERRORS:

@@ -15,6 +15,8 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
+import torch.distributed as dist
+
 from moevement.recovery.fetch import RecoveryError
 from moevement.storage.private_files import HostMemoryError
 from moevement.storage.snapshot import SnapshotError
@@ -26,6 +28,7 @@ from trainer.data.batches import DataError
 from trainer.error_line import error_line
 from trainer.lifecycle import exit_codes, job_end, verdict
 from trainer.lifecycle.generations import GenerationNotJoined, NothingToRecover, PeerStopped
+from trainer.lifecycle.process_state import ProcessState
 from trainer.lifecycle.verdict import Ending, Said
 
 # The errors that end a rank with one `error:` line (exit status 2), announced to the other ranks.
@@ -46,8 +49,8 @@ def ending_of(error: BaseException) -> Ending | None:
     return next((ending for types, ending in ENDINGS if isinstance(error, types)), None)
 
 
-def run_process(work: Callable[[], None]) -> int:
-    """Run `work` (load the config, train); the exit status for how it ended (`ENDINGS`). One said by a
+def run_process(work: Callable[[], None], process: ProcessState) -> int:
+    """Run `work` (load the config, train, in `process`); the exit status for how it ended (`ENDINGS`). One said by a
     peer or once for the job does not return: the process leaves at once (`leave_now`). An error of no kind
     named there propagates (a traceback, exit status 1: a bug, or a failure nothing classifies)."""
     try:
@@ -56,19 +59,20 @@ def run_process(work: Callable[[], None]) -> int:
         ending = ending_of(error)
         if ending is None:
             raise
-        return end_as(ending, error)
+        return end_as(ending, error, process.store)
     finally:
         shutdown_distributed()
     return exit_codes.DONE
 
 
-def end_as(ending: Ending, error: Exception) -> int:
-    """Say `error` as `ending` says it; its exit status (returned only where the rank says it itself)."""
+def end_as(ending: Ending, error: Exception, store: dist.Store | None) -> int:
+    """Say `error` as `ending` says it (a clean error announced on torchrun's `store`); its exit status
+    (returned only where the rank says it itself)."""
     if ending.said is Said.BY_THIS_RANK:
         print(error, flush=True)
         return ending.status
     if ending.said is Said.ONCE_FOR_THE_JOB:
-        announce_clean_stop(int(os.environ.get("RANK", "0")))
+        announce_clean_stop(store, int(os.environ.get("RANK", "0")))
         said_once_for_the_job(functools.partial(print_error, error))
     leave_now(ending.status)
 
