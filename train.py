@@ -50,9 +50,11 @@ from trainer.config import Config, ConfigError, fault_plan, fit_world, load_conf
 from trainer.config_help import help_text, to_toml
 from trainer.data.batches import TokenBatches, build_data, make_loader
 from trainer.lifecycle import exit_codes, job_end, rank_shell
+from trainer.lifecycle.fault_bounds import fault_bounds
 from trainer.lifecycle.generations import after_training_failure, train_generations
 from trainer.lifecycle.node_presence import NodeWatch, start_node_beat, this_node
 from trainer.lifecycle.process import run_process
+from trainer.lifecycle.process_state import ProcessState
 from trainer.lifecycle.start_plan import StartPlan, agree_on_attempt, plan_start
 from trainer.lifecycle.stop_guard import StopGuard
 from trainer.lifecycle.survival import keep_for_torchrun_restart
@@ -147,9 +149,9 @@ def inject_failures(job: Job, step: int, elapsed_s: float) -> int:
 
     Returns the iteration to run next: `step`, or an interval baseline's rollback target."""
     faults, rank = job.faults, job.rank
-    if faults.crashes_at(step, rank) and not fired(f"crash/{step}/{rank}"):
+    if faults.crashes_at(step, rank) and not fired(job.plan.process.store, f"crash/{step}/{rank}"):
         job.logger.line(FaultStrike(rank, step), every_rank=True)
-        record_fired(f"crash/{step}/{rank}")
+        record_fired(job.plan.process.store, f"crash/{step}/{rank}")
         os._exit(exit_codes.INJECTED_CRASH)
     if faults.timed:  # rank 0's clock decides when a timed failure strikes
         clock = torch.tensor([elapsed_s], dtype=torch.float64)
@@ -226,9 +228,13 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
     prebuilt = plan.process.take_prebuilt()  # a warm standby's, in its first generation
     guard = stop_guard(cfg, int(os.environ.get("RANK", "0")), plan)
     # a later generation may not form: the job has ended, or a node is gone with its ranks
-    watch = job_end.GenerationWatch(plan.generation, NodeWatch(plan.generation, cfg.fault.node_loss_s, *this_node()))
-    rank, world = init_distributed(cfg.fault.timeout_s, generation=plan.generation, watch=watch)
-    job_end.check_not_finished_earlier()  # torchrun restarted every worker after the job's end
+    bounds = plan.process.bounds
+    watch = job_end.GenerationWatch(plan.generation, NodeWatch(plan.generation, bounds.node_loss_s, *this_node()))
+    store = plan.process.join_store()  # torchrun's, kept for the process's later generations
+    rank, world = init_distributed(
+        bounds.timeout_s, generation=plan.generation, watch=watch, later_join_s=bounds.later_join_s, store=store
+    )
+    job_end.check_not_finished_earlier(store)  # torchrun restarted every worker after the job's end
     plan = agree_on_attempt(plan)
     plan.process.startup.mark("process_group")
     cfg, layout = fit_layout(cfg, world, rank)
@@ -236,11 +242,11 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
     if cfg.checkpoint.strategy != "none":  # before the run record: a refused second run leaves nothing behind
         claim_host_state(cfg, rank, plan.process.locks)
     faults = fault_plan(cfg, world)
-    kill_if_joining(faults, rank, plan.kept.next_iteration if plan.kept else None, cfg.fault.kill_signal)
+    kill_if_joining(faults, rank, plan.kept.next_iteration if plan.kept else None, cfg.fault.kill_signal, store)
     if cfg.checkpoint.save_final:
         check_save_target(cfg.checkpoint.save_final)
     configure_determinism(cfg)
-    dims = build_mesh(cfg.parallelism, device_type(), cfg.fault.timeout_s)
+    dims = build_mesh(cfg.parallelism, device_type(), bounds.timeout_s)
     memory_check.warn_if_over(cfg, rank, dims.device)  # before anything of the model is allocated
     if dims.device.type == "cpu" and cfg.training.cpu_reuse_memory:
         reuse_freed_host_memory()
@@ -253,7 +259,7 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
     logger, lineage = open_logger(cfg, rank, world, dims, plan, start, layout)
     built = prebuilt.parts() if prebuilt else None
     ft = build_strategy(cfg, model, optimizer, dims, seeder, train_batches, logger.line, plan, start.step, built)
-    folder = published_run_folder()  # past the strategy's collectives: rank 0 has named it
+    folder = published_run_folder(store)  # past the strategy's collectives: rank 0 has named it
     if rank != 0:
         event_log.record_events_in(folder)  # a rank on rank 0's host records its own lines
     tell_the_shell_the_run_folder(folder)
@@ -342,7 +348,7 @@ def open_logger(
         record = open_run_record(start.resolved, world, sys.argv, plan.restarted, start.source)
         run_dir, continued, lineage = record.path, record.continued, record.lineage
         event_log.record_events_in(run_dir)
-        publish_run_folder(run_dir)
+        publish_run_folder(plan.process.store, run_dir)
     logger = MetricsLogger(cfg, rank, dims.pp_rank, run_dir, continued, dims.device)
     logger.line(f"run: {run_dir}" + (" (continued by a later generation of the run)" if continued else ""))
     if layout is not None:
@@ -445,7 +451,7 @@ def save_final_if_asked(job: Job, step: int, loss: float, digest: str | None) ->
     def published() -> None:
         if job.rank == 0:
             job.logger.line(FinalLine(step, loss, digest))
-            job_end.record_finished(step)
+            job_end.record_finished(job.plan.process.store, step)
         job.kill.at("saved")
 
     save_dense(target, job.model.view, job.optimizer, step, loss, job.cfg, published)
@@ -497,12 +503,12 @@ def finish(job: Job, step: int, loss: float, digest: str | None) -> None:
     job.kill.at("accounting")
     if not cfg.checkpoint.save_final:  # else both happened once the checkpoint was published
         if job.rank == 0:
-            job_end.record_finished(step)
+            job_end.record_finished(job.plan.process.store, step)
         if digest is not None:
             job.logger.line(FinalLine(step, loss, digest))
-    job_end.record_left(job.rank, step)
+    job_end.record_left(job.plan.process.store, job.rank, step)
     if job.rank != 0:
-        job_end.await_finished(cfg.fault.timeout_s)
+        job_end.await_finished(job.plan.process.store, job.plan.process.bounds.timeout_s)
     job.kill.at("final")
     job.logger.close()
 
@@ -540,11 +546,12 @@ def main(argv: list[str] | None = None, prebuilt: Prebuilt | None = None) -> int
             if cfg.parallelism.elastic:
                 print(elastic_worlds_line(cfg))
         else:
-            plan = plan_start()
-            plan.process.prebuilt = prebuilt
+            plan = plan_start(process)
+            process.bounds = fault_bounds(cfg.fault)
             train_generations(cfg, plan, functools.partial(one_generation, cfg))
 
-    return run_process(work)
+    process = ProcessState(STARTUP, prebuilt=prebuilt)  # what outlives this process's generations
+    return run_process(work, process)
 
 
 if __name__ == "__main__":

@@ -67,6 +67,8 @@ def init_distributed(
     backend: str | None = None,
     generation: int = 0,
     watch: Callable[[], None] | None = None,
+    later_join_s: float | None = None,
+    store: dist.Store | None = None,
 ) -> tuple[int, int]:
     """Initialise the default process group; return (rank, world).
 
@@ -75,8 +77,9 @@ def init_distributed(
     later are given the same bound by their creator (`bounded_backend`, the device mesh). `backend`: None
     for `default_backend` of this machine; another string serving both devices (`cpu:gloo,cuda:gloo`: two
     processes sharing one GPU, which nccl refuses) only for checks. `generation`: under torchrun, the
-    in-place generation this process joins (`join_generation`, polling `watch` meanwhile when it is a later
-    one)."""
+    in-place generation this process joins (`join_generation`, bounded by `later_join_s` and polling `watch`
+    meanwhile when it is a later one), on torchrun's `store` (`connect_torchrun_store`; None: connect for
+    this join only)."""
     if not dist.is_initialized():
         backend = backend or default_backend(device_type())
         if "RANK" in os.environ:  # launched by torchrun
@@ -84,7 +87,7 @@ def init_distributed(
                 configure_nccl_error_handling()
             if device_type() == "cuda":
                 torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-            join_generation(generation, backend, watch, timeout_s)
+            join_generation(generation, backend, watch, timeout_s, later_join_s, store)
         else:
             if device_type() == "cuda":
                 torch.cuda.init()  # the current device, chosen before DeviceMesh would guess one (and warn)
@@ -113,8 +116,6 @@ def store_round() -> str:
     return f"attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
-_TORCHRUN_STORE: dist.Store | None = None  # torchrun's store (its agent's), kept for later generations
-LATER_GENERATION_JOIN_FACTOR = 2  # a later generation's join is bounded by this many times the bound
 _WATCH_S = 0.5  # how often a later generation's join asks whether the generation can still form
 
 
@@ -123,24 +124,29 @@ def join_generation(
     backend: str | None = None,
     watch: Callable[[], None] | None = None,
     timeout_s: float | None = None,
+    later_join_s: float | None = None,
+    store: dist.Store | None = None,
 ) -> None:
     """Start the default group of in-place generation `generation` of this torchrun attempt, with every rank
     of the job under its own number (collective: it returns once all have joined, or raises after the bound).
 
-    Each generation and each torchrun restart meets on its own keys of the agent's store (a restarted job
-    or generation would otherwise read the old one's gloo addresses and be refused).
+    Each generation and each torchrun restart meets on its own keys of torchrun's `store` (a restarted job
+    or generation would otherwise read the old one's gloo addresses and be refused): the one this process
+    connected to once (`connect_torchrun_store`) and keeps for its later generations (None: connect for this
+    join only).
 
-    A later generation is waited for `LATER_GENERATION_JOIN_FACTOR` times the bound: a peer that died while
-    the previous generation started may have left the others waiting for it in that generation's group
-    creation, which fails only after the bound; the group's operations get the bound itself once every
-    rank has joined. While a later generation is waited for, `watch` is called about twice a second: it
-    raises to give up on a generation that can no longer form (the job has ended meanwhile)."""
-    global _TORCHRUN_STORE
-    if _TORCHRUN_STORE is None:
-        _TORCHRUN_STORE = next(dist.rendezvous("env://"))[0]
-    store = dist.PrefixStore(f"{store_round()}/generation{generation}", _TORCHRUN_STORE)
+    A later generation is waited for `later_join_s` (longer than the bound `timeout_s`: a peer that died
+    while the previous generation started may have left the others waiting for it in that generation's
+    group creation, which fails only after the bound; `trainer.lifecycle.fault_bounds`); the group's
+    operations get the bound itself once every rank has joined (None: PyTorch's default). While a later
+    generation is waited for, `watch` is called about twice a second: it raises to give up on a generation
+    that can no longer form (the job has ended meanwhile)."""
+    store = dist.PrefixStore(
+        f"{store_round()}/generation{generation}", store if store is not None else connect_torchrun_store()
+    )
     bound = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
-    limit = {} if bound is None else {"timeout": bound * (LATER_GENERATION_JOIN_FACTOR if generation else 1)}
+    join_s = later_join_s if generation else timeout_s
+    limit = {} if join_s is None else {"timeout": datetime.timedelta(seconds=join_s)}
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     backend = backend or default_backend(device_type())
     join = functools.partial(dist.init_process_group, backend, store=store, rank=rank, world_size=world, **limit)
@@ -174,22 +180,24 @@ def _on_a_thread(call, watch: Callable[[], None] | None = None) -> None:
         raise failure[0]
 
 
-def torchrun_store() -> dist.Store | None:
-    """torchrun's store (its agent's: it outlives every worker and every restart), once this process joined
-    a generation under torchrun; None otherwise."""
-    return _TORCHRUN_STORE
+def connect_torchrun_store() -> dist.Store:
+    """Under torchrun: this process's handle on torchrun's store (its agent's, which outlives every worker
+    and restart; or, where each round has a store of its own, the one rank 0 hosts), made once per process
+    and kept by its caller for every later generation (`trainer.lifecycle.process_state.ProcessState`)."""
+    return next(dist.rendezvous("env://"))[0]
 
 
 def _stop_key() -> str:
     return f"{store_round()}/stopped-with-an-error"
 
 
-def announce_clean_stop(rank: int) -> None:
+def announce_clean_stop(store: dist.Store | None, rank: int) -> None:
     """This rank stops with a clean error (one line, exit status 2): tell the other ranks through torchrun's
-    store, so that they stop the same way instead of treating its departure as a death."""
-    if _TORCHRUN_STORE is not None:
+    `store` (None: this process joined no generation under torchrun), so that they stop the same way instead
+    of treating its departure as a death."""
+    if store is not None:
         try:
-            _TORCHRUN_STORE.set(_stop_key(), str(rank))
+            store.set(_stop_key(), str(rank))
         except STORE_ERRORS:
             pass  # the store is gone: the job is ending anyway
 
@@ -233,12 +241,13 @@ def said_once_for_the_job(say: Callable[[], None], wait_s: float = 10.0) -> None
         pass  # the store is gone, or the sayer did not get there in time: exit all the same
 
 
-def peer_stopped_with_an_error() -> bool:
-    """Whether another rank of this attempt stopped with a clean error (`announce_clean_stop`)."""
-    if _TORCHRUN_STORE is None:
+def peer_stopped_with_an_error(store: dist.Store | None) -> bool:
+    """Whether another rank of this attempt stopped with a clean error (`announce_clean_stop`) on torchrun's
+    `store` (None: no store, no peer's word)."""
+    if store is None:
         return False
     try:
-        return _TORCHRUN_STORE.check([_stop_key()])
+        return store.check([_stop_key()])
     except STORE_ERRORS:
         return False
 

@@ -124,34 +124,33 @@ def store(monkeypatch):
     for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "1", "WORLD_SIZE": "3"}.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    monkeypatch.setattr(distributed, "_TORCHRUN_STORE", master)
     return master
 
 
 def test_the_generation_watch_gives_up_only_when_the_generation_cannot_form(store):
     watch = job_end.GenerationWatch(generation=2)
     watch()  # nobody left, the job goes on: keep waiting
-    job_end.record_left(0, LAST)
+    job_end.record_left(store, 0, LAST)
     watch()  # rank 2 may still join
-    job_end.record_left(2, LAST)
+    job_end.record_left(store, 2, LAST)
     with pytest.raises(job_end.PeersLeft, match="generation 2 will not form: every other rank has left"):
         watch()
-    job_end.record_finished(LAST)
+    job_end.record_finished(store, LAST)
     with pytest.raises(job_end.JobFinished, match=f"the job finished at step {LAST}; nothing to recover"):
         watch()
-    assert job_end.finished_step() == LAST and job_end.await_finished(1.0) == LAST
+    assert job_end.finished_step(store) == LAST and job_end.await_finished(store, 1.0) == LAST
 
 
 def test_a_torchrun_restart_after_the_jobs_end_trains_nothing_again(store, monkeypatch):
     """A worker (or a stopped rank shell its child killed) ended after the `final` line and torchrun restarted
     every worker: each rank of the new attempt finds attempt 0's record of the end and exits with success."""
-    job_end.check_not_finished_earlier()  # attempt 0: nothing earlier
-    job_end.record_finished(LAST)
+    job_end.check_not_finished_earlier(store)  # attempt 0: nothing earlier
+    job_end.record_finished(store, LAST)
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
     with pytest.raises(job_end.JobFinished, match=f"finished at step {LAST} in attempt 0 of this torchrun run"):
-        job_end.check_not_finished_earlier()
+        job_end.check_not_finished_earlier(store)
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # each round's own store holds no earlier round
-    job_end.check_not_finished_earlier()
+    job_end.check_not_finished_earlier(store)
 
 
 def test_a_node_whose_beat_stops_for_node_loss_s_is_lost_and_the_generation_given_up(store):

@@ -21,6 +21,9 @@ Layers, bottom to top (a layer may always import itself):
 moevement, baselines and simulator know operators and tensors, never model classes: none of them
 imports ``models``, ``parallelisms`` (but its collectives) or ``trainer``. Module-level and function-level
 imports count alike.
+
+Inside the trainer layer, the parts of `NO_CYCLE` import one way only: trainer.run may import
+trainer.lifecycle and not the reverse; trainer.data may import trainer.config and not the reverse.
 """
 
 from __future__ import annotations
@@ -140,6 +143,13 @@ def test_imports_only_go_down():
     assert not found, f"{len(found)} layering violation(s):\n" + "\n".join(found)
 
 
+def write_tree(root: Path, sources: dict[str, str]) -> None:
+    """A project of `sources` (path -> text) under `root`, for the checkers' own tests."""
+    for name, text in sources.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+
+
 def test_checker_flags_upward_imports(tmp_path, monkeypatch):
     """The checker itself: an upward import, a model import from moevement and a relative import are caught."""
     monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
@@ -156,13 +166,72 @@ def test_checker_flags_upward_imports(tmp_path, monkeypatch):
         "moevement/storage/snapshot.py": "def f():\n    from moevement.recovery import fetch\n",
         "moevement/checkpoint/__init__.py": "import models\nimport torch\n",
     }
-    for name, text in sources.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(text)
+    write_tree(tmp_path, sources)
     assert sorted(violations(python_files(tmp_path))) == [
         "moevement/checkpoint/__init__.py:1: imports models (layer moevement.checkpoint may not import layer models)",
         "moevement/storage/snapshot.py:2: imports moevement.recovery.fetch "
         "(layer moevement.storage may not import layer moevement.recovery)",
+    ]
+
+
+# Parts of the trainer layer that must not import each other both ways: the lower one of each pair is
+# named first (the run wires the lifecycle; the config aggregates the data's section, which only the data
+# preparation's command line reads back).
+NO_CYCLE: tuple[tuple[str, str], ...] = (("trainer.lifecycle", "trainer.run"), ("trainer.config", "trainer.data"))
+
+
+def imports_between(files: list[Path], importer: str, imported: str) -> list[str]:
+    """``file:line: imports X`` for every import (any depth, ``TYPE_CHECKING`` ones too) by a module of
+    ``importer`` (a module and everything under it) of a module of ``imported``."""
+    modules = {module_name(p, ROOT): p for p in files}
+
+    def inside(module: str, prefix: str) -> bool:
+        return module == prefix or module.startswith(prefix + ".")
+
+    out = []
+    for module, path in modules.items():
+        if inside(module, importer):
+            imports = imported_modules(path.read_text(), module, path.name == "__init__.py", set(modules))
+            rel = path.relative_to(ROOT)
+            out += [f"{rel}:{line}: imports {target}" for line, target in imports if inside(target, imported)]
+    return out
+
+
+def cycles(files: list[Path]) -> list[str]:
+    """For each pair of `NO_CYCLE` that imports each other both ways, its upward imports (the lower part's)."""
+    out = []
+    for lower, upper in NO_CYCLE:
+        if imports_between(files, upper, lower):
+            out += imports_between(files, lower, upper)
+    return out
+
+
+def test_the_lifecycle_and_the_run_and_the_config_and_the_data_import_one_way():
+    found = cycles(python_files(ROOT))
+    assert not found, "import cycle(s) inside the trainer:\n" + "\n".join(found)
+
+
+def test_checker_flags_a_cycle(tmp_path, monkeypatch):
+    """The cycle check itself: each direction alone passes, both ways fail on the lower part's import."""
+    monkeypatch.setattr(f"{__name__}.ROOT", tmp_path)
+    sources = {
+        "trainer/__init__.py": "",
+        "trainer/config.py": "",
+        "trainer/data/__init__.py": "",
+        "trainer/data/corpus.py": "from trainer.config import DataConfig\n",
+        "trainer/lifecycle/__init__.py": "",
+        "trainer/lifecycle/survival.py": "",
+        "trainer/run/__init__.py": "",
+        "trainer/run/event_log.py": "from trainer.lifecycle import survival\n",
+    }
+    write_tree(tmp_path, sources)
+    assert cycles(python_files(tmp_path)) == []
+    (tmp_path / "trainer/lifecycle/survival.py").write_text("def f():\n    from trainer.run import event_log\n")
+    upward = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import trainer.data\n"
+    (tmp_path / "trainer/config.py").write_text(upward)
+    assert sorted(cycles(python_files(tmp_path))) == [
+        "trainer/config.py:3: imports trainer.data",
+        "trainer/lifecycle/survival.py:2: imports trainer.run.event_log",
     ]
 
 

@@ -22,7 +22,6 @@ from moevement.failures import END_PHASES, FaultPlan, FaultSpecError, KillEvent
 from parallelisms.elastic import ElasticError, elastic_layout
 from parallelisms.mesh import ParallelismConfig
 from trainer.config_bounds import MAX_STEPS, bound_violation, excerpt
-from trainer.data.batches import DataConfig
 
 Strategy = Literal["none", "moevement", "gemini", "checkfreq", "moc"]
 STRATEGIES: tuple[str, ...] = typing.get_args(Strategy)
@@ -43,6 +42,20 @@ class JobConfig:
     name: str = "moe"  # names the run: its host state, checkpoints and events
     seed: int = 0  # seeds the initial weights, data order and dropout
     output_dir: str = "outputs"  # each run's record and TensorBoard events go to <output_dir>/<name>/<timestamp>/
+
+
+@dataclass
+class DataConfig:
+    """The ``[data]`` section of the training config."""
+
+    dataset: str = "wikitext-2"  # a name under the data directory, a local file or directory, or a Hub id
+    hub_config: str = ""  # configuration name of a Hub dataset
+    train_split: str = "valid"  # split trained on (a file stem in a local directory)
+    val_split: str = "test"  # split validated on ("": no validation data)
+    text_field: str = "text"  # column of json/jsonl/parquet/hub rows; ignored for .txt files
+    tokenizer: str = "byte"  # "byte" or a path to a tokenizer.json
+    num_workers: int = 0  # StatefulDataLoader worker processes (0 = main process)
+    cache_dir: str = ""  # Hugging Face datasets cache; "" = its default (HF_DATASETS_CACHE)
 
 
 @dataclass

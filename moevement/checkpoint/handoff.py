@@ -27,6 +27,10 @@ from moevement.storage.snapshot import CommitRecord
 from moevement.storage.snapshot_copy import CopyCancelled
 from moevement.topology import Topology
 
+# How long `abandon` waits for the replicator where its group has no bound (`group_timeout_s` None: a test or
+# benchmark; the trainer passes `fault.timeout_s`, the bound a dead peer's round fails after).
+UNBOUNDED_STOP_S = 60.0
+
 
 class SnapshotHandoff:
     """Replication (`cfg.replicas` peers over `topology`, collective to build) and disk writes
@@ -116,7 +120,7 @@ class SnapshotHandoff:
         """Training thread, a peer died: replication ends after the rounds already submitted and the disk writes
         finish; errors met here are the dead peer's (a dropped disk write is said, not raised)."""
         if self.replicator is not None:
-            self.replicator.stop(self.group_timeout_s or 60.0)
+            self.replicator.stop(UNBOUNDED_STOP_S if self.group_timeout_s is None else self.group_timeout_s)
         try:
             self.flush_disk()
         except (OSError, RuntimeError) as e:  # the new generation writes the next window again

@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from trainer.config import DataConfig
 from trainer.data.saved_dataset import (
     SavedDatasetError,
     fingerprint,
@@ -57,20 +58,6 @@ _HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.\-]*(/[\w.\-]+)?$")
 
 class DataError(ValueError):
     """A data configuration or data content problem; the message names the config key."""
-
-
-@dataclasses.dataclass
-class DataConfig:
-    """The ``[data]`` section of the training config."""
-
-    dataset: str = "wikitext-2"  # a name under the data directory, a local file or directory, or a Hub id
-    hub_config: str = ""  # configuration name of a Hub dataset
-    train_split: str = "valid"  # split trained on (a file stem in a local directory)
-    val_split: str = "test"  # split validated on ("": no validation data)
-    text_field: str = "text"  # column of json/jsonl/parquet/hub rows; ignored for .txt files
-    tokenizer: str = "byte"  # "byte" or a path to a tokenizer.json
-    num_workers: int = 0  # StatefulDataLoader worker processes (0 = main process)
-    cache_dir: str = ""  # Hugging Face datasets cache; "" = its default (HF_DATASETS_CACHE)
 
 
 # --------------------------------------------------------------------------------------

@@ -17,6 +17,12 @@ STOPPED = 128 + signal.SIGTERM  # torchrun's agent (or a scheduler) stopped the 
 HANDED_TO_TORCHRUN = (DONE, CLEAN_ERROR, FALLBACK, STOPPED)
 
 
+def exit_status(returncode: int) -> int:
+    """The exit status a rank shell hands to torchrun for a child that ended with `returncode`
+    (`Popen.returncode`): its own, or 128 + the signal that killed it, as a shell reports a signal death."""
+    return returncode if returncode >= 0 else 128 - returncode
+
+
 def describe(returncode: int) -> str:
     """How a child with this `Popen.returncode` ended, for a `shell:` line."""
     return f"signal {signal.Signals(-returncode).name}" if returncode < 0 else f"exit status {returncode}"

@@ -15,19 +15,15 @@ from typing import NoReturn
 
 import torch.distributed as dist
 
-from parallelisms.distributed import (
-    LATER_GENERATION_JOIN_FACTOR,
-    leave_generation,
-    peer_stopped_with_an_error,
-    sever_connections,
-)
+from parallelisms.distributed import leave_generation, peer_stopped_with_an_error, sever_connections
+from trainer import event_writer
 from trainer.lifecycle import job_end, rank_shell
+from trainer.lifecycle.fault_bounds import LATER_GENERATION_JOIN_FACTOR, FaultBounds
 from trainer.lifecycle.peer_failure import peer_failure, stopped_by_sigterm
 from trainer.lifecycle.start_plan import StartPlan
 from trainer.lifecycle.survival import keep_for_torchrun_restart, keep_state_and_exit, survive_in_place
 from trainer.lifecycle.survivor_lines import START_FAILED, SurvivorLine
 from trainer.lifecycle.verdict import Happened, Verdict, decide
-from trainer.run import event_log
 
 
 class PeerStopped(Exception):  # noqa: N818 (a state reached, not an error)
@@ -48,11 +44,10 @@ class GenerationNotJoined(Exception):  # noqa: N818 (a state reached, not an err
     """Not every rank joined an in-place generation within its bound (a hung peer, a replacement that could
     not start): the rank shell hands the recovery to torchrun's restart of every worker."""
 
-    def __init__(self, generation: int, timeout_s: float):
-        factor = LATER_GENERATION_JOIN_FACTOR
+    def __init__(self, generation: int, bounds: FaultBounds):
         super().__init__(
-            f"restart: generation {generation} was not joined by every rank within {factor} x "
-            f"fault.timeout_s={factor * timeout_s:g} s: torchrun restarts every worker"
+            f"restart: generation {generation} was not joined by every rank within {LATER_GENERATION_JOIN_FACTOR} x "
+            f"fault.timeout_s={bounds.later_join_s:g} s: torchrun restarts every worker"
         )
 
 
@@ -64,26 +59,26 @@ class Rejoining(Exception):  # noqa: N818 (a state reached, not an error)
         self.plan = plan
 
 
-def happened(error: BaseException, training: bool) -> Happened:
-    """The facts of `error` for a verdict; torchrun's store is asked only about a peer's failure."""
+def happened(error: BaseException, training: bool, store: dist.Store | None) -> Happened:
+    """The facts of `error` for a verdict; torchrun's `store` is asked only about a peer's failure."""
     peer = peer_failure(error)
     return Happened(
         peer_failure=peer,
         sigterm=peer and stopped_by_sigterm(error),
-        job_finished=peer and job_end.finished_step() is not None,
-        peer_said_error=peer and peer_stopped_with_an_error(),
+        job_finished=peer and job_end.finished_step(store) is not None,
+        peer_said_error=peer and peer_stopped_with_an_error(store),
         under_shell=os.environ.get(rank_shell.ROLE) == "trainer",
         training=training,
         in_a_group=dist.is_initialized(),
     )
 
 
-def _verdict(error: BaseException, training: bool) -> Verdict:
-    """The verdict on `error`; the two that end the job's work quietly (`DONE`, `PEER_STOPPED`) are raised
-    here, the same wherever the failure struck."""
-    verdict = decide(happened(error, training))
+def _verdict(error: BaseException, training: bool, store: dist.Store | None) -> Verdict:
+    """The verdict on `error` (torchrun's `store` says what peers recorded); the two that end the job's work
+    quietly (`DONE`, `PEER_STOPPED`) are raised here, the same wherever the failure struck."""
+    verdict = decide(happened(error, training, store))
     if verdict is Verdict.DONE:
-        raise NothingToRecover(job_end.finished_step()) from None
+        raise NothingToRecover(job_end.finished_step(store)) from None
     if verdict is Verdict.PEER_STOPPED:
         raise PeerStopped from None
     return verdict
@@ -92,7 +87,7 @@ def _verdict(error: BaseException, training: bool) -> Verdict:
 def after_training_failure(job, error: BaseException) -> NoReturn:
     """The training loop of `job` ended with `error` (the stop guard stopped the rank): carry out its
     verdict. A survivor replaced in place raises `Rejoining`; one restarted by torchrun exits here."""
-    verdict = _verdict(error, training=True)
+    verdict = _verdict(error, True, job.plan.process.store)
     if verdict is Verdict.REJOIN:
         raise Rejoining(survive_in_place(job, error)) from None
     if verdict is Verdict.EXIT_FOR_TORCHRUN:
@@ -122,13 +117,13 @@ def train_generations(cfg, plan: StartPlan, generation: Callable[[StartPlan], No
 
 def _after_generation_failure(cfg, plan: StartPlan, error: BaseException) -> StartPlan:
     """A generation failed outside its training loop: the next generation's plan, or the verdict's raise."""
-    verdict = _verdict(error, training=False)
+    verdict = _verdict(error, False, plan.process.store)
     if verdict is Verdict.FALLBACK:
         keep_for_torchrun_restart(cfg, plan)
-        raise GenerationNotJoined(plan.generation, cfg.fault.timeout_s) from None
+        raise GenerationNotJoined(plan.generation, plan.process.bounds) from None
     if verdict is not Verdict.REJOIN:
         raise error
     plan = plan.next_generation(plan.kept, plan.accounting, plan.fault)  # the same failure, still to recover
     sever_connections()
-    event_log.say(SurvivorLine(START_FAILED, dist.get_rank(), pid=os.getpid(), generation=plan.generation))
+    event_writer.say(SurvivorLine(START_FAILED, dist.get_rank(), pid=os.getpid(), generation=plan.generation))
     return plan

@@ -18,7 +18,8 @@ worker, or a stopped shell that its child killed, ended after the `final` line) 
 rank of the new attempt finds an earlier attempt's `finished` record and exits with success
 (`check_not_finished_earlier`; where the workers share their agent's store, which keeps every attempt's keys).
 
-Training thread only; a missing store (no torchrun) makes every call here a no-op.
+Training thread only; each call is given torchrun's store (`ProcessState.store`); a missing store (no torchrun)
+makes every call here a no-op.
 """
 
 from __future__ import annotations
@@ -29,14 +30,9 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from parallelisms.distributed import (
-    STORE_ERRORS,
-    store_round,
-    torchrun_store,
-    torchrun_store_client,
-    workers_share_agent_store,
-)
+from parallelisms.distributed import STORE_ERRORS, store_round, torchrun_store_client, workers_share_agent_store
 from trainer.lifecycle import rank_shell
+from trainer.lifecycle.verdict import CannotForm, Waiting, cannot_form
 
 
 class JobFinished(Exception):  # noqa: N818 (a state reached, not an error)
@@ -86,10 +82,9 @@ def _left_key(rank: int) -> str:
     return f"{store_round()}/left/{rank}"
 
 
-def record_finished(step: int) -> None:
+def record_finished(store: dist.Store | None, step: int) -> None:
     """Rank 0, the job's results out (the digest held, the checkpoint asked for published): the job finished
-    at `step`; its shell hears it too."""
-    store = torchrun_store()
+    at `step`, recorded on torchrun's `store` (`ProcessState.store`); its shell hears it too."""
     if store is not None:
         try:
             store.set(_finished_key(), str(step))
@@ -98,11 +93,10 @@ def record_finished(step: int) -> None:
         rank_shell.report(f"finished {step}")
 
 
-def await_finished(timeout_s: float) -> int | None:
+def await_finished(store: dist.Store | None, timeout_s: float) -> int | None:
     """Any rank but 0, past the job's last collective: wait up to `timeout_s` for rank 0's record of the end
     (it comes right after that collective) and tell the shell; the step, or None (no store, or rank 0 died
     before recording it: this rank's death is then replaced, and its replacement gives up)."""
-    store = torchrun_store()
     if store is None:
         return None
     try:
@@ -114,9 +108,8 @@ def await_finished(timeout_s: float) -> int | None:
     return step
 
 
-def record_left(rank: int, step: int) -> None:
+def record_left(store: dist.Store | None, rank: int, step: int) -> None:
     """This rank passed the job's last collective: no later generation is to wait for it."""
-    store = torchrun_store()
     if store is not None:
         try:
             store.set(_left_key(rank), str(step))
@@ -124,10 +117,9 @@ def record_left(rank: int, step: int) -> None:
             pass  # the store is gone: the job is ending anyway
 
 
-def check_not_finished_earlier() -> None:
+def check_not_finished_earlier(store: dist.Store | None) -> None:
     """At a start under torchrun: raise `FinishedEarlier` if an earlier attempt of this torchrun run recorded the
     job's end (nothing to check where each round has a store of its own)."""
-    store = torchrun_store()
     if store is None or not workers_share_agent_store():
         return
     for attempt in range(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))):
@@ -139,9 +131,8 @@ def check_not_finished_earlier() -> None:
             return  # the store cannot answer: train (a second `final` line of the same state at worst)
 
 
-def finished_step() -> int | None:
-    """The step the job finished at, if rank 0 recorded its end (None: not yet, or no store)."""
-    store = torchrun_store()
+def finished_step(store: dist.Store | None) -> int | None:
+    """The step the job finished at, if rank 0 recorded its end on `store` (None: not yet, or no store)."""
     try:
         return int(store.get(_finished_key())) if store is not None and store.check([_finished_key()]) else None
     except STORE_ERRORS:
@@ -149,12 +140,13 @@ def finished_step() -> int | None:
 
 
 class GenerationWatch:
-    """Polled while this rank waits to join in-place generation `generation`: raises `JobFinished` or
-    `PeersLeft` once the generation can no longer form, or what `nodes` (given the store) raises for a node
-    gone with its ranks (`trainer.lifecycle.node_presence.NodeWatch`). It reads the store through a client
-    of its own: the joining thread's client is held by its blocking waits."""
+    """Polled while this rank waits to join in-place generation `generation`: raises `JobFinished`,
+    `PeersLeft`, or the `NodeLost` that `nodes` (given the store) returns for a node gone with its ranks
+    (`trainer.lifecycle.node_presence.NodeWatch`), once the generation can no longer form
+    (`verdict.cannot_form`). It reads the store through a client of its own: the joining thread's client is
+    held by its blocking waits."""
 
-    def __init__(self, generation: int, nodes: Callable[[dist.Store], None] | None = None):
+    def __init__(self, generation: int, nodes: Callable[[dist.Store], GenerationCannotForm | None] | None = None):
         self.generation, self.nodes = generation, nodes
         self.rank, self.world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
         self.store: dist.Store | None = None
@@ -164,15 +156,19 @@ class GenerationWatch:
         if store is None:
             return
         try:
-            if store.check([_finished_key()]):
-                raise JobFinished(self.generation, int(store.get(_finished_key())))
+            finished = store.check([_finished_key()])
             others = [_left_key(r) for r in range(self.world) if r != self.rank]
-            if others and store.check(others):
-                raise PeersLeft(self.generation)
-            if self.nodes is not None:
-                self.nodes(store)
+            left = not finished and bool(others) and store.check(others)
+            lost = self.nodes(store) if self.nodes is not None and not (finished or left) else None
+            why = cannot_form(Waiting(finished, left, lost is not None))
+            if why is CannotForm.JOB_FINISHED:
+                raise JobFinished(self.generation, int(store.get(_finished_key())))
         except STORE_ERRORS:
             return  # the store cannot answer now: keep waiting for the generation
+        if why is CannotForm.PEERS_LEFT:
+            raise PeersLeft(self.generation)
+        if why is CannotForm.NODE_LOST:
+            raise lost
 
     def _client(self) -> dist.Store | None:
         if self.store is None and "MASTER_ADDR" in os.environ:

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from parallelisms.distributed import STORE_ERRORS, store_round, torchrun_store_client
 from trainer.lifecycle import rank_shell
 from trainer.lifecycle.job_end import GenerationCannotForm
+from trainer.lifecycle.verdict import a_lost_node
 
 BEAT_S = 1.0  # how often a trainer adds to its node's count
 
@@ -79,8 +80,9 @@ def start_node_beat() -> threading.Event | None:
 
 class NodeWatch:
     """Polled while this rank waits to join later generation `generation` (with the store `GenerationWatch`
-    reads): raises `NodeLost` once the count of the node after `node`, in ring order over `nodes`, has not
-    moved for `node_loss_s` since this watch first read it. `clock` gives monotonic seconds (a test's own)."""
+    reads): returns `NodeLost` once the node after `node`, in ring order over `nodes`, is lost
+    (`verdict.a_lost_node`: its count has not moved for `node_loss_s` since this watch first read it), else
+    None. `clock` gives monotonic seconds (a test's own)."""
 
     def __init__(
         self, generation: int, node_loss_s: float, node: int, nodes: int, clock: Callable[[], float] = time.monotonic
@@ -89,13 +91,16 @@ class NodeWatch:
         self.watched = (node + 1) % nodes if nodes > 1 else None
         self.last: tuple[int, float] | None = None  # its count, and when it last moved (or was first read)
 
-    def __call__(self, store: dist.Store) -> None:
+    def __call__(self, store: dist.Store) -> NodeLost | None:
         if self.watched is None:
-            return
+            return None
         count, now = store.add(beat_key(self.watched), 0), self.clock()
         if self.last is None or self.last[0] != count:
             self.last = (count, now)
-            return
+            return None
         silent = now - self.last[1]
-        if silent >= self.node_loss_s:
-            raise NodeLost(self.generation, self.watched, silent, self.node_loss_s)
+        return (
+            NodeLost(self.generation, self.watched, silent, self.node_loss_s)
+            if a_lost_node(silent, self.node_loss_s)
+            else None
+        )

@@ -15,6 +15,8 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn
 
+import torch.distributed as dist
+
 from moevement.recovery.fetch import RecoveryError
 from moevement.storage.private_files import HostMemoryError
 from moevement.storage.snapshot import SnapshotError
@@ -24,35 +26,55 @@ from trainer.checkpoint.identity import IdentityError
 from trainer.config import ConfigError
 from trainer.data.batches import DataError
 from trainer.error_line import error_line
-from trainer.lifecycle import exit_codes, job_end
+from trainer.lifecycle import exit_codes, job_end, verdict
 from trainer.lifecycle.generations import GenerationNotJoined, NothingToRecover, PeerStopped
+from trainer.lifecycle.process_state import ProcessState
+from trainer.lifecycle.verdict import Ending, Said
 
 # The errors that end a rank with one `error:` line (exit status 2), announced to the other ranks.
 CLEAN_ERRORS = (ConfigError, CheckpointError, DataError, HostMemoryError, IdentityError, SnapshotError, RecoveryError)
 
+# How the process ended -> how that is said and its exit status (`verdict.Ending`); the first row whose
+# types the exception is an instance of. An exception no row names propagates (a traceback, exit status 1).
+ENDINGS: tuple[tuple[tuple[type[Exception], ...], Ending], ...] = (
+    ((GenerationNotJoined, job_end.GenerationCannotForm), verdict.REACHED_FALLBACK),
+    ((job_end.JobFinished, NothingToRecover), verdict.REACHED_THE_END),
+    ((PeerStopped,), verdict.PEERS_ERROR),
+    (CLEAN_ERRORS, verdict.CLEAN_ERROR),
+)
 
-def run_process(work: Callable[[], None]) -> int:
-    """Run `work` (load the config, train); the exit status for how it ended. A clean error (or a peer's)
-    does not return: the process leaves at once (`leave_now`). An error of no kind named here propagates (a
-    traceback, exit status 1: a bug, or a failure nothing classifies)."""
-    rank = int(os.environ.get("RANK", "0"))
+
+def ending_of(error: BaseException) -> Ending | None:
+    """The row of `ENDINGS` for `error`, or None: not a way of ending this module knows."""
+    return next((ending for types, ending in ENDINGS if isinstance(error, types)), None)
+
+
+def run_process(work: Callable[[], None], process: ProcessState) -> int:
+    """Run `work` (load the config, train, in `process`); the exit status for how it ended (`ENDINGS`). One said by a
+    peer or once for the job does not return: the process leaves at once (`leave_now`). An error of no kind
+    named there propagates (a traceback, exit status 1: a bug, or a failure nothing classifies)."""
     try:
         work()
-    except (GenerationNotJoined, job_end.GenerationCannotForm) as e:
-        print(e, flush=True)
-        return exit_codes.FALLBACK
-    except (job_end.JobFinished, NothingToRecover) as e:
-        print(e, flush=True)
-        return exit_codes.DONE
-    except PeerStopped:
-        leave_now(exit_codes.CLEAN_ERROR)  # the peer said the job's error
-    except CLEAN_ERRORS as e:
-        announce_clean_stop(rank)
-        said_once_for_the_job(functools.partial(print_error, e))
-        leave_now(exit_codes.CLEAN_ERROR)
+    except Exception as error:
+        ending = ending_of(error)
+        if ending is None:
+            raise
+        return end_as(ending, error, process.store)
     finally:
         shutdown_distributed()
     return exit_codes.DONE
+
+
+def end_as(ending: Ending, error: Exception, store: dist.Store | None) -> int:
+    """Say `error` as `ending` says it (a clean error announced on torchrun's `store`); its exit status
+    (returned only where the rank says it itself)."""
+    if ending.said is Said.BY_THIS_RANK:
+        print(error, flush=True)
+        return ending.status
+    if ending.said is Said.ONCE_FOR_THE_JOB:
+        announce_clean_stop(store, int(os.environ.get("RANK", "0")))
+        said_once_for_the_job(functools.partial(print_error, error))
+    leave_now(ending.status)
 
 
 def leave_now(status: int) -> NoReturn:

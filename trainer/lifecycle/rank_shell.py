@@ -50,7 +50,7 @@ import time
 from pathlib import Path
 
 from trainer.lifecycle import exit_codes, store_keeper
-from trainer.lifecycle.exit_codes import describe
+from trainer.lifecycle.exit_codes import describe, exit_status
 from trainer.lifecycle.shell_argv import ERRORS, setting
 from trainer.lifecycle.shell_lines import (
     AFTER_THE_END,
@@ -62,7 +62,18 @@ from trainer.lifecycle.shell_lines import (
     ShellLine,
 )
 from trainer.lifecycle.shell_watch import BEATS_FD, HANG_BOUND, HEARTBEAT_S, ShellBeats, say, watch_shell
-from trainer.lifecycle.verdict import ShellVerdict, a_frozen_child, after_child_exit, hang_bound, runs_a_shell
+from trainer.lifecycle.verdict import (
+    ChildEnd,
+    ShellVerdict,
+    StandbyEnd,
+    StandbyVerdict,
+    a_frozen_child,
+    after_child_exit,
+    after_standby_exit,
+    child_end,
+    hang_bound,
+    runs_a_shell,
+)
 
 ROLE = "MOEVEMENT_ROLE"  # "trainer" or "standby" in the shell's children; unset elsewhere
 SHELL_FD = "MOEVEMENT_SHELL_FD"  # the trainer child's end of the report pipe
@@ -217,24 +228,36 @@ class RankShell:
                 self._keep_a_standby()
                 self._kill_if_frozen()
             self._read_reports(0)
-            verdict = after_child_exit(code, self.finished_at is not None, self.stopping)
+            verdict = after_child_exit(self._child_end(code))
             if verdict is ShellVerdict.DONE:
                 self._say(ShellLine(AFTER_THE_END, self.rank, self.child.pid, describe(code), step=self.finished_at))
                 self._stop_standby()
                 return exit_codes.DONE
-            if verdict is ShellVerdict.HAND_BACK or not self._replace(code):
+            if verdict is not ShellVerdict.REPLACE:
+                if verdict is not ShellVerdict.HAND_BACK:  # a death nobody replaces: say why
+                    self._say(ShellLine(HANDED_BACK, self.rank, self.child.pid, describe(code), why=verdict.value))
                 self._stop_standby()
-                return code if code >= 0 else 128 - code
+                return exit_status(code)
+            self._replace(code)
+
+    def _child_end(self, code: int) -> ChildEnd:
+        """The facts of the trainer child's end with `code` (`verdict.after_child_exit`)."""
+        ready = self.standby is not None and self.standby.poll() is None
+        spent = self.replacements >= self.max_replacements
+        return child_end(code, self.stopping, self.finished_at is not None, ready, spent)
 
     def _keep_a_standby(self) -> None:
         """A standby that died while the trainer ran (killed, out of memory) is started again at once, so the
         trainer's next death is still replaced in place; at most `max_replacements` times (then a death goes
         to torchrun's restart, "no standby")."""
-        if self.standby is None or self.standby.poll() is None or self.stopping:
+        if self.standby is None or self.standby.poll() is None:
+            return
+        verdict = after_standby_exit(StandbyEnd(self.stopping, self.standbys_lost >= self.max_replacements))
+        if verdict is StandbyVerdict.LEAVE:
             return
         dead, code = self.standby.pid, self.standby.returncode
         self.beats.drop(dead)
-        if self.standbys_lost >= self.max_replacements:
+        if verdict is StandbyVerdict.GIVE_UP:
             self._say(ShellLine(STANDBY_LOST, self.rank, dead, describe(code)))
             self.standby = None
             return
@@ -267,13 +290,9 @@ class RankShell:
             self.child.kill()
             self.child.wait()
 
-    def _replace(self, code: int) -> bool:
-        """The trainer child died with `code`: start the standby as the same rank in the next generation."""
+    def _replace(self, code: int) -> None:
+        """The trainer child died with `code`: start the (live) standby as the same rank in the next generation."""
         how = describe(code)
-        if self.standby is None or self.standby.poll() is not None or self.replacements >= self.max_replacements:
-            why = "no standby" if self.standby is None or self.standby.poll() is not None else "replacements spent"
-            self._say(ShellLine(HANDED_BACK, self.rank, self.child.pid, how, why=why))
-            return False
         dead, self.child, self.generation = self.child.pid, self.standby, self.generation + 1
         self.beats.drop(dead)
         self.heard = None  # the replacement's heartbeat starts once it is activated
@@ -289,7 +308,6 @@ class RankShell:
         line = ShellLine(REPLACED, self.rank, dead, how, self.child.pid, count, limit, self.generation, now)
         self._say(line)
         self.standby = self._spawn_standby()
-        return True
 
 
 def run_shell(argv: list[str]) -> int:

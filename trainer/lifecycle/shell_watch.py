@@ -25,9 +25,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from trainer.event_writer import append_event
 from trainer.lifecycle.shell_lines import SHELL_SILENT, ShellLine
 from trainer.lifecycle.verdict import a_silent_shell
-from trainer.run.event_log import append_event
 
 BEATS_FD = "MOEVEMENT_SHELL_BEATS_FD"  # in a shell's child: the read end of its shell's beats
 HANG_BOUND = "MOEVEMENT_HANG_BOUND"  # in a shell's child: `<key>=<seconds>` (`verdict.hang_bound`)

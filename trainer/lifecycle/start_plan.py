@@ -69,11 +69,13 @@ def agree_on_attempt(plan: StartPlan) -> StartPlan:
     return replace(plan, attempt=int(attempt.item()))
 
 
-def plan_start() -> StartPlan:
-    """This process's plan at its start, from torchrun's environment and its rank shell's activation."""
+def plan_start(process: ProcessState) -> StartPlan:
+    """This process's plan at its start, from torchrun's environment and its rank shell's activation;
+    `process`: what the process carries across its generations."""
     return StartPlan(
         run_id=os.environ.get("TORCHELASTIC_RUN_ID", ""),
         attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
         generation=int(os.environ.get(GENERATION, "0")),
         fault=ShellFault(*seen) if (seen := shell_fault()) else None,
+        process=process,
     )

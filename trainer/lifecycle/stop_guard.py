@@ -18,10 +18,10 @@ import signal
 import time
 from contextlib import contextmanager
 
+from trainer import event_writer
 from trainer.lifecycle.peer_failure import WorkerStopped
 from trainer.lifecycle.process_state import ProcessState
 from trainer.lifecycle.verdict import OnSigterm, on_sigterm
-from trainer.run import event_log
 
 
 class StopGuard:
@@ -34,7 +34,7 @@ class StopGuard:
     `process`: where the process records SIGTERM for its later generations' guards. `step`: the last
     iteration the rank's state has applied before training starts (a survivor's kept state: the iteration
     before its next; 0 otherwise), which a SIGTERM in the setup phase names. `preempted_line(step, kept,
-    detected_unix=None)`: the `preempted:` line (a `SurvivorLine`), printed and recorded (`event_log.say`)."""
+    detected_unix=None)`: the `preempted:` line (a `SurvivorLine`), printed and recorded (`event_writer.say`)."""
 
     def __init__(self, rank: int, preempted_line, process: ProcessState, keep_at_setup=None, step: int = 0):
         self.rank, self.preempted_line, self.keep_at_setup = rank, preempted_line, keep_at_setup
@@ -58,7 +58,7 @@ class StopGuard:
             raise WorkerStopped("SIGTERM from the torchrun agent")
         if action is OnSigterm.EXIT:
             kept = self.keep_at_setup() if self.keep_at_setup else "nothing new to keep"
-            event_log.say(self.preempted_line(self.step, kept))
+            event_writer.say(self.preempted_line(self.step, kept))
             os._exit(128 + signum)
 
     def optimizer_step_begins(self, *_args) -> None:

@@ -5,7 +5,7 @@ The verdict (`verdict.decide`) says which of these runs: `survive_in_place` keep
 the next in-place generation; `keep_state_and_exit` writes it to host memory for torchrun's restart of every
 worker and exits; `keep_for_torchrun_restart` writes what an earlier generation kept in memory, when the
 next generation cannot form. Which state a rank holds when it stops is the stop guard's
-(`trainer/lifecycle/stop_guard.py`).
+(`trainer/lifecycle/stop_guard.py`), and which state it then keeps is `verdict.kept_iteration`'s table.
 
 The gradient-norm all-reduce is global, so a survivor that finished it knows every rank entered it; the
 survivors that did not finish it hold `state_T` and the restarted job widens the scope to their stages
@@ -24,35 +24,38 @@ import torch.distributed as dist
 from moevement.recovery.live_state import save_kept
 from moevement.storage.private_files import write_json_atomic
 from parallelisms.distributed import sever_connections
+from trainer import event_writer
 from trainer.lifecycle import exit_codes
+from trainer.lifecycle.host_dirs import host_job_dir, host_rank_dir
 from trainer.lifecycle.peer_failure import GLOO_GISTS, WorkerStopped, gist, peer_error
 from trainer.lifecycle.startup import process_start_time
 from trainer.lifecycle.stop_guard import StopGuard
 from trainer.lifecycle.survivor_lines import DETECTED, REJOINS, SurvivorLine
-from trainer.run import event_log
-from trainer.run.host_paths import host_job_dir, host_rank_dir
+from trainer.lifecycle.verdict import kept_iteration
+
+NOTHING_KEPT = "no live state (it was recovering; its stage replays)"
 
 
 def keep_state_and_exit(guard: StopGuard, keep_live_state, error: BaseException) -> None:
     """Another worker died (or the job is stopping): keep this rank's live state if it is consistent, say
-    so in one line (printed and recorded: `event_log.say`), and exit at once (torchrun restarts the job;
+    so in one line (printed and recorded: `event_writer.say`), and exit at once (torchrun restarts the job;
     nothing else here is needed)."""
     error = peer_error(error) or error
     sigterm = isinstance(error, WorkerStopped)
     how = "SIGTERM from the torchrun agent" if sigterm else gist(error)
     detected = {"how": how, "time": guard.sigterm_at if sigterm else time.time()}
     guard.stop()
-    if guard.stopped_in == "recovering":
-        kept = "no live state (it was recovering; its stage replays)"
+    next_iteration = kept_iteration(guard.stopped_in, guard.step, guard.applied)
+    if next_iteration is None:
+        kept = NOTHING_KEPT
     else:
-        next_iteration = guard.step + 1 if guard.stopped_in == "applying" else guard.applied + 1
         nbytes = keep_live_state(next_iteration, detected)
         kept = f"live state of iteration {next_iteration}, {nbytes / 1e6:.1f} MB" if nbytes else "no live state"
     if sigterm:
-        event_log.say(guard.preempted_line(guard.step, kept, detected["time"]))
+        event_writer.say(guard.preempted_line(guard.step, kept, detected["time"]))
     else:
         line = SurvivorLine(DETECTED, guard.rank, guard.step, how=how, kept=kept, detected_unix=detected["time"])
-        event_log.say(line)
+        event_writer.say(line)
         if not isinstance(error, dist.DistError) and not any(g in str(error) for g in GLOO_GISTS):
             # told only by where it was raised, with no gist we know: the whole record, to stderr
             traceback.print_exception(error, file=sys.stderr)
@@ -68,10 +71,10 @@ def survive_in_place(job, error: BaseException):
     guard, detected_at = job.guard, time.time()
     how = gist(peer_error(error) or error)
     guard.stop()
-    if guard.stopped_in == "recovering":
-        kept, what = None, "no live state (it was recovering; its stage replays)"
+    next_iteration = kept_iteration(guard.stopped_in, guard.step, guard.applied)
+    if next_iteration is None:
+        kept, what = None, NOTHING_KEPT
     else:
-        next_iteration = guard.step + 1 if guard.stopped_in == "applying" else guard.applied + 1
         kept = job.ft.keep_in_memory(next_iteration, {"how": how, "time": detected_at})
         what = f"live state of iteration {next_iteration} in memory" if kept else "no live state"
     accounting = job.accounting.record(detected_at)
@@ -82,7 +85,7 @@ def survive_in_place(job, error: BaseException):
     line = SurvivorLine(
         REJOINS, guard.rank, guard.step, os.getpid(), process_start_time(), how, what, plan.generation, detected_at
     )
-    event_log.say(line)
+    event_writer.say(line)
     return plan
 
 

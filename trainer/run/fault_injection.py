@@ -29,9 +29,9 @@ import time
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 from moevement.failures import END_PHASES, FaultPlan, KillEvent
-from parallelisms.distributed import torchrun_store
 from parallelisms.parallelize import ModelParts
 from trainer.lifecycle.stop_guard import StopGuard
 from trainer.run.event_lines import FaultStrike
@@ -72,51 +72,51 @@ class KillSwitch:
 
     def at(self, phase: str) -> None:
         if self.due(phase):
-            strike(self.kill, self.rank, self.how, self.say)
+            strike(self.kill, self.rank, self.how, self.guard.process.store, self.say)
 
     def in_background(self, phase: str, step: int) -> None:
         """In a periodic save's background thread (`dense_save`: the writer of iteration `step`'s checkpoint,
         after its first tensor; `dense_prune`: rank 0 pruning after publishing it, after the first file)."""
         if self.kill is not None and self.kill.phase == phase and self.kill.step == step:
-            strike(self.kill, self.rank, self.how, self.say)
+            strike(self.kill, self.rank, self.how, self.guard.process.store, self.say)
 
 
-def strike(kill: KillEvent, rank: int, how: str, say: Callable[[FaultStrike], None] = print_strike) -> None:
-    """`kill` strikes this process now: the line (through `say`), the store's record, the signal."""
+def strike(
+    kill: KillEvent, rank: int, how: str, store: dist.Store | None, say: Callable[[FaultStrike], None] = print_strike
+) -> None:
+    """`kill` strikes this process now: the line (through `say`), the record on torchrun's `store`, the signal."""
     say(FaultStrike(rank, kill.step, how, kill.phase, time.time()))
-    record_fired(kill.key)
+    record_fired(store, kill.key)
     os.kill(os.getpid(), getattr(signal, how))
 
 
 _FIRED = "moevement/faults-fired/"  # keys on torchrun's store: the injected deaths that struck
 
 
-def fired(event: str) -> bool:
-    """Whether the injected death `event` ("kill/<step>", "crash/<step>/<rank>") struck already in this job
-    (under torchrun; a process without torchrun's store runs once)."""
-    store = torchrun_store()
+def fired(store: dist.Store | None, event: str) -> bool:
+    """Whether the injected death `event` ("kill/<step>", "crash/<step>/<rank>") struck already in this job,
+    as torchrun's `store` (`ProcessState.store`) records it (a process without torchrun's store runs once)."""
     return store is not None and store.check([_FIRED + event])
 
 
-def record_fired(event: str) -> None:
+def record_fired(store: dist.Store | None, event: str) -> None:
     """The injected death `event` strikes now: no later generation or torchrun restart meets it again."""
-    store = torchrun_store()
     if store is not None:
         store.set(_FIRED + event, "1")
 
 
-def kills_fired(plan: FaultPlan) -> int:
-    """How many distinct kills of `plan` struck in this job so far."""
-    return len({k.key for k in plan.kills if fired(k.key)})
+def kills_fired(store: dist.Store | None, plan: FaultPlan) -> int:
+    """How many distinct kills of `plan` struck in this job so far (`fired`)."""
+    return len({k.key for k in plan.kills if fired(store, k.key)})
 
 
-def kill_if_joining(plan: FaultPlan, rank: int, kept_step: int | None, how: str) -> None:
+def kill_if_joining(plan: FaultPlan, rank: int, kept_step: int | None, how: str, store: dist.Store | None) -> None:
     """Setup, right after this process joined a generation's process groups: a survivor that kept its state of
     iteration `kept_step` (None: not a survivor) and has a `join` kill of that step due dies now. Its line is
     printed only: this generation has no run record open yet."""
-    kill = plan.kill_of(rank, kills_fired(plan)) if kept_step is not None else None
+    kill = plan.kill_of(rank, kills_fired(store, plan)) if kept_step is not None else None
     if kill is not None and kill.phase == "join" and kill.step == kept_step:
-        strike(kill, rank, how)
+        strike(kill, rank, how, store)
 
 
 def arm_kill(
@@ -132,7 +132,7 @@ def arm_kill(
     """Install this rank's kill of this generation, if any. `how`: SIGKILL (a death) or SIGSTOP (a hang:
     the process stays, holding its connections, until its peers' collectives time out); `say` prints its
     `fault:` line on any rank (`MetricsLogger.line(..., every_rank=True)`, which records it on rank 0)."""
-    switch = KillSwitch(plan.kill_of(rank, kills_fired(plan)), rank, guard, seeder, how, say)
+    switch = KillSwitch(plan.kill_of(rank, kills_fired(guard.process.store, plan)), rank, guard, seeder, how, say)
     if switch.kill is None:
         return switch
 

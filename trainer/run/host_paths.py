@@ -1,7 +1,8 @@
 """Where this rank's host state lives on its node, and the lock that makes it this process's own.
 
-`<host_dir>/<job.name>/rank<r>/`: snapshot buffers, live state kept for torchrun's restart, accounting
-(host_dir: node-local shared memory, per user by default); `<persist_dir>/<job.name>/`: persisted windows.
+`<host_dir>/<job.name>/rank<r>/` (`trainer/lifecycle/host_dirs.py`): snapshot buffers, live state kept for
+torchrun's restart, accounting (host_dir: node-local shared memory, per user by default);
+`<persist_dir>/<job.name>/`: persisted windows.
 """
 
 from __future__ import annotations
@@ -10,18 +11,11 @@ import os
 from pathlib import Path
 
 from moevement.storage.host_memory import JobLock
-from moevement.storage.private_files import default_host_dir, make_private_dirs
+from moevement.storage.private_files import make_private_dirs
 from trainer.config import Config
+from trainer.lifecycle.host_dirs import host_job_dir
+from trainer.lifecycle.host_dirs import host_rank_dir as host_rank_dir  # where the strategies find it
 from trainer.lifecycle.rank_shell import torchrun_agent_pid
-
-
-def host_job_dir(cfg: Config) -> Path:
-    """`<host_dir>/<job.name>`: this job's host state on this node (host_dir: per user by default)."""
-    return Path(cfg.checkpoint.host_dir or default_host_dir()) / cfg.job.name
-
-
-def host_rank_dir(cfg: Config, rank: int) -> Path:
-    return host_job_dir(cfg) / f"rank{rank:05d}"
 
 
 def persist_root(cfg: Config, default: str = "") -> Path | None:

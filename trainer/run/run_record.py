@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed
 
-from parallelisms.distributed import store_round, torchrun_store
+from parallelisms.distributed import store_round
 from trainer.atomic_write import write_atomically
 from trainer.checkpoint.lineage import new_lineage
 from trainer.checkpoint.resume import Source
@@ -167,19 +167,18 @@ def _folder_key() -> str:
     return f"{store_round()}/run-folder"
 
 
-def publish_run_folder(run_dir: Path) -> None:
+def publish_run_folder(store: torch.distributed.Store | None, run_dir: Path) -> None:
     """Rank 0, its run folder open: name it on torchrun's store (under torchrun) for the other ranks and their
-    shells (before the strategy's first collective, so every rank finds it after that one)."""
-    store = torchrun_store()
+    shells (before the strategy's first collective, so every rank finds it after that one), on torchrun's
+    `store` (`ProcessState.store`)."""
     if store is not None:
         store.set(_folder_key(), str(run_dir.resolve()))
 
 
-def published_run_folder() -> Path | None:
+def published_run_folder(store: torch.distributed.Store | None) -> Path | None:
     """Every rank under torchrun, past a collective after rank 0's `publish_run_folder`: the run folder, where
     it is on this host (rank 0's: its `run.json` names this host), so that appends to its events.jsonl are
     atomic; None elsewhere, or where rank 0 named none (it could not open one)."""
-    store = torchrun_store()
     if store is None:
         return None
     try:
