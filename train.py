@@ -34,7 +34,7 @@ from models import count_params
 from moevement.failures import FaultPlan
 from moevement.recovery.report import RecoveryFigures
 from moevement.storage.cpu_cost import CpuMark
-from moevement.strategy import CheckpointStrategy, MoEvement
+from moevement.strategy import CheckpointStrategy
 from parallelisms import collectives
 from parallelisms.distributed import device_type, init_distributed, workers_share_agent_store
 from parallelisms.elastic import fitting_worlds
@@ -74,6 +74,7 @@ from trainer.run.run_record import (
 from trainer.run.strategy_factory import build_strategy
 from trainer.run.window_profile import write_window_profile
 from trainer.step import DropoutSeeder, evaluate, set_aux_grad_scale, take_expert_load, train_step
+from trainer.strategy_registry import strategy_entry
 
 STARTUP.mark("imports")
 
@@ -491,8 +492,8 @@ def finish(job: Job, step: int, loss: float, digest: str | None) -> None:
     collective."""
     cfg = job.cfg
     job.periodic.close()
-    if cfg.metrics.profile and job.rank == 0 and isinstance(job.ft, MoEvement):
-        inputs = job.ft.checkpointer.planner.last_inputs
+    if cfg.metrics.profile and job.rank == 0 and strategy_entry(cfg.checkpoint.strategy).window_profile:
+        inputs = job.ft.planned_window()
         job.logger.line(write_window_profile(cfg.metrics.profile, inputs, cfg.checkpoint.replicas))
     totals = job.ft.close()
     job.logger.line(job.accounting.summary(totals, totals.get("lost_tokens", 0.0)))
