@@ -88,7 +88,7 @@ class TrainingConfig:
 class CheckpointConfig(SparseOptions):
     """The `[checkpoint]` section: MoEvement's keys (`SparseOptions`, listed first) and the trainer's."""
 
-    strategy: str = "none"  # none | moevement | gemini | checkfreq | moc | ... (trainer/strategy_registry.py)
+    strategy: str = "none"  # none | moevement | gemini | checkfreq | moc | every_n (trainer/strategy_registry.py)
     save_final: str = ""  # directory for a dense checkpoint (safetensors + meta.json) at the end of training
     # directory of a dense checkpoint to start from when folder holds none of this run (an imported one: its
     # weights, a fresh optimizer)
