@@ -27,8 +27,8 @@ from moevement.storage.host_memory import JobLock
 class CheckpointStrategy(Protocol):
     def resume(self, step: int, loss: float) -> tuple[int, float]:
         """`state_{step+1}` is loaded (`step` = 0, or a dense checkpoint's step, whose loss was `loss`); returns
-        the last iteration done and its loss once any restart has converted its sparse checkpoint (training
-        goes on after it)."""
+        the last iteration done and its loss once the strategy restored from the source the start-source
+        table chose for it (`moevement/recovery/start_source.py`; training goes on after it)."""
         ...
 
     def begin(self, step: int) -> None:
