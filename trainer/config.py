@@ -26,6 +26,7 @@ from trainer.config_bounds import MAX_STEPS, bound_violation, excerpt
 from trainer.data.batches import DataConfig
 from trainer.strategy_registry import STRATEGIES
 
+Strategy = Literal[tuple(STRATEGIES)]  # the registered names (trainer/strategy_registry.py)
 INT64 = (-(2**63), 2**63 - 1)  # every integer key fits a signed 64-bit value (torch, numpy, file headers)
 # job.name becomes a directory name under output_dir, host_dir and persist_dir: never a path, never hidden
 JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
@@ -88,7 +89,7 @@ class TrainingConfig:
 class CheckpointConfig(SparseOptions):
     """The `[checkpoint]` section: MoEvement's keys (`SparseOptions`, listed first) and the trainer's."""
 
-    strategy: str = "none"  # none | moevement | gemini | checkfreq | moc | every_n (trainer/strategy_registry.py)
+    strategy: Strategy = "none"  # none | moevement | gemini | checkfreq | moc | every_n (trainer/strategy_registry.py)
     save_final: str = ""  # directory for a dense checkpoint (safetensors + meta.json) at the end of training
     # directory of a dense checkpoint to start from when folder holds none of this run (an imported one: its
     # weights, a fresh optimizer)
@@ -358,8 +359,6 @@ def validate(cfg: Config) -> None:
         _check(broken is None, key, broken or "")
         if allowed:
             _check(value in allowed, key, f"must be one of {', '.join(allowed)}, got {value!r}")
-    strategy = cfg.checkpoint.strategy
-    _check(strategy in STRATEGIES, "checkpoint.strategy", f"must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
     try:
         cfg.model.validate()
     except ValueError as e:
