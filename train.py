@@ -34,7 +34,7 @@ from models import count_params
 from moevement.failures import FaultPlan
 from moevement.recovery.report import RecoveryFigures
 from moevement.storage.cpu_cost import CpuMark
-from moevement.strategy import CheckpointStrategy, MoEvement
+from moevement.strategy import CheckpointStrategy
 from parallelisms import collectives
 from parallelisms.distributed import device_type, init_distributed, workers_share_agent_store
 from parallelisms.elastic import fitting_worlds
@@ -73,9 +73,10 @@ from trainer.run.run_record import (
     published_run_folder,
     tell_the_shell_the_run_folder,
 )
-from trainer.run.strategy_factory import build_strategy
+from trainer.run.strategy_factory import TrainingParts, build_strategy
 from trainer.run.window_profile import write_window_profile
 from trainer.step import DropoutSeeder, evaluate, set_aux_grad_scale, take_expert_load, train_step
+from trainer.strategy_registry import strategy_entry
 
 STARTUP.mark("imports")
 
@@ -258,7 +259,8 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
     start = load_start(cfg, model.view, optimizer, plan.in_place)
     logger, lineage = open_logger(cfg, rank, world, dims, plan, start, layout)
     built = prebuilt.parts() if prebuilt else None
-    ft = build_strategy(cfg, model, optimizer, dims, seeder, train_batches, logger.line, plan, start.step, built)
+    parts = TrainingParts(model, optimizer, dims, seeder, train_batches)
+    ft = build_strategy(cfg, parts, logger.line, plan, start.step, built)
     folder = published_run_folder(store)  # past the strategy's collectives: rank 0 has named it
     if rank != 0:
         event_log.record_events_in(folder)  # a rank on rank 0's host records its own lines
@@ -494,8 +496,8 @@ def finish(job: Job, step: int, loss: float, digest: str | None) -> None:
     collective."""
     cfg = job.cfg
     job.periodic.close()
-    if cfg.metrics.profile and job.rank == 0 and isinstance(job.ft, MoEvement):
-        inputs = job.ft.checkpointer.planner.last_inputs
+    if cfg.metrics.profile and job.rank == 0 and strategy_entry(cfg.checkpoint.strategy).window_profile:
+        inputs = job.ft.planned_window()
         job.logger.line(write_window_profile(cfg.metrics.profile, inputs, cfg.checkpoint.replicas))
     totals = job.ft.close()
     job.logger.line(job.accounting.summary(totals, totals.get("lost_tokens", 0.0)))

@@ -37,10 +37,11 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # PIQA is local: nothing may 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from eval.errors import EvalError  # noqa: E402
-from trainer.config import STRATEGIES, ConfigError, load_config  # noqa: E402
+from trainer.config import ConfigError, load_config  # noqa: E402
 from trainer.run.accounting_line import AccountingLine  # noqa: E402
 from trainer.run.event_lines import FinalLine, ValidationLine  # noqa: E402
 from trainer.run.event_log import run_events  # noqa: E402
+from trainer.strategy_registry import STRATEGIES  # noqa: E402
 
 OWNED = {
     "training.steps": "--steps",

@@ -13,11 +13,13 @@ from __future__ import annotations
 from typing import Protocol
 
 from moevement.checkpoint.checkpointer import SparseCheckpointer
+from moevement.checkpoint.planner import WindowInputs
 from moevement.failures import FaultEvent
 from moevement.recovery.live_state import LiveState, keep_in_memory, save_kept
 from moevement.recovery.localized import Recovery, Rejoin
 from moevement.recovery.report import RecoveryFigures
 from moevement.recovery.restart import RestartPoint
+from moevement.recovery.start_source import Source
 from moevement.recovery.upstream_log import UpstreamLog
 from moevement.storage.host_memory import JobLock
 
@@ -25,8 +27,8 @@ from moevement.storage.host_memory import JobLock
 class CheckpointStrategy(Protocol):
     def resume(self, step: int, loss: float) -> tuple[int, float]:
         """`state_{step+1}` is loaded (`step` = 0, or a dense checkpoint's step, whose loss was `loss`); returns
-        the last iteration done and its loss once any restart has converted its sparse checkpoint (training
-        goes on after it)."""
+        the last iteration done and its loss once the strategy restored from the source the start-source
+        table chose for it (`moevement/recovery/start_source.py`; training goes on after it)."""
         ...
 
     def begin(self, step: int) -> None:
@@ -120,24 +122,28 @@ class MoEvement:
         checkpointer: SparseCheckpointer,
         log: UpstreamLog | None,
         recovery: Recovery,
-        found: RestartPoint | None,
         lock: JobLock,
+        source: Source = Source.INITIAL,
+        found: RestartPoint | None = None,
         rejoin: Rejoin | None = None,
     ):
         self.checkpointer, self.log, self.recovery = checkpointer, log, recovery
-        self.found = found  # a persisted sparse checkpoint of this job to restart from (a relaunch or a restart)
+        self.source = source  # where this rank's state comes from (moevement/recovery/start_source.py)
+        self.found = found  # a persisted (or re-laid) sparse window of this job to restart from
         self.rejoin = rejoin  # after a torchrun restart with survivors: who kept what, and this generation's name
         self.history_from = 1  # first iteration whose boundary and scalar logs this process holds
         self.lock = lock  # held for the process's lifetime: a second live run of the job is refused
         self.leftovers = True  # the rank directory may hold earlier processes' state until training goes on
 
     def resume(self, step: int, loss: float) -> tuple[int, float]:
-        """A restart keeps the window it restarted from as its persisted checkpoint, so that another death
-        before the job persists a window of its own recovers from there."""
+        """Restores from the start's source: survivors' live state (the other stages replay to it), a
+        persisted or re-laid window (converted), else `step` (the dense checkpoint or the initial state). A
+        restart keeps the window it restarted from as its persisted checkpoint, so that another death before
+        the job persists a window of its own recovers from there."""
         found, self.found = self.found, None
-        if self.rejoin is not None and self.rejoin.survivors:  # the dead ranks' stages caught up
+        if self.source is Source.LIVE_STATE:  # the dead ranks' stages caught up
             resumed, self.history_from = self.recovery.rejoin(found, self.rejoin)
-        elif found is not None:  # state_{t0+W} is current: train on from t0+W
+        elif self.source in (Source.PERSISTED_WINDOW, Source.RELAID_WINDOW):  # state_{t0+W} is current
             resumed, self.history_from = self.recovery.restart(found), found.window_start
         else:
             resumed = self.history_from = step + 1
@@ -147,6 +153,10 @@ class MoEvement:
             return step, loss
         logged = self.checkpointer.persisted.scalars_since(resumed - 1).get(resumed - 1, {})
         return resumed - 1, logged.get("loss", float("nan"))  # the final line's loss if nothing is left to train
+
+    def planned_window(self) -> WindowInputs | None:
+        """What Algorithm 1 last planned a window with (`metrics.profile`; None: no window was planned)."""
+        return self.checkpointer.planner.last_inputs
 
     def begin(self, step: int) -> None:
         if self.leftovers:  # from here on a stop keeps this process's own live state

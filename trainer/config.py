@@ -19,12 +19,13 @@ from typing import Literal
 from models.args import ModelArgs
 from moevement.checkpoint.options import SparseOptions
 from moevement.failures import END_PHASES, FaultPlan, FaultSpecError, KillEvent
+from moevement.recovery.start_source import Source
 from parallelisms.elastic import ElasticError, elastic_layout
 from parallelisms.mesh import ParallelismConfig
 from trainer.config_bounds import MAX_STEPS, bound_violation, excerpt
+from trainer.strategy_registry import STRATEGIES
 
-Strategy = Literal["none", "moevement", "gemini", "checkfreq", "moc"]
-STRATEGIES: tuple[str, ...] = typing.get_args(Strategy)
+Strategy = Literal[tuple(STRATEGIES)]  # the registered names (trainer/strategy_registry.py)
 INT64 = (-(2**63), 2**63 - 1)  # every integer key fits a signed 64-bit value (torch, numpy, file headers)
 # job.name becomes a directory name under output_dir, host_dir and persist_dir: never a path, never hidden
 JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
@@ -101,7 +102,7 @@ class TrainingConfig:
 class CheckpointConfig(SparseOptions):
     """The `[checkpoint]` section: MoEvement's keys (`SparseOptions`, listed first) and the trainer's."""
 
-    strategy: Strategy = "none"  # none | moevement | gemini | checkfreq | moc
+    strategy: Strategy = "none"  # none | moevement | gemini | checkfreq | moc | every_n (trainer/strategy_registry.py)
     save_final: str = ""  # directory for a dense checkpoint (safetensors + meta.json) at the end of training
     # directory of a dense checkpoint to start from when folder holds none of this run (an imported one: its
     # weights, a fresh optimizer)
@@ -393,7 +394,7 @@ def validate(cfg: Config) -> None:
     _validate_checkpoint(cfg)
     _validate_fault(cfg)
     _check(
-        not cfg.metrics.profile or cfg.checkpoint.strategy == "moevement",
+        not cfg.metrics.profile or STRATEGIES[cfg.checkpoint.strategy].window_profile,
         "metrics.profile",
         f"writes MoEvement's window profile: needs checkpoint.strategy = moevement, got {cfg.checkpoint.strategy!r}",
     )
@@ -415,6 +416,9 @@ def _validate_job(job: JobConfig) -> None:
 
 def _validate_checkpoint(cfg: Config) -> None:
     c = cfg.checkpoint
+    check = STRATEGIES[c.strategy].check
+    if check is not None and (broken := check(cfg)) is not None:
+        _check(False, *broken)  # the strategy's own needs (its registry entry)
     _check(
         c.ab_blocks == 0 or c.window == 1,
         "checkpoint.ab_blocks",
@@ -458,10 +462,11 @@ def _validate_fault(cfg: Config) -> None:
     if plan:
         given = {"fault.at": f.at, "fault.crash": f.crash, "fault.kill": f.kill, "fault.mtbf_iters": f.mtbf_iters}
         key = next((k for k, v in given.items() if v), "fault.trace")
+        recovering = ", ".join(name for name, entry in STRATEGIES.items() if entry.recovers)
         _check(
-            cfg.checkpoint.strategy != "none",
+            STRATEGIES[cfg.checkpoint.strategy].recovers,
             key,
-            "needs a checkpoint.strategy that recovers (moevement, gemini, checkfreq or moc), got 'none'",
+            f"needs a checkpoint.strategy that recovers ({recovering}), got {cfg.checkpoint.strategy!r}",
         )
     if cfg.checkpoint.interval == "oracle":
         _check(
@@ -640,7 +645,7 @@ def _validate_elastic(cfg: Config) -> None:
         "resumes from periodic dense checkpoints: set checkpoint.dense_interval (iterations between them)",
     )
     _check(
-        not c.persist_dir or c.strategy == "moevement",
+        not c.persist_dir or Source.PERSISTED_WINDOW in STRATEGIES[c.strategy].restores,
         "checkpoint.persist_dir",
         "is read by an elastic job with checkpoint.strategy moevement only (each torchrun round starts from the "
         "newest dense checkpoint; a baseline recovers in place from memory): leave it unset",

@@ -95,7 +95,7 @@ class LiveHeader:
 @dataclass(frozen=True)
 class Rejoin:
     """This process's place in a torchrun run: its attempt, and what it kept from the previous one
-    (decided once, before the strategy is built: `trainer/run/strategy_factory.py`)."""
+    (decided once, before the strategy is built: `trainer/run/start_facts.py`)."""
 
     name: dict  # {"run_id": TORCHELASTIC_RUN_ID, "attempt": TORCHELASTIC_RESTART_COUNT}
     live: LiveState | None = None  # this rank's kept state (None: it died, or kept nothing usable)

@@ -38,6 +38,7 @@ from moevement.recovery.live_state import Rejoin, Survival, restore_live_state
 from moevement.recovery.replay import wipe_operators
 from moevement.recovery.report import RecoveryFigures, RecoveryReport, RecoveryWork, detect_seconds, fault_step
 from moevement.recovery.restart import RestartPoint
+from moevement.recovery.start_source import Source, after_rejoin
 from moevement.recovery.upstream_log import UpstreamLog
 from moevement.topology import Topology
 from parallelisms import collectives
@@ -126,7 +127,8 @@ class Recovery:
         target = max(k.next_iteration for k in kept if k)
         failed = {r for r, k in enumerate(kept) if not k or k.next_iteration != target}
         t0 = found.window_start if found else 1
-        if max(k.log_from for k in kept if k and k.next_iteration == target) > t0 or target < t0:
+        logs_from = max(k.log_from for k in kept if k and k.next_iteration == target)
+        if after_rejoin(t0, target, logs_from, found is not None) is not Source.LIVE_STATE:
             self.line(f"restart: the survivors' logs do not cover iteration {t0} on: every stage rolls back")
             return (self.restart(found) if found else 1), t0
         pps = self._rolled_back(failed)

@@ -1,9 +1,11 @@
 """Build the checkpoint strategy the config asks for, wired to this rank's model, layout and data.
 
-`none`: nothing. `moevement`: the sparse checkpointer, the upstream log (pipeline boundaries) and
-localized recovery (`moevement.strategy.MoEvement`). `gemini`, `checkfreq`, `moc`: the same snapshot
-machinery driven by an interval policy (dense or partial checkpoints, W = 1) and a global rollback
-(`baselines.strategy.IntervalBaseline`). The training loop sees only `CheckpointStrategy`.
+`build_strategy` only wires: the strategy's registry entry (`trainer/strategy_registry.py`) names its
+builder and what it can restore; `trainer/run/start_facts.py` gathers where this rank's state comes from.
+The builders here: `moevement` (the sparse checkpointer, the upstream log at pipeline boundaries and
+localized recovery: `moevement.strategy.MoEvement`) and the interval baselines `gemini`, `checkfreq`, `moc`
+(the same snapshot machinery driven by an interval policy, dense or partial checkpoints, W = 1, and a
+global rollback: `baselines.strategy.IntervalBaseline`). The training loop sees only `CheckpointStrategy`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import functools
 import math
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,12 +30,9 @@ from moevement.checkpoint.binding import CheckpointedModel, CheckpointerPlace
 from moevement.checkpoint.checkpointer import SparseCheckpointer
 from moevement.operators import Operator, Stacked, build_registry
 from moevement.recovery.conversion import Conversion, TrainerHooks
-from moevement.recovery.live_state import Rejoin, load_live_state
 from moevement.recovery.localized import Recovery
-from moevement.recovery.relaid_restart import RelayTarget, find_relaid_window
-from moevement.recovery.relayout import DataParallel, NewPlace, sharding_of
 from moevement.recovery.replay import PipelineReplay, StageRef
-from moevement.recovery.restart import CheckHeader, RestartPoint, find_restart_checkpoint, snapshot_identity_check
+from moevement.recovery.start_source import Source
 from moevement.recovery.upstream_log import UpstreamLog
 from moevement.storage.host_memory import JobLock, private_subdirs, remove_tree
 from moevement.strategy import CheckpointStrategy, MoEvement, NoCheckpointing
@@ -46,9 +46,9 @@ from trainer.checkpoint.identity import RunIdentity
 from trainer.config import Config, expected_mtbf_iters
 from trainer.lifecycle.start_plan import StartPlan
 from trainer.run.host_paths import claim_host_state, host_job_dir, host_rank_dir, persist_root
+from trainer.run.start_facts import RankPlace, Restorable, StartPoint, gather_start
 from trainer.step import DropoutSeeder, forward_backward, replay_update
-
-RELAID_BASELINES = ("gemini", "checkfreq")  # checkpoints of every operator: re-laid in an elastic job's new layout
+from trainer.strategy_registry import StrategyEntry, strategy_entry
 
 
 def gather_topology(dims: ParallelDims, host_dir: Path) -> Topology:
@@ -76,98 +76,105 @@ def _same_node_dirs(cfg: Config):
     return (lambda rank: host_rank_dir(cfg, rank)) if cfg.checkpoint.replication == "auto" else None
 
 
-def _rejoin(rank_dir: Path, job_meta: dict, plan: StartPlan, from_dense: bool, prebuilt: str | None) -> Rejoin:
-    """This process's place in the run (collective unless `from_dense`): the live state this rank kept (in
-    memory when it survived a death in place, in its host directory after a torchrun restart; none at
-    attempt 0, nor when the start is `from_dense`), whether any rank kept one, and what a warm standby built
-    of it before its activation (`prebuilt`)."""
-    name, live = plan.name(), plan.kept
-    if from_dense:
-        return Rejoin(name, None, False, plan.process.startup.marks, False)
-    if not plan.in_place and name["attempt"] > 0:
-        live, why = load_live_state(rank_dir, {**job_meta, "run_id": name["run_id"]}, name["attempt"])
-        if live is None and why != "no live state":
-            print(f"restart: rank {dist.get_rank()} cannot use its live state: {why}", flush=True)
-    kept = torch.tensor([int(live is not None)])
-    if dist.is_initialized():
-        collectives.all_reduce(kept)
-    marks = plan.process.startup.marks  # still being taken
-    return Rejoin(name, live, bool(kept.item()), marks, plan.in_place, plan.fault, prebuilt)
+RESTARTS_FROM = (Source.HOST_CHECKPOINT, Source.DISK_CHECKPOINT, Source.RELAID_WINDOW)  # a global rollback's
+
+
+@dataclass(frozen=True)
+class TrainingParts:
+    """This rank's training as setup built it: what a strategy snapshots, replays and restores."""
+
+    model: ModelParts
+    optimizer: torch.optim.Optimizer
+    dims: ParallelDims
+    seeder: DropoutSeeder
+    train_batches: object  # TokenBatches (None where no recovery replays)
+
+
+@dataclass(frozen=True)
+class StrategyWiring:
+    """What a strategy's builder (`trainer/strategy_registry.py`) is given: this rank's training, its place,
+    its host state and where its state comes from (`start`)."""
+
+    cfg: Config
+    model: ModelParts
+    optimizer: torch.optim.Optimizer
+    seeder: DropoutSeeder
+    train_batches: object  # TokenBatches
+    line: Callable
+    place: RankPlace
+    lock: JobLock
+    disk: Path | None  # where the strategy persists (its entry's `persists`)
+    start: StartPoint
+    new_checkpointer: Callable[..., SparseCheckpointer]  # takes the strategy's checkpoint config (and policy)
+
+    def operators(self) -> list[Operator]:
+        """This rank's operators, as the checkpointer registers them."""
+        return build_registry(self.model.view, stacked_operators(self.model.view))
+
+    def initial_parameters(self) -> dict:
+        """The seed's initial parameters of this rank's model parts (what a never-saved operator restarts from)."""
+        return initial_parameters(self.cfg.model, self.place.dims, self.cfg.job.seed)
+
+    def restart_state(self) -> RestartState | None:
+        """What a global rollback restarts from (`GlobalRollback.restart`) when the start's source is a
+        checkpoint (`RESTARTS_FROM`), else None: a new run goes on from train.py's start."""
+        start = self.start
+        if start.source not in RESTARTS_FROM:
+            return None
+        return RestartState(start.rejoin.live, start.found, start.checks["run"], start.rejoin.fault)
+
+    def clear_rank_dir(self) -> None:
+        """Once every rank holds what it restores from, empty this rank's host directory: a global rollback's
+        restart never reads it again (collective)."""
+        if dist.is_initialized():
+            collectives.barrier()  # every rank holds its copy before any rank clears its directory
+        remove_tree(self.place.rank_dir, self.place.rank_dir.parent)
 
 
 def build_strategy(
-    cfg: Config,
-    model: ModelParts,
-    optimizer,
-    dims: ParallelDims,
-    seeder: DropoutSeeder,
-    train_batches,
-    line,
-    plan: StartPlan,
-    dense_step: int = 0,
-    prebuilt: str | None = None,
+    cfg: Config, parts: TrainingParts, line, plan: StartPlan, dense_step: int = 0, prebuilt: str | None = None
 ) -> CheckpointStrategy:
-    """`checkpoint.strategy` on this rank (collective over all ranks).
-
-    MoEvement first looks for a persisted sparse checkpoint of this job to restart from (a torchrun
-    restart, or a relaunch of the same job) and the live state this rank kept. An elastic job
-    (`parallelism.elastic`) starts every torchrun round from the dense checkpoint train.py loaded (at
-    `dense_step`), or from a newer window in host memory (or in persist_dir) re-laid into the round's layout
-    (`find_relaid_window`; gemini's and checkfreq's checkpoints are windows of W = 1 of every operator, so
-    they re-lay the same way; MoC's partial ones do not); its in-place generations recover from sparse
-    state as any job's. The rank's host directory stays as it is until training goes on
-    (`MoEvement.begin`), so a death before then loses nothing. An interval baseline, after a torchrun
-    restart of this run, restores its newest checkpoint (gemini's from host memory) and starts with an
-    empty host directory. `prebuilt`: what a warm standby built of this rank (`trainer/run/prebuilt.py`), for
-    the recovery's report."""
-    strategy = cfg.checkpoint.strategy
-    if strategy == "none":
+    """`checkpoint.strategy` on this rank (collective over all ranks): wires its registry entry's builder to
+    this rank's model, place and start. Where the state comes from is gathered and chosen in
+    `trainer/run/start_facts.py` (`dense_step`: the dense checkpoint train.py loaded, 0 for none); the rank's
+    host directory stays as it is until training goes on, so a death before then loses nothing.
+    `prebuilt`: what a warm standby built of this rank (`trainer/run/prebuilt.py`), for the recovery's report."""
+    entry = strategy_entry(cfg.checkpoint.strategy)
+    model, dims = parts.model, parts.dims
+    if not entry.recovers:
         return NoCheckpointing()
     lock = claim_host_state(cfg, dist.get_rank() if dist.is_initialized() else 0, plan.process.locks)
     topo = gather_topology(dims, host_job_dir(cfg))
-    rank_dir = host_rank_dir(cfg, topo.rank)
     identity = RunIdentity.of_sparse(cfg)
-    job_meta = _job_meta(cfg, dims, identity, plan.run_id)
-    disk = persist_root(cfg)
-    from_dense = cfg.parallelism.elastic and not plan.in_place
-    rejoin = _rejoin(rank_dir, job_meta, plan, from_dense, prebuilt)
-    checks = _identity_checks(dims, identity, rejoin)
-    found = None if from_dense else _restart_point(strategy, rank_dir, disk, checks, rejoin, line, plan.restarted)
-    ops = build_registry(model.view, stacked_operators(model.view)) if strategy != "moevement" else []
-    if from_dense and strategy in RELAID_BASELINES and dist.is_initialized():
-        target = _relay_target(dims, topo, ops, identity, job_meta, dense_step)
-        found = find_relaid_window(rank_dir.parent, target, line, _baseline_disk(cfg, strategy))
-    if strategy != "moevement":
-        if dist.is_initialized():
-            collectives.barrier()  # every rank holds its copy before any rank clears its directory
-        remove_tree(rank_dir, rank_dir.parent)  # loaded, or of no use to any restart
-    new_checkpointer = _checkpointer_factory(cfg, model, optimizer, dims, rank_dir, topo, job_meta)
-    if strategy != "moevement":
-        restarted = plan.restarted and not from_dense or found is not None  # found, from_dense: a re-laid one
-        restart = RestartState(rejoin.live, found, checks["run"], rejoin.fault) if restarted else None
-        return _interval_baseline(cfg, model, dims, ops, new_checkpointer, line, lock, rejoin, restart)
-    checkpointer = new_checkpointer(dataclasses.replace(cfg.checkpoint, persist_dir=str(disk or "")))
-    if from_dense and dist.is_initialized():
-        target = _relay_target(dims, topo, checkpointer.ops, identity, job_meta, dense_step)
-        found = find_relaid_window(rank_dir.parent, target, line, disk)
+    rank_dir = host_rank_dir(cfg, topo.rank)
+    place = RankPlace(dims, topo, rank_dir, identity, _job_meta(cfg, dims, identity, plan.run_id))
+    disk = _disk(cfg, entry)
+    ops = lambda: build_registry(model.view, stacked_operators(model.view))  # noqa: E731  (a re-lay's target)
+    restorable = Restorable(entry.restores, disk, ops)
+    start = gather_start(place, plan, cfg.parallelism.elastic, restorable, dense_step, line, prebuilt)
+    new_checkpointer = _checkpointer_factory(cfg, model, parts.optimizer, dims, rank_dir, topo, place.job_meta)
+    wiring = StrategyWiring(
+        cfg, model, parts.optimizer, parts.seeder, parts.train_batches, line, place, lock, disk, start, new_checkpointer
+    )
+    return entry.builder()(wiring)
+
+
+def build_moevement(w: StrategyWiring) -> MoEvement:
+    """MoEvement: the sparse checkpointer (persisting to `checkpoint.persist_dir`), the upstream log at
+    pipeline boundaries and localized recovery; it restores from `w.start` in `resume`."""
+    cfg, model = w.cfg, w.model
+    checkpointer = w.new_checkpointer(dataclasses.replace(cfg.checkpoint, persist_dir=str(w.disk or "")))
     log = UpstreamLog(model.parts, model.stage_ids, model.n_stages) if cfg.parallelism.pp > 1 else None
-    hooks = _trainer_hooks(cfg, model, optimizer, dims, seeder, log, topo, train_batches, line)
-    recovery = _recovery(cfg, checkpointer, optimizer, topo, hooks, log, dims.device, line)
-    return MoEvement(checkpointer, log, recovery, found, lock, rejoin)
+    recovery = _recovery(w, checkpointer, _trainer_hooks(w, log), log)
+    return MoEvement(checkpointer, log, recovery, w.lock, w.start.source, w.start.found, w.start.rejoin)
 
 
 def _recovery(
-    cfg: Config,
-    checkpointer: SparseCheckpointer,
-    optimizer,
-    topo: Topology,
-    hooks: TrainerHooks,
-    log: UpstreamLog | None,
-    device: torch.device,
-    line,
+    w: StrategyWiring, checkpointer: SparseCheckpointer, hooks: TrainerHooks, log: UpstreamLog | None
 ) -> Recovery:
     """MoEvement's recovery on this rank: localized (or, with `fault.scope` global, every stage) rollback to
     the persisted window and sparse-to-dense conversion, replaying through the trainer's `hooks`."""
+    cfg, topo, optimizer, device, line = w.cfg, w.place.topo, w.optimizer, w.place.dims.device, w.line
     conversion = Conversion(
         checkpointer,
         optimizer,
@@ -214,98 +221,47 @@ def _job_meta(cfg: Config, dims: ParallelDims, identity: RunIdentity, run_id: st
     }
 
 
-def _relay_target(
-    dims: ParallelDims, topo: Topology, ops: list, identity: RunIdentity, job_meta: dict, dense_step: int
-) -> RelayTarget:
-    """What a window of another layout must become on this rank's operators `ops` (`find_relaid_window`)."""
-    place = NewPlace(DataParallel(dims.cfg.dp, dims.cfg.ep), dims.dp_rank, topo.rank)
-    sharding = sharding_of(ops)
-    return RelayTarget(dims.pp_rank, place, sharding, job_meta, identity.elastic_mismatch, dense_step)
-
-
-def _identity_checks(dims: ParallelDims, identity: RunIdentity, rejoin: Rejoin) -> dict[str, CheckHeader]:
-    """Snapshot checks: "job" refuses another job, rank or config (a relaunch of the job passes), "run"
-    also another torchrun run."""
-    where = {"dp_rank": dims.dp_rank, "pp_rank": dims.pp_rank}
-    return {
-        "job": snapshot_identity_check(where, identity.mismatch),
-        "run": snapshot_identity_check({**where, "run_id": rejoin.name["run_id"]}, identity.mismatch),
-    }
-
-
-def _restart_point(
-    strategy: str,
-    rank_dir: Path,
-    disk: Path | None,
-    checks: dict[str, CheckHeader],
-    rejoin: Rejoin,
-    line,
-    restarted: bool,
-) -> RestartPoint | None:
-    """MoEvement: the persisted sparse checkpoint a restart or relaunch converts (in a rejoin, also a newer
-    complete one that ends by the survivors' iteration); gemini, after a death in this run (`restarted`):
-    its newest replicated checkpoint in host memory (collective). A rank whose process died uses its
-    peers' replicas, not what its predecessor left in its own directory."""
-    own = rejoin.live is not None or not rejoin.survivors
-    if strategy == "moevement":
-        resume_at = rejoin.live.next_iteration if rejoin.live is not None else 0
-        return find_restart_checkpoint(rank_dir.parent, disk, checks["job"], line, own, resume_at)
-    if strategy == "gemini" and restarted:
-        return find_restart_checkpoint(rank_dir.parent, None, checks["run"], line, own_copies=own)
-    return None
-
-
-def _interval_baseline(
-    cfg: Config,
-    model: ModelParts,
-    dims: ParallelDims,
-    ops: list[Operator],
-    new_checkpointer: Callable[..., SparseCheckpointer],
-    line,
-    lock: JobLock,
-    rejoin: Rejoin,
-    restart: RestartState | None,
-) -> IntervalBaseline:
+def build_interval_baseline(w: StrategyWiring) -> IntervalBaseline:
     """gemini (dense, host memory, replicated), checkfreq (dense, persisted to disk), moc (partial, disk), over
-    this rank's operators `ops`.
+    this rank's operators: an interval policy and a global rollback, restoring from `w.start` in `resume`.
 
-    A new run removes this rank's disk checkpoints; a torchrun restart of the run (`restart`) resumes
-    from them."""
-    strategy, ck_cfg = cfg.checkpoint.strategy, cfg.checkpoint
+    The rank's host directory is cleared first (what a start restores from is loaded). A new run removes this
+    rank's disk checkpoints; a restart of the run (`restart`) resumes from them."""
+    cfg, strategy, ck_cfg = w.cfg, w.cfg.checkpoint.strategy, w.cfg.checkpoint
+    w.clear_rank_dir()
+    ops = w.operators()
     names = [op.name for op in ops]
     moc, keep = None, 2
     if strategy == "moc":
-        moc = _moc_state(cfg, ops, dims)
+        moc = _moc_state(cfg, ops, w.place.dims)
         keep = math.ceil(cfg.model.n_routed_experts / moc.selector.k) + 1  # every expert's newest save stays
         select = moc.selector.next_checkpoint
     else:
         select = lambda: names  # noqa: E731  (dense: every operator)
-    if strategy != "gemini":  # snapshot in host memory, then persist asynchronously to disk
-        persist = _baseline_disk(cfg, strategy)
-        ck_cfg = dataclasses.replace(ck_cfg, replicas=0, persist_dir=str(persist), persist_every=1)
+    restart = w.restart_state()
+    if w.disk is not None:  # snapshot in host memory, then persist asynchronously to disk
+        ck_cfg = dataclasses.replace(ck_cfg, replicas=0, persist_dir=str(w.disk), persist_every=1)
         if restart is None:  # an earlier run's checkpoints must not be restored into this one
-            for old in private_subdirs(persist, "window-", f"rank{dist.get_rank():05d}"):
-                remove_tree(old, persist)
+            drop_disk_checkpoints(w.disk)
     policy = IntervalPolicy(strategy, ck_cfg.interval, expected_mtbf_iters(cfg), select)
-    checkpointer = new_checkpointer(ck_cfg, policy=policy, disk_keep=keep)
-    rollback = GlobalRollback(
-        strategy,
-        checkpointer,
-        policy,
-        model.n_stages,
-        lambda: initial_parameters(cfg.model, dims, cfg.job.seed),
-        line,
-        moc,
-    )
-    return IntervalBaseline(checkpointer, rollback, moc, lock, rejoin, restart)
+    checkpointer = w.new_checkpointer(ck_cfg, policy=policy, disk_keep=keep)
+    rollback = GlobalRollback(strategy, checkpointer, policy, w.model.n_stages, w.initial_parameters, w.line, moc)
+    return IntervalBaseline(checkpointer, rollback, moc, w.lock, w.start.rejoin, restart)
 
 
-def _baseline_disk(cfg: Config, strategy: str) -> Path | None:
-    """Where checkfreq and moc persist their checkpoints (`checkpoint.persist_dir`, else a folder beside the
-    run records); gemini keeps them in host memory only (None)."""
-    if strategy == "gemini":
+def drop_disk_checkpoints(disk: Path) -> None:
+    """Remove this rank's checkpoints of an earlier run from `disk`: a new run must not restore them."""
+    for old in private_subdirs(disk, "window-", f"rank{dist.get_rank():05d}"):
+        remove_tree(old, disk)
+
+
+def _disk(cfg: Config, entry: StrategyEntry) -> Path | None:
+    """Where `entry`'s strategy persists: `checkpoint.persist_dir`, else (`beside_records`) a folder beside the
+    run records; None: host memory only."""
+    if entry.persists == "nowhere":
         return None
-    return persist_root(cfg, str(Path(cfg.job.output_dir) / f"{strategy}-checkpoints"))
+    default = str(Path(cfg.job.output_dir) / f"{entry.name}-checkpoints") if entry.persists == "beside_records" else ""
+    return persist_root(cfg, default)
 
 
 def _moc_state(cfg: Config, ops: list, dims: ParallelDims) -> MocState:
@@ -322,17 +278,10 @@ def _moc_state(cfg: Config, ops: list, dims: ParallelDims) -> MocState:
     )
 
 
-def _trainer_hooks(
-    cfg: Config,
-    model: ModelParts,
-    optimizer,
-    dims: ParallelDims,
-    seeder: DropoutSeeder,
-    log: UpstreamLog | None,
-    topo: Topology,
-    train_batches,
-    line,
-) -> TrainerHooks:
+def _trainer_hooks(w: StrategyWiring, log: UpstreamLog | None) -> TrainerHooks:
+    """How a replay runs the trainer's iteration on this rank: its batches, dropout seeds, forward and
+    backward (through the pipeline's logs where there are stages), optimizer step and initial parameters."""
+    cfg, model, dims, topo = w.cfg, w.model, w.place.dims, w.place.topo
     micro, dp = cfg.training.micro_batches, cfg.parallelism.dp
 
     if model.schedule is not None:
@@ -356,12 +305,12 @@ def _trainer_hooks(
             forward_backward(model, inputs.to(dims.device), labels.to(dims.device), micro)
 
     return TrainerHooks(
-        batch=functools.partial(train_batches.local_batch, dp_rank=dims.dp_rank, dp_size=dp),
-        begin_iteration=seeder.begin,
+        batch=functools.partial(w.train_batches.local_batch, dp_rank=dims.dp_rank, dp_size=dp),
+        begin_iteration=w.seeder.begin,
         forward_backward=run,
-        optimizer_step=functools.partial(replay_update, model, optimizer),
+        optimizer_step=functools.partial(replay_update, model, w.optimizer),
         initial_parameters=functools.partial(initial_parameters, cfg.model, dims, cfg.job.seed),
-        line=line,
+        line=w.line,
     )
 
 
