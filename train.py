@@ -292,7 +292,7 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
         guard,
         run_accounting(cfg, rank, step, plan, restarted),
         plan,
-        PeriodicCheckpoints(cfg, kill.in_background, lineage, logger.line),
+        PeriodicCheckpoints(cfg, bounds.timeout_s, kill.in_background, lineage, logger.line),
     )
     return job, step, loss
 

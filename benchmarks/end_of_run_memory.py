@@ -115,10 +115,15 @@ def worker(variant: str, config: str, target: Path, overrides: list[str]) -> Non
     from trainer.checkpoint.dense import save_dense
     from trainer.checkpoint.state import state_digest, training_state_digest
     from trainer.config import load_config
+    from trainer.lifecycle.fault_bounds import fault_bounds
+    from trainer.lifecycle.process_state import ProcessState
+    from trainer.lifecycle.start_plan import plan_start
+    from trainer.lifecycle.startup import STARTUP
 
     sys.stdout.reconfigure(line_buffering=True)  # the ranks share one stdout: whole lines only
     cfg = load_config(config, overrides)
-    job, step, loss = train.setup(cfg)
+    process = ProcessState(STARTUP, bounds=fault_bounds(cfg.fault))  # as train.py's main sets it up
+    job, step, loss = train.setup(cfg, plan_start(process))
     step, loss = train.train_loop(job, step, loss)
     state_mb, largest_mb = _sizes(job)
     base_kb = _status_kb("VmRSS")
@@ -139,6 +144,7 @@ def worker(variant: str, config: str, target: Path, overrides: list[str]) -> Non
     for phase, peak in (("digest", digest), ("save", save)):
         over, top = (peak.peak_kb - base_kb) / 1024, peak.peak_kb / 1024
         print(f"memory variant={variant} rank={job.rank} phase={phase} over_mb={over:.1f} peak_mb={top:.1f}")
+    job.periodic.close()
     job.ft.close()
     job.logger.close()
 

@@ -197,11 +197,19 @@ def _settle_earlier_generations() -> None:
 class PeriodicCheckpoints:
     """This rank's periodic dense checkpoints of one generation: `after_iteration` on the training thread
     (collective at a due step), `close` at the end of the run (waits for the last save). Collective when
-    made (with `checkpoint.dense_interval`). `lineage`: the run's (rank 0's is the one written); `say`:
-    prints and records a checkpoint event, from the training thread or the rank's save thread."""
+    made (with `checkpoint.dense_interval`). `timeout_s`: how long rank 0 waits for every rank's record
+    (`FaultBounds.timeout_s`, `trainer/lifecycle/fault_bounds.py`); `lineage`: the run's (rank 0's is the one
+    written); `say`: prints and records a checkpoint event, from the training thread or the rank's save thread."""
 
-    def __init__(self, cfg, strike: Callable[[str, int], None], lineage: str | None, say: Callable[[object], None]):
-        self.cfg, self.strike, self.lineage, self.say = cfg, strike, lineage, say
+    def __init__(
+        self,
+        cfg,
+        timeout_s: float,
+        strike: Callable[[str, int], None],
+        lineage: str | None,
+        say: Callable[[object], None],
+    ):
+        self.cfg, self.timeout_s, self.strike, self.lineage, self.say = cfg, timeout_s, strike, lineage, say
         self.every = cfg.checkpoint.dense_interval
         self.folder = checkpoint_folder(cfg)
         self.thread: threading.Thread | None = None
@@ -240,7 +248,7 @@ class PeriodicCheckpoints:
         c, meta = self.cfg.checkpoint, dense_meta(step, loss, self.cfg, self.lineage)
         work = SaveWork(
             step, rank, world, where, refused, tensors, owned_specs(plan), target, meta, old_files, c.keep_latest,
-            self.lineage, self.cfg.fault.timeout_s, self.strike, self.say, self.abandoned,
+            self.lineage, self.timeout_s, self.strike, self.say, self.abandoned,
         )  # fmt: skip
         self.thread = threading.Thread(target=self._run, args=(work, tmp is not None), name="moevement-dense-save")
         self.thread.daemon = True  # a process that dies or exits leaves an unpublished temporary, nothing else
