@@ -17,7 +17,10 @@ from tests.test_baselines import baseline_recoveries, baseline_run, reference
 from train import build_training
 from trainer.checkpoint.state import training_state_digest
 from trainer.config import ConfigError, load_config
+from trainer.lifecycle.fault_bounds import fault_bounds
+from trainer.lifecycle.process_state import ProcessState
 from trainer.lifecycle.start_plan import StartPlan
+from trainer.lifecycle.startup import STARTUP
 from trainer.run.strategy_factory import TrainingParts, build_strategy
 from trainer.step import DropoutSeeder, take_expert_load, train_step
 from trainer.strategy_registry import STRATEGIES
@@ -61,7 +64,8 @@ def test_every_n_built_through_the_registry_rolls_back_to_its_checkpoint_exactly
         seeder = DropoutSeeder(model, cfg.job.seed, dims.dp_rank)
         lines: list = []
         parts = TrainingParts(model, optimizer, dims, seeder, None)
-        ft = build_strategy(cfg, parts, lines.append, StartPlan("", 0))
+        process = ProcessState(STARTUP, bounds=fault_bounds(cfg.fault))
+        ft = build_strategy(cfg, parts, lines.append, StartPlan("", 0, process=process))
         assert isinstance(ft, IntervalBaseline) and ft.rollback.strategy == "every_n"
         loss = ft.resume(0, math.nan)
         assert loss[0] == 0  # a new run: from train.py's start

@@ -504,7 +504,7 @@ def test_the_fault_bounds_are_derived_once_from_the_config():
     bounds = fault_bounds(Config().fault)
     assert bounds == FaultBounds(timeout_s=600.0, later_join_s=1200.0, node_loss_s=60.0)
     assert str(generations.GenerationNotJoined(3, bounds)) == (
-        "restart: generation 3 was not joined by every rank within 2 x fault.timeout_s=1200 s: "
+        "restart: generation 3 was not joined by every rank within 1200 s (2 x fault.timeout_s): "
         "torchrun restarts every worker"
     )
 

@@ -23,5 +23,6 @@ out, with the bounds of `[fault]` derived once (`fault_bounds.FaultBounds`):
   (`process.ENDINGS`, `verdict.Ending`).
 
 Which state a rejoining or restarted rank then starts from (its own kept state, a persisted window, a
-neighbour's logs) is the checkpoint strategy's to decide (`CheckpointStrategy.resume`).
+re-laid window, a dense checkpoint) is one table, `moevement/recovery/start_source.py` (its facts gathered in
+`trainer/run/start_facts.py`); the strategy restores from the source it chose (`CheckpointStrategy.resume`).
 """

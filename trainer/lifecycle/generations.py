@@ -46,8 +46,8 @@ class GenerationNotJoined(Exception):  # noqa: N818 (a state reached, not an err
 
     def __init__(self, generation: int, bounds: FaultBounds):
         super().__init__(
-            f"restart: generation {generation} was not joined by every rank within {LATER_GENERATION_JOIN_FACTOR} x "
-            f"fault.timeout_s={bounds.later_join_s:g} s: torchrun restarts every worker"
+            f"restart: generation {generation} was not joined by every rank within {bounds.later_join_s:g} s "
+            f"({LATER_GENERATION_JOIN_FACTOR} x fault.timeout_s): torchrun restarts every worker"
         )
 
 

@@ -152,7 +152,8 @@ def build_strategy(
     ops = lambda: build_registry(model.view, stacked_operators(model.view))  # noqa: E731  (a re-lay's target)
     restorable = Restorable(entry.restores, disk, ops)
     start = gather_start(place, plan, cfg.parallelism.elastic, restorable, dense_step, line, prebuilt)
-    new_checkpointer = _checkpointer_factory(cfg, model, parts.optimizer, dims, rank_dir, topo, place.job_meta)
+    timeout_s = plan.process.bounds.timeout_s
+    new_checkpointer = _checkpointer_factory(cfg, parts, rank_dir, topo, place.job_meta, timeout_s)
     wiring = StrategyWiring(
         cfg, model, parts.optimizer, parts.seeder, parts.train_batches, line, place, lock, disk, start, new_checkpointer
     )
@@ -197,14 +198,14 @@ def _recovery(
 
 
 def _checkpointer_factory(
-    cfg: Config, model: ModelParts, optimizer, dims: ParallelDims, rank_dir: Path, topo: Topology, job_meta: dict
+    cfg: Config, parts: TrainingParts, rank_dir: Path, topo: Topology, job_meta: dict, timeout_s: float
 ) -> Callable[..., SparseCheckpointer]:
-    """`SparseCheckpointer` bound to this rank's model, layout and host directory; a strategy passes its own
-    checkpoint config (and policy)."""
-    state = CheckpointedModel(
-        model.view, optimizer, DTYPES[cfg.training.mixed_precision], dims.device, stacked_operators(model.view)
-    )
-    place = CheckpointerPlace(topo, rank_dir, job_meta, _same_node_dirs(cfg), cfg.fault.timeout_s)
+    """`SparseCheckpointer` bound to this rank's model, layout and host directory (its replication group
+    bounded by `timeout_s`, the process's `FaultBounds`); a strategy passes its own checkpoint config (and
+    policy)."""
+    model, dtype = parts.model, DTYPES[cfg.training.mixed_precision]
+    state = CheckpointedModel(model.view, parts.optimizer, dtype, parts.dims.device, stacked_operators(model.view))
+    place = CheckpointerPlace(topo, rank_dir, job_meta, _same_node_dirs(cfg), timeout_s)
     return functools.partial(SparseCheckpointer, state=state, place=place)
 
 
