@@ -49,6 +49,7 @@ from trainer.checkpoint.state import training_state_digest
 from trainer.config import Config, ConfigError, fault_plan, fit_world, load_config
 from trainer.config_help import help_text, to_toml
 from trainer.data.batches import TokenBatches, build_data, make_loader
+from trainer.estimates import host_estimate, memory_check
 from trainer.lifecycle import exit_codes, job_end, rank_shell
 from trainer.lifecycle.fault_bounds import fault_bounds
 from trainer.lifecycle.generations import after_training_failure, train_generations
@@ -60,21 +61,21 @@ from trainer.lifecycle.stop_guard import StopGuard
 from trainer.lifecycle.survival import keep_for_torchrun_restart
 from trainer.lifecycle.survivor_lines import PREEMPTED, SurvivorLine
 from trainer.optim import build_optimizer
-from trainer.run import event_log, host_estimate, memory_check
-from trainer.run.accounting import RunAccounting, kept_path
-from trainer.run.event_lines import ElasticLayout, FaultStrike, FinalLine
-from trainer.run.fault_injection import KillSwitch, arm_kill, fired, kill_if_joining, record_fired
-from trainer.run.host_paths import claim_host_state
-from trainer.run.metrics import MetricsLogger
-from trainer.run.prebuilt import Prebuilt, prebuild
-from trainer.run.run_record import (
+from trainer.records import event_log
+from trainer.records.accounting import RunAccounting, kept_path
+from trainer.records.event_lines import ElasticLayout, FaultStrike, FinalLine
+from trainer.records.metrics import MetricsLogger
+from trainer.records.run_record import (
     open_run_record,
     publish_run_folder,
     published_run_folder,
     tell_the_shell_the_run_folder,
 )
+from trainer.records.window_profile import write_window_profile
+from trainer.run.fault_injection import KillSwitch, arm_kill, fired, kill_if_joining, record_fired
+from trainer.run.host_paths import claim_host_state
+from trainer.run.prebuilt import Prebuilt, prebuild
 from trainer.run.strategy_factory import TrainingParts, build_strategy
-from trainer.run.window_profile import write_window_profile
 from trainer.step import DropoutSeeder, evaluate, set_aux_grad_scale, take_expert_load, train_step
 from trainer.strategy_registry import strategy_entry
 
@@ -538,11 +539,11 @@ def main(argv: list[str] | None = None, prebuilt: Prebuilt | None = None) -> int
         elif args.dry_run:
             total, active = count_params(cfg.model)
             print(f"params total={total} active={active}")
-            from trainer.run import memory_report  # the dry run's own: meta-device traces
+            from trainer.estimates import memory_report  # the dry run's own: meta-device traces
 
             print("\n".join(memory_report.report(cfg)))
             print("\n".join(host_estimate.report(cfg)))
-            from trainer.run import placement_report  # the replicas' placement under node losses
+            from trainer.estimates import placement_report  # the replicas' placement under node losses
 
             print(placement_report.line(cfg))
             if cfg.parallelism.elastic:

@@ -42,7 +42,7 @@ from simulator.ablation import ablation
 from simulator.calibrated import FITTED
 from simulator.paper_tables import FIG13_MTBF_S, FIG13_SKEW, testbed_settings
 from trainer.config import load_config
-from trainer.run.event_log import run_events
+from trainer.records.event_log import run_events
 
 STEPS = (
     (

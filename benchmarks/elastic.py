@@ -37,7 +37,7 @@ agent's start to the end of every agent; the event costs are summed over the run
 measured (an event shows nan for a line it lacks: a generation started after the job's last iteration
 runs none, and its `restart_s` counts from its cause where no worker said it stopped), `down_s` is
 their cause to first new iteration, `shrunk_s` the time spent on fewer ranks. What happened is read from the
-run's records (trainer/run/event_log.py), when from the printed lines: a record's time is when this harness
+run's records (trainer/records/event_log.py), when from the printed lines: a record's time is when this harness
 read its line (the workers flush every line; `stamp` pairs each record with its line). Then one `policy=`
 line each, the median over rounds (with `tokens_per_s_spread=` max - min when rounds > 1), and the ratios
 of median throughputs `elastic/restart=` and `elastic/wait=`. The state digests differ between policies
@@ -69,8 +69,8 @@ from pathlib import Path
 from benchmarks.emulated_nodes import Node, Output, free_port, start_node
 from trainer.config import load_config
 from trainer.lifecycle.survivor_lines import SurvivorLine
-from trainer.run.event_lines import ElasticLayout, FinalLine, StepLine
-from trainer.run.event_log import RunEvent, run_events
+from trainer.records.event_lines import ElasticLayout, FinalLine, StepLine
+from trainer.records.event_log import RunEvent, run_events
 
 CONFIG = "train_configs/debug_moe.toml"
 OVERRIDES = [

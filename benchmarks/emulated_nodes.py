@@ -23,7 +23,7 @@ from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainer.run.event_log import RunEvent, run_events
+from trainer.records.event_log import RunEvent, run_events
 
 ROOT = Path(__file__).resolve().parent.parent
 RDZV_CONF = "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=180"

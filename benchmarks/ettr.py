@@ -66,7 +66,7 @@ from benchmarks.variants import QUIET, variant_flags
 from models import count_params
 from moevement.failures import TRAINING_PHASES, poisson_events
 from trainer.config import Config, load_config
-from trainer.run.event_log import run_events
+from trainer.records.event_log import run_events
 
 POOLED_TOLERANCE = 0.2  # a pooled realized MTBF further than this from the nominal one is flagged
 

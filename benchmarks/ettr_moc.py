@@ -21,7 +21,7 @@ from baselines.moc import adaptive_k
 from benchmarks.ettr_runs import RunTotals
 from models.experts import GroupedExperts
 from trainer.config import Config
-from trainer.run.training_state_bytes import rank_parts
+from trainer.estimates.training_state_bytes import rank_parts
 
 STATE_BYTES = 12  # per parameter in a snapshot: FP32 master weight + AdamW's two moments
 PLT_BUDGET = 0.0375  # MoC-System's (§3.1.2): accuracy holds while PLT stays at or below it

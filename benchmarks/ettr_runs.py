@@ -1,6 +1,6 @@
 """What `benchmarks.ettr` reads of one training run, and its figures against the fault-free references.
 
-`parse_run` is the one place that reads a run: its recorded events (`trainer.run.event_log.run_events`, the
+`parse_run` is the one place that reads a run: its recorded events (`trainer.records.event_log.run_events`, the
 run folder its `run: <dir>` line names), never its stdout: its `step` records (each iteration once, its first
 execution), its `accounting` record, which becomes a `RunTotals`, its recoveries (`RecoveryReport`) and its
 final line (`FinalLine`).
@@ -16,9 +16,9 @@ import statistics
 from dataclasses import dataclass, fields
 
 from moevement.recovery.report import RecoveryReport
-from trainer.run.accounting_line import AccountingLine
-from trainer.run.event_lines import FinalLine, StepLine
-from trainer.run.event_log import RunEvent
+from trainer.records.accounting_line import AccountingLine
+from trainer.records.event_lines import FinalLine, StepLine
+from trainer.records.event_log import RunEvent
 
 WARMUP = 3  # first iterations (allocation, profiling) left out of per-iteration means
 REPLAY_PARTS = ("fetch", "convert", "catchup")  # the rest of a recovery line's seconds: detection and restart

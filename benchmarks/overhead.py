@@ -53,8 +53,8 @@ from pathlib import Path
 from benchmarks.variants import QUIET, variant_flags
 from models import count_params
 from trainer.config import load_config
-from trainer.run.event_lines import StepLine
-from trainer.run.event_log import run_events
+from trainer.records.event_lines import StepLine
+from trainer.records.event_log import run_events
 
 CPU_RE = re.compile(r"^cpu_cost (.*)$", re.MULTILINE)
 

@@ -56,7 +56,7 @@ from moevement.recovery.replay import set_frozen
 from moevement.recovery.report import RecoveryReport, RecoveryWork
 from parallelisms.pipeline import lm_loss
 from trainer.config import load_config
-from trainer.run.event_log import run_events
+from trainer.records.event_log import run_events
 from trainer.run.strategy_factory import stacked_operators
 
 TIMELINE_RE = re.compile(r"^restart timeline rank=\d+: (.*)$", re.M)

@@ -3,7 +3,7 @@
 A variant is a strategy with settings of its own (`@section.key=value`, repeatable), so that two
 settings of one strategy are compared in the same invocation, interleaved, under the same noise.
 Also what every benchmark run shares: its quiet flags. (Its recovery lines are read from the run record:
-`trainer.run.event_log.run_events`.)
+`trainer.records.event_log.run_events`.)
 """
 
 from __future__ import annotations

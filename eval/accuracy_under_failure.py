@@ -38,9 +38,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from eval.errors import EvalError  # noqa: E402
 from trainer.config import ConfigError, load_config  # noqa: E402
-from trainer.run.accounting_line import AccountingLine  # noqa: E402
-from trainer.run.event_lines import FinalLine, ValidationLine  # noqa: E402
-from trainer.run.event_log import run_events  # noqa: E402
+from trainer.records.accounting_line import AccountingLine  # noqa: E402
+from trainer.records.event_lines import FinalLine, ValidationLine  # noqa: E402
+from trainer.records.event_log import run_events  # noqa: E402
 from trainer.strategy_registry import STRATEGIES  # noqa: E402
 
 OWNED = {

@@ -50,7 +50,7 @@ def largest_shard_on_meta(part: torch.nn.Module, cfg: ParallelismConfig) -> None
     data-parallel rank 0's (torch chunks a dimension of n rows into pieces of ceil(n / shards) first).
 
     Routed experts are sharded over `dp / ep` ranks when `ep` > 1, every other parameter over `dp`, along
-    the dimension `_within_each_expert` names. For host-memory estimates (`trainer.run.host_estimate`)."""
+    the dimension `_within_each_expert` names. For host-memory estimates (`trainer.estimates.host_estimate`)."""
     for module in part.modules():
         expert_group = cfg.ep > 1 and isinstance(module, GroupedExperts)
         shards = cfg.dp // cfg.ep if expert_group else cfg.dp

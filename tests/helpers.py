@@ -20,10 +20,10 @@ from pathlib import Path
 
 from moevement.recovery.report import RecoveryReport, RecoveryWork
 from trainer.lifecycle.survivor_lines import SurvivorLine
-from trainer.run.accounting_line import AccountingLine
-from trainer.run.event_lines import FaultStrike, FinalLine, StepLine, ValidationLine
-from trainer.run.event_log import RunEvent, last_step, read_events, run_folders
-from trainer.run.event_log import run_events as _run_events
+from trainer.records.accounting_line import AccountingLine
+from trainer.records.event_lines import FaultStrike, FinalLine, StepLine, ValidationLine
+from trainer.records.event_log import RunEvent, last_step, read_events, run_folders
+from trainer.records.event_log import run_events as _run_events
 
 ROOT = Path(__file__).resolve().parent.parent
 DEBUG_CONFIG = "train_configs/debug_moe.toml"
@@ -187,7 +187,7 @@ def step_losses(run: Run) -> dict[int, float]:
     return {line.step: line.value("loss") for line in steps(run)}
 
 
-# the console lines of a run's recorded kinds (trainer/run/event_log.py KINDS), by how they start
+# the console lines of a run's recorded kinds (trainer/records/event_log.py KINDS), by how they start
 RECORDED = (
     "step=",
     "validation step=",

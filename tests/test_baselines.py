@@ -26,10 +26,10 @@ from moevement.recovery.report import RecoveryReport
 from moevement.storage.sealed import seal
 from tests.helpers import DEBUG_CONFIG, accounting, base_args, final_line, recoveries, run_cli, step_losses, steps
 from trainer.config import ConfigError, expected_mtbf_iters, load_config
-from trainer.run.accounting import RunAccounting
-from trainer.run.accounting_line import AccountingLine
-from trainer.run.event_lines import StepLine
-from trainer.run.event_log import append_event
+from trainer.records.accounting import RunAccounting
+from trainer.records.accounting_line import AccountingLine
+from trainer.records.event_lines import StepLine
+from trainer.records.event_log import append_event
 
 BASE = [*base_args(steps=14), "--parallelism.pp", "2"]
 
@@ -190,7 +190,7 @@ def test_ettr_accounting_on_a_scripted_run(monkeypatch):
     The wall time ends with the last iteration: gathering the final state afterwards is not training."""
     # start; the ends of iterations 1-3, of the recovery, of iterations 2-4; then the final gathering
     clock = iter([100.0, 101.0, 102.0, 103.0, 104.0, 105.0, 106.0, 107.5, 130.0])
-    monkeypatch.setattr("trainer.run.accounting.time.time", lambda: next(clock))
+    monkeypatch.setattr("trainer.records.accounting.time.time", lambda: next(clock))
     acct = RunAccounting(first_step=1, tokens_per_step=8)
     for step in (1, 2, 3):
         acct.iteration(step, 1.0)
@@ -306,7 +306,7 @@ def test_accounting_is_carried_across_a_torchrun_restart(tmp_path, monkeypatch, 
     for step in (1, 2, 3):
         first.iteration(step, 1.0)
     first.keep({"run_id": "r", "attempt": 0}, stopped_unix=1004.0)
-    monkeypatch.setattr("trainer.run.accounting.time.time", lambda: 1010.0)
+    monkeypatch.setattr("trainer.records.accounting.time.time", lambda: 1010.0)
     second = RunAccounting(first_step=3, tokens_per_step=8, path=path)  # resumed at 3 after a rollback
     second.carry_on({"run_id": "r", "attempt": 1})
     assert (second.first_step, second.high_water, second.productive_s) == (1, 3, 3.0)

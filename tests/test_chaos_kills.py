@@ -33,7 +33,7 @@ from tests.helpers import (
     final_line,
     recoveries,
 )
-from trainer.run.event_log import last_step, run_folders
+from trainer.records.event_log import last_step, run_folders
 
 STEPS = ["--training.steps", "100"]
 SEEDS = [int(s) for s in os.environ.get("CHAOS_SEEDS", "1").split(",")]

@@ -33,7 +33,7 @@ from trainer.checkpoint.state import training_state_digest
 from trainer.checkpoint.step_folder import make_folder, prune, refusal, tidy
 from trainer.config import ConfigError, load_config
 from trainer.optim import build_optimizer
-from trainer.run.event_log import KINDS
+from trainer.records.event_log import KINDS
 from trainer.sealed_json import sealed
 
 A, B = "a" * 16, "b" * 16  # two lineages

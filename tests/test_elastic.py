@@ -28,7 +28,7 @@ from tests.helpers import (
 )
 from trainer.checkpoint.identity import RunIdentity
 from trainer.config import Config, ConfigError, fit_world, load_config
-from trainer.run.event_lines import ElasticLayout, StepLine
+from trainer.records.event_lines import ElasticLayout, StepLine
 
 CONFIGURED = ["--parallelism.pp", "2", "--parallelism.dp", "2", "--parallelism.elastic"]
 ELASTIC = [*base_args(40), *CONFIGURED, "--checkpoint.dense_interval", "4", "--job.name", "elastic"]

@@ -13,7 +13,7 @@ import pytest
 from benchmarks.elastic import Line, Restart, analyse
 from tests.helpers import CHILD_ENV, ROOT, run_bounded
 from trainer.lifecycle.survivor_lines import DETECTED, PREEMPTED, REJOINS, SurvivorLine
-from trainer.run.event_lines import ElasticLayout, FinalLine, StepLine
+from trainer.records.event_lines import ElasticLayout, FinalLine, StepLine
 
 
 def _stamped(*timeline: tuple[float, object]) -> list[Line]:

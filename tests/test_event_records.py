@@ -1,4 +1,4 @@
-"""The run record's events (trainer/run/event_log.py) in this process: each kind reads back into its printed
+"""The run record's events (trainer/records/event_log.py) in this process: each kind reads back into its printed
 line byte for byte, the newest logged iteration is read from the file's end, and the metrics logger logs each
 iteration once (a rollback's rerun is not logged again; a later rank 0 logs, late, what its predecessor could
 not). Real deaths: tests/test_run_record.py and tests/test_real_deaths.py."""
@@ -16,10 +16,10 @@ from trainer.checkpoint import events
 from trainer.config import load_config
 from trainer.lifecycle.shell_lines import FROZEN, REPLACED, SHELL_SILENT, ShellLine
 from trainer.lifecycle.survivor_lines import DETECTED, PREEMPTED, REJOINS, START_FAILED, SurvivorLine
-from trainer.run import event_log
-from trainer.run.accounting_line import AccountingLine
-from trainer.run.event_lines import ElasticLayout, FaultStrike, FinalLine, StepLine, ValidationLine, format_value
-from trainer.run.metrics import MetricsLogger
+from trainer.records import event_log
+from trainer.records.accounting_line import AccountingLine
+from trainer.records.event_lines import ElasticLayout, FaultStrike, FinalLine, StepLine, ValidationLine, format_value
+from trainer.records.metrics import MetricsLogger
 
 EVENTS = [
     StepLine(3, (("loss", 5.123456789), ("lr", 0.00099961), ("window", 3), ("tflops", 1.5e-05), ("wall_s", 2.0))),

@@ -1,4 +1,4 @@
-"""`train.py --dry-run`'s per-rank host-memory estimate against what real runs hold (trainer/run/host_estimate.py).
+"""`train.py --dry-run`'s per-rank host-memory estimate against what runs hold (trainer/estimates/host_estimate.py).
 
 Bound tested: a real run's bytes in the host directory (whole pages, as tmpfs counts them) are at most the
 estimate, and the estimate at most 1.25 times them. With a forced window the estimate differs from a
@@ -20,7 +20,7 @@ from moevement.checkpoint.profiler import PROBE_BYTES
 from moevement.recovery.live_state import keep_in_memory, save_kept
 from tests.helpers import DEBUG_CONFIG, run_cli, stepped_operators
 from trainer.config import load_config
-from trainer.run import host_estimate
+from trainer.estimates import host_estimate
 
 HOST_LINE = re.compile(r"^host_memory rank=(\d+) pp=\d+ snapshots=(\S+) replicas=(\S+) .*$", re.M)
 LOOSEST = 1.25

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from parallelisms import distributed
 from tests.helpers import BASE, MOEVEMENT, PP2, baseline, run_cli, run_events, run_shell, survivors
 from trainer.lifecycle import job_end, node_presence, rank_shell, store_keeper
-from trainer.run.event_lines import FinalLine
+from trainer.records.event_lines import FinalLine
 
 LAST = 12  # BASE's training.steps
 KILLED = re.compile(r"^fault: rank (\d) killed \(SIGKILL\) in the (\w+) phase of step \d+ at unix=(\S+)$", re.M)

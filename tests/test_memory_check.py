@@ -1,5 +1,5 @@
 """A run whose estimated per-rank peak is over its device's memory says so in one line before it allocates,
-with keys that fit it (trainer/run/memory_check.py); the provided cluster configs fit 80 GB GPUs in the
+with keys that fit it (trainer/estimates/memory_check.py); the provided cluster configs fit 80 GB GPUs in the
 layouts their headers name."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from tests.helpers import DEBUG_CONFIG, ROOT, run_cli
 from trainer.config import load_config
-from trainer.run.memory_check import DeviceMemory, over_line, peaks
+from trainer.estimates.memory_check import DeviceMemory, over_line, peaks
 
 PIPELINE = ["--parallelism.pp", "2", "--training.micro_batches", "2", "--training.batch_size", "32"]
 OPTION = re.compile(r"((?:--\S+ \S+ ?)+) \(([0-9.]+) GB\)")

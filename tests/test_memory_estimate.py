@@ -1,4 +1,4 @@
-"""`train.py --dry-run`'s accelerator-memory estimate against real tensors (trainer/run/memory_estimate.py).
+"""`train.py --dry-run`'s accelerator-memory estimate against real tensors (trainer/estimates/memory_estimate.py).
 
 - Training state: the parameter, gradient and AdamW bytes the estimate gives each rank equal, exactly,
   the bytes of the storages the real tensors hold on that rank after one training step of a 2-rank gloo
@@ -28,7 +28,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from tests.helpers import DEBUG_CONFIG, run_cli
 from trainer.config import load_config
-from trainer.run import activation_estimate, memory_estimate, training_state_bytes
+from trainer.estimates import activation_estimate, memory_estimate, training_state_bytes
 
 ACTIVATION_TOLERANCE = 0.25
 WORLD = 2
@@ -173,7 +173,7 @@ def test_activation_trace_matches_what_autograd_saves_on_cpu(case):
 
 def test_micro_batches_alive_follow_the_schedule():
     from parallelisms.mesh import ParallelismConfig
-    from trainer.run.pipeline_peak import peak_alive
+    from trainer.estimates.pipeline_peak import peak_alive
 
     assert peak_alive(ParallelismConfig(), 8, 0, {0: 10}).nbytes == 10  # pp=1: one at a time
     gpipe = ParallelismConfig(pp=4, schedule="GPipe")

@@ -1,4 +1,4 @@
-"""Model FLOPs, TFLOP/s and MFU (trainer/flops.py) on the step line and in TensorBoard (trainer/run/metrics.py).
+"""Model FLOPs, TFLOP/s and MFU (trainer/flops.py) on the step line and in TensorBoard (trainer/records/metrics.py).
 
 The FLOP count per token is checked against torch's own counter on a real forward and backward; the step line
 gains `tflops=` (model TFLOP/s per device) and, only where the device's peak is known (a known GPU, or
@@ -18,9 +18,9 @@ from tests.helpers import DEBUG_CONFIG, ROOT, base_args, run_cli, steps
 from tests.tiny_moe import ARGS
 from trainer.config import ConfigError, load_config
 from trainer.flops import bf16_peak_flops, device_peak_flops, flops_per_token, step_throughput
-from trainer.run import event_log
-from trainer.run.event_lines import StepLine
-from trainer.run.metrics import MetricsLogger
+from trainer.records import event_log
+from trainer.records.event_lines import StepLine
+from trainer.records.metrics import MetricsLogger
 
 
 @pytest.mark.parametrize(

@@ -28,7 +28,7 @@ from tests.helpers import (
 )
 from trainer.checkpoint.events import CheckpointLoaded, CheckpointNotSaved, CheckpointSaved
 from trainer.config import load_config
-from trainer.run.event_log import run_folders
+from trainer.records.event_log import run_folders
 
 
 def train(*args: str, **kw):

@@ -120,7 +120,7 @@ def test_large_cluster_is_counted_exactly_and_quickly():
 
 def test_dry_run_line_names_the_placement_and_its_odds():
     from trainer.config import load_config
-    from trainer.run.placement_report import line
+    from trainer.estimates.placement_report import line
 
     layout_args = ["--parallelism.pp", "4", "--parallelism.ep", "4", "--checkpoint.strategy", "moevement"]
     two_nodes = load_config("train_configs/deepseek_moe_16b.toml", [*layout_args, "--parallelism.dp", "4"])

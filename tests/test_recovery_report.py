@@ -19,7 +19,7 @@ from moevement.recovery.report import (
     rank_list,
     stage_ranges,
 )
-from trainer.run.event_lines import FaultStrike, FinalLine
+from trainer.records.event_lines import FaultStrike, FinalLine
 
 
 def read_back(event):

@@ -1,5 +1,5 @@
 """`metrics.profile`: the trainer writes Algorithm 1's inputs as it planned a window, and the simulator's
-`--window-profile` computes the same W from them (trainer/run/window_profile.py, simulator/profile.py)."""
+`--window-profile` computes the same W from them (trainer/records/window_profile.py, simulator/profile.py)."""
 
 import json
 
@@ -9,7 +9,7 @@ from moevement.checkpoint.planner import WindowInputs
 from moevement.checkpoint.schedule import find_window_size
 from simulator.profile import WindowProfile
 from tests.helpers import BASE, MOEVEMENT, run_cli
-from trainer.run.window_profile import profile_record, write_window_profile
+from trainer.records.window_profile import profile_record, write_window_profile
 
 
 @pytest.mark.parametrize("bandwidth", [2e8, 2e9, 2e10])

@@ -1,6 +1,6 @@
 """How a trainer process writes its events into the run folder's `events.jsonl` (docs/design/event-records.md):
 one whole line per record, in append mode, so writers never interleave inside a line. The lifecycle writes
-its lines here as the run does; reading a run's events back is `trainer/run/event_log.py`.
+its lines here as the run does; reading a run's events back is `trainer/records/event_log.py`.
 Imports no torch (a rank shell records its lines too)."""
 
 from __future__ import annotations

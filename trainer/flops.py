@@ -1,6 +1,6 @@
 """Model FLOPs per token, the device's peak, and the model FLOPs utilisation (MFU) of a step.
 
-The step line's `tflops=` and `mfu=` (trainer/run/metrics.py) and the GPU check's throughput section
+The step line's `tflops=` and `mfu=` (trainer/records/metrics.py) and the GPU check's throughput section
 (benchmarks/gpu_check/) share the peak table. Model FLOPs count what the model needs, not what the run
 executes: activation checkpointing's recomputation and the chunked loss's second head product
 (`training.loss_chunk_tokens`) are not counted, as in TorchTitan.

@@ -1,6 +1,6 @@
 """What the trainer's typed console lines share (docs/design/event-records.md): each is a frozen
 dataclass whose `line()` is the console line byte for byte, whose `record()` is the JSON object the run
-record keeps of it (`trainer/run/event_log.py`): its `kind`, then its fields, numbers rounded as the line
+record keeps of it (`trainer/records/event_log.py`): its `kind`, then its fields, numbers rounded as the line
 prints them (`ROUNDED`: field -> decimals), tuples as lists; and whose `from_record(record)` is the line
 again. Imports no torch (the rank shell's lines are typed lines too)."""
 

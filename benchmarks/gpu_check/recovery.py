@@ -19,8 +19,8 @@ from benchmarks.gpu_check.report import Check, Section
 from benchmarks.gpu_check.runs import ROOT, Workspace, train
 from benchmarks.overhead import recorded_steps
 from moevement.recovery.report import RecoveryReport
-from trainer.run.event_lines import FinalLine
-from trainer.run.event_log import run_events
+from trainer.records.event_lines import FinalLine
+from trainer.records.event_log import run_events
 
 CONFIG = "train_configs/debug_moe.toml"
 STEPS = "14"

@@ -27,8 +27,8 @@ from benchmarks.overhead import recorded_steps
 from moevement.recovery.report import RecoveryReport
 from parallelisms.distributed import default_backend
 from trainer.lifecycle.shell_lines import REPLACED, ShellLine
-from trainer.run.event_lines import FaultStrike, FinalLine
-from trainer.run.event_log import run_events
+from trainer.records.event_lines import FaultStrike, FinalLine
+from trainer.records.event_log import run_events
 
 CONFIG = "train_configs/debug_moe.toml"
 LAYOUT = [

@@ -39,7 +39,7 @@ from moevement.recovery.upstream_log import UpstreamLog
 from moevement.storage.replication import ReplicaStore
 from moevement.storage.snapshot_buffers import SnapshotBuffers
 from moevement.topology import Topology
-from trainer.run.tensorboard import StageGather
+from trainer.records.tensorboard import StageGather
 
 BACKEND = "cpu:gloo,cuda:gloo"
 LINE = re.compile(r"^shared_gpu rank=(\d) check=(\S+) ok=([01]) (.*)$", re.M)

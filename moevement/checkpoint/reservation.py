@@ -1,6 +1,6 @@
 """How large a rank's snapshot buffers grow for the windows it may plan, known before any window is planned
 (docs/design/sparse-checkpointing.md): what a start-up reserves where the plan does not depend on the profile, and what
-`train.py --dry-run` prints (`trainer/run/host_estimate.py`).
+`train.py --dry-run` prints (`trainer/estimates/host_estimate.py`).
 
 A snapshot's bytes are its entries', each padded to a block (`moevement.storage.snapshot.layout_of`), so a slot's
 snapshot is the sum, over its operators, of their FP32 state as laid out, and over the later slots' operators, of

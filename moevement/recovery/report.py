@@ -1,5 +1,5 @@
 """The `recovery step=...` and `recovery work ...` console lines (docs/design/output-lines.md), one format for every
-strategy, and the records rank 0 keeps of them in the run's `events.jsonl` (`trainer/run/event_log.py`).
+strategy, and the records rank 0 keeps of them in the run's `events.jsonl` (`trainer/records/event_log.py`).
 
 The line's bytes are a contract:
 

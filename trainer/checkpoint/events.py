@@ -4,7 +4,7 @@ saves did (saved, not saved and why, pruned, not pruned), and the end of run's `
 
 Each is a `TypedLine` (trainer/typed_line.py): `line()` is the console line byte for byte (every one starts
 `checkpoint: `, but `saved checkpoint step=`, the format output-lines.md fixes for `save_final`), `record()` the JSON
-object the run record keeps of it (`trainer/run/event_log.py`), numbers rounded as the line prints them, and
+object the run record keeps of it (`trainer/records/event_log.py`), numbers rounded as the line prints them, and
 `from_record(record).line()` is the printed line again. They are printed through a `say(event)` callable
 (`MetricsLogger.line` on rank 0), from the training thread or, for a periodic save, from the rank's background
 save thread.

@@ -4,7 +4,7 @@ A lineage is the line of runs that trained one state on, named by a random id. A
 initial state, from an imported checkpoint or from a checkpoint of another config (`load_other_config`)
 begins a new one; a run that resumes from a checkpoint of its own config continues that checkpoint's (a
 torchrun restart or in-place generation of a run keeps the lineage its run record names,
-`trainer/run/run_record.py`). A periodic save replaces, and `checkpoint.keep_latest` prunes, only step
+`trainer/records/run_record.py`). A periodic save replaces, and `checkpoint.keep_latest` prunes, only step
 directories of the saving run's lineage: no run deletes or overwrites what another wrote. A checkpoint
 without a lineage (written by an older version, or by `checkpoint.save_final`) belongs to no run's lineage:
 it is loadable, never replaced or pruned.

@@ -49,7 +49,7 @@ class Source:
     lineage: str | None
 
     def record(self) -> dict:
-        """The run record's `resumed_from` (`trainer/run/run_record.py`)."""
+        """The run record's `resumed_from` (`trainer/records/run_record.py`)."""
         return {"checkpoint": self.directory, "step": self.step, "meta_seal": self.meta_seal}
 
 

@@ -2,7 +2,7 @@
 the line a shell's child prints when it ends a shell that stopped beating.
 
 `line()` is the console line byte for byte; `record()` is the JSON object the run record keeps of it
-(`trainer/run/event_log.py`), `from_record(record).line()` the printed line again. Imports no torch.
+(`trainer/records/event_log.py`), `from_record(record).line()` the printed line again. Imports no torch.
 """
 
 from __future__ import annotations

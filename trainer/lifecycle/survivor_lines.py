@@ -1,7 +1,7 @@
 """A surviving rank's lines after a peer's death (docs/design/output-lines.md), typed: what it kept and where it goes.
 
 `line()` is the console line byte for byte; `record()` is the JSON object the run record keeps of it
-(`trainer/run/event_log.py`), `from_record(record).line()` the printed line again. Imports no torch.
+(`trainer/records/event_log.py`), `from_record(record).line()` the printed line again. Imports no torch.
 """
 
 from __future__ import annotations

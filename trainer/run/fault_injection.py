@@ -34,7 +34,7 @@ import torch.distributed as dist
 from moevement.failures import END_PHASES, FaultPlan, KillEvent
 from parallelisms.parallelize import ModelParts
 from trainer.lifecycle.stop_guard import StopGuard
-from trainer.run.event_lines import FaultStrike
+from trainer.records.event_lines import FaultStrike
 from trainer.step import DropoutSeeder
 
 

@@ -5,7 +5,7 @@ work): in the training loop after a baseline's rollback (`recompute_s`), or repl
 (its seconds are the recovery's). A recovery costs the time from its fault to training going on: the
 seconds from the fault to its detection (`detect`, where a clock saw the fault: the rank shell's, for a
 dead or frozen worker replaced in place) and from there on. At the end, rank 0 prints (and records) one
-`accounting` line (`trainer/run/accounting_line.py`, `summary`), which `benchmarks.ettr` reads.
+`accounting` line (`trainer/records/accounting_line.py`, `summary`), which `benchmarks.ettr` reads.
 
 A run survives a torchrun restart: a worker that stops because another died writes its accounting
 (`<host job dir>/accounting-rank<r>.json`; with no checkpoint strategy too, under torchrun) and the
@@ -31,8 +31,8 @@ from moevement.storage.host_memory import read_header
 from moevement.storage.private_files import HostMemoryError, make_private_dirs, write_json_atomic
 from parallelisms import collectives
 from trainer.config import Config
-from trainer.run.accounting_line import AccountingLine
-from trainer.run.host_paths import host_job_dir
+from trainer.lifecycle.host_dirs import host_job_dir
+from trainer.records.accounting_line import AccountingLine
 
 COUNTERS = (
     "first_step",

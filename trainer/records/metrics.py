@@ -1,4 +1,4 @@
-"""Console lines and progress bar (rank 0), the run record's events (trainer/run/event_log.py: every rank
+"""Console lines and progress bar (rank 0), the run record's events (trainer/records/event_log.py: every rank
 records its own), TensorBoard events (rank 0 writes, every rank contributes).
 
 Every iteration is logged once: its `step` record, its `step=` line (every `metrics.log_every`) and its
@@ -22,10 +22,10 @@ from tqdm import tqdm
 from moevement.recovery.report import RecoveryFigures
 from trainer.config import Config
 from trainer.flops import device_peak_flops, flops_per_token, step_throughput
-from trainer.run import event_log
-from trainer.run.event_lines import StepLine, ValidationLine
-from trainer.run.event_log import Event
-from trainer.run.tensorboard import StageGather, TensorBoardEvents
+from trainer.records import event_log
+from trainer.records.event_lines import StepLine, ValidationLine
+from trainer.records.event_log import Event
+from trainer.records.tensorboard import StageGather, TensorBoardEvents
 
 TRAINING_SCALARS = ("loss", "aux_loss", "lr", "grad_norm")  # a step line's first fields, in a late line too
 

@@ -1,6 +1,6 @@
 """Before a run allocates its model: does the estimated per-rank peak fit the device? (`train.py` setup)
 
-The estimate is the dry run's (`trainer.run.memory_estimate`: upper-bound bookkeeping of what is alive
+The estimate is the dry run's (`trainer.estimates.memory_estimate`: upper-bound bookkeeping of what is alive
 together; the caching allocator's reserve and fragmentation come on top), for the largest rank at the
 configured `training.activation_checkpoint`. The device's memory is a GPU's total memory, or on the CPU the
 host's (`host_estimate.node_memory`) shared by the ranks torchrun starts on it (`LOCAL_WORLD_SIZE`). Where the
@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import torch
 
 from trainer.config import Config, ConfigError, validate
-from trainer.run.activation_estimate import MODES, micro_batch_shape
-from trainer.run.host_estimate import gb, node_memory
-from trainer.run.memory_estimate import configured_mode, estimate
+from trainer.estimates.activation_estimate import MODES, micro_batch_shape
+from trainer.estimates.host_estimate import gb, node_memory
+from trainer.estimates.memory_estimate import configured_mode, estimate
 
 LIGHTEST_FIRST = ("none", "selective", "full")  # activation checkpointing, by how much it recomputes
 

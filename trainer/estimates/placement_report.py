@@ -1,7 +1,7 @@
 """The dry run's replica-placement line: where `moevement.topology` puts each rank's snapshot replicas for a
 config's layout, which node losses always leave every rank's newest window in memory, and how likely 1, 2 and
 3 simultaneous node losses do (`moevement.placement_probability`, exact); past that, recovery reads
-`checkpoint.persist_dir`. Ranks are laid out as `trainer.run.host_estimate` lays them (pipeline rank r // dp,
+`checkpoint.persist_dir`. Ranks are laid out as `trainer.estimates.host_estimate` lays them (pipeline rank r // dp,
 `RANKS_PER_NODE` consecutive ranks per node: no config key names it)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from fractions import Fraction
 from moevement.placement_probability import always_survived, recovery_probabilities
 from moevement.topology import peer_map, replica_rings
 from trainer.config import Config
-from trainer.run.host_estimate import RANKS_PER_NODE, dry_run_topology, replicas_in_memory
+from trainer.estimates.host_estimate import RANKS_PER_NODE, dry_run_topology, replicas_in_memory
 
 NODE_LOSSES = (1, 2, 3)
 

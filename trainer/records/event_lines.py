@@ -1,7 +1,7 @@
 """The trainer's own event lines (docs/design/output-lines.md), typed: `step=...` after each iteration, `validation
 step=...`, `elastic: ...` when an elastic job fits its layout, `fault: ...` when an injected death strikes and
 `final step=...` at the end of a run. `line()` is the console line byte for byte; `record()` is the JSON
-object the run record keeps of it (`trainer/run/event_log.py`), numbers rounded as the line prints them, and
+object the run record keeps of it (`trainer/records/event_log.py`), numbers rounded as the line prints them, and
 `from_record(record).line()` is the printed line again. The recovery lines are in
 `moevement/recovery/report.py`, a rank shell's in `trainer/lifecycle/shell_lines.py`, a survivor's in
 `trainer/lifecycle/survivor_lines.py`."""
@@ -86,7 +86,7 @@ class StepLine:
         step=<n> loss= aux_loss= lr= grad_norm= [<snapshot figures>] tok_per_s= tflops= [mfu=] wall_s=
 
     A `late` line is one rank 0 logs after a recovery for an iteration the rank that logs died before
-    logging (trainer/run/metrics.py): it holds the scalars the strategy's log kept of it, and ends with
+    logging (trainer/records/metrics.py): it holds the scalars the strategy's log kept of it, and ends with
     `LATE` (the rates and snapshot figures died with the process that measured them)."""
 
     KIND: ClassVar[str] = "step"

@@ -31,11 +31,11 @@ from moevement.operators import build_registry
 from moevement.storage.device_copy import ring_bytes
 from parallelisms.fsdp import DTYPES
 from trainer.config import Config
-from trainer.run import host_estimate
-from trainer.run.activation_estimate import MODES, StageActivations, micro_batch_shape, stage_modules, trace_stage
-from trainer.run.pipeline_peak import AlivePeak, peak_alive
+from trainer.estimates import host_estimate
+from trainer.estimates.activation_estimate import MODES, StageActivations, micro_batch_shape, stage_modules, trace_stage
+from trainer.estimates.pipeline_peak import AlivePeak, peak_alive
+from trainer.estimates.training_state_bytes import FP32, StateBytes, rank_parts, rank_state
 from trainer.run.strategy_factory import stacked_operators
-from trainer.run.training_state_bytes import FP32, StateBytes, rank_parts, rank_state
 
 
 @dataclass

@@ -15,7 +15,7 @@ As `parallelisms.parallelize` lays them out for world rank `rank` = pp_rank * dp
 - Buffers (RoPE tables, MoE load statistics) are per stage module and not sharded.
 
 `unsharded`, `root` and `largest_block` count the parameter elements FSDP gathers (the compute weights
-and the unsharded gradients that `trainer.run.memory_estimate` sizes from them).
+and the unsharded gradients that `trainer.estimates.memory_estimate` sizes from them).
 """
 
 from __future__ import annotations

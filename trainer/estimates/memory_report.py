@@ -1,4 +1,4 @@
-"""The dry run's accelerator-memory lines (`trainer.run.memory_estimate`), one line per item.
+"""The dry run's accelerator-memory lines (`trainer.estimates.memory_estimate`), one line per item.
 
 Ranks whose figures are all equal share a line (`ranks=0-7`). Figures are GB (1e9 bytes).
 """
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from moevement.storage.snapshot import STAGING_SLOTS
 from trainer.config import Config
-from trainer.run.activation_estimate import MODES
-from trainer.run.host_estimate import gb
-from trainer.run.memory_estimate import RankMemory, configured_mode, describe, estimate
+from trainer.estimates.activation_estimate import MODES
+from trainer.estimates.host_estimate import gb
+from trainer.estimates.memory_estimate import RankMemory, configured_mode, describe, estimate
 
 
 def ranks_text(ranks: list[int]) -> str:

@@ -1,6 +1,6 @@
 """TensorBoard events of a run, written by rank 0 into the run folder, with every pipeline stage's figures.
 
-Every iteration, once (the first time it is done: trainer/run/metrics.py): rank 0's `train/` scalars (loss,
+Every iteration, once (the first time it is done: trainer/records/metrics.py): rank 0's `train/` scalars (loss,
 lr, ...: the same on every rank). Every
 `metrics.tensorboard_every` iterations, one small all-reduce over all ranks brings rank 0 each stage's
 expert load since the last gather (written as a layers x experts heatmap and one max/mean scalar per MoE

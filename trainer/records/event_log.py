@@ -34,8 +34,8 @@ from trainer.event_writer import record_events_in as record_events_in
 from trainer.event_writer import say as say
 from trainer.lifecycle.shell_lines import ShellLine
 from trainer.lifecycle.survivor_lines import SurvivorLine
-from trainer.run.accounting_line import AccountingLine
-from trainer.run.event_lines import ElasticLayout, FaultStrike, FinalLine, StepLine, ValidationLine
+from trainer.records.accounting_line import AccountingLine
+from trainer.records.event_lines import ElasticLayout, FaultStrike, FinalLine, StepLine, ValidationLine
 
 RunEvent = (
     StepLine

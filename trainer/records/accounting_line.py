@@ -4,8 +4,8 @@
         failures=<n> recomputed=<n> tokens_per_s=<x> lost_tokens=<n> host_mb=<f1> log_mb=<f1>
 
 (one line; `<x>` with 3 decimals, `<f1>` with one). `line()` is the console line byte for byte; `record()`
-is the JSON object the run record keeps of it (`trainer/run/event_log.py`), numbers rounded as printed, and
-`from_record(record).line()` the printed line again. Built by `trainer/run/accounting.py`. Imports no torch.
+is the JSON object the run record keeps of it (`trainer/records/event_log.py`), numbers rounded as printed, and
+`from_record(record).line()` the printed line again. Built by `trainer/records/accounting.py`. Imports no torch.
 """
 
 from __future__ import annotations
