@@ -56,8 +56,8 @@ from moevement.recovery.replay import set_frozen
 from moevement.recovery.report import RecoveryReport, RecoveryWork
 from parallelisms.pipeline import lm_loss
 from trainer.config import load_config
+from trainer.model_operators import stacked_operators
 from trainer.records.event_log import run_events
-from trainer.run.strategy_factory import stacked_operators
 
 TIMELINE_RE = re.compile(r"^restart timeline rank=\d+: (.*)$", re.M)
 DEATH_RE = re.compile(r"^fault: rank \d+ killed .* at unix=(\S+)", re.M)

@@ -286,8 +286,8 @@ def stepped_operators(cfg) -> tuple[list, object]:
 
     from models import build_model
     from moevement.operators import build_registry
+    from trainer.model_operators import stacked_operators
     from trainer.optim import build_optimizer
-    from trainer.run.strategy_factory import stacked_operators
 
     torch.manual_seed(0)
     model = build_model(cfg.model)

@@ -26,7 +26,7 @@ from moevement.checkpoint.schedule import (
 from moevement.operators import OPTIMIZER_KEYS, build_registry
 from tests.tiny_moe import ARGS as TINY_ARGS
 from trainer.config import operator_count
-from trainer.run.strategy_factory import stacked_operators
+from trainer.model_operators import stacked_operators
 
 L1, L2 = "layers.1.moe", "layers.2.moe"
 

@@ -22,7 +22,7 @@ from moevement.checkpoint.planner import WindowPlanner
 from moevement.checkpoint.schedule import find_window_size, generate_schedule, order_operators, slot_size_for
 from moevement.operators import build_registry, optimizer_tensors
 from tests.tiny_moe import ARGS, tiny_engine
-from trainer.run.strategy_factory import stacked_operators
+from trainer.model_operators import stacked_operators
 
 DECAY = 0.5
 BANDWIDTH = 1.0  # bytes/s: iteration_s below is the budget of a snapshot in bytes

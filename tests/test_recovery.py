@@ -37,7 +37,7 @@ from tests.helpers import (
     steps,
 )
 from tests.tiny_moe import ARGS as TINY_ARGS
-from trainer.run.strategy_factory import stacked_operators
+from trainer.model_operators import stacked_operators
 
 
 def localized(out: str) -> list[tuple]:

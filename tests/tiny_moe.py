@@ -22,8 +22,8 @@ from moevement.recovery.conversion import Conversion, TrainerHooks
 from moevement.topology import Topology
 from parallelisms.pipeline import lm_loss
 from trainer.checkpoint.state import named_training_state
+from trainer.model_operators import stacked_operators
 from trainer.optim import apply_clip, clip_grad_norm, set_lr
-from trainer.run.strategy_factory import stacked_operators
 from trainer.step import take_expert_load
 
 ARGS = dict(

@@ -56,7 +56,7 @@ from parallelisms.fsdp import DTYPES, largest_shard_on_meta
 from parallelisms.parallelize import ModelView, stage_shapes
 from parallelisms.pipeline import local_stage_ids, split_model
 from trainer.config import Config
-from trainer.run.strategy_factory import stacked_operators
+from trainer.model_operators import stacked_operators
 
 HEADER_ENTRY_BYTES = (
     320  # a commit record's JSON per entry: operator, name, dtype, shape, offsets (and chunk checksums)

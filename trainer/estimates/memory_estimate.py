@@ -35,7 +35,7 @@ from trainer.estimates import host_estimate
 from trainer.estimates.activation_estimate import MODES, StageActivations, micro_batch_shape, stage_modules, trace_stage
 from trainer.estimates.pipeline_peak import AlivePeak, peak_alive
 from trainer.estimates.training_state_bytes import FP32, StateBytes, rank_parts, rank_state
-from trainer.run.strategy_factory import stacked_operators
+from trainer.model_operators import stacked_operators
 
 
 @dataclass

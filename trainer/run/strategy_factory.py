@@ -25,10 +25,9 @@ from baselines.global_rollback import GlobalRollback, MocState, RestartState
 from baselines.intervals import IntervalPolicy
 from baselines.moc import LostTokens, PartialExpertSelector
 from baselines.strategy import IntervalBaseline
-from models.experts import stacked_experts
 from moevement.checkpoint.binding import CheckpointedModel, CheckpointerPlace
 from moevement.checkpoint.checkpointer import SparseCheckpointer
-from moevement.operators import Operator, Stacked, build_registry
+from moevement.operators import Operator, build_registry
 from moevement.recovery.conversion import Conversion, TrainerHooks
 from moevement.recovery.localized import Recovery
 from moevement.recovery.replay import PipelineReplay, StageRef
@@ -45,6 +44,7 @@ from parallelisms.pipeline import local_stage_ids
 from trainer.checkpoint.identity import RunIdentity
 from trainer.config import Config, expected_mtbf_iters
 from trainer.lifecycle.start_plan import StartPlan
+from trainer.model_operators import stacked_operators
 from trainer.run.host_paths import claim_host_state, host_job_dir, host_rank_dir, persist_root
 from trainer.run.start_facts import RankPlace, Restorable, StartPoint, gather_start
 from trainer.step import DropoutSeeder, forward_backward, replay_update
@@ -313,8 +313,3 @@ def _trainer_hooks(w: StrategyWiring, log: UpstreamLog | None) -> TrainerHooks:
         initial_parameters=functools.partial(initial_parameters, cfg.model, dims, cfg.job.seed),
         line=w.line,
     )
-
-
-def stacked_operators(model: torch.nn.Module) -> dict[str, Stacked]:
-    """The model's stacked expert parameters as the operator registry sees them: each slice one expert's tensor."""
-    return {name: Stacked(names, module.set_frozen) for name, (module, names) in stacked_experts(model).items()}
