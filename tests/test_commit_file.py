@@ -81,6 +81,9 @@ def test_a_record_with_other_entries_is_written_whole_and_exact(commit_file):
 
 
 def test_a_spare_changed_while_retired_is_refused_by_readers_never_read_as_valid(commit_file):
+    """Guarantee: No code runs from saved state (every header hashed): a commit record changed on disk is
+    refused by its hash, naming the file (a restart that then falls back: tests/test_host_state_safety.py::
+    test_restart_falls_back_window_by_window)."""
     commit_file.write(record(1))
     commit_file.retire()
     raw = bytearray(commit_file.spare.read_bytes())

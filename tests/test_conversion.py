@@ -73,6 +73,8 @@ def test_each_operator_is_exact_at_every_replayed_iteration(tmp_path):
     assert {t: diffs for t, diffs in seen.items() if diffs} == {}  # {iteration: ["operator: tensor", ...]}
 
 
+# An ablation switch; the default replay's exactness: test_each_operator_is_exact_at_every_replayed_iteration.
+@pytest.mark.slow
 def test_frozen_operators_that_compute_their_weight_gradient_still_replay_exactly(tmp_path):
     """The ablation switch (`fault.frozen_weight_grad`): frozen operators run their weight-gradient products
     and drop the result; no operator differs at any replayed iteration."""

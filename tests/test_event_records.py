@@ -101,7 +101,9 @@ def log_steps(metrics: MetricsLogger, iterations: list[int]) -> None:
 
 
 def test_each_iteration_is_logged_once_and_a_later_rank_0_logs_what_its_predecessor_could_not(recording, capsys):
-    """Iterations 1-5, a rollback to 3 (3-5 run again: not logged again), 6; then a later generation's rank 0
+    """Guarantee: every iteration logged exactly once, whoever dies (a real death's run, recorded as printed:
+    tests/test_real_deaths.py::test_sigkill_in_backward_is_replaced_in_place).
+    Iterations 1-5, a rollback to 3 (3-5 run again: not logged again), 6; then a later generation's rank 0
     that continues the folder (`continued`) finds 6 logged, and after its recovery (iterations done up to 8)
     logs 7 and 8 late, from the strategy's scalar log; 9 on, as usual. Every `metrics.log_every` (2) line is
     printed once; TensorBoard has one `train/loss` point per iteration."""

@@ -522,8 +522,12 @@ def test_a_record_in_parts_is_written_sealed_byte_for_byte_through_short_writes(
     }
 
 
+# In the default suite: a changed header refused by its hash (tests/test_commit_file.py::
+# test_a_spare_changed_while_retired_is_refused_by_readers_never_read_as_valid), a restart that rejects damaged
+# copies, names them and ends bit-exact (test_restart_falls_back_window_by_window).
+@pytest.mark.slow
 def test_a_changed_header_value_is_a_rejected_copy(tmp_path):
-    """Guarantee: No code runs from saved state (every header hashed); bit-exact whole-job restart.
+    """No code runs from saved state (every header hashed); bit-exact whole-job restart.
     One digit of the learning rate in a snapshot's commit record (a scalar the replay uses) is changed in
     host memory: the header's hash refuses that copy, naming the file, and the run never uses it (it ends with
     the fault-free run's state)."""

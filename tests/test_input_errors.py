@@ -190,6 +190,8 @@ def test_unlistable_data_directory(tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------- 3. training.steps
 
 
+@pytest.mark.slow  # the message: test_zero_or_negative_steps_is_refused; a config error through the CLI is one
+# line: tests/test_train.py::test_bad_config_is_one_error_line
 def test_cli_zero_steps_is_refused():
     line = train_error("--training.steps", "0", "--dry-run")
     assert line == "error: config key 'training.steps' must be positive, got 0"
@@ -214,6 +216,8 @@ def test_mtbf_below_one_iteration_is_refused(mtbf):
 MOEVEMENT = ("--checkpoint.strategy", "moevement")
 
 
+@pytest.mark.slow  # the message: test_fault_after_last_step_names_key_step_and_last_step; a config error through
+# the CLI is one line: tests/test_train.py::test_bad_config_is_one_error_line
 def test_cli_fault_after_last_step_is_refused():
     line = train_error(*MOEVEMENT, "--fault.at", "3:1", "--dry-run")
     assert "'fault.at'" in line and "step 3" in line and "last step 2" in line
@@ -335,9 +339,12 @@ def test_cli_unwritable_output_dir_is_one_line(tmp_path):
     assert "job.output_dir" in line and str(blocker) in line
 
 
-@pytest.mark.parametrize("strategy", [pytest.param("none", marks=pytest.mark.slow), "moevement"])  # moevement: shells
+# In the default suite: an error every rank meets under torchrun and rank shells is one line for the job
+# (test_an_error_every_rank_meets_is_one_line_and_the_job_ends_at_once).
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["none", "moevement"])  # moevement: rank shells
 def test_a_config_error_under_torchrun_is_said_once_per_job(strategy):
-    """Guarantee: Bad input is one line (a config error under torchrun).
+    """Bad input is one line (a config error under torchrun).
     Every rank reads the same config: a bad key is one `error:` line for the job, not one per rank."""
     args = ("--training.steps", "0", "--checkpoint.strategy", strategy)
     proc = run_cli("--config", DEBUG_CONFIG, *QUIET, *args, nproc=2, check=False)

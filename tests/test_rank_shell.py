@@ -91,7 +91,9 @@ def test_a_dead_standby_is_respawned_and_replaces_the_next_death(tmp_path):
 
 
 def test_a_frozen_trainer_is_killed_and_replaced(tmp_path):
-    """The trainer stops (SIGSTOP: a hang, its heartbeat thread stopped with it) and says nothing for longer
+    """Guarantee: a hang costs the heartbeat bound (a detection charged in the records:
+    tests/test_real_deaths.py::test_sigkill_in_backward_is_replaced_in_place).
+    The trainer stops (SIGSTOP: a hang, its heartbeat thread stopped with it) and says nothing for longer
     than `fault.heartbeat_timeout_s`: the shell kills it (one line) and the standby replaces it, as after a death."""
     status, records, out = run_shell(tmp_path, ["freeze", "0"], max_replacements=4, heartbeat_timeout_s=1.5)
     assert status == 0, out

@@ -358,8 +358,12 @@ def assert_a_hang_replaced_in_place(out: str, rank: int) -> None:
     assert "not joined" not in out and [r.restart for r in rejoins(run_events(out))][:1] == ["replaced"], out
 
 
+# In the default suite: a frozen trainer killed after the heartbeat bound and replaced, its fault dated from its
+# last word (tests/test_rank_shell.py::test_a_frozen_trainer_is_killed_and_replaced), and a recovery's detection
+# charged in the records (test_sigkill_in_backward_is_replaced_in_place).
+@pytest.mark.slow
 def test_a_hang_is_detected_within_the_heartbeat_bound_and_charged(tmp_path):
-    """Guarantee: a hang costs the heartbeat bound, and the records say so.
+    """A hang costs the heartbeat bound, and the records say so.
     pp=2: rank 1 stops (SIGSTOP) in its backward pass of step 9 while its peers' collectives would wait
     120 s (`fault.timeout_s`). Its heartbeat stops with it: past `fault.heartbeat_timeout_s` (5 s) its shell
     kills it and the standby replaces it in place. The recovery line dates the hang from the trainer's last

@@ -147,8 +147,13 @@ def test_tensorboard_marks_a_real_death_replaced_in_place(tmp_path):
     assert points == {"ranks_failed": [(step, 1)], "rollback_to": [(step, rollback_to)]}, proc.stdout
 
 
+# In the default suite: a later rank 0 logging late what its predecessor could not, each iteration once, in
+# TensorBoard too (tests/test_event_records.py::test_each_iteration_is_logged_once_and_a_later_rank_0_logs_what_
+# its_predecessor_could_not), and a real death's run recorded as printed, each iteration once
+# (tests/test_real_deaths.py::test_sigkill_in_backward_is_replaced_in_place).
+@pytest.mark.slow
 def test_rank_0s_death_logs_every_iteration_once_and_records_every_line(tmp_path):
-    """Guarantee: every iteration logged exactly once, whoever dies; the records are the truth.
+    """Every iteration logged exactly once, whoever dies; the records are the truth.
     pp=2 under torchrun: rank 0, the logging rank, SIGKILLs itself in the optimizer step of iteration 6, after
     the gradient-norm all-reduce: rank 1 finishes 6 and its standby replaces rank 0, continuing the run folder.
     The replacement logs 6 (a late line of the scalars the survivors' log kept) once its recovery is done, and
