@@ -148,8 +148,9 @@ def test_tensorboard_marks_a_real_death_replaced_in_place(tmp_path):
 
 
 # In the default suite: a later rank 0 logging late what its predecessor could not, each iteration once, in
-# TensorBoard too (tests/test_event_records.py::test_each_iteration_is_logged_once_and_a_later_rank_0_logs_what_
-# its_predecessor_could_not), and a real death's run recorded as printed, each iteration once
+# TensorBoard too (tests/test_event_records.py, the test named
+# `test_each_iteration_is_logged_once_and_a_later_rank_0_logs_what_its_predecessor_could_not`), and a real
+# death's run recorded as printed, each iteration once
 # (tests/test_real_deaths.py::test_sigkill_in_backward_is_replaced_in_place).
 @pytest.mark.slow
 def test_rank_0s_death_logs_every_iteration_once_and_records_every_line(tmp_path):
