@@ -49,6 +49,7 @@ def base_args(steps: int = 12) -> list[str]:
 BASE = base_args()
 MOEVEMENT = ["--checkpoint.strategy", "moevement", "--checkpoint.window", "3"]
 PP2 = ["--parallelism.pp", "2"]
+PP2_BF16_CLIPPED = [*PP2, "--training.mixed_precision", "bf16", "--training.max_grad_norm", "0.5"]
 PP2_DP2_EP2_BF16 = [
     "--parallelism.pp",
     "2",

@@ -391,6 +391,9 @@ def test_an_error_every_rank_meets_is_one_line_and_the_job_ends_at_once(tmp_path
     assert ended - errors[0][0] < 20, output  # torchrun's SIGKILL comes 30 s after its SIGTERM
 
 
+# In the default suite: any key's absurd value is one short line naming it, and an error line cuts what it does
+# not bound itself (tests/test_config_bounds.py), and train.py says such errors in one line (its CLI cases there).
+@pytest.mark.slow
 def test_a_huge_config_value_is_one_bounded_line(tmp_path):
     """A 5 MB `job.name` (not a valid name) is one short `error:` line that quotes its start and says its
     length, not a 5 MB line."""

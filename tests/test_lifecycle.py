@@ -285,6 +285,9 @@ def _two_generations(rank: int, port: int, results) -> None:
     results.put((rank, sums))
 
 
+# In the default suite, a later generation forms in the same processes under a real death
+# (tests/test_real_deaths.py::test_sigkill_in_backward_is_replaced_in_place: rank 0 rejoins generation 1).
+@pytest.mark.slow
 def test_a_later_generation_forms_in_the_same_processes_on_its_own_keys():
     results = mp.get_context("spawn").SimpleQueue()
     mp.spawn(_two_generations, args=(free_port(), results), nprocs=2)

@@ -29,6 +29,7 @@ from tests.helpers import (
     INTERLEAVED,
     MOEVEMENT,
     PP2,
+    PP2_BF16_CLIPPED,
     PP2_DP2_EP2_BF16,
     PP4,
     ROOT,
@@ -47,6 +48,7 @@ from tests.helpers import (
     run_events,
     start_session,
     step_losses,
+    steps,
     survivors,
     validations,
 )
@@ -122,13 +124,16 @@ def assert_local_and_exact(
 
 
 def test_sigkill_in_backward_is_replaced_in_place(tmp_path):
-    """Guarantee: Bit-exact recovery (a real SIGKILL, replaced in place); the records are the truth.
-    The README's demo (`make train`) on 4 layers: pp=2, rank 1 SIGKILLs itself in the backward pass of step 9.
+    """Guarantee: Bit-exact recovery (a real SIGKILL, replaced in place; bf16, clipping); the records are the truth.
+    The README's demo (`make train`) on 4 layers in bf16 with clipping active (max_grad_norm 0.5): pp=2, rank 1
+    SIGKILLs itself in the backward pass of step 9.
     Its rank shell starts the warm standby as rank 1; rank 0's process lives on with its state in memory (no
     torchrun restart: `--max-restarts 0`) and replays nothing; the run ends with the fault-free digest. Every
     line of a recorded kind it printed, from any process, is in its `events.jsonl`. The standby had built rank
     1's data and stages before its activation, and the run still ends with the fault-free digest."""
-    out = death_run(tmp_path, [*PP2, "--training.val_every", "4"], 2, "--fault.kill", "9:1:backward")
+    reference = baseline(PP2_BF16_CLIPPED, 2)
+    assert all(line.value("grad_norm") > 0.5 for line in steps(reference))  # every step clipped
+    out = death_run(tmp_path, [*PP2_BF16_CLIPPED, "--training.val_every", "4"], 2, "--fault.kill", "9:1:backward")
     events = assert_recorded_as_printed(out)
     assert {e.KIND for e in events} >= DEMO_KINDS | {"validation"}, out
     [killed] = faults(out)  # rank 1 recorded its own line (on rank 0's host)
@@ -138,7 +143,7 @@ def test_sigkill_in_backward_is_replaced_in_place(tmp_path):
     assert survivor.kept == "live state of iteration 9 in memory" and survivor.since_unix < killed.unix, out
     [shell] = [e for e in run_events(out) if isinstance(e, ShellLine)]  # rank 0 is the process that ran before
     assert (shell.what, shell.rank, shell.how, shell.generation) == (REPLACED, "1", "signal SIGKILL", 1), out
-    [found] = assert_local_and_exact(out, baseline(PP2, 2), (1,), (1,))
+    [found] = assert_local_and_exact(out, reference, (1,), (1,))
     assert (found.step, found.fault_step, found.restart) == (9, 9, "replaced"), out  # the shell saw it begin 9
     # the standby had built rank 1's data and stages before its activation (`fault.standby_prebuild`)
     roles = {w.role: w for w in recovery_work(out)}
