@@ -14,7 +14,6 @@ from moevement.storage.host_memory import JobLock
 from moevement.storage.private_files import make_private_dirs
 from trainer.config import Config
 from trainer.lifecycle.host_dirs import host_job_dir
-from trainer.lifecycle.host_dirs import host_rank_dir as host_rank_dir  # where the strategies find it
 from trainer.lifecycle.rank_shell import torchrun_agent_pid
 
 

@@ -43,9 +43,10 @@ from parallelisms.parallelize import ModelParts, initial_parameters
 from parallelisms.pipeline import local_stage_ids
 from trainer.checkpoint.identity import RunIdentity
 from trainer.config import Config, expected_mtbf_iters
+from trainer.lifecycle.host_dirs import host_job_dir, host_rank_dir
 from trainer.lifecycle.start_plan import StartPlan
 from trainer.model_operators import stacked_operators
-from trainer.run.host_paths import claim_host_state, host_job_dir, host_rank_dir, persist_root
+from trainer.run.host_paths import claim_host_state, persist_root
 from trainer.run.start_facts import RankPlace, Restorable, StartPoint, gather_start
 from trainer.step import DropoutSeeder, forward_backward, replay_update
 from trainer.strategy_registry import StrategyEntry, strategy_entry
