@@ -40,6 +40,7 @@ from parallelisms.distributed import device_type, init_distributed, workers_shar
 from parallelisms.elastic import fitting_worlds
 from parallelisms.mesh import ParallelDims, build_mesh
 from parallelisms.parallelize import BuildOptions, MaterializedStages, ModelParts, parallelize
+from trainer import event_writer
 from trainer.allocator import reuse_freed_host_memory
 from trainer.checkpoint.dense import check_save_target, save_dense
 from trainer.checkpoint.events import FinalCheckpointSaved
@@ -61,7 +62,6 @@ from trainer.lifecycle.stop_guard import StopGuard
 from trainer.lifecycle.survival import keep_for_torchrun_restart
 from trainer.lifecycle.survivor_lines import PREEMPTED, SurvivorLine
 from trainer.optim import build_optimizer
-from trainer.records import event_log
 from trainer.records.accounting import RunAccounting, kept_path
 from trainer.records.event_lines import ElasticLayout, FaultStrike, FinalLine
 from trainer.records.metrics import MetricsLogger
@@ -264,7 +264,7 @@ def setup(cfg: Config, plan: StartPlan) -> tuple[Job, int, float]:
     ft = build_strategy(cfg, parts, logger.line, plan, start.step, built)
     folder = published_run_folder(store)  # past the strategy's collectives: rank 0 has named it
     if rank != 0:
-        event_log.record_events_in(folder)  # a rank on rank 0's host records its own lines
+        event_writer.record_events_in(folder)  # a rank on rank 0's host records its own lines
     tell_the_shell_the_run_folder(folder)
     plan.process.startup.mark("strategy")
     optimizer.register_step_pre_hook(guard.optimizer_step_begins)  # after the checkpointer's copy wait
@@ -350,12 +350,12 @@ def open_logger(
     if rank == 0:
         record = open_run_record(start.resolved, world, sys.argv, plan.restarted, start.source)
         run_dir, continued, lineage = record.path, record.continued, record.lineage
-        event_log.record_events_in(run_dir)
+        event_writer.record_events_in(run_dir)
         publish_run_folder(plan.process.store, run_dir)
     logger = MetricsLogger(cfg, rank, dims.pp_rank, run_dir, continued, dims.device)
     logger.line(f"run: {run_dir}" + (" (continued by a later generation of the run)" if continued else ""))
     if layout is not None:
-        event_log.record(layout)
+        event_writer.record(layout)
     for event in start.events:
         logger.line(event)
     return logger, lineage
@@ -559,5 +559,7 @@ def main(argv: list[str] | None = None, prebuilt: Prebuilt | None = None) -> int
 
 if __name__ == "__main__":
     prebuilt = entry.await_standby_activation(prebuild_standby)  # a rank shell's warm standby: built, waiting
+    if prebuilt is not None:
+        prebuilt.activated()  # activated: its host buffers' watch stops before anything is built
     start_node_beat()  # a shell's trainer: its node is there
     sys.exit(main(prebuilt=prebuilt))

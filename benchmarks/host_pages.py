@@ -2,10 +2,12 @@
 
     python -m benchmarks.host_pages [--mb 500] [--rounds 5] [--dir /dev/shm]
 
-Three variants of `HostBuffer.ensure` for one buffer of `--mb` megabytes, interleaved over the rounds:
+Four variants of `HostBuffer.ensure` for one buffer of `--mb` megabytes, interleaved over the rounds:
   fresh     a new file: the kernel allocates and zeroes every page (what a first window pays)
   reuse     the file an earlier process left, mapped with MAP_POPULATE (what `HostBuffer.ensure` does now)
   touch     the same file mapped lazily and touched page by page (what it did before: one fault per page)
+  watched   that file after a warm standby's watch mapped it (`PrefaultWatch`, untimed): what a replacement's
+            checkpointer pays for a buffer the dead trainer left
 Prints each variant's median and minimum wall seconds and CPU seconds, and the ratios to `fresh`.
 """
 
@@ -22,6 +24,7 @@ from pathlib import Path
 import torch
 
 from moevement.storage.host_memory import HostBuffer
+from moevement.storage.prefault_watch import PrefaultWatch
 from moevement.storage.private_files import make_private_dir
 
 
@@ -44,7 +47,20 @@ def touch(directory: Path, nbytes: int) -> None:
     data.zero_()
 
 
-VARIANTS = {"fresh": fresh, "reuse": reuse, "touch": touch}
+def watched(directory: Path, nbytes: int) -> None:
+    HostBuffer(directory / "standby" / "kept").ensure(nbytes)
+
+
+def watch(directory: Path) -> None:
+    """A standby's watch of `directory / "standby"` (its own copy of the earlier process's buffer), one look."""
+    standby = PrefaultWatch(directory / "standby", "normal", every_s=3600)
+    while standby.looks == 0:
+        time.sleep(0.001)
+    standby.stop()
+
+
+VARIANTS = {"fresh": fresh, "reuse": reuse, "touch": touch, "watched": watched}
+UNTIMED = {"watched": watch}  # what happens before the variant, off its clock
 
 
 def main() -> None:
@@ -57,11 +73,15 @@ def main() -> None:
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         directory = make_private_dir(Path(tmp) / "pages")
-        HostBuffer(directory / "kept").ensure(nbytes)  # the earlier process's buffer
+        for name in ("kept", "standby/kept"):  # the earlier process's buffer
+            make_private_dir(directory / Path(name).parent)
+            HostBuffer(directory / name).ensure(nbytes)
         wall: dict[str, list[float]] = {name: [] for name in VARIANTS}
         cpu: dict[str, list[float]] = {name: [] for name in VARIANTS}
         for _ in range(args.rounds):
             for name, variant in VARIANTS.items():
+                if name in UNTIMED:
+                    UNTIMED[name](directory)
                 started, cpu_started = time.perf_counter(), time.process_time()
                 variant(directory, nbytes)
                 wall[name].append(time.perf_counter() - started)

@@ -17,9 +17,9 @@ import pytest
 
 from eval import accuracy_under_failure as acc
 from tests.helpers import CHILD_ENV, DEBUG_CONFIG, ROOT, recoveries
+from trainer.event_writer import append_event
 from trainer.records.accounting_line import AccountingLine
 from trainer.records.event_lines import FinalLine, StepLine, ValidationLine
-from trainer.records.event_log import append_event
 
 STRATEGY_LINE = re.compile(
     r"^strategy=(\w+) val_loss=(\S+) piqa_acc=(\S+) piqa_acc_norm=(\S+) "

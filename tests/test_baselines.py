@@ -26,10 +26,10 @@ from moevement.recovery.report import RecoveryReport
 from moevement.storage.sealed import seal
 from tests.helpers import DEBUG_CONFIG, accounting, base_args, final_line, recoveries, run_cli, step_losses, steps
 from trainer.config import ConfigError, expected_mtbf_iters, load_config
+from trainer.event_writer import append_event
 from trainer.records.accounting import RunAccounting
 from trainer.records.accounting_line import AccountingLine
 from trainer.records.event_lines import StepLine
-from trainer.records.event_log import append_event
 
 BASE = [*base_args(steps=14), "--parallelism.pp", "2"]
 

@@ -12,6 +12,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from moevement.recovery.report import RecoveryReport, RecoveryWork
 from tests.helpers import DEBUG_CONFIG, ROOT, run_events, steps
+from trainer import event_writer
 from trainer.checkpoint import events
 from trainer.config import load_config
 from trainer.lifecycle.shell_lines import FROZEN, REPLACED, SHELL_SILENT, ShellLine
@@ -54,8 +55,8 @@ EVENTS = [
 
 def test_every_kind_reads_back_into_its_printed_line(tmp_path):
     for event in EVENTS:
-        event_log.append_event(tmp_path, event)
-    lines = (tmp_path / event_log.EVENTS).read_text().splitlines()
+        event_writer.append_event(tmp_path, event)
+    lines = (tmp_path / event_writer.EVENTS).read_text().splitlines()
     assert [json.loads(line)["kind"] for line in lines] == [event.KIND for event in EVENTS]
     assert [event.line() for event in event_log.read_events(tmp_path)] == [event.line() for event in EVENTS]
     assert set(event_log.KINDS) == {event.KIND for event in EVENTS}
@@ -75,18 +76,18 @@ def test_the_newest_step_is_read_from_the_end_of_a_long_file(tmp_path):
     assert event_log.last_step(tmp_path) == 0  # no file yet
     fields = tuple((f"field_{i}", float(i)) for i in range(40))  # about 1 KB a record: 200 KB in all
     for step in range(1, 201):
-        event_log.append_event(tmp_path, StepLine(step, fields))
+        event_writer.append_event(tmp_path, StepLine(step, fields))
     for _ in range(100):  # more than one read of the file's end after the last step
-        event_log.append_event(tmp_path, RecoveryWork(1, "failed", 4, 4, 2, "rank0", (("forward", 1.0),) * 60))
+        event_writer.append_event(tmp_path, RecoveryWork(1, "failed", 4, 4, 2, "rank0", (("forward", 1.0),) * 60))
     assert event_log.last_step(tmp_path) == 200
 
 
 @pytest.fixture
 def recording(tmp_path):
     """This process records its events in `tmp_path` for the duration."""
-    event_log.record_events_in(tmp_path)
+    event_writer.record_events_in(tmp_path)
     yield tmp_path
-    event_log.record_events_in(None)
+    event_writer.record_events_in(None)
 
 
 def logger(folder, continued: bool) -> MetricsLogger:

@@ -32,8 +32,8 @@ from benchmarks.gpu_check.shared_gpu import LINE
 from models.experts import GROUPED_MM_FLOPS
 from parallelisms.distributed import default_backend
 from tests.helpers import CHILD_ENV, ROOT
+from trainer.event_writer import append_event
 from trainer.records.event_lines import StepLine
-from trainer.records.event_log import append_event
 
 SHARED_WHEELS = ROOT.parent / "shared" / "wheels"  # torchdata and py-spy for the lent GPU machine
 

@@ -16,9 +16,9 @@ from models import ModelArgs, build_model
 from models.experts import GROUPED_MM_FLOPS
 from tests.helpers import DEBUG_CONFIG, ROOT, base_args, run_cli, steps
 from tests.tiny_moe import ARGS
+from trainer import event_writer
 from trainer.config import ConfigError, load_config
 from trainer.flops import bf16_peak_flops, device_peak_flops, flops_per_token, step_throughput
-from trainer.records import event_log
 from trainer.records.event_lines import StepLine
 from trainer.records.metrics import MetricsLogger
 
@@ -63,7 +63,7 @@ def logged_step(tmp_path, capsys, *overrides: str) -> tuple[StepLine, float]:
         str(ROOT / DEBUG_CONFIG), ["--metrics.log_every", "1", "--metrics.tensorboard_every", "1000", *overrides]
     )
     tmp_path.mkdir()
-    event_log.record_events_in(tmp_path)
+    event_writer.record_events_in(tmp_path)
     try:
         logger = MetricsLogger(cfg, rank=0, stage=0, run_dir=tmp_path)
         logger.start(1)
@@ -71,7 +71,7 @@ def logged_step(tmp_path, capsys, *overrides: str) -> tuple[StepLine, float]:
         logger.step(1, scalars, {}, {}, elapsed_s=0.5, wall_s=0.5)
         logger.close()
     finally:
-        event_log.record_events_in(None)
+        event_writer.record_events_in(None)
     [record] = steps(tmp_path)
     assert [out for out in capsys.readouterr().out.splitlines() if out.startswith("step=")] == [record.line()]
     t = cfg.training

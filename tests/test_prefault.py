@@ -1,12 +1,14 @@
 """Snapshot buffers never grow on the training thread (`checkpoint.prefault`): a window whose buffers are not
 yet grown waits while the prefault thread grows them; a plan known before training is reserved at start-up;
 a later generation takes back the mappings its predecessor kept; `prefault_rank_dir` (start-up, a standby)
-maps what a rank directory holds, once, and nothing that is not the rank's own."""
+maps what a rank directory holds, once, and nothing that is not the rank's own; a standby keeps those mappings
+current while it waits (`PrefaultWatch`)."""
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from moevement.checkpoint.reservation import operator_layout_bytes, slot_bytes
 from moevement.storage import host_memory, mappings
 from moevement.storage.host_memory import HostBuffer, prefault_rank_dir
 from moevement.storage.mappings import KEPT
+from moevement.storage.prefault_watch import PrefaultWatch
 from moevement.storage.private_files import HostMemoryError, make_private_dirs
 from moevement.storage.snapshot_buffers import SnapshotBuffers
 from tests.tiny_moe import iteration, tiny_engine
@@ -180,3 +183,43 @@ def test_prefault_rank_dir_maps_the_ranks_own_buffers_once_and_nothing_else(tmp_
     finally:
         KEPT.drop_under(tmp_path)
     assert KEPT.nbytes(tmp_path) == 0
+
+
+def _buffer_file(path, nbytes: int) -> None:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(fd, nbytes)
+    os.close(fd)
+
+
+def _until(condition, what: str, within_s: float = 20.0) -> None:
+    deadline = time.monotonic() + within_s
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {within_s} s: {what}"
+        time.sleep(0.01)
+
+
+def test_a_standby_keeps_its_rank_directory_mapped_while_it_waits(tmp_path):
+    """A standby's watch maps a buffer file the trainer writes, maps it again once replaced, and releases the
+    mapping of a removed file (which would keep its pages alive); stopped at the activation, it leaves the
+    checkpointer's own `prefault_rank_dir` nothing to map."""
+    rank_dir = tmp_path / "rank0"
+    local = make_private_dirs(rank_dir, "local")
+    own, other = local / "w0-s0.bin", local / "w0-s1.bin"
+    watch = PrefaultWatch(rank_dir, "normal", every_s=0.01)
+    try:
+        _buffer_file(own, 1 << 20)
+        _until(lambda: KEPT.nbytes(rank_dir) == 1 << 20, "a new buffer file mapped")
+        own.unlink()
+        _buffer_file(own, 3 << 20)
+        _until(lambda: KEPT.nbytes(rank_dir) == 3 << 20, "a replaced buffer file mapped again, the old released")
+        own.unlink()
+        _until(lambda: KEPT.nbytes(rank_dir) == 0, "a removed buffer file's mapping released")
+        _buffer_file(other, 2 << 20)
+        _until(lambda: KEPT.nbytes(rank_dir) == 2 << 20, "a second buffer file mapped")
+    finally:
+        watch.stop()
+    try:
+        assert watch.mapped == 6 << 20 and watch.looks > 1
+        assert prefault_rank_dir(rank_dir) == 0
+    finally:
+        KEPT.drop_under(tmp_path)

@@ -41,6 +41,7 @@ def test_a_prebuilt_rank_is_the_rank_setup_builds_and_leaves_the_generator_alike
         fresh_rng = torch.get_rng_state()
         torch.manual_seed(2)  # a standby's generator holds whatever its imports left
         prebuilt = prebuild(cfg, 0, 1, training_data, warm=True)
+        prebuilt.activated()  # its buffer watch stops: nothing more is mapped behind the training thread
         assert prebuilt.fits(cfg, 0) and prebuilt.parts() == "data+model"
         assert not prebuilt.fits(cfg, 1)
         torch.manual_seed(3)  # the activation, the process group, the mesh
@@ -59,3 +60,21 @@ def test_rank_coordinates_follow_the_mesh_order():
         (p, d, d % 2) for p in range(2) for d in range(4)
     ]  # fmt: skip
     assert rank_coordinates(dataclasses.replace(cfg, dp=1, ep=1), 1) == (1, 0, 0)
+
+
+def test_a_standby_of_a_checkpointing_job_watches_its_ranks_host_directory(tmp_path):
+    """With `checkpoint.prefault` a standby maps its own rank's host directory while it waits (until
+    `activated`); without checkpoints or without prefault it maps nothing."""
+    common = ["--checkpoint.host_dir", str(tmp_path), "--job.name", "watched", "--parallelism.pp", "2"]
+    for extra, watched in (
+        (["--checkpoint.strategy", "moevement"], True),
+        (["--checkpoint.strategy", "moevement", "--checkpoint.prefault", "false"], False),
+        ([], False),
+    ):
+        prebuilt = prebuild(load_config(DEBUG_CONFIG, common + extra), 1, 2, training_data)
+        try:
+            assert (prebuilt.buffers is not None) == watched, extra
+            if watched:
+                assert prebuilt.buffers.rank_dir == tmp_path / "watched" / "rank00001"
+        finally:
+            prebuilt.activated()

@@ -27,6 +27,12 @@ def enter_background(priority: str) -> None:
     Threads that already run keep their thread count (the training thread keeps its cores), but
     torch also records 1 as the default that threads created later start with."""
     torch.set_num_threads(1)
+    lower_priority(priority)
+
+
+def lower_priority(priority: str) -> None:
+    """Give the calling thread the CPU priority `priority` (`enter_background`'s, without its thread count:
+    for a thread that runs no torch operator)."""
     if priority != "idle":
         return
     if hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE"):

@@ -108,6 +108,13 @@ class MappedFiles:
         for mapping in mappings:
             mapping.release()
 
+    def drop_stale_under(self, directory: Path) -> None:
+        """Release the mappings of files under `directory` that were replaced, resized or removed since."""
+        with self._lock:
+            under = [p for p in self._kept if p.is_relative_to(directory)]
+        for path in under:
+            self.valid(path)
+
     def nbytes(self, under: Path) -> int:
         """The bytes of the mappings kept of files under `under`."""
         with self._lock:

@@ -27,11 +27,6 @@ from pathlib import Path
 from moevement.recovery.report import RecoveryReport, RecoveryWork
 from trainer.checkpoint.events import CHECKPOINT_EVENTS, CheckpointEvent
 from trainer.event_writer import EVENTS
-from trainer.event_writer import Event as Event  # the writer's names, for the run's modules and tests
-from trainer.event_writer import append_event as append_event
-from trainer.event_writer import record as record
-from trainer.event_writer import record_events_in as record_events_in
-from trainer.event_writer import say as say
 from trainer.lifecycle.shell_lines import ShellLine
 from trainer.lifecycle.survivor_lines import SurvivorLine
 from trainer.records.accounting_line import AccountingLine

@@ -20,11 +20,12 @@ import torch
 from tqdm import tqdm
 
 from moevement.recovery.report import RecoveryFigures
+from trainer import event_writer
 from trainer.config import Config
+from trainer.event_writer import Event
 from trainer.flops import device_peak_flops, flops_per_token, step_throughput
 from trainer.records import event_log
 from trainer.records.event_lines import StepLine, ValidationLine
-from trainer.records.event_log import Event
 from trainer.records.tensorboard import StageGather, TensorBoardEvents
 
 TRAINING_SCALARS = ("loss", "aux_loss", "lr", "grad_norm")  # a step line's first fields, in a late line too
@@ -32,7 +33,7 @@ TRAINING_SCALARS = ("loss", "aux_loss", "lr", "grad_norm")  # a step line's firs
 
 class MetricsLogger:
     """Logs each iteration once (module docstring) and prints rank 0's lines; records every event line it
-    prints where this process records events (`event_log.record_events_in`).
+    prints where this process records events (`event_writer.record_events_in`).
 
     `run_dir` (rank 0's run folder, None elsewhere) receives the TensorBoard events; `continued` when it
     continues an earlier generation's folder, whose newest logged iteration is then read from its records.
@@ -96,7 +97,7 @@ class MetricsLogger:
             return
         with self.lock:
             if not isinstance(out, str):
-                event_log.record(out)
+                event_writer.record(out)
                 out = out.line()
             self._print(out)
 
@@ -136,7 +137,7 @@ class MetricsLogger:
         """Rank 0 logs an iteration: TensorBoard first, then its record, then (every `log_every`) its line."""
         if self.events is not None:
             self.events.scalars(line.step, tensorboard)
-        event_log.record(line)
+        event_writer.record(line)
         self.logged = line.step
         if line.step % self.log_every == 0:
             self._print(line.line())

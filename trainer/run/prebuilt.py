@@ -7,7 +7,10 @@ that world, the data pipeline (training and validation batches) and, on a CPU de
 stages materialised and initialised from the seed (`parallelisms.parallelize.materialize_stages`); with
 `fault.standby_warm_up` it then runs one throwaway forward and backward through a copy of them (`warm_up`:
 the kernels' first-call costs and the allocator's heap growth are paid before the death, not in the first
-replayed iteration). After the activation,
+replayed iteration). On a CPU device, with `checkpoint.prefault`, it also keeps mappings of the buffer files in
+its rank's host directory while it waits (`moevement/storage/prefault_watch.py`: the snapshots and replicas the
+trainer it stands by for writes), so that its checkpointer, once activated, maps nothing again; `activated`
+stops that watch. After the activation,
 `train.py`'s setup takes them on where they fit the layout it joined (`Prebuilt.fits`: the same fitted
 config and rank; an elastic job whose world changed builds afresh) and binds the generation's process
 groups to them (FSDP2, pipeline stages); the optimizer and the checkpoint strategy are built there, on
@@ -30,11 +33,13 @@ from dataclasses import dataclass
 
 import torch
 
+from moevement.storage.prefault_watch import PrefaultWatch
 from parallelisms.distributed import device_type
 from parallelisms.mesh import rank_coordinates
 from parallelisms.parallelize import MaterializedStages, materialize_stages
 from trainer.config import Config, fit_world
 from trainer.data.batches import TokenBatches
+from trainer.lifecycle.host_dirs import host_rank_dir
 
 Data = tuple[TokenBatches, TokenBatches | None]  # (training batches, validation batches)
 
@@ -48,6 +53,13 @@ class Prebuilt:
     data: Data
     stages: MaterializedStages | None  # None on an accelerator
     seconds: float  # what building (and warming up) took, before the activation
+    buffers: PrefaultWatch | None = None  # its rank's buffer files mapped while it waits (CPU, checkpoint.prefault)
+
+    def activated(self) -> None:
+        """At the activation, before anything is built: stop keeping the rank's buffer mappings current (the
+        ones kept stay, for its checkpointer)."""
+        if self.buffers is not None:
+            self.buffers.stop()
 
     def fits(self, cfg: Config, rank: int) -> bool:
         """Whether it is what setup would build for rank `rank` of the fitted config `cfg`."""
@@ -67,7 +79,7 @@ def prebuild(
     started = time.perf_counter()
     fitted = fit_world(cfg, world)
     data = training_data(fitted)
-    stages = None
+    stages = buffers = None
     if device_type() == "cpu":
         p, t = fitted.parallelism, fitted.training
         pp_rank, _, ep_rank = rank_coordinates(p, rank)
@@ -75,9 +87,10 @@ def prebuild(
         stages = materialize_stages(fitted.model, p, pp_rank, ep_rank, fitted.job.seed, device, t.loss_chunk_tokens)
         if warm:
             warm_up(stages, (t.batch_size // (t.micro_batches * p.dp), t.seq_len))
-    # the rank's snapshot buffers are mapped and faulted in by its checkpointer after the activation
-    # (moevement/checkpoint/window.py, `prefault_rank_dir`), not yet here
-    return Prebuilt(fitted, rank, data, stages, time.perf_counter() - started)
+        c = fitted.checkpoint
+        if c.strategy != "none" and c.prefault:  # on an accelerator the checkpointer pins them: after activation
+            buffers = PrefaultWatch(host_rank_dir(fitted, rank), c.background_priority)
+    return Prebuilt(fitted, rank, data, stages, time.perf_counter() - started, buffers)
 
 
 def warm_up(stages: MaterializedStages, micro_batch_shape: tuple[int, int]) -> None:
