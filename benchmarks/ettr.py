@@ -3,7 +3,7 @@
     python -m benchmarks.ettr --config train_configs/bench_moe.toml \
         --strategies none,moevement,gemini,checkfreq,moc --mtbf-iters 100 --steps 300 [--seeds auto] \
         [--n-seeds 3] [--pp 2] [--fault-mode kill|wipe] [--dense-snapshot-iters 3] [--none-steps N] \
-        [--threads 1] [--out outputs/ettr] [--section.key value ...]
+        [--threads 1] [--out outputs/ettr] [--resume] [--section.key value ...]
 
 Failures: per seed, a Poisson process of mean `--mtbf-iters` iterations over the `--steps` iterations
 (one random rank each). `--seeds auto` (the default) takes the first `--n-seeds` seeds from 1 whose draw
@@ -17,7 +17,10 @@ of the machine's drift (the spread of all references is printed). The first one 
 bandwidth cap so that a dense snapshot of a stage takes `--dense-snapshot-iters` iterations (the paper's
 regime), and MoC's first K_pec (`benchmarks.ettr_moc`: MoC-System's adaptive configuration, every
 iteration). Every strategy trains `--steps` iterations under each seed's failures; a strategy may be a
-variant with settings of its own (`moevement@checkpoint.background_priority=normal`).
+variant with settings of its own (`moevement@checkpoint.background_priority=normal`). Each run's log is
+written once it finishes; `--resume` continues an invocation that stopped, same arguments and same `--out`,
+from a clean checkout of the same commit: the runs found there are read back, the rest launched
+(`benchmarks.ettr_resume`), so the long invocations can be done over several sittings.
 `--fault-mode kill` (the default): the failed rank SIGKILLs itself at a random phase of the iteration
 (`--fault.kill`) and its rank shell's standby replaces it in place, every strategy alike (add
 `--fault.max_replacements 0` for torchrun's restart of every process); `wipe`: the rank loses its state
@@ -57,10 +60,12 @@ import random
 import statistics
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 from benchmarks import ettr_report
 from benchmarks.ettr_moc import charged, first_k, routed_per_iteration
+from benchmarks.ettr_resume import bind, logged
 from benchmarks.ettr_runs import Reference, Run, at_failures, bracket, lost_time, parse_run, summarize
 from benchmarks.variants import QUIET, variant_flags
 from models import count_params
@@ -118,6 +123,7 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--out", default="outputs/ettr")
     parser.add_argument("--threads", type=int, default=1, help="compute threads per process (OMP_NUM_THREADS)")
     parser.add_argument("--target-ettr", type=float, default=0.9, help="report how much wall time it needs")
+    parser.add_argument("--resume", action="store_true", help="read back the runs an earlier invocation left in --out")
     return parser.parse_known_args(argv)
 
 
@@ -211,8 +217,12 @@ def reference_run(
     args: argparse.Namespace, extra: list[str], out: Path, tokens: int, index: int
 ) -> tuple[Run, Reference]:
     """The `index`-th fault-free `none` run and its figures as a reference."""
-    stdout = launch(args.config, "none", args.none_steps or args.steps, args.pp, extra, args.threads)
-    (out / f"none-{index}.log").write_text(stdout)
+    steps = args.none_steps or args.steps
+    stdout = logged(
+        out / f"none-{index}.log",
+        args.resume,
+        partial(launch, args.config, "none", steps, args.pp, extra, args.threads),
+    )
     run = parse_run(run_events(stdout))
     reference = Reference.of(run, tokens)
     print(f"reference={index} none iteration_s={reference.iteration_s:.3f} wall_s={reference.wall_s:.1f}", flush=True)
@@ -305,8 +315,10 @@ class Invocation:
         faults, restarts = fault_flags(args, self.cap, seed)
         for spec in strategies:
             flags = [*strategy_flags(spec, self.moc_k), *self.extra, *faults]
-            stdout = launch(args.config, spec, args.steps, args.pp, flags, args.threads, restarts)
-            (self.out / f"seed{seed}-{spec}.log").write_text(stdout)  # a stopped invocation loses no finished run
+            log = self.out / f"seed{seed}-{spec}.log"  # a stopped invocation loses no finished run
+            stdout = logged(
+                log, args.resume, partial(launch, args.config, spec, args.steps, args.pp, flags, args.threads, restarts)
+            )
             run = parse_run(run_events(stdout))
             _, after = reference_run(args, self.extra, self.out, self.tokens, len(self.references))
             ref = bracket(self.references[-1], after)
@@ -330,6 +342,7 @@ def main(argv: list[str] | None = None) -> None:
     seeds = choose_seeds(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    bind(out, [a for a in (sys.argv[1:] if argv is None else argv) if a != "--resume"], args.resume)
     print_schedule(args, seeds)
 
     runs = Invocation(args, extra, cfg, out)

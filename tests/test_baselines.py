@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -486,6 +487,57 @@ def test_ettr_benchmark_brackets_each_strategy_with_fault_free_references(tmp_pa
     assert float(ettr_of["moevement"]) == pytest.approx(6.6 / 7.26, abs=1e-4)
     # gemini: (7.2 + 8.4) / 2 over 7.26 s; the median and range of its one seed
     assert re.search(r"^strategy=gemini seeds=1 ettr median=1\.0744 range=1\.0744-1\.0744 predicted_ettr", out, re.M)
+
+
+def test_an_ettr_invocation_that_stopped_is_resumed_where_it_stopped(tmp_path, monkeypatch, capsys):
+    """`--resume`, same arguments, same `--out`, same commit: the runs an invocation finished before it was
+    stopped are read back from their logs, only the rest are launched, and the table (ettr.csv) is the one an
+    uninterrupted invocation writes. Another invocation's folder, other code or uncommitted changes are
+    refused."""
+    import benchmarks.ettr as ettr
+    import benchmarks.ettr_resume as ettr_resume
+
+    tokens, launched, stopped = 8 * 256, [], []
+    reference_s = {"whole": iter([1.0, 1.2, 1.4]), "parts": iter([1.0, 1.2, 1.4])}
+
+    def fake_launch(config, spec, steps, pp, flags, threads, restarts=0):
+        invocation = "whole" if ettr_args[-1][1].endswith("whole") else "parts"
+        if invocation == "parts" and not stopped and spec == "gemini":
+            stopped.append(spec)
+            raise SystemExit("stopped")  # the first sitting ends before gemini's run
+        launched.append(spec)
+        seconds = next(reference_s[invocation]) if spec == "none" else 1.21
+        folder = tmp_path / f"{invocation}-run-{len(list(tmp_path.glob('*-run-*')))}"
+        folder.mkdir()
+        for event in [*(_step(s, tokens / seconds, s * seconds) for s in range(1, 7)), _totals(6 * seconds, 6)]:
+            append_event(folder, event)
+        return f"run: {folder}\n"
+
+    monkeypatch.setattr(ettr, "launch", fake_launch)
+    monkeypatch.setattr(ettr_resume, "code_version", lambda: "abc")
+    argv = ["--strategies", "none,moevement,gemini", "--fault-mode", "wipe", "--seeds", "1", "--steps", "6"]
+    ettr_args = [["--out", str(tmp_path / "whole")]]
+    ettr.main([*argv, *ettr_args[-1]])
+    ettr_args.append(["--out", str(tmp_path / "parts")])
+    with pytest.raises(SystemExit, match="stopped"):
+        ettr.main([*argv, *ettr_args[-1]])
+    launched.clear()
+    ettr.main([*argv, *ettr_args[-1], "--resume"])
+    assert launched == ["gemini", "none"], launched
+    assert "reused " in capsys.readouterr().out
+    whole, parts = ((tmp_path / name / "ettr.csv").read_text() for name in ("whole", "parts"))
+    assert parts == whole
+    with pytest.raises(SystemExit, match="holds the runs of another invocation"):
+        ettr.main([*argv[:-1], "7", *ettr_args[-1], "--resume"])
+    for code in ("def", "abc+dirty"):
+        monkeypatch.setattr(ettr_resume, "code_version", lambda code=code: code)
+        with pytest.raises(SystemExit, match="were made by abc, this checkout is " + re.escape(code)):
+            ettr.main([*argv, *ettr_args[-1], "--resume"])
+    monkeypatch.setattr(ettr_resume, "code_version", lambda: "abc")
+    first = (tmp_path / "parts" / "none-0.log").read_text().split("run: ")[1].strip()
+    shutil.rmtree(first)
+    with pytest.raises(SystemExit, match="none-0.log: the run's record folder is gone"):
+        ettr.main([*argv, *ettr_args[-1], "--resume"])
 
 
 def test_ettr_benchmark_draws_seeds_whose_failures_match_the_nominal_mtbf(capsys):
