@@ -454,6 +454,14 @@ def test_moc_restores_stale_experts_and_loses_tokens(tmp_path):
     assert final_line(again) == final_line(out)
 
 
+def _six_iterations(folder, seconds: float, tokens: int) -> str:
+    """The stdout of a fault-free run of 6 iterations of `seconds` each, its records written in `folder`."""
+    folder.mkdir()
+    for event in [*(_step(s, tokens / seconds, s * seconds) for s in range(1, 7)), _totals(6 * seconds, 6)]:
+        append_event(folder, event)
+    return f"run: {folder}\n"
+
+
 def test_ettr_benchmark_brackets_each_strategy_with_fault_free_references(tmp_path, monkeypatch, capsys):
     """`none` runs before, between and after the strategies; each strategy's overhead and ETTR are taken
     against the mean of the two references adjacent to it, so a machine that drifts over the invocation
@@ -467,11 +475,7 @@ def test_ettr_benchmark_brackets_each_strategy_with_fault_free_references(tmp_pa
     def fake_launch(config, spec, steps, pp, flags, threads, restarts=0):
         launched.append(spec)
         seconds = next(reference_s) if spec == "none" else 1.21
-        folder = tmp_path / f"run-{len(launched)}"
-        folder.mkdir()
-        for event in [*(_step(s, tokens / seconds, s * seconds) for s in range(1, 7)), _totals(6 * seconds, 6)]:
-            append_event(folder, event)
-        return f"run: {folder}\n"
+        return _six_iterations(tmp_path / f"run-{len(launched)}", seconds, tokens)
 
     monkeypatch.setattr(ettr, "launch", fake_launch)
     argv = ["--strategies", "none,moevement,gemini", "--fault-mode", "wipe", "--seeds", "1", "--steps", "6"]
@@ -507,11 +511,7 @@ def test_an_ettr_invocation_that_stopped_is_resumed_where_it_stopped(tmp_path, m
             raise SystemExit("stopped")  # the first sitting ends before gemini's run
         launched.append(spec)
         seconds = next(reference_s[invocation]) if spec == "none" else 1.21
-        folder = tmp_path / f"{invocation}-run-{len(list(tmp_path.glob('*-run-*')))}"
-        folder.mkdir()
-        for event in [*(_step(s, tokens / seconds, s * seconds) for s in range(1, 7)), _totals(6 * seconds, 6)]:
-            append_event(folder, event)
-        return f"run: {folder}\n"
+        return _six_iterations(tmp_path / f"{invocation}-run-{len(list(tmp_path.glob('*-run-*')))}", seconds, tokens)
 
     monkeypatch.setattr(ettr, "launch", fake_launch)
     monkeypatch.setattr(ettr_resume, "code_version", lambda: "abc")
