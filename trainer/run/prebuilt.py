@@ -40,6 +40,7 @@ from parallelisms.parallelize import MaterializedStages, materialize_stages
 from trainer.config import Config, fit_world
 from trainer.data.batches import TokenBatches
 from trainer.lifecycle.host_dirs import host_rank_dir
+from trainer.strategy_registry import strategy_entry
 
 Data = tuple[TokenBatches, TokenBatches | None]  # (training batches, validation batches)
 
@@ -87,8 +88,8 @@ def prebuild(
         stages = materialize_stages(fitted.model, p, pp_rank, ep_rank, fitted.job.seed, device, t.loss_chunk_tokens)
         if warm:
             warm_up(stages, (t.batch_size // (t.micro_batches * p.dp), t.seq_len))
-        c = fitted.checkpoint
-        if c.strategy != "none" and c.prefault:  # on an accelerator the checkpointer pins them: after activation
+        c = fitted.checkpoint  # (on an accelerator the checkpointer maps and pins them after the activation)
+        if strategy_entry(c.strategy).recovers and c.prefault:
             buffers = PrefaultWatch(host_rank_dir(fitted, rank), c.background_priority)
     return Prebuilt(fitted, rank, data, stages, time.perf_counter() - started, buffers)
 
